@@ -1,0 +1,59 @@
+"""Append benchmark figures to benchmarks/RESULTS.md with device, versions and date.
+
+Every benchmark prints its table and calls `append_results`; a ratio is always against a
+baseline measured in the same run.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+
+
+def environment() -> dict[str, str]:
+    """Device and library versions of this process, for the results header."""
+    env = {"python": platform.python_version()}
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+        env["device"] = (
+            torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()})"
+        )
+    except ImportError:
+        env["device"] = f"CPU ({platform.machine()})"
+    for name in ("transformers", "diffusers", "accelerate", "peft", "vllm", "trl"):
+        try:
+            module = __import__(name)
+            env[name] = module.__version__
+        except ImportError:
+            pass
+    return env
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def append_results(
+    title: str, header: Sequence[str], rows: Sequence[Sequence[object]], notes: str = "", path: Path = RESULTS
+) -> str:
+    """Print the table and append it, with an environment line, to RESULTS.md."""
+    env = environment()
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    env_line = ", ".join(f"{k} {v}" for k, v in env.items())
+    block = f"\n## {title}\n\n{stamp} — {env_line}\n\n{markdown_table(header, rows)}\n"
+    if notes:
+        block += f"\n{notes}\n"
+    print(block)
+    if not path.exists():
+        path.write_text("# Benchmark results\n\nAppended by the scripts in this folder; newest last.\n")
+    with path.open("a") as f:
+        f.write(block)
+    return block

@@ -1,0 +1,3 @@
+"""rl-rewards."""
+
+__version__ = "0.1.0"

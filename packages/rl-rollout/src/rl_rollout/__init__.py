@@ -1,0 +1,3 @@
+"""rl-rollout."""
+
+__version__ = "0.1.0"

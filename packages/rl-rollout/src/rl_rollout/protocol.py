@@ -1,0 +1,94 @@
+"""The one interface every generation engine implements (`hf`, `vllm`, `openai`).
+
+Trainers call `generate` for policy rollouts; reward scorers call `score_next_tokens` for
+"which option letter comes next?" questions. An engine never sees a config object: builders
+pass flat keyword arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import msgspec
+import torch
+
+# A prompt is token ids, plain text, or chat messages (OpenAI/transformers style, where a
+# message's content may hold {"type": "image", "image": ...} / {"type": "video", ...} parts).
+Prompt = list[int] | str | list[dict[str, Any]]
+FinishReason = Literal["stop", "length"]
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How to sample. Unknown fields are rejected (`msgspec.convert(d, SamplingParams)`).
+
+    `temperature=0` means greedy. `top_k=0` and `top_p=1.0` switch those filters off.
+    `stop` holds strings that end a completion (the stop string is kept out of `text`).
+    `seed` makes sampling deterministic for a given engine, batch and prompt order.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+class Generation(msgspec.Struct, kw_only=True, frozen=True):
+    """One sampled completion.
+
+    `logprobs[i]` is the log-probability of `completion_ids[i]` under the distribution the
+    token was actually drawn from (temperature applied; top-k/top-p filtering NOT applied, as in
+    vLLM's default `logprobs`), so a teacher-forced recomputation at the same temperature
+    reproduces it.
+    """
+
+    request_index: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A generation engine. `generate` returns `len(requests) * params.n` generations, request
+    major: all `n` samples of request 0, then request 1, ...; an empty request list returns []."""
+
+    def generate(self, requests: Sequence[Prompt], params: SamplingParams) -> list[Generation]: ...
+
+    def score_next_tokens(
+        self,
+        shared_prefix: list[int],
+        suffixes: Sequence[list[int]],
+        candidates: Sequence[int],
+        *,
+        temperature: float = 1.0,
+    ) -> torch.Tensor:
+        """Log-probs `[len(suffixes), len(candidates)]` of each candidate token right after
+        `shared_prefix + suffixes[i]`, under softmax(logits / temperature) over the full vocab.
+        The prefix is computed once per call and reused for every suffix."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def close(self) -> None: ...
