@@ -1,3 +1,41 @@
-"""rl-data."""
+"""rl-data: records in, batches out.
+
+Record Structs and streaming readers for CapRL caption-QA rows, verl-style generative-judge
+parquet, Flow-GRPO OCR prompt manifests and plain prompt JSONL (bad records named by file, line
+and field); multiple-choice option normalization; image loading and video frame sampling
+(PyAV); a resumable group sampler.
+
+Names are re-exported lazily: ``import rl_data.choices`` does not load pyarrow or PyAV.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "choices": ["Choice", "format_options", "format_question_text", "normalize_choices",
+                "parse_question_text", "split_label", "answer_index"],
+    "errors": ["RecordError", "ReadStats"],
+    "records": ["CaptionQARecord", "ChatMessage", "FieldError", "ImageSource", "JudgeRecord",
+                "OCRPrompt", "PromptRecord", "QAItem"],
+    "readers": ["Reader", "read_caption_qa", "read_judge_records", "read_ocr_prompts",
+                "read_prompts"],
+    "media": ["VideoFrames", "load_image", "sample_video"],
+    "sampler": ["GroupSampler"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rl_data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"rl_data.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

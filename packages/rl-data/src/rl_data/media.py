@@ -1,0 +1,204 @@
+"""Image loading and video frame sampling (PyAV), in the form Qwen-VL processors accept.
+
+Videos: :func:`sample_video` returns a :class:`VideoFrames` whose ``frames`` is a uint8 array
+``[N, H, W, 3]`` and whose :meth:`VideoFrames.metadata` is the dict transformers builds its
+``VideoMetadata`` from. Pass both, and tell the processor not to resample::
+
+    video = sample_video("clip.mp4", fps=2.0, max_frames=64, max_pixels=448 * 448)
+    inputs = processor(text=[text], videos=[video.frames], video_metadata=[video.metadata()],
+                       do_sample_frames=False, return_tensors="pt")
+
+Qwen3-VL writes ``<t seconds>`` before each temporal patch from ``frames_indices / fps``, and
+Qwen2.5-VL derives ``second_per_grid_ts`` from ``len(frames_indices) / total_num_frames * fps``;
+both are right only with the *source* fps and the *source* frame indices, which is what
+``metadata()`` holds. CapRL itself used ~2 fps and no frame cap (REFERENCE.md §1).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import av
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from rl_data.records import ImageSource
+
+__all__ = ["VideoFrames", "load_image", "sample_video", "select_frame_indices"]
+
+
+def _resolve(path: str | Path, root: str | Path | None) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() or root is None else Path(root) / p
+
+
+def load_image(
+    source: str | Path | bytes | ImageSource | Mapping[str, Any], *, root: str | Path | None = None
+) -> Image.Image:
+    """Decode an image from a path, raw bytes, ``{bytes, path}`` or :class:`ImageSource` into
+    an RGB PIL image. Bytes win over the path when both are given; a relative path is joined to
+    ``root``. Raises FileNotFoundError / ValueError naming the path or the source."""
+    if isinstance(source, ImageSource):
+        data, path = source.bytes, source.path
+    elif isinstance(source, Mapping):
+        data, path = source.get("bytes"), source.get("path")
+    elif isinstance(source, bytes | bytearray):
+        data, path = bytes(source), None
+    else:
+        data, path = None, source
+    if data:
+        what, fp = "image bytes" + (f" (path {path})" if path else ""), io.BytesIO(data)
+    elif path:
+        resolved = _resolve(path, root)
+        if not resolved.is_file():
+            raise FileNotFoundError(f"image not found: {resolved}")
+        what, fp = str(resolved), resolved
+    else:
+        raise ValueError(f"image source has neither bytes nor path: {source!r}")
+    try:
+        with Image.open(fp) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError) as exc:
+        raise ValueError(f"cannot decode image from {what}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class VideoFrames:
+    """Frames sampled from one video.
+
+    Attributes:
+        frames: uint8 ``[N, H, W, 3]`` RGB.
+        timestamps: presentation time of each frame in seconds from the stream start, ``[N]``.
+        frame_indices: index of each frame among all decoded frames of the source, ``[N]``.
+        source_fps: the stream's average frame rate.
+        total_num_frames: frames in the source.
+        duration: source duration in seconds (``total_num_frames / source_fps``).
+    """
+
+    frames: np.ndarray  # [N, H, W, 3] uint8
+    timestamps: list[float]
+    frame_indices: list[int]
+    source_fps: float
+    total_num_frames: int
+    duration: float
+
+    def metadata(self) -> dict[str, Any]:
+        """Keyword arguments of transformers' ``VideoMetadata`` (pass as ``video_metadata``)."""
+        return {
+            "total_num_frames": self.total_num_frames,
+            "fps": self.source_fps,
+            "duration": self.duration,
+            "frames_indices": list(self.frame_indices),
+            "height": int(self.frames.shape[1]),
+            "width": int(self.frames.shape[2]),
+        }
+
+    def to_pil(self) -> list[Image.Image]:
+        return [Image.fromarray(frame) for frame in self.frames]
+
+
+def select_frame_indices(
+    times: np.ndarray, *, fps: float, max_frames: int | None, duration: float
+) -> list[int]:
+    """Indices of the frames to keep: for each target time ``k / fps`` in ``[0, duration)`` the
+    frame whose time is nearest (duplicates dropped), then, above ``max_frames``, an even
+    subsample that keeps the first and the last. ``times`` ``[T]`` must be sorted."""
+    if fps <= 0:
+        raise ValueError(f"fps must be > 0, got {fps}")
+    if max_frames is not None and max_frames < 1:
+        raise ValueError(f"max_frames must be >= 1, got {max_frames}")
+    targets = np.arange(0.0, duration - 1e-9, 1.0 / fps) + float(times[0])  # [K]
+    right = np.clip(np.searchsorted(times, targets), 1, len(times) - 1)  # [K]
+    left = right - 1
+    nearest = np.where(targets - times[left] <= times[right] - targets, left, right)  # [K]
+    picked = list(dict.fromkeys(int(i) for i in nearest)) if len(times) > 1 else [0]
+    if max_frames is not None and len(picked) > max_frames:
+        keep = np.linspace(0, len(picked) - 1, max_frames).round().astype(int)  # [max_frames]
+        picked = [picked[i] for i in keep]
+    return picked
+
+
+def _output_size(width: int, height: int, max_pixels: int | None) -> tuple[int, int]:
+    if max_pixels is None or width * height <= max_pixels:
+        return width, height
+    scale = math.sqrt(max_pixels / (width * height))
+    return max(1, math.floor(width * scale)), max(1, math.floor(height * scale))
+
+
+def _frame_times(path: Path) -> tuple[np.ndarray, float]:
+    """Presentation times (s, sorted, relative to the first frame) of every video packet, found by
+    demuxing only — no decoding — and the stream's average fps."""
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        base = stream.time_base or Fraction(1, 1)
+        pts = sorted(p.pts for p in container.demux(stream) if p.pts is not None and p.size)
+        rate = stream.average_rate or stream.guessed_rate
+    if not pts:
+        raise ValueError(f"video has no frames: {path}")
+    times = np.array([float((p - pts[0]) * base) for p in pts])  # [T]
+    if rate:
+        fps = float(rate)
+    elif len(times) > 1:
+        fps = (len(times) - 1) / times[-1]
+    else:
+        fps = 1.0
+    return times, fps
+
+
+def sample_video(
+    path: str | Path,
+    *,
+    fps: float = 2.0,
+    max_frames: int | None = 64,
+    max_pixels: int | None = None,
+    root: str | Path | None = None,
+) -> VideoFrames:
+    """Decode ``path`` and keep frames evenly spaced at ``fps`` (never more than the source has),
+    at most ``max_frames`` of them (even subsample keeping first and last), each resized keeping
+    the aspect ratio so that ``H * W <= max_pixels``.
+
+    Two passes: demux (cheap) to learn every frame time, then decode and convert only the kept
+    frames, so memory is ``N * H * W * 3`` bytes whatever the video length.
+    """
+    resolved = _resolve(path, root)
+    if not resolved.is_file():
+        raise FileNotFoundError(f"video not found: {resolved}")
+    try:
+        times, source_fps = _frame_times(resolved)
+        duration = len(times) / source_fps
+        indices = select_frame_indices(times, fps=fps, max_frames=max_frames, duration=duration)
+        frames = _decode_frames(resolved, indices, max_pixels)
+    except av.FFmpegError as exc:
+        raise ValueError(f"cannot decode video {resolved}: {exc}") from None
+    if len(frames) != len(indices):
+        raise ValueError(f"{resolved}: decoded {len(frames)} of the {len(indices)} frames selected")
+    return VideoFrames(
+        frames=np.stack(frames),  # [N, H, W, 3]
+        timestamps=[float(times[i]) for i in indices],
+        frame_indices=indices,
+        source_fps=source_fps,
+        total_num_frames=len(times),
+        duration=duration,
+    )
+
+
+def _decode_frames(path: Path, indices: list[int], max_pixels: int | None) -> list[np.ndarray]:
+    wanted = set(indices)
+    last = max(indices)
+    frames = []
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        for i, frame in enumerate(container.decode(stream)):
+            if i in wanted:
+                width, height = _output_size(frame.width, frame.height, max_pixels)
+                frames.append(frame.to_ndarray(width=width, height=height, format="rgb24"))
+            if i >= last:
+                break
+    return frames

@@ -1,0 +1,304 @@
+"""Record Structs for every format the three replaced systems read, and row -> record converters.
+
+A converter takes one decoded row (a dict from a JSONL line or a parquet row) and returns a
+normalized, frozen record, or raises :class:`FieldError` naming the dotted field path. Readers
+(:mod:`rl_data.readers`) add the file and line. Type checking is msgspec's (``msgspec.convert``
+against a raw schema); the semantic checks (answer letter in range, ``rm_prompt_{i}`` numbering)
+are ours.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import builtins
+import re
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rl_data.choices import Choice, answer_index, letter_of, normalize_choices
+
+__all__ = [
+    "CaptionQARecord",
+    "ChatMessage",
+    "FieldError",
+    "ImageSource",
+    "JudgeRecord",
+    "OCRPrompt",
+    "PromptRecord",
+    "QAItem",
+    "caption_qa_from_row",
+    "judge_from_row",
+    "ocr_prompt_from_line",
+    "prompt_from_row",
+]
+
+
+class FieldError(ValueError):
+    """A bad field in one row; ``field`` is a dotted path such as ``reward_model.ground_truth[0]``."""
+
+    def __init__(self, field: str | None, reason: str) -> None:
+        self.field = field
+        self.reason = reason
+        super().__init__(f"field `{field}`: {reason}" if field else reason)
+
+
+# ----------------------------------------------------------------------------- normalized records
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    """One chat turn. ``content`` is text or a list of content parts (``{"type": "text", ...}``)."""
+
+    role: str
+    content: str | list[dict[str, Any]]
+
+
+class ImageSource(msgspec.Struct, frozen=True):
+    """An image given by bytes, by path, or both (HF datasets' ``{bytes, path}``); bytes win.
+    Relative paths are already resolved by the reader (against ``media_root``)."""
+
+    path: str | None = None
+    bytes: builtins.bytes | None = None
+
+
+class QAItem(msgspec.Struct, frozen=True):
+    """One multiple-choice question with normalized options; ``answer_letter`` indexes ``choices``."""
+
+    question: str
+    choices: list[Choice]
+    answer_letter: str
+
+    @property
+    def answer_text(self) -> str:
+        return self.choices[ord(self.answer_letter) - ord("A")].text
+
+
+class CaptionQARecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A CapRL caption-QA row (REFERENCE.md §1): the captioning prompt, its media, and the QA list
+    the reward model answers from the caption. ``prompt`` is always chat messages (a string
+    prompt becomes one user turn)."""
+
+    prompt: list[ChatMessage]
+    qa: list[QAItem]
+    images: list[ImageSource] = []
+    videos: list[str] = []
+    data_source: str = ""
+    extra_info: dict[str, Any] = {}
+
+    @property
+    def kind(self) -> str:
+        """``"video"`` when the row has videos, else ``"image"``."""
+        return "video" if self.videos else "image"
+
+
+class JudgeRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A verl-style row for generative-judge training (REFERENCE.md §3): ``rm_prompts[i]`` is the
+    ``rm_prompt_{i}`` template of judge i (``{response}`` placeholder; may be empty)."""
+
+    prompt: list[ChatMessage]
+    rm_prompts: list[str]
+    ground_truth: Any = None
+    extra_info: dict[str, Any] = {}
+    data_source: str = ""
+
+
+class OCRPrompt(msgspec.Struct, frozen=True):
+    """One Flow-GRPO OCR prompt; ``target`` is the text between its first pair of double quotes."""
+
+    prompt: str
+    target: str
+
+
+class PromptRecord(msgspec.Struct, frozen=True):
+    """A plain prompt (string or chat messages) plus the row's other fields, untouched."""
+
+    prompt: str | list[ChatMessage]
+    fields: dict[str, Any] = {}
+
+
+# ----------------------------------------------------------------------------- raw schemas
+
+
+class _RawQA(msgspec.Struct):
+    question: str
+    choices: list[str]
+    answer: str
+
+
+class _RawGroundTruth(msgspec.Struct):
+    ground_truth: list[_RawQA]
+
+
+class _RawImage(msgspec.Struct):
+    bytes: Any = None  # bytes (parquet) or a base64 str (JSON); checked in _image
+    path: str | None = None
+
+
+class _RawCaptionRow(msgspec.Struct):
+    prompt: str | list[ChatMessage]
+    reward_model: _RawGroundTruth
+    image: str | _RawImage | None = None
+    images: list[str | _RawImage] | None = None
+    videos: list[str] | None = None
+    data_source: str | None = None
+    extra_info: dict[str, Any] | None = None
+
+
+class _RawJudgeRow(msgspec.Struct):
+    prompt: str | list[ChatMessage]
+    reward_model: dict[str, Any]
+    extra_info: dict[str, Any] | None = None
+    data_source: str | None = None
+
+
+class _RawPromptRow(msgspec.Struct):
+    prompt: str | list[ChatMessage]
+
+
+_AT = re.compile(r"^(.*?)(?: - at `\$\.?(.*)`)?$", re.DOTALL)
+_MISSING = re.compile(r"Object missing required field `([^`]+)`")
+
+
+def _convert(row: Any, schema: type, prefix: str = "") -> Any:
+    """``msgspec.convert`` whose ValidationError becomes a FieldError with a dotted path."""
+    try:
+        return msgspec.convert(row, schema)
+    except msgspec.ValidationError as exc:
+        reason, at = _AT.match(str(exc)).groups()  # type: ignore[union-attr]
+        field = at or ""
+        missing = _MISSING.match(reason)
+        if missing:
+            field = f"{field}.{missing.group(1)}" if field else missing.group(1)
+        field = f"{prefix}{field}" if field.startswith("[") or not prefix else f"{prefix}.{field}"
+        raise FieldError(field or None, reason) from None
+
+
+def _messages(prompt: str | list[ChatMessage]) -> list[ChatMessage]:
+    if isinstance(prompt, str):
+        return [ChatMessage("user", prompt)]
+    if not prompt:
+        raise FieldError("prompt", "empty message list")
+    return prompt
+
+
+def _resolve(path: str, media_root: Path | None) -> str:
+    if media_root is None or Path(path).is_absolute():
+        return path
+    return str(media_root / path)
+
+
+def _image(raw: str | _RawImage, field: str, media_root: Path | None) -> ImageSource:
+    if isinstance(raw, str):
+        return ImageSource(path=_resolve(raw, media_root))
+    data = raw.bytes
+    if data is not None and not isinstance(data, str | bytes | bytearray):
+        raise FieldError(f"{field}.bytes", f"Expected `bytes | str | null`, got `{type(data).__name__}`")
+    if isinstance(data, str):  # JSON cannot hold bytes: HF datasets dumps them base64-encoded
+        try:
+            data = base64.b64decode(data, validate=True)
+        except binascii.Error as exc:
+            raise FieldError(f"{field}.bytes", f"string is not valid base64: {exc}") from None
+    if not data and not raw.path:
+        raise FieldError(field, "image has neither bytes nor path")
+    return ImageSource(path=_resolve(raw.path, media_root) if raw.path else None, bytes=bytes(data) if data else None)
+
+
+def _qa_item(raw: _RawQA, field: str) -> QAItem:
+    if not raw.question.strip():
+        raise FieldError(f"{field}.question", "empty question")
+    try:
+        choices = normalize_choices(raw.choices)
+    except ValueError as exc:
+        raise FieldError(f"{field}.choices", str(exc)) from None
+    try:
+        index = answer_index(raw.choices, raw.answer)
+    except ValueError as exc:
+        raise FieldError(f"{field}.answer", str(exc)) from None
+    return QAItem(raw.question.strip(), choices, letter_of(index))
+
+
+def caption_qa_from_row(row: Any, *, media_root: str | Path | None = None) -> CaptionQARecord:
+    """Convert one CapRL row (image or video) into a :class:`CaptionQARecord`.
+
+    ``image`` may be a path, raw bytes (parquet), or ``{bytes, path}``; ``images`` a list of those;
+    ``videos`` a list of paths. Relative media paths are joined to ``media_root``. Each QA answer
+    is read in the options' original labelling and mapped to the normalized letter. An empty QA
+    list is an error (CapRL silently zeroed the whole batch on it).
+    """
+    if isinstance(row, dict) and isinstance(row.get("image"), bytes | bytearray):
+        row = {**row, "image": {"bytes": bytes(row["image"])}}
+    raw = _convert(row, _RawCaptionRow)
+    root = Path(media_root) if media_root is not None else None
+    images = [_image(raw.image, "image", root)] if raw.image is not None else []
+    images += [_image(im, f"images[{i}]", root) for i, im in enumerate(raw.images or [])]
+    videos = [_resolve(v, root) for v in raw.videos or []]
+    if not images and not videos:
+        raise FieldError("image", "row has no `image`, `images` or `videos`")
+    gt = raw.reward_model.ground_truth
+    if not gt:
+        raise FieldError("reward_model.ground_truth", "empty QA list: nothing to score from")
+    qa = [_qa_item(q, f"reward_model.ground_truth[{i}]") for i, q in enumerate(gt)]
+    return CaptionQARecord(
+        prompt=_messages(raw.prompt),
+        qa=qa,
+        images=images,
+        videos=videos,
+        data_source=raw.data_source or "",
+        extra_info=raw.extra_info or {},
+    )
+
+
+_RM_PROMPT = re.compile(r"^rm_prompt_(\d+)$")
+
+
+def judge_from_row(row: Any) -> JudgeRecord:
+    """Convert one verl-style generative-judge row into a :class:`JudgeRecord`.
+
+    Columns ``rm_prompt_0 … rm_prompt_{k-1}`` become ``rm_prompts`` in order; a gap in the
+    numbering is an error, a null or empty template becomes ``""`` (the judge's ``rm_preprocess``
+    builds its input itself). ``reward_model`` must hold ``ground_truth``.
+    """
+    if not isinstance(row, dict):
+        raise FieldError(None, f"expected an object, got {type(row).__name__}")
+    raw = _convert(row, _RawJudgeRow)
+    if "ground_truth" not in raw.reward_model:
+        raise FieldError("reward_model.ground_truth", "missing (verl puts the reference here)")
+    numbered = {int(m.group(1)): k for k in row if (m := _RM_PROMPT.match(k))}
+    rm_prompts = []
+    for i in range(len(numbered)):
+        if i not in numbered:
+            raise FieldError(f"rm_prompt_{i}", f"missing; judge columns are {sorted(numbered)}")
+        value = row[numbered[i]]
+        if value is not None and not isinstance(value, str):
+            raise FieldError(f"rm_prompt_{i}", f"Expected `str | null`, got `{type(value).__name__}`")
+        rm_prompts.append(value or "")
+    return JudgeRecord(
+        prompt=_messages(raw.prompt),
+        rm_prompts=rm_prompts,
+        ground_truth=raw.reward_model["ground_truth"],
+        extra_info=raw.extra_info or {},
+        data_source=raw.data_source or "",
+    )
+
+
+def prompt_from_row(row: Any) -> PromptRecord:
+    """Convert ``{"prompt": str | messages, ...}`` into a :class:`PromptRecord`; other fields are
+    kept as they are in ``fields``."""
+    raw = _convert(row, _RawPromptRow)
+    if isinstance(raw.prompt, str) and not raw.prompt.strip():
+        raise FieldError("prompt", "empty prompt")
+    prompt = raw.prompt if isinstance(raw.prompt, str) else _messages(raw.prompt)
+    return PromptRecord(prompt, {k: v for k, v in row.items() if k != "prompt"})
+
+
+def ocr_prompt_from_line(line: str) -> OCRPrompt:
+    """``'A sign that says "OPEN"'`` -> ``OCRPrompt(prompt, target="OPEN")`` (Flow-GRPO's
+    ``prompt.split('"')[1]``). No pair of double quotes, or an empty target, is an error."""
+    parts = line.split('"')
+    if len(parts) < 3:
+        raise FieldError("prompt", f'no text between a pair of double quotes in {line!r}')
+    if not parts[1].strip():
+        raise FieldError("prompt", f'empty target between the first pair of double quotes in {line!r}')
+    return OCRPrompt(line, parts[1])

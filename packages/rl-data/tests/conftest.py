@@ -1,0 +1,3 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
