@@ -1,0 +1,88 @@
+"""Tiny random-weight checkpoints with real tokenizers and processors, built offline in seconds.
+
+`build("qwen3")` returns a folder that `AutoModelForCausalLM.from_pretrained` and
+`AutoTokenizer.from_pretrained` load exactly as they load a hub checkpoint, so tests and examples
+exercise the real loading code with no network. Weights are random (`torch.manual_seed(seed)`
+before init), so the same seed gives byte-identical safetensors.
+
+With `out_dir=None` the checkpoint is cached under `$RL_MODELS_CACHE` (default
+`~/.cache/rl-models/tiny`) as `<family>-s<seed>-<builder version>`; it is written to a temporary
+folder and renamed into place, so concurrent test processes never see half a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from rl_models import tiny_families
+
+Builder = Callable[[Path], None]
+# family -> (builder version, builder). Bump a version whenever its output changes.
+_BUILDERS: dict[str, tuple[str, Builder]] = {}
+
+
+def register_family(name: str, version: str, builder: Builder) -> None:
+    """Register a tiny-checkpoint builder; registering a name twice raises."""
+    if name in _BUILDERS:
+        raise ValueError(f"tiny family {name!r} is already registered")
+    _BUILDERS[name] = (version, builder)
+
+
+def families() -> list[str]:
+    """Names of the registered tiny families."""
+    return sorted(_BUILDERS)
+
+
+def _lookup(family: str) -> tuple[str, Builder]:
+    if family not in _BUILDERS:
+        raise KeyError(f"unknown tiny family {family!r}; valid: {', '.join(families())}")
+    return _BUILDERS[family]
+
+
+def cache_dir() -> Path:
+    """Root of the tiny-checkpoint cache: `$RL_MODELS_CACHE` or `~/.cache/rl-models/tiny`."""
+    root = os.environ.get("RL_MODELS_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "rl-models" / "tiny"
+
+
+def build(family: str, out_dir: str | Path | None = None, *, seed: int = 0) -> Path:
+    """Build (or reuse from the cache) the tiny checkpoint of `family`; returns its folder.
+
+    With `out_dir` given, the checkpoint is always (re)written there. Families: see `families()`.
+    """
+    version, builder = _lookup(family)
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        _run_builder(builder, out, seed)
+        return out
+    final = cache_dir() / f"{family}-s{seed}-{version}"
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        _run_builder(builder, tmp, seed)
+        os.replace(tmp, final)
+    except OSError:
+        if not final.is_dir():  # a real failure, not a lost race with another process
+            raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _run_builder(builder: Builder, out: Path, seed: int) -> None:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        builder(out)
+
+
+register_family("qwen3", "v1", tiny_families.build_qwen3)

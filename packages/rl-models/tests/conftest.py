@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+from rl_models import tiny
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tiny_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Every test session builds its tiny checkpoints afresh in a private cache."""
+    root = tmp_path_factory.mktemp("rl-models-cache")
+    previous = os.environ.get("RL_MODELS_CACHE")
+    os.environ["RL_MODELS_CACHE"] = str(root)
+    yield root
+    if previous is None:
+        os.environ.pop("RL_MODELS_CACHE")
+    else:
+        os.environ["RL_MODELS_CACHE"] = previous
+
+
+@pytest.fixture(scope="session")
+def qwen3_path(_tiny_cache):
+    return tiny.build("qwen3")

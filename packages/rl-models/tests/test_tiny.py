@@ -1,0 +1,107 @@
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+from pathlib import Path
+
+import pytest
+
+from rl_models import tiny
+from rl_models.tokenization import OPTION_LETTERS
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.iterdir())
+        if p.is_file()
+    }
+
+
+def test_unknown_family_lists_valid_ones():
+    with pytest.raises(KeyError, match=r"unknown tiny family 'gpt9'.*qwen3"):
+        tiny.build("gpt9")
+
+
+def test_register_twice_raises():
+    with pytest.raises(ValueError, match="already registered"):
+        tiny.register_family("qwen3", "v1", lambda out: None)
+
+
+@pytest.mark.parametrize("family", ["qwen3"])
+def test_same_seed_identical_files_other_seed_differs(family, tmp_path):
+    a = _digest(tiny.build(family, tmp_path / "a", seed=1))
+    b = _digest(tiny.build(family, tmp_path / "b", seed=1))
+    c = _digest(tiny.build(family, tmp_path / "c", seed=2))
+    assert a == b
+    weights = [name for name in a if name.endswith(".safetensors")]
+    assert weights and all(a[name] != c[name] for name in weights)
+
+
+def test_cache_reuse_and_layout(_tiny_cache):
+    first = tiny.build("qwen3", seed=7)
+    assert first.parent == _tiny_cache
+    assert first.name.startswith("qwen3-s7-")
+    stamp = (first / "config.json").stat().st_mtime_ns
+    again = tiny.build("qwen3", seed=7)
+    assert again == first
+    assert (again / "config.json").stat().st_mtime_ns == stamp
+    # No leftover temporary folders.
+    assert [p.name for p in _tiny_cache.iterdir() if p.name.startswith(".")] == []
+
+
+def _build_in_child(cache: str, queue) -> None:
+    os.environ["RL_MODELS_CACHE"] = cache
+    queue.put(str(tiny.build("qwen3", seed=11)))
+
+
+def test_concurrent_builds_agree(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_build_in_child, args=(str(tmp_path), queue)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    paths = {queue.get(timeout=5) for _ in procs}
+    assert len(paths) == 1
+    folder = Path(paths.pop())
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "qwen3"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]
+
+
+def test_qwen3_tokenizer_letters_are_single_tokens(qwen3_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen3_path)
+    for letter in OPTION_LETTERS:
+        assert len(tok.encode(letter, add_special_tokens=False)) == 1
+        assert len(tok.encode(" " + letter, add_special_tokens=False)) == 1
+    assert tok.eos_token == "<|im_end|>"
+    for special in ("<|im_start|>", "<|vision_start|>", "<|image_pad|>", "<|video_pad|>"):
+        assert tok.convert_tokens_to_ids(special) != tok.unk_token_id
+        assert len(tok.encode(special, add_special_tokens=False)) == 1
+
+
+def test_qwen3_chat_template(qwen3_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen3_path)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Caption: [00:12] a dog. Answer: A) yes B) no"},
+    ]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nCaption: [00:12] a dog. Answer: A) yes B) no<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    no_think = tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert no_think.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
