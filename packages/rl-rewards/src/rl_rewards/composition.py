@@ -1,0 +1,184 @@
+"""Turn a `RewardSpec` into one scorer: components scored in order, gated, combined.
+
+`build_reward(spec).score(samples)` returns one `ScoreResult` per sample whose `components` hold
+every component's unweighted value (a scorer's own sub-components appear as `"name.sub"`), and
+whose `score` is the combined total. A component failing for one sample fails only that sample
+(or uses the component's `fallback`); a scorer that raises for a whole batch is retried one
+sample at a time, so one bad sample never takes the others down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rl_rewards.registry import build_scorer
+from rl_rewards.samples import AsyncScorer, Sample, Scorer, ScoreResult
+from rl_rewards.spec import Component, RewardSpec, load_spec, spec_from_dict
+
+
+def score_isolated(scorer: Scorer | AsyncScorer, samples: Sequence[Sample]) -> list[ScoreResult]:
+    """`scorer.score(samples)`, with an exception for the batch retried sample by sample."""
+    if not samples:
+        return []
+    try:
+        if isinstance(scorer, Scorer):
+            results = scorer.score(samples)
+        else:
+            results = asyncio.run(scorer.ascore(samples))
+        return _checked(scorer, samples, results)
+    except Exception as e:  # any scorer failure becomes per-sample errors
+        if len(samples) == 1:
+            return [ScoreResult.failed(f"{type(e).__name__}: {e}")]
+        return [score_isolated(scorer, [sample])[0] for sample in samples]
+
+
+async def ascore_isolated(scorer: Scorer | AsyncScorer, samples: Sequence[Sample]) -> list[ScoreResult]:
+    """Async `score_isolated`: awaits `ascore`, or runs a sync scorer in a worker thread."""
+    if not samples:
+        return []
+    try:
+        if isinstance(scorer, AsyncScorer):
+            results = await scorer.ascore(samples)
+        else:
+            results = await asyncio.to_thread(scorer.score, samples)
+        return _checked(scorer, samples, results)
+    except Exception as e:  # any scorer failure becomes per-sample errors
+        if len(samples) == 1:
+            return [ScoreResult.failed(f"{type(e).__name__}: {e}")]
+        return [(await ascore_isolated(scorer, [sample]))[0] for sample in samples]
+
+
+def _checked(scorer: Any, samples: Sequence[Sample], results: list[ScoreResult]) -> list[ScoreResult]:
+    if len(results) != len(samples):
+        raise RuntimeError(f"scorer {scorer.name!r} returned {len(results)} results for {len(samples)} samples")
+    return results
+
+
+@dataclass
+class _Batch:
+    """Per-sample state while components are scored in order."""
+
+    n: int
+    values: list[dict[str, float]] = field(init=False)
+    scored: list[list[str]] = field(init=False)  # components that count in the total, in order
+    errors: list[str | None] = field(init=False)
+    abstained: list[bool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.values = [{} for _ in range(self.n)]
+        self.scored = [[] for _ in range(self.n)]
+        self.errors = [None] * self.n
+        self.abstained = [False] * self.n
+
+
+@dataclass(frozen=True)
+class _Part:
+    name: str
+    component: Component
+    scorer: Scorer | AsyncScorer
+
+
+class Reward:
+    """A composed reward; itself a `Scorer` and an `AsyncScorer` (name "reward")."""
+
+    name = "reward"
+
+    def __init__(self, spec: RewardSpec, scorers: Mapping[str, Scorer | AsyncScorer]) -> None:
+        self.spec = spec
+        self.parts = [_Part(name, c, scorers[name]) for name, c in spec.components.items()]
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        batch = _Batch(len(samples))
+        for part in self.parts:
+            todo = self._todo(part, batch)
+            results = score_isolated(part.scorer, [samples[i] for i in todo])
+            self._absorb(part, batch, todo, results)
+        return [self._result(batch, i) for i in range(len(samples))]
+
+    async def ascore(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        batch = _Batch(len(samples))
+        for part in self.parts:
+            todo = self._todo(part, batch)
+            results = await ascore_isolated(part.scorer, [samples[i] for i in todo])
+            self._absorb(part, batch, todo, results)
+        return [self._result(batch, i) for i in range(len(samples))]
+
+    @staticmethod
+    def _todo(part: _Part, batch: _Batch) -> list[int]:
+        """Samples this component must score: not already failed/abstained, and past its gate.
+        Gated-out samples are reported as 0.0 here and never reach the scorer."""
+        gate = part.component.gate
+        todo = []
+        for i in range(batch.n):
+            if batch.errors[i] is not None or batch.abstained[i]:
+                continue
+            if gate is not None and batch.values[i][gate.component] < gate.threshold:
+                batch.values[i][part.name] = 0.0
+                continue
+            todo.append(i)
+        return todo
+
+    @staticmethod
+    def _absorb(part: _Part, batch: _Batch, todo: list[int], results: list[ScoreResult]) -> None:
+        fallback = part.component.fallback
+        for i, result in zip(todo, results, strict=True):
+            for key, value in result.components.items():
+                batch.values[i][f"{part.name}.{key}"] = value
+            if result.score is not None:
+                batch.values[i][part.name] = result.score
+            elif result.error is not None and fallback is None:
+                batch.errors[i] = f"component {part.name!r} (scorer {part.component.scorer!r}): {result.error}"
+                continue
+            elif fallback is not None:
+                batch.values[i][part.name] = fallback
+            else:
+                batch.abstained[i] = True
+                continue
+            batch.scored[i].append(part.name)
+
+    def _result(self, batch: _Batch, i: int) -> ScoreResult:
+        values = batch.values[i]
+        if batch.errors[i] is not None:
+            return ScoreResult(score=None, components=values, error=batch.errors[i])
+        if batch.abstained[i]:
+            return ScoreResult(score=None, components=values)
+        return ScoreResult(score=self._combine(values, batch.scored[i]), components=values)
+
+    def _combine(self, values: dict[str, float], scored: list[str]) -> float:
+        components = self.spec.components
+        if self.spec.combine == "sum":
+            return sum(components[name].weight * values[name] for name in scored)
+        total = components[scored[0]].weight * values[scored[0]]
+        for name in scored[1:]:
+            term = components[name].weight * values[name]
+            total = total + term if components[name].op == "add" else total * term
+        return total
+
+
+def build_reward(
+    spec: RewardSpec | Mapping[str, Any] | str | Path,
+    scorers: Mapping[str, Scorer | AsyncScorer] | None = None,
+) -> Reward:
+    """Build every component's scorer and return the composed `Reward`.
+
+    `spec` is a RewardSpec, a dict, or a TOML path. `scorers` supplies ready-made scorers by
+    component name (e.g. several judges sharing one engine); the others are built from the
+    registry with their `options`.
+    """
+    if isinstance(spec, (str, Path)):
+        spec = load_spec(spec)
+    elif not isinstance(spec, RewardSpec):
+        spec = spec_from_dict(dict(spec))
+    given = dict(scorers or {})
+    unknown = set(given) - set(spec.components)
+    if unknown:
+        raise KeyError(f"scorers given for unknown components {sorted(unknown)}; components: {list(spec.components)}")
+    built = {
+        name: given[name] if name in given else build_scorer(component.scorer, **component.options)
+        for name, component in spec.components.items()
+    }
+    return Reward(spec, built)

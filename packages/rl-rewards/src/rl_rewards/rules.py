@@ -1,0 +1,135 @@
+"""Rule rewards as plain functions: no model, no torch, exact reference semantics.
+
+Each function reproduces one reward of the systems this project replaces (CapRL++'s format and
+length rewards, Flow-GRPO's OCR score, VeRL-with-RMs' BGE mapping) plus the option-letter parser
+that CapRL's QA reward needs, with CapRL's parser defect fixed.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from itertools import pairwise
+
+from rapidfuzz.distance import Levenshtein
+
+# CapRL++ video format reward: `[mm:ss]` or `[mm:ss - mm:ss]`; minutes 1-3 digits.
+TIMESTAMP_PATTERN = re.compile(r"\[(\d{1,3}):(\d{2})(?:\s*-\s*(\d{1,3}):(\d{2}))?\]")
+
+
+def timestamp_format(text: str, max_minute: int = 599) -> float:
+    """CapRL++'s video format reward R_fmt, exactly.
+
+    Every match of `TIMESTAMP_PATTERN` counts towards N_all. A match is valid when all its
+    seconds are 0-59, all its minutes are <= `max_minute`, and (for a range) end >= start.
+    I_chrono = 1 iff there is at least one valid match and the valid start times never decrease
+    in text order. R_fmt = 0.5 * N_valid / max(N_all, 1) + 0.5 * I_chrono; 0 with no match.
+
+    `[hh:mm:ss]` is not a match: the pattern needs `]` right after `mm:ss`, so `[01:02:03]`
+    matches nowhere and counts neither as valid nor as invalid. A caption written only with
+    `[hh:mm:ss]` stamps therefore scores 0, as in CapRL++ (the video prompt asks for `[mm:ss]`,
+    and minutes up to 599 cover ten hours). Overlapping ranges are allowed; only start order is
+    checked.
+    """
+    n_all = 0
+    valid_starts: list[int] = []
+    for match in TIMESTAMP_PATTERN.finditer(text):
+        n_all += 1
+        m1, s1, m2, s2 = match.groups()
+        start = _seconds(m1, s1, max_minute)
+        if start is None:
+            continue
+        if m2 is not None:
+            end = _seconds(m2, s2, max_minute)
+            if end is None or end < start:
+                continue
+        valid_starts.append(start)
+    if n_all == 0:
+        return 0.0
+    chrono = bool(valid_starts) and all(a <= b for a, b in pairwise(valid_starts))
+    return 0.5 * len(valid_starts) / n_all + 0.5 * float(chrono)
+
+
+def _seconds(minutes: str, seconds: str, max_minute: int) -> int | None:
+    m, s = int(minutes), int(seconds)
+    if s > 59 or m > max_minute:
+        return None
+    return 60 * m + s
+
+
+def length_reward(n_tokens: int, l1: int, l2: int) -> float:
+    """CapRL++'s length reward R_len: 1 up to `l1` tokens, linear down to 0 at `l2`, 0 beyond.
+
+    `n_tokens` is the caption's token count under the caption model's tokenizer, without special
+    tokens (CapRL++ defaults: l1=2048, l2=3072).
+    """
+    if n_tokens < 0:
+        raise ValueError(f"length_reward: n_tokens must be >= 0, got {n_tokens}")
+    if not 0 <= l1 < l2:
+        raise ValueError(f"length_reward: need 0 <= l1 < l2, got l1={l1}, l2={l2}")
+    if n_tokens <= l1:
+        return 1.0
+    if n_tokens <= l2:
+        return 1.0 - (n_tokens - l1) / (l2 - l1)
+    return 0.0
+
+
+def ocr_similarity(target: str, ocr_text: str) -> float:
+    """Flow-GRPO's OCR reward given the recognized text.
+
+    Both strings are lowercased and stripped of spaces. The distance is 0 when the target is a
+    substring of the OCR text, else the Levenshtein distance capped at len(target);
+    reward = 1 - distance / len(target), in [0, 1].
+
+    An empty target (after removing spaces) has nothing to measure — Flow-GRPO divides by zero
+    there — so it raises ValueError; a scorer turns that into the sample's error.
+    """
+    target = target.replace(" ", "").lower()
+    ocr_text = ocr_text.replace(" ", "").lower()
+    if not target:
+        raise ValueError("ocr_similarity: the target text is empty (nothing between the prompt's double quotes?)")
+    if target in ocr_text:
+        return 1.0
+    distance = min(Levenshtein.distance(ocr_text, target), len(target))
+    return 1.0 - distance / len(target)
+
+
+def embedding_similarity_map(s: float) -> float:
+    """VeRL-with-RMs' mapping of a BGE cosine similarity `s` to a reward in [0.1, ~1].
+
+    s <= 0.65 -> 0.1; s >= 0.85 -> 1.0; otherwise 0.1 + 1.69811 * (10 ** (4 * (s - 0.9)) - 0.1)
+    (continuous at 0.65; reaches 1.0016 just below 0.85, as in the original).
+    """
+    if s <= 0.65:
+        return 0.1
+    if s >= 0.85:
+        return 1.0
+    return 0.1 + 1.69811 * (10 ** (4 * (s - 0.9)) - 0.1)
+
+
+def first_option_letter(text: str, letters: str = "ABCDEFGHI") -> str | None:
+    """The option letter a judge answered with, or None.
+
+    CapRL++ took the first capital in [A-I] anywhere in the output, so "I think B" read as "I"
+    and "A dog..." as "A". Here a letter counts only as a standalone answer token, tried in order:
+      1. the output starts with it: `B`, ` B`, `(B)`, `B)`, `B.`, `B:`, `B,` or `B` then a line end;
+      2. after "answer is" anywhere: `... the answer is (C)`;
+      3. anywhere as `X)` or `(X)` not glued to a word.
+    The judge's prompt is pre-filled with "The answer is", so rule 1 reads the usual output.
+    """
+    patterns = _letter_patterns(letters)
+    for pattern in patterns:
+        match = pattern.search(text)
+        if match:
+            return match.group(1)
+    return None
+
+
+@lru_cache(maxsize=16)
+def _letter_patterns(letters: str) -> tuple[re.Pattern[str], ...]:
+    cls = "[" + re.escape(letters) + "]"
+    return (
+        re.compile(rf"^\s*\(?({cls})(?:[).:,]|[ \t]*(?:\n|$))"),
+        re.compile(rf"(?i:answer is)\s*:?\s*\(?({cls})(?![A-Za-z])"),
+        re.compile(rf"(?<![A-Za-z])\(?({cls})\)"),
+    )

@@ -1,0 +1,128 @@
+"""Rule rewards against hand-worked cases (REFERENCE.md §1, §2, §3)."""
+
+import math
+
+import pytest
+
+from rl_rewards.rules import (
+    embedding_similarity_map,
+    first_option_letter,
+    length_reward,
+    ocr_similarity,
+    timestamp_format,
+)
+
+pytestmark = pytest.mark.no_torch
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("no brackets at all", 0.0),
+        ("[00:05] a dog [00:10] a cat", 1.0),  # 2/2 valid, in order
+        ("[00:10] a [00:05] b", 0.5),  # out of order: 0.5*1 + 0
+        ("[00:30 - 00:10] a [00:40] b", 0.75),  # end < start invalid: 0.5*1/2 + 0.5
+        ("[00:75] seconds out of range", 0.0),  # N_all=1, N_valid=0, no chrono
+        ("[599:59] long video", 1.0),
+        ("[600:00] past max minute", 0.0),
+        ("[1:05] one-digit minute", 1.0),
+        ("[00:5] one-digit second does not match", 0.0),
+        ("[00:10-00:20] no spaces around the dash", 1.0),
+        ("[00:10 - 00:30] a [00:20 - 00:40] b", 1.0),  # overlapping ranges are fine
+        ("[00:20 - 00:40] a [00:10 - 00:30] b", 0.5),  # ...but start order is checked
+        ("[00:10] a [00:10] b", 1.0),  # equal starts are non-decreasing
+        ("[00:10] [00:99] [00:20]", 0.5 * 2 / 3 + 0.5),  # invalid match counts in N_all only
+        ("[00:30] [00:10 - 00:05] [00:40]", 0.5 * 2 / 3 + 0.5),  # invalid one is out of the order check
+    ],
+)
+def test_timestamp_format_hand_worked(text, expected):
+    assert timestamp_format(text) == pytest.approx(expected)
+
+
+def test_hh_mm_ss_is_not_a_match():
+    # `\[(\d{1,3}):(\d{2})` must be followed by `]` or a range: `[01:02:03]` matches nowhere.
+    assert timestamp_format("[01:02:03] the intro") == 0.0
+    # so it neither counts as invalid nor breaks the order of the `[mm:ss]` stamps around it
+    assert timestamp_format("[00:10] a [01:02:03] b [00:20] c") == 1.0
+    assert timestamp_format("[00:10] a [00:00:05] b") == 1.0
+
+
+def test_timestamp_max_minute_option():
+    assert timestamp_format("[11:00]", max_minute=10) == 0.0
+    assert timestamp_format("[10:00 - 11:00]", max_minute=10) == 0.0  # end minute checked too
+    assert timestamp_format("[10:00]", max_minute=10) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("n", "expected"), [(0, 1.0), (2048, 1.0), (2049, 1 - 1 / 1024), (2560, 0.5), (3072, 0.0), (3073, 0.0), (10**6, 0.0)]
+)
+def test_length_reward_piecewise(n, expected):
+    assert length_reward(n, 2048, 3072) == pytest.approx(expected)
+
+
+def test_length_reward_rejects_bad_bounds():
+    with pytest.raises(ValueError, match="l1 < l2"):
+        length_reward(10, 100, 100)
+    with pytest.raises(ValueError, match="n_tokens"):
+        length_reward(-1, 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("target", "ocr", "expected"),
+    [
+        ("Hello World", "helloworld", 1.0),  # case and spaces ignored
+        ("hello", "xx HELLO yy", 1.0),  # substring -> distance 0
+        ("hello", "hallo", 0.8),  # one substitution over 5 chars
+        ("hello world", "helo wrld", 0.8),  # "helloworld" vs "helowrld": 2 deletions over 10
+        ("abc", "xyzxyzxyz", 0.0),  # distance 9 capped at len(target)=3
+        ("abcd", "", 0.0),
+    ],
+)
+def test_ocr_similarity(target, ocr, expected):
+    assert ocr_similarity(target, ocr) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("target", ["", "   "])
+def test_ocr_similarity_empty_target_is_an_error(target):
+    with pytest.raises(ValueError, match="target text is empty"):
+        ocr_similarity(target, "anything")
+
+
+def test_embedding_similarity_map_boundaries():
+    assert embedding_similarity_map(0.0) == 0.1
+    assert embedding_similarity_map(0.65) == 0.1
+    assert embedding_similarity_map(0.85) == 1.0
+    assert embedding_similarity_map(0.99) == 1.0
+    # 0.75: 0.1 + 1.69811 * (10**-0.6 - 0.1) = 0.1 + 1.69811 * 0.151189 = 0.356735
+    assert embedding_similarity_map(0.75) == pytest.approx(0.356735, abs=1e-6)
+    # continuous at the low end, and just over 1 right below 0.85 as in the original
+    assert embedding_similarity_map(0.65 + 1e-9) == pytest.approx(0.1, abs=1e-7)
+    assert embedding_similarity_map(0.85 - 1e-9) == pytest.approx(1.00163, abs=1e-5)
+    assert not math.isnan(embedding_similarity_map(float("-inf")))
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (" B) the dog", "B"),
+        (" (C)", "C"),
+        ("D.", "D"),
+        (" A", "A"),
+        ("A\nbecause", "A"),
+        (" I", "I"),  # the 9th option, alone
+        ("I think the answer is B", "B"),  # CapRL read this as "I"
+        ("I think it is unclear", None),
+        ("A dog runs in the park", None),  # article, not an answer
+        ("Hmm, maybe (E) fits best", "E"),
+        ("The answer is: e", None),  # lowercase is not an option letter
+        (" J", None),  # outside the letters
+        ("", None),
+    ],
+)
+def test_first_option_letter(text, expected):
+    assert first_option_letter(text) == expected
+
+
+def test_first_option_letter_custom_letters():
+    assert first_option_letter(" J)", letters="ABCDEFGHIJ") == "J"
+    assert first_option_letter(" C)", letters="AB") is None
