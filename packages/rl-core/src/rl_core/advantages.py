@@ -1,0 +1,342 @@
+"""Advantage estimators behind one call: `compute_advantages(name, *, rewards, mask, group_ids, values=None, **options)`.
+
+Every estimator takes the same inputs, so a trainer switches GRPO for REINFORCE++ or GAE by
+changing a string:
+
+- `rewards`: `[B]` (one score per sequence) or `[B, T]` (token-level rewards).
+  Outcome estimators (`grpo`, `dr_grpo`, `rloo`, `reinforce_pp_baseline`) reduce `[B, T]`
+  rewards to a sequence score by summing over the mask (verl's convention) and broadcast the
+  advantage over the mask. Token-level estimators (`reinforce_pp`, `gae`) place a `[B]` reward
+  on the last valid token of each row.
+- `mask`: `[B, T]` response mask (bool or 0/1); the output is zero outside it.
+- `group_ids`: `[B]` integer ids; samples of the same prompt share an id. Ids need not be
+  contiguous or sorted and groups may have unequal sizes.
+- `values`: `[B, T]` critic values, used by `gae` only (ignored by the others).
+
+The output is a `[B, T]` float tensor (float32, or float64 for float64 rewards). Group
+statistics are computed with `index_add_`, never a Python loop over groups; the tests compare
+every estimator with a loop reference.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from rl_core.registry import Registry
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "GAEOutput",
+    "compute_advantages",
+    "compute_gae",
+    "masked_whiten",
+]
+
+ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")
+
+
+def compute_advantages(
+    name: str,
+    *,
+    rewards: Tensor,
+    mask: Tensor,
+    group_ids: Tensor,
+    values: Tensor | None = None,
+    **options: object,
+) -> Tensor:
+    """Advantages `[B, T]` from the estimator registered as `name` (see `ADVANTAGE_ESTIMATORS`).
+
+    `options` go to the estimator (`grpo`: `scale`, `eps`, `clip`; `reinforce_pp`: `gamma`;
+    `gae`: `gamma`, `lam`); an option the estimator does not take raises `TypeError`.
+    """
+    estimator = ADVANTAGE_ESTIMATORS[name]
+    _check_inputs(rewards, mask, group_ids, values)
+    return estimator(rewards=rewards, mask=mask, group_ids=group_ids, values=values, **options)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _check_inputs(
+    rewards: Tensor, mask: Tensor, group_ids: Tensor | None, values: Tensor | None
+) -> None:
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be [B, T], got shape {tuple(mask.shape)}")
+    batch, length = mask.shape
+    if rewards.shape not in ((batch,), (batch, length)):
+        raise ValueError(
+            f"rewards must be [B]={batch} or [B, T]={batch, length} to match mask, "
+            f"got shape {tuple(rewards.shape)}"
+        )
+    if group_ids is not None:
+        if group_ids.shape != (batch,):
+            raise ValueError(f"group_ids must be [B]={batch}, got shape {tuple(group_ids.shape)}")
+        if group_ids.is_floating_point() or group_ids.is_complex() or group_ids.dtype == torch.bool:
+            raise ValueError(f"group_ids must be an integer tensor, got dtype {group_ids.dtype}")
+    if values is not None and values.shape != (batch, length):
+        raise ValueError(f"values must be [B, T]={batch, length}, got shape {tuple(values.shape)}")
+    bad = ~torch.isfinite(rewards.reshape(batch, -1)).all(dim=1)  # [B]
+    if bad.any():
+        rows = bad.nonzero().flatten().tolist()
+        raise ValueError(f"rewards are NaN or infinite in rows {rows}; fix or drop those samples")
+
+
+def _float_dtype(rewards: Tensor) -> torch.dtype:
+    return torch.promote_types(rewards.dtype, torch.float32)
+
+
+def _sequence_scores(rewards: Tensor, mask: Tensor) -> Tensor:
+    """One score per sequence `[B]`: `[B]` rewards as given, `[B, T]` summed over the mask."""
+    dtype = _float_dtype(rewards)
+    if rewards.dim() == 1:
+        return rewards.to(dtype)  # [B]
+    return (rewards.to(dtype) * mask.to(dtype)).sum(dim=-1)  # [B]
+
+
+def _token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
+    """Token-level rewards `[B, T]`: `[B]` rewards sit on the last valid token of each row."""
+    dtype = _float_dtype(rewards)
+    maskf = mask.to(dtype)  # [B, T]
+    if rewards.dim() == 2:
+        return rewards.to(dtype) * maskf  # [B, T]
+    length = mask.shape[1]
+    positions = torch.arange(length, device=mask.device)  # [T]
+    last = torch.where(mask.bool(), positions, -1).amax(dim=1)  # [B], -1 for an empty row
+    onehot = positions.unsqueeze(0) == last.unsqueeze(1)  # [B, T]
+    return onehot.to(dtype) * rewards.to(dtype).unsqueeze(1)  # [B, T]
+
+
+class _Groups(NamedTuple):
+    index: Tensor  # [B] contiguous group index 0..G-1
+    count: Tensor  # [G] members per group (float)
+
+
+def _groups(group_ids: Tensor, dtype: torch.dtype) -> _Groups:
+    _, index = torch.unique(group_ids, return_inverse=True)  # [B]
+    count = torch.bincount(index).to(dtype)  # [G]
+    return _Groups(index, count)
+
+
+def _group_mean(scores: Tensor, groups: _Groups) -> Tensor:
+    """Mean of each sample's group, gathered back to `[B]`."""
+    total = torch.zeros_like(groups.count).index_add_(0, groups.index, scores)  # [G]
+    return (total / groups.count)[groups.index]  # [B]
+
+
+def _group_std(scores: Tensor, mean: Tensor, groups: _Groups) -> Tensor:
+    """Unbiased std (`torch.std` default) of each sample's group, `[B]`; 0 for a group of one."""
+    sq = torch.zeros_like(groups.count).index_add_(0, groups.index, (scores - mean) ** 2)  # [G]
+    var = sq / (groups.count - 1).clamp(min=1)  # [G]
+    return var.sqrt()[groups.index]  # [B]
+
+
+def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """verl's `masked_whiten`: `(v - mean) / sqrt(var + eps)` over the valid tokens of the batch.
+
+    Mean and unbiased variance are taken over all entries where `mask` is set; the result is
+    zero outside the mask. One valid token gives zero (its value equals the mean).
+    """
+    maskf = mask.to(values.dtype)  # [B, T]
+    n = maskf.sum()
+    mean = (values * maskf).sum() / n.clamp(min=1)
+    var = (((values - mean) * maskf) ** 2).sum() / (n - 1).clamp(min=1)
+    return (values - mean) * torch.rsqrt(var + eps) * maskf  # [B, T]
+
+
+def _broadcast(seq_adv: Tensor, mask: Tensor) -> Tensor:
+    return seq_adv.unsqueeze(1) * mask.to(seq_adv.dtype)  # [B, T]
+
+
+# -------------------------------------------------------------------------- outcome estimators
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def compute_grpo(
+    *,
+    rewards: Tensor,
+    mask: Tensor,
+    group_ids: Tensor,
+    values: Tensor | None = None,
+    scale: str = "group",
+    eps: float = 1e-6,
+    clip: float | None = None,
+) -> Tensor:
+    """GRPO (DeepSeekMath, Shao et al. 2024): `(r - group mean) / (std + eps)`.
+
+    `scale` picks the std: `"group"` (per prompt, the GRPO paper and verl), `"batch"` (one std
+    over the whole batch: Flow-GRPO's "global std", steadier when groups are small or nearly
+    constant) or `"none"` (no division, same as `dr_grpo`). The std is the unbiased sample std.
+    A group of one gets advantage 0. `clip` clamps advantages to `[-clip, clip]` (Flow-GRPO
+    uses 5.0; it also uses `eps=1e-4`).
+    """
+    scores = _sequence_scores(rewards, mask)  # [B]
+    groups = _groups(group_ids, scores.dtype)
+    mean = _group_mean(scores, groups)  # [B]
+    centered = scores - mean  # [B]
+    if scale == "group":
+        adv = centered / (_group_std(scores, mean, groups) + eps)  # [B]
+    elif scale == "batch":
+        std = scores.std() if scores.numel() > 1 else scores.new_zeros(())
+        adv = centered / (std + eps)  # [B]
+    elif scale == "none":
+        adv = centered  # [B]
+    else:
+        raise ValueError(f"grpo option scale must be 'group', 'batch' or 'none', got {scale!r}")
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    return _broadcast(adv, mask)
+
+
+@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+def compute_dr_grpo(
+    *, rewards: Tensor, mask: Tensor, group_ids: Tensor, values: Tensor | None = None
+) -> Tensor:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): `r - group mean`.
+
+    Drops GRPO's std division, which up-weights prompts whose rewards barely vary. Pair it with
+    the `seq-mean-token-sum-norm` aggregation to drop the length bias as well.
+    """
+    scores = _sequence_scores(rewards, mask)  # [B]
+    groups = _groups(group_ids, scores.dtype)
+    return _broadcast(scores - _group_mean(scores, groups), mask)
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def compute_rloo(
+    *, rewards: Tensor, mask: Tensor, group_ids: Tensor, values: Tensor | None = None
+) -> Tensor:
+    """RLOO (Ahmadian et al. 2024): `r_i - mean of the other members of its group`.
+
+    An unbiased leave-one-out baseline (CapRL's choice). A group of one has no others: 0.
+    """
+    scores = _sequence_scores(rewards, mask)  # [B]
+    groups = _groups(group_ids, scores.dtype)
+    total = torch.zeros_like(groups.count).index_add_(0, groups.index, scores)[groups.index]  # [B]
+    count = groups.count[groups.index]  # [B]
+    others_mean = (total - scores) / (count - 1).clamp(min=1)  # [B]
+    adv = torch.where(count > 1, scores - others_mean, torch.zeros_like(scores))  # [B]
+    return _broadcast(adv, mask)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
+def compute_reinforce_pp_baseline(
+    *, rewards: Tensor, mask: Tensor, group_ids: Tensor, values: Tensor | None = None
+) -> Tensor:
+    """REINFORCE++ with a group baseline (verl `reinforce_plus_plus_baseline`).
+
+    Subtract the group mean of sequence scores, broadcast over the response, then whiten over all
+    valid tokens of the batch. A group of one is its own mean, so it gets 0 before whitening
+    (verl keeps the raw score there; a lone sample carries no relative signal).
+    """
+    scores = _sequence_scores(rewards, mask)  # [B]
+    groups = _groups(group_ids, scores.dtype)
+    centered = _broadcast(scores - _group_mean(scores, groups), mask)  # [B, T]
+    return masked_whiten(centered, mask)
+
+
+# ------------------------------------------------------------------------ token-level estimators
+
+
+def _discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """`G_t = r_t + gamma * G_{t+1}` inside each run of valid tokens; a masked position resets it.
+
+    This is verl's REINFORCE++ recursion (`running_return *= mask[t]`: no reward leaks across
+    EOS or across a masked hole such as a tool output). gamma == 1 uses a reverse cumulative sum
+    with resets (no loop); other gammas use a loop over T, vectorised over the batch.
+    """
+    maskf = mask.to(token_rewards.dtype)  # [B, T]
+    r = token_rewards * maskf  # [B, T]
+    batch, length = r.shape
+    if gamma == 1.0:
+        rev = r.double().flip(1).cumsum(1).flip(1)  # [B, T] sum_{k>=t} r_k
+        rev = torch.cat([rev, rev.new_zeros(batch, 1)], dim=1)  # [B, T+1]
+        positions = torch.arange(length + 1, device=r.device)  # [T+1]
+        holes = torch.cat([~mask.bool(), mask.new_ones(batch, 1, dtype=torch.bool)], dim=1)
+        hole_at = torch.where(holes, positions, length)  # [B, T+1]
+        next_hole = hole_at.flip(1).cummin(1).values.flip(1)[:, :length]  # [B, T] first hole >= t
+        returns = rev[:, :length] - rev.gather(1, next_hole)  # [B, T]
+        return returns.to(r.dtype) * maskf
+    returns = torch.zeros_like(r)  # [B, T]
+    running = r.new_zeros(batch)  # [B]
+    for t in range(length - 1, -1, -1):
+        running = r[:, t] + gamma * running  # [B]
+        returns[:, t] = running
+        running = running * maskf[:, t]
+    return returns * maskf
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+def compute_reinforce_pp(
+    *,
+    rewards: Tensor,
+    mask: Tensor,
+    group_ids: Tensor,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+) -> Tensor:
+    """REINFORCE++ (Hu 2025; verl `reinforce_plus_plus`, VeRL-with-RMs' estimator).
+
+    Token returns `G_t = r_t + gamma * G_{t+1}` (reset after EOS), then whitened over all valid
+    tokens of the batch; no per-prompt baseline, so it works with one sample per prompt. Use
+    `reinforce_pp_baseline` when there are several samples per prompt.
+    """
+    token_rewards = _token_rewards(rewards, mask)  # [B, T]
+    returns = _discounted_returns(token_rewards, mask, gamma)  # [B, T]
+    return masked_whiten(returns, mask)
+
+
+class GAEOutput(NamedTuple):
+    """`advantages` `[B, T]` (whitened over the batch's valid tokens) and `returns` `[B, T]`
+    (raw GAE advantages + values: the critic's regression target). Both zero outside the mask."""
+
+    advantages: Tensor
+    returns: Tensor
+
+
+def compute_gae(
+    *, rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 1.0
+) -> GAEOutput:
+    """Generalized advantage estimation (Schulman et al. 2016) exactly as verl computes it.
+
+    `delta_t = r_t + gamma * V_{t+1} - V_t`, `A_t = delta_t + gamma * lam * A_{t+1}`, going
+    backwards; masked positions inside the response (e.g. tool output) are skipped: they carry
+    the next valid value and advantage through unchanged. `returns = A + V` before whitening;
+    `advantages` are whitened over the valid tokens. Use with a critic (PPO); `gamma=lam=1`
+    are verl's defaults for LLM RL.
+    """
+    _check_inputs(rewards, mask, None, values)
+    token_rewards = _token_rewards(rewards, mask)  # [B, T]
+    vals = values.to(token_rewards.dtype)  # [B, T]
+    maskf = mask.to(token_rewards.dtype)  # [B, T]
+    batch, length = token_rewards.shape
+    next_value = vals.new_zeros(batch)  # [B]
+    last_gae = vals.new_zeros(batch)  # [B]
+    advantages = torch.zeros_like(vals)  # [B, T]
+    for t in range(length - 1, -1, -1):
+        delta = token_rewards[:, t] + gamma * next_value - vals[:, t]  # [B]
+        gae_t = delta + gamma * lam * last_gae  # [B]
+        m = maskf[:, t]  # [B]
+        next_value = vals[:, t] * m + (1 - m) * next_value
+        last_gae = gae_t * m + (1 - m) * last_gae
+        advantages[:, t] = last_gae
+    returns = (advantages + vals) * maskf  # [B, T]
+    return GAEOutput(advantages=masked_whiten(advantages, mask), returns=returns)
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+def compute_gae_advantages(
+    *,
+    rewards: Tensor,
+    mask: Tensor,
+    group_ids: Tensor,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> Tensor:
+    """GAE advantages through the uniform interface; `compute_gae` also returns the returns."""
+    if values is None:
+        raise ValueError("advantage estimator 'gae' needs values=[B, T] critic values")
+    return compute_gae(rewards=rewards, values=values, mask=mask, gamma=gamma, lam=lam).advantages

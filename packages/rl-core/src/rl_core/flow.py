@@ -1,0 +1,204 @@
+"""The stochastic flow-matching step of Flow-GRPO, with its log-probability, and the step KL.
+
+Flow matching interpolates `x_t = (1 - t) x_0 + t eps`; sampling runs from `t = sigma = 1`
+(noise) towards 0 with `dt = sigma_next - sigma < 0` and a predicted velocity `v`. GRPO needs a
+stochastic policy, so the ODE step is replaced by an SDE step with the same marginals, whose
+transition is Gaussian, `x' ~ N(mean, std_step^2)`, with a log-probability:
+
+- `kind="sde"` (Flow-GRPO, Liu et al. 2025, `sde_step_with_logprob`): with noise level `a`
+  (0.7 in Flow-GRPO), `sigma_t = a * sqrt(sigma / (1 - sigma))` (at `sigma = 1`, `1 - sigma`
+  is replaced by `1 - sigma_next`, the scheduler's first step),
+  `mean = x (1 + sigma_t^2 dt / (2 sigma)) + v (1 + sigma_t^2 (1 - sigma) / (2 sigma)) dt`,
+  `std_step = sigma_t sqrt(-dt)`.
+- `kind="cps"` (coefficients-preserving sampling, Wang & Yu 2025, "Flow-CPS"): with
+  `sigma_t = sigma_next sin(a pi / 2)` (the paper recommends `a = 0.8`: pass
+  `noise_level=0.8`), `mean = (1 - sigma_next)(x - sigma v) + sqrt(sigma_next^2 - sigma_t^2)
+  (x + (1 - sigma) v)`, `std_step = sigma_t`. It keeps the noise level of `x'` equal to the
+  scheduler's, so late steps stay sharp.
+
+`log_prob` is the Gaussian log density of `x'` under `(mean, std_step)`, averaged (not summed)
+over all non-batch dimensions, computed in float32. For `cps` Flow-GRPO's code keeps only
+`-(x' - mean)^2` (no `1 / (2 std^2)`, no constants); we keep the true density for both kinds, so
+the importance ratio is the real likelihood ratio (clip ranges tuned on Flow-GRPO's cps
+surrogate do not carry over 1:1). A step with zero noise (`noise_level=0`, or the last `cps`
+step where `sigma_next = 0`) is deterministic: `next_latents = mean` and `log_prob = 0`.
+
+Replay: pass the stored `next_latents` and the step scores that sample instead of drawing one.
+The same float32 function is used for rollout and replay, so the first on-policy replay gives
+ratio exactly 1 (store `next_latents` as returned, in float32).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["SDEStep", "flow_kl", "sde_step"]
+
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+@dataclass(frozen=True)
+class SDEStep:
+    """One stochastic sampling step; all float32.
+
+    - `next_latents` `[B, ...]`: the drawn (or replayed) sample `x'`.
+    - `log_prob` `[B]`: Gaussian log density of `x'`, mean over non-batch dims.
+    - `mean` `[B, ...]`: the transition mean (carries the gradient of `velocity`).
+    - `std` `[B]`: Flow-GRPO's `std_dev_t` (`sigma_t` above). The per-element std of `x'` is
+      `std * sqrt(-dt)` for `sde` and `std` for `cps`; `flow_kl` takes it with `dt` accordingly.
+    """
+
+    next_latents: Tensor
+    log_prob: Tensor
+    mean: Tensor
+    std: Tensor
+
+
+def _per_sample(value: float | Tensor, batch: int, device: torch.device, name: str) -> Tensor:
+    """A python number, 0-dim or `[B]` tensor as a float32 `[B]` tensor."""
+    out = torch.as_tensor(value, dtype=torch.float32, device=device)
+    if out.dim() == 0:
+        return out.expand(batch)
+    if out.shape != (batch,):
+        raise ValueError(
+            f"{name} must be a scalar or a [B]={batch} tensor, got shape {tuple(out.shape)}"
+        )
+    return out
+
+
+def _noise(
+    shape: torch.Size,
+    device: torch.device,
+    generator: torch.Generator | list[torch.Generator] | None,
+) -> Tensor:
+    """Standard normal noise `shape` in float32; one generator per sample when given a list."""
+    if generator is None:
+        return torch.randn(shape, device=device, dtype=torch.float32)
+    if isinstance(generator, list):
+        if len(generator) != shape[0]:
+            raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]}")
+        return torch.stack(
+            [
+                torch.randn(shape[1:], generator=g, device=g.device, dtype=torch.float32)
+                for g in generator
+            ]
+        ).to(device)
+    return torch.randn(shape, generator=generator, device=generator.device, dtype=torch.float32).to(
+        device
+    )
+
+
+def _sde_mean_std(
+    x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, a: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Flow-GRPO's SDE: mean `[B, ...]`, sigma_t `[B, 1...]`, per-element step std `[B, 1...]`."""
+    dt = sigma_next - sigma  # [B, 1...] negative
+    one_minus = 1 - torch.where(sigma == 1, sigma_next, sigma)  # [B, 1...]
+    sigma_t = torch.sqrt(sigma / one_minus) * a  # [B, 1...]
+    mean = (
+        x * (1 + sigma_t**2 / (2 * sigma) * dt)
+        + v * (1 + sigma_t**2 * (1 - sigma) / (2 * sigma)) * dt
+    )
+    return mean, sigma_t, sigma_t * torch.sqrt(-dt)
+
+
+def _cps_mean_std(
+    x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, a: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Flow-CPS: mean `[B, ...]`, sigma_t `[B, 1...]` (also the per-element step std)."""
+    sigma_t = sigma_next * math.sin(a * math.pi / 2)  # [B, 1...]
+    x0 = x - sigma * v  # [B, ...] predicted clean sample
+    x1 = x + (1 - sigma) * v  # [B, ...] predicted noise
+    mean = x0 * (1 - sigma_next) + x1 * torch.sqrt((sigma_next**2 - sigma_t**2).clamp(min=0))
+    return mean, sigma_t, sigma_t
+
+
+def sde_step(
+    *,
+    velocity: Tensor,
+    latents: Tensor,
+    sigma: float | Tensor,
+    sigma_next: float | Tensor,
+    noise_level: float = 0.7,
+    kind: str = "sde",
+    next_latents: Tensor | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+) -> SDEStep:
+    """One stochastic step from `latents` (`x` at `sigma`) to `sigma_next`, with its log-prob.
+
+    `velocity` and `latents` are `[B, ...]` in any float dtype (math is float32); `sigma` and
+    `sigma_next` are scalars or `[B]` tensors with `0 <= sigma_next < sigma <= 1`. With
+    `next_latents` the step scores that sample (replay) and draws nothing; otherwise it draws
+    noise from `generator` (one `torch.Generator`, or a list with one per sample).
+    """
+    if velocity.shape != latents.shape:
+        raise ValueError(
+            f"velocity {tuple(velocity.shape)} and latents {tuple(latents.shape)} differ in shape"
+        )
+    if next_latents is not None and next_latents.shape != latents.shape:
+        raise ValueError(
+            f"next_latents {tuple(next_latents.shape)} must match latents {tuple(latents.shape)}"
+        )
+    if noise_level < 0:
+        raise ValueError(f"noise_level must be >= 0, got {noise_level}")
+    batch, device = latents.shape[0], latents.device
+    sig = _per_sample(sigma, batch, device, "sigma")  # [B]
+    sig_next = _per_sample(sigma_next, batch, device, "sigma_next")  # [B]
+    if bool(((sig <= 0) | (sig > 1) | (sig_next < 0) | (sig_next >= sig)).any()):
+        raise ValueError(
+            f"need 0 <= sigma_next < sigma <= 1 (sampling runs from 1 to 0), got sigma={sig.tolist()} "
+            f"sigma_next={sig_next.tolist()}"
+        )
+    view = (batch,) + (1,) * (latents.dim() - 1)
+    x, v = latents.float(), velocity.float()  # [B, ...]
+    if kind == "sde":
+        mean, sigma_t, step_std = _sde_mean_std(
+            x, v, sig.view(view), sig_next.view(view), noise_level
+        )
+    elif kind == "cps":
+        mean, sigma_t, step_std = _cps_mean_std(
+            x, v, sig.view(view), sig_next.view(view), noise_level
+        )
+    else:
+        raise ValueError(f"kind must be 'sde' or 'cps', got {kind!r}")
+    if next_latents is None:
+        next_latents = mean.detach() + step_std * _noise(
+            latents.shape, device, generator
+        )  # [B, ...]
+    sample = next_latents.detach().float()  # [B, ...]
+    noisy = step_std > 0  # [B, 1...]
+    safe_std = torch.where(noisy, step_std, torch.ones_like(step_std))  # [B, 1...]
+    log_density = -((sample - mean) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
+    log_prob = log_density.mean(dim=tuple(range(1, latents.dim())))  # [B]
+    log_prob = torch.where(noisy.reshape(batch), log_prob, torch.zeros_like(log_prob))  # [B]
+    return SDEStep(next_latents=sample, log_prob=log_prob, mean=mean, std=sigma_t.reshape(batch))
+
+
+def flow_kl(
+    mean: Tensor, ref_mean: Tensor, std: Tensor | float, dt: Tensor | float | None = None
+) -> Tensor:
+    """KL between the policy's and the reference's step Gaussians, `[B]`, as in Flow-GRPO.
+
+    Both transitions share the std, so KL = `mean over non-batch dims of (mean - ref_mean)^2 /
+    (2 s^2)` with `s` the per-element step std. Without `dt`, `s = std`: Flow-GRPO's
+    `train_sd3.py` form (`/ (2 * std_dev_t**2)`), exact for `cps` steps and a `|dt|`-scaled
+    approximation for `sde` steps. With `dt` (`sigma_next - sigma`, scalar or `[B]`),
+    `s = std * sqrt(|dt|)`: the exact KL of `sde` steps, Flow-GRPO's `train_wan2_1.py` form.
+    `std` is `SDEStep.std` (scalar, `[B]` or `[B, 1, ...]`). Flow-GRPO weights it by 0.04 (OCR).
+    """
+    if mean.shape != ref_mean.shape:
+        raise ValueError(
+            f"mean {tuple(mean.shape)} and ref_mean {tuple(ref_mean.shape)} differ in shape"
+        )
+    batch, device = mean.shape[0], mean.device
+    sq = ((mean.float() - ref_mean.float()) ** 2).mean(dim=tuple(range(1, mean.dim())))  # [B]
+    s = torch.as_tensor(std, dtype=torch.float32, device=device)
+    s = s.reshape(batch) if s.dim() > 0 else s.expand(batch)  # [B]
+    var = s**2  # [B]
+    if dt is not None:
+        var = var * _per_sample(dt, batch, device, "dt").abs()  # [B]
+    return sq / (2 * var)

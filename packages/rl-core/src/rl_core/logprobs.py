@@ -1,0 +1,184 @@
+"""Token log-probabilities and entropy, with float32 math whatever the model dtype.
+
+- `token_logprobs(logits, labels, temperature=1.0)`: `log_softmax(logits / temperature)` at the
+  labels, `[...]` from `[..., V]` logits. Rows are processed in chunks, so without autograd it
+  never holds a float32 copy of all logits (with autograd, the chunks' float32 values are
+  saved for backward: use `token_logprobs_from_hidden` for training).
+- `entropy(logits)`: entropy of `softmax(logits)` per position, chunked the same way.
+- `token_logprobs_from_hidden(hidden, weight, labels, temperature=1.0, chunk_size=4096)`: the
+  same log-probs computed from the last hidden states and the LM-head weight, through a custom
+  autograd function that never materialises the `[B*T, V]` logits: forward keeps one
+  `[chunk, V]` block at a time and only the `[B*T]` results; backward recomputes each chunk's
+  logits and accumulates the gradients of `hidden` and (when it requires grad) `weight`.
+  Memory is O(chunk_size * V + V * H) instead of O(B * T * V); the cost is one extra matmul
+  (the recomputation). See `benchmarks/logprobs.py` for figures.
+
+Temperature: sampling engines (vLLM, HF `generate`) divide logits by the temperature before the
+softmax, so pass the rollout temperature here to score the distribution that was sampled.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+__all__ = ["entropy", "token_logprobs", "token_logprobs_from_hidden"]
+
+_ROWS_PER_CHUNK = 4096
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half/bfloat16/float32 inputs, float64 for float64 (used by gradcheck)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _check_labels(labels: Tensor, vocab: int, expected_shape: tuple[int, ...]) -> None:
+    if tuple(labels.shape) != expected_shape:
+        raise ValueError(f"labels must have shape {expected_shape}, got {tuple(labels.shape)}")
+    if labels.is_floating_point() or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be integer token ids, got dtype {labels.dtype}")
+    if labels.numel() and bool(((labels < 0) | (labels >= vocab)).any()):
+        bad = labels[(labels < 0) | (labels >= vocab)][:5].tolist()
+        raise ValueError(
+            f"labels must lie in [0, vocab={vocab}); found {bad} (replace padding ids such as "
+            "-100 by a real token id and mask those positions instead)"
+        )
+
+
+def token_logprobs(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
+    """`log_softmax(logits / temperature)[..., label]`: `[...]` float32 from `[..., V]` logits."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    vocab = logits.shape[-1]
+    _check_labels(labels, vocab, tuple(logits.shape[:-1]))
+    dtype = _compute_dtype(logits.dtype)
+    flat = logits.reshape(-1, vocab)  # [N, V]
+    flat_labels = labels.reshape(-1, 1)  # [N, 1]
+    pieces = []
+    for start in range(0, flat.shape[0], _ROWS_PER_CHUNK):
+        z = flat[start : start + _ROWS_PER_CHUNK].to(dtype) / temperature  # [c, V]
+        picked = z.gather(1, flat_labels[start : start + _ROWS_PER_CHUNK]).squeeze(1)  # [c]
+        pieces.append(picked - torch.logsumexp(z, dim=-1))  # [c]
+    if not pieces:
+        return flat.new_zeros(labels.shape, dtype=dtype)
+    return torch.cat(pieces).reshape(labels.shape)
+
+
+def entropy(logits: Tensor) -> Tensor:
+    """Entropy `-sum p log p` of `softmax(logits)` over the last dim: `[...]` float32."""
+    vocab = logits.shape[-1]
+    dtype = _compute_dtype(logits.dtype)
+    flat = logits.reshape(-1, vocab)  # [N, V]
+    pieces = []
+    for start in range(0, flat.shape[0], _ROWS_PER_CHUNK):
+        z = flat[start : start + _ROWS_PER_CHUNK].to(dtype)  # [c, V]
+        p = torch.softmax(z, dim=-1)  # [c, V]
+        pieces.append(torch.logsumexp(z, dim=-1) - (p * z).sum(dim=-1))  # [c]
+    if not pieces:
+        return flat.new_zeros(logits.shape[:-1], dtype=dtype)
+    return torch.cat(pieces).reshape(logits.shape[:-1])
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, temperature: float, dtype: torch.dtype) -> Tensor:
+    """`hidden @ weight.T / temperature` `[c, V]`; in the model dtype when temperature is 1."""
+    logits = hidden @ weight.t()  # [c, V] model dtype, float32 accumulation in the matmul
+    if temperature == 1.0:
+        return logits
+    return logits.to(dtype).div_(temperature)  # [c, V] compute dtype
+
+
+class _LogprobsFromHidden(torch.autograd.Function):
+    """Chunked `log_softmax(hidden @ weight.T / temperature)` at the labels; see module docs."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx,
+        hidden: Tensor,  # [N, H]
+        weight: Tensor,  # [V, H]
+        labels: Tensor,  # [N]
+        temperature: float,
+        chunk_size: int,
+    ) -> Tensor:
+        dtype = _compute_dtype(hidden.dtype)
+        out = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)  # [N]
+        for start in range(0, hidden.shape[0], chunk_size):
+            stop = start + chunk_size
+            logits = _chunk_logits(hidden[start:stop], weight, temperature, dtype)  # [c, V]
+            logp = torch.log_softmax(logits, dim=-1, dtype=dtype)  # [c, V] one chunk only
+            out[start:stop] = logp.gather(1, labels[start:stop, None]).squeeze(1)
+            del logits, logp
+        ctx.save_for_backward(hidden, weight, labels, out)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        hidden, weight, labels, logp = ctx.saved_tensors
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dtype = _compute_dtype(hidden.dtype)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None  # [N, H]
+        # float32 accumulator across chunks for low-precision weights (one rounding at the end)
+        grad_weight = torch.zeros_like(weight, dtype=dtype) if need_weight else None  # [V, H]
+        scale = grad_out.to(dtype) / temperature  # [N]
+        for start in range(0, hidden.shape[0], chunk_size):
+            stop = start + chunk_size
+            h = hidden[start:stop]  # [c, H]
+            logits = _chunk_logits(h, weight, temperature, dtype)  # [c, V]
+            # d logp_y / d z_j = 1[j == y] - p_j; the softmax is computed in float32 internally
+            grad_logits = torch.softmax(logits, dim=-1).to(weight.dtype)  # [c, V]
+            del logits
+            grad_logits.mul_(-scale[start:stop, None].to(weight.dtype))
+            # the label entry 1 - p_y is formed in float32 from the forward's log-prob, so it
+            # stays exact when p_y is close to 1 (a bf16 softmax would round it to 0)
+            label_grad = -torch.expm1(logp[start:stop]) * scale[start:stop]  # [c]
+            grad_logits.scatter_(1, labels[start:stop, None], label_grad[:, None].to(weight.dtype))
+            if need_hidden:
+                torch.mm(grad_logits, weight, out=grad_hidden[start:stop])  # [c, H]
+            if need_weight:
+                grad_weight += (grad_logits.t() @ h).to(dtype)  # [V, H]
+            del grad_logits
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def token_logprobs_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 4096,
+) -> Tensor:
+    """Log-probs `[B, T]` (float32) of `labels` under `softmax(hidden @ weight.T / temperature)`.
+
+    `hidden` `[B, T, H]` are the final hidden states (after the last norm), `weight` `[V, H]` the
+    LM head (tied embeddings work the same). Gradients flow to `hidden` and, when it requires
+    grad, to `weight`. Equal to `token_logprobs(hidden @ weight.T, labels, temperature)`
+    within float32 rounding, without ever holding the `[B*T, V]` logits. `chunk_size` is the
+    number of tokens per block: peak extra memory is about `chunk_size * V * 6` bytes in bf16.
+    """
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be [B, T, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[2]:
+        raise ValueError(
+            f"weight must be [V, H={hidden.shape[2]}], got shape {tuple(weight.shape)}"
+        )
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(
+            f"hidden and weight must share dtype and device, got {hidden.dtype}/{hidden.device} "
+            f"and {weight.dtype}/{weight.device}"
+        )
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    batch, length, size = hidden.shape
+    _check_labels(labels, weight.shape[0], (batch, length))
+    flat = _LogprobsFromHidden.apply(
+        hidden.reshape(-1, size), weight, labels.reshape(-1), float(temperature), int(chunk_size)
+    )  # [B*T]
+    return flat.reshape(batch, length)
