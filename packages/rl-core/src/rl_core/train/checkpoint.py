@@ -1,0 +1,211 @@
+"""Atomic checkpoints with exact resume.
+
+`save_checkpoint` writes everything into a hidden sibling `.tmp-checkpoint-<step>/`, fsyncs it
+and renames it to `checkpoint-<step>/` in one `os.replace`; a crash at any point leaves either
+the complete new checkpoint or none, and the previous checkpoint untouched. A checkpoint holds:
+
+- every object in `state` with `state_dict()`/`load_state_dict()` (model, optimizer, scheduler,
+  data sampler, ...) as `<name>.pt`; every other value of `state` (JSON-able: ints, floats,
+  strings, lists, dicts) in `meta.json`, returned by `load_checkpoint` along with `step`;
+- the RNG states (python, numpy, torch CPU, every CUDA device) in `rng.pt`;
+- with an `accelerate.Accelerator`: `accelerator.save_state` output instead of `rng.pt`, which
+  holds the prepared models/optimizers/schedulers/dataloaders (FSDP/DeepSpeed-aware) and the
+  RNG state of every process. Then put only objects that were NOT passed to
+  `accelerator.prepare` (a sampler, an EMA, ...) into `state`; they are saved by the main process.
+
+Without an accelerator a single process is assumed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+import torch
+
+from rl_core.train.rundir import latest_run
+from rl_core.train.seeding import get_rng_state, set_rng_state
+
+__all__ = ["Stateful", "latest_checkpoint", "load_checkpoint", "resolve_resume", "save_checkpoint"]
+
+_NAME = re.compile(r"checkpoint-(\d+)")
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything checkpointable through `state_dict()` / `load_state_dict(sd)`."""
+
+    def state_dict(self) -> Mapping[str, Any]: ...
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], /) -> Any: ...
+
+
+def _barrier(accelerator: Any) -> None:
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+
+
+def _fsync_tree(path: Path) -> None:
+    """Flush every file and directory under `path` to disk, so a rename never publishes a
+    checkpoint whose bytes are still only in the page cache (matters on power loss)."""
+    for dirpath, _, filenames in os.walk(path):
+        for name in [*filenames, "."]:
+            _fsync(os.path.join(dirpath, name))
+
+
+def _fsync(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished `tmp` to `final`, replacing an existing `final` of the same step."""
+    if final.exists():
+        old = final.with_name(f".old-{final.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _fsync(final.parent)
+
+
+def _checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _NAME.fullmatch(p.name)) and (p / "meta.json").is_file()]
+    return sorted(found)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    for _, path in _checkpoints(root)[:-keep_last]:
+        trash = path.with_name(f".trash-{path.name}")
+        os.replace(path, trash)  # gone from latest_checkpoint's view before the slow delete
+        shutil.rmtree(trash)
+
+
+def save_checkpoint(
+    root: str | os.PathLike[str],
+    step: int,
+    *,
+    state: Mapping[str, Any],
+    accelerator: Any = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Atomically write `root/checkpoint-<step>` and return its path (see the module doc).
+
+    `state` maps names to `Stateful` objects or JSON-able values (the key `step` is reserved).
+    `keep_last=N` deletes all but the newest N checkpoints afterwards. With an accelerator, call
+    it on every process.
+    """
+    if "step" in state:
+        raise ValueError("state key 'step' is reserved: the step is the `step` argument")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    stateful = {k: v for k, v in state.items() if isinstance(v, Stateful)}
+    extras = {k: v for k, v in state.items() if k not in stateful}
+    try:
+        meta = msgspec.json.encode({"step": step, "format": _format(accelerator),
+                                    "stateful": sorted(stateful), "extras": extras})
+    except TypeError as e:
+        raise TypeError(f"checkpoint state values must be Stateful or JSON-able: {e}") from e
+    root = Path(root)
+    final, tmp = root / f"checkpoint-{step}", root / f".tmp-checkpoint-{step}"
+    main = accelerator is None or accelerator.is_main_process
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
+        for leftover in root.glob(".tmp-checkpoint-*"):  # from a save that crashed
+            shutil.rmtree(leftover)
+        tmp.mkdir()
+    _barrier(accelerator)
+    if accelerator is not None:
+        accelerator.save_state(str(tmp))
+    else:
+        torch.save(get_rng_state(), tmp / "rng.pt")
+    if main:
+        for name, obj in stateful.items():
+            torch.save(obj.state_dict(), tmp / f"{name}.pt")
+        (tmp / "meta.json").write_bytes(meta)  # last: its presence marks a complete checkpoint
+    _barrier(accelerator)
+    if main:
+        _fsync_tree(tmp)
+        _publish(tmp, final)
+        if keep_last is not None:
+            _prune(root, keep_last)
+    _barrier(accelerator)
+    return final
+
+
+def _format(accelerator: Any) -> str:
+    return "torch" if accelerator is None else "accelerate"
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The complete `checkpoint-<step>` with the highest step under `root`, or None."""
+    found = _checkpoints(Path(root))
+    return found[-1][1] if found else None
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    state: Mapping[str, Any] | None = None,
+    accelerator: Any = None,
+) -> dict[str, Any]:
+    """Restore a checkpoint in place and return `{"step": ..., **json_extras}`.
+
+    Every `Stateful` object in `state` is loaded from the file of the same name (pass the same
+    mapping you saved with; its JSON values are ignored). RNG states are restored too, so the
+    run continues bit-identically. Call it on every process when using an accelerator.
+    """
+    path = Path(path)
+    if not (path / "meta.json").is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no meta.json)")
+    meta = msgspec.json.decode((path / "meta.json").read_bytes())
+    if meta["format"] != _format(accelerator):
+        raise ValueError(f"{path} was saved {'with' if meta['format'] == 'accelerate' else 'without'}"
+                         " an accelerator; load it the same way")
+    wanted = {k: v for k, v in (state or {}).items() if isinstance(v, Stateful)}
+    missing = sorted(set(wanted) - set(meta["stateful"]))
+    if missing:
+        raise KeyError(f"{path} has no state for {missing}; it holds {meta['stateful']}")
+    if accelerator is not None:
+        accelerator.load_state(str(path))
+    for name, obj in wanted.items():
+        obj.load_state_dict(torch.load(path / f"{name}.pt", map_location="cpu", weights_only=True))
+    if accelerator is None:
+        set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+    return {"step": meta["step"], **meta["extras"]}
+
+
+def resolve_resume(spec: str | os.PathLike[str] | None, runs_root: str | os.PathLike[str]) -> Path | None:
+    """Turn an app's `--resume` value into a checkpoint path.
+
+    None -> None (fresh start). "latest" -> the newest checkpoint of `runs_root/latest`, or None
+    when there is none yet (so a preemptible job can always pass `--resume`). A path may name a
+    checkpoint, a run directory (uses its `checkpoints/`) or a checkpoints directory; finding no
+    checkpoint there raises. The run directory of a checkpoint is `ckpt.parent.parent`.
+    """
+    if spec is None:
+        return None
+    if str(spec) == "latest":
+        run = latest_run(runs_root)
+        return latest_checkpoint(run / "checkpoints") if run is not None else None
+    path = Path(spec)
+    if (path / "meta.json").is_file():
+        return path
+    found = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
+    if found is None:
+        raise FileNotFoundError(f"--resume {spec}: no complete checkpoint-<step> there")
+    return found

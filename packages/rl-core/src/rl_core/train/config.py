@@ -1,0 +1,425 @@
+"""App configuration: a msgspec Struct filled from defaults, a TOML/YAML file, environment
+variables and dotted `key=value` command-line overrides, in that order of precedence.
+
+    class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
+        lr: Annotated[float, msgspec.Meta(gt=0)] = 1e-5  # AdamW learning rate
+        steps: int = 100
+
+    class Config(msgspec.Struct, kw_only=True, frozen=True):
+        train: TrainConfig = msgspec.field(default_factory=TrainConfig)
+
+    cli = parse_cli(sys.argv[1:])
+    if cli.help:
+        sys.exit(print(config_help(Config, env={"ACTOR_LR": "train.lr"}, prog="my-app")))
+    cfg = load_config(Config, cli.config, cli.overrides, env={"ACTOR_LR": "train.lr"})
+
+Configs stop at the app edge (torchtune's builders): library code takes flat keyword arguments.
+Every error names the dotted field and where its value came from (file, env var, CLI).
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import inspect
+import io
+import json
+import math
+import os
+import re
+import textwrap
+import tokenize
+import tomllib
+import types
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
+
+import msgspec
+import yaml
+
+__all__ = ["CliArgs", "ConfigError", "config_help", "dump_config", "load_config", "parse_cli"]
+
+T = TypeVar("T", bound=msgspec.Struct)
+_NULLS = frozenset({"null", "none", "None"})
+
+
+class ConfigError(ValueError):
+    """A config value or key is wrong; the message names the dotted key and its source."""
+
+
+# ---------------------------------------------------------------- type helpers
+
+
+def _unwrap(tp: Any) -> tuple[Any, list[Any]]:
+    """Strip `Annotated[...]`, returning the bare type and its metadata."""
+    if get_origin(tp) is Annotated:
+        base, *meta = get_args(tp)
+        return base, meta
+    return tp, []
+
+
+def _members(tp: Any) -> tuple[Any, ...]:
+    """Members of a union (`A | None` -> (A, NoneType)); a non-union is its own one member."""
+    tp, _ = _unwrap(tp)
+    if get_origin(tp) in (Union, types.UnionType):
+        return tuple(_unwrap(arg)[0] for arg in get_args(tp))
+    return (tp,)
+
+
+def _struct_of(tp: Any) -> type[msgspec.Struct] | None:
+    """The Struct type behind `S`, `Annotated[S, ...]` or `S | None`; None for leaf types."""
+    structs = [m for m in _members(tp) if isinstance(m, type) and issubclass(m, msgspec.Struct)]
+    return structs[0] if len(structs) == 1 else None
+
+
+def _admits(tp: Any, kind: type) -> bool:
+    """Whether a value of `kind` (str, list, NoneType) is valid for `tp`."""
+    for member in _members(tp):
+        if get_origin(member) is Literal:
+            if any(isinstance(arg, kind) for arg in get_args(member)):
+                return True
+        elif (get_origin(member) or member) is kind:
+            return True
+    return False
+
+
+def _type_name(tp: Any) -> str:
+    tp, _ = _unwrap(tp)
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(arg) for arg in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(arg) for arg in get_args(tp))
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(arg) for arg in get_args(tp))}]"
+    if tp is type(None):
+        return "None"
+    return tp.__name__ if isinstance(tp, type) else repr(tp)
+
+
+def _fields(cls: type[msgspec.Struct]) -> dict[str, msgspec.structs.FieldInfo]:
+    return {f.encode_name: f for f in msgspec.structs.fields(cls)}
+
+
+def _all_keys(cls: type[msgspec.Struct], prefix: str = "") -> list[str]:
+    """Every dotted key of `cls`, nested Structs included (`train`, `train.lr`, ...)."""
+    keys = []
+    for name, info in _fields(cls).items():
+        keys.append(prefix + name)
+        sub = _struct_of(info.type)
+        if sub is not None:
+            keys += _all_keys(sub, f"{prefix}{name}.")
+    return keys
+
+
+def _field_type(cls: type[msgspec.Struct], dotted: str, source: str) -> Any:
+    """The annotated type of `dotted` in `cls`; an unknown key raises with close matches."""
+    tp: Any = cls
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        struct = _struct_of(tp)
+        fields = _fields(struct) if struct is not None else {}
+        if part not in fields:
+            known = _all_keys(cls)
+            close = difflib.get_close_matches(dotted, known, n=3, cutoff=0.6)
+            close = close or difflib.get_close_matches(part, [k.split(".")[-1] for k in known])
+            hint = f"; did you mean: {', '.join(close)}?" if close else ""
+            where = ".".join(parts[:i]) or "the top level"
+            raise ConfigError(f"unknown config key {dotted!r} ({source}): no field {part!r} "
+                              f"in {where}{hint}")
+        tp = fields[part].type
+    return tp
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        else:
+            raise ConfigError(f"{path}: config files must end in .toml, .yaml or .yml")
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a table/mapping, got {type(data).__name__}")
+    return data
+
+
+def _flatten(data: Mapping[str, Any], cls: type[msgspec.Struct], source: str,
+             prefix: str = "") -> dict[str, Any]:
+    """Nested file data -> {dotted key: value}, descending only into Struct-typed fields."""
+    flat = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        tp = _field_type(cls, dotted, source)  # raises on an unknown key
+        if isinstance(value, dict) and _struct_of(tp) is not None:
+            flat.update(_flatten(value, cls, source, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def _parse_value(raw: str, tp: Any) -> Any:
+    """A command-line / env string -> a Python value for a field of type `tp`.
+
+    Quoted strings, numbers, booleans, arrays and inline tables are read as TOML literals;
+    `null`/`none` means None for optional fields; a list field also takes `a,b,c`; a str field
+    takes the raw text. Anything else is left as a string for msgspec to convert or reject.
+    """
+    if raw in _NULLS and _admits(tp, type(None)):
+        return None
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        if _admits(tp, list) and not raw.lstrip().startswith("["):
+            return [item.strip() for item in raw.split(",") if item.strip()]
+        return raw
+    if _admits(tp, str) and not isinstance(value, str):
+        return raw  # `name=123` for a str field means the string "123"
+    return value
+
+
+def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = data
+    for part in parents:
+        if node.get(part) is None:  # absent, or `null` in the file: start a table
+            node[part] = {}
+        node = node[part]
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {dotted!r}: {part!r} is not a table")
+    node[leaf] = value
+
+
+def _error_message(err: msgspec.ValidationError, data: dict[str, Any], sources: dict[str, str]) -> str:
+    text = str(err)
+    match = re.fullmatch(r"(.*) - at `\$\.?(.*)`", text, flags=re.S)
+    message, path = (match.group(1), match.group(2)) if match else (text, "")
+    message = message.replace("`", "")
+    message = message[:1].lower() + message[1:]
+    dotted = re.sub(r"\[\d+\]", "", path)
+    value: Any = data
+    for part in dotted.split(".") if dotted else []:
+        value = value.get(part) if isinstance(value, dict) else None
+    source = next((sources[k] for k in sorted(sources, key=len, reverse=True)
+                   if dotted == k or dotted.startswith(k + ".") or k.startswith(dotted + ".")),
+                  "default")
+    if isinstance(value, str | int | float | bool):  # the value itself says more than its type
+        message = re.sub(r", got \w+$", "", message) + f", got {value!r}"
+    return f"{path or 'config'}: {message} (from {source})"
+
+
+def load_config(
+    cls: type[T],
+    path: str | os.PathLike[str] | None = None,
+    overrides: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> T:
+    """Build `cls` from its defaults < `path` (.toml/.yaml) < `env` < `overrides`.
+
+    `overrides` are `dotted.key=value` strings (see `_parse_value` for the value syntax).
+    `env` maps an environment variable to a dotted key (`{"ACTOR_LR": "train.lr"}`); a variable
+    that is set supplies that key's value. Unknown keys raise `ConfigError` listing close matches;
+    type errors name the dotted field and where the value came from. Values are converted with
+    msgspec in lax mode, so YAML's `1e-5` (a string in YAML 1.1) still fills a float field.
+    """
+    data: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if path is not None:
+        file = Path(path)
+        for dotted, value in _flatten(_read_file(file), cls, str(file)).items():
+            _set(data, dotted, value)
+            sources[dotted] = str(file)
+    for var, dotted in (env or {}).items():
+        tp = _field_type(cls, dotted, f"env mapping {var}")
+        if var in os.environ:
+            _set(data, dotted, _parse_value(os.environ[var], tp))
+            sources[dotted] = f"env {var}={os.environ[var]}"
+    for item in overrides:
+        dotted, sep, raw = item.partition("=")
+        if not sep or not dotted.strip():
+            raise ConfigError(f"override {item!r} must look like dotted.key=value")
+        dotted = dotted.strip()
+        _set(data, dotted, _parse_value(raw, _field_type(cls, dotted, f"override {item!r}")))
+        sources[dotted] = f"override {item}"
+    try:
+        return msgspec.convert(data, cls, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(_error_message(e, data, sources)) from None
+
+
+# ---------------------------------------------------------------- command line
+
+
+class CliArgs(msgspec.Struct, frozen=True, kw_only=True):
+    """What `parse_cli` found. `resume` is None (start fresh), "latest", or a path."""
+
+    config: Path | None = None
+    resume: str | None = None
+    help: bool = False
+    overrides: tuple[str, ...] = ()
+
+
+_OPTIONS = "--config FILE, --resume [PATH], --help and key=value overrides"
+
+
+def parse_cli(argv: Sequence[str]) -> CliArgs:
+    """Split an app's argv into `--config FILE`, `--resume [PATH]`, `-h/--help`, `key=value`.
+
+    A bare `--resume` (or one followed by an override or option) means "latest"; `--flag=value`
+    spellings work too. Anything else raises `ConfigError` naming the token.
+    """
+    config: Path | None = None
+    resume: str | None = None
+    show_help = False
+    overrides: list[str] = []
+    tokens = list(argv)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        flag, eq, inline = token.partition("=") if token.startswith("--") else (token, "", "")
+        following = tokens[i + 1] if i + 1 < len(tokens) else None
+        takes_next = following is not None and not following.startswith("-") and "=" not in following
+        if token in ("-h", "--help"):
+            show_help = True
+        elif flag == "--config":
+            if not (eq or takes_next):
+                raise ConfigError("--config needs a file: --config FILE")
+            config = Path(inline if eq else tokens[i + 1])
+            i += 0 if eq else 1
+        elif flag == "--resume":
+            resume = inline if eq else (following if takes_next else "latest")
+            i += 1 if takes_next and not eq else 0
+        elif token.startswith("-"):
+            raise ConfigError(f"unknown option {token!r}; an app takes {_OPTIONS}")
+        elif "=" in token:
+            overrides.append(token)
+        else:
+            raise ConfigError(f"argument {token!r} is not key=value; an app takes {_OPTIONS}")
+        i += 1
+    return CliArgs(config=config, resume=resume, help=show_help, overrides=tuple(overrides))
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Field name -> its attribute docstring or trailing `# comment` in the class source."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # defined in a REPL or exec'd string: no source to read
+        return {}
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                if tok.type == tokenize.COMMENT}
+    body = ast.parse(source).body[0].body
+    docs = {}
+    for node, nxt in zip(body, [*body[1:], None], strict=True):
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(
+                nxt.value.value, str):
+            docs[node.target.id] = inspect.cleandoc(nxt.value.value).replace("\n", " ")
+        elif node.end_lineno in comments:
+            docs[node.target.id] = comments[node.end_lineno]
+    return docs
+
+
+def _help_rows(cls: type[msgspec.Struct], prefix: str = "") -> list[tuple[str, str, str]]:
+    docs = _field_docs(cls)
+    rows = []
+    for info in msgspec.structs.fields(cls):
+        key = prefix + info.encode_name
+        sub = _struct_of(info.type)
+        if sub is not None:
+            rows += _help_rows(sub, key + ".")
+            continue
+        if info.default is not msgspec.NODEFAULT:
+            default = _toml_value(info.default) if info.default is not None else "null"
+        elif info.default_factory is not msgspec.NODEFAULT:
+            default = _toml_value(msgspec.to_builtins(info.default_factory()))
+        else:
+            default = "(required)"
+        described = [m.description for m in _unwrap(info.type)[1]
+                     if isinstance(m, msgspec.Meta) and m.description]
+        rows.append((key, f"{_type_name(info.type)} = {default}",
+                     described[0] if described else docs.get(info.name, "")))
+    return rows
+
+
+def config_help(cls: type[msgspec.Struct], *, env: Mapping[str, str] | None = None,
+                prog: str = "app") -> str:
+    """`--help` text: usage, then every dotted key with its type, default, doc and env var.
+
+    Docs come from `msgspec.Meta(description=...)`, else the field's attribute docstring,
+    else its trailing `# comment`.
+    """
+    env_of = {dotted: var for var, dotted in (env or {}).items()}
+    rows = _help_rows(cls)
+    key_w = max((len(r[0]) for r in rows), default=0)
+    type_w = max((len(r[1]) for r in rows), default=0)
+    lines = [
+        f"usage: {prog} [--config FILE] [--resume [PATH]] [key=value ...]",
+        "",
+        "  --config FILE    TOML (.toml) or YAML (.yaml) file setting any key below",
+        "  --resume [PATH]  resume from a checkpoint or run directory (default: the latest run)",
+        "  key=value        set one key; precedence: defaults < --config < env < key=value",
+        "",
+        "keys:",
+    ]
+    for key, typed, doc in rows:
+        note = f"  [env {env_of[key]}]" if key in env_of else ""
+        lines.append(f"  {key:<{key_w}}  {typed:<{type_w}}  {doc}{note}".rstrip())
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- dumping
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return ("nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+                if math.isinf(value) else repr(value))
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise ConfigError(f"cannot write {value!r} ({type(value).__name__}) to TOML")
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key, ensure_ascii=False)
+
+
+def _toml_lines(table: dict[str, Any], cls: type[msgspec.Struct], prefix: str) -> list[str]:
+    fields = _fields(cls)
+    lines, tables = [], []
+    for key, value in table.items():
+        sub = _struct_of(fields[key].type)
+        if sub is not None and isinstance(value, dict):
+            tables.append((key, value, sub))
+        elif value is None:  # TOML has no null; `key=null` on the command line restores it
+            lines.append(f"# {_toml_key(key)} = null")
+        else:
+            lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
+    for key, value, sub in tables:
+        name = f"{prefix}{_toml_key(key)}"
+        lines += ["", f"[{name}]", *_toml_lines(value, sub, name + ".")]
+    return lines
+
+
+def dump_config(cfg: msgspec.Struct) -> str:
+    """`cfg` as a TOML document that `load_config(type(cfg), file)` reads back to an equal value.
+
+    None values become comments (TOML has no null): exact when the field's default is None.
+    """
+    return "\n".join(_toml_lines(msgspec.to_builtins(cfg), type(cfg), "")).lstrip("\n") + "\n"

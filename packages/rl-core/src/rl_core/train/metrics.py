@@ -1,0 +1,131 @@
+"""Metric logging: `metrics.csv` in the run directory plus Accelerate trackers, and phase timing.
+
+    timer = PhaseTimer()
+    logger = MetricsLogger(run_dir, accelerator=accelerator)
+    with timer("generate"):
+        ...
+    logger.log(step, {"reward/mean": reward.mean(), **timer.pop()})
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import numbers
+import os
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["MetricsLogger", "PhaseTimer"]
+
+Scalar = int | float | str
+
+
+def _scalar(key: str, value: Any) -> Scalar:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"metric {key!r} must be a scalar, got a tensor of shape "
+                             f"{tuple(value.shape)}; reduce it first (e.g. .mean())")
+        return value.item()
+    if isinstance(value, bool | str | numbers.Integral):
+        return value if isinstance(value, bool | str) else int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"metric {key!r} must be a number, string or 1-element tensor, "
+                    f"got {type(value).__name__}")
+
+
+class MetricsLogger:
+    """Append one row per `log(step, metrics)` to `run_dir/metrics.csv` and forward the same
+    values to `accelerator.log` (the trackers set up with `Accelerator(log_with=...)` and
+    `accelerator.init_trackers`).
+
+    Only the main process writes; values should already be reduced across processes. A key
+    that first appears later widens the CSV: the file is rewritten with the union of columns
+    (atomically: temp file + rename), earlier rows get empty cells. On resume, pass
+    `start_step` (the checkpoint's step): rows logged after it by the interrupted run are
+    dropped, so the CSV reads as one uninterrupted run.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str], *, accelerator: Any = None,
+                 start_step: int | None = None) -> None:
+        self.path = Path(run_dir) / "metrics.csv"
+        self.accelerator = accelerator
+        self.main = accelerator is None or accelerator.is_main_process
+        self.columns = ["step"]
+        if self.main and self.path.exists():
+            columns, rows = self._read()
+            self.columns = columns or self.columns
+            if start_step is not None:
+                self._rewrite([r for r in rows if int(r["step"]) <= start_step])
+
+    def _read(self) -> tuple[list[str], list[dict[str, str]]]:
+        with self.path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            return list(reader.fieldnames or []), rows
+
+    def _rewrite(self, rows: list[Mapping[str, Any]]) -> None:
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=self.columns, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(buffer.getvalue(), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record `metrics` (numbers, strings or 1-element tensors) at `step`."""
+        values = {key: _scalar(key, value) for key, value in metrics.items()}
+        if self.accelerator is not None:
+            self.accelerator.log(values, step=step)
+        if not self.main:
+            return
+        row = {"step": step, **values}
+        new = [key for key in row if key not in self.columns]
+        if new or not self.path.exists():
+            self.columns += new
+            self._rewrite([*self._read()[1], row] if self.path.exists() else [row])
+            return
+        with self.path.open("a", newline="", encoding="utf-8") as f:
+            csv.DictWriter(f, fieldnames=self.columns, lineterminator="\n").writerow(row)
+
+
+def _cuda_sync() -> None:
+    # Kernels run asynchronously: without a sync, a phase would be charged for only the time
+    # to launch its kernels and the next phase for the rest.
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class PhaseTimer:
+    """Wall time per training phase, reported as `time/<phase>` seconds.
+
+    `with timer("reward"): ...` adds to that phase's total (a phase entered twice in one step
+    is summed); `pop()` returns the totals and starts the next step from zero. CUDA is
+    synchronized at both ends of a phase once CUDA is in use.
+    """
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        _cuda_sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            _cuda_sync()
+            self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - start
+
+    def pop(self) -> dict[str, float]:
+        """`{"time/<phase>": seconds}` since the last pop; resets the totals."""
+        out = {f"time/{phase}": seconds for phase, seconds in self.totals.items()}
+        self.totals = {}
+        return out

@@ -1,0 +1,59 @@
+"""A rich progress bar for training loops: step/total, elapsed, ETA, chosen metrics and phase
+times. Shown only on the main process and only when stdout is a terminal (log files stay clean;
+metrics.csv has the numbers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+__all__ = ["TrainProgress"]
+
+
+class TrainProgress:
+    """`with TrainProgress(total, initial=start_step) as bar: ... bar.update(step, metrics)`.
+
+    Shows the metrics named in `show` that are present (e.g. `reward/mean`) and every
+    `time/<phase>` value as `phase 1.2s`.
+    """
+
+    def __init__(self, total: int, *, initial: int = 0, show: Sequence[str] = ("reward",),
+                 accelerator: Any = None, console: Console | None = None) -> None:
+        self.console = console or Console()
+        main = accelerator is None or accelerator.is_main_process
+        self.enabled = main and self.console.is_terminal
+        self.show = tuple(show)
+        self._progress = Progress(
+            TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
+            TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"),
+            console=self.console, disable=not self.enabled,
+        )
+        self._task = self._progress.add_task("train", total=total, completed=initial, metrics="")
+
+    def __enter__(self) -> TrainProgress:
+        self._progress.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._progress.stop()
+
+    def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
+        """Move to `step` (completed steps) and show `metrics`."""
+        metrics = metrics or {}
+        parts = [f"{key}={float(metrics[key]):.4g}" for key in self.show if key in metrics]
+        parts += [f"{key.removeprefix('time/')} {float(v):.2f}s" for key, v in metrics.items()
+                  if key.startswith("time/")]
+        self._progress.update(self._task, completed=step, metrics="  ".join(parts))

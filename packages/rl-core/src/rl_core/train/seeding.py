@@ -1,0 +1,62 @@
+"""Seeding and RNG state capture for exact resume: Python `random`, NumPy's global generator
+(when NumPy is installed), torch CPU and every CUDA device.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import torch
+
+try:  # NumPy is optional for rl-core; its global RNG is seeded/saved when it is installed
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy comes with accelerate in rl-core[train]
+    np = None
+
+__all__ = ["get_rng_state", "seed_everything", "set_rng_state"]
+
+
+def seed_everything(seed: int, *, rank: int = 0, deterministic: bool = False) -> int:
+    """Seed python, numpy, torch and CUDA with `seed + rank`; return that seed.
+
+    Pass the data-parallel rank so ranks draw different noise (identical sampling noise on
+    every rank would duplicate rollouts, e.g. the SDE noise of Flow-GRPO). `deterministic=True`
+    also turns on `torch.use_deterministic_algorithms` and disables cuDNN autotuning: pick it to
+    debug a divergence, not for speed.
+    """
+    seed = seed + rank
+    random.seed(seed)
+    if np is not None:
+        np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # seeds every CUDA device too
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+    return seed
+
+
+def get_rng_state() -> dict[str, Any]:
+    """Every global RNG state, in types `torch.load(weights_only=True)` accepts."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if np is not None:
+        kind, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+        state["numpy"] = (kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `get_rng_state` captured."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if np is not None and "numpy" in state:
+        kind, key, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, key.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,225 @@
+"""rl_core.train.config: precedence, value parsing, errors naming the field and source, help
+text, TOML round trip, CLI splitting."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+import pytest
+
+from rl_core.train.config import (
+    CliArgs,
+    ConfigError,
+    config_help,
+    dump_config,
+    load_config,
+    parse_cli,
+)
+
+
+class OptimConfig(msgspec.Struct, kw_only=True, frozen=True):
+    lr: Annotated[float, msgspec.Meta(gt=0, description="AdamW learning rate")] = 1e-5
+    betas: list[float] = msgspec.field(default_factory=lambda: [0.9, 0.999])
+    warmup: int = 0  # linear warmup steps
+
+
+class EvalConfig(msgspec.Struct, kw_only=True, frozen=True):
+    every: int = 10
+    """Evaluate every N steps."""
+    seeds: list[int] = msgspec.field(default_factory=list)
+
+
+class Config(msgspec.Struct, kw_only=True, frozen=True):
+    name: str = "run"
+    steps: int = 100
+    estimator: Literal["grpo", "rloo"] = "grpo"
+    bf16: bool = True
+    seed: int | None = 0
+    tags: list[str] = msgspec.field(default_factory=list)
+    optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
+    eval: EvalConfig | None = None
+
+
+ENV = {"TEST_RL_LR": "optim.lr", "TEST_RL_STEPS": "steps", "TEST_RL_WARMUP": "optim.warmup"}
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ENV:
+        monkeypatch.delenv(var, raising=False)
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_defaults_when_nothing_given() -> None:
+    assert load_config(Config) == Config()
+
+
+@pytest.mark.parametrize("suffix", [".toml", ".yaml"])
+def test_precedence_defaults_file_env_cli(tmp_path: Path, suffix: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    text = {
+        ".toml": 'steps = 7\nname = "from-file"\n[optim]\nlr = 0.5\nwarmup = 3\n',
+        # YAML 1.1 reads 5e-1 as a string; the lax conversion still yields a float
+        ".yaml": "steps: 7\nname: from-file\noptim:\n  lr: 5e-1\n  warmup: 3\n",
+    }[suffix]
+    path = _write(tmp_path / f"c{suffix}", text)
+    monkeypatch.setenv("TEST_RL_STEPS", "8")  # env beats file
+    monkeypatch.setenv("TEST_RL_LR", "0.25")  # env beats file, CLI beats env
+    cfg = load_config(Config, path, ["optim.lr=0.125"], env=ENV)
+    assert cfg.name == "from-file"  # file beats default
+    assert cfg.steps == 8
+    assert cfg.optim.lr == 0.125
+    assert cfg.optim.warmup == 3  # file only
+    assert cfg.optim.betas == [0.9, 0.999]  # default only
+    assert cfg.estimator == "grpo"
+
+
+def test_override_value_syntax() -> None:
+    cfg = load_config(Config, overrides=[
+        "name=123",  # a str field takes the raw text
+        "tags=a,b",  # comma list
+        "optim.betas=[0.5, 0.6]",  # TOML array
+        "bf16=false",
+        "seed=null",
+        "estimator=rloo",
+        "eval.every=5",  # fills an optional nested Struct that defaults to None
+        'eval.seeds=[1, 2]',
+    ])
+    assert cfg.name == "123"
+    assert cfg.tags == ["a", "b"]
+    assert cfg.optim.betas == [0.5, 0.6]
+    assert cfg.bf16 is False
+    assert cfg.seed is None
+    assert cfg.estimator == "rloo"
+    assert cfg.eval == EvalConfig(every=5, seeds=[1, 2])
+
+
+def test_later_override_wins_and_quoted_strings() -> None:
+    cfg = load_config(Config, overrides=["steps=1", "steps=2", 'name="a b"'])
+    assert (cfg.steps, cfg.name) == (2, "a b")
+
+
+@pytest.mark.parametrize(("override", "pattern"), [
+    ("optim.lr=abc", r"optim\.lr: expected float, got 'abc' \(from override optim\.lr=abc\)"),
+    ("optim.lr=-1", r"optim\.lr: expected float > 0\.0, got -1 \(from override"),
+    ("steps=1.5", r"steps: expected int, got 1\.5"),
+    ("estimator=ppo", r"estimator: invalid enum value 'ppo'"),
+    ("optim.betas=[1, \"x\"]", r"optim\.betas\[1\]: expected float, got str"),
+])
+def test_type_errors_name_field_and_source(override: str, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(Config, overrides=[override])
+
+
+def test_type_error_from_file_names_file(tmp_path: Path) -> None:
+    path = _write(tmp_path / "bad.toml", '[optim]\nwarmup = "soon"\n')
+    with pytest.raises(ConfigError, match=rf"optim\.warmup: expected int, got 'soon' \(from {path}\)"):
+        load_config(Config, path)
+
+
+def test_type_error_from_env_names_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_RL_WARMUP", "lots")
+    with pytest.raises(ConfigError, match=r"optim\.warmup: .*\(from env TEST_RL_WARMUP=lots\)"):
+        load_config(Config, env=ENV)
+
+
+def test_unknown_override_key_lists_close_matches() -> None:
+    with pytest.raises(ConfigError, match=r"unknown config key 'optim\.lrr'.*did you mean: optim\.lr\b"):
+        load_config(Config, overrides=["optim.lrr=1"])
+    with pytest.raises(ConfigError, match=r"'stpes'.*did you mean: steps"):
+        load_config(Config, overrides=["stpes=1"])
+
+
+def test_unknown_file_key_names_file(tmp_path: Path) -> None:
+    path = _write(tmp_path / "c.yaml", "optim:\n  warmpu: 3\n")
+    with pytest.raises(ConfigError, match=rf"'optim\.warmpu' \({path}\).*did you mean: optim\.warmup"):
+        load_config(Config, path)
+
+
+def test_unknown_env_mapping_key_is_an_error() -> None:
+    with pytest.raises(ConfigError, match=r"env mapping X_LR.*did you mean: optim\.lr"):
+        load_config(Config, env={"X_LR": "optim.lrate"})
+
+
+@pytest.mark.parametrize(("name", "text", "pattern"), [
+    ("c.json", "{}", "must end in .toml, .yaml or .yml"),
+    ("c.toml", "steps = = 1", r"c\.toml: "),
+    ("c.yaml", "- 1\n- 2\n", "top level must be a table"),
+])
+def test_bad_files(tmp_path: Path, name: str, text: str, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(Config, _write(tmp_path / name, text))
+
+
+def test_malformed_override() -> None:
+    with pytest.raises(ConfigError, match=r"must look like dotted\.key=value"):
+        load_config(Config, overrides=["steps"])
+
+
+def test_dump_config_round_trips(tmp_path: Path) -> None:
+    cfg = Config(name='quote " and ünïcode', tags=["x", "y"], seed=3,
+                 optim=OptimConfig(lr=3e-4, betas=[0.5, 0.75]), eval=EvalConfig(every=2))
+    text = dump_config(cfg)
+    assert "[optim]\nlr = 0.0003\n" in text
+    path = _write(tmp_path / "config.toml", text)
+    assert load_config(Config, path) == cfg
+
+
+def test_dump_config_writes_none_as_comment() -> None:
+    text = dump_config(Config())
+    assert "# eval = null" in text
+    assert "[eval]" not in text
+
+
+def test_config_help_lists_every_key_with_type_default_doc_env() -> None:
+    text = config_help(Config, env=ENV, prog="my-app")
+    assert text.startswith("usage: my-app [--config FILE] [--resume [PATH]] [key=value ...]")
+    lines = {line.split()[0]: line for line in text.splitlines()[7:]}
+    assert set(lines) == {"name", "steps", "estimator", "bf16", "seed", "tags", "optim.lr",
+                          "optim.betas", "optim.warmup", "eval.every", "eval.seeds"}
+    assert "float = 1e-05" in lines["optim.lr"]
+    assert "AdamW learning rate  [env TEST_RL_LR]" in lines["optim.lr"]
+    assert "linear warmup steps" in lines["optim.warmup"]  # trailing comment
+    assert "Evaluate every N steps." in lines["eval.every"]  # attribute docstring
+    assert "'grpo' | 'rloo' = \"grpo\"" in lines["estimator"]
+    assert "int | None = 0" in lines["seed"]
+    assert "list[float] = [0.9, 0.999]" in lines["optim.betas"]
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    ([], CliArgs()),
+    (["--config", "c.toml", "a.b=1", "c=x y"],
+     CliArgs(config=Path("c.toml"), overrides=("a.b=1", "c=x y"))),
+    (["--config=c.yaml", "--resume"], CliArgs(config=Path("c.yaml"), resume="latest")),
+    (["--resume", "a=1"], CliArgs(resume="latest", overrides=("a=1",))),
+    (["--resume", "runs/x/checkpoints/checkpoint-3", "-h"],
+     CliArgs(resume="runs/x/checkpoints/checkpoint-3", help=True)),
+    (["--resume=ck", "--help"], CliArgs(resume="ck", help=True)),
+])
+def test_parse_cli(argv: list[str], expected: CliArgs) -> None:
+    assert parse_cli(argv) == expected
+
+
+@pytest.mark.parametrize(("argv", "pattern"), [
+    (["--confg", "x"], "unknown option '--confg'"),
+    (["steps"], "'steps' is not key=value"),
+    (["--config"], "--config needs a file"),
+])
+def test_parse_cli_errors(argv: list[str], pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        parse_cli(argv)
+
+
+def test_imports_stay_light() -> None:
+    """`import rl_core` pulls in no train dependency; `rl_core.train` never imports accelerate."""
+    code = ("import sys, rl_core; assert 'msgspec' not in sys.modules, 'msgspec'; "
+            "import rl_core.train; assert 'accelerate' not in sys.modules, 'accelerate'")
+    subprocess.run([sys.executable, "-c", code], check=True)
