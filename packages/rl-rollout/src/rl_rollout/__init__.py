@@ -1,3 +1,17 @@
-"""rl-rollout."""
+"""rl-rollout: generation engines behind one protocol (`hf`, `openai`, `vllm`)."""
+
+from rl_rollout.protocol import Engine, FinishReason, Generation, Prompt, SamplingParams
+from rl_rollout.registry import build_engine, engine_names, register_engine
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Engine",
+    "FinishReason",
+    "Generation",
+    "Prompt",
+    "SamplingParams",
+    "build_engine",
+    "engine_names",
+    "register_engine",
+]

@@ -1,0 +1,62 @@
+"""Engines by name: `build_engine("hf", model=..., tokenizer_or_processor=...)`.
+
+Builders take flat keyword arguments (configs stop at the app edge). Engines whose extra is not
+installed are still listed; building them raises ImportError with the install command.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from rl_rollout.protocol import Engine
+
+EngineBuilder = Callable[..., Engine]
+_ENGINES: dict[str, EngineBuilder] = {}
+
+
+def register_engine(name: str, builder: EngineBuilder) -> None:
+    """Register an engine builder; registering a name twice raises."""
+    if name in _ENGINES:
+        raise ValueError(f"engine {name!r} is already registered")
+    _ENGINES[name] = builder
+
+
+def engine_names() -> list[str]:
+    return sorted(_ENGINES)
+
+
+def build_engine(name: str, **kwargs: Any) -> Engine:
+    """Build the engine registered as `name` with keyword arguments.
+
+    `hf`: `path=` (checkpoint, via `HFEngine.from_pretrained`) or `model=` + `tokenizer_or_processor=`.
+    `openai`: `base_url=`, `model=`, ... (`OpenAIEngine`). `vllm`: `model=` path, ... (`VLLMEngine`).
+    """
+    if name not in _ENGINES:
+        raise KeyError(f"unknown engine {name!r}; valid: {', '.join(engine_names())}")
+    return _ENGINES[name](**kwargs)
+
+
+def _build_hf(**kwargs: Any) -> Engine:
+    from rl_rollout.hf import HFEngine
+
+    if "path" in kwargs:
+        return HFEngine.from_pretrained(kwargs.pop("path"), **kwargs)
+    return HFEngine(kwargs.pop("model"), kwargs.pop("tokenizer_or_processor"), **kwargs)
+
+
+def _build_openai(**kwargs: Any) -> Engine:
+    from rl_rollout.openai import OpenAIEngine
+
+    return OpenAIEngine(**kwargs)
+
+
+def _build_vllm(**kwargs: Any) -> Engine:
+    from rl_rollout.vllm import VLLMEngine
+
+    return VLLMEngine(**kwargs)
+
+
+register_engine("hf", _build_hf)
+register_engine("openai", _build_openai)
+register_engine("vllm", _build_vllm)
