@@ -1,0 +1,260 @@
+"""Clients of the reward server (`rl-rewards serve`) for all three protocols, sync and async.
+
+    from rl_rewards.client import RewardClient
+    with RewardClient("http://127.0.0.1:18889") as client:
+        results = client.score([Sample(completion="[00:01] a dog runs")], reward="timestamp_format")
+
+Connections are pooled (one httpx client per `RewardClient`). Every call has a timeout and is
+retried with exponential backoff and full jitter on connection errors, timeouts, 5xx and 429
+(honouring `Retry-After`), never on another 4xx: a bad request fails at once with
+`RewardRequestError` naming the field or limit. After the last attempt `RewardServerUnavailable`
+says how many attempts were made and what the last failure was. Scoring is a pure function of
+the request, so retrying a POST is safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+import msgspec
+
+from rl_rewards import wire
+from rl_rewards.samples import Sample, ScoreResult
+
+T = TypeVar("T")
+
+
+class RewardClientError(Exception):
+    """Base class of the client's errors."""
+
+
+class RewardRequestError(RewardClientError):
+    """The server refused the request (4xx other than 429): not retried."""
+
+    def __init__(self, status: int, body: wire.ErrorResponse, url: str):
+        where = f" (field {body.field})" if body.field else ""
+        limit = f" (limit {body.limit})" if body.limit else ""
+        super().__init__(f"{url} -> {status}: {body.error}{where}{limit}")
+        self.status, self.error, self.field, self.limit = status, body.error, body.field, body.limit
+
+
+class RewardServerUnavailable(RewardClientError):
+    """Every attempt failed with a connection error, timeout, 5xx or 429."""
+
+    def __init__(self, url: str, attempts: int, last: str):
+        super().__init__(f"{url}: gave up after {attempts} attempt(s); last failure: {last}")
+        self.attempts, self.last = attempts, last
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """`attempts` tries in all; before try k+1 sleep uniform(0, min(max_backoff_s,
+    backoff_s * 2**k)) ("full jitter"), or the server's Retry-After when it sends one.
+    OpenRLHF's own client tries 5 times, which is the default here."""
+
+    attempts: int = 5
+    backoff_s: float = 0.5
+    max_backoff_s: float = 20.0
+
+    def delay(self, attempt: int, retry_after: str | None = None) -> float:
+        if retry_after is not None and retry_after.replace(".", "", 1).isdigit():
+            return min(float(retry_after), self.max_backoff_s)
+        return random.uniform(0, min(self.max_backoff_s, self.backoff_s * 2**attempt))
+
+
+_RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+
+
+def _outcome(response: httpx.Response, kind: type[T]) -> T | str:
+    """Decoded body, or the failure text when the status is retryable; raises on other 4xx."""
+    if response.status_code == 200:
+        return wire.decode_json(response.content, kind)
+    if response.status_code in _RETRY_STATUS or response.status_code >= 500:
+        return f"HTTP {response.status_code}: {response.text[:500]}"
+    try:
+        body = wire.decode_json(response.content, wire.ErrorResponse)
+    except msgspec.MsgspecError:
+        body = wire.ErrorResponse(error=response.text[:500])
+    raise RewardRequestError(response.status_code, body, str(response.request.url))
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    headers = {"content-type": "application/json"}
+    if api_key is not None:
+        headers["authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+def _qa_request(prompts: Sequence[wire.CaptionQA], score_mode: str | None) -> wire.GetRewardRequest:
+    return wire.GetRewardRequest(
+        prompts=[(caption, [tuple(item) for item in qa]) for caption, qa in prompts], score_mode=score_mode
+    )
+
+
+class RewardClient:
+    """Synchronous client. `timeout` is per attempt, in seconds (OpenRLHF uses 180)."""
+
+    def __init__(
+        self, base_url: str, *, api_key: str | None = None, timeout: float = 180.0,
+        retry: RetryPolicy = RetryPolicy(), max_connections: int = 32,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.retry = retry
+        self._http = httpx.Client(
+            base_url=self.base_url, timeout=timeout, headers=_headers(api_key),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    def __enter__(self) -> RewardClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, method: str, path: str, kind: type[T], body: Any = None) -> T:
+        content = None if body is None else wire.encode_json(body)
+        last = ""
+        for attempt in range(self.retry.attempts):
+            retry_after = None
+            try:
+                response = self._http.request(method, path, content=content)
+                outcome = _outcome(response, kind)
+                if not isinstance(outcome, str):
+                    return outcome
+                last, retry_after = outcome, response.headers.get("retry-after")
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}"
+            if attempt + 1 < self.retry.attempts:
+                time.sleep(self.retry.delay(attempt, retry_after))
+        raise RewardServerUnavailable(f"{self.base_url}{path}", self.retry.attempts, last)
+
+    def score(self, samples: Sequence[Sample], reward: str = "") -> list[ScoreResult]:
+        """Native `/v1/score`: one ScoreResult per sample (`reward` "" = the server's default)."""
+        request = wire.ScoreRequest(samples=list(samples), reward=reward)
+        return self._call("POST", "/v1/score", wire.ScoreResponse, request).results
+
+    def get_reward(self, prompts: Sequence[wire.CaptionQA], score_mode: str | None = None) -> wire.GetRewardResponse:
+        """CapRL qa: `prompts` is `[(caption, [(question_text, answer_letter), ...]), ...]`."""
+        return self._call("POST", "/get_reward", wire.GetRewardResponse, _qa_request(prompts, score_mode))
+
+    def vl_judge(self, samples: Sequence[wire.VLJudgeSample]) -> wire.GetRewardResponse:
+        request = wire.GetRewardRequest(score_mode="vl_judge", samples=list(samples))
+        return self._call("POST", "/get_reward", wire.GetRewardResponse, request)
+
+    def openrlhf(
+        self, query: Sequence[str], prompts: Sequence[str] = (), labels: Sequence[Any] = ()
+    ) -> wire.OpenRLHFResponse:
+        request = wire.OpenRLHFRequest(query=list(query), prompts=list(prompts), labels=list(labels))
+        return self._call("POST", "/openrlhf/get_reward", wire.OpenRLHFResponse, request)
+
+    def health(self) -> wire.HealthResponse:
+        """GET /health once (no retries): raises httpx errors when the server is down."""
+        response = self._http.get("/health")
+        return wire.decode_json(response.content, wire.HealthResponse)
+
+    def wait_ready(self, timeout: float = 60.0, interval: float = 0.1) -> wire.HealthResponse:
+        """Poll /health until `ready` (TimeoutError naming the last state after `timeout` s)."""
+        deadline, last = time.monotonic() + timeout, "no answer"
+        while time.monotonic() < deadline:
+            try:
+                health = self.health()
+                if health.ready:
+                    return health
+                last = f"not ready: {health}"
+            except (httpx.TransportError, msgspec.MsgspecError) as e:
+                last = f"{type(e).__name__}: {e}"
+            time.sleep(interval)
+        raise TimeoutError(f"{self.base_url}/health not ready after {timeout}s ({last})")
+
+
+class AsyncRewardClient:
+    """asyncio client with the same methods (coroutines) and retry semantics."""
+
+    def __init__(
+        self, base_url: str, *, api_key: str | None = None, timeout: float = 180.0,
+        retry: RetryPolicy = RetryPolicy(), max_connections: int = 32,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.retry = retry
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, timeout=timeout, headers=_headers(api_key),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def __aenter__(self) -> AsyncRewardClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(self, method: str, path: str, kind: type[T], body: Any = None) -> T:
+        content = None if body is None else wire.encode_json(body)
+        last = ""
+        for attempt in range(self.retry.attempts):
+            retry_after = None
+            try:
+                response = await self._http.request(method, path, content=content)
+                outcome = _outcome(response, kind)
+                if not isinstance(outcome, str):
+                    return outcome
+                last, retry_after = outcome, response.headers.get("retry-after")
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}"
+            if attempt + 1 < self.retry.attempts:
+                await asyncio.sleep(self.retry.delay(attempt, retry_after))
+        raise RewardServerUnavailable(f"{self.base_url}{path}", self.retry.attempts, last)
+
+    async def score(self, samples: Sequence[Sample], reward: str = "") -> list[ScoreResult]:
+        request = wire.ScoreRequest(samples=list(samples), reward=reward)
+        return (await self._call("POST", "/v1/score", wire.ScoreResponse, request)).results
+
+    async def get_reward(
+        self, prompts: Sequence[wire.CaptionQA], score_mode: str | None = None
+    ) -> wire.GetRewardResponse:
+        return await self._call("POST", "/get_reward", wire.GetRewardResponse, _qa_request(prompts, score_mode))
+
+    async def vl_judge(self, samples: Sequence[wire.VLJudgeSample]) -> wire.GetRewardResponse:
+        request = wire.GetRewardRequest(score_mode="vl_judge", samples=list(samples))
+        return await self._call("POST", "/get_reward", wire.GetRewardResponse, request)
+
+    async def openrlhf(
+        self, query: Sequence[str], prompts: Sequence[str] = (), labels: Sequence[Any] = ()
+    ) -> wire.OpenRLHFResponse:
+        request = wire.OpenRLHFRequest(query=list(query), prompts=list(prompts), labels=list(labels))
+        return await self._call("POST", "/openrlhf/get_reward", wire.OpenRLHFResponse, request)
+
+    async def health(self) -> wire.HealthResponse:
+        response = await self._http.get("/health")
+        return wire.decode_json(response.content, wire.HealthResponse)
+
+
+class RemoteScorer:
+    """A served reward as a `Scorer` and `AsyncScorer`: what the TRL/verl/OpenRLHF adapters use
+    when given a server URL. The async client is created per event loop call (httpx async
+    clients are bound to the loop that made them)."""
+
+    def __init__(self, url: str, reward: str = "", *, api_key: str | None = None, timeout: float = 180.0,
+                 retry: RetryPolicy = RetryPolicy()) -> None:
+        self.name = reward or "remote"
+        self.url, self.reward = url, reward
+        self._options: dict[str, Any] = {"api_key": api_key, "timeout": timeout, "retry": retry}
+        self._sync = RewardClient(url, **self._options)
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        return self._sync.score(samples, self.reward)
+
+    async def ascore(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        async with AsyncRewardClient(self.url, **self._options) as client:
+            return await client.score(samples, self.reward)

@@ -1,0 +1,263 @@
+"""The ASGI app (starlette): routes, request validation, and the scoring service behind them.
+
+Routes (scoring routes require the bearer token when an API key is configured):
+
+| route | protocol |
+|---|---|
+| `POST /get_reward` | CapRL++ (qa and vl_judge), drop-in |
+| `POST /openrlhf/get_reward` | OpenRLHF remote reward model (`--remote_rm_url http://HOST:PORT/openrlhf/get_reward`) |
+| `POST /v1/score` | native: samples + reward name -> ScoreResults |
+| `GET /health` | 200 `{"ready": true, ...}` once every reward is loaded, else 503 |
+| `GET /metrics` | Prometheus text |
+
+Loading happens in the background after startup, so `/health` answers (503) while a judge loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from rl_rewards import wire
+from rl_rewards.samples import Sample, ScoreResult
+from rl_rewards.server import protocols
+from rl_rewards.server.batching import Batcher
+from rl_rewards.server.limits import (
+    HTTPProblem,
+    check_auth,
+    check_batch,
+    check_texts,
+    confine_sample,
+    read_body,
+)
+from rl_rewards.server.metrics import CONTENT_TYPE, Metrics
+from rl_rewards.server.rewards import (
+    CAPRL_FORMAT,
+    CAPRL_QA,
+    CAPRL_VL_JUDGE,
+    judge_name,
+    reward_names,
+)
+from rl_rewards.server.settings import ServerSettings
+from rl_rewards.server.workers import LocalPool, Pool, process_router
+
+log = logging.getLogger("rl_rewards.server")
+JSON = "application/json"
+
+
+def make_pool(settings: ServerSettings, metrics: Metrics) -> Pool:
+    if settings.ray:
+        from rl_rewards.server.ray_pool import ray_router
+
+        return ray_router(settings, metrics)
+    if settings.workers > 0:
+        return process_router(settings, metrics)
+    return LocalPool(settings)
+
+
+class RewardService:
+    """Pool + one batcher per served reward. `ready` once the pool has loaded every reward."""
+
+    def __init__(self, settings: ServerSettings, pool: Pool | None = None) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.pool = pool or make_pool(settings, self.metrics)
+        self.names: list[str] = []
+        self.default = settings.default_reward
+        self.batchers: dict[str, Batcher] = {}
+        self.load_error: str | None = None
+        self._loader: asyncio.Task[None] | None = None
+
+    def ready(self) -> bool:
+        return bool(self.batchers) and self.pool.ready()
+
+    async def start(self) -> None:
+        self._loader = asyncio.create_task(self._load())
+
+    async def _load(self) -> None:
+        started = time.perf_counter()
+        try:
+            await self.pool.start()
+        except Exception as e:
+            self.load_error = f"{type(e).__name__}: {e}"
+            log.exception("loading the rewards failed; /health stays 503")
+            return
+        self.names = self.pool.rewards
+        self.default = self.settings.default_reward or self.names[0]
+        for name in self.names:
+            batcher = Batcher(name, self.pool.score, self.settings.batching, self.pool.size, self.metrics)
+            batcher.start()
+            self.batchers[name] = batcher
+        log.info("ready: rewards %s loaded in %.1fs", self.names, time.perf_counter() - started)
+
+    async def close(self) -> None:
+        if self._loader is not None:
+            self._loader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loader
+        await asyncio.gather(*(b.close() for b in self.batchers.values()))
+        await self.pool.close()
+
+    def batcher(self, name: str) -> Batcher:
+        if not self.ready():
+            raise HTTPProblem(503, self.load_error or "the server is still loading its rewards; poll GET /health")
+        if name not in self.batchers:
+            raise HTTPProblem(
+                404, f"unknown reward {name!r}; served rewards: {', '.join(self.names)}", field="$.reward"
+            )
+        return self.batchers[name]
+
+    async def score(self, name: str, prepared: Sequence[protocols.Prepared]) -> list[ScoreResult]:
+        """Score the prepared samples with reward `name`; pre-failed ones keep their error."""
+        batcher = self.batcher(name)
+        samples = [p for p in prepared if isinstance(p, Sample)]
+        try:
+            scored = await batcher.score(samples)
+        except RuntimeError as e:
+            raise HTTPProblem(503, f"scoring failed on every worker: {e}") from None
+        return protocols.merge(prepared, scored)
+
+
+def decode(body: bytes, kind: type) -> object:
+    """Decode a body into a wire Struct; 400 for malformed JSON, 422 naming the field otherwise."""
+    try:
+        return wire.decode_json(body, kind)
+    except msgspec.ValidationError as e:
+        raise HTTPProblem(422, f"invalid request: {e}", field=wire.validation_path(e)) from None
+    except msgspec.DecodeError as e:
+        raise HTTPProblem(400, f"malformed JSON: {e}") from None
+
+
+def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
+    service = RewardService(settings, pool)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await service.start()
+        yield
+        log.info("shutting down: draining queued batches")
+        await service.close()
+
+    def route(path: str, handler: Callable[[Request], Awaitable[bytes]], scoring: bool = True) -> Route:
+        async def endpoint(request: Request) -> Response:
+            started = time.perf_counter()
+            try:
+                if scoring:
+                    check_auth(request, settings.api_key)
+                body, status = await handler(request), 200
+            except HTTPProblem as p:
+                body, status = wire.encode_json(wire.ErrorResponse(error=p.error, field=p.field, limit=p.limit)), p.status
+                log.info("%s %s -> %d: %s", request.method, path, status, p.error)
+            service.metrics.requests.labels(path, str(status)).inc()
+            service.metrics.request_seconds.labels(path).observe(time.perf_counter() - started)
+            return Response(body, status_code=status, media_type=JSON)
+
+        return Route(path, endpoint, methods=["POST"] if scoring else ["GET"])
+
+    async def get_reward(request: Request) -> bytes:
+        body = await read_body(request, settings.limits)
+        req = decode(body, wire.GetRewardRequest)
+        mode = req.score_mode or settings.score_mode
+        if mode == "vl_judge":
+            return wire.encode_json(await _vl_judge(service, req))
+        return wire.encode_json(await _qa(service, req))
+
+    async def openrlhf(request: Request) -> bytes:
+        req = decode(await read_body(request, settings.limits), wire.OpenRLHFRequest)
+        n = len(req.query)
+        check_batch(n, "$.query", settings.limits)
+        for field, values in (("$.prompts", req.prompts), ("$.labels", req.labels)):
+            if values and len(values) != n:
+                raise HTTPProblem(422, f"{field} has {len(values)} items but $.query has {n}", field=field)
+        check_texts(((f"$.query[{i}]", q) for i, q in enumerate(req.query)), settings.limits)
+        name = settings.openrlhf_reward or service.default
+        results = await service.score(name, protocols.openrlhf_samples(req))
+        return wire.encode_json(protocols.openrlhf_response(results))
+
+    async def native(request: Request) -> bytes:
+        req = decode(await read_body(request, settings.limits), wire.ScoreRequest)
+        check_batch(len(req.samples), "$.samples", settings.limits)
+        check_texts(protocols.sample_texts(req.samples, "$.samples"), settings.limits)
+        name = req.reward or service.default
+        prepared = [_confined(s, settings.media_roots) for s in req.samples]
+        results = await service.score(name, prepared)
+        return wire.encode_json(wire.ScoreResponse(reward=name, results=results))
+
+    async def health(request: Request) -> Response:
+        info = wire.HealthResponse(
+            ready=service.ready(), rewards=service.names or reward_names(settings), score_mode=settings.score_mode,
+            judge=judge_name(settings), workers=service.pool.size, workers_alive=service.pool.alive(),
+        )
+        return Response(wire.encode_json(info), status_code=200 if info.ready else 503, media_type=JSON)
+
+    async def metrics(request: Request) -> Response:
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE)
+
+    app = Starlette(
+        routes=[
+            route("/get_reward", get_reward),
+            route("/openrlhf/get_reward", openrlhf),
+            route("/v1/score", native),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    return app
+
+
+def _confined(sample: Sample, roots: list[str]) -> protocols.Prepared:
+    try:
+        return confine_sample(sample, roots)
+    except ValueError as e:
+        return str(e)
+
+
+async def _qa(service: RewardService, req: wire.GetRewardRequest) -> wire.GetRewardResponse:
+    settings = service.settings
+    if not req.prompts:
+        return wire.GetRewardResponse(rewards=[])
+    check_batch(len(req.prompts), "$.prompts", settings.limits)
+    check_texts(protocols.qa_texts(req), settings.limits)
+    if judge_name(settings) != CAPRL_QA:
+        raise HTTPProblem(
+            422,
+            "no judge configured: a CapRL qa request needs the caption_qa judge; start the server with "
+            "REWARD_MODEL=<text LLM> (or --model) and REWARD_SCORE_MODE=qa, with rl-rewards[hf] installed",
+            field="$.score_mode",
+        )
+    prepared = [protocols.qa_sample(caption, qa) for caption, qa in req.prompts]
+    if settings.task != "video":
+        return protocols.qa_response(await service.score(CAPRL_QA, prepared), None, 0.0)
+    captions = [Sample(completion=caption) for caption, _ in req.prompts]
+    qa, fmt = await asyncio.gather(service.score(CAPRL_QA, prepared), service.score(CAPRL_FORMAT, captions))
+    return protocols.qa_response(qa, fmt, settings.format_reward_weight)
+
+
+async def _vl_judge(service: RewardService, req: wire.GetRewardRequest) -> wire.GetRewardResponse:
+    settings = service.settings
+    if not req.samples:
+        return wire.GetRewardResponse(rewards=[])
+    check_batch(len(req.samples), "$.samples", settings.limits)
+    check_texts(protocols.vl_texts(req), settings.limits)
+    if judge_name(settings) != CAPRL_VL_JUDGE:
+        raise HTTPProblem(
+            422,
+            "no vl_judge configured: start the server with REWARD_MODEL=<VLM> and REWARD_SCORE_MODE=vl_judge",
+            field="$.score_mode",
+        )
+    prepared = [
+        _confined(Sample(completion=s.caption, metadata={"video": s.video_path}), settings.media_roots)
+        for s in req.samples
+    ]
+    return protocols.judge_response(await service.score(CAPRL_VL_JUDGE, prepared))

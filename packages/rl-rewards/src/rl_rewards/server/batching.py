@@ -1,0 +1,139 @@
+"""Dynamic batching across concurrent requests, one queue per served reward (mosec-style).
+
+Each request's samples are cut into pieces of at most `max_batch_size`; pieces from all
+concurrent requests wait in the reward's queue. A batch is formed as soon as the pool has a free
+slot: it takes the first waiting piece, then keeps adding pieces until it holds `max_batch_size`
+samples or `max_batch_tokens` estimated tokens, or `max_wait_ms` have passed since it started.
+Because a slot is taken *before* the batch is collected, the pool is never idle while pieces wait,
+and pieces that arrive while every slot is busy make the next batch fuller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from rl_rewards.samples import Sample, ScoreResult
+from rl_rewards.server.metrics import Metrics
+from rl_rewards.server.settings import BatchSettings
+
+ScoreFn = Callable[[str, list[Sample]], Awaitable[list[ScoreResult]]]
+
+
+def estimate_tokens(sample: Sample) -> int:
+    """Cheap token estimate for the batch budget: ~4 characters per token (prompt + completion)."""
+    return (len(sample.prompt) + len(sample.completion)) // 4 + 1
+
+
+@dataclass
+class _Piece:
+    samples: list[Sample]
+    tokens: int
+    future: asyncio.Future[list[ScoreResult]] = field(repr=False)
+
+
+class Batcher:
+    """Queue and batch loop of one reward. `slots` batches may be in flight at once (one per
+    worker, so every worker stays busy)."""
+
+    def __init__(self, reward: str, score: ScoreFn, settings: BatchSettings, slots: int, metrics: Metrics):
+        self.reward = reward
+        self._score = score
+        self._settings = settings
+        self._slots = asyncio.Semaphore(max(slots, 1))
+        self._metrics = metrics
+        self._queue: deque[_Piece] = deque()
+        self._arrived = asyncio.Event()
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._run(), name=f"batcher-{self.reward}")
+
+    async def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        """Score `samples` (any number) through the queue; results come back in order."""
+        if not samples:
+            return []
+        size = self._settings.max_batch_size
+        loop = asyncio.get_running_loop()
+        pieces = []
+        for start in range(0, len(samples), size):
+            chunk = list(samples[start : start + size])
+            piece = _Piece(chunk, sum(estimate_tokens(s) for s in chunk), loop.create_future())
+            pieces.append(piece)
+            self._queue.append(piece)
+        self._metrics.queue_depth.labels(self.reward).set(self._queued_samples())
+        self._arrived.set()
+        parts = await asyncio.gather(*(p.future for p in pieces))
+        return [result for part in parts for result in part]
+
+    def _queued_samples(self) -> int:
+        return sum(len(p.samples) for p in self._queue)
+
+    async def _run(self) -> None:
+        while True:
+            await self._slots.acquire()
+            while not self._queue:
+                self._arrived.clear()
+                await self._arrived.wait()
+            batch = await self._collect()
+            self._metrics.queue_depth.labels(self.reward).set(self._queued_samples())
+            task = asyncio.create_task(self._dispatch(batch))
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+
+    async def _collect(self) -> list[_Piece]:
+        """Take pieces until the batch is full by count or tokens, or the wait window closes."""
+        max_size, max_tokens = self._settings.max_batch_size, self._settings.max_batch_tokens
+        deadline = time.monotonic() + self._settings.max_wait_ms / 1000
+        batch = [self._queue.popleft()]
+        size, tokens = len(batch[0].samples), batch[0].tokens
+        while size < max_size and tokens < max_tokens:
+            if not self._queue:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._arrived.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._arrived.wait(), remaining)
+                continue
+            head = self._queue[0]
+            if size + len(head.samples) > max_size or tokens + head.tokens > max_tokens:
+                break
+            batch.append(self._queue.popleft())
+            size += len(head.samples)
+            tokens += head.tokens
+        return batch
+
+    async def _dispatch(self, batch: list[_Piece]) -> None:
+        samples = [s for piece in batch for s in piece.samples]
+        started = time.perf_counter()
+        try:
+            results = await self._score(self.reward, samples)
+        except Exception as e:  # the pool gave up (all retries failed): fail these requests only
+            for piece in batch:
+                if not piece.future.done():
+                    piece.future.set_exception(e)
+            return
+        finally:
+            self._slots.release()
+        self._metrics.observe_batch(self.reward, samples, results, time.perf_counter() - started)
+        offset = 0
+        for piece in batch:
+            part = results[offset : offset + len(piece.samples)]
+            offset += len(piece.samples)
+            if not piece.future.done():
+                piece.future.set_result(part)
+
+    async def close(self) -> None:
+        """Wait for in-flight batches and queued pieces (graceful drain), then stop the loop."""
+        while self._queue or self._inflight:
+            await asyncio.sleep(0.01)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task

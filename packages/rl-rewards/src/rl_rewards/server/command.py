@@ -1,0 +1,141 @@
+"""`rl-rewards serve`: start the reward server (uvicorn) with the settings in effect.
+
+Settings come from defaults < `--config` TOML < CapRL environment variables < flags (see
+`rl_rewards.server.settings`). A CapRL++ user replaces their reward service with
+
+    REWARD_MODEL=Qwen/Qwen3-4B-Instruct-2507 REWARD_PORT=18889 rl-rewards serve
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+import typer
+import uvicorn
+from rich.console import Console
+from rich.table import Table
+
+from rl_rewards.server.rewards import reward_names
+from rl_rewards.server.settings import ServerSettings, load_settings
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, message (+ exception)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": round(record.created, 3), "level": record.levelname.lower(),
+            "logger": record.name, "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def configure_logging(settings: ServerSettings) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if settings.log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(settings.log_level.upper())
+    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+
+
+def banner(settings: ServerSettings) -> None:
+    """Print the configuration in effect (API key masked) to stderr."""
+    table = Table(title=f"rl-rewards server on http://{settings.host}:{settings.port}", show_header=False)
+    for key, value in msgspec.structs.asdict(settings).items():
+        if key == "api_key" and value is not None:
+            value = "set (hidden)"
+        if isinstance(value, msgspec.Struct):
+            value = msgspec.structs.asdict(value)
+        table.add_row(key, str(value))
+    table.add_row("served rewards", ", ".join(reward_names(settings)))
+    if settings.worker_base_port is not None:
+        table.add_row("note", "REWARD_WORKER_BASE is ignored: workers talk to the router over pipes")
+    Console(stderr=True).print(table)
+
+
+def _parse_options(items: list[str] | None) -> dict[str, Any] | None:
+    if not items:
+        return None
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--judge-option")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def serve_command(
+    config: Annotated[Path | None, typer.Option(help="TOML settings file (flags and env override it).")] = None,
+    host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default 18889, env REWARD_PORT).")] = None,
+    model: Annotated[str | None, typer.Option(help="Judge checkpoint (env REWARD_MODEL).")] = None,
+    score_mode: Annotated[str | None, typer.Option(help="qa | vl_judge (env REWARD_SCORE_MODE).")] = None,
+    task: Annotated[str | None, typer.Option(help="video | image (env REWARD_TASK).")] = None,
+    qa_num: Annotated[int | None, typer.Option(help="Questions per caption (env REWARD_QA_NUM).")] = None,
+    format_reward_weight: Annotated[float | None, typer.Option(help="Video format weight (env FORMAT_REWARD_WEIGHT).")] = None,
+    judge_option: Annotated[list[str] | None, typer.Option(help="Judge scorer option KEY=VALUE (repeatable).")] = None,
+    workers: Annotated[int | None, typer.Option(help="Worker processes; 0 scores in the server process (env REWARD_NUM_WORKERS).")] = None,
+    ray: Annotated[bool | None, typer.Option("--ray/--no-ray", help="Run workers as Ray actors (rl-rewards[ray]).")] = None,
+    ray_address: Annotated[str | None, typer.Option(help="Ray cluster address (env RAY_ADDRESS; unset: local).")] = None,
+    api_key: Annotated[str | None, typer.Option(help="Bearer token for scoring routes (env REWARD_API_KEY).")] = None,
+    media_root: Annotated[list[Path] | None, typer.Option(help="Directory requests may read media from (repeatable).")] = None,
+    default_reward: Annotated[str | None, typer.Option(help="Reward used when a request names none.")] = None,
+    openrlhf_reward: Annotated[str | None, typer.Option(help="Reward for /openrlhf/get_reward.")] = None,
+    max_body_bytes: Annotated[int | None, typer.Option(help="Largest request body.")] = None,
+    max_batch_samples: Annotated[int | None, typer.Option(help="Most samples per request.")] = None,
+    max_text_chars: Annotated[int | None, typer.Option(help="Longest caption/completion/prompt.")] = None,
+    max_batch_size: Annotated[int | None, typer.Option(help="Most samples per scorer batch.")] = None,
+    max_batch_tokens: Annotated[int | None, typer.Option(help="Token budget per scorer batch.")] = None,
+    max_wait_ms: Annotated[float | None, typer.Option(help="Batching wait window.")] = None,
+    log_format: Annotated[str | None, typer.Option(help="text | json")] = None,
+    log_level: Annotated[str | None, typer.Option(help="debug | info | warning")] = None,
+) -> None:
+    """Serve rewards over HTTP: CapRL's /get_reward, OpenRLHF's remote RM, native /v1/score."""
+    flags = {
+        "host": host, "port": port, "model": model, "score_mode": score_mode, "task": task,
+        "qa_num": qa_num, "format_reward_weight": format_reward_weight,
+        "judge_options": _parse_options(judge_option), "workers": workers, "ray": ray,
+        "ray_address": ray_address, "api_key": api_key,
+        "media_roots": [str(p) for p in media_root] if media_root else None,
+        "default_reward": default_reward, "openrlhf_reward": openrlhf_reward,
+        "log_format": log_format, "log_level": log_level,
+        "limits": {"max_body_bytes": max_body_bytes, "max_batch_samples": max_batch_samples, "max_text_chars": max_text_chars},
+        "batching": {"max_batch_size": max_batch_size, "max_batch_tokens": max_batch_tokens, "max_wait_ms": max_wait_ms},
+    }
+    try:
+        settings = load_settings(config, flags)
+        settings.gpu_groups()
+    except (ValueError, OSError) as e:
+        raise typer.BadParameter(str(e)) from None
+    configure_logging(settings)
+    banner(settings)
+    run(settings)
+
+
+def run(settings: ServerSettings) -> None:
+    """Serve until SIGINT/SIGTERM; in-flight requests finish (up to `shutdown_timeout_s`)."""
+    from rl_rewards.server.app import build_app
+
+    started = time.perf_counter()
+    config = uvicorn.Config(
+        build_app(settings), host=settings.host, port=settings.port, log_config=None,
+        access_log=False, timeout_graceful_shutdown=int(settings.shutdown_timeout_s), lifespan="on",
+    )
+    uvicorn.Server(config).run()
+    logging.getLogger("rl_rewards.server").info("stopped after %.0fs", time.perf_counter() - started)

@@ -1,0 +1,51 @@
+"""Prometheus metrics of one server (its own registry, so several apps can live in one process).
+
+Exposed at `GET /metrics` in the Prometheus text format:
+`rl_rewards_requests_total{route,status}`, `rl_rewards_request_seconds{route}`,
+`rl_rewards_samples_total{reward}`, `rl_rewards_sample_errors_total{reward}`,
+`rl_rewards_batch_size{reward}`, `rl_rewards_queue_depth{reward}`,
+`rl_rewards_batch_seconds{reward}` (scoring latency per scorer batch),
+`rl_rewards_worker_restarts_total`, `rl_rewards_chunk_retries_total`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from rl_rewards.samples import Sample, ScoreResult
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("rl_rewards_requests", "HTTP requests", ["route", "status"], registry=r)
+        self.request_seconds = Histogram("rl_rewards_request_seconds", "Request latency", ["route"], registry=r)
+        self.samples = Counter("rl_rewards_samples", "Samples scored", ["reward"], registry=r)
+        self.sample_errors = Counter("rl_rewards_sample_errors", "Samples that failed", ["reward"], registry=r)
+        self.batch_size = Histogram(
+            "rl_rewards_batch_size", "Samples per scorer batch", ["reward"], buckets=_BATCH_BUCKETS, registry=r
+        )
+        self.batch_seconds = Histogram("rl_rewards_batch_seconds", "Scoring latency per batch", ["reward"], registry=r)
+        self.queue_depth = Gauge("rl_rewards_queue_depth", "Samples waiting to be batched", ["reward"], registry=r)
+        self.worker_restarts = Counter("rl_rewards_worker_restarts", "Worker processes restarted", registry=r)
+        self.chunk_retries = Counter("rl_rewards_chunk_retries", "Chunks retried on another worker", registry=r)
+
+    def observe_batch(
+        self, reward: str, samples: Sequence[Sample], results: Sequence[ScoreResult], seconds: float
+    ) -> None:
+        self.samples.labels(reward).inc(len(samples))
+        errors = sum(1 for r in results if r.error is not None)
+        if errors:
+            self.sample_errors.labels(reward).inc(errors)
+        self.batch_size.labels(reward).observe(len(samples))
+        self.batch_seconds.labels(reward).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

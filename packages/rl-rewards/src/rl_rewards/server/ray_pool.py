@@ -1,0 +1,99 @@
+"""`--ray`: workers as Ray actors (extra `rl-rewards[ray]`), behind the same `Router` as worker
+processes — least-loaded routing, a lost actor's chunk retried on another, the actor restarted.
+
+Connects to `RAY_ADDRESS` / `--ray-address` when set, else starts a local Ray instance. Each
+actor asks Ray for `num_gpus = len(its CUDA group)` when `CUDA_VISIBLE_DEVICES` is split into
+groups, so Ray places judges on GPU nodes; CPU workers ask for one CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from rl_rewards import wire
+from rl_rewards.server.metrics import Metrics
+from rl_rewards.server.settings import ServerSettings, from_json, to_json
+from rl_rewards.server.workers import Router, WorkerLost
+
+try:
+    import ray
+    from ray.exceptions import RayActorError
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError('--ray needs Ray: pip install "rl-rewards[ray]"') from e
+
+
+class RewardActor:
+    """Holds the served rewards in a Ray worker process; speaks `wire` messages as msgpack bytes."""
+
+    def __init__(self, settings_json: bytes) -> None:
+        from rl_rewards.server.rewards import build_served
+
+        self._served = build_served(from_json(settings_json))
+
+    def rewards(self) -> list[str]:
+        return list(self._served)
+
+    def handle(self, request: bytes) -> bytes:
+        from rl_rewards.server.workers import handle
+
+        return wire.encode_msgpack(handle(self._served, wire.decode_msgpack(request, wire.WorkRequest)))
+
+
+class RayWorker:
+    def __init__(self, index: int, settings: ServerSettings, num_gpus: float) -> None:
+        self.index = index
+        self.load = 0
+        self.rewards: list[str] = []
+        self._settings = settings
+        self._num_gpus = num_gpus
+        self._actor: Any = None
+        self._dead = False
+
+    async def start(self) -> None:
+        options: dict[str, Any] = {"num_gpus": self._num_gpus} if self._num_gpus else {"num_cpus": 1}
+        actor_cls = ray.remote(**options)(RewardActor)
+        self._actor = actor_cls.remote(to_json(self._settings))
+        self.rewards = await self._actor.rewards.remote()
+
+    def is_alive(self) -> bool:
+        return self._actor is not None and not self._dead
+
+    async def call(self, chunk: wire.ScoreChunk) -> wire.WorkReply:
+        try:
+            reply = await self._actor.handle.remote(wire.encode_msgpack(chunk))
+        except RayActorError as e:
+            self._dead = True
+            raise WorkerLost(f"Ray actor lost: {e}") from None
+        return wire.decode_msgpack(reply, wire.WorkReply)
+
+    async def stop(self) -> None:
+        if self._actor is not None:
+            ray.kill(self._actor)
+            self._dead = True
+
+    @property
+    def actor(self) -> Any:
+        return self._actor
+
+
+class RayRouter(Router):
+    """`Router` that connects to Ray first (`ray.init` blocks, so it runs in a thread)."""
+
+    def __init__(self, settings: ServerSettings, metrics: Metrics) -> None:
+        groups = settings.gpu_groups() if settings.workers > 0 else [None]
+        gpus = [float(len(g.split(","))) if g else 0.0 for g in groups]
+        super().__init__(lambda i: RayWorker(i, settings, gpus[i]), len(groups), metrics)
+        self._address = settings.ray_address
+
+    async def start(self) -> None:
+        if not ray.is_initialized():
+            await asyncio.to_thread(ray.init, address=self._address, log_to_driver=False)
+        await super().start()
+
+    def actors(self) -> list[Any]:
+        return [w.actor for w in self._workers]
+
+
+def ray_router(settings: ServerSettings, metrics: Metrics) -> RayRouter:
+    return RayRouter(settings, metrics)

@@ -1,0 +1,96 @@
+"""Which rewards a server serves, built the same way in the server process, a worker process or
+a Ray actor.
+
+- every `[rewards.NAME]` table of the TOML config is a `RewardSpec` (see `rl_rewards.spec`);
+- with none configured, the rule scorers are served under their registry names
+  (`timestamp_format`, `length` counted in whitespace words) plus `ocr` when `rl-rewards[ocr]`
+  is installed — a useful embedded default with no model;
+- `REWARD_MODEL` adds the CapRL judge for `score_mode`: `caption_qa` (qa) or `vl_judge`, built
+  lazily through the registry (needs `rl-rewards[hf]`), and `timestamp_format` for the video
+  format reward.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Mapping
+
+from rl_rewards.composition import build_reward, score_isolated
+from rl_rewards.registry import build_scorer
+from rl_rewards.samples import AsyncScorer, Sample, Scorer, ScoreResult
+from rl_rewards.server.settings import ServerSettings
+
+Served = Mapping[str, Scorer | AsyncScorer]
+log = logging.getLogger("rl_rewards.server")
+
+CAPRL_QA = "caption_qa"
+CAPRL_VL_JUDGE = "vl_judge"
+CAPRL_FORMAT = "timestamp_format"
+
+
+def judge_name(settings: ServerSettings) -> str | None:
+    """The served name of the CapRL judge, or None when no `REWARD_MODEL` is configured."""
+    if settings.model is None:
+        return None
+    return CAPRL_QA if settings.score_mode == "qa" else CAPRL_VL_JUDGE
+
+
+def reward_names(settings: ServerSettings) -> list[str]:
+    """Names of the rewards the server will try to serve, in order, without building them (the
+    optional default `ocr` may drop out when it cannot be built)."""
+    names = list(settings.rewards) or _default_rule_names()
+    judge = judge_name(settings)
+    if judge is not None:
+        names += [n for n in (judge, CAPRL_FORMAT) if n not in names]
+    return names
+
+
+def _default_rule_names() -> list[str]:
+    names = ["timestamp_format", "length"]
+    if importlib.util.find_spec("rapidocr") is not None:
+        names.append("ocr")
+    return names
+
+
+def _build_default(name: str) -> Scorer | AsyncScorer | None:
+    """A default rule scorer; the optional OCR one is skipped (with a warning) when it cannot be
+    built here, since nobody asked for it explicitly."""
+    if name == "length":
+        return build_scorer("length", tokenizer="whitespace")
+    if name != "ocr":
+        return build_scorer(name)
+    try:
+        return build_scorer("ocr")
+    except Exception as e:
+        log.warning("default reward 'ocr' not served: %s: %s", type(e).__name__, e)
+        return None
+
+
+def build_served(settings: ServerSettings) -> dict[str, Scorer | AsyncScorer]:
+    """Build every served reward (loads the judge model when one is configured)."""
+    served: dict[str, Scorer | AsyncScorer] = {}
+    for name, table in settings.rewards.items():
+        served[name] = build_reward(dict(table))
+    if not settings.rewards:
+        for name in _default_rule_names():
+            scorer = _build_default(name)
+            if scorer is not None:
+                served[name] = scorer
+    judge = judge_name(settings)
+    if judge == CAPRL_QA and CAPRL_QA not in served:
+        options = {"model": settings.model, "task": settings.task, "num_questions": settings.qa_num}
+        served[CAPRL_QA] = build_scorer("caption_qa", **{**options, **settings.judge_options})
+    elif judge == CAPRL_VL_JUDGE and CAPRL_VL_JUDGE not in served:
+        served[CAPRL_VL_JUDGE] = build_scorer("vl_judge", model=settings.model, **settings.judge_options)
+    if judge is not None and CAPRL_FORMAT not in served:
+        served[CAPRL_FORMAT] = build_scorer("timestamp_format")
+    return served
+
+
+def score_with(served: Served, reward: str, samples: list[Sample]) -> list[ScoreResult]:
+    """Score `samples` with the served reward `reward`; a batch-level exception becomes
+    per-sample errors (retried one sample at a time), never a failed batch."""
+    if reward not in served:
+        raise KeyError(f"unknown reward {reward!r}; served rewards: {', '.join(served)}")
+    return score_isolated(served[reward], samples)

@@ -1,0 +1,172 @@
+"""Server configuration: defaults < TOML file < CapRL environment variables < CLI flags.
+
+The environment variables are those of the CapRL++ launch script, so its users keep them:
+
+| variable | field | note |
+|---|---|---|
+| `REWARD_MODEL` | `model` | judge checkpoint for `score_mode` (qa: text LLM, vl_judge: VLM) |
+| `REWARD_PORT` | `port` | default 18889 |
+| `REWARD_WORKER_BASE` | `worker_base_port` | accepted; workers talk over pipes, no ports |
+| `REWARD_NUM_WORKERS` | `workers` | worker processes (0 = score in the server process) |
+| `REWARD_SCORE_MODE` | `score_mode` | `qa` or `vl_judge`; a request's `score_mode` overrides it |
+| `REWARD_TASK` | `task` | `video` adds `FORMAT_REWARD_WEIGHT`·R_fmt to qa rewards |
+| `REWARD_QA_NUM` | `qa_num` | questions drawn per caption (CapRL sampling mode) |
+| `FORMAT_REWARD_WEIGHT` | `format_reward_weight` | default 0.2 |
+| `CUDA_VISIBLE_DEVICES` | `cuda_visible_devices` | split into one contiguous group per worker |
+| `REWARD_API_KEY` | `api_key` | bearer token required on scoring routes |
+| `RAY_ADDRESS` | `ray_address` | Ray cluster for `--ray` (unset: a local one) |
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+
+class LimitSettings(msgspec.Struct, kw_only=True, frozen=True):
+    """Request limits. Exceeding one is a 413 (body) or 422 (batch, text) naming the limit."""
+
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_batch_samples: int = 4096
+    max_text_chars: int = 200_000
+
+
+class BatchSettings(msgspec.Struct, kw_only=True, frozen=True):
+    """Dynamic batching (mosec-style): a batch closes when it holds `max_batch_size` samples or
+    `max_batch_tokens` estimated tokens (whitespace words), or `max_wait_ms` after its first
+    sample arrived. Raise `max_wait_ms` for GPU judges (fuller batches), keep it ~1 ms for rules."""
+
+    max_batch_size: int = 256
+    max_batch_tokens: int = 262_144
+    max_wait_ms: float = 2.0
+
+
+class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
+    host: str = "127.0.0.1"
+    port: int = 18889
+    api_key: str | None = None
+    model: str | None = None
+    score_mode: Literal["qa", "vl_judge"] = "qa"
+    task: Literal["video", "image"] = "video"
+    qa_num: int = 8
+    format_reward_weight: float = 0.2
+    judge_options: dict[str, Any] = {}
+    worker_base_port: int | None = None
+    workers: int = 0
+    cuda_visible_devices: str | None = None
+    ray: bool = False
+    ray_address: str | None = None
+    media_roots: list[str] = []
+    rewards: dict[str, dict[str, Any]] = {}
+    default_reward: str = ""
+    openrlhf_reward: str = ""
+    limits: LimitSettings = LimitSettings()
+    batching: BatchSettings = BatchSettings()
+    log_format: Literal["text", "json"] = "text"
+    log_level: str = "info"
+    shutdown_timeout_s: float = 30.0
+
+    def gpu_groups(self) -> list[str | None]:
+        """One `CUDA_VISIBLE_DEVICES` value per worker: the listed devices cut into `workers`
+        contiguous groups (CapRL's one-worker-per-GPU-group layout); None = leave unset."""
+        if self.workers <= 0 or not self.cuda_visible_devices:
+            return [None] * max(self.workers, 0)
+        devices = [d.strip() for d in self.cuda_visible_devices.split(",") if d.strip()]
+        if len(devices) < self.workers:
+            raise ValueError(
+                f"workers={self.workers} but CUDA_VISIBLE_DEVICES={self.cuda_visible_devices!r} "
+                f"lists {len(devices)} device(s); use at most {len(devices)} workers"
+            )
+        size = len(devices) // self.workers
+        return [",".join(devices[i * size : (i + 1) * size]) for i in range(self.workers)]
+
+
+_ENV: dict[str, tuple[str, type]] = {
+    "REWARD_MODEL": ("model", str),
+    "REWARD_PORT": ("port", int),
+    "REWARD_WORKER_BASE": ("worker_base_port", int),
+    "REWARD_NUM_WORKERS": ("workers", int),
+    "REWARD_SCORE_MODE": ("score_mode", str),
+    "REWARD_TASK": ("task", str),
+    "REWARD_QA_NUM": ("qa_num", int),
+    "FORMAT_REWARD_WEIGHT": ("format_reward_weight", float),
+    "CUDA_VISIBLE_DEVICES": ("cuda_visible_devices", str),
+    "REWARD_API_KEY": ("api_key", str),
+    "RAY_ADDRESS": ("ray_address", str),
+}
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The settings CapRL's environment variables ask for (unset or empty ones are skipped)."""
+    out: dict[str, Any] = {}
+    for var, (field, kind) in _ENV.items():
+        raw = environ.get(var, "").strip()
+        if not raw:
+            continue
+        try:
+            out[field] = kind(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {var}={raw!r} is not a valid {kind.__name__}") from None
+    return out
+
+
+def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_settings(
+    config: Path | None = None,
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ServerSettings:
+    """Build the settings in effect: defaults < `config` (TOML) < CapRL env vars < `flags`.
+
+    `flags` holds only the options given on the command line (None values are dropped); nested
+    tables use dicts (`{"limits": {"max_body_bytes": 1024}}`). A bad value raises ValueError
+    naming the field and its source."""
+    layers: list[tuple[str, Mapping[str, Any]]] = []
+    if config is not None:
+        with Path(config).open("rb") as f:
+            layers.append((str(config), tomllib.load(f)))
+    layers.append(("environment", env_overrides(os.environ if environ is None else environ)))
+    layers.append(("flags", _drop_none(flags or {})))
+    merged: dict[str, Any] = {}
+    for _, layer in layers:
+        merged = _merge(merged, layer)
+    try:
+        return msgspec.convert(merged, ServerSettings)
+    except msgspec.ValidationError as e:
+        sources = ", ".join(name for name, _ in layers)
+        raise ValueError(f"invalid server setting: {e} (from {sources})") from None
+
+
+def _drop_none(flags: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flags.items():
+        if isinstance(value, Mapping):
+            nested = _drop_none(value)
+            if nested:
+                out[key] = nested
+        elif value is not None:
+            out[key] = value
+    return out
+
+
+def to_json(settings: ServerSettings) -> bytes:
+    """Settings as JSON (handed to worker processes and printed in the startup banner)."""
+    return msgspec.json.encode(settings)
+
+
+def from_json(data: bytes | str) -> ServerSettings:
+    return msgspec.json.decode(data, type=ServerSettings)

@@ -1,0 +1,326 @@
+"""Where batches are scored: in the server process, or in worker processes behind a router.
+
+`LocalPool` (`--workers 0`): the rewards live in the server process; batches run one at a time
+in a dedicated thread (model scorers are not thread-safe), so the event loop keeps serving.
+
+`Router` over `ProcessWorker`s (`--workers N`): N worker processes (`python -m
+rl_rewards.server.workers`), one per GPU group of `CUDA_VISIBLE_DEVICES` or N CPU workers. Each
+batch goes to the worker with the fewest outstanding samples (CapRL's static chunking kept worker
+0 hot). When a worker dies, its in-flight chunks are retried on another worker and the dead one is
+restarted, so a crash loses no request. Router and worker speak length-prefixed msgpack
+(`rl_rewards.wire.WorkRequest` / `WorkReply`) over the worker's stdin/stdout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import struct
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import BinaryIO, Protocol
+
+from rl_rewards import wire
+from rl_rewards.samples import Sample, ScoreResult
+from rl_rewards.server.metrics import Metrics
+from rl_rewards.server.rewards import build_served, score_with
+from rl_rewards.server.settings import ServerSettings, from_json, to_json
+
+log = logging.getLogger("rl_rewards.server")
+_HEADER = struct.Struct(">I")
+SETTINGS_ENV = "RL_REWARDS_WORKER_SETTINGS"
+
+
+class WorkerLost(RuntimeError):
+    """The worker died (or its actor was lost) before answering; the chunk may be retried."""
+
+
+class Pool(Protocol):
+    """What the batchers score through."""
+
+    size: int
+    rewards: list[str]
+    """Names of the loaded rewards (filled by `start`)."""
+
+    async def start(self) -> None: ...
+    async def score(self, reward: str, samples: list[Sample]) -> list[ScoreResult]: ...
+    async def close(self) -> None: ...
+    def alive(self) -> int: ...
+    def ready(self) -> bool: ...
+
+
+class LocalPool:
+    """Rewards in the server process; one scoring thread."""
+
+    size = 1
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self._settings = settings
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl-rewards-score")
+        self._served: dict | None = None
+        self.rewards: list[str] = []
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._served = await loop.run_in_executor(self._executor, build_served, self._settings)
+        self.rewards = list(self._served)
+
+    async def score(self, reward: str, samples: list[Sample]) -> list[ScoreResult]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, score_with, self._served, reward, samples)
+
+    async def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def alive(self) -> int:
+        return 1 if self._served is not None else 0
+
+    def ready(self) -> bool:
+        return self._served is not None
+
+
+class WorkerHandle(Protocol):
+    """One worker as the router sees it (a process, or a Ray actor)."""
+
+    index: int
+    load: int
+    rewards: list[str]
+
+    async def start(self) -> None: ...
+    async def call(self, chunk: wire.ScoreChunk) -> wire.WorkReply: ...
+    async def stop(self) -> None: ...
+    def is_alive(self) -> bool: ...
+
+
+class Router:
+    """Least-loaded routing with retry-on-another-worker and restart of dead workers."""
+
+    def __init__(
+        self, factory: Callable[[int], WorkerHandle], size: int, metrics: Metrics, max_attempts: int = 3
+    ) -> None:
+        self.size = size
+        self._factory = factory
+        self._metrics = metrics
+        self._max_attempts = max_attempts
+        self._workers: list[WorkerHandle] = [factory(i) for i in range(size)]
+        self.rewards: list[str] = []
+        self._restarting: dict[int, asyncio.Task[None]] = {}
+        self._started = False
+        self._next_id = 0
+        self._changed = asyncio.Event()
+
+    async def start(self) -> None:
+        await asyncio.gather(*(w.start() for w in self._workers))
+        self.rewards = self._workers[0].rewards
+        self._started = True
+
+    def alive(self) -> int:
+        return sum(1 for w in self._workers if w.is_alive())
+
+    def ready(self) -> bool:
+        return self._started and self.alive() > 0
+
+    async def score(self, reward: str, samples: list[Sample]) -> list[ScoreResult]:
+        errors: list[str] = []
+        tried: set[int] = set()
+        for attempt in range(self._max_attempts):
+            worker = await self._pick(tried)
+            tried.add(worker.index)
+            self._next_id += 1
+            chunk = wire.ScoreChunk(id=self._next_id, reward=reward, samples=samples)
+            worker.load += len(samples)
+            try:
+                reply = await worker.call(chunk)
+            except WorkerLost as e:
+                errors.append(f"worker {worker.index}: {e}")
+                self._restart(worker)
+                if attempt + 1 < self._max_attempts:
+                    self._metrics.chunk_retries.inc()
+                continue
+            finally:
+                worker.load -= len(samples)
+            if reply.error is None:
+                return reply.results
+            errors.append(f"worker {worker.index}: {reply.error}")
+        raise RuntimeError(f"reward {reward!r}: chunk failed on {self._max_attempts} attempts: {'; '.join(errors)}")
+
+    async def _pick(self, tried: set[int]) -> WorkerHandle:
+        """The least-loaded live worker, preferring ones this chunk has not failed on; waits for
+        a restart when none is alive."""
+        while True:
+            for w in self._workers:
+                if not w.is_alive():
+                    self._restart(w)  # died while idle: nobody else noticed
+            live = [w for w in self._workers if w.is_alive()]
+            fresh = [w for w in live if w.index not in tried] or live
+            if fresh:
+                return min(fresh, key=lambda w: w.load)
+            self._changed.clear()
+            await self._changed.wait()
+
+    def _restart(self, worker: WorkerHandle) -> None:
+        if worker.index in self._restarting or self._workers[worker.index] is not worker:
+            return
+        self._restarting[worker.index] = asyncio.create_task(self._do_restart(worker))
+
+    async def _do_restart(self, dead: WorkerHandle) -> None:
+        try:
+            log.warning("worker %d died; restarting it", dead.index)
+            await dead.stop()
+            fresh = self._factory(dead.index)
+            await fresh.start()
+            self._workers[dead.index] = fresh
+            self._metrics.worker_restarts.inc()
+            log.info("worker %d restarted", dead.index)
+        finally:
+            self._restarting.pop(dead.index, None)
+            self._changed.set()
+
+    async def close(self) -> None:
+        for task in list(self._restarting.values()):
+            with contextlib.suppress(Exception):
+                await task
+        await asyncio.gather(*(w.stop() for w in self._workers), return_exceptions=True)
+
+
+class ProcessWorker:
+    """A worker subprocess; its stdout carries only reply frames (its logs go to stderr)."""
+
+    def __init__(self, index: int, settings: ServerSettings, cuda_devices: str | None) -> None:
+        self.index = index
+        self.load = 0
+        self.rewards: list[str] = []
+        self._settings = settings
+        self._cuda = cuda_devices
+        self._proc: asyncio.subprocess.Process | None = None
+        self._pending: dict[int, asyncio.Future[wire.WorkReply]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._dead = False
+        self._write_lock = asyncio.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    async def start(self) -> None:
+        env = dict(os.environ, **{SETTINGS_ENV: to_json(self._settings).decode()})
+        if self._cuda is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self._cuda
+        self._proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "rl_rewards.server.workers", str(self.index),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env, limit=1 << 30,
+        )
+        hello = await self._read_frame()  # sent once the rewards are built
+        if hello is None or hello.error is not None:
+            self._dead = True
+            raise RuntimeError(f"worker {self.index} failed to start: {hello.error if hello else 'exited'}")
+        self.rewards = hello.rewards
+        self._reader = asyncio.create_task(self._read_loop())
+
+    def is_alive(self) -> bool:
+        return self._proc is not None and not self._dead
+
+    async def call(self, chunk: wire.ScoreChunk) -> wire.WorkReply:
+        if not self.is_alive():
+            raise WorkerLost("worker is not running")
+        future: asyncio.Future[wire.WorkReply] = asyncio.get_running_loop().create_future()
+        self._pending[chunk.id] = future
+        payload = wire.encode_msgpack(chunk)
+        try:
+            async with self._write_lock:
+                self._proc.stdin.write(_HEADER.pack(len(payload)) + payload)
+                await self._proc.stdin.drain()
+        except (ConnectionError, BrokenPipeError) as e:
+            self._pending.pop(chunk.id, None)
+            self._mark_dead()
+            raise WorkerLost(f"pipe closed ({e})") from None
+        return await future
+
+    async def _read_frame(self) -> wire.WorkReply | None:
+        try:
+            header = await self._proc.stdout.readexactly(_HEADER.size)
+            body = await self._proc.stdout.readexactly(_HEADER.unpack(header)[0])
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return None
+        return wire.decode_msgpack(body, wire.WorkReply)
+
+    async def _read_loop(self) -> None:
+        while (reply := await self._read_frame()) is not None:
+            future = self._pending.pop(reply.id, None)
+            if future is not None and not future.done():
+                future.set_result(reply)
+        self._mark_dead()
+
+    def _mark_dead(self) -> None:
+        self._dead = True
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(WorkerLost(f"worker process {self.pid} exited"))
+
+    async def stop(self) -> None:
+        if self._proc is None:
+            return
+        if self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, ConnectionError, BrokenPipeError):
+                self._proc.stdin.close()
+            try:
+                await asyncio.wait_for(self._proc.wait(), 10)
+            except TimeoutError:
+                self._proc.kill()
+                await self._proc.wait()
+        if self._reader is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        self._mark_dead()
+
+
+def process_router(settings: ServerSettings, metrics: Metrics) -> Router:
+    groups = settings.gpu_groups()
+    return Router(lambda i: ProcessWorker(i, settings, groups[i]), settings.workers, metrics)
+
+
+# ----------------------------------------------------------------------------- worker process
+
+
+def _write(out: BinaryIO, reply: wire.WorkReply) -> None:
+    payload = wire.encode_msgpack(reply)
+    out.write(_HEADER.pack(len(payload)) + payload)
+    out.flush()
+
+
+def handle(served: dict, request: wire.WorkRequest) -> wire.WorkReply:
+    """A worker's answer to one request (shared by process workers and Ray actors)."""
+    if isinstance(request, wire.Ping):
+        return wire.WorkReply(id=request.id, rewards=list(served))
+    try:
+        return wire.WorkReply(id=request.id, results=score_with(served, request.reward, request.samples))
+    except Exception as e:
+        return wire.WorkReply(id=request.id, error=f"{type(e).__name__}: {e}")
+
+
+def worker_main(index: int) -> None:
+    """Serve frames from stdin until it closes. stdout is reserved for frames: anything a
+    library prints goes to stderr."""
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    source = sys.stdin.buffer
+    settings = from_json(os.environ[SETTINGS_ENV])
+    logging.basicConfig(level=settings.log_level.upper(), format=f"worker {index} %(levelname)s %(message)s")
+    try:
+        served = build_served(settings)
+    except Exception as e:
+        _write(out, wire.WorkReply(id=0, error=f"{type(e).__name__}: {e}"))
+        return
+    _write(out, wire.WorkReply(id=0, rewards=list(served)))
+    while header := source.read(_HEADER.size):
+        body = source.read(_HEADER.unpack(header)[0])
+        _write(out, handle(served, wire.decode_msgpack(body, wire.WorkRequest)))
+
+
+if __name__ == "__main__":
+    worker_main(int(sys.argv[1]))
