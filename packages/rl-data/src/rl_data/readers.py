@@ -109,7 +109,7 @@ class Reader(Generic[T]):
         self.fmt = fmt
         self.on_error = on_error
         self._convert = convert
-        self._batch_size = batch_size
+        self.batch_size = batch_size
         self.stats = ReadStats()
 
     @property
@@ -119,7 +119,7 @@ class Reader(Generic[T]):
 
     def _rows(self) -> Iterator[tuple[int, Any]]:
         if self.fmt == "parquet":
-            return _parquet_rows(self.path, self._batch_size)
+            return _parquet_rows(self.path, self.batch_size)
         return _jsonl_rows(self.path) if self.fmt == "jsonl" else _text_rows(self.path)
 
     def _record(self, line: int, raw: Any) -> T:

@@ -1,0 +1,139 @@
+import io
+from fractions import Fraction
+
+import av
+import numpy as np
+import pytest
+from PIL import Image
+
+from rl_data.media import load_image, sample_video, select_frame_indices
+from rl_data.records import ImageSource
+
+W, H, FPS, SECONDS = 64, 48, 10, 3  # 30 frames; frame i is filled with grey level 8 * i
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    path = tmp_path_factory.mktemp("video") / "clip.mp4"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=FPS)
+        stream.width, stream.height, stream.pix_fmt = W, H, "yuv420p"
+        stream.time_base = Fraction(1, FPS)
+        for i in range(FPS * SECONDS):
+            frame = av.VideoFrame.from_ndarray(np.full((H, W, 3), 8 * i, np.uint8), format="rgb24")
+            frame.pts = i
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return path
+
+
+def _grey_index(frames):
+    """Recover each frame's source index from its grey level (lossy codec: nearest multiple of 8)."""
+    return [round(float(f.mean()) / 8) for f in frames]
+
+
+def test_sample_video_at_target_fps(clip):
+    video = sample_video(clip, fps=2.0, max_frames=None)
+    assert video.frames.shape == (6, H, W, 3) and video.frames.dtype == np.uint8
+    assert video.frame_indices == [0, 5, 10, 15, 20, 25]
+    assert video.timestamps == pytest.approx([0.0, 0.5, 1.0, 1.5, 2.0, 2.5])
+    assert _grey_index(video.frames) == video.frame_indices  # the right frames were decoded
+    assert (video.source_fps, video.total_num_frames, video.duration) == (10.0, 30, 3.0)
+
+
+def test_sample_video_above_source_fps_keeps_every_frame(clip):
+    video = sample_video(clip, fps=30.0, max_frames=None)
+    assert video.frame_indices == list(range(30))
+
+
+def test_sample_video_frame_cap_keeps_first_and_last(clip):
+    video = sample_video(clip, fps=10.0, max_frames=4)
+    # linspace(0, 29, 4) = 0, 9.67, 19.33, 29 -> rounded
+    assert video.frame_indices == [0, 10, 19, 29]
+    assert video.timestamps == pytest.approx([0.0, 1.0, 1.9, 2.9])
+    assert _grey_index(video.frames) == [0, 10, 19, 29]
+
+
+def test_sample_video_resize_keeps_aspect(clip):
+    video = sample_video(clip, fps=1.0, max_pixels=768)
+    n, h, w, _ = video.frames.shape
+    assert n == 3 and h * w <= 768
+    assert (w, h) == (32, 24)  # scale sqrt(768 / 3072) = 0.5, aspect 4:3 kept
+
+
+def test_sample_video_relative_path_and_errors(clip, tmp_path):
+    assert sample_video(clip.name, root=clip.parent, fps=1.0).frame_indices == [0, 10, 20]
+    with pytest.raises(FileNotFoundError, match=r"missing\.mp4"):
+        sample_video(tmp_path / "missing.mp4")
+    bad = tmp_path / "bad.mp4"
+    bad.write_bytes(b"not a video at all")
+    with pytest.raises(ValueError, match=r"cannot decode video .*bad\.mp4"):
+        sample_video(bad)
+    with pytest.raises(ValueError, match="fps must be > 0"):
+        sample_video(clip, fps=0)
+
+
+def test_select_frame_indices_hand_worked():
+    times = np.arange(90) / 30.0  # 30 fps, 3 s
+    assert select_frame_indices(times, fps=2.0, max_frames=None, duration=3.0) == [0, 15, 30, 45, 60, 75]
+    # uneven source times: targets 0, 0.5, 1.0 -> nearest frames at 0.0, 0.45, 1.2
+    uneven = np.array([0.0, 0.45, 1.2, 1.3])
+    assert select_frame_indices(uneven, fps=2.0, max_frames=None, duration=1.5) == [0, 1, 2]
+    assert select_frame_indices(np.array([0.0]), fps=2.0, max_frames=3, duration=0.5) == [0]
+
+
+def test_metadata_feeds_transformers_video_metadata(clip):
+    video_utils = pytest.importorskip("transformers.video_utils")
+    meta = video_utils.VideoMetadata(**sample_video(clip, fps=2.0).metadata())
+    assert meta.timestamps == pytest.approx([0.0, 0.5, 1.0, 1.5, 2.0, 2.5])  # Qwen3-VL's <t seconds>
+    assert meta.sampled_fps == pytest.approx(2.0)  # Qwen2.5-VL's second_per_grid_ts = 2 / 2.0
+
+
+def test_qwen3_vl_video_processor_accepts_frames_and_metadata(clip):
+    pytest.importorskip("torch")
+    module = pytest.importorskip("transformers.models.qwen3_vl.video_processing_qwen3_vl")
+    video = sample_video(clip, fps=2.0)
+    out = module.Qwen3VLVideoProcessor()(
+        videos=[video.frames], video_metadata=[video.metadata()], do_sample_frames=False,
+        return_metadata=True, return_tensors="pt",
+    )
+    assert out["video_grid_thw"][0, 0].item() == 3  # 6 frames / temporal patch 2
+    assert out["video_metadata"][0].timestamps == pytest.approx(video.timestamps)
+
+
+def _png(colour=(1, 2, 3), mode="RGB"):
+    buf = io.BytesIO()
+    Image.new(mode, (5, 4), colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_load_image_from_every_source(tmp_path):
+    data = _png()
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.png").write_bytes(data)
+    sources = [
+        tmp_path / "sub" / "a.png",
+        str(tmp_path / "sub" / "a.png"),
+        data,
+        {"bytes": data, "path": "ignored.png"},
+        {"bytes": None, "path": str(tmp_path / "sub" / "a.png")},
+        ImageSource(path="sub/a.png"),
+        "sub/a.png",
+    ]
+    for source in sources:
+        image = load_image(source, root=tmp_path)
+        assert (image.mode, image.size, image.getpixel((0, 0))) == ("RGB", (5, 4), (1, 2, 3))
+
+
+def test_load_image_converts_to_rgb():
+    assert load_image(_png((9, 9, 9, 128), mode="RGBA")).mode == "RGB"
+    assert load_image(_png(200, mode="L")).getpixel((1, 1)) == (200, 200, 200)
+
+
+def test_load_image_errors_name_the_source(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"image not found: .*nope\.png"):
+        load_image("nope.png", root=tmp_path)
+    with pytest.raises(ValueError, match=r"cannot decode image from image bytes \(path x.png\)"):
+        load_image({"bytes": b"garbage", "path": "x.png"})
+    with pytest.raises(ValueError, match="neither bytes nor path"):
+        load_image({"bytes": None, "path": None})

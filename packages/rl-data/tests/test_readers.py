@@ -1,0 +1,175 @@
+import io
+import json
+import logging
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from rl_data.errors import RecordError
+from rl_data.media import load_image
+from rl_data.readers import (
+    read_caption_qa,
+    read_judge_records,
+    read_ocr_prompts,
+    read_prompts,
+)
+
+QA = [{"question": "Colour?", "choices": ["A. red", "B. blue"], "answer": "B"}]
+GOOD = {"prompt": "<image> Describe.", "image": "img.png", "reward_model": {"ground_truth": QA}}
+
+
+def _jsonl(path, lines):
+    """Write lines; dicts are JSON-encoded, strings written verbatim (blank or broken lines)."""
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def _error(reader) -> RecordError:
+    with pytest.raises(RecordError) as info:
+        list(reader)
+    return info.value
+
+
+def test_caption_reader_good_file_resolves_media_against_file_dir(tmp_path):
+    path = _jsonl(tmp_path / "d.jsonl", [GOOD, "", {**GOOD, "image": "sub/b.png"}])
+    records = list(read_caption_qa(path))
+    assert [r.images[0].path for r in records] == [str(tmp_path / "img.png"),
+                                                   str(tmp_path / "sub/b.png")]
+    assert records[0].qa[0].answer_letter == "B"
+    other = list(read_caption_qa(path, media_root="/media"))
+    assert other[0].images[0].path == "/media/img.png"
+
+
+BROKEN = [
+    # (line content, field, words in the message)
+    ('{"prompt": "x", "image": ', None, "not valid JSON"),
+    ({"image": "a.png", "reward_model": {"ground_truth": QA}}, "prompt", "missing required field"),
+    ({**GOOD, "reward_model": {"ground_truth": [{**QA[0], "question": 5}]}},
+     "reward_model.ground_truth[0].question", "Expected `str`, got `int`"),
+    ({**GOOD, "reward_model": {"ground_truth": [QA[0], {**QA[0], "answer": "C"}]}},
+     "reward_model.ground_truth[1].answer", "matches no option"),
+]
+
+
+@pytest.mark.parametrize(("bad", "field", "words"), BROKEN)
+def test_caption_reader_broken_record_names_file_line_field(tmp_path, bad, field, words):
+    path = _jsonl(tmp_path / "broken.jsonl", [GOOD, "", bad, GOOD])
+    error = _error(read_caption_qa(path))
+    assert (error.path, error.line, error.field) == (path, 3, field)  # blank line 2 still counts
+    message = str(error)
+    assert f"{path}: line 3" in message and words in message
+    if field:
+        assert f"field `{field}`" in message
+
+
+def test_reader_streams_records_before_the_bad_line(tmp_path):
+    path = _jsonl(tmp_path / "d.jsonl", [GOOD, "{oops"])
+    it = iter(read_caption_qa(path))
+    assert next(it).qa[0].answer_letter == "B"
+    with pytest.raises(RecordError, match="line 2"):
+        next(it)
+
+
+def test_skip_mode_counts_and_logs_first_errors(tmp_path, caplog):
+    lines = [GOOD] + [b for b, _, _ in BROKEN] * 2 + [GOOD]
+    path = _jsonl(tmp_path / "d.jsonl", lines)
+    reader = read_caption_qa(path, on_error="skip")
+    with caplog.at_level(logging.WARNING, logger="rl_data"):
+        records = list(reader)
+    assert len(records) == 2
+    assert (reader.skipped, reader.stats.read) == (8, 2)
+    assert [e.line for e in reader.stats.errors] == [2, 3, 4, 5, 6]  # first five kept
+    assert len([r for r in caplog.records if "skipping bad record" in r.message]) == 5
+    list(reader)  # a second pass starts fresh
+    assert reader.skipped == 8
+
+
+def test_reader_rejects_bad_arguments(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl"):
+        read_caption_qa(tmp_path / "nope.jsonl")
+    (tmp_path / "d.csv").write_text("x")
+    with pytest.raises(ValueError, match=r"unsupported file type '.csv'"):
+        read_caption_qa(tmp_path / "d.csv")
+    path = _jsonl(tmp_path / "d.jsonl", [GOOD])
+    with pytest.raises(ValueError, match="on_error"):
+        read_caption_qa(path, on_error="ignore")
+
+
+def test_caption_reader_parquet_with_image_bytes(tmp_path):
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 3), (10, 20, 30)).save(buf, format="PNG")
+    rows = [{**GOOD, "image": {"bytes": buf.getvalue(), "path": "orig.png"}} for _ in range(3)]
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    records = list(read_caption_qa(path))
+    assert len(records) == 3
+    image = load_image(records[0].images[0])
+    assert image.size == (4, 3) and image.getpixel((0, 0)) == (10, 20, 30)
+
+
+def _judge_rows(n):
+    return [{"prompt": [{"role": "user", "content": f"q{i}"}], "rm_prompt_0": "J0 {response}",
+             "rm_prompt_1": "", "reward_model": {"ground_truth": f"g{i}"},
+             "extra_info": {"index": i}, "data_source": "rider"} for i in range(n)]
+
+
+def test_judge_reader_parquet_streams_in_batches(tmp_path):
+    path = tmp_path / "j.parquet"
+    pq.write_table(pa.Table.from_pylist(_judge_rows(10)), path, row_group_size=3)
+    reader = read_judge_records(path)
+    reader.batch_size = 4  # 3 batches across 4 row groups
+    records = list(reader)
+    assert [r.ground_truth for r in records] == [f"g{i}" for i in range(10)]
+    assert records[0].rm_prompts == ["J0 {response}", ""]
+
+
+def test_judge_reader_parquet_null_row_names_row_and_field(tmp_path):
+    rows = _judge_rows(5)
+    rows[3]["prompt"] = None
+    path = tmp_path / "j.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    error = _error(read_judge_records(path))
+    assert (error.line, error.unit, error.field) == (3, "row", "prompt")
+    assert f"{path}: row 3: field `prompt`" in str(error)
+    reader = read_judge_records(path, on_error="skip")
+    assert len(list(reader)) == 4 and reader.skipped == 1
+
+
+def test_judge_reader_parquet_wrong_column_type(tmp_path):
+    rows = _judge_rows(2)
+    for i, row in enumerate(rows):
+        row["rm_prompt_1"] = i  # an int64 column where a template string belongs
+    path = tmp_path / "j.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    error = _error(read_judge_records(path))
+    assert (error.line, error.field) == (0, "rm_prompt_1")
+    assert "got `int`" in str(error)
+
+
+def test_judge_reader_jsonl(tmp_path):
+    path = _jsonl(tmp_path / "j.jsonl", [*_judge_rows(2), {"prompt": "q", "reward_model": {}}])
+    error = _error(read_judge_records(path))
+    assert (error.line, error.field) == (3, "reward_model.ground_truth")
+
+
+def test_ocr_manifest_good_and_broken(tmp_path):
+    path = tmp_path / "ocr.txt"
+    path.write_text('A sign that says "OPEN"\n\n  A mug with "TEA" on it  \n')
+    assert [(p.prompt, p.target) for p in read_ocr_prompts(path)] == [
+        ('A sign that says "OPEN"', "OPEN"), ('A mug with "TEA" on it', "TEA")]
+    path.write_text('A sign that says "OPEN"\n\nA sign without a target\n')
+    error = _error(read_ocr_prompts(path))
+    assert (error.path, error.line, error.field) == (path, 3, "prompt")
+    assert f"{path}: line 3" in str(error) and "double quotes" in str(error)
+    reader = read_ocr_prompts(path, on_error="skip")
+    assert len(list(reader)) == 1 and reader.skipped == 1
+
+
+def test_prompt_reader(tmp_path):
+    path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "id": 1}, {"prompt": ["x"]}])
+    error = _error(read_prompts(path))
+    assert (error.line, error.field) == (2, "prompt[0]")
+    reader = read_prompts(path, on_error="skip")
+    assert [r.fields for r in reader] == [{"id": 1}] and reader.skipped == 1
