@@ -137,3 +137,20 @@ def test_load_image_errors_name_the_source(tmp_path):
         load_image({"bytes": b"garbage", "path": "x.png"})
     with pytest.raises(ValueError, match="neither bytes nor path"):
         load_image({"bytes": None, "path": None})
+
+
+def test_sample_video_h264_with_b_frames(tmp_path):
+    if "libx264" not in av.codecs_available:
+        pytest.skip("this PyAV build has no libx264 encoder")
+    path = tmp_path / "b.mp4"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=25)  # B-frames: decode order != display
+        stream.width, stream.height, stream.pix_fmt = W, H, "yuv420p"
+        for i in range(50):
+            frame = av.VideoFrame.from_ndarray(np.full((H, W, 3), 5 * i, np.uint8), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    video = sample_video(path, fps=5.0)
+    assert video.frame_indices == list(range(0, 50, 5))
+    assert video.timestamps == pytest.approx([i / 5 for i in range(10)])
+    assert [round(float(f.mean()) / 5) for f in video.frames] == video.frame_indices

@@ -11,6 +11,7 @@ from rl_data.records import (
     judge_from_row,
     ocr_prompt_from_line,
     prompt_from_row,
+    qa_from_question_text,
 )
 
 QA = [{"question": "Colour?", "choices": ["B) red", "C) blue", "D) green"], "answer": "C"}]
@@ -128,3 +129,12 @@ def test_ocr_prompt_target_is_first_quoted_span():
                         ('empty "" target', "empty target")]:
         with pytest.raises(FieldError, match=reason):
             ocr_prompt_from_line(bad)
+
+
+def test_qa_wire_roundtrip():
+    record = caption_qa_from_row(_row())
+    (qa,) = record.qa
+    assert qa.question_text == "Colour?\n   - A) red\n   - B) blue\n   - C) green"
+    assert qa_from_question_text(qa.question_text, qa.answer_letter) == qa
+    with pytest.raises(ValueError, match="not one of the option letters A, B, C"):
+        qa_from_question_text(qa.question_text, "D")

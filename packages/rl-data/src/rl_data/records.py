@@ -18,7 +18,15 @@ from typing import Any
 
 import msgspec
 
-from rl_data.choices import Choice, answer_index, letter_of, normalize_choices
+from rl_data.choices import (
+    Choice,
+    answer_index,
+    format_question_text,
+    index_of,
+    letter_of,
+    normalize_choices,
+    parse_question_text,
+)
 
 __all__ = [
     "CaptionQARecord",
@@ -33,6 +41,7 @@ __all__ = [
     "judge_from_row",
     "ocr_prompt_from_line",
     "prompt_from_row",
+    "qa_from_question_text",
 ]
 
 
@@ -72,7 +81,12 @@ class QAItem(msgspec.Struct, frozen=True):
 
     @property
     def answer_text(self) -> str:
-        return self.choices[ord(self.answer_letter) - ord("A")].text
+        return self.choices[index_of(self.answer_letter)].text
+
+    @property
+    def question_text(self) -> str:
+        """CapRL wire form (question, then ``   - X) option`` lines), as sent to ``/get_reward``."""
+        return format_question_text(self.question, self.choices)
 
 
 class CaptionQARecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -217,6 +231,18 @@ def _qa_item(raw: _RawQA, field: str) -> QAItem:
     except ValueError as exc:
         raise FieldError(f"{field}.answer", str(exc)) from None
     return QAItem(raw.question.strip(), choices, letter_of(index))
+
+
+def qa_from_question_text(question_text: str, answer: str) -> QAItem:
+    """One ``[question_text, answer_letter]`` pair of a CapRL ``/get_reward`` request -> QAItem.
+    The answer must be one of the wire letters; raises ValueError otherwise (or on a malformed
+    question, see :func:`~rl_data.choices.parse_question_text`)."""
+    question, choices = parse_question_text(question_text)
+    letter = answer.strip()
+    if letter not in {c.letter for c in choices}:
+        raise ValueError(f"answer {answer!r} is not one of the option letters "
+                         f"{', '.join(c.letter for c in choices)}")
+    return QAItem(question, choices, letter)
 
 
 def caption_qa_from_row(row: Any, *, media_root: str | Path | None = None) -> CaptionQARecord:
