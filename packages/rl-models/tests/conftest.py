@@ -26,3 +26,13 @@ def _tiny_cache(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def qwen3_path(_tiny_cache):
     return tiny.build("qwen3")
+
+
+@pytest.fixture(scope="session")
+def embedding_path(_tiny_cache):
+    return tiny.build("embedding")
+
+
+@pytest.fixture(scope="session")
+def clip_path(_tiny_cache):
+    return tiny.build("clip")

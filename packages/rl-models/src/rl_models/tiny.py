@@ -86,3 +86,5 @@ def _run_builder(builder: Builder, out: Path, seed: int) -> None:
 
 
 register_family("qwen3", "v1", tiny_families.build_qwen3)
+register_family("embedding", "v1", tiny_families.build_embedding)
+register_family("clip", "v1", tiny_families.build_clip)

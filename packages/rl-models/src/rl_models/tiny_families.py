@@ -6,11 +6,22 @@ caller seeds torch. Sizes are tiny (hidden 32-64, 2 layers) so a family builds i
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    BertConfig,
+    BertModel,
+    CLIPConfig,
+    CLIPImageProcessor,
+    CLIPModel,
+    CLIPProcessor,
+    GenerationConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
-from rl_models.tokenization import build_qwen_tokenizer
+from rl_models.tokenization import build_bert_tokenizer, build_clip_tokenizer, build_qwen_tokenizer
 
 
 def _vocab_size(n_tokens: int, multiple: int = 64) -> int:
@@ -49,3 +60,77 @@ def build_qwen3(out: Path) -> None:
     model.generation_config = _qwen_generation_config(tokenizer)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def build_embedding(out: Path) -> None:
+    """BGE-style sentence encoder: `BertModel` + WordPiece `BertTokenizer`, CLS pooling.
+
+    Also writes the sentence-transformers module files (CLS pooling, then normalize), so the
+    folder loads with `sentence_transformers.SentenceTransformer` as well as plain transformers.
+    """
+    tokenizer = build_bert_tokenizer()
+    config = BertConfig(
+        vocab_size=_vocab_size(len(tokenizer)),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        # Wider than BERT's 0.02 so different sentences get visibly different embeddings.
+        initializer_range=0.5,
+    )
+    BertModel(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    _write_json(out / "modules.json", SENTENCE_TRANSFORMERS_MODULES)
+    _write_json(
+        out / "1_Pooling" / "config.json",
+        {"word_embedding_dimension": config.hidden_size, "pooling_mode_cls_token": True},
+    )
+
+
+def build_clip(out: Path) -> None:
+    """`CLIPModel` (32x32 images, patch 8) + `CLIPProcessor` (BPE tokenizer, image processor)."""
+    tokenizer = build_clip_tokenizer()
+    special = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    config = CLIPConfig(
+        text_config={
+            "vocab_size": _vocab_size(len(tokenizer)),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "max_position_embeddings": tokenizer.model_max_length,
+            **special,
+        },
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "image_size": 32,
+            "patch_size": 8,
+        },
+        projection_dim=32,
+    )
+    CLIPModel(config).save_pretrained(out)
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    )
+    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(out)
+
+
+SENTENCE_TRANSFORMERS_MODULES = [
+    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+]
+
+
+def _write_json(path: Path, value: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=2) + "\n")

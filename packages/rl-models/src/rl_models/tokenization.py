@@ -10,9 +10,11 @@ alphabet, Qwen's special tokens, and a Qwen-style chat template with vision plac
 
 from __future__ import annotations
 
-import json
+import math
+from collections import Counter
+from itertools import pairwise
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 from transformers import BertTokenizer, CLIPTokenizer, Qwen2Tokenizer, T5Tokenizer
 
 OPTION_LETTERS = "ABCDEFGHI"
@@ -86,10 +88,58 @@ You are a helpful assistant. Answer strictly from the caption. Think step by ste
 BUILTIN_CORPUS: tuple[str, ...] = tuple(_LETTER_LINES * 40 + _TEXT.splitlines() * 8)
 
 
-def _bpe_vocab_merges(tok: Tokenizer) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    state = json.loads(tok.to_str())["model"]
-    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in state["merges"]]
-    return dict(state["vocab"]), merges
+def _pre_tokenize(tok: Tokenizer) -> Counter[str]:
+    """Count the pre-tokens of `BUILTIN_CORPUS` under `tok`'s normalizer and pre-tokenizer."""
+    counts: Counter[str] = Counter()
+    for line in BUILTIN_CORPUS:
+        text = tok.normalizer.normalize_str(line) if tok.normalizer else line
+        counts.update(piece for piece, _ in tok.pre_tokenizer.pre_tokenize_str(text))
+    return counts
+
+
+def train_bpe_merges(
+    words: Counter[tuple[str, ...]], max_merges: int, *, min_frequency: int = 2
+) -> list[tuple[str, str]]:
+    """Plain BPE (Sennrich et al., 2016) over symbol tuples, with a deterministic tie-break.
+
+    The `tokenizers` trainers break frequency ties in hash order, so their output changes from
+    process to process; here ties go to the lexicographically smallest pair.
+    """
+    merges: list[tuple[str, str]] = []
+    while len(merges) < max_merges:
+        pairs: Counter[tuple[str, str]] = Counter()
+        for word, count in words.items():
+            for pair in pairwise(word):
+                pairs[pair] += count
+        if not pairs:
+            break
+        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
+        if pairs[best] < min_frequency:
+            break
+        merges.append(best)
+        merged: Counter[tuple[str, ...]] = Counter()
+        for word, count in words.items():
+            merged[_merge_pair(word, best)] += count
+        words = merged
+    return merges
+
+
+def _merge_pair(word: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
+    out: list[str] = []
+    i = 0
+    while i < len(word):
+        if i + 1 < len(word) and (word[i], word[i + 1]) == pair:
+            out.append(word[i] + word[i + 1])
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return tuple(out)
+
+
+def _bpe_vocab(alphabet: list[str], merges: list[tuple[str, str]]) -> dict[str, int]:
+    tokens = list(dict.fromkeys([*alphabet, *(a + b for a, b in merges)]))
+    return {token: i for i, token in enumerate(tokens)}
 
 
 def train_qwen_bpe(vocab_size: int = 768) -> tuple[dict[str, int], list[tuple[str, str]]]:
@@ -105,15 +155,10 @@ def train_qwen_bpe(vocab_size: int = 768) -> tuple[dict[str, int], list[tuple[st
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(BUILTIN_CORPUS, trainer=trainer)
-    return _bpe_vocab_merges(tok)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    words = Counter({tuple(piece): n for piece, n in _pre_tokenize(tok).items()})
+    merges = train_bpe_merges(words, vocab_size - len(alphabet))
+    return _bpe_vocab(alphabet, merges), merges
 
 
 def build_qwen_tokenizer(vocab_size: int = 768, *, model_max_length: int = 32768) -> Qwen2Tokenizer:
@@ -149,63 +194,52 @@ def _check_single_token_letters(tokenizer: Qwen2Tokenizer) -> None:
 
 
 def build_clip_tokenizer(vocab_size: int = 512, *, model_max_length: int = 77) -> CLIPTokenizer:
-    """A tiny `CLIPTokenizer` (lower-cased BPE with the `</w>` end-of-word suffix)."""
-    tok = Tokenizer(models.BPE(end_of_word_suffix="</w>"))
-    tok.normalizer = normalizers.Sequence(
-        [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()]
-    )
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(
-                Regex(r"""'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""),
-                behavior="removed",
-                invert=True,
-            ),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        show_progress=False,
-        special_tokens=["<|startoftext|>", "<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        end_of_word_suffix="</w>",
-    )
-    tok.train_from_iterator(BUILTIN_CORPUS, trainer=trainer)
-    vocab, merges = _bpe_vocab_merges(tok)
+    """A tiny `CLIPTokenizer` (lower-cased byte-level BPE with the `</w>` end-of-word suffix)."""
+    probe = CLIPTokenizer()  # CLIP's own normalizer and pre-tokenizer, with an empty vocabulary
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    alphabet += [char + "</w>" for char in alphabet]
+    words: Counter[tuple[str, ...]] = Counter()
+    for piece, n in _pre_tokenize(probe.backend_tokenizer).items():
+        words[(*piece[:-1], piece[-1] + "</w>")] += n
+    merges = train_bpe_merges(words, vocab_size - len(alphabet) - 2)
+    vocab = _bpe_vocab(alphabet, merges)
+    for special in ("<|startoftext|>", "<|endoftext|>"):
+        vocab[special] = len(vocab)
     return CLIPTokenizer(
         vocab=vocab, merges=merges, model_max_length=model_max_length, pad_token="<|endoftext|>"
     )
 
 
+def _word_counts(tok: Tokenizer) -> list[tuple[str, int]]:
+    """Pre-tokens of the corpus, most frequent first (ties alphabetical)."""
+    return sorted(_pre_tokenize(tok).items(), key=lambda item: (-item[1], item[0]))
+
+
 def build_bert_tokenizer(vocab_size: int = 512, *, model_max_length: int = 512) -> BertTokenizer:
-    """A tiny lower-cased WordPiece `BertTokenizer` (BGE-style sentence encoders use it)."""
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    trainer = trainers.WordPieceTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        show_progress=False,
-        special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
-    )
-    tok.train_from_iterator(BUILTIN_CORPUS, trainer=trainer)
-    vocab = json.loads(tok.to_str())["model"]["vocab"]
+    """A tiny lower-cased WordPiece `BertTokenizer` (BGE-style sentence encoders use it).
+
+    Vocabulary: BERT's special tokens, every corpus character (plain and `##`-continued), then
+    the most frequent whole words.
+    """
+    probe = BertTokenizer()  # BERT's own normalizer and pre-tokenizer
+    words = _word_counts(probe.backend_tokenizer)
+    chars = sorted({char for word, _ in words for char in word})
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *("##" + c for c in chars)]
+    tokens += [word for word, _ in words if len(word) > 1][: max(vocab_size - len(tokens), 0)]
+    vocab = {token: i for i, token in enumerate(tokens)}
     return BertTokenizer(vocab=vocab, model_max_length=model_max_length)
 
 
 def build_t5_tokenizer(vocab_size: int = 512, *, model_max_length: int = 256) -> T5Tokenizer:
-    """A tiny Unigram `T5Tokenizer` with T5's `<pad>`, `</s>`, `<unk>` ids 0, 1, 2."""
-    tok = Tokenizer(models.Unigram())
-    tok.normalizer = normalizers.NFKC()
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    trainer = trainers.UnigramTrainer(
-        vocab_size=vocab_size,
-        show_progress=False,
-        special_tokens=["<pad>", "</s>", "<unk>"],
-        unk_token="<unk>",
-    )
-    tok.train_from_iterator(BUILTIN_CORPUS, trainer=trainer)
-    vocab = [tuple(item) for item in json.loads(tok.to_str())["model"]["vocab"]]
+    """A tiny Unigram `T5Tokenizer`: `<pad>`, `</s>`, `<unk>` at ids 0, 1, 2, then every corpus
+    character and the most frequent words, scored by log relative frequency."""
+    probe = T5Tokenizer()  # T5's own normalizer and Metaspace pre-tokenizer
+    words = _word_counts(probe.backend_tokenizer)
+    total = sum(n for _, n in words)
+    chars = sorted({char for word, _ in words for char in word})
+    pieces = [(word, math.log(n / total)) for word, n in words if len(word) > 1]
+    pieces = pieces[: max(vocab_size - 3 - len(chars), 0)]
+    floor = min((score for _, score in pieces), default=0.0) - 1.0
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), *pieces]
+    vocab += [(char, floor) for char in chars if char not in dict(pieces)]
     return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=model_max_length)
