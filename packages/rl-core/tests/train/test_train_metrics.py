@@ -1,0 +1,114 @@
+"""rl_core.train.metrics: CSV with growing columns, resume truncation, tracker forwarding,
+PhaseTimer."""
+
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from rl_core.train.metrics import MetricsLogger, PhaseTimer
+
+
+def _rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        return list(reader.fieldnames or []), rows
+
+
+def test_csv_columns_grow_and_old_rows_get_empty_cells(tmp_path: Path) -> None:
+    logger = MetricsLogger(tmp_path)
+    logger.log(1, {"reward": torch.tensor(0.5), "loss": 2})
+    logger.log(2, {"reward": np.float32(0.75), "loss": 1})
+    logger.log(3, {"loss": 0.5, "time/generate": 1.25, "phase": "eval"})
+    columns, rows = _rows(tmp_path / "metrics.csv")
+    assert columns == ["step", "reward", "loss", "time/generate", "phase"]
+    assert rows == [
+        {"step": "1", "reward": "0.5", "loss": "2", "time/generate": "", "phase": ""},
+        {"step": "2", "reward": "0.75", "loss": "1", "time/generate": "", "phase": ""},
+        {"step": "3", "reward": "", "loss": "0.5", "time/generate": "1.25", "phase": "eval"},
+    ]
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_reopening_appends_and_start_step_drops_rows_after_the_checkpoint(tmp_path: Path) -> None:
+    logger = MetricsLogger(tmp_path)
+    for step in range(1, 6):
+        logger.log(step, {"reward": step / 10})
+    resumed = MetricsLogger(tmp_path, start_step=3)  # crashed after step 5, checkpoint at 3
+    resumed.log(4, {"reward": 0.0})
+    columns, rows = _rows(tmp_path / "metrics.csv")
+    assert columns == ["step", "reward"]
+    assert [(r["step"], r["reward"]) for r in rows] == [
+        ("1", "0.1"), ("2", "0.2"), ("3", "0.3"), ("4", "0.0")]
+
+
+@pytest.mark.parametrize(("value", "error", "pattern"), [
+    (torch.ones(3), ValueError, r"'bad' must be a scalar, got a tensor of shape \(3,\)"),
+    ([1.0], TypeError, "'bad' must be a number, string or 1-element tensor, got list"),
+])
+def test_bad_metric_values_name_the_key(tmp_path: Path, value: Any, error: type, pattern: str) -> None:
+    with pytest.raises(error, match=pattern):
+        MetricsLogger(tmp_path).log(1, {"bad": value})
+
+
+def test_forwards_to_accelerate_trackers(tmp_path: Path) -> None:
+    """A custom tracker through Accelerate's GeneralTracker API (stands in for wandb/tensorboard,
+    which need a service or an extra package)."""
+    from accelerate import Accelerator
+    from accelerate.tracking import GeneralTracker
+
+    class RecordingTracker(GeneralTracker):
+        name = "recording"
+        requires_logging_directory = False
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.logged: list[tuple[int, dict[str, Any]]] = []
+
+        @property
+        def tracker(self) -> Any:
+            return self
+
+        def store_init_configuration(self, values: dict[str, Any]) -> None:
+            pass
+
+        def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+            self.logged.append((step, dict(values)))
+
+    tracker = RecordingTracker()
+    accelerator = Accelerator(cpu=True, log_with=[tracker])
+    accelerator.init_trackers("test")
+    MetricsLogger(tmp_path, accelerator=accelerator).log(7, {"reward": torch.tensor(1.5)})
+    assert tracker.logged == [(7, {"reward": 1.5})]
+    assert (tmp_path / "metrics.csv").read_text() == "step,reward\n7,1.5\n"
+    accelerator.end_training()
+
+
+def test_phase_timer_sums_phases_and_resets() -> None:
+    timer = PhaseTimer()
+    with timer("generate"):
+        time.sleep(0.05)
+    with timer("reward"):
+        pass
+    with timer("generate"):
+        time.sleep(0.05)
+    times = timer.pop()
+    assert list(times) == ["time/generate", "time/reward"]
+    assert 0.1 <= times["time/generate"] < 1.0
+    assert 0.0 <= times["time/reward"] < 0.05
+    assert timer.pop() == {}
+
+
+def test_phase_timer_records_a_phase_that_raises() -> None:
+    timer = PhaseTimer()
+    with pytest.raises(KeyError), timer("update"):
+        time.sleep(0.02)
+        raise KeyError("x")
+    assert timer.pop()["time/update"] >= 0.02
