@@ -258,3 +258,6 @@ class RemoteScorer:
     async def ascore(self, samples: Sequence[Sample]) -> list[ScoreResult]:
         async with AsyncRewardClient(self.url, **self._options) as client:
             return await client.score(samples, self.reward)
+
+    def close(self) -> None:
+        self._sync.close()

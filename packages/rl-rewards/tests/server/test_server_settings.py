@@ -1,0 +1,53 @@
+"""Settings precedence: defaults < TOML < CapRL env vars < flags; GPU groups per worker."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl_rewards.server.settings import env_overrides, load_settings
+
+pytestmark = pytest.mark.no_torch
+
+CAPRL_ENV = {
+    "REWARD_MODEL": "/models/qwen3-4b", "REWARD_PORT": "18889", "REWARD_WORKER_BASE": "18899",
+    "REWARD_NUM_WORKERS": "2", "REWARD_SCORE_MODE": "qa", "REWARD_TASK": "image",
+    "REWARD_QA_NUM": "4", "FORMAT_REWARD_WEIGHT": "0.3", "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+}
+
+
+def test_defaults_bind_loopback_on_caprls_port():
+    s = load_settings(environ={})
+    assert (s.host, s.port, s.score_mode, s.task, s.qa_num, s.format_reward_weight) == ("127.0.0.1", 18889, "qa", "video", 8, 0.2)
+    assert s.api_key is None and s.model is None and s.workers == 0
+
+
+def test_caprl_environment_variables():
+    s = load_settings(environ=CAPRL_ENV)
+    assert s.model == "/models/qwen3-4b" and s.workers == 2 and s.worker_base_port == 18899
+    assert (s.task, s.qa_num, s.format_reward_weight) == ("image", 4, 0.3)
+    assert s.gpu_groups() == ["0,1", "2,3"]
+
+
+def test_precedence_toml_env_flags(tmp_path):
+    config = tmp_path / "s.toml"
+    config.write_text('port = 1000\nqa_num = 2\ntask = "image"\n[limits]\nmax_text_chars = 10\n')
+    s = load_settings(config, flags={"qa_num": 16, "port": None, "limits": {"max_body_bytes": 99}},
+                      environ={"REWARD_PORT": "2000"})
+    assert s.port == 2000  # env over TOML
+    assert s.qa_num == 16  # flag over TOML
+    assert s.task == "image"  # TOML over default
+    assert (s.limits.max_text_chars, s.limits.max_body_bytes) == (10, 99)  # nested tables merge
+
+
+def test_bad_values_name_the_source():
+    with pytest.raises(ValueError, match="REWARD_PORT='abc'"):
+        env_overrides({"REWARD_PORT": "abc"})
+    with pytest.raises(ValueError, match=r"score_mode"):
+        load_settings(environ={"REWARD_SCORE_MODE": "judge"})
+
+
+def test_too_few_gpus_for_workers():
+    s = load_settings(environ={"REWARD_NUM_WORKERS": "3", "CUDA_VISIBLE_DEVICES": "0,1"})
+    with pytest.raises(ValueError, match="at most 2 workers"):
+        s.gpu_groups()
+    assert load_settings(environ={"REWARD_NUM_WORKERS": "2"}).gpu_groups() == [None, None]

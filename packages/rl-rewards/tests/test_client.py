@@ -1,0 +1,144 @@
+"""The client against real servers: a restarted `rl-rewards serve`, and small stdlib HTTP servers
+that answer 503/429/422 on purpose."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from rl_rewards import wire
+from rl_rewards.client import (
+    AsyncRewardClient,
+    RemoteScorer,
+    RetryPolicy,
+    RewardClient,
+    RewardRequestError,
+    RewardServerUnavailable,
+)
+from rl_rewards.samples import AsyncScorer, Sample, Scorer
+from rl_rewards.server.process import ServerProcess, free_port
+
+pytestmark = pytest.mark.no_torch
+FAST = RetryPolicy(attempts=4, backoff_s=0.01, max_backoff_s=0.05)
+
+
+class Scripted(http.server.BaseHTTPRequestHandler):
+    """Answers POSTs with the statuses in `server.script`, then 200 with `server.ok_body`."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["content-length"]))
+        self.server.calls += 1
+        status, headers, body = self.server.script.pop(0) if self.server.script else (200, {}, self.server.ok_body)
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def scripted():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
+    server.calls, server.script = 0, []
+    server.ok_body = json.dumps({"reward": "r", "results": [{"score": 0.5}]}).encode()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def url(server) -> str:
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_retries_5xx_and_429_then_succeeds(scripted):
+    scripted.script = [(503, {}, b"loading"), (500, {}, b"boom"), (429, {"retry-after": "0.01"}, b"slow down")]
+    with RewardClient(url(scripted), retry=FAST) as client:
+        results = client.score([Sample(completion="x")])
+    assert [r.score for r in results] == [0.5]
+    assert scripted.calls == 4
+
+
+def test_never_retries_a_4xx(scripted):
+    scripted.script = [(422, {}, b'{"error": "bad", "field": "$.samples[0]"}')] * 3
+    with RewardClient(url(scripted), retry=FAST) as client, pytest.raises(RewardRequestError) as info:
+        client.score([Sample(completion="x")])
+    assert scripted.calls == 1
+    assert info.value.status == 422 and info.value.field == "$.samples[0]"
+    assert "$.samples[0]" in str(info.value)
+
+
+def test_gives_up_with_a_clear_error(scripted):
+    scripted.script = [(503, {}, b"down")] * 10
+    with RewardClient(url(scripted), retry=FAST) as client, pytest.raises(RewardServerUnavailable) as info:
+        client.score([Sample(completion="x")])
+    assert scripted.calls == 4 and info.value.attempts == 4
+    assert "gave up after 4 attempt(s)" in str(info.value) and "HTTP 503" in str(info.value)
+
+
+def test_connection_refused_is_retried_then_reported():
+    with RewardClient(f"http://127.0.0.1:{free_port()}", retry=FAST) as client, pytest.raises(RewardServerUnavailable) as info:
+        client.openrlhf(["q"])
+    assert "ConnectError" in info.value.last
+
+
+def test_backoff_is_exponential_with_full_jitter():
+    policy = RetryPolicy(backoff_s=0.5, max_backoff_s=3.0)
+    for attempt, cap in [(0, 0.5), (1, 1.0), (2, 2.0), (5, 3.0)]:
+        delays = [policy.delay(attempt) for _ in range(200)]
+        assert all(0 <= d <= cap for d in delays) and max(delays) > cap / 2
+    assert policy.delay(0, retry_after="2") == 2.0
+    assert policy.delay(0, retry_after="100") == 3.0
+
+
+def test_call_survives_a_server_restart(tmp_path: Path):
+    port = free_port()
+    server = ServerProcess([], port=port, log_path=tmp_path / "first.log").start()
+    client = RewardClient(server.url, retry=RetryPolicy(attempts=30, backoff_s=0.2, max_backoff_s=1.0))
+    assert client.score([Sample(completion="[00:01] a")], "timestamp_format")[0].score == 1.0
+    server.stop()
+    restarted = ServerProcess([], port=port, log_path=tmp_path / "second.log")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(client.score, [Sample(completion="[00:02] b [00:01] c")], "timestamp_format")
+            time.sleep(0.5)
+            assert not pending.done()  # retrying against a dead port
+            restarted.start()
+            assert pending.result(timeout=60)[0].score == 0.5
+    finally:
+        client.close()
+        restarted.stop()
+
+
+def test_async_client_all_protocols(tmp_path: Path):
+    async def scenario(base: str):
+        async with AsyncRewardClient(base, retry=FAST) as client:
+            health = await client.health()
+            scored = await client.score([Sample(completion="[00:01] a")], "timestamp_format")
+            rlhf = await client.openrlhf(["p[00:01] a"], prompts=["p"])
+            empty = await client.get_reward([])
+            with pytest.raises(RewardRequestError, match="no judge configured"):
+                await client.get_reward([("caption", [("Q?\n   - A) x", "A")])])
+            return health, scored, rlhf, empty
+
+    with ServerProcess([], log_path=tmp_path / "s.log") as server:
+        health, scored, rlhf, empty = asyncio.run(scenario(server.url))
+        remote = RemoteScorer(server.url, "timestamp_format", retry=FAST)
+        assert isinstance(remote, Scorer) and isinstance(remote, AsyncScorer)
+        assert remote.score([Sample(completion="[00:01] a")])[0].score == 1.0
+        assert asyncio.run(remote.ascore([Sample(completion="none")]))[0].score == 0.0
+        remote.close()
+    assert health.ready and scored[0].score == 1.0
+    assert rlhf.rewards == [1.0] and empty == wire.GetRewardResponse(rewards=[])
