@@ -123,24 +123,26 @@ class _LogprobsFromHidden(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_hidden else None  # [N, H]
         # float32 accumulator across chunks for low-precision weights (one rounding at the end)
         grad_weight = torch.zeros_like(weight, dtype=dtype) if need_weight else None  # [V, H]
-        scale = grad_out.to(dtype) / temperature  # [N]
+        # d logp_y / d z_j = (1[j == y] - p_j) / temperature, so with s = grad_out / temperature
+        # and Q = p - onehot(y): grad_logits = -s Q, grad_hidden = -s (Q @ W) and
+        # grad_weight = Q.T @ (-s h). The row scale -s is applied to the small [c, H] tensors,
+        # so the [c, V] block sees only the softmax and one scatter.
+        neg_scale = -grad_out.to(dtype) / temperature  # [N]
         for start in range(0, hidden.shape[0], chunk_size):
             stop = start + chunk_size
             h = hidden[start:stop]  # [c, H]
             logits = _chunk_logits(h, weight, temperature, dtype)  # [c, V]
-            # d logp_y / d z_j = 1[j == y] - p_j; the softmax is computed in float32 internally
-            grad_logits = torch.softmax(logits, dim=-1).to(weight.dtype)  # [c, V]
+            q = torch.softmax(logits, dim=-1).to(weight.dtype)  # [c, V] float32 math inside
             del logits
-            grad_logits.mul_(-scale[start:stop, None].to(weight.dtype))
-            # the label entry 1 - p_y is formed in float32 from the forward's log-prob, so it
-            # stays exact when p_y is close to 1 (a bf16 softmax would round it to 0)
-            label_grad = -torch.expm1(logp[start:stop]) * scale[start:stop]  # [c]
-            grad_logits.scatter_(1, labels[start:stop, None], label_grad[:, None].to(weight.dtype))
+            # label entry p_y - 1 = expm1(logp_y), formed in float32 from the forward's log-prob:
+            # exact even when p_y rounds to 1.0 in bf16
+            q.scatter_(1, labels[start:stop, None], torch.expm1(logp[start:stop, None]).to(q.dtype))
+            row = neg_scale[start:stop, None]  # [c, 1]
             if need_hidden:
-                torch.mm(grad_logits, weight, out=grad_hidden[start:stop])  # [c, H]
+                grad_hidden[start:stop] = (q @ weight).to(dtype) * row  # [c, H]
             if need_weight:
-                grad_weight += (grad_logits.t() @ h).to(dtype)  # [V, H]
-            del grad_logits
+                grad_weight.add_(q.t() @ (h.to(dtype) * row).to(weight.dtype))  # [V, H]
+            del q
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
