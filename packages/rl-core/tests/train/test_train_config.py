@@ -40,6 +40,7 @@ class Config(msgspec.Struct, kw_only=True, frozen=True):
     bf16: bool = True
     seed: int | None = 0
     tags: list[str] = msgspec.field(default_factory=list)
+    weights: dict[str, float] = msgspec.field(default_factory=lambda: {"qa": 1.0})
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
     eval: EvalConfig | None = None
 
@@ -100,6 +101,26 @@ def test_override_value_syntax() -> None:
     assert cfg.seed is None
     assert cfg.estimator == "rloo"
     assert cfg.eval == EvalConfig(every=5, seeds=[1, 2])
+
+
+def test_dict_field_keys_merge_across_sources(tmp_path: Path) -> None:
+    path = _write(tmp_path / "c.toml", "[weights]\nqa = 0.5\nfmt = 0.2\n")
+    cfg = load_config(Config, path, ["weights.len=0.1", "weights.fmt=0.3"])
+    assert cfg.weights == {"qa": 0.5, "fmt": 0.3, "len": 0.1}
+    with pytest.raises(ConfigError, match=r"weights\.len: expected float, got 'x'"):
+        load_config(Config, overrides=["weights.len=x"])
+
+
+def test_missing_required_field_is_named() -> None:
+    class Needs(msgspec.Struct, kw_only=True):
+        model: str
+
+    class Outer(msgspec.Struct, kw_only=True):
+        policy: Needs = msgspec.field(default_factory=lambda: Needs(model="m"))
+
+    with pytest.raises(ConfigError, match=r"^config: object missing required field model$"):
+        load_config(Needs)
+    assert load_config(Needs, overrides=["model=tiny"]) == Needs(model="tiny")
 
 
 def test_later_override_wins_and_quoted_strings() -> None:
@@ -184,7 +205,7 @@ def test_config_help_lists_every_key_with_type_default_doc_env() -> None:
     assert text.startswith("usage: my-app [--config FILE] [--resume [PATH]] [key=value ...]")
     lines = {line.split()[0]: line for line in text.splitlines()[7:]}
     assert set(lines) == {"name", "steps", "estimator", "bf16", "seed", "tags", "optim.lr",
-                          "optim.betas", "optim.warmup", "eval.every", "eval.seeds"}
+                          "weights", "optim.betas", "optim.warmup", "eval.every", "eval.seeds"}
     assert "float = 1e-05" in lines["optim.lr"]
     assert "AdamW learning rate  [env TEST_RL_LR]" in lines["optim.lr"]
     assert "linear warmup steps" in lines["optim.warmup"]  # trailing comment

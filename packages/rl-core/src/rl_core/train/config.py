@@ -118,6 +118,9 @@ def _field_type(cls: type[msgspec.Struct], dotted: str, source: str) -> Any:
     tp: Any = cls
     parts = dotted.split(".")
     for i, part in enumerate(parts):
+        if get_origin(_unwrap(tp)[0]) is dict:  # `weights.ocr=2` sets one key of a dict field
+            tp = get_args(_unwrap(tp)[0])[1]
+            continue
         struct = _struct_of(tp)
         fields = _fields(struct) if struct is not None else {}
         if part not in fields:
@@ -185,6 +188,17 @@ def _parse_value(raw: str, tp: Any) -> Any:
     return value
 
 
+def _checked(value: Any, tp: Any, dotted: str, source: str) -> Any:
+    """Convert one env/CLI value on its own, so an error names the exact key (even a dict key)."""
+    try:
+        msgspec.convert(value, tp, strict=False)
+    except msgspec.ValidationError as e:
+        message, sub = _split_error(e)
+        raise ConfigError(_describe(message, dotted + sub, value if not sub else None,
+                                    source)) from None
+    return value
+
+
 def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     node = data
@@ -197,22 +211,30 @@ def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
+def _split_error(err: msgspec.ValidationError) -> tuple[str, str]:
+    """"Expected `int`, got `str` - at `$.a.b[0]`" -> ("expected int, got str", ".a.b[0]")."""
+    match = re.fullmatch(r"(.*?)(?: - at `\$(.*)`)?", str(err), flags=re.S)
+    assert match is not None  # the pattern matches any text
+    message = match.group(1).replace("`", "")
+    return message[:1].lower() + message[1:], match.group(2) or ""
+
+
+def _describe(message: str, key: str, value: Any, source: str | None) -> str:
+    if isinstance(value, str | int | float | bool):  # the value itself says more than its type
+        message = re.sub(r", got \w+$", "", message) + f", got {value!r}"
+    return f"{key}: {message}" + (f" (from {source})" if source else "")
+
+
 def _error_message(err: msgspec.ValidationError, data: dict[str, Any], sources: dict[str, str]) -> str:
-    text = str(err)
-    match = re.fullmatch(r"(.*) - at `\$\.?(.*)`", text, flags=re.S)
-    message, path = (match.group(1), match.group(2)) if match else (text, "")
-    message = message.replace("`", "")
-    message = message[:1].lower() + message[1:]
-    dotted = re.sub(r"\[\d+\]", "", path)
+    message, path = _split_error(err)
+    dotted = re.sub(r"\[[^]]*\]", "", path).lstrip(".")
     value: Any = data
     for part in dotted.split(".") if dotted else []:
         value = value.get(part) if isinstance(value, dict) else None
     source = next((sources[k] for k in sorted(sources, key=len, reverse=True)
-                   if dotted == k or dotted.startswith(k + ".") or k.startswith(dotted + ".")),
-                  "default")
-    if isinstance(value, str | int | float | bool):  # the value itself says more than its type
-        message = re.sub(r", got \w+$", "", message) + f", got {value!r}"
-    return f"{path or 'config'}: {message} (from {source})"
+                   if dotted == k or dotted.startswith(k + ".") or k.startswith(dotted + ".")), None)
+    return _describe(message, path.lstrip(".") or "config", value if dotted == path.lstrip(".")
+                     else None, source)
 
 
 def load_config(
@@ -239,15 +261,17 @@ def load_config(
     for var, dotted in (env or {}).items():
         tp = _field_type(cls, dotted, f"env mapping {var}")
         if var in os.environ:
-            _set(data, dotted, _parse_value(os.environ[var], tp))
-            sources[dotted] = f"env {var}={os.environ[var]}"
+            source = f"env {var}={os.environ[var]}"
+            _set(data, dotted, _checked(_parse_value(os.environ[var], tp), tp, dotted, source))
+            sources[dotted] = source
     for item in overrides:
         dotted, sep, raw = item.partition("=")
         if not sep or not dotted.strip():
             raise ConfigError(f"override {item!r} must look like dotted.key=value")
-        dotted = dotted.strip()
-        _set(data, dotted, _parse_value(raw, _field_type(cls, dotted, f"override {item!r}")))
-        sources[dotted] = f"override {item}"
+        dotted, source = dotted.strip(), f"override {item}"
+        tp = _field_type(cls, dotted, source)
+        _set(data, dotted, _checked(_parse_value(raw, tp), tp, dotted, source))
+        sources[dotted] = source
     try:
         return msgspec.convert(data, cls, strict=False)
     except msgspec.ValidationError as e:
