@@ -1,0 +1,117 @@
+"""`vllm` engine: a thin adapter of `vllm.LLM` to the `Engine` protocol (extra `rl-rollout[vllm]`).
+
+UNTESTED HERE: written against the vLLM >= 0.10 (V1 engine) API as documented, on a machine
+with no GPU; its tests carry the `vllm` marker and skip without vLLM.
+
+- Sampling: `vllm.SamplingParams(n, temperature, top_p, top_k (-1 = off), max_tokens, stop,
+  seed, logprobs=0)`; the engine is built with `logprobs_mode="processed_logprobs"`, so
+  log-probs include the temperature like `Generation` promises. With top-k/top-p on, vLLM
+  renormalizes over the kept tokens (unlike `hf`), so there the two engines differ.
+- Memory: `enable_sleep_mode=True`; `sleep()` is `LLM.sleep(level=1)` (weights offloaded to
+  CPU, KV cache discarded), `wake()` is `LLM.wake_up()`. Prefix caching is on.
+- Weights: `load_weights` runs `model.load_weights(...)` inside each worker through
+  `LLM.collective_rpc`. With V1 multiprocessing, sending a function needs
+  `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (or `VLLM_ENABLE_V1_MULTIPROCESSING=0`, colocated).
+- Scoring: `prompt_logprobs=0` over `prefix + suffix + [candidate]`; prefix caching computes the
+  shared prefix once. Prompt log-probs are raw, so only `temperature=1.0`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from rl_rollout.protocol import Generation, Prompt, SamplingParams
+
+try:
+    import vllm
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError('VLLMEngine needs vLLM: pip install "rl-rollout[vllm]"') from exc
+
+
+def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs inside each vLLM worker process (via `collective_rpc`)."""
+    worker.model_runner.model.load_weights(weights=weights)
+
+
+class VLLMEngine:
+    """`Engine` over `vllm.LLM(model, enable_sleep_mode=True, enable_prefix_caching=True, ...)`.
+
+    Extra keyword arguments go to `vllm.LLM` (e.g. `gpu_memory_utilization`, `dtype`).
+    """
+
+    def __init__(self, model: str, **llm_kwargs: Any) -> None:
+        llm_kwargs = {"enable_sleep_mode": True, "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs"} | llm_kwargs
+        self.llm = vllm.LLM(model=model, **llm_kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.state = "awake"
+
+    @property
+    def is_asleep(self) -> bool:
+        return self.state == "asleep"
+
+    def _sampling(self, params: SamplingParams) -> vllm.SamplingParams:
+        return vllm.SamplingParams(
+            n=params.n, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1, max_tokens=params.max_new_tokens,
+            stop=list(params.stop) or None, seed=params.seed, logprobs=0,
+        )
+
+    def _prompt(self, prompt: Prompt, index: int) -> Any:
+        if isinstance(prompt, str):
+            return {"prompt": prompt}
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return {"prompt_token_ids": list(prompt)}
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            return {"prompt_token_ids": list(ids)}
+        raise ValueError(f"request {index}: a prompt is token ids, a string, or chat messages (images: use the hf engine)")
+
+    def generate(self, requests: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
+        if len(requests) == 0:
+            return []
+        prompts = [self._prompt(p, i) for i, p in enumerate(requests)]
+        outputs = self.llm.generate(prompts, self._sampling(params), use_tqdm=False)
+        gens = []
+        for index, out in enumerate(outputs):
+            for sample in out.outputs:
+                ids = list(sample.token_ids)
+                logprobs = [step[tok].logprob for step, tok in zip(sample.logprobs or [], ids, strict=False)]
+                gens.append(Generation(
+                    request_index=index, prompt_ids=list(out.prompt_token_ids), completion_ids=ids,
+                    text=sample.text, logprobs=logprobs,
+                    finish_reason="length" if sample.finish_reason == "length" else "stop",
+                ))
+        return gens
+
+    def score_next_tokens(
+        self, shared_prefix: list[int], suffixes: Sequence[list[int]], candidates: Sequence[int], *, temperature: float = 1.0
+    ) -> torch.Tensor:
+        if temperature != 1.0:
+            raise ValueError(f"VLLMEngine scores with raw prompt log-probs; temperature must be 1.0, got {temperature}")
+        if len(suffixes) == 0:
+            return torch.empty(0, len(candidates))
+        prompts = [{"prompt_token_ids": [*shared_prefix, *s, c]} for s in suffixes for c in candidates]
+        outputs = self.llm.generate(prompts, vllm.SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        scores = [out.prompt_logprobs[-1][out.prompt_token_ids[-1]].logprob for out in outputs]
+        return torch.tensor(scores, dtype=torch.float32).view(len(suffixes), len(candidates))
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.llm.collective_rpc(_load_weights_on_worker, args=(list(named_tensors),))
+        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+
+    def sleep(self) -> None:
+        self.llm.sleep(level=1)
+        self.state = "asleep"
+
+    def wake(self) -> None:
+        self.llm.wake_up()
+        self.state = "awake"
+
+    def close(self) -> None:
+        self.state = "closed"
+        del self.llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

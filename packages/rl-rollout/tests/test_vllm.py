@@ -1,0 +1,51 @@
+"""`vllm` engine: opt-in (`-m vllm`), needs vLLM and a GPU; untested on the CPU dev machine."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl_rollout import SamplingParams
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="checks the message shown when vLLM is absent")
+def test_import_without_vllm_names_the_extra() -> None:
+    proc = subprocess.run([sys.executable, "-c", "import rl_rollout.vllm"], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert 'pip install "rl-rollout[vllm]"' in proc.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM or not torch.cuda.is_available(), reason="needs vLLM and a GPU")
+def test_vllm_engine_generate_score_sleep_and_load(qwen3_path: Path) -> None:
+    from rl_rollout.hf import HFEngine
+    from rl_rollout.vllm import VLLMEngine
+
+    engine = VLLMEngine(str(qwen3_path), dtype="float32", gpu_memory_utilization=0.3)
+    params = SamplingParams(n=2, temperature=0.7, max_new_tokens=8, seed=0)
+    gens = engine.generate([[1, 2, 3], "hello"], params)
+    assert [g.request_index for g in gens] == [0, 0, 1, 1]
+    ref = HFEngine.from_pretrained(qwen3_path, dtype=torch.float32, device="cuda")
+    for g in gens:
+        ids = torch.tensor([g.prompt_ids + g.completion_ids], device="cuda")
+        with torch.no_grad():
+            lps = torch.log_softmax(ref.model(ids).logits[0].float() / 0.7, -1)[len(g.prompt_ids) - 1 : -1]
+        expected = lps.gather(-1, torch.tensor(g.completion_ids, device="cuda")[:, None])[:, 0].cpu()
+        assert torch.allclose(torch.tensor(g.logprobs), expected, atol=1e-3)
+    scores = engine.score_next_tokens([5, 6, 7], [[8], [9, 10]], [11, 12])
+    assert torch.allclose(scores, ref.score_next_tokens([5, 6, 7], [[8], [9, 10]], [11, 12]), atol=1e-3)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    before = engine.generate([[1, 2, 3]], greedy)
+    engine.sleep()
+    engine.wake()
+    assert engine.generate([[1, 2, 3]], greedy) == before
+    engine.load_weights((name, torch.zeros_like(t)) for name, t in ref.model.state_dict().items() if name.endswith("norm.weight"))
+    assert engine.generate([[1, 2, 3]], greedy) != before
+    engine.close()
