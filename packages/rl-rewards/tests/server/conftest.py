@@ -9,9 +9,11 @@ import httpx
 from rl_rewards.server.process import ServerProcess
 
 
-def server_process(tmp: Path, name: str, args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
+def server_process(
+    tmp: Path, name: str, args: list[str], env: dict[str, str] | None = None, ready_timeout: float = 60.0
+) -> ServerProcess:
     """A server (started by `with`) whose output goes to `tmp/name.log` (shown when it fails)."""
-    return ServerProcess(args, env=env, log_path=tmp / f"{name}.log")
+    return ServerProcess(args, env=env, log_path=tmp / f"{name}.log", ready_timeout=ready_timeout)
 
 
 def assert_healthy(url: str) -> None:

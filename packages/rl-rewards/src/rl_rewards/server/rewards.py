@@ -79,7 +79,8 @@ def build_served(settings: ServerSettings) -> dict[str, Scorer | AsyncScorer]:
                 served[name] = scorer
     judge = judge_name(settings)
     if judge == CAPRL_QA and CAPRL_QA not in served:
-        options = {"model": settings.model, "task": settings.task, "num_questions": settings.qa_num}
+        # CapRL's own estimator by default (drop-in); `--judge-option estimator=exact` for training
+        options = {"model": settings.model, "task": settings.task, "qa_num": settings.qa_num, "estimator": "sample"}
         served[CAPRL_QA] = build_scorer("caption_qa", **{**options, **settings.judge_options})
     elif judge == CAPRL_VL_JUDGE and CAPRL_VL_JUDGE not in served:
         served[CAPRL_VL_JUDGE] = build_scorer("vl_judge", model=settings.model, **settings.judge_options)

@@ -1,0 +1,311 @@
+"""Reward server throughput: `rl-rewards serve` vs a CapRL-style master/worker service.
+
+CPU part (default): rule scoring (timestamp format + length counted in whitespace words, no
+model) through HTTP, 64 captions per request, 16 concurrent clients, for `--seconds` each.
+Baseline, measured in the same run, is built the way CapRL++'s reward service is (REFERENCE.md
+§1): a master HTTP app whose synchronous handler decodes the JSON with `json`, cuts the batch
+into ceil(B/N) chunks (N = 1 worker) and posts each chunk to its worker over HTTP; the worker's
+synchronous handler serves one request at a time and scores in Python. Both run under uvicorn
+with starlette (a FastAPI `def` endpoint is the same shape: a starlette sync endpoint in the
+threadpool). The load generator speaks raw HTTP/1.1 keep-alive on asyncio streams, so the
+client costs the same for both and little.
+
+GPU part (`--gpu --model PATH`): caption_qa `exact` through the server (CapRL `/get_reward` qa
+requests) vs the same scorer in-process — the server's overhead on judge throughput.
+
+    python benchmarks/reward_server.py            # CPU, appends to RESULTS.md
+    python benchmarks/reward_server.py --smoke    # seconds, prints only
+    python benchmarks/reward_server.py --gpu --model /models/Qwen3-4B-Instruct-2507
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.results import append_results
+
+CAPTIONS_PER_REQUEST = 64
+CLIENTS = 16
+REWARD_TOML = """
+[rewards.caption.components.format]
+scorer = "timestamp_format"
+weight = 0.2
+[rewards.caption.components.length]
+scorer = "length"
+weight = 0.2
+options = { tokenizer = "whitespace", l1 = 2048, l2 = 3072 }
+"""
+
+
+def make_captions(n: int, seed: int = 0) -> list[str]:
+    words = ["the", "a", "red", "dog", "runs", "across", "green", "field", "while", "person", "waves", "camera", "pans", "left", "slowly"]
+    out = []
+    for i in range(n):
+        parts = []
+        for k in range(6):
+            second = (seed + 7 * i + 9 * k) % 60
+            body = " ".join(words[(i + k + j) % len(words)] for j in range(20))
+            parts.append(f"[{k:02d}:{second:02d}] {body}.")
+        out.append(" ".join(parts))
+    return out
+
+
+def rule_score(caption: str) -> float:
+    """What both servers compute: 0.2*R_fmt + 0.2*R_len (whitespace words, l1=2048, l2=3072)."""
+    from rl_rewards.rules import length_reward, timestamp_format
+
+    return 0.2 * timestamp_format(caption) + 0.2 * length_reward(len(caption.split()), 2048, 3072)
+
+
+# ----------------------------------------------------------------------------- CapRL-style baseline
+
+
+def fastapi_style(handler):
+    """A FastAPI `def` endpoint: JSON parsed in the event loop, the handler run in the threadpool,
+    the result serialized with `json`."""
+    from starlette.concurrency import run_in_threadpool
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    async def endpoint(request: Request) -> Response:
+        payload = json.loads(await request.body())
+        result = await run_in_threadpool(handler, payload)
+        return Response(json.dumps(result), media_type="application/json")
+
+    return endpoint
+
+
+def baseline_worker_app():
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    lock = threading.Lock()  # CapRL workers serve one request at a time
+
+    def get_reward(body: dict) -> dict:
+        with lock:
+            return {"rewards": [rule_score(s["completion"]) for s in body["samples"]]}
+
+    return Starlette(routes=[Route("/get_reward", fastapi_style(get_reward), methods=["POST"])])
+
+
+def baseline_master_app(worker_urls: list[str]):
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    # a pooled client (kinder to the baseline than a new connection per chunk, as requests.post does)
+    http = httpx.Client(timeout=180)
+
+    def get_reward(body: dict) -> dict:
+        samples = body["samples"]
+        size = math.ceil(len(samples) / len(worker_urls))
+        rewards: list[float] = []
+        for i, url in enumerate(worker_urls):  # chunk i -> worker i; any failure fails the batch
+            chunk = samples[i * size : (i + 1) * size]
+            r = http.post(f"{url}/get_reward", content=json.dumps({"samples": chunk}))
+            r.raise_for_status()
+            rewards += r.json()["rewards"]
+        return {"rewards": rewards}
+
+    return Starlette(routes=[Route("/get_reward", fastapi_style(get_reward), methods=["POST"])])
+
+
+def serve_role(role: str, port: int, worker_url: str) -> None:
+    import uvicorn
+
+    app = baseline_worker_app() if role == "worker" else baseline_master_app([worker_url])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+# ----------------------------------------------------------------------------- load generator
+
+
+async def _one_client(host: str, port: int, request: bytes, stop_at: float, latencies: list[float]) -> int:
+    reader, writer = await asyncio.open_connection(host, port)
+    done = 0
+    while time.perf_counter() < stop_at:
+        started = time.perf_counter()
+        writer.write(request)
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}")
+        latencies.append(time.perf_counter() - started)
+        done += 1
+    writer.close()
+    return done
+
+
+def load(url: str, path: str, body: bytes, seconds: float, clients: int) -> tuple[float, float, float]:
+    """(samples/s, p50 ms, p99 ms) with `clients` keep-alive connections for `seconds`."""
+    host, port = url.removeprefix("http://").split(":")
+    request = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    latencies: list[float] = []
+
+    async def main() -> int:
+        warm_until = time.perf_counter() + min(1.0, seconds / 4)
+        await asyncio.gather(*(_one_client(host, int(port), request, warm_until, []) for _ in range(clients)))
+        stop_at = time.perf_counter() + seconds
+        counts = await asyncio.gather(*(_one_client(host, int(port), request, stop_at, latencies) for _ in range(clients)))
+        return sum(counts)
+
+    started = time.perf_counter()
+    requests = asyncio.run(main())
+    elapsed = time.perf_counter() - started - min(1.0, seconds / 4)
+    q = statistics.quantiles(latencies, n=100)
+    return requests * CAPTIONS_PER_REQUEST / elapsed, q[49] * 1000, q[98] * 1000
+
+
+def _wait(url: str, path: str = "/health", timeout: float = 60) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + path, timeout=2).status_code in (200, 405):
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+def cpu_benchmark(seconds: float, smoke: bool) -> list[list[object]]:
+    import httpx
+
+    from rl_rewards.server.process import ServerProcess, free_port
+
+    captions = make_captions(CAPTIONS_PER_REQUEST)
+    expected = [rule_score(c) for c in captions]
+    body = json.dumps({"reward": "caption", "samples": [{"completion": c} for c in captions]}).encode()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "rewards.toml"
+        config.write_text(REWARD_TOML)
+        ours_rows = {}
+        for workers in (0, 2):
+            args = ["--config", str(config), "--max-wait-ms", "1", "--log-level", "warning", "--workers", str(workers)]
+            with ServerProcess(args) as ours:
+                got = [r["score"] for r in httpx.post(f"{ours.url}/v1/score", content=body).json()["results"]]
+                assert all(math.isclose(a, b) for a, b in zip(got, expected, strict=True)), "ours: wrong rewards"
+                ours_rows[workers] = load(ours.url, "/v1/score", body, seconds, CLIENTS)
+        worker_port, master_port = free_port(), free_port()
+        worker_url = f"http://127.0.0.1:{worker_port}"
+        procs = [
+            subprocess.Popen([sys.executable, __file__, "--role", "worker", "--port", str(worker_port)]),
+            subprocess.Popen([sys.executable, __file__, "--role", "master", "--port", str(master_port), "--worker-url", worker_url]),
+        ]
+        try:
+            master_url = f"http://127.0.0.1:{master_port}"
+            _wait(worker_url, "/get_reward")
+            _wait(master_url, "/get_reward")
+            got = httpx.post(f"{master_url}/get_reward", content=body, timeout=60).json()["rewards"]
+            assert all(math.isclose(a, b) for a, b in zip(got, expected, strict=True)), "baseline: wrong rewards"
+            base_row = load(master_url, "/get_reward", body, seconds, CLIENTS)
+        finally:
+            for p in procs:
+                p.terminate()
+                p.wait()
+    rows.append(["CapRL-style master + 1 worker (baseline)", f"{base_row[0]:.0f}", f"{base_row[1]:.1f}", f"{base_row[2]:.1f}", "1.00x"])
+    for workers, label in ((0, "rl-rewards serve (in-process scoring)"), (2, "rl-rewards serve --workers 2")):
+        row = ours_rows[workers]
+        rows.append([label, f"{row[0]:.0f}", f"{row[1]:.1f}", f"{row[2]:.1f}", f"{row[0] / base_row[0]:.2f}x"])
+    return rows
+
+
+# ----------------------------------------------------------------------------- GPU part
+
+
+def gpu_benchmark(model: str, captions: int, qa_per_caption: int, rounds: int) -> list[list[object]]:
+    """caption_qa exact: in-process scorer vs the same scorer behind `rl-rewards serve`."""
+    import httpx
+
+    from rl_rewards.registry import build_scorer
+    from rl_rewards.samples import Sample
+    from rl_rewards.server.process import ServerProcess
+
+    qa = [[f"Question {j}?\n   - A) red\n   - B) blue\n   - C) green\n   - D) none", "A"] for j in range(qa_per_caption)]
+    texts = make_captions(captions)
+    samples = [Sample(completion=c, reference=qa) for c in texts]
+    scorer = build_scorer("caption_qa", model=model, estimator="exact", task="video")
+    scorer.score(samples[:8])  # warm-up
+    started = time.perf_counter()
+    for _ in range(rounds):
+        scorer.score(samples)
+    inproc = rounds * captions / (time.perf_counter() - started)
+    del scorer
+    body = {"prompts": [[c, qa] for c in texts], "query": [], "labels": []}
+    args = ["--model", model, "--judge-option", "estimator=exact", "--task", "video", "--max-wait-ms", "5"]
+    with ServerProcess(args, ready_timeout=900) as server, httpx.Client(timeout=900) as http:
+        http.post(f"{server.url}/get_reward", json={**body, "prompts": body["prompts"][:8]})
+        started = time.perf_counter()
+        for _ in range(rounds):
+            r = http.post(f"{server.url}/get_reward", json=body)
+            r.raise_for_status()
+        served = rounds * captions / (time.perf_counter() - started)
+    return [
+        ["caption_qa exact, in-process", f"{inproc:.1f}", "1.00x"],
+        ["caption_qa exact, through rl-rewards serve", f"{served:.1f}", f"{served / inproc:.2f}x"],
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny run, print only")
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--gpu", action="store_true", help="caption_qa through the server vs in-process")
+    parser.add_argument("--model", help="judge checkpoint for --gpu")
+    parser.add_argument("--captions", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--role", choices=["worker", "master"], help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-url", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role:
+        serve_role(args.role, args.port, args.worker_url)
+        return
+    if args.gpu:
+        if not args.model:
+            parser.error("--gpu needs --model PATH (the judge checkpoint)")
+        n = 8 if args.smoke else args.captions
+        rows = gpu_benchmark(args.model, n, 8, 1 if args.smoke else args.rounds)
+        header = ["setup", "captions/s", "vs in-process"]
+        title = "Reward server: caption_qa exact through the server vs in-process"
+        notes = f"{n} captions x 8 questions per request, {args.rounds} rounds. Goal: server >= 0.90x in-process."
+    else:
+        rows = cpu_benchmark(2.0 if args.smoke else args.seconds, args.smoke)
+        header = ["setup", "samples/s", "p50 ms", "p99 ms", "speedup"]
+        title = "Reward server: rule scoring over HTTP (format + length, 64 captions/request, 16 clients)"
+        notes = (
+            f"{args.seconds:.0f} s per system after 1 s warm-up; raw HTTP/1.1 keep-alive load generator. "
+            "Baseline: starlette sync handlers (FastAPI `def` shape), master posts ceil(B/N) chunks to 1 worker "
+            "that serves one request at a time (pooled httpx client master->worker). Goal: >= 5x samples/s at lower p99."
+        )
+    if args.smoke:
+        from benchmarks.results import markdown_table
+
+        print(markdown_table(header, rows))
+    else:
+        append_results(title, header, rows, notes)
+
+
+if __name__ == "__main__":
+    main()
