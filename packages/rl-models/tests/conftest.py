@@ -36,3 +36,8 @@ def embedding_path(_tiny_cache):
 @pytest.fixture(scope="session")
 def clip_path(_tiny_cache):
     return tiny.build("clip")
+
+
+@pytest.fixture(scope="session")
+def vl_paths(_tiny_cache):
+    return {family: tiny.build(family) for family in ("qwen2_5_vl", "qwen3_vl")}

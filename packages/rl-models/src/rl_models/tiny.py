@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from rl_models import tiny_families
+from rl_models import tiny_families, tiny_vl
 
 Builder = Callable[[Path], None]
 # family -> (builder version, builder). Bump a version whenever its output changes.
@@ -85,6 +85,8 @@ def _run_builder(builder: Builder, out: Path, seed: int) -> None:
         builder(out)
 
 
-register_family("qwen3", "v1", tiny_families.build_qwen3)
+register_family("qwen3", "v2", tiny_families.build_qwen3)
 register_family("embedding", "v1", tiny_families.build_embedding)
 register_family("clip", "v1", tiny_families.build_clip)
+register_family("qwen2_5_vl", "v1", tiny_vl.build_qwen2_5_vl)
+register_family("qwen3_vl", "v1", tiny_vl.build_qwen3_vl)

@@ -24,12 +24,12 @@ from transformers import (
 from rl_models.tokenization import build_bert_tokenizer, build_clip_tokenizer, build_qwen_tokenizer
 
 
-def _vocab_size(n_tokens: int, multiple: int = 64) -> int:
+def round_vocab(n_tokens: int, multiple: int = 64) -> int:
     """Round the tokenizer length up, as real checkpoints pad their embedding tables."""
     return (n_tokens + multiple - 1) // multiple * multiple
 
 
-def _qwen_generation_config(tokenizer) -> GenerationConfig:
+def qwen_generation_config(tokenizer) -> GenerationConfig:
     return GenerationConfig(
         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
@@ -42,7 +42,7 @@ def build_qwen3(out: Path) -> None:
     """Qwen3 text model (tied embeddings, q/k norms, GQA), `Qwen2Tokenizer` + chat template."""
     tokenizer = build_qwen_tokenizer()
     config = Qwen3Config(
-        vocab_size=_vocab_size(len(tokenizer)),
+        vocab_size=round_vocab(len(tokenizer)),
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -57,7 +57,7 @@ def build_qwen3(out: Path) -> None:
         pad_token_id=tokenizer.pad_token_id,
     )
     model = Qwen3ForCausalLM(config)
-    model.generation_config = _qwen_generation_config(tokenizer)
+    model.generation_config = qwen_generation_config(tokenizer)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
@@ -70,7 +70,7 @@ def build_embedding(out: Path) -> None:
     """
     tokenizer = build_bert_tokenizer()
     config = BertConfig(
-        vocab_size=_vocab_size(len(tokenizer)),
+        vocab_size=round_vocab(len(tokenizer)),
         hidden_size=32,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -99,7 +99,7 @@ def build_clip(out: Path) -> None:
     }
     config = CLIPConfig(
         text_config={
-            "vocab_size": _vocab_size(len(tokenizer)),
+            "vocab_size": round_vocab(len(tokenizer)),
             "hidden_size": 32,
             "intermediate_size": 64,
             "num_hidden_layers": 2,

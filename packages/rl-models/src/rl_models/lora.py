@@ -1,0 +1,127 @@
+"""LoRA through peft: default targets per family, the reference model as "the same model with
+LoRA disabled" (no second copy of the weights), and merged or adapter-only export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import Tensor
+from transformers import PreTrainedModel
+from transformers.utils import PushToHubMixin
+
+from rl_models.logprobs import TokenBatch, token_logprobs
+
+_QWEN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Qwen-VL vision towers also have `*_proj` MLPs: restrict the match to the language model.
+_QWEN_VL_TARGETS = r".*language_model.*\.(" + "|".join(_QWEN_PROJ) + r")"
+
+# family -> peft `target_modules` (a list matches module-name suffixes, a string is a full regex).
+DEFAULT_TARGET_MODULES: dict[str, list[str] | str] = {
+    "qwen3": list(_QWEN_PROJ),
+    "qwen2": list(_QWEN_PROJ),
+    "qwen2_5_vl": _QWEN_VL_TARGETS,
+    "qwen3_vl": _QWEN_VL_TARGETS,
+    # Flow-GRPO's SD3 recipe (REFERENCE.md §2): joint-attention projections of both streams.
+    "sd3": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
+    # Janus: LoRA on the language model only (the VQ and SigLIP towers stay frozen).
+    "janus": r".*language_model.*\.(" + "|".join(_QWEN_PROJ) + r")",
+}
+
+
+def default_target_modules(family: str) -> list[str] | str:
+    """Default LoRA targets of `family` (a config `model_type` or "sd3")."""
+    if family not in DEFAULT_TARGET_MODULES:
+        raise KeyError(
+            f"no default LoRA targets for family {family!r}; valid: "
+            f"{', '.join(sorted(DEFAULT_TARGET_MODULES))} (or pass target_modules=...)"
+        )
+    return DEFAULT_TARGET_MODULES[family]
+
+
+def add_lora(
+    model: torch.nn.Module,
+    *,
+    family: str | None = None,
+    r: int = 16,
+    alpha: float = 32,
+    dropout: float = 0.0,
+    target_modules: list[str] | str | None = None,
+    init_lora_weights: bool | str = True,
+) -> PeftModel:
+    """Wrap `model` with fresh LoRA adapters (`get_peft_model`); only they are trainable.
+
+    `family` defaults to `model.config.model_type` for transformers models; pass "sd3" for an
+    `SD3Transformer2DModel`. peft initialises B to zero, so the wrapped model starts equal to the
+    base model (`init_lora_weights=False` gives random B, for tests).
+    """
+    if target_modules is None:
+        target_modules = default_target_modules(family or model.config.model_type)
+    config = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=target_modules,
+        init_lora_weights=init_lora_weights,
+    )
+    return get_peft_model(model, config)
+
+
+@contextlib.contextmanager
+def disabled_adapter(model: PeftModel) -> Iterator[PeftModel]:
+    """Run `model` as its reference (LoRA off) inside the block: the same weights, no copy."""
+    with model.disable_adapter():
+        yield model
+
+
+@torch.no_grad()
+def reference_token_logprobs(
+    model: PeftModel, batch: TokenBatch, *, temperature: float = 1.0, chunk_size: int = 1024
+) -> Tensor:
+    """`token_logprobs` `[B, C]` of the reference policy: the LoRA model with adapters disabled."""
+    with disabled_adapter(model):
+        return token_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size)
+
+
+def export_lora(model: PeftModel, out_dir: str | Path) -> Path:
+    """Save the adapter only (`adapter_config.json` + `adapter_model.safetensors`)."""
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    return out
+
+
+def merge_and_export(
+    model: PeftModel, out_dir: str | Path, *, processor: PushToHubMixin | None = None
+) -> Path:
+    """Save the base model with the LoRA deltas merged in, loadable without peft.
+
+    The merge is undone afterwards, so training can go on with the same adapters. The exported
+    model is built on the meta device and takes the merged tensors by reference: no extra copy.
+    `processor` (a tokenizer or processor) is saved alongside when given.
+    """
+    out = Path(out_dir)
+    base = model.get_base_model()
+    model.merge_adapter()
+    try:
+        merged = {
+            name.replace(".base_layer", ""): tensor
+            for name, tensor in base.state_dict().items()
+            if ".lora_" not in name
+        }
+        with torch.device("meta"):
+            if isinstance(base, PreTrainedModel):
+                fresh = type(base)._from_config(base.config)
+                fresh.generation_config = base.generation_config
+            else:  # diffusers ModelMixin
+                fresh = type(base).from_config(base.config)
+        fresh.load_state_dict(merged, strict=True, assign=True)
+        fresh.save_pretrained(out)
+    finally:
+        model.unmerge_adapter()
+    if processor is not None:
+        processor.save_pretrained(out)
+    return out
