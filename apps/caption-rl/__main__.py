@@ -37,6 +37,7 @@ from accelerate.utils import gather_object
 from caption_parts import (
     Dataset,
     LocalReward,
+    Policy,
     RemoteReward,
     RewardUnavailable,
     Rollout,
@@ -47,14 +48,14 @@ from caption_parts import (
     load_records,
     make_sample,
     pad_rows,
+    placeholder_ids,
     plot_reward_curve,
+    replay_logprobs,
     resolve_model,
-    sequence_logprobs,
     to_device,
     to_messages,
 )
-from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from peft import PeftModel
 
 from rl_core.advantages import compute_advantages
 from rl_core.kl import compute_kl
@@ -73,7 +74,9 @@ from rl_core.train import (
     seed_everything,
 )
 from rl_data import CaptionQARecord, GroupSampler
-from rl_models.loading import resolve_dtype
+from rl_models.logprobs import token_logprobs, unwrap_peft
+from rl_models.lora import add_lora, disabled_adapter, export_lora, merge_and_export
+from rl_models.vl import load_vl_model
 from rl_rewards import ScoreResult
 from rl_rollout import SamplingParams
 from rl_rollout.hf import HFEngine
@@ -91,7 +94,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16 | auto
     lora_rank: int = 0  # 0 = full fine-tuning (CapRL++); > 0 trains a LoRA adapter
     lora_alpha: int = 32
-    lora_targets: list[str] = msgspec.field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    lora_targets: list[str] | None = None  # peft target_modules; None = rl_models' family default
     gradient_checkpointing: bool = False
 
 
@@ -231,7 +234,7 @@ class Run:
     cfg: Config
     acc: Accelerator
     run_dir: Path
-    model: torch.nn.Module  # prepared (DDP/FSDP-wrapped) training model
+    policy: torch.nn.Module  # `Policy` (model -> completion log-probs), prepared: DDP/FSDP-wrapped
     processor: Any
     engine: HFEngine  # generates with the training model's own weights (no copy, no sync)
     optimizer: torch.optim.Optimizer
@@ -244,15 +247,14 @@ class Run:
     start_step: int
     reference: torch.nn.Module | None  # frozen initial policy (full fine-tuning with a KL term)
     timer: PhaseTimer = field(default_factory=PhaseTimer)
+    placeholders: frozenset[int] = frozenset()  # vision placeholder token ids (see caption_parts)
 
 
 def load_policy(cfg: ModelConfig) -> tuple[torch.nn.Module, Any, str]:
     path = resolve_model(cfg.path)
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=resolve_dtype(cfg.dtype))
-    processor = AutoProcessor.from_pretrained(path)
+    model, processor = load_vl_model(path, dtype=cfg.dtype)
     if cfg.lora_rank > 0:
-        lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=list(cfg.lora_targets))
-        model = get_peft_model(model, lora)
+        model = add_lora(model, r=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_targets)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model, processor, path
@@ -289,10 +291,9 @@ def setup(cfg: Config, resume: str | None) -> Run:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (t.warmup_steps + 1)))
-    model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
-    inner = acc.unwrap_model(model)
-    inner = inner.get_base_model() if isinstance(inner, PeftModel) else inner  # LoRA layers live in it
-    engine = HFEngine(inner, processor, max_batch_size=cfg.rollout.max_batch_size)
+    policy, optimizer, scheduler = acc.prepare(Policy(model), optimizer, scheduler)
+    # the engine decodes with the very modules being trained (LoRA layers included): no weight sync
+    engine = HFEngine(unwrap_peft(acc.unwrap_model(policy).model), processor, max_batch_size=cfg.rollout.max_batch_size)
     sampler = GroupSampler(len(data.train), cfg.rollout.n, seed=t.seed, rank=acc.process_index, world_size=world)
     start = 0
     if ckpt is not None:
@@ -308,8 +309,8 @@ def setup(cfg: Config, resume: str | None) -> Run:
     if cfg.algo.kl_coef > 0 and cfg.model.lora_rank == 0:
         reference = load_policy(msgspec.structs.replace(cfg.model, gradient_checkpointing=False))[0]
         reference = reference.to(acc.device).eval().requires_grad_(False)
-    return Run(cfg, acc, run_dir, model, processor, engine, optimizer, scheduler, reward, sampler, data,
-               per_rank, total, start, reference)
+    return Run(cfg, acc, run_dir, policy, processor, engine, optimizer, scheduler, reward, sampler, data,
+               per_rank, total, start, reference, placeholders=placeholder_ids(unwrap_peft(model).config))
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -386,7 +387,9 @@ def step_once(run: Run, step: int) -> dict[str, Any]:
         message = error or "no rollouts on some process (every prompt over rollout.max_prompt_length?)"
         print(f"step {step} skipped: {message}", file=sys.stderr)
         return {"skipped": 1, "error": message[:300]}
-    scores = torch.tensor([x.score if x.score is not None else math.nan for x in results])  # [B]
+    bad = [any(tok in run.placeholders for tok in g.completion_ids) for g in generations]
+    scores = torch.tensor([x.score if x.score is not None and not b else math.nan
+                           for x, b in zip(results, bad, strict=True)])  # [B] NaN: left out of the update
     groups = torch.tensor([acc.process_index * run.prompts_per_rank + g.request_index for g in generations])  # [B]
     adv = advantages_for(run, scores.to(acc.device), groups.to(acc.device)).cpu()  # [B]
     rollouts = [Rollout(encoded[g.request_index], g.completion_ids, g.logprobs, valid=not math.isnan(scores[i]))
@@ -395,7 +398,8 @@ def step_once(run: Run, step: int) -> dict[str, Any]:
         old, ref, stats = replay(run, rollouts, check=step == run.start_step + 1)
     with run.timer("update"):
         update_stats = update(run, rollouts, adv, old, ref)
-    metrics = {"skipped": 0, **rollout_metrics(run, generations, results, adv), **stats, **update_stats}
+    metrics = {"skipped": 0, **rollout_metrics(run, generations, results, adv), **stats, **update_stats,
+               "response/placeholder_rows": acc.reduce(torch.tensor(float(sum(bad)), device=acc.device), "sum").item()}
     if acc.is_main_process:
         append_jsonl(run.run_dir / "samples" / "train.jsonl", [
             {"step": step, "prompt": s.prompt, "caption": s.completion, "reward": x.score, "components": x.components,
@@ -409,27 +413,28 @@ def replay(run: Run, rollouts: list[Rollout], *, check: bool) -> tuple[list, lis
     sampling log-probs must match them (the importance ratio is 1 on the first replay): a
     mismatch means the engine and the trainer see different prompts, media or weights."""
     cfg, acc = run.cfg, run.acc
-    model = acc.unwrap_model(run.model)  # no-grad forwards need no DDP collectives
-    old, diffs, ents = [], [], []
+    model = acc.unwrap_model(run.policy).model  # no-grad forwards need no DDP collectives
+    old, diffs, ents = [], [torch.zeros(0)], [torch.zeros(0)]
     ref: list | None = [] if cfg.algo.kl_coef > 0 else None
     with torch.no_grad():
         for chunk in batched(rollouts, cfg.train.micro_batch_size):
-            batch = to_device(collate(chunk, run.engine.pad_id), acc.device)
-            lp, ent = sequence_logprobs(model, batch, temperature=cfg.rollout.temperature, with_entropy=True)
+            batch = to_device(collate(chunk, run.engine.pad_id, run.placeholders), acc.device)
+            lp, ent = replay_logprobs(model, batch, cfg.rollout.temperature)  # [B, C], [B, C]
             for row, r in enumerate(chunk):
                 length = len(r.completion_ids)
                 old.append(lp[row, :length].cpu())
-                ents.append(ent[row, :length].cpu())
-                diffs.append((old[-1] - torch.tensor(r.engine_logprobs)).abs())
+                if r.valid:  # rows with a failed reward or a sampled placeholder are never trained on
+                    ents.append(ent[row, :length].cpu())
+                    diffs.append((old[-1] - torch.tensor(r.engine_logprobs)).abs())
             if ref is not None:
                 with reference_model(run) as reference:
-                    ref_lp, _ = sequence_logprobs(reference, batch, temperature=cfg.rollout.temperature)
+                    ref_lp = token_logprobs(reference, batch, temperature=cfg.rollout.temperature)  # [B, C]
                 ref += [ref_lp[row, : len(r.completion_ids)].cpu() for row, r in enumerate(chunk)]
     diff = torch.cat(diffs)
     ent = torch.cat(ents)
     totals = acc.reduce(torch.tensor([diff.sum(), diff.numel(), ent.sum()], device=acc.device), "sum").tolist()
-    diff_max = acc.reduce(diff.max().to(acc.device), "max").item()
-    mean_diff = totals[0] / totals[1]
+    diff_max = acc.reduce(diff.max().to(acc.device) if diff.numel() else torch.zeros((), device=acc.device), "max").item()
+    mean_diff = totals[0] / max(totals[1], 1.0)
     tolerance = cfg.algo.replay_tolerance
     if tolerance is None:
         tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
@@ -437,7 +442,7 @@ def replay(run: Run, rollouts: list[Rollout], *, check: bool) -> tuple[list, lis
         raise RuntimeError(f"first replay: mean |engine logp - trainer logp| = {mean_diff:.3g} > algo.replay_tolerance="
                            f"{tolerance} (max {diff_max:.3g}): the rollout engine and the training model disagree")
     return old, ref, {"logprob/engine_diff_mean": mean_diff, "logprob/engine_diff_max": diff_max,
-                      "entropy": totals[2] / totals[1]}
+                      "entropy": totals[2] / max(totals[1], 1.0)}
 
 
 @contextmanager
@@ -447,8 +452,7 @@ def reference_model(run: Run) -> Iterator[torch.nn.Module]:
     if run.reference is not None:
         yield run.reference
         return
-    model = run.acc.unwrap_model(run.model)
-    with model.disable_adapter():
+    with disabled_adapter(run.acc.unwrap_model(run.policy).model) as model:
         yield model
 
 
@@ -463,7 +467,7 @@ def update(run: Run, rollouts: list[Rollout], adv: torch.Tensor, old: list, ref:
     num_minibatches = t.batch_size // (t.mini_batch_size or t.batch_size)
     parts = [p.tolist() for p in torch.arange(len(rollouts)).tensor_split(num_minibatches)]
     sums: dict[str, float] = defaultdict(float)
-    run.model.train()
+    run.policy.train()
     for _ in range(a.ppo_epochs):
         for part in parts:
             chunks = [part[i : i + t.micro_batch_size] for i in range(0, len(part), t.micro_batch_size)] or [[0]]
@@ -474,7 +478,7 @@ def update(run: Run, rollouts: list[Rollout], adv: torch.Tensor, old: list, ref:
             for j in range(count):
                 rows = chunks[j] if j < real else chunks[0]
                 weight = 1.0 if j < real else 0.0
-                sync = nullcontext() if j == count - 1 else acc.no_sync(run.model)
+                sync = nullcontext() if j == count - 1 else acc.no_sync(run.policy)
                 with sync:
                     loss, metrics = micro_loss(run, [rollouts[i] for i in rows], adv[rows], [old[i] for i in rows],
                                                [ref[i] for i in rows] if ref is not None else None, num_valid)
@@ -484,22 +488,22 @@ def update(run: Run, rollouts: list[Rollout], adv: torch.Tensor, old: list, ref:
                         sums[key] = max(sums[key], value * weight)
                     else:
                         sums[key] += value * weight
-            sums["grad_norm"] += float(acc.clip_grad_norm_(run.model.parameters(), t.grad_clip))
+            sums["grad_norm"] += float(acc.clip_grad_norm_(run.policy.parameters(), t.grad_clip))
             sums["optimizer_steps"] += 1
             run.optimizer.step()
             run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
-    run.model.eval()
+    run.policy.eval()
     return reduce_update_stats(acc, sums)
 
 
 def micro_loss(run: Run, rows: list[Rollout], adv: torch.Tensor, old: list, ref: list | None,
                num_valid: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
     a, acc = run.cfg.algo, run.acc
-    batch = to_device(collate(rows, run.engine.pad_id), acc.device)
+    batch = to_device(collate(rows, run.engine.pad_id, run.placeholders), acc.device)
     valid = torch.tensor([r.valid for r in rows], device=acc.device)[:, None]  # [B, 1]
     mask = batch.completion_mask * valid  # [B, C] failed samples contribute nothing
-    logp, _ = sequence_logprobs(run.model, batch, temperature=run.cfg.rollout.temperature)  # [B, C]
+    logp = run.policy(batch, run.cfg.rollout.temperature)  # [B, C]
     old_logp = pad_rows(old, logp.shape[1]).to(acc.device)  # [B, C]
     advantages = adv.to(acc.device, logp.dtype)[:, None] * mask  # [B, C]
     loss, metrics = compute_policy_loss(a.loss, logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,
@@ -616,8 +620,13 @@ def finish(run: Run) -> None:
     acc = run.acc
     acc.wait_for_everyone()
     if run.cfg.train.export and acc.is_main_process:
-        acc.unwrap_model(run.model).save_pretrained(run.run_dir / "export")
-        run.processor.save_pretrained(run.run_dir / "export")
+        model = acc.unwrap_model(run.policy).model
+        if isinstance(model, PeftModel):
+            export_lora(model, run.run_dir / "export" / "adapter")
+            merge_and_export(model, run.run_dir / "export", processor=run.processor)
+        else:
+            model.save_pretrained(run.run_dir / "export")
+            run.processor.save_pretrained(run.run_dir / "export")
     acc.end_training()
     d = run.run_dir
     acc.print(f"\ncaption-rl finished: {run.total_steps} steps ({run.data.skipped} malformed/QA-less records skipped)\n"

@@ -12,14 +12,16 @@ import json
 import random
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rl_core.logprobs import entropy, token_logprobs
+from rl_core.logprobs import entropy
+from rl_core.logprobs import token_logprobs as rl_token_logprobs
 from rl_data import CaptionQARecord, format_question_text, load_image, read_caption_qa, sample_video
+from rl_models.logprobs import TokenBatch, final_hidden_states, token_logprobs, unwrap_peft
 from rl_rewards import Sample, ScoreResult, build_reward
 from rl_rewards.client import RetryPolicy, RewardClient
 from rl_rollout.prompts import EncodedPrompt, encode_prompt, pad_batch
@@ -235,58 +237,58 @@ class Rollout:
     valid: bool  # False: the sample failed to score; it stays in the batch with weight 0
 
 
-@dataclass(frozen=True)
-class TokenBatch:
-    """Rollouts laid out for one forward pass: prompts left-padded, completions right-padded,
-    so every completion starts at column P.
-
-    input_ids:       [B, P + C]
-    attention_mask:  [B, P + C]
-    completion_ids:  [B, C] (pad where completion_mask is 0)
-    completion_mask: [B, C]
-    media:           processor tensors, rows in order
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    completion_ids: torch.Tensor
-    completion_mask: torch.Tensor
-    media: dict[str, torch.Tensor]
+def placeholder_ids(config: Any) -> frozenset[int]:
+    """Qwen-VL's vision placeholder tokens. A completion that samples one (a random or badly
+    drifted policy can) would be read as an image slot by the model's forward: such rollouts
+    are dropped from the update and counted (`response/placeholder_rows`)."""
+    return frozenset(config.to_dict()[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id")
+                     if config.to_dict().get(k) is not None)
 
 
-def collate(rollouts: Sequence[Rollout], pad_id: int) -> TokenBatch:
+def collate(rollouts: Sequence[Rollout], pad_id: int, placeholders: frozenset[int] = frozenset()) -> TokenBatch:
+    """Rollouts as one `rl_models` TokenBatch: prompts left-padded (with their processor
+    tensors), completions right-padded, every completion starting at column P. Vision
+    placeholders sampled into a completion become `pad_id` (those rows are never trained on)."""
     prompts = pad_batch([r.prompt for r in rollouts], pad_id)
     width = max(len(r.completion_ids) for r in rollouts)
     completion = torch.full((len(rollouts), width), pad_id, dtype=torch.long)  # [B, C]
     completion_mask = torch.zeros(len(rollouts), width, dtype=torch.long)  # [B, C]
     for i, r in enumerate(rollouts):
-        completion[i, : len(r.completion_ids)] = torch.tensor(r.completion_ids)
+        completion[i, : len(r.completion_ids)] = torch.tensor(
+            [pad_id if tok in placeholders else tok for tok in r.completion_ids])
         completion_mask[i, : len(r.completion_ids)] = 1
-    media = dict(prompts.media)
-    if "mm_token_type_ids" in media:  # sequence-aligned: completions are text (type 0)
-        media["mm_token_type_ids"] = torch.cat([media["mm_token_type_ids"], torch.zeros_like(completion)], 1)
-    return TokenBatch(
-        input_ids=torch.cat([prompts.input_ids, completion], 1),  # [B, P + C]
-        attention_mask=torch.cat([prompts.attention_mask, completion_mask], 1),  # [B, P + C]
-        completion_ids=completion, completion_mask=completion_mask, media=media,
-    )
+    return TokenBatch.from_prompt_completion(prompts.input_ids, prompts.attention_mask, completion, completion_mask,
+                                             **prompts.media)
 
 
-def sequence_logprobs(
-    model: torch.nn.Module, batch: TokenBatch, *, temperature: float, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs `[B, C]` of the completions under softmax(logits / temperature), and
-    the entropy `[B, C]` of that distribution. Only the last C + 1 positions get logits."""
-    device = batch.input_ids.device
-    width = batch.completion_ids.shape[1]
-    out = model(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=width + 1,
-        use_cache=False, **{k: v.to(device) for k, v in batch.media.items()},
-    )
-    logits = out.logits[:, :-1]  # [B, C, V] predicts completion token j at column j
-    logp = token_logprobs(logits, batch.completion_ids, temperature)  # [B, C]
-    ent = entropy(logits.detach() / temperature) if with_entropy else None  # [B, C]
-    return logp, ent
+class Policy(torch.nn.Module):
+    """The trained model behind one forward that returns completion log-probs `[B, C]`
+    (`rl_models.token_logprobs`: hidden states, then the LM head in chunks). Handing this module
+    to `accelerator.prepare` makes DDP/FSDP wrap the whole log-prob computation, so gradients
+    are synchronized even though the logits never go through `model.forward`."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: TokenBatch, temperature: float) -> torch.Tensor:
+        return token_logprobs(self.model, batch, temperature=temperature)  # [B, C]
+
+
+@torch.no_grad()
+def replay_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float,
+                    rows_per_chunk: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """No-grad log-probs `[B, C]` and entropies `[B, C]` of softmax(logits / temperature),
+    from the hidden states a few rows at a time (the full `[B, C, V]` never exists)."""
+    hidden = final_hidden_states(model, batch)[:, batch.prompt_length - 1 : -1]  # [B, C, H]
+    weight = unwrap_peft(model).get_output_embeddings().weight  # [V, H]
+    logps, ents = [], []
+    for start in range(0, hidden.shape[0], rows_per_chunk):
+        logits = hidden[start : start + rows_per_chunk] @ weight.T / temperature  # [b, C, V]
+        logps.append(rl_token_logprobs(logits, batch.completion_ids[start : start + rows_per_chunk]))  # [b, C]
+        ents.append(entropy(logits))  # [b, C]
+    mask = batch.completion_mask.float()  # [B, C]
+    return torch.cat(logps) * mask, torch.cat(ents) * mask
 
 
 def pad_rows(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
@@ -298,8 +300,7 @@ def pad_rows(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
 
 
 def to_device(batch: TokenBatch, device: torch.device) -> TokenBatch:
-    return TokenBatch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.completion_ids.to(device),
-                      batch.completion_mask.to(device), {k: v.to(device) for k, v in batch.media.items()})
+    return replace(batch, **{k: v.to(device) for k, v in vars(batch).items() if isinstance(v, torch.Tensor)})
 
 
 def encode_rollout_prompt(messages: list[dict[str, Any]], processor: Any, index: int) -> EncodedPrompt:
