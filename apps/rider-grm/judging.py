@@ -1,0 +1,317 @@
+"""The reward side of rider-grm: the rule reward, the generative judges swapped on and off the
+accelerator one at a time, the embedding-similarity reward, and their composition.
+
+VeRL-with-RMs (REFERENCE.md §3) keeps each judge's weights off the GPU and loads them into its
+inference engine only while it scores. Here every judge is a `Scorer` wrapped in
+`SwappedJudge`, which wakes the judge's engine, scores, and puts it back to sleep, timing each
+part and recording the judge's raw outputs and parse failures. The composition
+(`rl_rewards.composition`, combine = "fold") evaluates the rule gate *before* a judge is
+called, so gated-out samples never reach it, and a judge with nothing to score is never woken.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from rl_rewards.samples import Sample, Scorer, ScoreResult
+from rl_rollout import Engine, Generation, Prompt, SamplingParams
+
+# ------------------------------------------------------------------------------ monitoring
+
+
+class PhaseMonitor:
+    """Seconds and accelerator-memory high-water mark per phase of one step.
+
+    `with monitor("generate"): ...` adds the phase's wall time to `time/generate` and records
+    the peak allocated GPU memory inside it as `mem/generate_gib` (0 on CPU). Phases entered
+    twice in a step are summed (time) and maxed (memory); `pop()` returns and resets them.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds: dict[str, float] = {}
+        self.peak_gib: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+            peak = torch.cuda.max_memory_allocated() / 2**30 if self.cuda else 0.0
+            self.peak_gib[phase] = max(self.peak_gib.get(phase, 0.0), peak)
+
+    def pop(self) -> dict[str, float]:
+        out = {f"time/{k}": v for k, v in self.seconds.items()}
+        out |= {f"mem/{k}_gib": v for k, v in self.peak_gib.items()}
+        out["mem/peak_gib"] = max(self.peak_gib.values(), default=0.0)
+        self.seconds, self.peak_gib = {}, {}
+        return out
+
+
+# ------------------------------------------------------------------------------ rule reward
+
+
+def load_function(path: str, default_name: str = "compute_score") -> Callable[..., Any]:
+    """`"pkg.module:fn"` or `"path/to/file.py:fn"` (`:fn` optional, default `compute_score`)."""
+    target, _, name = path.partition(":")
+    name = name or default_name
+    if target.endswith(".py"):
+        file = Path(target)
+        if not file.is_file():
+            raise FileNotFoundError(f"reward function file not found: {file}")
+        spec = importlib.util.spec_from_file_location(f"rider_grm_user_{file.stem}", file)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    fn = module.__dict__.get(name)
+    if not callable(fn):
+        raise AttributeError(f"{target} defines no function {name!r} (reward function path {path!r})")
+    return fn
+
+
+class RuleScorer:
+    """A verl `compute_score(data_source, solution_str, ground_truth, extra_info)` function as a
+    scorer. It may return a float or `{"score": float, **numeric extras}` (extras become
+    components); an exception is that sample's error."""
+
+    name = "rule"
+
+    def __init__(self, fn: Callable[..., Any], monitor: PhaseMonitor) -> None:
+        self.fn, self.monitor = fn, monitor
+
+    def _one(self, sample: Sample) -> ScoreResult:
+        meta = sample.metadata
+        try:
+            value = self.fn(meta["data_source"], sample.completion, sample.reference, meta["extra_info"])
+        except Exception as e:  # a rule bug on one sample fails that sample only
+            return ScoreResult.failed(f"{type(e).__name__}: {e}")
+        if isinstance(value, dict):
+            extras = {k: float(v) for k, v in value.items() if k != "score" and isinstance(v, int | float)}
+            return ScoreResult(score=float(value["score"]), components=extras)
+        return ScoreResult(score=float(value))
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        with self.monitor("rule"):
+            return [self._one(s) for s in samples]
+
+
+# ------------------------------------------------------------------------------ judges
+
+
+class RecordingEngine:
+    """An `Engine` that forwards everything to `inner` and keeps the texts it generated since
+    `reset()`, so the judge's raw outputs can be logged next to its scores."""
+
+    def __init__(self, inner: Engine) -> None:
+        self.inner = inner
+        self.texts: list[str] = []
+
+    def reset(self) -> None:
+        self.texts = []
+
+    def generate(self, requests: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
+        out = self.inner.generate(requests, params)
+        self.texts += [g.text for g in out]
+        return out
+
+    def score_next_tokens(self, shared_prefix: list[int], suffixes: Sequence[list[int]],
+                          candidates: Sequence[int], *, temperature: float = 1.0) -> torch.Tensor:
+        return self.inner.score_next_tokens(shared_prefix, suffixes, candidates, temperature=temperature)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.inner.load_weights(named_tensors)
+
+    def sleep(self) -> None:
+        self.inner.sleep()
+
+    def wake(self) -> None:
+        self.inner.wake()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def engine_state(engine: Engine) -> str:
+    """"awake"/"asleep"/"closed" for an HF engine; "remote" for engines with no local state."""
+    inner = engine.inner if isinstance(engine, RecordingEngine) else engine
+    return inner.state if type(inner).__name__ == "HFEngine" else "remote"
+
+
+@dataclass
+class JudgeLog:
+    """What one judge did in one step (reset by `SwappedJudge.pop`)."""
+
+    scored: int = 0
+    failures: int = 0
+    raw: dict[int, str] = field(default_factory=dict)  # sample uid -> raw judge output
+    errors: dict[int, str] = field(default_factory=dict)  # sample uid -> parse error
+    policy_awake: int = 0  # times the policy engine was awake while this judge was
+
+
+class SwappedJudge:
+    """Wake the judge, score the samples that reached it, put it back to sleep.
+
+    `index` picks the row's `rm_prompt_{index}` as the judge prompt (VeRL-with-RMs' per-judge
+    template), passed to the judge scorer as the sample's `prompt`. A sample whose output the
+    module cannot parse is an error for that sample only; the composition then uses the
+    judge's `fallback` score and this wrapper counts it in `judge_<name>/parse_failures`.
+    """
+
+    def __init__(self, name: str, index: int, scorer: Scorer, engine: RecordingEngine,
+                 monitor: PhaseMonitor, policy: Engine | None) -> None:
+        self.name, self.index, self.scorer, self.engine = name, index, scorer, engine
+        self.monitor, self.policy = monitor, policy
+        self.log = JudgeLog()
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        judged = [msgspec.structs.replace(s, prompt=s.metadata["rm_prompts"][self.index]) for s in samples]
+        with self.monitor(f"judge_{self.name}_wake"):
+            self.engine.wake()
+        if self.policy is not None and engine_state(self.policy) == "awake":
+            self.log.policy_awake += 1
+        self.engine.reset()
+        try:
+            with self.monitor(f"judge_{self.name}_score"):
+                results = self.scorer.score(judged)
+        finally:
+            with self.monitor(f"judge_{self.name}_sleep"):
+                self.engine.sleep()
+        texts = self.engine.texts
+        for pos, (sample, result) in enumerate(zip(samples, results, strict=True)):
+            uid = sample.metadata["uid"]
+            self.log.raw[uid] = texts[pos] if len(texts) == len(samples) else " | ".join(texts)
+            if result.error is not None:
+                self.log.failures += 1
+                self.log.errors[uid] = result.error
+        self.log.scored += len(samples)
+        return results
+
+    def pop(self) -> JudgeLog:
+        log, self.log = self.log, JudgeLog()
+        return log
+
+
+class SimilarityScorer:
+    """VeRL-with-RMs' embedding reward: the trainer adds `weight * (0.7 * s + 0.3)` where `s` is
+    the mapped BGE similarity of completion and reference (`rl_rewards.rules.embedding_similarity_map`).
+    Reports `s` as the component `similarity.mapped` and `0.7 * s + 0.3` as the score."""
+
+    name = "similarity"
+
+    def __init__(self, inner: Scorer, monitor: PhaseMonitor) -> None:
+        self.inner, self.monitor = inner, monitor
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        with self.monitor("similarity"):
+            results = self.inner.score(samples)
+        return [r if r.score is None else ScoreResult(score=0.7 * r.score + 0.3, components={"mapped": r.score})
+                for r in results]
+
+
+# ------------------------------------------------------------------------------ interim judge scorer
+
+
+def load_reward_module(path: str) -> Any:
+    """A VeRL-with-RMs reward module by import path or .py file, checked for both functions."""
+    if path.endswith(".py"):
+        file = Path(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"judge module file not found: {file}")
+        spec = importlib.util.spec_from_file_location(f"rider_grm_judge_{file.stem}", file)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(path)
+    for fn in ("rm_preprocess", "rm_postprocess"):
+        if not callable(module.__dict__.get(fn)):
+            raise AttributeError(f"judge module {path!r} does not define {fn}(); a VeRL-with-RMs reward module "
+                                 "needs rm_preprocess(text_prompts, text_responses, tgt_tokenizer) and "
+                                 "rm_postprocess(results)")
+    return module
+
+
+class ModuleJudge:
+    """A generative judge from a VeRL-with-RMs module: `rm_preprocess` builds the judge inputs,
+    the engine samples one output each, `rm_postprocess` turns each output into a score (called
+    per output, so one unparseable output is that sample's error only)."""
+
+    name = "judge"
+
+    def __init__(self, engine: Engine, tokenizer: Any, module: str, *, temperature: float,
+                 max_new_tokens: int) -> None:
+        self.engine, self.tokenizer, self.path = engine, tokenizer, module
+        self.module = load_reward_module(module)
+        self.params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
+
+    def inputs(self, samples: Sequence[Sample]) -> list[str]:
+        texts = self.module.rm_preprocess([s.prompt for s in samples], [s.completion for s in samples],
+                                          self.tokenizer)
+        if not isinstance(texts, list) or len(texts) != len(samples):
+            got = f"{len(texts)} items" if isinstance(texts, list) else type(texts).__name__
+            raise ValueError(f"{self.path}.rm_preprocess returned {got} for {len(samples)} samples; "
+                             "it must return one judge input string per response")
+        return texts
+
+    def parse(self, text: str) -> ScoreResult:
+        try:
+            values = self.module.rm_postprocess([text])
+        except Exception as e:  # the judge wrote something the module cannot parse
+            return ScoreResult.failed(f"{self.path}.rm_postprocess: {type(e).__name__}: {e}")
+        if not isinstance(values, list) or len(values) != 1:
+            raise ValueError(f"{self.path}.rm_postprocess returned {values!r} for 1 output; it must "
+                             "return one score per output")
+        if values[0] is None:
+            return ScoreResult.failed(f"{self.path}.rm_postprocess: no score in {text[:80]!r}")
+        return ScoreResult(score=float(values[0]))
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        gens = self.engine.generate(self.inputs(samples), self.params)
+        return [self.parse(g.text) for g in gens]
+
+
+def check_judge(judge: ModuleJudge, sample: Sample) -> None:
+    """Start-up dry run on one sample: list lengths and return types must be right; an
+    unparseable output is fine here (random judges write anything)."""
+    texts = judge.inputs([sample])
+    gens = judge.engine.generate(texts, judge.params)
+    judge.parse(gens[0].text)
+
+
+class EmbeddingJudge:
+    """Interim `embedding_similarity`: mapped cosine similarity of completion and reference."""
+
+    name = "embedding_similarity"
+
+    def __init__(self, model: str, device: str) -> None:
+        from rl_models.encoders import load_embedding_model
+
+        self.encoder = load_embedding_model(model, device=device)
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        from rl_models.encoders import compute_text_embeddings
+        from rl_rewards.rules import embedding_similarity_map
+
+        a = compute_text_embeddings(self.encoder, [s.completion for s in samples])  # [N, H]
+        b = compute_text_embeddings(self.encoder, [str(s.reference) for s in samples])  # [N, H]
+        sims = (a * b).sum(-1).tolist()  # [N]
+        return [ScoreResult(score=embedding_similarity_map(s), components={"cosine": s}) for s in sims]

@@ -1,0 +1,15 @@
+"""Rule rewards for the rider example, in verl's `compute_score` form
+(`compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict`)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> dict[str, float]:
+    """Format gate for rider replies: 1.0 when the reply is non-empty and at most three
+    sentences (the system prompt's limit), else 0.0; `sentences` is reported as an extra."""
+    sentences = [s for s in re.split(r"[.!?。！？]+", solution_str) if s.strip()]
+    ok = 1 <= len(sentences) <= 3
+    return {"score": 1.0 if ok else 0.0, "sentences": float(len(sentences))}
