@@ -253,3 +253,14 @@ def test_resume_is_bit_identical_with_accelerator(tmp_path: Path) -> None:
     for _ in range(3):
         _step(model, optimizer, scheduler, data, accelerator.backward)
     assert all(torch.equal(a, b) for a, b in zip(straight, _params(model), strict=True))
+
+
+def test_accelerate_automatic_checkpoint_naming_is_refused(tmp_path: Path) -> None:
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=str(tmp_path), automatic_checkpoint_naming=True))
+    with pytest.raises(ValueError, match="automatic_checkpoint_naming"):
+        save_checkpoint(tmp_path / "ck", 1, state={}, accelerator=accelerator)
+    assert not (tmp_path / "ck").exists()

@@ -113,6 +113,9 @@ def save_checkpoint(
         raise ValueError("state key 'step' is reserved: the step is the `step` argument")
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    if accelerator is not None and accelerator.project_configuration.automatic_checkpoint_naming:
+        raise ValueError("save_checkpoint names checkpoints itself: create the Accelerator "
+                         "without ProjectConfiguration(automatic_checkpoint_naming=True)")
     stateful = {k: v for k, v in state.items() if isinstance(v, Stateful)}
     extras = {k: v for k, v in state.items() if k not in stateful}
     try:
