@@ -1,0 +1,338 @@
+"""`caption_qa`: how well a text LLM answers multiple-choice questions from the caption alone.
+
+CapRL++ (REFERENCE.md §1) rewards a caption with the accuracy of a judge LLM that sees only the
+caption. Each question's options are relabelled A, B, ... with "Can not answer based on the
+caption" always last; the judge's turn is pre-filled with "The answer is".
+
+Two estimators of the same quantity:
+
+- `exact` (default): every question is scored once, in one shared-prefix pass per caption
+  (`Engine.score_next_tokens`: system prompt + few-shot examples + caption are computed once,
+  each question is a suffix). For question q with m options (the last one "cannot answer"),
+  let l_j be the judge's next-token log-prob of the option letter token j (" A", " B", ...)
+  under softmax(logits / temperature) over the full vocabulary. Then
+
+      p_q(j) = exp(l_j) / sum_{k<m} exp(l_k)         (renormalized over q's option letters)
+      R_acc  = mean over questions of mean over K permutations of p_q(gold letter)
+
+  i.e. the expected accuracy of a judge that answers with a letter. Renormalizing is what makes
+  `exact` the limit of `sample`: when the judge's first token is always an option letter,
+  sampling at the same temperature picks letter j with probability p_q(j), so the mean of
+  many `sample` runs converges to `exact`. Mass on other tokens (" the", a newline) would in
+  sampling usually continue to a letter a few tokens later; renormalizing treats it as
+  answering in the same proportions instead of counting it wrong. The unnormalized letter
+  mass is reported as the `letter_mass` component (near 1 for a well-prompted judge).
+  `permutations=K` averages over K cyclic shifts of the options ("cannot answer" stays last);
+  K = number of options puts every option in every position once, cancelling position bias.
+- `sample`: CapRL-compatible. `qa_num` questions drawn with replacement, options shuffled,
+  one prompt per draw, sampled at `temperature` (top_p 1) for up to `max_new_tokens` tokens;
+  the answer is `rl_rewards.rules.first_option_letter` of the output (CapRL's "first capital
+  in A-I", with its "I think" defect fixed). R_acc is a multiple of 1/qa_num, as in CapRL.
+  Pick it to reproduce CapRL's reward distribution; pick `exact` for training (lower variance,
+  and about qa_num times fewer prefills).
+
+Both use temperature 0.6 by default, CapRL's sampling temperature, so `exact` estimates the
+expectation of CapRL's reward. `Sample.completion` is the caption; `Sample.reference` the QA
+list, either CapRL data rows `[{"question", "choices", "answer"}, ...]` or CapRL wire pairs
+`[[question_text, answer_letter], ...]`. An empty or malformed QA list fails that sample only.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+import torch
+
+from rl_rewards.rules import first_option_letter
+from rl_rewards.samples import Sample, ScoreResult
+from rl_rewards.scorers.engines import Engine, SamplingParams, load_engine, load_tokenizer
+
+try:
+    from rl_data.choices import (
+        Choice,
+        answer_index,
+        format_question_text,
+        normalize_choices,
+        parse_question_text,
+    )
+except ImportError as e:  # pragma: no cover - the [hf] extra installs rl-data
+    raise ImportError(f'caption_qa needs rl-data: pip install "rl-rewards[hf]" ({e})') from e
+
+CANNOT_ANSWER = "Can not answer based on the caption"
+PREFILL = "The answer is"
+LETTERS = "ABCDEFGHI"  # CapRL parses A-I: at most 8 options plus "cannot answer"
+
+
+class Question(msgspec.Struct, frozen=True):
+    """One question: option texts without labels ("cannot answer" excluded), gold index."""
+
+    question: str
+    options: tuple[str, ...]
+    gold: int  # == len(options) when the answer is "cannot answer"
+
+
+def _parse_item(item: Any) -> Question:
+    if isinstance(item, dict):
+        question, choices, answer = item["question"], list(item["choices"]), str(item["answer"])
+        texts = [c.text for c in normalize_choices(choices)]
+        gold = answer_index(choices, answer)
+    elif isinstance(item, (list, tuple)) and len(item) == 2:
+        question, parsed = parse_question_text(item[0])
+        texts = [c.text for c in parsed]
+        gold = answer_index([f"{c.letter}) {c.text}" for c in parsed], str(item[1]))
+    else:
+        raise ValueError("expected {'question', 'choices', 'answer'} or [question_text, answer_letter]")
+    # "cannot answer" is always appended last; drop a copy the data already carries.
+    keep = [i for i, t in enumerate(texts) if t.strip().lower() != CANNOT_ANSWER.lower()]
+    gold = keep.index(gold) if gold in keep else len(keep)
+    if not question.strip() or not keep:
+        raise ValueError("empty question or no options besides 'cannot answer'")
+    if len(keep) + 1 > len(LETTERS):
+        raise ValueError(f"{len(keep)} options: at most {len(LETTERS) - 1} fit the letters {LETTERS} with 'cannot answer'")
+    return Question(question=question.strip(), options=tuple(texts[i] for i in keep), gold=gold)
+
+
+def parse_qa(reference: Any) -> list[Question]:
+    """The sample's QA list as Questions; ValueError names the bad question's index."""
+    if not isinstance(reference, (list, tuple)) or not reference:
+        raise ValueError(f"caption_qa: Sample.reference must be a non-empty QA list, got {reference!r:.80}")
+    questions = []
+    for i, item in enumerate(reference):
+        try:
+            questions.append(_parse_item(item))
+        except KeyError as e:
+            raise ValueError(f"caption_qa: question {i} is malformed: missing field {e}") from None
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"caption_qa: question {i} is malformed: {e}") from None
+    return questions
+
+
+def question_text(question: Question, order: Sequence[int]) -> tuple[str, int]:
+    """CapRL question text with options in `order` and "cannot answer" last; the gold position."""
+    texts = [question.options[i] for i in order] + [CANNOT_ANSWER]
+    gold = len(order) if question.gold == len(question.options) else list(order).index(question.gold)
+    return format_question_text(question.question, normalize_choices([Choice("A", t) for t in texts])), gold
+
+
+_SYSTEM = {
+    "image": (
+        "You are given a caption of an image and a multiple-choice question about the image. Answer using only "
+        "the information in the caption; do not guess from common sense. If the caption does not contain the "
+        f'answer, choose "{CANNOT_ANSWER}". Reply with "{PREFILL}" followed by the option letter.'
+    ),
+    "video": (
+        "You are given a caption of a video and a multiple-choice question about the video. The caption marks "
+        "events with [mm:ss] timestamps; use the timestamps and the order of events in the caption for questions "
+        "about when or in what order things happen. Answer using only the information in the caption; do not "
+        f'guess. If the caption does not contain the answer, choose "{CANNOT_ANSWER}". Reply with "{PREFILL}" '
+        "followed by the option letter."
+    ),
+}
+_FEW_SHOT = {
+    "image": (
+        "A red car is parked on a wet street in front of a bakery. Two people with umbrellas walk past it.",
+        [("What color is the car?", ("Blue", "Red", "Green"), "B"), ("What brand is the car?", ("Toyota", "Ford"), "C")],
+    ),
+    "video": (
+        "[00:00 - 00:05] A man opens a fridge. [00:05 - 00:12] He takes out two eggs and cracks them into a pan. "
+        "[00:12 - 00:20] He stirs the eggs and serves them on a plate.",
+        [
+            ("What does the man do right after opening the fridge?", ("Serves a plate", "Takes out eggs", "Washes a pan"), "B"),
+            ("What does the man drink at the end?", ("Coffee", "Orange juice"), "C"),
+        ],
+    ),
+}
+
+
+@dataclass(frozen=True)
+class QAPrompter:
+    """Builds the judge's prompt token ids from its own chat template (or `chat_template`)."""
+
+    tokenizer: Any
+    task: Literal["image", "video"] = "image"
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def messages(self, caption: str, text: str) -> list[dict[str, str]]:
+        shot_caption, shots = _FEW_SHOT[self.task]
+        messages = [{"role": "system", "content": _SYSTEM[self.task]}]
+        for question, options, answer in shots:
+            shot = Question(question=question, options=options, gold="ABC".index(answer))
+            messages.append({"role": "user", "content": _user(shot_caption, question_text(shot, range(len(options)))[0])})
+            messages.append({"role": "assistant", "content": f"{PREFILL} {answer}."})
+        messages.append({"role": "user", "content": _user(caption, text)})
+        return messages
+
+    def ids(self, caption: str, text: str) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template(
+            self.messages(caption, text), tokenize=False, add_generation_prompt=True,
+            chat_template=self.chat_template, **(self.chat_template_kwargs or {}),
+        )
+        return self.tokenizer(rendered + PREFILL, add_special_tokens=False)["input_ids"]
+
+    def letter_ids(self) -> list[int]:
+        """Token id of " A", " B", ... as the judge would write it right after the prefill;
+        checks that appending a letter never re-tokenizes the prompt."""
+        base = self.ids("a caption", "a question\n   - A) yes")
+        ids = []
+        for letter in LETTERS:
+            extended = self.tokenizer(self.tokenizer.decode(base) + " " + letter, add_special_tokens=False)["input_ids"]
+            if extended[:-1] != base:
+                raise ValueError(
+                    f"the judge tokenizer does not write ' {letter}' as one token after {PREFILL!r} "
+                    f"(got {extended[len(base) - 1 :]}); caption_qa needs single-token option letters"
+                )
+            ids.append(extended[-1])
+        return ids
+
+
+def _user(caption: str, text: str) -> str:
+    return f"Caption: <Caption Start> {caption} <Caption End>\nQuestion: {text}"
+
+
+def _common_prefix_len(rows: Sequence[list[int]]) -> int:
+    """Longest common prefix, leaving at least one suffix token per row."""
+    n = min(len(r) for r in rows) - 1
+    first = rows[0]
+    for i in range(n):
+        if any(r[i] != first[i] for r in rows):
+            return i
+    return n
+
+
+class CaptionQAScorer:
+    """The `caption_qa` scorer over any `Engine` (see the module docstring for the estimators).
+
+    engine/tokenizer: the judge LLM and its tokenizer. estimator: `exact` | `sample`.
+    task: `image` | `video` prompt. temperature: both estimators (CapRL: 0.6).
+    permutations (exact): K cyclic option shifts averaged. qa_num, max_new_tokens, seed
+    (sample): draws per caption, decode length, RNG seed for draws/shuffles/sampling.
+    """
+
+    name = "caption_qa"
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        *,
+        estimator: Literal["exact", "sample"] = "exact",
+        task: Literal["image", "video"] = "image",
+        temperature: float = 0.6,
+        permutations: int = 1,
+        qa_num: int = 8,
+        max_new_tokens: int = 10,
+        seed: int | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if estimator not in ("exact", "sample"):
+            raise ValueError(f"caption_qa: estimator must be 'exact' or 'sample', got {estimator!r}")
+        if task not in _SYSTEM:
+            raise ValueError(f"caption_qa: task must be 'image' or 'video', got {task!r}")
+        if temperature <= 0 or permutations < 1 or qa_num < 1:
+            raise ValueError(f"caption_qa: need temperature > 0, permutations >= 1, qa_num >= 1; got "
+                             f"{temperature}, {permutations}, {qa_num}")
+        self.engine, self.estimator, self.temperature = engine, estimator, temperature
+        self.permutations, self.qa_num, self.max_new_tokens = permutations, qa_num, max_new_tokens
+        self.prompter = QAPrompter(tokenizer, task, chat_template, chat_template_kwargs)
+        self.letter_ids = self.prompter.letter_ids()
+        self.rng = random.Random(seed)
+        self.seeded = seed is not None
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        parsed: list[list[Question] | ScoreResult] = []
+        for sample in samples:
+            try:
+                parsed.append(parse_qa(sample.reference))
+            except ValueError as e:
+                parsed.append(ScoreResult.failed(str(e)))
+        if self.estimator == "exact":
+            return [p if isinstance(p, ScoreResult) else self._exact(s.completion, p) for s, p in zip(samples, parsed, strict=True)]
+        return self._sample(samples, parsed)
+
+    def _exact(self, caption: str, questions: list[Question]) -> ScoreResult:
+        variants = []  # (question index, ids, gold position, number of letters)
+        for qi, q in enumerate(questions):
+            n = len(q.options)
+            for k in range(min(self.permutations, n)):
+                text, gold = question_text(q, [(j + k) % n for j in range(n)])
+                variants.append((qi, self.prompter.ids(caption, text), gold, n + 1))
+        rows = [v[1] for v in variants]
+        cut = _common_prefix_len(rows)
+        width = max(v[3] for v in variants)
+        try:
+            logprobs = self.engine.score_next_tokens(
+                rows[0][:cut], [r[cut:] for r in rows], self.letter_ids[:width], temperature=self.temperature
+            )  # [S, C]
+        except (ValueError, RuntimeError) as e:
+            return ScoreResult.failed(f"caption_qa: judge failed: {e}")
+        per_question = torch.zeros(len(questions))  # [Q]
+        counts = torch.zeros(len(questions))  # [Q]
+        mass = 0.0
+        for row, (qi, _, gold, m) in enumerate(variants):
+            letters = logprobs[row, :m].double()  # [m]
+            per_question[qi] += letters.softmax(-1)[gold]
+            counts[qi] += 1
+            mass += letters.exp().sum().item()
+        accuracy = (per_question / counts).mean().item()
+        return ScoreResult(score=accuracy, components={"letter_mass": mass / len(variants)})
+
+    def _sample(self, samples: Sequence[Sample], parsed: list) -> list[ScoreResult]:
+        prompts, golds, owners = [], [], []
+        for i, (sample, questions) in enumerate(zip(samples, parsed, strict=True)):
+            if isinstance(questions, ScoreResult):
+                continue
+            for _ in range(self.qa_num):
+                q = self.rng.choice(questions)
+                text, gold = question_text(q, self.rng.sample(range(len(q.options)), len(q.options)))
+                prompts.append(self.prompter.ids(sample.completion, text))
+                golds.append(LETTERS[gold])
+                owners.append(i)
+        params = SamplingParams(
+            temperature=self.temperature, top_p=1.0, max_new_tokens=self.max_new_tokens,
+            seed=self.rng.randrange(2**31) if self.seeded else None,
+        )
+        generations = self.engine.generate(prompts, params) if prompts else []
+        correct: dict[int, list[float]] = {}
+        parsed_letters: dict[int, list[float]] = {}
+        for owner, gold, generation in zip(owners, golds, generations, strict=True):
+            letter = first_option_letter(generation.text, LETTERS)
+            correct.setdefault(owner, []).append(float(letter == gold))
+            parsed_letters.setdefault(owner, []).append(float(letter is not None))
+        return [
+            p if isinstance(p, ScoreResult) else ScoreResult(
+                score=sum(correct[i]) / self.qa_num, components={"parsed": sum(parsed_letters[i]) / self.qa_num}
+            )
+            for i, p in enumerate(parsed)
+        ]
+
+
+def build_caption_qa(
+    *,
+    model: str,
+    engine: str = "hf",
+    engine_options: dict[str, Any] | None = None,
+    tokenizer: str | None = None,
+    estimator: Literal["exact", "sample"] = "exact",
+    task: Literal["image", "video"] = "image",
+    temperature: float = 0.6,
+    permutations: int = 1,
+    qa_num: int = 8,
+    max_new_tokens: int = 10,
+    seed: int | None = None,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> CaptionQAScorer:
+    """`caption_qa` from a config: judge checkpoint `model` served by `engine` (`hf`, `vllm`,
+    `openai`), tokenizer from `tokenizer` (default: `model`). Other options: `CaptionQAScorer`."""
+    return CaptionQAScorer(
+        load_engine(model, engine, engine_options), load_tokenizer(tokenizer or model),
+        estimator=estimator, task=task, temperature=temperature, permutations=permutations, qa_num=qa_num,
+        max_new_tokens=max_new_tokens, seed=seed, chat_template=chat_template,
+        chat_template_kwargs=chat_template_kwargs,
+    )

@@ -1,0 +1,37 @@
+"""Loading a judge model behind the rl-rollout `Engine` protocol (the `[hf]` extra).
+
+Model-backed judges (`caption_qa`, `vl_judge`, `judge`) take any `Engine` in Python; from a
+config they name a checkpoint and an engine kind (`hf` in-process, `vllm`, or `openai` for a
+judge served elsewhere), built through `rl_rollout.build_engine`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    from transformers import AutoTokenizer
+
+    from rl_rollout import Engine, SamplingParams, build_engine
+except ImportError as e:
+    raise ImportError(f'model-backed judges need rl-rollout and transformers: pip install "rl-rewards[hf]" ({e})') from e
+
+__all__ = ["Engine", "SamplingParams", "load_engine", "load_tokenizer"]
+
+
+def load_engine(model: str, engine: str = "hf", engine_options: dict[str, Any] | None = None) -> Engine:
+    """`rl_rollout.build_engine(engine, ...)` for checkpoint `model`.
+
+    `hf` loads the checkpoint in-process (`path=model`); other engines get `model=model` (the
+    vLLM checkpoint, or the served model name of an OpenAI-compatible server, whose `base_url`
+    goes in `engine_options`).
+    """
+    options = dict(engine_options or {})
+    if engine == "hf":
+        return build_engine("hf", path=model, **options)
+    return build_engine(engine, model=model, **options)
+
+
+def load_tokenizer(path: str) -> Any:
+    """The judge's tokenizer (prompts are built from its own chat template)."""
+    return AutoTokenizer.from_pretrained(path)
