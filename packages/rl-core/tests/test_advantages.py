@@ -316,6 +316,20 @@ def test_gae_without_values_is_a_clear_error() -> None:
         )
 
 
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+def test_a_group_of_equal_float32_rewards_gets_exactly_zero(name: str) -> None:
+    # (0.9 + 0.9 + 0.9) / 3 != 0.9 in float32: a plain mean leaves 6e-8, which GRPO divides by
+    # std 0 + 1e-6 into an advantage of 0.06. Equal rewards must give exactly 0.
+    rewards = torch.tensor([0.9, 0.9, 0.9, 0.1, 0.9])
+    adv = compute_advantages(
+        name, rewards=rewards, mask=full_mask(5, 2), group_ids=ids([4, 4, 4, 5, 5])
+    )
+    if name != "reinforce_pp_baseline":  # whitening shifts by the batch mean
+        assert torch.equal(adv[:3], torch.zeros(3, 2))
+    else:
+        assert torch.equal(adv[0], adv[1]) and torch.equal(adv[1], adv[2])
+
+
 def test_masked_whiten_single_valid_token_is_zero_not_nan() -> None:
     out = masked_whiten(torch.tensor([[3.0, 8.0]]), torch.tensor([[1, 0]]))
     torch.testing.assert_close(out, torch.zeros(1, 2))

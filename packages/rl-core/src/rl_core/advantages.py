@@ -120,10 +120,23 @@ def _groups(group_ids: Tensor, dtype: torch.dtype) -> _Groups:
     return _Groups(index, count)
 
 
+def _group_min(scores: Tensor, groups: _Groups) -> Tensor:
+    """Smallest score of each sample's group, `[B]`."""
+    lowest = torch.zeros_like(groups.count).scatter_reduce_(
+        0, groups.index, scores, reduce="amin", include_self=False
+    )  # [G]
+    return lowest[groups.index]  # [B]
+
+
 def _group_mean(scores: Tensor, groups: _Groups) -> Tensor:
-    """Mean of each sample's group, gathered back to `[B]`."""
-    total = torch.zeros_like(groups.count).index_add_(0, groups.index, scores)  # [G]
-    return (total / groups.count)[groups.index]  # [B]
+    """Mean of each sample's group, gathered back to `[B]`.
+
+    Summed relative to the group minimum, so a group of equal rewards has a mean exactly equal
+    to them: its advantages are exactly 0 instead of rounding noise divided by `std + eps`.
+    """
+    low = _group_min(scores, groups)  # [B]
+    total = torch.zeros_like(groups.count).index_add_(0, groups.index, scores - low)  # [G]
+    return low + (total / groups.count)[groups.index]  # [B]
 
 
 def _group_std(scores: Tensor, mean: Tensor, groups: _Groups) -> Tensor:
@@ -214,9 +227,11 @@ def compute_rloo(
     """
     scores = _sequence_scores(rewards, mask)  # [B]
     groups = _groups(group_ids, scores.dtype)
-    total = torch.zeros_like(groups.count).index_add_(0, groups.index, scores)[groups.index]  # [B]
+    low = _group_min(scores, groups)  # [B] shift: equal rewards give exactly 0
+    shifted = scores - low  # [B]
+    total = torch.zeros_like(groups.count).index_add_(0, groups.index, shifted)[groups.index]
     count = groups.count[groups.index]  # [B]
-    others_mean = (total - scores) / (count - 1).clamp(min=1)  # [B]
+    others_mean = low + (total - shifted) / (count - 1).clamp(min=1)  # [B]
     adv = torch.where(count > 1, scores - others_mean, torch.zeros_like(scores))  # [B]
     return _broadcast(adv, mask)
 
