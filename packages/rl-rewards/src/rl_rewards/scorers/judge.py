@@ -1,0 +1,87 @@
+"""`judge`: a generative reward model built from a VeRL-with-RMs reward module.
+
+The module's `rm_preprocess(prompts, responses, judge_tokenizer)` builds the judge inputs, the
+engine generates, and `rm_postprocess(outputs)` turns them into scores — the module is loaded
+unchanged (`rl_rewards.modules`). If `rm_postprocess` raises on a batch, it is called again one
+output at a time so only the unreadable outputs fail.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from rl_rewards.modules import RewardModule, load_reward_module
+from rl_rewards.samples import Sample, ScoreResult
+from rl_rewards.scorers.engines import Engine, SamplingParams, load_engine, load_tokenizer
+
+
+class JudgeScorer:
+    """Scores `Sample.completion` (the response) to `Sample.prompt` with a judge LLM.
+
+    temperature/top_p/max_new_tokens/seed: the judge's sampling (VeRL-with-RMs sets one
+    temperature per judge; 0 = greedy, the default, for a deterministic judge).
+    """
+
+    name = "judge"
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        module: str | RewardModule,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 512,
+        seed: int | None = None,
+    ) -> None:
+        self.engine, self.tokenizer = engine, tokenizer
+        self.module = load_reward_module(module) if isinstance(module, str) else module
+        self.params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        inputs = self.module.preprocess([s.prompt for s in samples], [s.completion for s in samples], self.tokenizer)
+        if len(inputs) != len(samples):
+            raise ValueError(f"{self.module.name}.rm_preprocess returned {len(inputs)} inputs for {len(samples)} samples")
+        texts = [g.text for g in self.engine.generate(list(inputs), self.params)]
+        try:
+            scores: list[Any] = list(self.module.postprocess(texts))
+            if len(scores) != len(texts):
+                raise ValueError(f"returned {len(scores)} scores for {len(texts)} outputs")
+        except Exception:  # retry one by one: only the unreadable outputs fail
+            scores = [self._one(text) for text in texts]
+        return [s if isinstance(s, ScoreResult) else self._result(s) for s in scores]
+
+    def _one(self, text: str) -> float | ScoreResult:
+        try:
+            return self.module.postprocess([text])[0]
+        except Exception as e:
+            return ScoreResult.failed(f"{self.module.name}.rm_postprocess failed on {text[:80]!r}: {type(e).__name__}: {e}")
+
+    def _result(self, value: Any) -> ScoreResult:
+        value = float(value)
+        if not math.isfinite(value):
+            return ScoreResult.failed(f"{self.module.name}.rm_postprocess returned {value}")
+        return ScoreResult(score=value)
+
+
+def build_judge(
+    *,
+    module: str,
+    model: str,
+    engine: str = "hf",
+    engine_options: dict[str, Any] | None = None,
+    tokenizer: str | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    max_new_tokens: int = 512,
+    seed: int | None = None,
+) -> JudgeScorer:
+    """`judge` from a config: the module is checked before the judge model is loaded."""
+    reward_module = load_reward_module(module)
+    return JudgeScorer(
+        load_engine(model, engine, engine_options), load_tokenizer(tokenizer or model), reward_module,
+        temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
+    )

@@ -1,0 +1,75 @@
+"""`judge` scorer: a VeRL-with-RMs module file + the tiny qwen3 judge through HFEngine."""
+
+import pytest
+
+from rl_rewards.composition import build_reward
+from rl_rewards.registry import build_scorer
+from rl_rewards.samples import Sample
+
+MODULE = '''
+def rm_preprocess(text_prompts, text_responses, tgt_tokenizer):
+    return [tgt_tokenizer.apply_chat_template([{"role": "user", "content": f"{p} -> {r}"}], tokenize=False,
+                                              add_generation_prompt=True) for p, r in zip(text_prompts, text_responses)]
+
+
+def rm_postprocess(results):
+    if any("FAIL" in r for r in results):
+        raise ValueError("unreadable")
+    return [len(r) / 100.0 for r in results]
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny_path():
+    from rl_models.tiny import build
+
+    return str(build("qwen3"))
+
+
+def test_judge_from_module_file_scores_generated_text(tmp_path, tiny_path):
+    from rl_rollout.hf import HFEngine
+    from rl_rollout.protocol import SamplingParams
+
+    path = tmp_path / "len_rm.py"
+    path.write_text(MODULE)
+    judge = build_scorer("judge", module=str(path), model=tiny_path, max_new_tokens=4, engine_options={"device": "cpu"})
+    samples = [Sample(prompt="2+2?", completion="4"), Sample(prompt="sky?", completion="blue")]
+    results = judge.score(samples)
+    # the same greedy generation done by hand
+    engine = HFEngine.from_pretrained(tiny_path, device="cpu")
+    inputs = judge.module.preprocess(["2+2?", "sky?"], ["4", "blue"], judge.tokenizer)
+    texts = [g.text for g in engine.generate(inputs, SamplingParams(temperature=0.0, max_new_tokens=4))]
+    assert [r.score for r in results] == pytest.approx([len(t) / 100.0 for t in texts])
+
+
+def test_postprocess_failure_is_per_sample(tmp_path, tiny_path):
+    from rl_rollout.hf import HFEngine
+    from rl_rollout.protocol import Generation
+
+    class FailsOnSecond:
+        """A wrapped real engine whose second output reads 'FAIL' (the module then raises)."""
+
+        def __init__(self, engine):
+            self.engine = engine
+
+        def generate(self, requests, params):
+            out = self.engine.generate(requests, params)
+            return [g if i != 1 else Generation(request_index=1, prompt_ids=g.prompt_ids, completion_ids=[], text="FAIL",
+                                                logprobs=[], finish_reason="stop") for i, g in enumerate(out)]
+
+    from rl_rewards.scorers.judge import JudgeScorer
+
+    path = tmp_path / "len_rm.py"
+    path.write_text(MODULE)
+    engine = HFEngine.from_pretrained(tiny_path, device="cpu")
+    judge = JudgeScorer(FailsOnSecond(engine), engine.tokenizer, str(path), max_new_tokens=2)
+    results = judge.score([Sample(prompt=str(i), completion="x") for i in range(3)])
+    assert [r.error is None for r in results] == [True, False, True]
+    assert "rm_postprocess failed on 'FAIL'" in results[1].error
+
+
+def test_build_validates_module_before_loading_the_model(tmp_path):
+    bad = tmp_path / "no_post.py"
+    bad.write_text("def rm_preprocess(a, b, c):\n    return a\n")
+    with pytest.raises(AttributeError, match=r"no_post.py' does not define rm_postprocess"):
+        build_reward({"components": {"j": {"scorer": "judge", "options": {"module": str(bad), "model": "/nonexistent"}}}})
