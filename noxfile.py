@@ -49,7 +49,7 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session
-@nox.parametrize("package", list(PACKAGES))
+@nox.parametrize("package", list(PACKAGES), ids=list(PACKAGES))
 def tests(session: nox.Session, package: str) -> None:
     """Default test suite of one package (markers gpu/slow/vllm excluded)."""
     _sync(session, package, PACKAGES[package])
