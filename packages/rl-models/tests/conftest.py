@@ -41,3 +41,8 @@ def clip_path(_tiny_cache):
 @pytest.fixture(scope="session")
 def vl_paths(_tiny_cache):
     return {family: tiny.build(family) for family in ("qwen2_5_vl", "qwen3_vl")}
+
+
+@pytest.fixture(scope="session")
+def sd3_path(_tiny_cache):
+    return tiny.build("sd3")

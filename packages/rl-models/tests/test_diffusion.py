@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+import builtins
+
+import pytest
+import torch
+
+from rl_models import diffusion
+from rl_models.lora import add_lora, disabled_adapter
+
+
+def _denoise_once(pipe, generator_seed: int = 0) -> torch.Tensor:
+    """One transformer step on fixed latents and prompt embeddings: `[1, 4, 16, 16]` velocity."""
+    prompt_embeds, _, pooled, _ = pipe.encode_prompt(
+        prompt='a sign that says "hello"',
+        prompt_2=None,
+        prompt_3=None,
+        do_classifier_free_guidance=False,
+    )
+    g = torch.Generator().manual_seed(generator_seed)
+    latents = torch.randn(1, 4, 16, 16, generator=g)  # [1, C, h, w]
+    with torch.no_grad():
+        return pipe.transformer(
+            hidden_states=latents,
+            timestep=torch.tensor([500.0]),
+            encoder_hidden_states=prompt_embeds,
+            pooled_projections=pooled,
+        ).sample
+
+
+def test_pipeline_loads_every_part_and_samples(sd3_path):
+    pipe = diffusion.load_sd3(sd3_path, dtype="float32")
+    assert type(pipe).__name__ == "StableDiffusion3Pipeline"
+    assert type(pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
+    assert pipe.text_encoder_3.config.d_model == pipe.transformer.config.joint_attention_dim
+    out = pipe(
+        prompt=["a cat", 'a sign that says "open"'],
+        num_inference_steps=2,
+        guidance_scale=4.5,
+        height=32,
+        width=32,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert out.images.shape == (2, 3, 32, 32)
+    assert torch.isfinite(out.images).all()
+
+
+def test_text_encoder_dtype(sd3_path):
+    pipe = diffusion.load_sd3(sd3_path, dtype="float32", text_encoder_dtype="bf16")
+    assert pipe.text_encoder_3.dtype == torch.bfloat16
+    assert pipe.transformer.dtype == torch.float32
+
+
+def test_sd3_lora_targets_and_reference(sd3_path):
+    pipe = diffusion.load_sd3(sd3_path, dtype="float32")
+    base = _denoise_once(pipe)
+    pipe.transformer = add_lora(
+        pipe.transformer, family="sd3", r=2, alpha=4, init_lora_weights=False
+    )
+    lora_names = {
+        n.split(".lora_A")[0].split("attn.")[-1]
+        for n, _ in pipe.transformer.named_parameters()
+        if ".lora_A" in n
+    }
+    assert {
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+    } <= lora_names
+    on = _denoise_once(pipe)
+    assert (on - base).abs().max() > 1e-4
+    with disabled_adapter(pipe.transformer):
+        torch.testing.assert_close(_denoise_once(pipe), base)
+
+
+def test_missing_diffusers_names_install_command(monkeypatch):
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name == "diffusers":
+            raise ImportError("No module named 'diffusers'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    monkeypatch.setattr(diffusion.importlib, "import_module", lambda name: fake_import(name))
+    with pytest.raises(ImportError, match=r'pip install "rl-models\[diffusers\]"'):
+        diffusion.require_diffusers()
