@@ -1,0 +1,220 @@
+"""`hf` engine vs plain transformers: batched generation and shared-prefix scoring.
+
+    python benchmarks/engines.py            # GPU: random weights at Qwen3-4B shape, bf16
+    python benchmarks/engines.py --smoke    # CPU, tiny shape, seconds, no RESULTS.md
+
+(a) Generation, 64 prompts x 256 tokens in, 512 out (no EOS: the model's generation config has
+    none, so every row runs to length). Tokens/s of
+      - plain `model.generate(...)` with default settings (dynamic cache, greedy),
+      - `HFEngine` (static cache, sampling at temperature 1 with per-token log-probs), compiled
+        decode step (CUDA graphs) and eager,
+      - transformers continuous batching `model.generate_batch(...)` (greedy), when it runs,
+    against the decode roofline of REFERENCE.md §5:
+      tokens/s <= B * bandwidth / (weight bytes + B * mean context * KV bytes per token).
+    Goal: HFEngine >= 3x plain generate.
+(b) Scoring, 64 captions (~1,000 tokens) x 8 questions (~60 tokens), 6 candidates:
+    `HFEngine.score_next_tokens` (prefix once per caption, KV cache expanded over its questions)
+    vs one forward per full prompt (512 left-padded prompts in batches, `logits_to_keep=1`).
+    Goal: >= 5x fewer seconds. The max |difference| of the two score tables is reported.
+Timings: median of `--repeats` runs after a warm-up run, with `torch.cuda.synchronize`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen3Config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import append_results, markdown_table
+
+from rl_models import tiny
+from rl_rollout import SamplingParams
+from rl_rollout.hf import HFEngine
+
+BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # bytes/s, REFERENCE.md §5
+
+
+@dataclass(frozen=True)
+class Sizes:
+    batch: int
+    prompt: int
+    new: int
+    captions: int
+    caption_len: int
+    questions: int
+    question_len: int
+    candidates: int
+
+
+FULL = Sizes(batch=64, prompt=256, new=512, captions=64, caption_len=1000, questions=8, question_len=60, candidates=6)
+SMOKE = Sizes(batch=4, prompt=16, new=16, captions=2, caption_len=40, questions=3, question_len=6, candidates=6)
+
+
+def model_config(smoke: bool, vocab: int) -> Qwen3Config:
+    """Qwen3-4B's published shape (or a tiny one for --smoke)."""
+    if smoke:
+        return Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                           max_position_embeddings=4096)
+    return Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                       max_position_embeddings=40960, rope_theta=1_000_000.0)
+
+
+def build_model(config: Qwen3Config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Random weights, initialised directly on the device."""
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=0, do_sample=False)
+    return model.eval()
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: Callable[[], object] | None = None) -> float:
+    """Median seconds of `fn` over `repeats` runs, after one warm-up call (`warmup`, else `fn`)."""
+    (warmup or fn)()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def roofline(model: torch.nn.Module, config: Qwen3Config, s: Sizes, device: torch.device) -> float | None:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    bandwidth = next((bw for key, bw in BANDWIDTH.items() if key in name), None)
+    if bandwidth is None:
+        return None
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2  # K+V, bf16
+    context = s.prompt + s.new / 2
+    return s.batch * bandwidth / (weight_bytes + s.batch * context * kv_per_token)
+
+
+def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int) -> list[list[object]]:
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, len(tokenizer), (s.batch, s.prompt), generator=gen)  # [B, T]
+    tokens = s.batch * s.new
+    rows: list[list[object]] = []
+
+    def plain(new: int = s.new) -> None:
+        out = model.generate(input_ids=prompts.to(device), attention_mask=torch.ones_like(prompts, device=device),
+                             max_new_tokens=new)
+        assert out.shape[1] == s.prompt + new  # no EOS in the generation config: full length
+
+    plain_s = timed(plain, device, repeats, warmup=lambda: plain(8))
+    rows.append(["plain generate (dynamic cache, greedy)", f"{plain_s:.2f}", f"{tokens / plain_s:,.0f}", "1.00x"])
+    params = SamplingParams(temperature=1.0, max_new_tokens=s.new, seed=0)
+    short_params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=0)
+    for compile_ in ([True, False] if device.type == "cuda" else [False]):
+        engine = HFEngine(model, tokenizer, device=device, max_batch_size=s.batch, compile=compile_, stop_token_ids=[])
+        try:
+            # the compiled step is specialised to the cache shape, so it warms up at full length
+            warm = None if compile_ else (lambda e=engine: e.generate(prompts.tolist(), short_params))
+            secs = timed(lambda e=engine: e.generate(prompts.tolist(), params), device, repeats, warmup=warm)
+            label = f"HFEngine static cache, {'compiled' if compile_ else 'eager'} (T=1, log-probs)"
+            rows.append([label, f"{secs:.2f}", f"{tokens / secs:,.0f}", f"{plain_s / secs:.2f}x"])
+        except Exception as exc:  # report, keep benchmarking the rest
+            rows.append([f"HFEngine compile={compile_}", "failed", repr(exc)[:120], ""])
+        engine.close()
+    try:
+        config_cb = GenerationConfig(max_new_tokens=s.new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        secs = timed(lambda: model.generate_batch(inputs=prompts.tolist(), generation_config=config_cb), device, repeats)
+        rows.append(["transformers generate_batch (continuous batching)", f"{secs:.2f}", f"{tokens / secs:,.0f}", f"{plain_s / secs:.2f}x"])
+    except Exception as exc:
+        rows.append(["transformers generate_batch", "failed", repr(exc)[:120], ""])
+    bound = roofline(model, config, s, device)
+    if bound is not None:
+        rows.append(["decode roofline (REFERENCE.md §5)", "", f"{bound:,.0f}", ""])
+    return rows
+
+
+def baseline_scores(model, prompts: list[list[int]], candidates: list[int], device, batch: int) -> torch.Tensor:
+    """Score every full prompt independently: left-padded batches, last-position logits."""
+    out = []
+    cand = torch.tensor(candidates, device=device)
+    with torch.inference_mode():
+        for start in range(0, len(prompts), batch):
+            chunk = prompts[start : start + batch]
+            width = max(len(p) for p in chunk)
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)  # [b, W]
+            mask = torch.zeros(len(chunk), width, dtype=torch.long)  # [b, W]
+            for i, p in enumerate(chunk):
+                ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+            ids, mask = ids.to(device), mask.to(device)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [b, W]
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1).logits[:, -1]
+            out.append(torch.log_softmax(logits.float(), -1)[:, cand].cpu())  # [b, C]
+    return torch.cat(out)
+
+
+def bench_scoring(model, tokenizer, s: Sizes, device, repeats: int) -> list[list[object]]:
+    gen = torch.Generator().manual_seed(1)
+    vocab = len(tokenizer)
+    captions = [torch.randint(10, vocab, (s.caption_len + int(torch.randint(-20, 21, (1,), generator=gen)),), generator=gen).tolist() for _ in range(s.captions)]
+    questions = [[torch.randint(10, vocab, (max(1, s.question_len + int(torch.randint(-10, 11, (1,), generator=gen))),), generator=gen).tolist()
+                  for _ in range(s.questions)] for _ in range(s.captions)]
+    candidates = list(range(100, 100 + s.candidates))
+    engine = HFEngine(model, tokenizer, device=device, compile=False, score_chunk_size=s.questions)
+    reuse_out: list[torch.Tensor] = []
+
+    def reuse() -> None:
+        reuse_out[:] = [engine.score_next_tokens(c, q, candidates) for c, q in zip(captions, questions, strict=True)]
+
+    full = [c + q for c, qs in zip(captions, questions, strict=True) for q in qs]
+    base_out: list[torch.Tensor] = []
+
+    def independent() -> None:
+        base_out[:] = [baseline_scores(model, full, candidates, device, batch=32)]
+
+    base_s = timed(independent, device, repeats)
+    reuse_s = timed(reuse, device, repeats)
+    diff = (torch.cat(reuse_out) - base_out[0]).abs().max().item()
+    n = len(full)
+    return [
+        ["independent full prompts (batched 32, logits_to_keep=1)", f"{base_s:.2f}", f"{n / base_s:,.1f}", "1.00x", ""],
+        ["score_next_tokens, prefix once per caption", f"{reuse_s:.2f}", f"{n / reuse_s:,.1f}", f"{base_s / reuse_s:.2f}x", f"{diff:.2e}"],
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shape on CPU; no RESULTS.md")
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args()
+    sizes = SMOKE if args.smoke else FULL
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    repeats = args.repeats or 1
+    tokenizer = AutoTokenizer.from_pretrained(tiny.build("qwen3"))
+    config = model_config(args.smoke, vocab=len(tokenizer))
+    model = build_model(config, device, dtype)
+    gen_rows = bench_generation(model, tokenizer, config, sizes, device, repeats)
+    score_rows = bench_scoring(model, tokenizer, sizes, device, repeats)
+    shape = "tiny (smoke)" if args.smoke else "Qwen3-4B shape, random weights, bf16"
+    gen_title = f"rl-rollout engines: generation, {sizes.batch} prompts x {sizes.prompt} in, {sizes.new} out ({shape})"
+    score_title = (f"rl-rollout engines: scoring, {sizes.captions} captions x ~{sizes.caption_len} tokens x "
+                   f"{sizes.questions} questions x ~{sizes.question_len} tokens, {sizes.candidates} candidates ({shape})")
+    gen_header = ["method", "seconds", "tokens/s", "vs plain generate"]
+    score_header = ["method", "seconds", "prompts/s", "speed-up", "max |Δ logprob| vs independent"]
+    if args.smoke:
+        print(f"{gen_title}\n{markdown_table(gen_header, gen_rows)}\n\n{score_title}\n{markdown_table(score_header, score_rows)}")
+        return
+    append_results(gen_title, gen_header, gen_rows, notes="Goal: HFEngine >= 3x plain generate.")
+    append_results(score_title, score_header, score_rows, notes="Goal: >= 5x fewer seconds with prefix reuse.")
+
+
+if __name__ == "__main__":
+    main()
