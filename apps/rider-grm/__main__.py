@@ -30,7 +30,6 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from judging import (
     EmbeddingJudge,
-    ModuleJudge,
     PhaseMonitor,
     RecordingEngine,
     RuleScorer,
@@ -66,6 +65,7 @@ from rl_models import tiny
 from rl_models.text import load_causal_lm
 from rl_rewards.composition import Reward, build_reward
 from rl_rewards.samples import Sample, ScoreResult
+from rl_rewards.scorers.judge import JudgeScorer
 from rl_rewards.spec import Component, Gate, RewardSpec
 from rl_rollout import Engine, Generation, SamplingParams, build_engine
 from rl_rollout.hf import HFEngine
@@ -119,6 +119,9 @@ class JudgeConfig(msgspec.Struct, kw_only=True, frozen=True):
     gate: float | None = None  # score only samples whose rule reward is >= gate
     fallback: float = 0.0  # score of a sample whose judge output does not parse
     tokenizer: str | None = None  # judge tokenizer for rm_preprocess (default: model)
+    prompt: Literal["rm_prompt", "prompt"] = "rm_prompt"
+    """text_prompts given to rm_preprocess: the row's rm_prompt_{i} (VeRL-with-RMs) or the
+    policy's prompt (modules that write their own instructions, e.g. rl_rewards.judges.rubric)."""
 
 
 class VerlJudgeLists(msgspec.Struct, kw_only=True, frozen=True):
@@ -267,7 +270,7 @@ def build_judges(judges: list[JudgeConfig], device: torch.device, monitor: Phase
     """One engine + scorer per judge, each put to sleep right after loading (one on the GPU)."""
     out = []
     for i, judge in enumerate(judges):
-        if i >= n_rm_prompts:
+        if judge.prompt == "rm_prompt" and i >= n_rm_prompts:
             raise ConfigError(f"reward.judges[{i}] ({judge.module}) has no rm_prompt_{i} column in the data")
         if judge.engine == "hf":
             inner: Engine = HFEngine.from_pretrained(resolve_model(judge.model), device=device,
@@ -280,11 +283,12 @@ def build_judges(judges: list[JudgeConfig], device: torch.device, monitor: Phase
             inner = build_engine("vllm", model=resolve_model(judge.model), **judge.engine_options)
         engine = RecordingEngine(inner)
         tokenizer = judge.tokenizer or (judge.model if judge.engine == "openai" else resolve_model(judge.model))
-        scorer = ModuleJudge(engine, AutoTokenizer.from_pretrained(resolve_path(tokenizer)),
+        scorer = JudgeScorer(engine, AutoTokenizer.from_pretrained(resolve_path(tokenizer)),
                              resolve_path(judge.module), temperature=judge.temperature,
                              max_new_tokens=judge.max_new_tokens)
         engine.sleep()
-        out.append(SwappedJudge(judge_name(judge), i, scorer, engine, monitor, policy))
+        out.append(SwappedJudge(judge_name(judge), i, scorer, engine, monitor, policy,
+                                use_rm_prompt=judge.prompt == "rm_prompt"))
     return out
 
 
@@ -642,7 +646,7 @@ def dry_run(p: Parts, record: JudgeRecord) -> None:
     for judge in p.judges:
         judge.engine.wake()
         try:
-            check_judge(judge.scorer, msgspec.structs.replace(sample, prompt=record.rm_prompts[judge.index]))
+            check_judge(judge.scorer, judge.judge_prompt(sample), sample.completion)
         finally:
             judge.engine.sleep()
 
@@ -716,7 +720,8 @@ def print_summary(run_dir: Path) -> None:
         console.print(f"[bold]{sample['split']} step {sample['step']}[/] prompt: {sample['prompt']!r}")
         console.print(f"  completion: {sample['completion'][:200]!r}  reward: {sample['reward']}")
         for name, judge in sample["judges"].items():
-            console.print(f"  judge {name}: score={judge['score']} raw={str(judge['raw'])[:120]!r}")
+            raw = "(gated out: never sent to the judge)" if judge["raw"] is None else repr(judge["raw"][:120])
+            console.print(f"  judge {name}: score={judge['score']} raw={raw}")
     console.print(f"run directory: {run_dir}")
 
 

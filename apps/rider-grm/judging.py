@@ -24,6 +24,7 @@ import msgspec
 import torch
 
 from rl_rewards.samples import Sample, Scorer, ScoreResult
+from rl_rewards.scorers.judge import JudgeScorer
 from rl_rollout import Engine, Generation, Prompt, SamplingParams
 
 # ------------------------------------------------------------------------------ monitoring
@@ -170,20 +171,22 @@ class JudgeLog:
 class SwappedJudge:
     """Wake the judge, score the samples that reached it, put it back to sleep.
 
-    `index` picks the row's `rm_prompt_{index}` as the judge prompt (VeRL-with-RMs' per-judge
-    template), passed to the judge scorer as the sample's `prompt`. A sample whose output the
+    The judge module's `text_prompts` are the row's `rm_prompt_{index}` (VeRL-with-RMs' per-judge
+    template, `use_rm_prompt=True`) or the policy's own prompt (for modules such as
+    `rl_rewards.judges.rubric` that write their own instructions). A sample whose output the
     module cannot parse is an error for that sample only; the composition then uses the
     judge's `fallback` score and this wrapper counts it in `judge_<name>/parse_failures`.
     """
 
-    def __init__(self, name: str, index: int, scorer: Scorer, engine: RecordingEngine,
-                 monitor: PhaseMonitor, policy: Engine | None) -> None:
+    def __init__(self, name: str, index: int, scorer: JudgeScorer, engine: RecordingEngine,
+                 monitor: PhaseMonitor, policy: Engine | None, use_rm_prompt: bool = True) -> None:
         self.name, self.index, self.scorer, self.engine = name, index, scorer, engine
+        self.use_rm_prompt = use_rm_prompt
         self.monitor, self.policy = monitor, policy
         self.log = JudgeLog()
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
-        judged = [msgspec.structs.replace(s, prompt=s.metadata["rm_prompts"][self.index]) for s in samples]
+        judged = [msgspec.structs.replace(s, prompt=self.judge_prompt(s)) for s in samples]
         with self.monitor(f"judge_{self.name}_wake"):
             self.engine.wake()
         if self.policy is not None and engine_state(self.policy) == "awake":
@@ -204,6 +207,9 @@ class SwappedJudge:
                 self.log.errors[uid] = result.error
         self.log.scored += len(samples)
         return results
+
+    def judge_prompt(self, sample: Sample) -> str:
+        return sample.metadata["rm_prompts"][self.index] if self.use_rm_prompt else sample.prompt
 
     def pop(self) -> JudgeLog:
         log, self.log = self.log, JudgeLog()
@@ -227,74 +233,30 @@ class SimilarityScorer:
                 for r in results]
 
 
-# ------------------------------------------------------------------------------ interim judge scorer
+# ------------------------------------------------------------------------------ start-up check
 
 
-def load_reward_module(path: str) -> Any:
-    """A VeRL-with-RMs reward module by import path or .py file, checked for both functions."""
-    if path.endswith(".py"):
-        file = Path(path)
-        if not file.is_file():
-            raise FileNotFoundError(f"judge module file not found: {file}")
-        spec = importlib.util.spec_from_file_location(f"rider_grm_judge_{file.stem}", file)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(path)
-    for fn in ("rm_preprocess", "rm_postprocess"):
-        if not callable(module.__dict__.get(fn)):
-            raise AttributeError(f"judge module {path!r} does not define {fn}(); a VeRL-with-RMs reward module "
-                                 "needs rm_preprocess(text_prompts, text_responses, tgt_tokenizer) and "
-                                 "rm_postprocess(results)")
-    return module
+def check_judge(judge: JudgeScorer, rm_prompt: str, response: str) -> None:
+    """Dry run of a judge on one sample (its engine awake): the module must return exactly one
+    judge input and one score per item, or this raises naming the module and the function.
+    An output the module cannot parse is fine here: random or untrained judges write anything."""
+    module = judge.module
+    inputs = module.preprocess([rm_prompt], [response], judge.tokenizer)
+    if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], str):
+        raise ValueError(f"judge module {module.name!r}: rm_preprocess returned {_describe(inputs)} for 1 "
+                         "sample; it must return one judge input string per response")
+    text = judge.engine.generate(inputs, judge.params)[0].text
+    try:
+        scores = module.postprocess([text])
+    except Exception:  # unparseable output: a per-sample error during training, not a bad module
+        return
+    if not isinstance(scores, list) or len(scores) != 1:
+        raise ValueError(f"judge module {module.name!r}: rm_postprocess returned {_describe(scores)} for 1 "
+                         "judge output; it must return one score per output")
 
 
-class ModuleJudge:
-    """A generative judge from a VeRL-with-RMs module: `rm_preprocess` builds the judge inputs,
-    the engine samples one output each, `rm_postprocess` turns each output into a score (called
-    per output, so one unparseable output is that sample's error only)."""
-
-    name = "judge"
-
-    def __init__(self, engine: Engine, tokenizer: Any, module: str, *, temperature: float,
-                 max_new_tokens: int) -> None:
-        self.engine, self.tokenizer, self.path = engine, tokenizer, module
-        self.module = load_reward_module(module)
-        self.params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
-
-    def inputs(self, samples: Sequence[Sample]) -> list[str]:
-        texts = self.module.rm_preprocess([s.prompt for s in samples], [s.completion for s in samples],
-                                          self.tokenizer)
-        if not isinstance(texts, list) or len(texts) != len(samples):
-            got = f"{len(texts)} items" if isinstance(texts, list) else type(texts).__name__
-            raise ValueError(f"{self.path}.rm_preprocess returned {got} for {len(samples)} samples; "
-                             "it must return one judge input string per response")
-        return texts
-
-    def parse(self, text: str) -> ScoreResult:
-        try:
-            values = self.module.rm_postprocess([text])
-        except Exception as e:  # the judge wrote something the module cannot parse
-            return ScoreResult.failed(f"{self.path}.rm_postprocess: {type(e).__name__}: {e}")
-        if not isinstance(values, list) or len(values) != 1:
-            raise ValueError(f"{self.path}.rm_postprocess returned {values!r} for 1 output; it must "
-                             "return one score per output")
-        if values[0] is None:
-            return ScoreResult.failed(f"{self.path}.rm_postprocess: no score in {text[:80]!r}")
-        return ScoreResult(score=float(values[0]))
-
-    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
-        gens = self.engine.generate(self.inputs(samples), self.params)
-        return [self.parse(g.text) for g in gens]
-
-
-def check_judge(judge: ModuleJudge, sample: Sample) -> None:
-    """Start-up dry run on one sample: list lengths and return types must be right; an
-    unparseable output is fine here (random judges write anything)."""
-    texts = judge.inputs([sample])
-    gens = judge.engine.generate(texts, judge.params)
-    judge.parse(gens[0].text)
+def _describe(value: Any) -> str:
+    return f"a list of {len(value)}" if isinstance(value, list) else f"a {type(value).__name__}"
 
 
 class EmbeddingJudge:

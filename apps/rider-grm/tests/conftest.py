@@ -1,0 +1,46 @@
+"""Load the recipe (`__main__.py`) and its helpers as importable modules; offline, one thread."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(1)
+
+APP = Path(__file__).resolve().parents[1]
+REPO = APP.parents[1]
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(APP))
+
+
+def _load_app():
+    spec = importlib.util.spec_from_file_location("rider_grm_app", APP / "__main__.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["rider_grm_app"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+app = _load_app()
+
+
+def tiny_overrides(out: Path, **extra: object) -> list[str]:
+    """The embedded default, smaller still (CPU tests), writing under `out`."""
+    base = {
+        "train.output_dir": f'"{out}"', "train.print_summary": "false", "data.max_response_length": "8",
+        "rollout.n": "2", "train.batch_size": "2", "train.mini_batch_size": "2", "train.micro_batch_size": "4",
+    }
+    base |= {k: str(v) for k, v in extra.items()}
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture(autouse=True)
+def _chdir_repo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
