@@ -12,7 +12,7 @@ import nox
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "tests", "rewards_no_torch"]
+nox.options.sessions = ["lint", "tests", "rewards_no_torch", "app_rider_grm"]
 
 # package -> extras its tests need (never vllm: it needs a GPU and is opt-in).
 PACKAGES: dict[str, list[str]] = {
@@ -87,3 +87,10 @@ def vllm(session: nox.Session) -> None:
     """Opt-in: tests marked `vllm` (needs vLLM and a GPU; installs rl-rollout[vllm])."""
     _sync(session, "rl-rollout", ["vllm"])
     _pytest(session, "rl-rollout", "vllm")
+
+
+@nox.session
+def app_rider_grm(session: nox.Session) -> None:
+    """apps/rider-grm: its default test suite in an env with only the app and what it declares."""
+    _sync(session, "rider-grm", [])
+    session.run("python", "-m", "pytest", "apps/rider-grm/tests", "-m", DEFAULT_MARKERS, "-q", *session.posargs)
