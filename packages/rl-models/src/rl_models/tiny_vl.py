@@ -37,7 +37,7 @@ _TEXT = {
 _MROPE_SECTION = [2, 3, 3]
 
 
-def _vision_token_ids(tokenizer) -> dict[str, int]:
+def vision_token_ids(tokenizer) -> dict[str, int]:
     ids = tokenizer.convert_tokens_to_ids
     return {
         "image_token_id": ids("<|image_pad|>"),
@@ -88,7 +88,7 @@ def build_qwen2_5_vl(out: Path) -> None:
             "tokens_per_second": 2,
         },
         tie_word_embeddings=False,
-        **_vision_token_ids(tokenizer),
+        **vision_token_ids(tokenizer),
         **_special_ids(tokenizer),
     )
     model = Qwen2_5_VLForConditionalGeneration(config)
@@ -131,19 +131,24 @@ def build_qwen3_vl(out: Path) -> None:
             "deepstack_visual_indexes": [1],
         },
         tie_word_embeddings=True,
-        **_vision_token_ids(tokenizer),
+        **vision_token_ids(tokenizer),
     )
     model = Qwen3VLForConditionalGeneration(config)
     model.generation_config = qwen_generation_config(tokenizer)
     model.save_pretrained(out)
-    processor = Qwen3VLProcessor(
+    qwen3_vl_processor(tokenizer, _pixels(32)).save_pretrained(out)
+
+
+def qwen3_vl_processor(tokenizer, pixels: dict[str, int] | None = None) -> Qwen3VLProcessor:
+    """Qwen3-VL processor (patch 16, merge 2, mean/std 0.5); `pixels` None keeps Qwen's budget."""
+    size = {"size": pixels} if pixels is not None else {}
+    return Qwen3VLProcessor(
         image_processor=Qwen2VLImageProcessor(
-            size=_pixels(32), patch_size=16, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3
+            **size, patch_size=16, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3
         ),
         video_processor=Qwen3VLVideoProcessor(
-            size=_pixels(32), patch_size=16, merge_size=2, fps=2, min_frames=2, max_frames=16
+            **size, patch_size=16, merge_size=2, fps=2, min_frames=2, max_frames=16
         ),
         tokenizer=tokenizer,
         chat_template=QWEN_CHAT_TEMPLATE,
     )
-    processor.save_pretrained(out)

@@ -1,0 +1,248 @@
+"""Random-weight checkpoints at published full-size shapes, for GPU benchmarks with no download.
+
+Config values are copied from the published `config.json` files (Qwen3-4B, Qwen3-1.7B,
+Qwen3-VL-2B/4B-Instruct, SD3.5-Medium). The tokenizer is the tiny trained one (its ids are all
+below the real vocabulary size), so the folders load through the ordinary loaders. For SD3.5 the
+transformer and VAE are full size; the text encoders keep the real embedding widths (CLIP-L 768,
+CLIP-G 1280, T5 4096) with a single layer each, since benchmarks pass prompt embeddings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModelWithProjection,
+    PreTrainedConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    T5Config,
+    T5EncoderModel,
+)
+
+from rl_models.diffusion import require_diffusers
+from rl_models.loading import resolve_dtype
+from rl_models.tiny_vl import qwen3_vl_processor, vision_token_ids
+from rl_models.tokenization import build_clip_tokenizer, build_qwen_tokenizer, build_t5_tokenizer
+
+QWEN_VOCAB = 151936
+# size -> (hidden, intermediate, layers, heads, kv heads); head_dim 128 throughout.
+_QWEN3_TEXT = {"1.7b": (2048, 6144, 28, 16, 8), "4b": (2560, 9728, 36, 32, 8)}
+_QWEN3_VL_TEXT = {"2b": _QWEN3_TEXT["1.7b"], "4b": _QWEN3_TEXT["4b"]}
+
+
+def _qwen3_text(size: str, table: dict[str, tuple[int, ...]]) -> dict:
+    hidden, inter, layers, heads, kv = table[size]
+    return {
+        "vocab_size": QWEN_VOCAB,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    }
+
+
+def qwen3_config(size: str) -> Qwen3Config:
+    """Qwen3-1.7B / Qwen3-4B (tied embeddings, rope theta 1e6, 40960 positions)."""
+    return Qwen3Config(
+        **_qwen3_text(size, _QWEN3_TEXT),
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+    )
+
+
+def qwen3_vl_config(size: str) -> Qwen3VLConfig:
+    """Qwen3-VL-2B/4B-Instruct: 24-layer ViT (1024 wide, DeepStack taps 5/11/17) + Qwen3 text."""
+    text = _qwen3_text(size, _QWEN3_VL_TEXT)
+    return Qwen3VLConfig(
+        text_config={
+            **text,
+            "max_position_embeddings": 262144,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5_000_000.0,
+                "mrope_section": [24, 20, 20],
+                "mrope_interleaved": True,
+            },
+        },
+        vision_config={
+            "depth": 24,
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "num_heads": 16,
+            "hidden_act": "gelu_pytorch_tanh",
+            "out_hidden_size": text["hidden_size"],
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 2304,
+            "deepstack_visual_indexes": [5, 11, 17],
+        },
+        tie_word_embeddings=True,
+        **vision_token_ids(build_qwen_tokenizer()),
+    )
+
+
+def sd3_5_medium_configs() -> dict[str, dict]:
+    """Configs of SD3.5-Medium's transformer (MMDiT-X) and VAE, as published."""
+    return {
+        "transformer": {
+            "sample_size": 128,
+            "patch_size": 2,
+            "in_channels": 16,
+            "out_channels": 16,
+            "num_layers": 24,
+            "attention_head_dim": 64,
+            "num_attention_heads": 24,
+            "joint_attention_dim": 4096,
+            "caption_projection_dim": 1536,
+            "pooled_projection_dim": 2048,
+            "pos_embed_max_size": 384,
+            "qk_norm": "rms_norm",
+            "dual_attention_layers": tuple(range(13)),
+        },
+        "vae": {
+            "in_channels": 3,
+            "out_channels": 3,
+            "down_block_types": ("DownEncoderBlock2D",) * 4,
+            "up_block_types": ("UpDecoderBlock2D",) * 4,
+            "block_out_channels": (128, 256, 512, 512),
+            "layers_per_block": 2,
+            "latent_channels": 16,
+            "norm_num_groups": 32,
+            "sample_size": 1024,
+            "scaling_factor": 1.5305,
+            "shift_factor": 0.0609,
+            "use_quant_conv": False,
+            "use_post_quant_conv": False,
+        },
+    }
+
+
+def _save_transformers(
+    config: PreTrainedConfig, cls, out: Path, *, config_only: bool, dtype, device
+) -> None:
+    tokenizer = build_qwen_tokenizer()
+    if config_only:
+        config.save_pretrained(out)
+    else:
+        with torch.device(device):
+            model = cls._from_config(config, dtype=dtype)
+        model.save_pretrained(out)
+    if cls is Qwen3ForCausalLM:
+        tokenizer.save_pretrained(out)
+    else:
+        qwen3_vl_processor(tokenizer).save_pretrained(out)
+
+
+def _text_encoder(kind: str, width: int, tokenizer):
+    if kind == "t5":
+        config = T5Config(
+            vocab_size=32128,
+            d_model=width,
+            d_kv=64,
+            d_ff=1024,
+            num_layers=1,
+            num_heads=8,
+            feed_forward_proj="gated-gelu",
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+        return T5EncoderModel(config)
+    config = CLIPTextConfig(
+        vocab_size=49408,
+        hidden_size=width,
+        intermediate_size=width,
+        projection_dim=width,
+        num_hidden_layers=1,
+        num_attention_heads=width // 64,
+        hidden_act="gelu",
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return CLIPTextModelWithProjection(config)
+
+
+def _save_sd3(out: Path, *, config_only: bool, dtype, device) -> None:
+    diffusers = require_diffusers()
+    configs = sd3_5_medium_configs()
+    if config_only:  # build on the meta device: validates the config, allocates nothing
+        classes = {"transformer": diffusers.SD3Transformer2DModel, "vae": diffusers.AutoencoderKL}
+        for name, config in configs.items():
+            with torch.device("meta"):
+                classes[name](**config).save_config(out / name)
+        return
+    clip, t5 = build_clip_tokenizer(), build_t5_tokenizer()
+    with torch.device(device):
+        parts = {
+            "transformer": diffusers.SD3Transformer2DModel(**configs["transformer"]),
+            "vae": diffusers.AutoencoderKL(**configs["vae"]),
+            "text_encoder": _text_encoder("clip", 768, clip),
+            "text_encoder_2": _text_encoder("clip", 1280, clip),
+            "text_encoder_3": _text_encoder("t5", 4096, t5),
+        }
+    pipeline = diffusers.StableDiffusion3Pipeline(
+        **parts,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+        tokenizer=clip,
+        tokenizer_2=clip,
+        tokenizer_3=t5,
+    )
+    pipeline.to(dtype=dtype)
+    pipeline.save_pretrained(out)
+
+
+Builder = Callable[..., None]
+SHAPES: dict[tuple[str, str], Builder] = {
+    ("qwen3", "1.7b"): lambda out, **kw: _save_transformers(
+        qwen3_config("1.7b"), Qwen3ForCausalLM, out, **kw
+    ),
+    ("qwen3", "4b"): lambda out, **kw: _save_transformers(
+        qwen3_config("4b"), Qwen3ForCausalLM, out, **kw
+    ),
+    ("qwen3_vl", "2b"): lambda out, **kw: _save_transformers(
+        qwen3_vl_config("2b"), Qwen3VLForConditionalGeneration, out, **kw
+    ),
+    ("qwen3_vl", "4b"): lambda out, **kw: _save_transformers(
+        qwen3_vl_config("4b"), Qwen3VLForConditionalGeneration, out, **kw
+    ),
+    ("sd3", "3.5-medium"): _save_sd3,
+}
+
+
+def build_shape(
+    family: str,
+    size: str,
+    out_dir: str | Path,
+    *,
+    config_only: bool = False,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str | torch.device | None = None,
+) -> Path:
+    """Write a random-weight checkpoint of `family` at published `size` into `out_dir`.
+
+    `device` defaults to CUDA when available (random init of billions of weights is slow on a
+    CPU). `config_only=True` writes only the configs (and tokenizer/processor), for a quick check.
+    """
+    key = (family, size.lower())
+    if key not in SHAPES:
+        valid = ", ".join(f"{f} {s}" for f, s in sorted(SHAPES))
+        raise KeyError(f"unknown shape {family!r} {size!r}; valid: {valid}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    SHAPES[key](out, config_only=config_only, dtype=resolve_dtype(dtype), device=device)
+    return out

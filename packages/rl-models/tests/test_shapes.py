@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+)
+
+from rl_models.shapes import build_shape
+
+
+def _meta_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("family", "size", "auto", "billions"),
+    [
+        ("qwen3", "4b", AutoModelForCausalLM, 4.022),  # Qwen3-4B: 4.0B
+        ("qwen3", "1.7b", AutoModelForCausalLM, 1.721),  # Qwen3-1.7B: 1.7B
+        ("qwen3_vl", "2b", AutoModelForImageTextToText, 2.128),  # Qwen3-VL-2B: 2.1B
+        ("qwen3_vl", "4b", AutoModelForImageTextToText, 4.438),  # Qwen3-VL-4B: 4.4B
+    ],
+)
+def test_qwen_config_only_matches_published_size(tmp_path, family, size, auto, billions):
+    out = build_shape(family, size, tmp_path, config_only=True)
+    config = AutoConfig.from_pretrained(out)
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    assert _meta_params(model) / 1e9 == pytest.approx(billions, abs=1e-3)
+    assert not list(out.glob("*.safetensors"))
+    if family == "qwen3_vl":
+        processor = AutoProcessor.from_pretrained(out)
+        assert processor.image_processor.patch_size == config.vision_config.patch_size == 16
+
+
+def test_sd3_5_medium_config_only(tmp_path):
+    import diffusers
+
+    out = build_shape("sd3", "3.5-medium", tmp_path, config_only=True)
+    with torch.device("meta"):
+        transformer = diffusers.SD3Transformer2DModel.from_config(
+            diffusers.SD3Transformer2DModel.load_config(out / "transformer")
+        )
+        vae = diffusers.AutoencoderKL.from_config(diffusers.AutoencoderKL.load_config(out / "vae"))
+    assert _meta_params(transformer) / 1e9 == pytest.approx(2.243, abs=1e-3)  # MMDiT-X 2.2B
+    assert _meta_params(vae) / 1e6 == pytest.approx(83.8, abs=0.1)
+    assert transformer.config.joint_attention_dim == 4096
+
+
+def test_unknown_shape_lists_valid(tmp_path):
+    with pytest.raises(KeyError, match=r"unknown shape 'qwen3' '70b'; valid: .*qwen3 4b"):
+        build_shape("qwen3", "70b", tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_qwen3_4b_random_weights_on_gpu(tmp_path):
+    out = build_shape("qwen3", "4b", tmp_path, device="cuda")
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, device_map="cuda")
+    assert _meta_params(model) / 1e9 == pytest.approx(4.022, abs=1e-3)
