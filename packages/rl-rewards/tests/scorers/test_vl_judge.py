@@ -1,0 +1,68 @@
+"""vl_judge: the JSON parser by hand, and the tiny Qwen2.5-VL judge through HFEngine on real media."""
+
+import av
+import numpy as np
+import pytest
+from PIL import Image
+
+from rl_rewards.samples import Sample
+from rl_rewards.scorers.vl_judge import VLJudgeScorer, judgement_score, parse_judgement
+
+FULL = {"factuality": 1.0, "temporal_alignment": 0.5, "coverage": 0.5, "hallucination_penalty": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("text", "criteria", "failed"),
+    [
+        ('{"factuality": 1, "temporal_alignment": 0.5, "coverage": 0.5, "hallucination_penalty": 1, "reason": "ok"}', FULL, False),
+        ('```json\n{"factuality": 1, "temporal_alignment": 0.5, "coverage": 0.5, "hallucination_penalty": 1}\n```', FULL, False),
+        ('Sure! {"factuality": 1.7, "temporal_alignment": 0.5, "coverage": 0.5, "hallucination_penalty": 1} hope it helps',
+         FULL, False),  # first { to last }, 1.7 clipped to 1
+        ('{"factuality": -2, "temporal_alignment": 0.5, "coverage": 0.5}',
+         {"factuality": 0.0, "temporal_alignment": 0.5, "coverage": 0.5, "hallucination_penalty": 0.0}, True),
+        ("no json at all", dict.fromkeys(FULL, 0.0), True),
+        ('{"factuality": "high"', dict.fromkeys(FULL, 0.0), True),
+    ],
+)
+def test_parse_judgement(text, criteria, failed):
+    assert parse_judgement(text) == (criteria, failed)
+
+
+def test_weights_hand_worked():
+    # 0.30*1 + 0.25*0.5 + 0.25*0.5 + 0.20*1 = 0.75
+    assert judgement_score(FULL) == pytest.approx(0.75)
+
+
+def _video(path, frames=6):
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=2)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for i in range(frames):
+            image = np.full((48, 64, 3), 40 * i, dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def test_tiny_vl_judge_scores_media_and_fails_missing_media(tmp_path):
+    from rl_models.tiny import build
+    from rl_rollout.hf import HFEngine
+
+    engine = HFEngine.from_pretrained(build("qwen2_5_vl"), device="cpu")
+    scorer = VLJudgeScorer(engine, max_frames=4, max_pixels=56 * 56, max_new_tokens=8)
+    image = tmp_path / "red.png"
+    Image.new("RGB", (56, 56), "red").save(image)
+    video = _video(tmp_path / "clip.mp4")
+    results = scorer.score([
+        Sample(completion="A red square.", metadata={"image": str(image)}),
+        Sample(completion="[00:00] dark [00:02] bright", metadata={"video": str(video)}),
+        Sample(completion="x", metadata={"video": str(tmp_path / "missing.mp4")}),
+        Sample(completion="x", metadata={}),
+    ])
+    for r in results[:2]:  # random weights do not write JSON: CapRL's 0, flagged
+        assert r.error is None and r.score == 0.0 and r.components["parse_failed"] == 1.0
+        assert set(r.components) == {*FULL, "parse_failed"}
+    assert "missing.mp4" in results[2].error
+    assert "neither 'video' nor 'image'" in results[3].error
