@@ -12,7 +12,7 @@ One step: group sampler -> generate with the policy (the `hf` engine wraps the t
 in turn, scores the samples its gate lets through, goes back to sleep -> embedding similarity
 -> fold the components -> advantages -> log-prob replay with the policy and the reference (the
 engine's log-probs must match on the first step) -> clipped policy-gradient update with the k3
-KL loss -> validate -> log -> checkpoint. Only one model's weights are on the accelerator while
+KL loss -> checkpoint -> validate -> log. Only one model's weights are on the accelerator while
 the judges score. See README.md next to this file for the seed's launch line translated.
 """
 
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -29,12 +31,11 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from judging import (
-    EmbeddingJudge,
     PhaseMonitor,
     RecordingEngine,
     RuleScorer,
-    SimilarityScorer,
     SwappedJudge,
+    TimedScorer,
     check_judge,
     engine_state,
     load_function,
@@ -52,6 +53,7 @@ from rl_core.train import (
     MetricsLogger,
     TrainProgress,
     config_help,
+    get_rng_state,
     load_checkpoint,
     load_config,
     make_run_dir,
@@ -59,11 +61,13 @@ from rl_core.train import (
     resolve_resume,
     save_checkpoint,
     seed_everything,
+    set_rng_state,
 )
 from rl_data import GroupSampler, JudgeRecord, read_judge_records
 from rl_models import tiny
 from rl_models.text import load_causal_lm
 from rl_rewards.composition import Reward, build_reward
+from rl_rewards.registry import build_scorer
 from rl_rewards.samples import Sample, ScoreResult
 from rl_rewards.scorers.judge import JudgeScorer
 from rl_rewards.spec import Component, Gate, RewardSpec
@@ -137,7 +141,7 @@ class VerlJudgeLists(msgspec.Struct, kw_only=True, frozen=True):
 
 class EmbeddingConfig(msgspec.Struct, kw_only=True, frozen=True):
     model: str | None = None  # BGE-style encoder (bge_sim.py); None = no similarity reward
-    weight: float = 1.0  # total += weight * (0.7 * mapped similarity + 0.3)
+    weight: float = 1.0  # total += weight * (0.7 * mapped similarity + 0.3), REFERENCE.md §3
 
 
 class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -312,8 +316,10 @@ def compose_reward(cfg: Config, judges: list[SwappedJudge], monitor: PhaseMonito
     emb = cfg.reward.embedding
     if emb.model is not None:
         components["similarity"] = Component(scorer="embedding_similarity", weight=emb.weight, op="add")
-        inner = EmbeddingJudge(resolve_model(emb.model), str(device))
-        scorers["similarity"] = SimilarityScorer(inner, monitor)
+        # VeRL-with-RMs adds weight * (0.7 * mapped similarity + 0.3)
+        inner = build_scorer("embedding_similarity", model=resolve_model(emb.model), scale=0.7, offset=0.3,
+                             device=str(device))
+        scorers["similarity"] = TimedScorer(inner, monitor, "similarity")
     if not components:
         raise ConfigError("no reward: set reward.rule, reward.judges or reward.embedding.model")
     return build_reward(RewardSpec(components=components, combine="fold"), scorers)
@@ -582,6 +588,24 @@ def train_step(p: Parts, step: int, records: list[JudgeRecord]) -> dict[str, flo
 
 
 def validate(p: Parts, step: int, records: list[JudgeRecord]) -> dict[str, float]:
+    """Greedy (val_temperature) rollouts on the val rows, scored by the same reward. Runs on a
+    saved-and-restored RNG state, so validating or not never changes the training run (and a
+    resumed run repeats the uninterrupted one exactly)."""
+    with isolated_rng():
+        return _validate(p, step, records)
+
+
+@contextmanager
+def isolated_rng() -> Iterator[None]:
+    """Run a block (validation, the start-up dry run) without moving the training RNG streams."""
+    state = get_rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
+
+
+def _validate(p: Parts, step: int, records: list[JudgeRecord]) -> dict[str, float]:
     acc = p.accelerator
     shard = records[acc.process_index :: acc.num_processes]
     if not shard:  # fewer val rows than ranks: this rank repeats the first one, still collects
@@ -640,6 +664,11 @@ def setup(cfg: Config, resume: str | None) -> tuple[Parts, GroupSampler, list[Ju
 def dry_run(p: Parts, record: JudgeRecord) -> None:
     """Score one sample with every judge before training, so a judge module whose lists do not
     match the batch fails now, naming the module and the function (not hours into a run)."""
+    with isolated_rng():
+        _dry_run(p, record)
+
+
+def _dry_run(p: Parts, record: JudgeRecord) -> None:
     answer = Generation(request_index=0, prompt_ids=[], completion_ids=[], text=str(record.ground_truth),
                         logprobs=[], finish_reason="stop")
     sample = make_samples([record], [answer], 0)[0]
@@ -682,14 +711,12 @@ def main(argv: list[str]) -> Path:
             step += 1
             records = next_records(sampler, train, cfg.train.batch_size // acc.num_processes)
             metrics = train_step(p, step, records)
-            # validate before the checkpoint: the RNG state saved is then the one the next step
-            # starts from, so a resumed run repeats the uninterrupted one exactly.
-            if step == total or (cfg.train.test_freq > 0 and step % cfg.train.test_freq == 0):
-                metrics |= validate(p, step, val)
             if step % cfg.train.save_freq == 0 or step == total:
                 with p.monitor("checkpoint"):
                     save_checkpoint(p.run_dir / "checkpoints", step, state={"sampler": sampler}, accelerator=acc,
                                     keep_last=cfg.train.keep_last)
+            if step == total or (cfg.train.test_freq > 0 and step % cfg.train.test_freq == 0):
+                metrics |= validate(p, step, val)
             metrics |= p.monitor.pop()
             logger.log(step, metrics)
             bar.update(step, metrics)

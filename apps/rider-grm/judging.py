@@ -216,21 +216,15 @@ class SwappedJudge:
         return log
 
 
-class SimilarityScorer:
-    """VeRL-with-RMs' embedding reward: the trainer adds `weight * (0.7 * s + 0.3)` where `s` is
-    the mapped BGE similarity of completion and reference (`rl_rewards.rules.embedding_similarity_map`).
-    Reports `s` as the component `similarity.mapped` and `0.7 * s + 0.3` as the score."""
+class TimedScorer:
+    """A scorer whose `score` calls are timed as one phase (`time/<phase>`, `mem/<phase>_gib`)."""
 
-    name = "similarity"
-
-    def __init__(self, inner: Scorer, monitor: PhaseMonitor) -> None:
-        self.inner, self.monitor = inner, monitor
+    def __init__(self, inner: Scorer, monitor: PhaseMonitor, phase: str) -> None:
+        self.inner, self.monitor, self.name = inner, monitor, phase
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
-        with self.monitor("similarity"):
-            results = self.inner.score(samples)
-        return [r if r.score is None else ScoreResult(score=0.7 * r.score + 0.3, components={"mapped": r.score})
-                for r in results]
+        with self.monitor(self.name):
+            return self.inner.score(samples)
 
 
 # ------------------------------------------------------------------------------ start-up check
@@ -257,23 +251,3 @@ def check_judge(judge: JudgeScorer, rm_prompt: str, response: str) -> None:
 
 def _describe(value: Any) -> str:
     return f"a list of {len(value)}" if isinstance(value, list) else f"a {type(value).__name__}"
-
-
-class EmbeddingJudge:
-    """Interim `embedding_similarity`: mapped cosine similarity of completion and reference."""
-
-    name = "embedding_similarity"
-
-    def __init__(self, model: str, device: str) -> None:
-        from rl_models.encoders import load_embedding_model
-
-        self.encoder = load_embedding_model(model, device=device)
-
-    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
-        from rl_models.encoders import compute_text_embeddings
-        from rl_rewards.rules import embedding_similarity_map
-
-        a = compute_text_embeddings(self.encoder, [s.completion for s in samples])  # [N, H]
-        b = compute_text_embeddings(self.encoder, [str(s.reference) for s in samples])  # [N, H]
-        sims = (a * b).sum(-1).tolist()  # [N]
-        return [ScoreResult(score=embedding_similarity_map(s), components={"cosine": s}) for s in sims]
