@@ -31,7 +31,7 @@ def test_import_path_and_validation_names_module_and_function(tmp_path):
     half.write_text("def rm_preprocess(a, b, c):\n    return []\n")
     with pytest.raises(AttributeError, match=r"reward module '.*half.py' does not define rm_postprocess"):
         load_reward_module(str(half))
-    with pytest.raises(FileNotFoundError, match="missing.py"):
+    with pytest.raises(FileNotFoundError, match=r"missing\.py"):
         load_reward_module(str(tmp_path / "missing.py"))
     with pytest.raises(ModuleNotFoundError):
         load_reward_module("no_such_package.rm")

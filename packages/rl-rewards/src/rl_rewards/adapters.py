@@ -23,13 +23,14 @@ from rl_rewards.spec import RewardSpec
 Target = RewardSpec | Mapping[str, Any] | str | Path | Scorer | AsyncScorer
 
 
-def resolve_scorer(target: Target) -> Scorer | AsyncScorer:
-    """A RewardSpec, dict or TOML path -> `build_reward`; an `http(s)://` URL -> the reward
-    server client (`rl_rewards.client.RewardClient`); a scorer -> itself."""
+def resolve_scorer(target: Target, reward: str = "") -> Scorer | AsyncScorer:
+    """A RewardSpec, dict or TOML path -> `build_reward`; an `http(s)://` URL -> the served
+    reward named `reward` (`rl_rewards.client.RemoteScorer`; "" = the server's default); a
+    scorer -> itself."""
     if isinstance(target, str) and target.startswith(("http://", "https://")):
-        from rl_rewards.client import RewardClient
+        from rl_rewards.client import RemoteScorer
 
-        return RewardClient(target)
+        return RemoteScorer(target, reward)
     if isinstance(target, (RewardSpec, Mapping, str, Path)):
         return build_reward(target)
     return target
@@ -69,16 +70,18 @@ def _trl_samples(prompts: Sequence[Any], completions: Sequence[Any], reference_c
     return samples
 
 
-def as_trl_reward(target: Target, *, reference_column: str = "reference", name: str = "rl_rewards") -> Callable:
+def as_trl_reward(
+    target: Target, *, reference_column: str = "reference", name: str = "rl_rewards", reward: str = ""
+) -> Callable:
     """A TRL `GRPOTrainer` reward function.
 
     TRL calls `f(prompts=..., completions=..., completion_ids=..., **dataset_columns)`; string or
     conversational prompts/completions are both accepted. `reference_column` names the dataset
     column that becomes `Sample.reference`; the other per-row columns go to `Sample.metadata`.
     A failed sample returns None (TRL's abstain). When `target` is a server URL the function is
-    `async` (TRL awaits async reward functions concurrently).
+    `async` (TRL awaits async reward functions concurrently); `reward` names the served reward.
     """
-    scorer = resolve_scorer(target)
+    scorer = resolve_scorer(target, reward)
 
     def to_scores(results: list[ScoreResult]) -> list[float | None]:
         return [r.score for r in results]
@@ -118,7 +121,9 @@ def _verl_dict(result: ScoreResult, error_score: float, keys: Sequence[str]) -> 
     return out
 
 
-def as_verl_compute_score(target: Target, *, batch: bool = False, error_score: float = 0.0) -> Callable:
+def as_verl_compute_score(
+    target: Target, *, batch: bool = False, error_score: float = 0.0, reward: str = ""
+) -> Callable:
     """A verl `custom_reward_function`.
 
     Single form (verl's NaiveRewardManager):
@@ -128,9 +133,9 @@ def as_verl_compute_score(target: Target, *, batch: bool = False, error_score: f
     Each returns `{"score": float, "failed": 0/1, **components}`; a failed sample scores
     `error_score` (verl needs a number) and is flagged by `failed`.
     `extra_info["prompt"]` (if a string) becomes `Sample.prompt`; `extra_info["image"/"video"]`
-    go to `Sample.metadata` for media scorers.
+    go to `Sample.metadata` for media scorers. `reward`: the served reward when `target` is a URL.
     """
-    scorer = resolve_scorer(target)
+    scorer = resolve_scorer(target, reward)
     keys = list(scorer.spec.components) if isinstance(scorer, Reward) else []
 
     def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):
@@ -144,7 +149,7 @@ def as_verl_compute_score(target: Target, *, batch: bool = False, error_score: f
     return compute_score_batch if batch else compute_score
 
 
-def as_openrlhf_reward_func(target: Target, *, error_score: float = 0.0) -> Callable:
+def as_openrlhf_reward_func(target: Target, *, error_score: float = 0.0, reward: str = "") -> Callable:
     """An OpenRLHF `--remote_rm_url /path/reward_func.py` function:
     `reward_func(queries, prompts, labels, **kw)`.
 
@@ -153,8 +158,9 @@ def as_openrlhf_reward_func(target: Target, *, error_score: float = 0.0) -> Call
     `Sample.reference`. Returns `{"rewards": Tensor, "scores": Tensor, "extra_logs": {...}}` as
     OpenRLHF expects (torch is imported when called; OpenRLHF always has it). A failed sample
     scores `error_score`; `extra_logs` holds per-component means and the failure count.
+    `reward`: the served reward when `target` is a URL.
     """
-    scorer = resolve_scorer(target)
+    scorer = resolve_scorer(target, reward)
 
     def reward_func(queries, prompts, labels, **kw):
         import torch

@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from rl_rewards.samples import Sample
-from rl_rewards.scorers.caption_qa import CANNOT_ANSWER, CaptionQAScorer, Question, parse_qa, question_text
+from rl_rewards.scorers.caption_qa import (
+    CANNOT_ANSWER,
+    CaptionQAScorer,
+    Question,
+    parse_qa,
+    question_text,
+)
 
 SHORT_TEMPLATE = "{{ messages[-1]['content'] }}\n"  # template override: keeps CPU prompts short
 
@@ -26,9 +32,10 @@ def letter_judge(tmp_path_factory):
     the token " is" gets a large residual component that the (untied) LM head turns into a -40
     logit for every token but the four letters, whose rows are scaled up so that their
     distribution is far from uniform. A real checkpoint loaded by the real HFEngine."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
+
     from rl_models.tiny import build
     from rl_rollout.hf import HFEngine
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
 
     src = build("qwen3")
     tok = AutoTokenizer.from_pretrained(src)
@@ -128,7 +135,7 @@ def test_sample_estimator_is_a_multiple_of_one_over_qa_num(tiny_judge):
 
 def test_sample_mean_converges_to_exact_on_a_single_letter_judge(letter_judge):
     rng = random.Random(0)
-    words = "red blue car dog tree sky house cat runs big small green".split()
+    words = ["red", "blue", "car", "dog", "tree", "sky", "house", "cat", "runs", "big", "small", "green"]
     captions = [
         (" ".join(rng.choice(words) for _ in range(8)),
          [{"question": "Big one?", "choices": ["dog", "cat", "tree"], "answer": "A"},
