@@ -105,18 +105,21 @@ def test_backoff_is_exponential_with_full_jitter():
 
 def test_call_survives_a_server_restart(tmp_path: Path):
     port = free_port()
-    server = ServerProcess([], port=port, log_path=tmp_path / "first.log").start()
-    client = RewardClient(server.url, retry=RetryPolicy(attempts=30, backoff_s=0.2, max_backoff_s=1.0))
+    config = tmp_path / "rules.toml"  # rule rewards only: no OCR engine to load on restart
+    config.write_text('[rewards.timestamp_format.components.format]\nscorer = "timestamp_format"\n')
+    args = ["--config", str(config)]
+    server = ServerProcess(args, port=port, log_path=tmp_path / "first.log").start()
+    client = RewardClient(server.url, retry=RetryPolicy(attempts=100, backoff_s=0.2, max_backoff_s=1.0))
     assert client.score([Sample(completion="[00:01] a")], "timestamp_format")[0].score == 1.0
     server.stop()
-    restarted = ServerProcess([], port=port, log_path=tmp_path / "second.log")
+    restarted = ServerProcess(args, port=port, log_path=tmp_path / "second.log")
     try:
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(client.score, [Sample(completion="[00:02] b [00:01] c")], "timestamp_format")
             time.sleep(0.5)
             assert not pending.done()  # retrying against a dead port
             restarted.start()
-            assert pending.result(timeout=60)[0].score == 0.5
+            assert pending.result(timeout=120)[0].score == 0.5
     finally:
         client.close()
         restarted.stop()
