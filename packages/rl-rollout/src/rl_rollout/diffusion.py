@@ -16,12 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from rl_core.flow import SDEStep, sde_step
+from rl_models.diffusion import load_sd3
 
 try:
     from diffusers import StableDiffusion3Pipeline
@@ -96,10 +98,17 @@ class DiffusionEngine:
 
     @classmethod
     def from_pretrained(
-        cls, path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+        cls,
+        path: str | Path,
+        *,
+        dtype: str | torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        text_encoder_dtype: str | torch.dtype | None = None,
     ) -> DiffusionEngine:
-        """Load a diffusers SD3/SD3.5 folder or hub id (e.g. stabilityai/stable-diffusion-3.5-medium)."""
-        pipeline = StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=dtype)
+        """Load a diffusers SD3/SD3.5 folder or hub id (e.g. stabilityai/stable-diffusion-3.5-medium)
+        through `rl_models.diffusion.load_sd3`; `text_encoder_dtype` keeps the encoders in another
+        dtype (bf16 encoders next to an fp32 transformer)."""
+        pipeline = load_sd3(path, dtype=dtype, text_encoder_dtype=text_encoder_dtype)
         return cls(pipeline, device=device)
 
     @property
@@ -149,22 +158,28 @@ class DiffusionEngine:
         *,
         guidance_scale: float,
         detach_uncond: bool = False,
+        model: torch.nn.Module | None = None,
     ) -> Tensor:
         """Predicted velocity `[B, C, h, w]` (float32) at `sigma` `[B]`, with CFG in one batched
         forward over `[uncond; cond]`. In training pass `detach_uncond=True`: the unconditional
-        branch then carries no gradient (Flow-GRPO), while the values equal the rollout's."""
+        branch then carries no gradient (Flow-GRPO), while the values equal the rollout's.
+
+        `model` runs the forward through a wrapper of `pipeline.transformer` (a peft model, a
+        DDP-wrapped one from `accelerator.prepare`) so gradients sync; default: the transformer.
+        """
         batch = latents.shape[0]
         use_cfg = guidance_scale > 1.0
         model_in = latents.to(self.dtype)  # [B, C, h, w]
-        embeds, pooled = conditioning.embeds, conditioning.pooled  # [B, L, D], [B, P]
+        embeds = conditioning.embeds.to(self.dtype)  # [B, L, D]
+        pooled = conditioning.pooled.to(self.dtype)  # [B, P]
         if use_cfg:
             neg = self.negative(embeds.shape[1])
             model_in = torch.cat([model_in, model_in])  # [2B, C, h, w]
-            embeds = torch.cat([neg.embeds.expand(batch, -1, -1), embeds])  # [2B, L, D]
-            pooled = torch.cat([neg.pooled.expand(batch, -1), pooled])  # [2B, P]
+            embeds = torch.cat([neg.embeds.to(self.dtype).expand(batch, -1, -1), embeds])  # [2B, L, D]
+            pooled = torch.cat([neg.pooled.to(self.dtype).expand(batch, -1), pooled])  # [2B, P]
             sigma = torch.cat([sigma, sigma])  # [2B]
         timestep = sigma.to(self.device, torch.float32) * self.pipeline.scheduler.config.num_train_timesteps
-        out = self.transformer(
+        out = (model or self.transformer)(
             hidden_states=model_in,
             timestep=timestep,
             encoder_hidden_states=embeds,
@@ -298,11 +313,18 @@ class DiffusionEngine:
         return mask
 
     def replay(
-        self, trajectory: Trajectory, step: int, *, rows: Tensor | None = None
+        self,
+        trajectory: Trajectory,
+        step: int,
+        *,
+        rows: Tensor | None = None,
+        model: torch.nn.Module | None = None,
     ) -> SDEStep:
         """Re-score stochastic step `step` of (a subset `rows` of) a trajectory under the current
-        weights, with gradients. `log_prob` `[b]` equals `trajectory.log_probs[rows, step]` at
-        unchanged weights; `mean` feeds `rl_core.flow.flow_kl` against the reference."""
+        weights, with gradients (through `model`, see `velocity`). `log_prob` `[b]` equals
+        `trajectory.log_probs[rows, step]` at unchanged weights when the rows form the batch they
+        were sampled in (other batch shapes may differ in the last bits: BLAS blocking);
+        `mean` feeds `rl_core.flow.flow_kl` against the reference."""
         if not bool(trajectory.sde_steps[step]):
             raise ValueError(f"step {step} was sampled with the ODE: it has no log-prob to replay")
         rows = torch.arange(trajectory.latents.shape[0]) if rows is None else rows
@@ -310,7 +332,12 @@ class DiffusionEngine:
         conditioning = trajectory.conditioning.index(rows)
         sigma = trajectory.sigmas[step].expand(latents.shape[0])  # [b]
         velocity = self.velocity(
-            latents, sigma, conditioning, guidance_scale=trajectory.guidance_scale, detach_uncond=True
+            latents,
+            sigma,
+            conditioning,
+            guidance_scale=trajectory.guidance_scale,
+            detach_uncond=True,
+            model=model,
         )  # [b, C, h, w]
         return sde_step(
             velocity=velocity,
