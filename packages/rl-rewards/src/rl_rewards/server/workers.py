@@ -175,6 +175,9 @@ class Router:
             self._workers[dead.index] = fresh
             self._metrics.worker_restarts.inc()
             log.info("worker %d restarted", dead.index)
+        except Exception:
+            log.exception("restarting worker %d failed; trying again in 1 s", dead.index)
+            await asyncio.sleep(1.0)
         finally:
             self._restarting.pop(dead.index, None)
             self._changed.set()
