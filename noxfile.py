@@ -64,6 +64,14 @@ def rewards_no_torch(session: nox.Session) -> None:
     _pytest(session, "rl-rewards", "no_torch")
 
 
+@nox.session
+def app_caption_rl(session: nox.Session) -> None:
+    """apps/caption-rl's default test suite, in an env holding only what the app declares."""
+    args = ["uv", "sync", "--frozen", "--no-default-groups", "--package", "caption-rl", "--group", "test"]
+    session.run_install(*args, env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location})
+    session.run("python", "-m", "pytest", "apps/caption-rl/tests", "-m", DEFAULT_MARKERS, "-q", *session.posargs)
+
+
 def _marker_session(session: nox.Session, marker: str) -> None:
     for package, extras in PACKAGES.items():
         _sync(session, package, extras)

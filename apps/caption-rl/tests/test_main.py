@@ -1,0 +1,215 @@
+"""The recipe end to end on tiny models: outputs, invariants (accumulation, resume), learning,
+a real reward server, and `accelerate launch` with two processes."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import APP, DATA, REPO, tiny_overrides
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from rl_models import tiny
+from rl_rewards import ScoreResult, register_scorer
+from rl_rewards.registry import SCORERS
+
+METRIC_COLUMNS = [
+    "step", "reward/mean", "reward/std", "reward/qa", "reward/format", "reward/length", "reward/failed",
+    "adv/mean", "adv/std", "adv/min", "adv/max", "loss/policy", "clip_fraction", "approx_kl", "entropy",
+    "response/length_mean", "response/length_max", "response/truncation_rate", "grad_norm", "lr",
+    "time/generate", "time/reward", "time/logprob", "time/update", "throughput/tokens_per_s",
+    "logprob/engine_diff_mean", "data/skipped_records", "eval/reward/mean", "eval/reward/qa",
+]
+
+
+def rows(run_dir: Path) -> list[dict[str, str]]:
+    with (run_dir / "metrics.csv").open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+def mixed_dataset(tmp_path: Path) -> Path:
+    """Two image rows and one video row (absolute media paths), so every step sees both."""
+    images = [json.loads(line) for line in (DATA / "caption_qa_images.jsonl").read_text().splitlines()[:2]]
+    for row in images:
+        row["image"] = str(DATA / (row["image"]["path"] if isinstance(row["image"], dict) else row["image"]))
+    video = json.loads((DATA / "caption_qa_videos.jsonl").read_text().splitlines()[0])
+    video["videos"] = [str(DATA / v) for v in video["videos"]]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [*images, video]) + "\n")
+    return path
+
+
+def test_help_lists_every_key_with_its_caprl_env_var(app, capsys):
+    assert app.main(["--help"]) is None
+    text = capsys.readouterr().out
+    for key, var in (("model.path", "CAPTION_MODEL"), ("train.batch_size", "BATCH_SIZE"), ("rollout.n", "ROLLOUT_N")):
+        assert any(key in line and f"env {var}" in line for line in text.splitlines())
+
+
+def test_caprl_launch_variables_start_from_the_full_size_defaults(app, monkeypatch):
+    for var, value in {"CAPTION_MODEL": "/models/qwen3-vl-4b", "DATASET": "/data/video_train.jsonl",
+                       "SAVE_DIR": "/ckpt", "REWARD_NODE_IP": "10.0.0.7", "ROLLOUT_N": "16", "ACTOR_LR": "2e-6",
+                       "REWARD_LENGTH_L1": "1024"}.items():
+        monkeypatch.setenv(var, value)
+    cfg, resume = app.parse_config(["train.save_freq=7"])
+    assert resume is None
+    assert (cfg.model.path, cfg.data.train, cfg.train.output_dir) == ("/models/qwen3-vl-4b", ["/data/video_train.jsonl"], "/ckpt")
+    assert (cfg.reward.host, cfg.reward.port, cfg.rollout.n, cfg.train.lr) == ("10.0.0.7", 18889, 16, 2e-6)
+    assert (cfg.reward.length_l1, cfg.reward.length_l2, cfg.train.save_freq) == (1024, 3072, 7)
+    assert (cfg.train.batch_size, cfg.rollout.max_new_tokens, cfg.algo.kl_coef) == (128, 4096, 0.0)
+    monkeypatch.delenv("CAPTION_MODEL")
+    cfg, _ = app.parse_config([])  # no CapRL launch line: the embedded tiny default
+    assert cfg.model.path == "tiny:qwen2_5_vl" and cfg.train.max_steps == 6
+
+
+def test_missing_model_and_dataset_are_clear_errors(app, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"dataset file not found: .*absent\.jsonl"):
+        app.main(tiny_overrides(tmp_path, f"data.train={tmp_path / 'absent.jsonl'}"))
+    with pytest.raises(FileNotFoundError, match=r"model not found: .*no-such-model"):
+        app.main(tiny_overrides(tmp_path, f"model.path={tmp_path / 'no-such-model'}"))
+
+
+def test_end_to_end_images_and_a_video_with_the_qa_judge(app, tmp_path):
+    """The CapRL++ reward in process (tiny Qwen3 judge): every trainable tensor changes, every
+    metric column is written, and every output exists."""
+    run = app.main(tiny_overrides(
+        tmp_path, f"data.train=[\"{mixed_dataset(tmp_path)}\"]", f"data.eval=[\"{DATA / 'caption_qa_videos.jsonl'}\"]",
+        "reward.spec=null", "reward.judge=tiny:qwen3", "reward.length_l1=4", "reward.length_l2=12",
+        "train.batch_size=3", "train.mini_batch_size=1", "train.micro_batch_size=2", "train.eval_freq=2",
+        "train.lr=1e-3"))
+    table = rows(run)
+    assert [r["step"] for r in table] == ["1", "2"]
+    missing = [c for c in METRIC_COLUMNS if c not in table[0]]
+    assert not missing, missing
+    assert all(table[-1][c] != "" for c in METRIC_COLUMNS), table[-1]
+    assert float(table[0]["logprob/engine_diff_mean"]) < 1e-3
+    assert float(table[0]["reward/failed"]) == 0 and 0 <= float(table[0]["reward/qa"]) <= 1
+    before, after = weights(tiny.build("qwen2_5_vl")), weights(run / "export")
+    unchanged = [name for name, value in before.items() if torch.equal(value, after[name])]
+    assert not unchanged, unchanged
+    for path in ("reward_curve.png", "config.toml", "samples/train.jsonl", "samples/eval-step-000002.jsonl",
+                 "checkpoints/checkpoint-2/meta.json", "export/preprocessor_config.json"):
+        assert (run / path).is_file(), path
+    assert len((run / "samples" / "eval-step-000002.jsonl").read_text().splitlines()) == 3  # the 3 eval videos
+
+
+def test_batch_of_8_equals_8_accumulated_micro_batches_of_1(app, tmp_path):
+    one = app.main(tiny_overrides(tmp_path, "train.max_steps=1", "train.micro_batch_size=8", "train.run_name=big"))
+    acc = app.main(tiny_overrides(tmp_path, "train.max_steps=1", "train.micro_batch_size=1", "train.run_name=acc"))
+    start, a, b = weights(tiny.build("qwen2_5_vl")), weights(one / "export"), weights(acc / "export")
+    moved = max((a[k] - start[k]).abs().max().item() for k in a)
+    assert moved > 1e-5  # the step did update the model ...
+    for name in a:  # ... and by the same amount either way
+        torch.testing.assert_close(a[name], b[name], atol=2e-6, rtol=0, msg=name)
+    assert rows(one)[0]["loss/policy"] == pytest.approx(float(rows(acc)[0]["loss/policy"]), abs=1e-6)
+
+
+def test_resume_continues_exactly_where_the_run_stopped(app, tmp_path):
+    straight = app.main(tiny_overrides(tmp_path, "train.max_steps=3", "train.run_name=straight"))
+    first = app.main(tiny_overrides(tmp_path, "train.max_steps=2", "train.run_name=interrupted"))
+    resumed = app.main([*tiny_overrides(tmp_path, "train.max_steps=3"), "--resume", str(first)])
+    assert resumed == first
+    a, b = rows(straight), rows(resumed)
+    assert [r["step"] for r in b] == ["1", "2", "3"]
+    for key in ("reward/mean", "loss/policy", "response/length_mean", "grad_norm"):
+        assert float(a[2][key]) == pytest.approx(float(b[2][key]), abs=1e-6), key
+    wa, wb = weights(straight / "export"), weights(resumed / "export")
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], atol=1e-6, rtol=0, msg=name)
+
+
+class FirstHalfVocabulary:
+    """Learning-test reward: the fraction of caption tokens (policy tokenizer) whose id lies in
+    the first half of the vocabulary. A random tiny policy scores ~0.5; every token's own
+    choice moves the reward, so the signal is dense."""
+
+    name = "first_half_vocabulary"
+
+    def __init__(self) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(tiny.build("qwen2_5_vl"))
+        self.half = len(self.tokenizer) // 2
+
+    def score(self, samples):
+        out = []
+        for sample in samples:
+            ids = self.tokenizer(sample.completion, add_special_tokens=False)["input_ids"]
+            out.append(ScoreResult(score=sum(i < self.half for i in ids) / max(len(ids), 1)))
+        return out
+
+
+if "first_half_vocabulary" not in SCORERS:
+    register_scorer("first_half_vocabulary", FirstHalfVocabulary)
+
+LEARN_STEPS, LEARN_MARGIN = 8, 0.15
+
+
+def test_the_tiny_policy_learns_a_rule_reward(app, tmp_path):
+    spec = tmp_path / "learn.toml"
+    spec.write_text('[components.first_half]\nscorer = "first_half_vocabulary"\n')
+    run = app.main(tiny_overrides(
+        tmp_path, f"reward.spec={spec}", f"data.train=[\"{DATA / 'caption_qa_images.jsonl'}\"]", "rollout.n=8",
+        f"train.max_steps={LEARN_STEPS}", "train.lr=5e-3", "train.micro_batch_size=16", "train.export=false"))
+    rewards = [float(r["reward/mean"]) for r in rows(run)]
+    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
+    assert last - first > LEARN_MARGIN, rewards
+
+
+def test_training_against_a_real_reward_server_that_dies_mid_run(app, tmp_path, reward_server):
+    """Scores come from `rl-rewards serve` (CapRL /get_reward); once the server is killed, the
+    next steps are retried, then skipped with the error logged, never scored as zero."""
+    url, proc = reward_server
+    overrides = tiny_overrides(tmp_path, "reward.spec=null", f"reward.url={url}", "reward.retries=2",
+                               f"data.train=[\"{DATA / 'caption_qa_videos.jsonl'}\"]", "data.eval_size=0",
+                               "train.max_steps=3", "train.batch_size=1")
+
+    def kill_after_first_step():
+        metrics = tmp_path / "latest" / "metrics.csv"
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_after_first_step, daemon=True)
+    killer.start()
+    run = app.main(overrides)
+    killer.join(timeout=5)
+    table = rows(run)
+    assert table[0]["skipped"] == "0" and float(table[0]["reward/qa"]) >= 0
+    assert float(table[0]["reward/format"]) >= 0  # the server runs with REWARD_TASK=video
+    assert table[-1]["skipped"] == "1" and "gave up after 2 attempt" in table[-1]["error"]
+    assert table[-1]["reward/mean"] == ""  # no reward recorded for a skipped step
+    assert (run / "checkpoints" / "checkpoint-3" / "meta.json").is_file()
+
+
+@pytest.mark.slow
+def test_two_processes_with_accelerate_launch(tmp_path):
+    """The same run under `accelerate launch --num_processes 2 --cpu`: rollouts sharded by rank,
+    rewards gathered before advantages, gradients synchronized (both ranks export one model)."""
+    overrides = tiny_overrides(tmp_path, "train.batch_size=2", "train.max_steps=2", "train.eval_freq=2")
+    launcher = Path(sys.executable).with_name("accelerate")
+    env = {**os.environ, "PYTHONPATH": str(APP)}
+    result = subprocess.run(
+        [str(launcher), "launch", "--num_processes", "2", "--cpu", "--num_machines", "1", "--mixed_precision", "no",
+         "--dynamo_backend", "no", str(APP / "__main__.py"), *overrides],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    run = (tmp_path / "latest").resolve()
+    table = rows(run)
+    assert [r["step"] for r in table] == ["1", "2"]
+    assert all(table[-1][c] != "" for c in ("reward/mean", "loss/policy", "grad_norm", "eval/reward/mean"))
+    before, after = weights(tiny.build("qwen2_5_vl")), weights(run / "export")
+    assert not [name for name, value in before.items() if torch.equal(value, after[name])]
+    assert "caption-rl finished" in result.stdout
