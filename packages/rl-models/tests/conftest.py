@@ -46,3 +46,8 @@ def vl_paths(_tiny_cache):
 @pytest.fixture(scope="session")
 def sd3_path(_tiny_cache):
     return tiny.build("sd3")
+
+
+@pytest.fixture(scope="session")
+def janus_path(_tiny_cache):
+    return tiny.build("janus")

@@ -13,9 +13,21 @@ from rl_models.tokenization import OPTION_LETTERS
 
 def _digest(folder: Path) -> dict[str, str]:
     return {
-        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.iterdir())
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
         if p.is_file()
+    }
+
+
+def test_every_family_of_the_issue_is_registered():
+    assert set(tiny.families()) == {
+        "qwen3",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "sd3",
+        "janus",
+        "embedding",
+        "clip",
     }
 
 
@@ -29,7 +41,7 @@ def test_register_twice_raises():
         tiny.register_family("qwen3", "v1", lambda out: None)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "embedding", "clip"])
+@pytest.mark.parametrize("family", tiny.families())
 def test_same_seed_identical_files_other_seed_differs(family, tmp_path):
     a = _digest(tiny.build(family, tmp_path / "a", seed=1))
     b = _digest(tiny.build(family, tmp_path / "b", seed=1))

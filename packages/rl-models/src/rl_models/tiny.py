@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from rl_models import tiny_families, tiny_sd3, tiny_vl
+from rl_models import tiny_families, tiny_janus, tiny_sd3, tiny_vl
 
 Builder = Callable[[Path], None]
 # family -> (builder version, builder). Bump a version whenever its output changes.
@@ -91,3 +91,4 @@ register_family("clip", "v1", tiny_families.build_clip)
 register_family("qwen2_5_vl", "v1", tiny_vl.build_qwen2_5_vl)
 register_family("qwen3_vl", "v1", tiny_vl.build_qwen3_vl)
 register_family("sd3", "v1", tiny_sd3.build_sd3)
+register_family("janus", "v1", tiny_janus.build_janus)
