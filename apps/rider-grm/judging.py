@@ -42,9 +42,20 @@ class PhaseMonitor:
         self.cuda = device.type == "cuda"
         self.seconds: dict[str, float] = {}
         self.peak_gib: dict[str, float] = {}
+        self.prefix = ""
+
+    @contextmanager
+    def scope(self, prefix: str) -> Iterator[None]:
+        """Record the phases of a block under `prefix` (validation: `val_generate`, ...)."""
+        self.prefix = prefix
+        try:
+            yield
+        finally:
+            self.prefix = ""
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
+        phase = self.prefix + phase
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -169,7 +180,8 @@ class JudgeLog:
 
 
 class SwappedJudge:
-    """Wake the judge, score the samples that reached it, put it back to sleep.
+    """Wake the judge, score the samples that reached it, put it back to sleep (`swap=False`:
+    the judge stays resident).
 
     The judge module's `text_prompts` are the row's `rm_prompt_{index}` (VeRL-with-RMs' per-judge
     template, `use_rm_prompt=True`) or the policy's own prompt (for modules such as
@@ -179,9 +191,10 @@ class SwappedJudge:
     """
 
     def __init__(self, name: str, index: int, scorer: JudgeScorer, engine: RecordingEngine,
-                 monitor: PhaseMonitor, policy: Engine | None, use_rm_prompt: bool = True) -> None:
+                 monitor: PhaseMonitor, policy: Engine | None, use_rm_prompt: bool = True,
+                 swap: bool = True) -> None:
         self.name, self.index, self.scorer, self.engine = name, index, scorer, engine
-        self.use_rm_prompt = use_rm_prompt
+        self.use_rm_prompt, self.swap = use_rm_prompt, swap
         self.monitor, self.policy = monitor, policy
         self.log = JudgeLog()
 
@@ -196,8 +209,9 @@ class SwappedJudge:
             with self.monitor(f"judge_{self.name}_score"):
                 results = self.scorer.score(judged)
         finally:
-            with self.monitor(f"judge_{self.name}_sleep"):
-                self.engine.sleep()
+            if self.swap:
+                with self.monitor(f"judge_{self.name}_sleep"):
+                    self.engine.sleep()
         texts = self.engine.texts
         for pos, (sample, result) in enumerate(zip(samples, results, strict=True)):
             uid = sample.metadata["uid"]

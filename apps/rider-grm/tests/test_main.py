@@ -203,3 +203,13 @@ def test_accelerate_launch_two_cpu_processes(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == ["1", "2"]
     assert int(rows[0]["judge_consistency/scored"]) == 8  # 4 prompts x n=2, judged on both ranks
     assert (run / "checkpoints" / "checkpoint-2").is_dir()
+
+
+def test_full_size_example_config_loads() -> None:
+    cfg = app.load_config(app.Config, REPO / "examples" / "rider-grm" / "verl-with-rms.toml")
+    judges = app.judge_configs(cfg.reward)
+    assert [(j.weight, j.combine, j.temperature) for j in judges] == [(0.3, "add", 0.7), (0.5, "add", 0.7)]
+    assert (cfg.algo.adv_estimator, cfg.algo.kl_loss_type, cfg.algo.kl_loss_coef) == ("reinforce_pp", "k3", 1e-4)
+    assert (cfg.rollout.n, cfg.train.lr, cfg.train.batch_size, cfg.train.save_freq) == (4, 1e-6, 32, 30)
+    for judge in judges:
+        assert (REPO / judge.module).is_file()
