@@ -1,10 +1,12 @@
+# ruff: noqa: E402  (imports follow the importorskip of the optional extra)
 """caption_qa on real tiny judges (rl_models.tiny qwen3 through HFEngine): QA parsing, prompts from
 the judge's chat template, per-sample errors, and `sample` converging to `exact`."""
 
 import random
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")  # the [hf] extra; skipped in the torch-free session
 
 from rl_rewards.samples import Sample
 from rl_rewards.scorers.caption_qa import (

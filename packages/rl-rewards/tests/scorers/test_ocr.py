@@ -1,6 +1,9 @@
 """`ocr` scorer: rapidocr reads text rendered with PIL (offline models from the wheel)."""
 
 import pytest
+
+pytest.importorskip("rapidocr")  # the [ocr] extra; skipped in the torch-free session
+
 from PIL import Image, ImageDraw, ImageFont
 
 from rl_rewards.registry import build_scorer

@@ -1,7 +1,10 @@
+# ruff: noqa: E402  (imports follow the importorskip of the optional extra)
 """clip_score / aesthetic on the tiny random CLIP from rl_models.tiny (real from_pretrained)."""
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")  # the [vision] extra; skipped in the torch-free session
+
 from PIL import Image
 
 from rl_rewards.registry import build_scorer

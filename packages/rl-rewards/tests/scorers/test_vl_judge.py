@@ -1,8 +1,12 @@
+# ruff: noqa: E402  (imports follow the importorskip of the optional extra)
 """vl_judge: the JSON parser by hand, and the tiny Qwen2.5-VL judge through HFEngine on real media."""
 
-import av
-import numpy as np
 import pytest
+
+pytest.importorskip("torch")  # the [hf] extra; skipped in the torch-free session
+av = pytest.importorskip("av")
+
+import numpy as np
 from PIL import Image
 
 from rl_rewards.samples import Sample
