@@ -1,0 +1,542 @@
+"""diffusion-grpo: Flow-GRPO for Stable Diffusion 3 / 3.5 with LoRA and an OCR reward (the VRL
+canonical recipe, `experiment/diffusion/sd3_5/online_grpo_ocr`).
+
+    uv run apps/diffusion-grpo                                       # embedded tiny CPU default
+    uv run apps/diffusion-grpo --config examples/diffusion-grpo/sd3_5_ocr.toml
+    accelerate launch apps/diffusion-grpo/__main__.py --config FILE  # one process per GPU
+    uv run apps/diffusion-grpo --resume                              # continue the latest run
+    uv run apps/diffusion-grpo --help                                # every key and its default
+
+One epoch: sample `rollout.groups_per_epoch` prompts x `rollout.n` images with the SDE sampler
+(`rl_rollout.diffusion`, keeping latents and per-step log-probs) -> reward (in process or a
+reward server) -> GRPO advantages (global std, clip 5; zero-advantage samples dropped) -> replay
+the stored steps through the current model (CFG recomputed, unconditional branch detached) ->
+`ppo_clip` on the per-step log-probs + beta * flow KL to the LoRA-disabled model -> AdamW with
+gradient accumulation -> EMA of the LoRA weights -> log -> checkpoint -> eval (ODE, EMA weights,
+fixed seed, contact sheet). See README.md next to this file for the VRL knob mapping.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import torch
+from accelerate import Accelerator
+from grpo_parts import (
+    BrightnessScorer,
+    LoraEMA,
+    LoraState,
+    append_csv,
+    contact_sheet,
+    image_stats,
+    plot_reward_curve,
+    sample_seed,
+    to_pil,
+    trainable,
+)
+from peft import PeftModel
+
+from rl_core.advantages import compute_advantages
+from rl_core.flow import flow_kl
+from rl_core.losses import compute_policy_loss
+from rl_core.train import (
+    MetricsLogger,
+    PhaseTimer,
+    TrainProgress,
+    config_help,
+    load_checkpoint,
+    load_config,
+    make_run_dir,
+    parse_cli,
+    resolve_resume,
+    save_checkpoint,
+    seed_everything,
+)
+from rl_data import GroupSampler, OCRPrompt, read_ocr_prompts
+from rl_models import tiny
+from rl_models.lora import add_lora, export_lora
+from rl_rewards import SCORERS, Component, RewardSpec, Sample, build_reward, register_scorer
+from rl_rewards.client import RemoteScorer
+from rl_rollout.diffusion import DiffusionEngine, Trajectory
+
+APP = Path(__file__).resolve().parent
+REPO = APP.parents[1]
+DEFAULT_CONFIG = APP / "configs" / "default.toml"
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+if "brightness" not in SCORERS:  # the app module is imported once per process, tests included
+    register_scorer("brightness", BrightnessScorer)
+
+
+# ----------------------------------------------------------------------------------- config
+
+
+class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
+    path: str = "stabilityai/stable-diffusion-3.5-medium"
+    """diffusers SD3/SD3.5 folder or hub id; `tiny:sd3` builds a tiny random pipeline."""
+    dtype: str = "bfloat16"  # transformer + VAE weights; step maths is always float32
+    text_encoder_dtype: str | None = None  # None = dtype
+    lora_rank: Positive = 32
+    lora_alpha: float = 64
+    lora_targets: list[str] | None = None  # None = rl_models' sd3 default (attention projections)
+
+
+class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
+    manifest: str = "examples/data/ocr/train.txt"  # OCR prompts, one per line (Flow-GRPO format)
+    eval_manifest: str = "examples/data/ocr/test.txt"
+
+
+class SamplingConfig(msgspec.Struct, kw_only=True, frozen=True):
+    resolution: Positive = 512  # square images
+    num_steps: Positive = 10  # training rollout steps
+    guidance_scale: float = 4.5
+    noise_level: float = 0.7  # SDE `a` (0.7 Flow-GRPO sde; 0.8 for cps)
+    kind: Literal["sde", "cps"] = "sde"
+    sde_window: list[int] | None = None
+    """[start, stop): stochastic steps (Flow-GRPO-Fast); other steps use the ODE. None = all."""
+    max_sequence_length: Positive = 128  # T5 tokens
+
+
+class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
+    n: Positive = 8  # images per prompt (group size)
+    groups_per_epoch: Positive = 8  # prompts per epoch, all processes together
+    sample_batch_size: Positive = 8  # images per sampling forward
+
+
+class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
+    components: dict[str, float] = msgspec.field(default_factory=lambda: {"ocr": 1.0})
+    """scorer name -> weight (weighted sum); 0 disables one: `reward.components.aesthetic=1.0`."""
+    kwargs: dict[str, dict[str, Any]] = {}  # scorer name -> its build options
+    url: str | None = None  # a running `rl-rewards serve`; images go as PNG paths
+    server_reward: str = ""  # reward name on the server ("" = its default)
+
+
+class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
+    epochs: Positive = 100_000
+    lr: float = 3e-4
+    weight_decay: float = 1e-4
+    max_grad_norm: float = 1.0
+    clip_range: float = 1e-4  # PPO ratio clip (SD3: 1e-4; log-probs are per-element means)
+    kl_beta: float = 0.04  # flow KL to the LoRA-disabled model; 0 skips the reference forward
+    adv_scale: Literal["batch", "group"] = "batch"  # std over the whole batch (Flow-GRPO global std)
+    adv_clip: float = 5.0
+    adv_eps: float = 1e-4
+    micro_batch_size: Positive = 8  # images per replay forward (= sample_batch_size keeps ratio bit-exact)
+    gradient_accumulation_steps: Positive = 4  # micro-batches per optimizer step
+    timestep_fraction: float = 0.99  # train the stochastic steps k < int(S * fraction): 9 of 10
+    ema_decay: float = 0.9
+    ema_interval: Positive = 8  # optimizer steps between EMA updates
+    ratio_tolerance: float = 1e-5
+    """Max |log ratio| on the first replay of an epoch; above it the run stops (rollout and replay
+    disagree). Raise it for bf16 with micro_batch_size != sample_batch_size."""
+    seed: int = 42
+    save_freq: Positive = 60  # epochs between checkpoints (and at the end)
+    keep_last: Positive = 2
+    output_dir: str = "outputs/sd3_5_ocr_grpo"
+    run_name: str | None = None
+    log_with: list[str] = []  # accelerate trackers: tensorboard, wandb, ...
+
+
+class EvalConfig(msgspec.Struct, kw_only=True, frozen=True):
+    every: int = 60  # epochs between evals (0 = never); also after the last epoch
+    max_prompts: Positive = 16
+    num_steps: Positive = 40  # deterministic ODE steps
+    guidance_scale: float = 4.5
+    seed: int = 20260504
+    use_ema: bool = True
+    batch_size: Positive = 8
+
+
+class Config(msgspec.Struct, kw_only=True, frozen=True):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+
+
+# VRL's deployment inputs stay environment variables (its README's table).
+ENV = {"VRL_OUTPUT_DIR": "train.output_dir", "REWARD_URL": "reward.url"}
+
+
+def parse_config(argv: list[str]) -> tuple[Config, str | None] | None:
+    """argv -> (config, resume spec); None after printing --help. No `--config`: the tiny default."""
+    cli = parse_cli(argv)
+    if cli.help:
+        print(config_help(Config, env=ENV, prog="diffusion-grpo"))
+        return None
+    return load_config(Config, cli.config or DEFAULT_CONFIG, cli.overrides, env=ENV), cli.resume
+
+
+def resolve_path(path: str) -> Path:
+    """A data path as given, else relative to the repository root (examples/...)."""
+    return Path(path) if Path(path).exists() else REPO / path
+
+
+# ------------------------------------------------------------------------------------- setup
+
+
+@dataclass
+class Run:
+    cfg: Config
+    acc: Accelerator
+    run_dir: Path
+    engine: DiffusionEngine
+    model: torch.nn.Module  # the peft transformer, prepared (DDP-wrapped with several processes)
+    peft: PeftModel
+    optimizer: torch.optim.Optimizer
+    ema: LoraEMA
+    reward: Any  # a rl_rewards Scorer (composed in process, or RemoteScorer)
+    prompts: list[OCRPrompt]
+    eval_prompts: list[OCRPrompt]
+    sampler: GroupSampler
+    start_epoch: int
+    optimizer_steps: int = 0
+    first_ratio: float = math.nan  # max |log ratio| on this epoch's first replay (diagnostic)
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+
+
+def build_reward_scorer(cfg: RewardConfig) -> Any:
+    if cfg.url is not None:
+        return RemoteScorer(cfg.url, cfg.server_reward)
+    components = {name: Component(scorer=name, weight=w, options=cfg.kwargs.get(name, {}))
+                  for name, w in cfg.components.items() if w != 0}
+    if not components:
+        raise ValueError(f"reward.components {cfg.components} has no non-zero weight")
+    return build_reward(RewardSpec(components=components))
+
+
+def setup(cfg: Config, resume: str | None) -> Run:
+    t = cfg.train
+    acc = Accelerator(log_with=list(t.log_with) or None)
+    if cfg.rollout.groups_per_epoch % acc.num_processes:
+        raise ValueError(f"rollout.groups_per_epoch={cfg.rollout.groups_per_epoch} must divide by "
+                         f"the {acc.num_processes} processes")
+    ckpt = resolve_resume(resume, t.output_dir)
+    run_dir = make_run_dir(t.output_dir, ckpt.parent.parent.name if ckpt else t.run_name,
+                           config=cfg, accelerator=acc)
+    seed_everything(t.seed, rank=acc.process_index)  # LoRA init; sampling noise is seeded per sample
+    m = cfg.model
+    path = tiny.build(m.path.removeprefix("tiny:")) if m.path.startswith("tiny:") else m.path
+    engine = DiffusionEngine.from_pretrained(path, dtype=m.dtype, device=acc.device,
+                                             text_encoder_dtype=m.text_encoder_dtype)
+    engine.pipeline.transformer.requires_grad_(False)
+    peft = add_lora(engine.pipeline.transformer, family="sd3", r=m.lora_rank, alpha=m.lora_alpha,
+                    target_modules=m.lora_targets)
+    optimizer = torch.optim.AdamW(trainable(peft).values(), lr=t.lr, weight_decay=t.weight_decay)
+    model, optimizer = acc.prepare(peft, optimizer)
+    prompts = list(read_ocr_prompts(resolve_path(cfg.data.manifest)))
+    eval_prompts = list(read_ocr_prompts(resolve_path(cfg.data.eval_manifest)))[: cfg.eval.max_prompts]
+    sampler = GroupSampler(len(prompts), cfg.rollout.n, seed=t.seed, rank=acc.process_index,
+                           world_size=acc.num_processes)
+    run = Run(cfg, acc, run_dir, engine, model, peft, optimizer,
+              LoraEMA(trainable(peft), decay=t.ema_decay, interval=t.ema_interval),
+              build_reward_scorer(cfg.reward), prompts, eval_prompts, sampler, start_epoch=0)
+    if ckpt is not None:
+        meta = load_checkpoint(ckpt, state=checkpoint_state(run))
+        run.start_epoch, run.optimizer_steps = meta["step"], meta["optimizer_steps"]
+        acc.print(f"resumed from {ckpt} at epoch {run.start_epoch}")
+    if t.log_with:
+        acc.init_trackers("diffusion-grpo")
+    return run
+
+
+def checkpoint_state(run: Run) -> dict[str, Any]:
+    # Saved by the main process without the accelerator: `accelerator.save_state` would write the
+    # whole transformer (GBs); the LoRA, optimizer, EMA and sampler are all the state there is.
+    return {"lora": LoraState(run.peft), "optimizer": run.optimizer, "ema": run.ema,
+            "sampler": run.sampler, "optimizer_steps": run.optimizer_steps}
+
+
+# ------------------------------------------------------------------------------- collect
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One epoch's rollouts on this process: trajectories of `sample_batch_size` images each."""
+
+    trajectories: list[Trajectory]
+    records: list[OCRPrompt]  # one per image, in trajectory order
+    group_ids: torch.Tensor  # [N] global group index
+
+
+def collect(run: Run, epoch: int) -> Batch:
+    cfg, acc = run.cfg, run.acc
+    n, s = cfg.rollout.n, cfg.sampling
+    groups = cfg.rollout.groups_per_epoch // acc.num_processes
+    indices = [next(iter(run.sampler)) for _ in range(groups * n)]  # n copies of each prompt
+    records = [run.prompts[i] for i in indices]
+    unique = [r.prompt for r in records[::n]]
+    conditioning = run.engine.encode(unique, max_sequence_length=s.max_sequence_length)
+    trajectories = []
+    for start in range(0, len(records), cfg.rollout.sample_batch_size):
+        rows = list(range(start, min(start + cfg.rollout.sample_batch_size, len(records))))
+        trajectories.append(run.engine.sample(
+            [records[r].prompt for r in rows],
+            conditioning=conditioning.index([r // n for r in rows]),
+            num_steps=s.num_steps, guidance_scale=s.guidance_scale, height=s.resolution,
+            width=s.resolution, noise_level=s.noise_level, kind=s.kind,
+            sde_window=tuple(s.sde_window) if s.sde_window else None,
+            seeds=[sample_seed(cfg.train.seed, epoch, acc.process_index, r) for r in rows]))
+    group_ids = torch.arange(len(records)) // n + acc.process_index * groups  # [N]
+    return Batch(trajectories, records, group_ids)
+
+
+def score(run: Run, images: list, records: list[OCRPrompt], image_dir: Path) -> tuple[torch.Tensor, dict[str, float]]:
+    """Rewards `[N]` (NaN where scoring failed) and mean per component (local scores)."""
+    metadata = [{"image": image} for image in images]
+    if run.cfg.reward.url is not None:  # a server reads files, not PIL objects
+        image_dir.mkdir(parents=True, exist_ok=True)
+        for i, image in enumerate(images):
+            image.save(image_dir / f"{run.acc.process_index}_{i}.png")
+            metadata[i] = {"image": str(image_dir / f"{run.acc.process_index}_{i}.png")}
+    samples = [Sample(completion="", prompt=r.prompt, reference=r.target, metadata=md)
+               for r, md in zip(records, metadata, strict=True)]
+    results = run.reward.score(samples)
+    rewards = torch.tensor([math.nan if r.score is None else r.score for r in results])  # [N]
+    parts: dict[str, list[float]] = {}
+    for r in results:
+        for key, value in r.components.items():
+            parts.setdefault(key, []).append(value)
+    return rewards, {f"reward/{k}": sum(v) / len(v) for k, v in parts.items()}
+
+
+# ------------------------------------------------------------------------------ advantages
+
+
+def advantages(run: Run, rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO advantages `[N]` of this process's samples, std over the global batch; failed samples
+    get 0 (dropped with the zero-advantage ones)."""
+    acc, t = run.acc, run.cfg.train
+    all_rewards = acc.gather(rewards.to(acc.device)).cpu()  # [N * world]
+    all_groups = acc.gather(group_ids.to(acc.device)).cpu()  # [N * world]
+    ok = torch.isfinite(all_rewards)  # [N * world]
+    adv = torch.zeros_like(all_rewards)  # [N * world]
+    if ok.sum() > 1:
+        adv[ok] = compute_advantages(
+            "grpo", rewards=all_rewards[ok], mask=torch.ones(int(ok.sum()), 1),
+            group_ids=all_groups[ok], scale=t.adv_scale, eps=t.adv_eps, clip=t.adv_clip)[:, 0]
+    valid = all_rewards[ok]
+    stds = [valid[all_groups[ok] == g].std().item() for g in all_groups[ok].unique() if (all_groups[ok] == g).sum() > 1]
+    metrics = {
+        "reward/mean": valid.mean().item() if valid.numel() else math.nan,
+        "reward/std": valid.std().item() if valid.numel() > 1 else 0.0,
+        "reward/failed": int((~ok).sum()),
+        "reward/zero_std_group_fraction": sum(s == 0 for s in stds) / max(len(stds), 1),
+        "adv/mean": adv.mean().item(), "adv/std": adv.std().item(), "adv/abs_max": adv.abs().max().item(),
+        "adv/kept_fraction": (adv != 0).float().mean().item(),
+    }
+    n = rewards.numel()
+    return adv[acc.process_index * n:(acc.process_index + 1) * n], metrics
+
+
+# ----------------------------------------------------------------------------------- train
+
+
+def plan_micro_batches(run: Run, batch: Batch, adv: torch.Tensor) -> list[tuple[int, torch.Tensor, float]]:
+    """(trajectory index, rows, weight) per micro-batch: the kept (non-zero advantage) rows of each
+    trajectory in chunks. Every process runs the same number of micro-batches (DDP backward
+    calls must match): short processes repeat their last one with weight 0."""
+    size, plan, offset = run.cfg.train.micro_batch_size, [], 0
+    for k, traj in enumerate(batch.trajectories):
+        rows = (adv[offset:offset + len(traj.prompts)] != 0).nonzero().flatten()  # [kept]
+        plan += [(k, chunk, 1.0) for chunk in rows.split(size)]
+        offset += len(traj.prompts)
+    count = run.acc.gather(torch.tensor([len(plan)], device=run.acc.device)).max().item()
+    filler = (plan[-1][0], plan[-1][1], 0.0) if plan else (0, torch.tensor([0]), 0.0)
+    return plan + [filler] * (count - len(plan))
+
+
+def trained_steps(traj: Trajectory, fraction: float) -> list[int]:
+    limit = max(1, int(traj.num_steps * fraction))
+    return [k for k in range(limit) if bool(traj.sde_steps[k])]
+
+
+def train_epoch(run: Run, batch: Batch, adv: torch.Tensor, epoch: int) -> dict[str, float]:
+    cfg, acc, t = run.cfg, run.acc, run.cfg.train
+    plan = plan_micro_batches(run, batch, adv)
+    offsets = [0]
+    for traj in batch.trajectories:
+        offsets.append(offsets[-1] + len(traj.prompts))
+    steps = trained_steps(batch.trajectories[0], t.timestep_fraction)
+    sums: dict[str, float] = {}
+    updates: list[dict[str, float]] = []
+    first_check, accum = True, t.gradient_accumulation_steps
+    run.model.train()
+    for i, (k, rows, weight) in enumerate(plan):
+        window = min(accum, len(plan) - (i // accum) * accum)  # micro-batches in this update
+        boundary = (i + 1) % accum == 0 or i == len(plan) - 1
+        traj, row_adv = batch.trajectories[k], adv[offsets[k] + rows].to(acc.device)  # [b]
+        for j, step in enumerate(steps):
+            sync = boundary and j == len(steps) - 1
+            with nullcontext() if sync else acc.no_sync(run.model):
+                out = run.engine.replay(traj, step, rows=rows, model=run.model)
+                old = traj.log_probs[rows, step]  # [b]
+                if first_check:  # on-policy: nothing was updated since this epoch's rollout
+                    check_ratio(run, out.log_prob.detach() - old, epoch)
+                policy, stats = compute_policy_loss(
+                    "ppo_clip", logp=out.log_prob[:, None], old_logp=old[:, None],
+                    advantages=row_adv[:, None], mask=torch.ones_like(old)[:, None],
+                    clip_low=t.clip_range, clip_high=t.clip_range)
+                kl = torch.zeros((), device=acc.device)
+                if t.kl_beta > 0:
+                    with torch.no_grad(), run.peft.disable_adapter():
+                        ref = run.engine.replay(traj, step, rows=rows, model=run.peft)
+                    kl = flow_kl(out.mean, ref.mean, out.std).mean()
+                loss = (policy + t.kl_beta * kl) * weight / (window * len(steps))
+                acc.backward(loss)
+            for key, value in {"loss": loss * window * len(steps), "policy_loss": policy, "kl": kl,
+                               **{f"policy/{n}": v for n, v in stats.items()}}.items():
+                sums[key] = sums.get(key, 0.0) + value.item() / (len(plan) * len(steps))
+        first_check = first_check and not boundary
+        if boundary:
+            updates.append(optimizer_step(run))
+    sums["grad_norm"] = sum(u["grad_norm"] for u in updates) / len(updates)
+    sums["diag/skipped_steps"] = sum(u["skipped"] for u in updates)
+    return sums
+
+
+def check_ratio(run: Run, log_ratio: torch.Tensor, epoch: int) -> None:
+    worst = log_ratio.abs().max().item() if log_ratio.numel() else 0.0
+    run.first_ratio = worst if math.isnan(run.first_ratio) else max(run.first_ratio, worst)
+    if not worst <= run.cfg.train.ratio_tolerance:
+        raise RuntimeError(
+            f"epoch {epoch}: the first replay's |log ratio| is {worst:.3g} > train.ratio_tolerance="
+            f"{run.cfg.train.ratio_tolerance}: rollout and replay disagree (dropout on? a different "
+            "step function or dtype?); bf16 with micro_batch_size != sample_batch_size needs a looser tolerance")
+
+
+def optimizer_step(run: Run) -> dict[str, float]:
+    """Clip, step (skipped when the gradient is NaN/inf: logged as diag/skipped_steps), EMA."""
+    grad_norm = run.acc.clip_grad_norm_(run.model.parameters(), run.cfg.train.max_grad_norm)
+    finite = bool(torch.isfinite(grad_norm))
+    if finite:
+        run.optimizer.step()
+        run.optimizer_steps += 1
+        run.ema.step(run.optimizer_steps)
+    run.optimizer.zero_grad(set_to_none=True)
+    if not finite:
+        run.acc.print(f"non-finite gradient norm ({float(grad_norm)}): optimizer step skipped")
+    return {"grad_norm": float(grad_norm) if finite else math.nan, "skipped": float(not finite)}
+
+
+# ------------------------------------------------------------------------------------ eval
+
+
+@torch.no_grad()
+def evaluate(run: Run, epoch: int) -> dict[str, float]:
+    """Fixed prompts, deterministic ODE sampling, fixed seed, EMA weights (main process)."""
+    cfg, e = run.cfg, run.cfg.eval
+    out_dir = run.run_dir / f"eval_epoch_{epoch}"
+    images, records = [], run.eval_prompts
+    with run.ema.swapped() if e.use_ema else nullcontext():
+        for start in range(0, len(records), e.batch_size):
+            chunk = records[start:start + e.batch_size]
+            traj = run.engine.sample(
+                [r.prompt for r in chunk], num_steps=e.num_steps, guidance_scale=e.guidance_scale,
+                height=cfg.sampling.resolution, width=cfg.sampling.resolution, kind="ode",
+                seeds=[e.seed + start + i for i in range(len(chunk))],
+                max_sequence_length=cfg.sampling.max_sequence_length)
+            images += to_pil(traj.images)
+    rewards, parts = score(run, images, records, out_dir / "images")
+    for i, image in enumerate(images):
+        (out_dir / "images").mkdir(parents=True, exist_ok=True)
+        image.save(out_dir / "images" / f"{i:03d}.png")
+    captions = [f"{r.prompt} | reward {v:.3f}" for r, v in zip(records, rewards.tolist(), strict=True)]
+    contact_sheet(images, captions, out_dir / "contact_sheet.png")
+    ok = rewards[torch.isfinite(rewards)]
+    metrics = {"reward/mean": ok.mean().item() if ok.numel() else math.nan, **parts,
+               "reward/failed": int((~torch.isfinite(rewards)).sum()), **image_stats(images)}
+    append_csv(run.run_dir / "eval_metrics.csv", {"epoch": epoch, **metrics}, keep_upto=epoch - 1)
+    plot_reward_curve(run.run_dir)
+    return metrics
+
+
+# ------------------------------------------------------------------------------------ loop
+
+
+def save(run: Run, epoch: int) -> Path:
+    """Trainer state (`checkpoint-<epoch>`, resumable) + the LoRA in PEFT format, raw and EMA."""
+    root = run.run_dir / "checkpoints"
+    ckpt = root / f"checkpoint-{epoch}"
+    if run.acc.is_main_process:
+        ckpt = save_checkpoint(root, epoch, state=checkpoint_state(run), keep_last=run.cfg.train.keep_last)
+        export_adapters(run, ckpt)
+    run.acc.wait_for_everyone()
+    return ckpt
+
+
+def export_adapters(run: Run, out: Path) -> None:
+    export_lora(run.peft, out / "lora")
+    with run.ema.swapped():
+        export_lora(run.peft, out / "lora_ema")
+
+
+def train(cfg: Config, resume: str | None = None) -> Path:
+    """Run the recipe; returns the run directory."""
+    run = setup(cfg, resume)
+    acc, t = run.acc, cfg.train
+    logger = MetricsLogger(run.run_dir, accelerator=acc, start_step=run.start_epoch)
+    with TrainProgress(t.epochs, initial=run.start_epoch, accelerator=acc) as bar:
+        for epoch in range(run.start_epoch, t.epochs):
+            if cfg.eval.every and epoch % cfg.eval.every == 0 and acc.is_main_process:
+                with run.timer("eval"):
+                    logger.log(epoch, {f"eval/{k}": v for k, v in evaluate(run, epoch).items()})
+            acc.wait_for_everyone()
+            metrics = one_epoch(run, epoch)
+            logger.log(epoch + 1, metrics)
+            bar.update(epoch + 1, metrics)
+            if (epoch + 1) % t.save_freq == 0 or epoch + 1 == t.epochs:
+                with run.timer("checkpoint"):
+                    save(run, epoch + 1)
+    if cfg.eval.every and acc.is_main_process:
+        evaluate(run, t.epochs)
+    if acc.is_main_process:
+        export_adapters(run, run.run_dir / "checkpoint-final")
+        plot_reward_curve(run.run_dir)
+    acc.wait_for_everyone()
+    acc.end_training()
+    return run.run_dir
+
+
+def one_epoch(run: Run, epoch: int) -> dict[str, float]:
+    run.model.eval()
+    run.first_ratio = math.nan
+    with run.timer("rollout"):
+        batch = collect(run, epoch)
+    images = [image for traj in batch.trajectories for image in to_pil(traj.images)]
+    with run.timer("reward"):
+        rewards, parts = score(run, images, batch.records, run.run_dir / "rollouts" / f"epoch_{epoch}")
+    adv, metrics = advantages(run, rewards, batch.group_ids)
+    kept = run.acc.gather(torch.tensor([int((adv != 0).sum())], device=run.acc.device)).sum().item()
+    train_metrics: dict[str, float] = {}
+    if kept:  # an epoch where every group has equal rewards carries no signal: skip the update
+        with run.timer("train"):
+            train_metrics = train_epoch(run, batch, adv, epoch)
+    times = run.timer.pop()
+    num_images = len(images) * run.acc.num_processes
+    return {**metrics, **parts, **train_metrics, **times, "optimizer_steps": run.optimizer_steps,
+            "diag/first_replay_max_abs_log_ratio": run.first_ratio,
+            "images_per_s": num_images / times["time/rollout"], "epoch": epoch,
+            **image_stats(images)}
+
+
+def main(argv: list[str]) -> int:
+    parsed = parse_config(argv)
+    if parsed is None:
+        return 0
+    cfg, resume = parsed
+    run_dir = train(cfg, resume)
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,41 @@
+"""Shared fixtures: the app module (loaded from __main__.py) and tiny in-process runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+APP = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(APP))  # what `python apps/diffusion-grpo` does: siblings of __main__ import
+
+
+def _load_app():
+    spec = importlib.util.spec_from_file_location("diffusion_grpo_app", APP / "__main__.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def app():
+    return _load_app()
+
+
+def tiny_overrides(out: Path, *extra: str) -> list[str]:
+    """The smallest useful run: 32x32 images, 4 steps, 2 prompts x 4 images per epoch, the
+    brightness reward (cheap, and the random tiny model's images differ in it), no eval."""
+    return [
+        "sampling.resolution=32", "sampling.num_steps=4", "sampling.max_sequence_length=8",
+        "rollout.n=4", "rollout.groups_per_epoch=2", "rollout.sample_batch_size=4",
+        "train.micro_batch_size=4", "train.gradient_accumulation_steps=1", "train.ema_interval=1",
+        "reward.components={brightness=1.0}", "eval.every=0", f"train.output_dir={out}",
+        *extra,
+    ]
