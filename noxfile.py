@@ -12,7 +12,7 @@ import nox
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "tests", "rewards_no_torch", "app_rider_grm"]
+nox.options.sessions = ["lint", "tests", "rewards_no_torch", "app_rider_grm", "app_diffusion_grpo"]
 
 # package -> extras its tests need (never vllm: it needs a GPU and is opt-in).
 PACKAGES: dict[str, list[str]] = {
@@ -102,3 +102,10 @@ def app_rider_grm(session: nox.Session) -> None:
     """apps/rider-grm: its default test suite in an env with only the app and what it declares."""
     _sync(session, "rider-grm", [])
     session.run("python", "-m", "pytest", "apps/rider-grm/tests", "-m", DEFAULT_MARKERS, "-q", *session.posargs)
+
+
+@nox.session
+def app_diffusion_grpo(session: nox.Session) -> None:
+    """apps/diffusion-grpo: its default test suite in an env with only the app and what it declares."""
+    _sync(session, "diffusion-grpo", [])
+    session.run("python", "-m", "pytest", "apps/diffusion-grpo/tests", "-m", DEFAULT_MARKERS, "-q", *session.posargs)
