@@ -127,7 +127,7 @@ def test_generation_stops_at_the_context_end(qwen3_path: Path) -> None:
 
 
 def test_score_next_tokens_equals_full_sequence_scoring(qwen3_path: Path) -> None:
-    engine = HFEngine.from_pretrained(qwen3_path, dtype=torch.float32, score_chunk_size=2)
+    engine = HFEngine.from_pretrained(qwen3_path, dtype=torch.float32, score_token_budget=40)
     prefix = list(range(40, 70))
     suffixes = [[101, 102, 103], [104], [], [105, 106, 107, 108, 109], [110, 111]]
     candidates = [200, 201, 202, 7]

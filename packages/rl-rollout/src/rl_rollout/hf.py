@@ -27,7 +27,6 @@ from transformers import (
     AutoModelForImageTextToText,
     AutoProcessor,
     AutoTokenizer,
-    DynamicCache,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     ProcessorMixin,
@@ -40,6 +39,7 @@ from rl_rollout.sampling import compute_logprobs, sample_next_tokens
 
 _CACHE_ROUND = 64  # round static-cache lengths up so repeated calls reuse one cache (and graph)
 _SYNC_EVERY = 16  # decode steps between host checks for "all rows finished"
+_MASKED_ATTENTION = frozenset({"sdpa", "eager"})  # attention implementations that take a custom 4-D mask
 
 
 @dataclass
@@ -50,6 +50,49 @@ class _Decoded:
     logprobs: list[list[float]]
     lengths: list[int]
     stopped: list[bool]
+
+
+@dataclass(frozen=True)
+class PackedRow:
+    """One packed scoring sequence: item `item`'s prefix followed by its suffixes `suffixes`
+    (indices into the item's suffix list); `length` tokens in all."""
+
+    item: int
+    suffixes: tuple[int, ...]
+    length: int
+
+
+def compute_packing_plan(
+    prefix_lens: Sequence[int], suffix_lens: Sequence[Sequence[int]], token_budget: int
+) -> list[list[PackedRow]]:
+    """Group scoring items into forwards of packed rows.
+
+    Each item's suffixes are packed, in order, behind its prefix into rows of at most
+    `token_budget` tokens (a row always takes at least one suffix, so one prefix + suffix longer
+    than the budget gets a row of its own; an item without suffixes gets no row). Rows are then
+    sorted longest first (little padding) and batched while rows x the batch's widest row stays
+    within `token_budget`. Returns the forwards, each a list of rows.
+    """
+    rows: list[PackedRow] = []
+    for item, (plen, lens) in enumerate(zip(prefix_lens, suffix_lens, strict=True)):
+        taken: list[int] = []
+        length = plen
+        for j, n in enumerate(lens):
+            if taken and length + n > token_budget:
+                rows.append(PackedRow(item, tuple(taken), length))
+                taken, length = [], plen
+            taken.append(j)
+            length += n
+        if taken:
+            rows.append(PackedRow(item, tuple(taken), length))
+    rows.sort(key=lambda row: -row.length)
+    forwards: list[list[PackedRow]] = []
+    for row in rows:
+        if forwards and (len(forwards[-1]) + 1) * forwards[-1][0].length <= token_budget:
+            forwards[-1].append(row)
+        else:
+            forwards.append([row])
+    return forwards
 
 
 class EngineAsleepError(RuntimeError):
@@ -64,7 +107,9 @@ class HFEngine:
     max_batch_size: rows (requests x n) decoded together; more are processed in chunks.
     compile: compile the decode step (default: on CUDA only).
     stop_token_ids: tokens that end a completion (default: the generation config's EOS ids).
-    score_chunk_size: suffixes scored together by `score_next_tokens`.
+    score_token_budget: tokens (rows x padded width) per scoring forward; bounds the activation
+        and attention-mask memory of `score_next_tokens(_batch)`. ~16k saturates a large GPU on a
+        4B model; lower it for small devices.
     """
 
     def __init__(
@@ -76,10 +121,10 @@ class HFEngine:
         max_batch_size: int = 64,
         compile: bool | None = None,
         stop_token_ids: Sequence[int] | None = None,
-        score_chunk_size: int = 64,
+        score_token_budget: int = 16384,
     ) -> None:
-        if max_batch_size < 1 or score_chunk_size < 1:
-            raise ValueError("max_batch_size and score_chunk_size must be >= 1")
+        if max_batch_size < 1 or score_token_budget < 1:
+            raise ValueError("max_batch_size and score_token_budget must be >= 1")
         self.device = torch.device(device) if device is not None else model.device
         self.model = model.to(self.device).eval()
         if isinstance(tokenizer_or_processor, ProcessorMixin):
@@ -88,7 +133,7 @@ class HFEngine:
         else:
             self.processor, self.tokenizer = None, tokenizer_or_processor
         self.max_batch_size = max_batch_size
-        self.score_chunk_size = score_chunk_size
+        self.score_token_budget = score_token_budget
         self.max_context = int(model.config.get_text_config(decoder=True).max_position_embeddings)
         self.stop_token_ids = list(stop_token_ids) if stop_token_ids is not None else self._default_stop_ids()
         self.pad_id = self._pad_id()
@@ -269,70 +314,115 @@ class HFEngine:
         temperature: float = 1.0,
     ) -> torch.Tensor:
         """Log-probs `[len(suffixes), len(candidates)]` (float32, CPU) of each candidate right
-        after `shared_prefix + suffixes[i]`.
+        after `shared_prefix + suffixes[i]`: `score_next_tokens_batch` with one item."""
+        return self.score_next_tokens_batch([(shared_prefix, suffixes)], candidates, temperature=temperature)[0]
 
-        The prefix runs once; its KV cache is then expanded along the batch dimension for each
-        chunk of `score_chunk_size` suffixes. Suffixes are left-padded *after* the prefix: the
-        pad slots are masked out and positions continue from the prefix length, so every row
-        computes exactly what the full sequence would alone, and the last column holds every
-        row's next-token logits.
+    @torch.inference_mode()
+    def score_next_tokens_batch(
+        self,
+        items: Sequence[tuple[list[int], Sequence[list[int]]]],
+        candidates: Sequence[int],
+        *,
+        temperature: float = 1.0,
+    ) -> list[torch.Tensor]:
+        """For each `(prefix, suffixes)` item, log-probs `[len(suffixes), len(candidates)]`
+        (float32, CPU) of each candidate right after `prefix + suffixes[j]`.
+
+        Packed shared-prefix scoring (the "shared-prefix packing" of tree/prefix attention, e.g.
+        Hydragen, Juravsky et al. 2024; here with a dense 4-D mask): every item becomes one row
+        `prefix + s_1 + ... + s_k` whose attention mask lets each suffix see the prefix and itself
+        only, and whose positions restart at `len(prefix)` for each suffix, so the prefix runs
+        once and no KV cache is copied. Rows of many items are batched into forwards of at most
+        `score_token_budget` tokens (rows x padded width); an item too long for the budget is
+        split over several rows, each repeating the prefix. Only the hidden states at suffix ends
+        go through the output head. Pass many items per call: one call per item leaves the GPU
+        mostly idle on short rows.
         """
         self._check_awake()
+        self._check_score_input(items, candidates, temperature)
+        cand = torch.tensor(list(candidates), dtype=torch.long, device=self.device)  # [C]
+        out = [torch.empty(len(suffixes), len(cand)) for _, suffixes in items]
+        plan = compute_packing_plan(
+            [len(prefix) for prefix, _ in items], [[len(s) for s in suffixes] for _, suffixes in items], self.score_token_budget
+        )
+        for rows in plan:
+            logits, keys = self._score_packed(items, rows)  # [n, V], n (item, suffix) pairs
+            scores = compute_logprobs(logits, temperature)[:, cand].cpu()  # [n, C]
+            for (item, suffix), row in zip(keys, scores, strict=True):
+                out[item][suffix] = row
+        return out
+
+    def _check_score_input(
+        self, items: Sequence[tuple[list[int], Sequence[list[int]]]], candidates: Sequence[int], temperature: float
+    ) -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 for scoring, got {temperature}")
         vocab = self.model.config.get_text_config(decoder=True).vocab_size
         bad = [c for c in candidates if not 0 <= c < vocab]
         if bad:
             raise ValueError(f"candidate token ids {bad} are outside the vocabulary [0, {vocab})")
-        if not shared_prefix:
-            raise ValueError("shared_prefix is empty; score_next_tokens needs at least one prefix token")
-        for i, suffix in enumerate(suffixes):
-            if len(shared_prefix) + len(suffix) > self.max_context:
-                raise ValueError(
-                    f"suffix {i}: prefix ({len(shared_prefix)}) + suffix ({len(suffix)}) tokens exceed the "
-                    f"model context of {self.max_context} tokens"
-                )
-        cand = torch.tensor(list(candidates), dtype=torch.long, device=self.device)  # [C]
-        if len(suffixes) == 0:
-            return torch.empty(0, len(cand))
-        prefix = torch.tensor([shared_prefix], dtype=torch.long, device=self.device)  # [1, P]
-        cache = DynamicCache(config=self.model.config)
-        prefix_logits = self.model(
-            input_ids=prefix, position_ids=torch.arange(prefix.shape[1], device=self.device)[None],
-            past_key_values=cache, use_cache=True, logits_to_keep=1,
-        ).logits[:, -1]  # [1, V]
-        rows = []
-        for start in range(0, len(suffixes), self.score_chunk_size):
-            chunk = suffixes[start : start + self.score_chunk_size]
-            rows.append(self._score_chunk(cache, prefix_logits, chunk))  # [b, V]
-        logits = torch.cat(rows)  # [S, V]
-        return compute_logprobs(logits, temperature)[:, cand].cpu()  # [S, C]
+        if items and self.model.config._attn_implementation not in _MASKED_ATTENTION:
+            raise ValueError(
+                f"scoring packs suffixes with a custom 4-D attention mask, which attn_implementation "
+                f"{self.model.config._attn_implementation!r} does not take; load the model with one of {sorted(_MASKED_ATTENTION)}"
+            )
+        for index, (prefix, suffixes) in enumerate(items):
+            if not prefix:
+                raise ValueError(f"item {index}: shared prefix is empty; scoring needs at least one prefix token")
+            for i, suffix in enumerate(suffixes):
+                if len(prefix) + len(suffix) > self.max_context:
+                    raise ValueError(
+                        f"item {index}, suffix {i}: prefix ({len(prefix)}) + suffix ({len(suffix)}) tokens exceed "
+                        f"the model context of {self.max_context} tokens"
+                    )
 
-    def _score_chunk(self, prefix_cache: DynamicCache, prefix_logits: torch.Tensor, chunk: Sequence[list[int]]) -> torch.Tensor:
-        """Next-token logits `[b, V]` after prefix + each suffix of `chunk`."""
-        bsz, width = len(chunk), max(len(s) for s in chunk)
-        if width == 0:
-            return prefix_logits.expand(bsz, -1)  # [b, V]
-        plen = prefix_cache.get_seq_length()
-        ids = torch.full((bsz, width), self.pad_id, dtype=torch.long)  # [b, W]
-        suffix_mask = torch.zeros(bsz, width, dtype=torch.long)  # [b, W]
-        for i, suffix in enumerate(chunk):
-            if suffix:
-                ids[i, width - len(suffix) :] = torch.tensor(suffix)
-                suffix_mask[i, width - len(suffix) :] = 1
-        ids, suffix_mask = ids.to(self.device), suffix_mask.to(self.device)
-        mask = torch.cat([torch.ones(bsz, plen, dtype=torch.long, device=self.device), suffix_mask], 1)  # [b, P+W]
-        positions = plen + (suffix_mask.cumsum(-1) - 1).clamp(min=0)  # [b, W]
-        expanded = DynamicCache(
-            [(layer.keys.expand(bsz, -1, -1, -1), layer.values.expand(bsz, -1, -1, -1)) for layer in prefix_cache.layers],
-            config=self.model.config,
-        )
-        logits = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=expanded,
-            use_cache=True, logits_to_keep=1,
-        ).logits[:, -1]  # [b, V]
-        empty = torch.tensor([not s for s in chunk], device=self.device)[:, None]  # [b, 1]
-        return torch.where(empty, prefix_logits, logits)  # [b, V]
+    def _score_packed(
+        self, items: Sequence[tuple[list[int], Sequence[list[int]]]], rows: Sequence[PackedRow]
+    ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """One forward over packed rows: next-token logits `[n, V]` at every suffix end, and the
+        `(item, suffix)` each of the n logit rows belongs to."""
+        width = max(row.length for row in rows)
+        ids, segments, positions = [], [], []
+        ends: list[int] = []  # flat index b * width + t of each suffix's last token
+        keys: list[tuple[int, int]] = []
+        for b, row in enumerate(rows):
+            prefix, suffixes = items[row.item]
+            plen = len(prefix)
+            ids_b, seg_b, pos_b = list(prefix), [0] * plen, list(range(plen))
+            for k, j in enumerate(row.suffixes, start=1):
+                suffix = suffixes[j]
+                ids_b += suffix
+                seg_b += [k] * len(suffix)
+                pos_b += range(plen, plen + len(suffix))
+                last = len(ids_b) - 1 if suffix else plen - 1  # an empty suffix reads the prefix's last token
+                ends.append(b * width + last)
+                keys.append((row.item, j))
+            pad = width - len(ids_b)
+            ids.append(ids_b + [self.pad_id] * pad)
+            segments.append(seg_b + [-1] * pad)
+            positions.append(pos_b + [0] * pad)
+        dev = self.device
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)  # [B, T]
+        position_ids = torch.tensor(positions, dtype=torch.long, device=dev)  # [B, T]
+        mask = self._packed_mask(torch.tensor(segments, dtype=torch.long, device=dev))  # [B, 1, T, T]
+        hidden = self.model.get_decoder()(
+            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # [B, T, H]
+        picked = hidden.flatten(0, 1)[torch.tensor(ends, dtype=torch.long, device=dev)]  # [n, H]
+        return self.model.get_output_embeddings()(picked), keys  # [n, V]
+
+    def _packed_mask(self, segments: torch.Tensor) -> torch.Tensor:
+        """Attention mask `[B, 1, T, T]` for packed rows from segment ids `[B, T]` (0 prefix,
+        k suffix k, -1 padding): causal, and a key is visible if it is in the prefix or in the
+        query's own segment. Boolean (True = attend) for sdpa; additive float for eager."""
+        width = segments.shape[1]
+        causal = torch.ones(width, width, dtype=torch.bool, device=segments.device).tril()  # [T, T]
+        query, key = segments[:, :, None], segments[:, None, :]  # [B, T, 1], [B, 1, T]
+        mask = (((key == 0) | (key == query)) & causal)[:, None]  # [B, 1, T, T]
+        if self.model.config._attn_implementation == "sdpa":
+            return mask
+        dtype = self.model.dtype
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
     # ------------------------------------------------------------------ weights and memory
     @torch.no_grad()
