@@ -13,9 +13,15 @@
       tokens/s <= B * bandwidth / (weight bytes + B * mean context * KV bytes per token).
     Goal: HFEngine >= 3x plain generate.
 (b) Scoring, 64 captions (~1,000 tokens) x 8 questions (~60 tokens), 6 candidates:
-    `HFEngine.score_next_tokens` (prefix once per caption, KV cache expanded over its questions)
-    vs one forward per full prompt (512 left-padded prompts in batches, `logits_to_keep=1`).
-    Goal: >= 5x fewer seconds. The max |difference| of the two score tables is reported.
+    one forward per full prompt (512 left-padded prompts in batches of 32, `logits_to_keep=1`) vs
+      - `HFEngine.score_next_tokens`, one call per caption (packed: prefix + its 8 questions in one
+        row with a 4-D mask, the prefix computed once),
+      - `HFEngine.score_next_tokens_batch`, all 64 captions in one call (packed rows batched into
+        forwards of `score_token_budget` tokens).
+    Goal: >= 5x fewer seconds. Reported: max |Δ logprob| of each table vs the independent one and
+    vs an fp32 reference (each prompt alone, weights in float32) on the first 16 prompts, which
+    tells bf16 rounding apart from a mask/position error.
+    python benchmarks/engines.py --only scoring   # this part only (< 3 minutes on an H100/H200)
 Timings: median of `--repeats` runs after a warm-up run, with `torch.cuda.synchronize`.
 """
 
@@ -160,39 +166,74 @@ def baseline_scores(model, prompts: list[list[int]], candidates: list[int], devi
     return torch.cat(out)
 
 
-def bench_scoring(model, tokenizer, s: Sizes, device, repeats: int) -> list[list[object]]:
+def make_scoring_data(tokenizer, s: Sizes) -> tuple[list[list[int]], list[list[list[int]]], list[int]]:
+    """Random captions (~caption_len +- 20 tokens) with `questions` random questions each
+    (~question_len +- 10 tokens), and the candidate token ids."""
     gen = torch.Generator().manual_seed(1)
     vocab = len(tokenizer)
     captions = [torch.randint(10, vocab, (s.caption_len + int(torch.randint(-20, 21, (1,), generator=gen)),), generator=gen).tolist() for _ in range(s.captions)]
     questions = [[torch.randint(10, vocab, (max(1, s.question_len + int(torch.randint(-10, 11, (1,), generator=gen))),), generator=gen).tolist()
                   for _ in range(s.questions)] for _ in range(s.captions)]
-    candidates = list(range(100, 100 + s.candidates))
-    engine = HFEngine(model, tokenizer, device=device, compile=False, score_chunk_size=s.questions)
-    reuse_out: list[torch.Tensor] = []
+    return captions, questions, list(range(100, 100 + s.candidates))
 
-    def reuse() -> None:
-        reuse_out[:] = [engine.score_next_tokens(c, q, candidates) for c, q in zip(captions, questions, strict=True)]
 
-    full = [c + q for c, qs in zip(captions, questions, strict=True) for q in qs]
-    base_out: list[torch.Tensor] = []
+def fp32_reference(model, prompts: list[list[int]], candidates: list[int], device) -> torch.Tensor:
+    """Log-probs `[n, C]` of a few prompts, each alone and unpadded, with the weights in float32
+    (bf16 -> fp32 -> bf16 is exact, so the model is restored bit for bit)."""
+    dtype = model.dtype
+    model.float()
+    try:
+        with torch.inference_mode():
+            rows = [model(input_ids=torch.tensor([p], device=device), logits_to_keep=1).logits[0, -1] for p in prompts]  # [V] each
+            return torch.log_softmax(torch.stack(rows).float(), -1)[:, candidates].cpu()  # [n, C]
+    finally:
+        model.to(dtype)
+
+
+def bench_scoring(model, tokenizer, s: Sizes, device, repeats: int, budgets: list[int]) -> list[list[object]]:
+    captions, questions, candidates = make_scoring_data(tokenizer, s)
+    items = list(zip(captions, questions, strict=True))
+    full = [c + q for c, qs in items for q in qs]
+    n_ref = min(len(full), 2 * s.questions)  # fp32 reference rows: the first two captions
+    ref32 = fp32_reference(model, full[:n_ref], candidates, device)
+    out: dict[str, torch.Tensor] = {}
 
     def independent() -> None:
-        base_out[:] = [baseline_scores(model, full, candidates, device, batch=32)]
+        out["independent"] = baseline_scores(model, full, candidates, device, batch=32)
 
     base_s = timed(independent, device, repeats)
-    reuse_s = timed(reuse, device, repeats)
-    diff = (torch.cat(reuse_out) - base_out[0]).abs().max().item()
-    n = len(full)
-    return [
-        ["independent full prompts (batched 32, logits_to_keep=1)", f"{base_s:.2f}", f"{n / base_s:,.1f}", "1.00x", ""],
-        ["score_next_tokens, prefix once per caption", f"{reuse_s:.2f}", f"{n / reuse_s:,.1f}", f"{base_s / reuse_s:.2f}x", f"{diff:.2e}"],
-    ]
+    base = out["independent"]
+    rows: list[list[object]] = []
+
+    def row(label: str, secs: float, scores: torch.Tensor) -> None:
+        vs_base = (scores - base).abs().max().item()
+        vs_32 = (scores[:n_ref] - ref32).abs().max().item()
+        rows.append([label, f"{secs:.2f}", f"{len(full) / secs:,.1f}", f"{base_s / secs:.2f}x", f"{vs_base:.2e}", f"{vs_32:.2e}"])
+
+    row("independent full prompts (batched 32, logits_to_keep=1)", base_s, base)
+    engine = HFEngine(model, tokenizer, device=device, compile=False)
+
+    def per_caption() -> None:
+        out["per_caption"] = torch.cat([engine.score_next_tokens(c, q, candidates) for c, q in items])
+
+    row("score_next_tokens, one call per caption (packed, batch 1)", timed(per_caption, device, repeats), out["per_caption"])
+    for budget in budgets:
+        engine.score_token_budget = budget
+
+        def batched() -> None:
+            out["batched"] = torch.cat(engine.score_next_tokens_batch(items, candidates))
+
+        secs = timed(batched, device, repeats)
+        row(f"score_next_tokens_batch, all captions, packed, {budget:,} tokens/forward", secs, out["batched"])
+    engine.close()
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shape on CPU; no RESULTS.md")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--only", choices=["generation", "scoring"], default=None, help="run one part only")
     args = parser.parse_args()
     sizes = SMOKE if args.smoke else FULL
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -201,19 +242,28 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny.build("qwen3"))
     config = model_config(args.smoke, vocab=len(tokenizer))
     model = build_model(config, device, dtype)
-    gen_rows = bench_generation(model, tokenizer, config, sizes, device, repeats)
-    score_rows = bench_scoring(model, tokenizer, sizes, device, repeats)
     shape = "tiny (smoke)" if args.smoke else "Qwen3-4B shape, random weights, bf16"
-    gen_title = f"rl-rollout engines: generation, {sizes.batch} prompts x {sizes.prompt} in, {sizes.new} out ({shape})"
-    score_title = (f"rl-rollout engines: scoring, {sizes.captions} captions x ~{sizes.caption_len} tokens x "
-                   f"{sizes.questions} questions x ~{sizes.question_len} tokens, {sizes.candidates} candidates ({shape})")
-    gen_header = ["method", "seconds", "tokens/s", "vs plain generate"]
-    score_header = ["method", "seconds", "prompts/s", "speed-up", "max |Δ logprob| vs independent"]
-    if args.smoke:
-        print(f"{gen_title}\n{markdown_table(gen_header, gen_rows)}\n\n{score_title}\n{markdown_table(score_header, score_rows)}")
-        return
-    append_results(gen_title, gen_header, gen_rows, notes="Goal: HFEngine >= 3x plain generate.")
-    append_results(score_title, score_header, score_rows, notes="Goal: >= 5x fewer seconds with prefix reuse.")
+    tables = []
+    if args.only in (None, "generation"):
+        title = f"rl-rollout engines: generation, {sizes.batch} prompts x {sizes.prompt} in, {sizes.new} out ({shape})"
+        header = ["method", "seconds", "tokens/s", "vs plain generate"]
+        rows = bench_generation(model, tokenizer, config, sizes, device, repeats)
+        tables.append((title, header, rows, "Goal: HFEngine >= 3x plain generate."))
+    if args.only in (None, "scoring"):
+        title = (f"rl-rollout engines: scoring, {sizes.captions} captions x ~{sizes.caption_len} tokens x "
+                 f"{sizes.questions} questions x ~{sizes.question_len} tokens, {sizes.candidates} candidates ({shape})")
+        header = ["method", "seconds", "prompts/s", "speed-up", "max abs Δ logprob vs independent",
+                  f"max abs Δ logprob vs fp32, first {2 * sizes.questions} prompts"]
+        budgets = [64, 16384] if args.smoke else [16384, 65536]
+        rows = bench_scoring(model, tokenizer, sizes, device, repeats, budgets)
+        notes = ("Goal: >= 5x fewer seconds with prefix reuse. The fp32 column compares with each prompt "
+                 "alone, unpadded, with the same weights in float32 (bf16 rounding of every method).")
+        tables.append((title, header, rows, notes))
+    for title, header, rows, notes in tables:
+        if args.smoke:
+            print(f"{title}\n{markdown_table(header, rows)}\n")
+        else:
+            append_results(title, header, rows, notes=notes)  # prints the table too
 
 
 if __name__ == "__main__":
