@@ -360,7 +360,7 @@ def trained_steps(traj: Trajectory, fraction: float) -> list[int]:
 
 
 def train_epoch(run: Run, batch: Batch, adv: torch.Tensor, epoch: int) -> dict[str, float]:
-    cfg, acc, t = run.cfg, run.acc, run.cfg.train
+    acc, t = run.acc, run.cfg.train
     plan = plan_micro_batches(run, batch, adv)
     offsets = [0]
     for traj in batch.trajectories:

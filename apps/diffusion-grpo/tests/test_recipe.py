@@ -125,9 +125,9 @@ def test_first_replay_mismatch_stops_the_run(app, run) -> None:
 
 
 def test_config_errors_name_the_key(app, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="train.lrr"):
+    with pytest.raises(ConfigError, match=r"train\.lrr"):
         _config(app, tmp_path, "train.lrr=1")
-    with pytest.raises(ConfigError, match="sampling.kind"):
+    with pytest.raises(ConfigError, match=r"sampling\.kind"):
         _config(app, tmp_path, "sampling.kind=ddim")
     with pytest.raises(ValueError, match="no non-zero weight"):
         app.build_reward_scorer(app.RewardConfig(components={"ocr": 0.0}))
