@@ -21,7 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 APP = Path(__file__).resolve().parents[1]
 REPO = APP.parents[1]
 DATA = REPO / "examples" / "data"
-RULE_SPEC = APP / "configs" / "rule_reward.toml"
+RULE_SPEC = APP / "tests" / "rule_reward.toml"
 sys.path.insert(0, str(APP))  # what `python apps/caption-rl` does: siblings of __main__ import
 
 

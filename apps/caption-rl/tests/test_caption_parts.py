@@ -95,7 +95,7 @@ def test_local_rule_reward_scores_every_sample():
     bad = make_sample(data.train[0], "no timestamps at all")
     results = reward.score([good, bad])
     assert results[0].components["format"] == 1.0 and results[1].components["format"] == 0.0
-    assert results[0].score == pytest.approx(1.0 + 0.2 * results[0].components["length"])
+    assert results[0].score == pytest.approx(1.0 + results[0].components["length"])
 
 
 def _remote(url: str, retries: int = 2) -> RemoteReward:

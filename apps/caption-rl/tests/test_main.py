@@ -17,7 +17,6 @@ import pytest
 import torch
 from conftest import APP, DATA, REPO, tiny_overrides
 from safetensors.torch import load_file
-from transformers import AutoTokenizer
 
 from rl_models import tiny
 from rl_rewards import ScoreResult, register_scorer
@@ -29,6 +28,7 @@ METRIC_COLUMNS = [
     "response/length_mean", "response/length_max", "response/truncation_rate", "grad_norm", "lr",
     "time/generate", "time/reward", "time/logprob", "time/update", "throughput/tokens_per_s",
     "logprob/engine_diff_mean", "data/skipped_records", "eval/reward/mean", "eval/reward/qa",
+    "time/eval", "skipped",
 ]
 
 
@@ -102,9 +102,25 @@ def test_end_to_end_images_and_a_video_with_the_qa_judge(app, tmp_path):
     unchanged = [name for name, value in before.items() if torch.equal(value, after[name])]
     assert not unchanged, unchanged
     for path in ("reward_curve.png", "config.toml", "samples/train.jsonl", "samples/eval-step-000002.jsonl",
-                 "checkpoints/checkpoint-2/meta.json", "export/preprocessor_config.json"):
+                 "checkpoints/checkpoint-2/meta.json", "export/processor_config.json"):
         assert (run / path).is_file(), path
     assert len((run / "samples" / "eval-step-000002.jsonl").read_text().splitlines()) == 3  # the 3 eval videos
+
+
+def test_lora_with_a_kl_term_against_the_adapter_disabled_reference(app, tmp_path):
+    """LoRA: only adapter weights train; the KL reference is the same model with the adapter off
+    (0 before the first update, > 0 after it); the export holds the adapter and a merged model."""
+    run = app.main(tiny_overrides(tmp_path, "model.lora_rank=4", "algo.kl_coef=0.1", "train.max_steps=1",
+                                  "train.mini_batch_size=1", "train.micro_batch_size=2", "train.lr=1e-2"))
+    [row] = rows(run)
+    assert float(row["loss/kl"]) > 0  # the second minibatch runs after an update
+    assert (run / "export" / "adapter" / "adapter_model.safetensors").is_file()
+    adapter = load_file(run / "export" / "adapter" / "adapter_model.safetensors")
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in adapter.items())
+    merged, start = weights(run / "export"), weights(tiny.build("qwen2_5_vl"))
+    assert set(merged) == set(start)
+    changed = [k for k in start if not torch.equal(start[k], merged[k])]
+    assert changed and all(k.endswith("proj.weight") and "visual" not in k for k in changed), changed
 
 
 def test_batch_of_8_equals_8_accumulated_micro_batches_of_1(app, tmp_path):
@@ -115,7 +131,7 @@ def test_batch_of_8_equals_8_accumulated_micro_batches_of_1(app, tmp_path):
     assert moved > 1e-5  # the step did update the model ...
     for name in a:  # ... and by the same amount either way
         torch.testing.assert_close(a[name], b[name], atol=2e-6, rtol=0, msg=name)
-    assert rows(one)[0]["loss/policy"] == pytest.approx(float(rows(acc)[0]["loss/policy"]), abs=1e-6)
+    assert float(rows(one)[0]["loss/policy"]) == pytest.approx(float(rows(acc)[0]["loss/policy"]), abs=1e-6)
 
 
 def test_resume_continues_exactly_where_the_run_stopped(app, tmp_path):
@@ -127,42 +143,38 @@ def test_resume_continues_exactly_where_the_run_stopped(app, tmp_path):
     assert [r["step"] for r in b] == ["1", "2", "3"]
     for key in ("reward/mean", "loss/policy", "response/length_mean", "grad_norm"):
         assert float(a[2][key]) == pytest.approx(float(b[2][key]), abs=1e-6), key
-    wa, wb = weights(straight / "export"), weights(resumed / "export")
+    wa, wb, start = weights(straight / "export"), weights(resumed / "export"), weights(tiny.build("qwen2_5_vl"))
+    assert max((wa[k] - start[k]).abs().max().item() for k in wa) > 1e-5  # 3 real updates
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], atol=1e-6, rtol=0, msg=name)
 
 
-class FirstHalfVocabulary:
-    """Learning-test reward: the fraction of caption tokens (policy tokenizer) whose id lies in
-    the first half of the vocabulary. A random tiny policy scores ~0.5; every token's own
-    choice moves the reward, so the signal is dense."""
+class StartsWithAWord:
+    """Learning-test reward: 1 when the caption's first token is a word-start token (its text
+    begins with a space), else 0. A random tiny policy draws one ~20% of the time; the first
+    token is sampled in the same context for every rollout, so a bandit-like signal is learnable
+    in a handful of CPU steps."""
 
-    name = "first_half_vocabulary"
-
-    def __init__(self) -> None:
-        self.tokenizer = AutoTokenizer.from_pretrained(tiny.build("qwen2_5_vl"))
-        self.half = len(self.tokenizer) // 2
+    name = "starts_with_a_word"
 
     def score(self, samples):
-        out = []
-        for sample in samples:
-            ids = self.tokenizer(sample.completion, add_special_tokens=False)["input_ids"]
-            out.append(ScoreResult(score=sum(i < self.half for i in ids) / max(len(ids), 1)))
-        return out
+        return [ScoreResult(score=float(s.completion.startswith(" "))) for s in samples]
 
 
-if "first_half_vocabulary" not in SCORERS:
-    register_scorer("first_half_vocabulary", FirstHalfVocabulary)
+if "starts_with_a_word" not in SCORERS:
+    register_scorer("starts_with_a_word", StartsWithAWord)
 
-LEARN_STEPS, LEARN_MARGIN = 8, 0.15
+# Measured on the tiny Qwen2.5-VL (seed 0): ~0.2 over the first steps, > 0.5 by step 8.
+LEARN_STEPS, LEARN_MARGIN = 12, 0.2
 
 
 def test_the_tiny_policy_learns_a_rule_reward(app, tmp_path):
     spec = tmp_path / "learn.toml"
-    spec.write_text('[components.first_half]\nscorer = "first_half_vocabulary"\n')
+    spec.write_text('[components.word_start]\nscorer = "starts_with_a_word"\n')
     run = app.main(tiny_overrides(
         tmp_path, f"reward.spec={spec}", f"data.train=[\"{DATA / 'caption_qa_images.jsonl'}\"]", "rollout.n=8",
-        f"train.max_steps={LEARN_STEPS}", "train.lr=5e-3", "train.micro_batch_size=16", "train.export=false"))
+        "rollout.max_new_tokens=4", "train.batch_size=4", f"train.max_steps={LEARN_STEPS}", "train.lr=3e-2",
+        "train.micro_batch_size=32", "train.export=false"))
     rewards = [float(r["reward/mean"]) for r in rows(run)]
     first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
     assert last - first > LEARN_MARGIN, rewards
