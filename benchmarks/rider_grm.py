@@ -70,9 +70,9 @@ def random_checkpoint(out: Path, shape: dict, seed: int) -> Path:
 def run(app, out: Path, policy: Path, judge: Path, mode: str, smoke: bool) -> dict[str, float]:
     judges = "[]" if mode == "policy alone" else (
         f'[{{name = "rubric", module = "rl_rewards.judges.rubric", model = "{judge}", prompt = "prompt", '
-        f'weight = 0.3, max_new_tokens = {8 if smoke else 64}}}, '
+        f'weight = 0.3, max_new_tokens = {8 if smoke else 64}, engine_options = {{compile = false}}}}, '
         f'{{name = "yes_no", module = "rl_rewards.judges.yes_no", model = "{judge}", prompt = "prompt", '
-        f'weight = 0.5, max_new_tokens = {4 if smoke else 16}}}]')
+        f'weight = 0.5, max_new_tokens = {4 if smoke else 16}, engine_options = {{compile = false}}}}]')
     overrides = [
         f"model.path={policy}", "model.dtype=bfloat16", f"reward.judges={judges}",
         f"reward.swap={'false' if mode == 'resident' else 'true'}", "reward.embedding.model=null",
@@ -115,7 +115,7 @@ def main() -> None:
                   for mode, m in results.items() if mode != "policy alone" for name in ("rubric", "yes_no")]
     judge_header = ["run", "judge", "wake s", "sleep s", "score s", "peak GiB while scoring"]
     notes = ("Qwen3-1.7B shape, random bf16 weights, policy + 2 judges (rl_rewards.judges.rubric / yes_no), "
-             "8 prompts x n=4, 256 response tokens, judges 64/16 new tokens; second step of each run. "
+             "8 prompts x n=4, 256 response tokens, judges 64/16 new tokens; decode not compiled (CUDA graphs would be re-captured after every wake); second step of each run. "
              "`step s` sums the phases listed (reward includes the judges' wake/score/sleep); "
              "swap = policy offload + wake + each judge's wake + sleep.")
     if args.smoke:
