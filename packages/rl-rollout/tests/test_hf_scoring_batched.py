@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rl_rollout.hf import HFEngine, PackedRow, compute_packing_plan
+from rl_rollout.protocol import BatchScoringEngine, Engine
 
 CANDIDATES = [200, 201, 202, 7, 639]
 
@@ -125,3 +126,7 @@ def test_attention_without_custom_masks_is_refused(qwen3_path: Path) -> None:
     engine = HFEngine(model, HFEngine.from_pretrained(qwen3_path).tokenizer)
     with pytest.raises(ValueError, match=r"attn_implementation 'flash_attention_2'.*\['eager', 'sdpa'\]"):
         engine.score_next_tokens([1], [[2]], CANDIDATES)
+
+
+def test_hf_engine_is_a_batch_scoring_engine(qwen3_engine: HFEngine) -> None:
+    assert isinstance(qwen3_engine, BatchScoringEngine) and isinstance(qwen3_engine, Engine)

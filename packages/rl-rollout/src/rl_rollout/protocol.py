@@ -92,3 +92,24 @@ class Engine(Protocol):
     def wake(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class BatchScoringEngine(Protocol):
+    """An engine that also scores many `(shared_prefix, suffixes)` items in one call (`hf`).
+
+    Callers with several prefixes (a caption-QA reward over a batch of captions) should check
+    `isinstance(engine, BatchScoringEngine)` and pass every item at once: the engine can then
+    batch the prefixes of different items into the same forwards.
+    """
+
+    def score_next_tokens_batch(
+        self,
+        items: Sequence[tuple[list[int], Sequence[list[int]]]],
+        candidates: Sequence[int],
+        *,
+        temperature: float = 1.0,
+    ) -> list[torch.Tensor]:
+        """For each item, log-probs `[len(suffixes), len(candidates)]` of each candidate right
+        after `prefix + suffixes[j]` (as `Engine.score_next_tokens`, item by item)."""
+        ...
