@@ -206,7 +206,6 @@ def test_training_against_a_real_reward_server_that_dies_mid_run(app, tmp_path, 
     assert (run / "checkpoints" / "checkpoint-3" / "meta.json").is_file()
 
 
-@pytest.mark.slow
 def test_two_processes_with_accelerate_launch(tmp_path):
     """The same run under `accelerate launch --num_processes 2 --cpu`: rollouts sharded by rank,
     rewards gathered before advantages, gradients synchronized (both ranks export one model)."""
