@@ -158,3 +158,37 @@ def test_sample_mean_converges_to_exact_on_a_single_letter_judge(letter_judge):
     # 480 draws per caption: standard error <= 0.023; allow about 3 of them
     assert means == pytest.approx(expected, abs=0.06)
     assert abs(expected[0] - expected[1]) > 0.05  # the two captions really differ (0.289 vs 0.219)
+
+
+class _PerCallJudge:
+    """The same HFEngine seen without `score_next_tokens_batch` (like the vllm/openai engines),
+    so the scorer takes its one-call-per-caption path."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, 0
+
+    def score_next_tokens(self, *args, **kwargs):
+        self.calls += 1
+        return self.engine.score_next_tokens(*args, **kwargs)
+
+
+def test_batched_exact_equals_per_caption_scoring_and_a_too_long_caption_fails_alone(tiny_judge):
+    from rl_rollout.protocol import BatchScoringEngine
+
+    assert isinstance(tiny_judge, BatchScoringEngine)
+    qa = [
+        {"question": "Color?", "choices": ["red", "blue"], "answer": "B"},
+        {"question": "Shape?", "choices": ["A. ball", "B. cube", "C. cone"], "answer": "A"},
+    ]
+    too_long = "word " * (tiny_judge.max_context + 10)
+    samples = [Sample(completion=c, reference=qa) for c in ("A blue ball.", "A red cube on a table.", too_long, "cone")]
+    batched = CaptionQAScorer(tiny_judge, tiny_judge.tokenizer, permutations=2).score(samples)
+    per_call_judge = _PerCallJudge(tiny_judge)
+    one_by_one = CaptionQAScorer(per_call_judge, tiny_judge.tokenizer, permutations=2).score(samples)
+    assert per_call_judge.calls == 4  # one engine call per caption on the fallback path
+    assert batched[2].error is not None and "context" in batched[2].error
+    assert one_by_one[2].error is not None
+    for i in (0, 1, 3):
+        assert batched[i].error is None
+        assert batched[i].score == pytest.approx(one_by_one[i].score, abs=1e-5)
+        assert batched[i].components["letter_mass"] == pytest.approx(one_by_one[i].components["letter_mass"], rel=1e-4)

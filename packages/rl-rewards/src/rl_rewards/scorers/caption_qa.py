@@ -49,7 +49,13 @@ import torch
 
 from rl_rewards.rules import first_option_letter
 from rl_rewards.samples import Sample, ScoreResult
-from rl_rewards.scorers.engines import Engine, SamplingParams, load_engine, load_tokenizer
+from rl_rewards.scorers.engines import (
+    BatchScoringEngine,
+    Engine,
+    SamplingParams,
+    load_engine,
+    load_tokenizer,
+)
 
 try:
     from rl_data.choices import (
@@ -194,6 +200,33 @@ def _user(caption: str, text: str) -> str:
     return f"Caption: <Caption Start> {caption} <Caption End>\nQuestion: {text}"
 
 
+@dataclass(frozen=True)
+class _ExactPlan:
+    """One caption's questions for the `exact` estimator: `variants[row]` is (question index,
+    gold position, number of letters) of `suffixes[row]`."""
+
+    prefix: list[int]
+    suffixes: list[list[int]]
+    variants: list[tuple[int, int, int]]
+    num_questions: int
+    width: int
+
+
+def _aggregate(plan: _ExactPlan, logprobs: torch.Tensor) -> ScoreResult:
+    """Expected accuracy from letter log-probs `[S, C>=width]`: per question, the probability of
+    the gold letter renormalized over its options, averaged over permutations, then questions."""
+    per_question = torch.zeros(plan.num_questions, dtype=torch.float64)  # [Q]
+    counts = torch.zeros(plan.num_questions, dtype=torch.float64)  # [Q]
+    mass = 0.0
+    for row, (qi, gold, m) in enumerate(plan.variants):
+        letters = logprobs[row, :m].double()  # [m]
+        per_question[qi] += letters.softmax(-1)[gold]
+        counts[qi] += 1
+        mass += letters.exp().sum().item()
+    accuracy = (per_question / counts).mean().item()
+    return ScoreResult(score=accuracy, components={"letter_mass": mass / len(plan.variants)})
+
+
 def _common_prefix_len(rows: Sequence[list[int]]) -> int:
     """Longest common prefix, leaving at least one suffix token per row."""
     n = min(len(r) for r in rows) - 1
@@ -252,35 +285,60 @@ class CaptionQAScorer:
             except ValueError as e:
                 parsed.append(ScoreResult.failed(str(e)))
         if self.estimator == "exact":
-            return [p if isinstance(p, ScoreResult) else self._exact(s.completion, p) for s, p in zip(samples, parsed, strict=True)]
+            return self._exact_batch(samples, parsed)
         return self._sample(samples, parsed)
 
-    def _exact(self, caption: str, questions: list[Question]) -> ScoreResult:
-        variants = []  # (question index, ids, gold position, number of letters)
+    def _plan(self, caption: str, questions: list[Question]) -> _ExactPlan:
+        """Every question (x permutations) as token ids after the shared prefix of the caption."""
+        variants = []  # (question index, gold position, number of letters)
+        rows = []
         for qi, q in enumerate(questions):
             n = len(q.options)
             for k in range(min(self.permutations, n)):
                 text, gold = question_text(q, [(j + k) % n for j in range(n)])
-                variants.append((qi, self.prompter.ids(caption, text), gold, n + 1))
-        rows = [v[1] for v in variants]
+                rows.append(self.prompter.ids(caption, text))
+                variants.append((qi, gold, n + 1))
         cut = _common_prefix_len(rows)
-        width = max(v[3] for v in variants)
+        return _ExactPlan(
+            prefix=rows[0][:cut],
+            suffixes=[r[cut:] for r in rows],
+            variants=variants,
+            num_questions=len(questions),
+            width=max(v[2] for v in variants),
+        )
+
+    def _exact_batch(self, samples: Sequence[Sample], parsed: list) -> list[ScoreResult]:
+        """One engine call for the whole batch when the engine packs several prefixes together
+        (`BatchScoringEngine`); otherwise, or if that call fails, one call per caption so a bad
+        sample (e.g. longer than the judge's context) fails alone."""
+        plans = {i: self._plan(s.completion, q) for i, (s, q) in enumerate(zip(samples, parsed, strict=True))
+                 if not isinstance(q, ScoreResult)}
+        results: list[ScoreResult | None] = [p if isinstance(p, ScoreResult) else None for p in parsed]
+        if plans and isinstance(self.engine, BatchScoringEngine):
+            width = max(plan.width for plan in plans.values())
+            try:
+                tables = self.engine.score_next_tokens_batch(
+                    [(plan.prefix, plan.suffixes) for plan in plans.values()],
+                    self.letter_ids[:width], temperature=self.temperature,
+                )  # one [S_i, width] table per caption
+            except (ValueError, RuntimeError):
+                tables = None
+            if tables is not None:
+                for (i, plan), table in zip(plans.items(), tables, strict=True):
+                    results[i] = _aggregate(plan, table)
+        for i, plan in plans.items():
+            if results[i] is None:
+                results[i] = self._exact_one(plan)
+        return [r for r in results if r is not None]
+
+    def _exact_one(self, plan: _ExactPlan) -> ScoreResult:
         try:
             logprobs = self.engine.score_next_tokens(
-                rows[0][:cut], [r[cut:] for r in rows], self.letter_ids[:width], temperature=self.temperature
+                plan.prefix, plan.suffixes, self.letter_ids[: plan.width], temperature=self.temperature
             )  # [S, C]
         except (ValueError, RuntimeError) as e:
             return ScoreResult.failed(f"caption_qa: judge failed: {e}")
-        per_question = torch.zeros(len(questions))  # [Q]
-        counts = torch.zeros(len(questions))  # [Q]
-        mass = 0.0
-        for row, (qi, _, gold, m) in enumerate(variants):
-            letters = logprobs[row, :m].double()  # [m]
-            per_question[qi] += letters.softmax(-1)[gold]
-            counts[qi] += 1
-            mass += letters.exp().sum().item()
-        accuracy = (per_question / counts).mean().item()
-        return ScoreResult(score=accuracy, components={"letter_mass": mass / len(variants)})
+        return _aggregate(plan, logprobs)
 
     def _sample(self, samples: Sequence[Sample], parsed: list) -> list[ScoreResult]:
         prompts, golds, owners = [], [], []

@@ -13,10 +13,11 @@ try:
     from transformers import AutoTokenizer
 
     from rl_rollout import Engine, SamplingParams, build_engine
+    from rl_rollout.protocol import BatchScoringEngine
 except ImportError as e:
     raise ImportError(f'model-backed judges need rl-rollout and transformers: pip install "rl-rewards[hf]" ({e})') from e
 
-__all__ = ["Engine", "SamplingParams", "load_engine", "load_tokenizer"]
+__all__ = ["BatchScoringEngine", "Engine", "SamplingParams", "load_engine", "load_tokenizer"]
 
 
 def load_engine(model: str, engine: str = "hf", engine_options: dict[str, Any] | None = None) -> Engine:
