@@ -30,26 +30,31 @@ def _lora(ckpt: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def full_run(app, tmp_path_factory) -> Path:
-    """3 epochs, a checkpoint after each, eval at epochs 0 and 3 (2 prompts, 4 ODE steps)."""
+    """2 epochs, a checkpoint after each, eval at epochs 0 and 2 (2 prompts, 4 ODE steps)."""
     out = tmp_path_factory.mktemp("full")
-    cfg = _config(app, out, "train.epochs=3", "train.save_freq=1", "train.keep_last=3",
+    cfg = _config(app, out, "train.epochs=2", "train.save_freq=1", "train.keep_last=3",
                   "eval.every=100", "eval.max_prompts=2", "eval.num_steps=4")
     return app.train(cfg)
 
 
+# The last MMDiT block is `context_pre_only`: its text-token queries (add_q_proj) reach no output,
+# so that adapter's B gets no gradient and stays 0 (its A still moves by weight decay).
+DEAD = "transformer_blocks.1.attn.add_q_proj.lora_B"
+
+
 def test_every_lora_parameter_changes(app, full_run: Path) -> None:
-    first, last = _lora(full_run / "checkpoints" / "checkpoint-1"), _lora(full_run / "checkpoints" / "checkpoint-3")
+    first, last = _lora(full_run / "checkpoints" / "checkpoint-1"), _lora(full_run / "checkpoints" / "checkpoint-2")
     assert len(last) > 0 and all(".lora_" in name for name in last)
     unchanged = [name for name in last if torch.equal(first[name], last[name])]
-    assert not unchanged, f"LoRA weights that never changed between epochs 1 and 3: {unchanged[:5]}"
-    ema = torch.load(full_run / "checkpoints" / "checkpoint-3" / "ema.pt", weights_only=True)
+    assert [DEAD in name for name in unchanged] == [True], f"unchanged between epochs 1 and 2: {unchanged[:5]}"
+    ema = torch.load(full_run / "checkpoints" / "checkpoint-2" / "ema.pt", weights_only=True)
     assert ema["updates"] > 0 and any(not torch.equal(ema["shadow"][k], last[k]) for k in last)
 
 
 def test_outputs_match_vrl(full_run: Path) -> None:
     rows = _rows(full_run / "metrics.csv")
     train = [r for r in rows if r.get("reward/mean")]
-    assert [int(r["step"]) for r in train] == [1, 2, 3]
+    assert [int(r["step"]) for r in train] == [1, 2]
     for key in ("reward/std", "reward/brightness", "reward/zero_std_group_fraction", "adv/std",
                 "loss", "policy_loss", "kl", "policy/clip_fraction", "policy/approx_kl", "grad_norm",
                 "time/rollout", "time/reward", "time/train", "images_per_s", "image/brightness"):
@@ -57,26 +62,26 @@ def test_outputs_match_vrl(full_run: Path) -> None:
     # micro-batches are the sampled batches (nothing dropped): the first replay is bit-exact
     assert all(float(r["diag/first_replay_max_abs_log_ratio"]) == 0.0 for r in train if float(r["adv/kept_fraction"]) == 1)
     evals = _rows(full_run / "eval_metrics.csv")
-    assert [int(r["epoch"]) for r in evals] == [0, 3]
+    assert [int(r["epoch"]) for r in evals] == [0, 2]
     assert all(0 <= float(r["image/brightness"]) <= 1 and float(r["image/colour_entropy"]) > 0 for r in evals)
-    sheet = Image.open(full_run / "eval_epoch_3" / "contact_sheet.png")
-    assert sheet.size[0] >= 256 and sheet.size[1] > 256  # images with their prompt under them
+    with Image.open(full_run / "eval_epoch_2" / "contact_sheet.png") as sheet:
+        assert sheet.size[0] >= 256 and sheet.size[1] > 256  # images with their prompt under them
     assert (full_run / "reward_curve.png").stat().st_size > 0
-    for folder in ("checkpoint-final/lora", "checkpoint-final/lora_ema", "checkpoints/checkpoint-3/lora"):
+    for folder in ("checkpoint-final/lora", "checkpoint-final/lora_ema", "checkpoints/checkpoint-2/lora"):
         config = json.loads((full_run / folder / "adapter_config.json").read_text())
         assert config["r"] == 8 and (full_run / folder / "adapter_model.safetensors").is_file()
 
 
 def test_resume_equals_uninterrupted_run(app, full_run: Path, tmp_path: Path) -> None:
-    first = app.train(_config(app, tmp_path, "train.epochs=2", "train.save_freq=1"))
-    resumed = app.train(_config(app, tmp_path, "train.epochs=3", "train.save_freq=1"), resume="latest")
+    first = app.train(_config(app, tmp_path, "train.epochs=1", "train.save_freq=1"))
+    resumed = app.train(_config(app, tmp_path, "train.epochs=2", "train.save_freq=1"), resume="latest")
     assert resumed == first
-    a, b = full_run / "checkpoints" / "checkpoint-3", resumed / "checkpoints" / "checkpoint-3"
+    a, b = full_run / "checkpoints" / "checkpoint-2", resumed / "checkpoints" / "checkpoint-2"
     for name in ("lora.pt", "ema.pt", "optimizer.pt"):
         sa, sb = torch.load(a / name, weights_only=True), torch.load(b / name, weights_only=True)
         assert json.dumps(_flat(sa)) == json.dumps(_flat(sb)), name
     steps = [int(r["step"]) for r in _rows(resumed / "metrics.csv") if r.get("reward/mean")]
-    assert steps == [1, 2, 3]  # one row per epoch, as if uninterrupted
+    assert steps == [1, 2]  # one row per epoch, as if uninterrupted
 
 
 def _flat(tree, prefix=""):
