@@ -12,7 +12,7 @@ import nox
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "tests", "rewards_no_torch", "app_rider_grm", "app_diffusion_grpo"]
+nox.options.sessions = ["lint", "tests", "rewards_no_torch", "app_caption_rl", "app_rider_grm", "app_diffusion_grpo"]
 
 # package -> extras its tests need (never vllm: it needs a GPU and is opt-in).
 PACKAGES: dict[str, list[str]] = {
