@@ -22,15 +22,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-import av
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from rl_data.records import ImageSource
 
 __all__ = ["VideoFrames", "load_image", "sample_video", "select_frame_indices"]
+
+
+
+def _av() -> ModuleType:
+    """PyAV, imported on first use so that image-only users never load FFmpeg."""
+    import av
+
+    return av
 
 
 def _resolve(path: str | Path, root: str | Path | None) -> Path:
@@ -134,7 +142,7 @@ def _output_size(width: int, height: int, max_pixels: int | None) -> tuple[int, 
 def _frame_times(path: Path) -> tuple[np.ndarray, float]:
     """Presentation times (s, sorted, relative to the first frame) of every video packet, found by
     demuxing only — no decoding — and the stream's average fps."""
-    with av.open(str(path)) as container:
+    with _av().open(str(path)) as container:
         stream = container.streams.video[0]
         base = stream.time_base or Fraction(1, 1)
         pts = sorted(p.pts for p in container.demux(stream) if p.pts is not None and p.size)
@@ -169,6 +177,7 @@ def sample_video(
     resolved = _resolve(path, root)
     if not resolved.is_file():
         raise FileNotFoundError(f"video not found: {resolved}")
+    av = _av()
     try:
         times, source_fps = _frame_times(resolved)
         duration = len(times) / source_fps
@@ -192,7 +201,7 @@ def _decode_frames(path: Path, indices: list[int], max_pixels: int | None) -> li
     wanted = set(indices)
     last = max(indices)
     frames = []
-    with av.open(str(path)) as container:
+    with _av().open(str(path)) as container:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
         for i, frame in enumerate(container.decode(stream)):
