@@ -274,7 +274,9 @@ def build_reward_backend(cfg: Config, policy_path: str) -> LocalReward | RemoteR
 
 def setup(cfg: Config, resume: str | None) -> Run:
     t = cfg.train
-    acc = Accelerator(log_with=list(t.log_with) or None)
+    # cpu=True without CUDA: `accelerate launch --multi_gpu --num_processes N` then gives N gloo
+    # processes on a CPU machine (its `--cpu` flag alone starts one process unless MPI is set up)
+    acc = Accelerator(cpu=not torch.cuda.is_available(), log_with=list(t.log_with) or None)
     world = acc.num_processes
     mini = t.mini_batch_size or t.batch_size
     if t.batch_size % world or t.batch_size % mini:
@@ -598,6 +600,7 @@ def train(cfg: Config, resume: str | None = None) -> Path:
             metrics["time/step"] = seconds
             metrics["throughput/tokens_per_s"] = metrics.pop("tokens", 0.0) / (seconds * acc.num_processes)
             metrics["lr"] = run.scheduler.get_last_lr()[0]
+            metrics["world_size"] = acc.num_processes
             metrics["data/skipped_records"] = run.data.skipped
             evaluating = t.eval_freq > 0 and run.data.eval and (step % t.eval_freq == 0 or step == run.total_steps)
             if evaluating:

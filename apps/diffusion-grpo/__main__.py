@@ -215,7 +215,9 @@ def build_reward_scorer(cfg: RewardConfig) -> Any:
 
 def setup(cfg: Config, resume: str | None) -> Run:
     t = cfg.train
-    acc = Accelerator(log_with=list(t.log_with) or None)
+    # cpu=True without CUDA: `accelerate launch --multi_gpu --num_processes N` then gives N gloo
+    # processes on a CPU machine (its `--cpu` flag alone starts one process unless MPI is set up)
+    acc = Accelerator(cpu=not torch.cuda.is_available(), log_with=list(t.log_with) or None)
     if cfg.rollout.groups_per_epoch % acc.num_processes:
         raise ValueError(f"rollout.groups_per_epoch={cfg.rollout.groups_per_epoch} must divide by "
                          f"the {acc.num_processes} processes")

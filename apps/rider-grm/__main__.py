@@ -732,6 +732,7 @@ def main(argv: list[str]) -> Path:
             if step == total or (cfg.train.test_freq > 0 and step % cfg.train.test_freq == 0):
                 metrics |= validate(p, step, val)
             metrics |= p.monitor.pop()
+            metrics["world_size"] = acc.num_processes
             logger.log(step, metrics)
             bar.update(step, metrics)
     acc.end_training()

@@ -207,19 +207,21 @@ def test_training_against_a_real_reward_server_that_dies_mid_run(app, tmp_path, 
 
 
 def test_two_processes_with_accelerate_launch(tmp_path):
-    """The same run under `accelerate launch --num_processes 2 --cpu`: rollouts sharded by rank,
+    """The same run under `accelerate launch --multi_gpu --num_processes 2` on CPU (two gloo
+    processes; `--cpu` alone would start one without MPI): rollouts sharded by rank,
     rewards gathered before advantages, gradients synchronized (both ranks export one model)."""
     overrides = tiny_overrides(tmp_path, "train.batch_size=2", "train.max_steps=2", "train.eval_freq=2")
     launcher = Path(sys.executable).with_name("accelerate")
     env = {**os.environ, "PYTHONPATH": str(APP)}
     result = subprocess.run(
-        [str(launcher), "launch", "--num_processes", "2", "--cpu", "--num_machines", "1", "--mixed_precision", "no",
+        [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
          "--dynamo_backend", "no", str(APP / "__main__.py"), *overrides],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     run = (tmp_path / "latest").resolve()
     table = rows(run)
     assert [r["step"] for r in table] == ["1", "2"]
+    assert [r["world_size"] for r in table] == ["2", "2"]  # two processes really ran
     assert all(table[-1][c] != "" for c in ("reward/mean", "loss/policy", "grad_norm", "eval/reward/mean"))
     before, after = weights(tiny.build("qwen2_5_vl")), weights(run / "export")
     assert not [name for name, value in before.items() if torch.equal(value, after[name])]

@@ -189,11 +189,12 @@ def test_judge_module_with_mismatched_lists_fails_at_startup_dry_run(tmp_path: P
 
 @pytest.mark.slow
 def test_accelerate_launch_two_cpu_processes(tmp_path: Path) -> None:
-    """The same recipe under `accelerate launch --num_processes 2 --cpu` (gloo DDP)."""
+    """The same recipe under `accelerate launch --multi_gpu --num_processes 2` on CPU (gloo DDP;
+    `--cpu` alone would start one process without MPI)."""
     overrides = tiny_overrides(tmp_path, **{"reward.judges": JUDGES, "reward.rule": f'"{TESTS}/rules/parity_rule.py"',
                                             "train.batch_size": 4, "train.max_steps": 2, "train.save_freq": 2})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(APP / "__main__.py"),
            *overrides]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -201,6 +202,7 @@ def test_accelerate_launch_two_cpu_processes(tmp_path: Path) -> None:
     run = (tmp_path / "latest").resolve()
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == ["1", "2"]
+    assert [r["world_size"] for r in rows] == ["2", "2"]  # two processes really ran
     assert int(rows[0]["judge_consistency/scored"]) == 8  # 4 prompts x n=2, judged on both ranks
     assert (run / "checkpoints" / "checkpoint-2").is_dir()
 
