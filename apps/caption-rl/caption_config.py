@@ -1,0 +1,168 @@
+"""caption-rl's configuration: one msgspec Struct per TOML table, read by `rl_core.train.load_config`
+from a TOML file, dotted overrides and CapRL++'s environment variables (`ENV`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+from rl_core.train import config_help, load_config, parse_cli
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.toml"
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
+# ----------------------------------------------------------------------------------- config
+
+
+class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
+    path: str = "Qwen/Qwen3-VL-4B-Instruct"
+    """Caption model (local folder or hub id); `tiny:<family>` builds a tiny random checkpoint."""
+    dtype: str = "bfloat16"  # float32 | bfloat16 | float16 | auto
+    lora_rank: int = 0  # 0 = full fine-tuning (CapRL++); > 0 trains a LoRA adapter
+    lora_alpha: int = 32
+    lora_targets: list[str] | None = None  # peft target_modules; None = rl_models' family default
+    gradient_checkpointing: bool = False
+
+
+class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
+    train: list[str] = []
+    """CapRL caption-QA JSONL/parquet files (image and/or video rows)."""
+    eval: list[str] = []  # held-out files; empty = hold out `eval_size` train records
+    eval_size: int = 0
+    task: Literal["auto", "image", "video"] = "auto"  # keep only image or video rows
+    video_fps: float = 2.0  # frames sampled per second (CapRL: ~2)
+    video_max_frames: int = 64
+    max_pixels: int = 448 * 448  # per image / video frame
+
+
+class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
+    engine: Literal["hf"] = "hf"
+    n: Positive = 8  # captions sampled per prompt (group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: Positive = 4096  # response length
+    max_prompt_length: Positive = 13000  # longer prompts (media tokens included) are skipped
+    max_batch_size: Positive = 64  # rows decoded together by the engine
+
+
+class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
+    url: str | None = None
+    """Running reward server (`rl-rewards serve` or CapRL's), e.g. http://host:18889/get_reward;
+    unset = score in process."""
+    port: int = 18889  # with host: url = http://host:port/get_reward
+    host: str | None = None
+    judge: str = "Qwen/Qwen3-4B-Instruct-2507"  # in-process QA judge (text LLM)
+    qa_estimator: Literal["exact", "sample"] = "exact"  # see rl_rewards.scorers.caption_qa
+    qa_num: int = 8  # questions drawn per caption (estimator=sample)
+    format_weight: float = 0.2  # x timestamp-format reward, video rows
+    length_tokenizer: str | None = None  # default: the caption model's tokenizer
+    length_l1: int = 2048
+    length_l2: int = 3072
+    length_weight: float = 0.2
+    spec: str | None = None  # a RewardSpec TOML replacing QA + format + length (in process)
+    retries: Positive = 5  # attempts per server call; then the step is skipped
+    timeout: float = 180.0  # seconds per server call
+
+
+class AlgoConfig(msgspec.Struct, kw_only=True, frozen=True):
+    advantage: str = "grpo"  # rl_core advantage estimator: grpo | rloo | dr_grpo | ...
+    loss: str = "ppo_clip"  # ppo_clip | dual_clip | gspo
+    agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | ...
+    clip_low: float = 0.2
+    clip_high: float = 0.28  # DAPO clip-higher; = clip_low for symmetric PPO
+    kl: str = "k3"  # KL-to-reference estimator (only used when kl_coef > 0)
+    kl_coef: float = 0.0  # CapRL++: no KL
+    ppo_epochs: Positive = 1
+    replay_tolerance: float | None = None
+    """Max mean |engine logp - trainer logp| on the first step (None: 1e-3 fp32, 5e-2 16-bit)."""
+
+
+class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
+    batch_size: Positive = 128  # prompts per step, all processes together
+    mini_batch_size: int | None = None  # prompts per optimizer step (None = batch_size)
+    micro_batch_size: Positive = 4  # captions per forward/backward on one process
+    epochs: Positive = 3
+    max_steps: int | None = None  # stop earlier than `epochs`
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    save_freq: Positive = 50  # checkpoint every N steps (and at the end)
+    keep_last: Positive = 2
+    eval_freq: int = 10  # 0 = no eval
+    output_dir: str = "runs/caption-rl"
+    run_name: str | None = None
+    seed: int = 0
+    export: bool = True  # save the final HF model (or LoRA adapter) in run_dir/export
+    log_with: list[str] = []  # accelerate trackers: tensorboard, wandb, ...
+    samples_to_log: int = 4  # example captions written per step/eval
+
+
+class Config(msgspec.Struct, kw_only=True, frozen=True):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    algo: AlgoConfig = AlgoConfig()
+    train: TrainConfig = TrainConfig()
+
+
+# CapRL++'s train_caprl.sh variables, so its launch lines keep working.
+ENV = {
+    "CAPTION_MODEL": "model.path",
+    "DATASET": "data.train",
+    "SAVE_DIR": "train.output_dir",
+    "REWARD_REMOTE_URL": "reward.url",
+    "REWARD_NODE_IP": "reward.host",
+    "REWARD_PORT": "reward.port",
+    "BATCH_SIZE": "train.batch_size",
+    "ROLLOUT_N": "rollout.n",
+    "TOTAL_EPOCHS": "train.epochs",
+    "SAVE_FREQ": "train.save_freq",
+    "ACTOR_LR": "train.lr",
+    "ROLLOUT_RESPONSE_LENGTH": "rollout.max_new_tokens",
+    "ROLLOUT_PROMPT_LENGTH": "rollout.max_prompt_length",
+    "REWARD_LENGTH_TOKENIZER_PATH": "reward.length_tokenizer",
+    "REWARD_LENGTH_L1": "reward.length_l1",
+    "REWARD_LENGTH_L2": "reward.length_l2",
+    "REWARD_LENGTH_WEIGHT": "reward.length_weight",
+    "FORMAT_REWARD_WEIGHT": "reward.format_weight",
+    "REWARD_QA_NUM": "reward.qa_num",
+    "RUN_NAME": "train.run_name",
+}
+
+
+def parse_config(argv: list[str]) -> tuple[Config, str | None] | None:
+    """argv -> (config, resume spec); None after printing --help.
+
+    No `--config`: the embedded tiny default, unless `CAPTION_MODEL` is set (a CapRL++ launch
+    line), which starts from the full-size CapRL++ defaults instead.
+    """
+    cli = parse_cli(argv)
+    if cli.help:
+        print(config_help(Config, env=ENV, prog="caption-rl"))
+        return None
+    path = cli.config
+    if path is None and "CAPTION_MODEL" not in os.environ:
+        path = DEFAULT_CONFIG
+    return load_config(Config, path, cli.overrides, env=ENV), cli.resume
+
+
+def flat_config(cfg: Config) -> dict[str, int | float | str | bool]:
+    """The config as flat `{"train.lr": 1e-5, ...}` scalars, for experiment trackers."""
+    return _flat(msgspec.to_builtins(cfg))
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value if isinstance(value, int | float | str | bool) else str(value)
+    return out
