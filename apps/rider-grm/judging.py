@@ -18,11 +18,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import httpx
 import msgspec
 import torch
+from swapping import PinnedOffload, sleep_engine, wake_engine
 
+from rl_rewards.client import RemoteScorer, RewardClient, RewardClientError
 from rl_rewards.samples import Sample, Scorer, ScoreResult
 from rl_rewards.scorers.judge import JudgeScorer
 from rl_rollout import Engine, Generation, Prompt, SamplingParams
@@ -170,38 +173,83 @@ def engine_state(engine: Engine) -> str:
 
 @dataclass
 class JudgeLog:
-    """What one judge did in one step (reset by `SwappedJudge.pop`)."""
+    """What one judge did in one step (reset by `pop`)."""
 
     scored: int = 0
-    failures: int = 0
+    failures: int = 0  # samples whose judge output did not parse, or that the server failed
+    request_failures: int = 0  # samples of requests that failed as a whole (server unreachable)
+    judged: set[int] = field(default_factory=set)  # uids sent to the judge (not gated out)
     raw: dict[int, str] = field(default_factory=dict)  # sample uid -> raw judge output
     errors: dict[int, str] = field(default_factory=dict)  # sample uid -> parse error
     policy_awake: int = 0  # times the policy engine was awake while this judge was
 
+    def record(self, samples: Sequence[Sample], results: Sequence[ScoreResult], raw: Sequence[str] | None) -> None:
+        for pos, (sample, result) in enumerate(zip(samples, results, strict=True)):
+            uid = sample.metadata["uid"]
+            self.judged.add(uid)
+            if raw is not None:
+                self.raw[uid] = raw[pos]
+            if result.error is not None:
+                self.failures += 1
+                self.errors[uid] = result.error
+        self.scored += len(samples)
+
+
+class Judge(Protocol):
+    """What the loop needs of a judge, in process (`SwappedJudge`) or served (`ServedJudge`)."""
+
+    name: str
+    log: JudgeLog
+
+    def state(self) -> str: ...  # "awake" | "asleep" | "remote"
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]: ...
+
+    def check(self, sample: Sample) -> None: ...  # start-up dry run on one sample
+
+    def pop(self) -> JudgeLog: ...
+
+
+def judge_prompt(sample: Sample, index: int, use_rm_prompt: bool) -> str:
+    """The judge module's `text_prompts` entry: the row's `rm_prompt_{index}` or the policy prompt."""
+    return sample.metadata["rm_prompts"][index] if use_rm_prompt else sample.prompt
+
 
 class SwappedJudge:
     """Wake the judge, score the samples that reached it, put it back to sleep (`swap=False`:
-    the judge stays resident).
+    the judge stays resident once woken).
 
     The judge module's `text_prompts` are the row's `rm_prompt_{index}` (VeRL-with-RMs' per-judge
     template, `use_rm_prompt=True`) or the policy's own prompt (for modules such as
     `rl_rewards.judges.rubric` that write their own instructions). A sample whose output the
     module cannot parse is an error for that sample only; the composition then uses the
     judge's `fallback` score and this wrapper counts it in `judge_<name>/parse_failures`.
+    `offload` (CUDA) moves the weights through reused pinned buffers (`swapping`).
     """
 
     def __init__(self, name: str, index: int, scorer: JudgeScorer, engine: RecordingEngine,
                  monitor: PhaseMonitor, policy: Engine | None, use_rm_prompt: bool = True,
-                 swap: bool = True) -> None:
+                 swap: bool = True, offload: PinnedOffload | None = None) -> None:
         self.name, self.index, self.scorer, self.engine = name, index, scorer, engine
-        self.use_rm_prompt, self.swap = use_rm_prompt, swap
+        self.use_rm_prompt, self.swap, self.offload = use_rm_prompt, swap, offload
         self.monitor, self.policy = monitor, policy
         self.log = JudgeLog()
+
+    def state(self) -> str:
+        return engine_state(self.engine)
+
+    def wake(self) -> None:
+        if self.state() != "awake":  # remote/vLLM engines: their own wake (a no-op for a server)
+            wake_engine(self.engine, self.offload)
+
+    def sleep(self) -> None:
+        if self.state() != "asleep":
+            sleep_engine(self.engine, self.offload)
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
         judged = [msgspec.structs.replace(s, prompt=self.judge_prompt(s)) for s in samples]
         with self.monitor(f"judge_{self.name}_wake"):
-            self.engine.wake()
+            self.wake()
         if self.policy is not None and engine_state(self.policy) == "awake":
             self.log.policy_awake += 1
         self.engine.reset()
@@ -211,23 +259,97 @@ class SwappedJudge:
         finally:
             if self.swap:
                 with self.monitor(f"judge_{self.name}_sleep"):
-                    self.engine.sleep()
+                    self.sleep()
         texts = self.engine.texts
-        for pos, (sample, result) in enumerate(zip(samples, results, strict=True)):
-            uid = sample.metadata["uid"]
-            self.log.raw[uid] = texts[pos] if len(texts) == len(samples) else " | ".join(texts)
-            if result.error is not None:
-                self.log.failures += 1
-                self.log.errors[uid] = result.error
-        self.log.scored += len(samples)
+        self.log.record(samples, results, texts if len(texts) == len(samples) else [" | ".join(texts)] * len(samples))
         return results
 
     def judge_prompt(self, sample: Sample) -> str:
-        return sample.metadata["rm_prompts"][self.index] if self.use_rm_prompt else sample.prompt
+        return judge_prompt(sample, self.index, self.use_rm_prompt)
+
+    def check(self, sample: Sample) -> None:
+        self.wake()
+        try:
+            check_judge(self.scorer, self.judge_prompt(sample), sample.completion)
+        finally:
+            if self.swap:
+                self.sleep()
 
     def pop(self) -> JudgeLog:
         log, self.log = self.log, JudgeLog()
         return log
+
+
+class ServedJudge:
+    """A judge scored by an `rl-rewards serve` reward server through its native `/v1/score`
+    (`rl_rewards.client.RemoteScorer`): the server holds the judge model and its VeRL-with-RMs
+    module in its reward `spec` (a `[rewards.NAME]` table of the server's TOML), so this process
+    needs no accelerator memory for it. The gate and the add/mul fold stay here, exactly as for
+    an in-process judge: gated-out samples are never sent.
+
+    The served reward's total is this judge's score. A sample the server fails (an unparseable
+    judge output) comes back with an error: counted in `judge_<name>/parse_failures` and scored
+    by the judge's `fallback`. A request that fails as a whole after the client's retries fails
+    its samples the same way and is counted in `judge_<name>/request_failures` too. The server
+    does not return the judge's raw text, so samples.jsonl records `raw: null, judged: true`.
+    """
+
+    def __init__(self, name: str, index: int, scorer: RemoteScorer, monitor: PhaseMonitor,
+                 use_rm_prompt: bool = True) -> None:
+        self.name, self.index, self.scorer, self.monitor = name, index, scorer, monitor
+        self.use_rm_prompt = use_rm_prompt
+        self.log = JudgeLog()
+
+    def state(self) -> str:
+        return "remote"
+
+    def request(self, sample: Sample) -> Sample:
+        """What is sent: the judge prompt as `prompt`, the response, reference and row fields."""
+        meta = sample.metadata
+        return Sample(completion=sample.completion, prompt=judge_prompt(sample, self.index, self.use_rm_prompt),
+                      reference=sample.reference,
+                      metadata={"uid": meta["uid"], "data_source": meta["data_source"], "extra_info": meta["extra_info"]})
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        with self.monitor(f"judge_{self.name}_score"):
+            try:
+                results = self.scorer.score([self.request(s) for s in samples])
+            except RewardClientError as e:
+                results = [ScoreResult.failed(f"reward server request failed: {e}") for _ in samples]
+                self.log.request_failures += len(samples)
+        self.log.record(samples, results, raw=None)
+        return results
+
+    def check(self, sample: Sample) -> None:
+        """Start-up: the server answers, is ready, serves `spec`, and scores one sample (an error
+        for that sample is fine: an untrained judge writes anything)."""
+        check_server(self.scorer.url, self.scorer.reward, self.name)
+        self.scorer.score([self.request(sample)])
+
+    def pop(self) -> JudgeLog:
+        log, self.log = self.log, JudgeLog()
+        return log
+
+
+def check_server(url: str, spec: str, judge: str, ready_timeout: float = 60.0) -> None:
+    """Raise `ConnectionError` naming the judge and URL when no reward server answers there, or
+    `LookupError` listing the served rewards when `spec` is not one of them."""
+    client = RewardClient(url, timeout=10.0)
+    try:
+        try:
+            health = client.health()  # answers (503) while the server still loads its judges
+        except (httpx.TransportError, msgspec.MsgspecError) as e:
+            raise ConnectionError(f"judge {judge!r}: no rl-rewards server answers at {url} "
+                                  f"({type(e).__name__}: {e}); start one with `rl-rewards serve --config FILE`") from None
+        if spec not in health.rewards:
+            raise LookupError(f"judge {judge!r}: the reward server at {url} does not serve spec {spec!r}; "
+                              f"it serves {', '.join(health.rewards) or 'nothing'} (its [rewards.NAME] tables)")
+        try:
+            client.wait_ready(timeout=ready_timeout)
+        except TimeoutError as e:
+            raise ConnectionError(f"judge {judge!r}: the reward server at {url} is not ready: {e}") from None
+    finally:
+        client.close()
 
 
 class TimedScorer:

@@ -1,0 +1,185 @@
+"""The reward of a rider-grm step: rows -> samples, the judges built from the config (in
+process and swapped, or served), the VeRL-with-RMs fold of rule, judges and similarity, the
+reward metrics, and the sample generations written with each judge's raw output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+from judging import (
+    Judge,
+    JudgeLog,
+    PhaseMonitor,
+    RecordingEngine,
+    RuleScorer,
+    ServedJudge,
+    SwappedJudge,
+    TimedScorer,
+    load_function,
+)
+from rider_config import (
+    Config,
+    DataConfig,
+    JudgeConfig,
+    judge_configs,
+    judge_name,
+    resolve_model,
+    resolve_path,
+)
+from swapping import make_offload
+from transformers import AutoTokenizer
+
+from rl_core.train import ConfigError
+from rl_data import JudgeRecord, read_judge_records
+from rl_rewards.client import RemoteScorer
+from rl_rewards.composition import Reward, build_reward
+from rl_rewards.registry import build_scorer
+from rl_rewards.samples import Sample, ScoreResult
+from rl_rewards.scorers.judge import JudgeScorer
+from rl_rewards.spec import Component, Gate, RewardSpec
+from rl_rollout import Engine, Generation, build_engine
+from rl_rollout.hf import HFEngine
+
+# ----------------------------------------------------------------------------------- rows
+
+
+def messages(record: JudgeRecord) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in record.prompt]
+
+
+def load_records(files: list[str], tokenizer: Any, data: DataConfig) -> list[JudgeRecord]:
+    """Judge rows of `files`; prompts longer than max_prompt_length are dropped or rejected."""
+    records = []
+    for file in files:
+        for row, record in enumerate(read_judge_records(resolve_path(file))):
+            ids = tokenizer.apply_chat_template(messages(record), add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"]
+            if len(ids) <= data.max_prompt_length:
+                records.append(record)
+            elif not data.filter_overlong_prompts:
+                raise ValueError(f"{file} row {row}: prompt has {len(ids)} tokens > data.max_prompt_length")
+    if not records:
+        raise ValueError(f"no usable rows in {files}")
+    return records
+
+
+def make_samples(records: list[JudgeRecord], gens: list[Generation], offset: int) -> list[Sample]:
+    return [Sample(completion=g.text, prompt=r.prompt[-1].content, reference=r.ground_truth,
+                   metadata={"uid": offset + i, "data_source": r.data_source, "extra_info": r.extra_info,
+                             "rm_prompts": r.rm_prompts})
+            for i, (r, g) in enumerate(zip(records, gens, strict=True))]
+
+
+# ----------------------------------------------------------------------------------- judges
+
+
+def build_judge(i: int, judge: JudgeConfig, device: torch.device, monitor: PhaseMonitor,
+                policy: Engine | None, sleep: bool) -> Judge:
+    """One judge: served (`engine = "server"`), or an engine + scorer here, put to sleep right
+    after loading when `sleep` (so only one model is on the accelerator)."""
+    use_rm_prompt = judge.prompt == "rm_prompt"
+    if judge.engine == "server":
+        scorer = RemoteScorer(str(judge.url), str(judge.spec), timeout=judge.timeout_s)
+        return ServedJudge(judge_name(judge), i, scorer, monitor, use_rm_prompt=use_rm_prompt)
+    if judge.engine == "hf":
+        inner: Engine = HFEngine.from_pretrained(resolve_model(judge.model), device=device, **judge.engine_options)
+    elif judge.engine == "openai":
+        inner = build_engine("openai", base_url=judge.url, model=judge.model, **judge.engine_options)
+    else:
+        inner = build_engine("vllm", model=resolve_model(judge.model), **judge.engine_options)
+    engine = RecordingEngine(inner)
+    tokenizer = judge.tokenizer or (judge.model if judge.engine == "openai" else resolve_model(judge.model))
+    scorer = JudgeScorer(engine, AutoTokenizer.from_pretrained(resolve_path(tokenizer)), resolve_path(judge.module),
+                         temperature=judge.temperature, max_new_tokens=judge.max_new_tokens)
+    swapped = SwappedJudge(judge_name(judge), i, scorer, engine, monitor, policy, use_rm_prompt=use_rm_prompt,
+                           swap=sleep, offload=make_offload(engine, device))
+    if sleep:
+        swapped.sleep()
+    return swapped
+
+
+def build_judges(judges: list[JudgeConfig], device: torch.device, monitor: PhaseMonitor,
+                 policy: Engine | None, n_rm_prompts: int, sleep: bool) -> list[Judge]:
+    for i, judge in enumerate(judges):
+        if judge.prompt == "rm_prompt" and i >= n_rm_prompts:
+            where = judge.module or f"spec {judge.spec!r}"
+            raise ConfigError(f"reward.judges[{i}] ({where}) has no rm_prompt_{i} column in the data")
+    return [build_judge(i, judge, device, monitor, policy, sleep) for i, judge in enumerate(judges)]
+
+
+def compose_reward(cfg: Config, judges: list[Judge], monitor: PhaseMonitor, device: torch.device) -> Reward:
+    """rule -> judges (add/mul, gated on the rule) -> similarity, as VeRL-with-RMs' left fold."""
+    components: dict[str, Component] = {}
+    scorers: dict[str, Any] = {}
+    if cfg.reward.rule is not None:
+        components["rule"] = Component(scorer="rule", weight=cfg.reward.rule_weight)
+        scorers["rule"] = RuleScorer(load_function(resolve_path(cfg.reward.rule)), monitor)
+    for judge, jc in zip(judges, judge_configs(cfg.reward), strict=True):
+        gate = None
+        if jc.gate is not None:
+            if "rule" not in components:
+                raise ConfigError(f"judge {judge.name!r} has a gate but reward.rule is not set")
+            gate = Gate(component="rule", threshold=jc.gate)
+        components[judge.name] = Component(scorer="judge", weight=jc.weight, op=jc.combine, gate=gate,
+                                           fallback=jc.fallback)
+        scorers[judge.name] = judge
+    emb = cfg.reward.embedding
+    if emb.model is not None:
+        components["similarity"] = Component(scorer="embedding_similarity", weight=emb.weight, op="add")
+        # VeRL-with-RMs adds weight * (0.7 * mapped similarity + 0.3)
+        inner = build_scorer("embedding_similarity", model=resolve_model(emb.model), scale=0.7, offset=0.3,
+                             device=str(device))
+        scorers["similarity"] = TimedScorer(inner, monitor, "similarity")
+    if not components:
+        raise ConfigError("no reward: set reward.rule, reward.judges or reward.embedding.model")
+    return build_reward(RewardSpec(components=components, combine="fold"), scorers)
+
+
+# ----------------------------------------------------------------------------------- scoring
+
+
+def score(reward: Reward, judges: list[Judge], samples: list[Sample]) -> tuple[list[ScoreResult], dict[str, JudgeLog]]:
+    """Combined scores (a failed sample scores 0 and is counted) and the judges' logs."""
+    results = reward.score(samples)
+    logs = {judge.name: judge.pop() for judge in judges}
+    return results, logs
+
+
+def reward_metrics(results: list[ScoreResult], logs: dict[str, JudgeLog], prefix: str) -> dict[str, float]:
+    """Mean/std of the combined reward and of each component over all ranks, judge counters."""
+    everything = gather_object([(r.score, r.components) for r in results])
+    totals = torch.tensor([0.0 if s is None else s for s, _ in everything])
+    out = {f"{prefix}reward/mean": totals.mean().item(), f"{prefix}reward/std": totals.std(unbiased=False).item(),
+           f"{prefix}reward/errors": sum(s is None for s, _ in everything)}
+    keys = sorted({k for _, comps in everything for k in comps})
+    for key in keys:
+        vals = torch.tensor([comps[key] for _, comps in everything if key in comps])
+        out[f"{prefix}score/{key}_mean"] = vals.mean().item()
+        out[f"{prefix}score/{key}_std"] = vals.std(unbiased=False).item()
+    for name, log in logs.items():
+        counts = gather_object([(log.scored, log.failures, log.policy_awake, log.request_failures)])
+        out[f"{prefix}judge_{name}/scored"] = sum(c[0] for c in counts)
+        out[f"{prefix}judge_{name}/parse_failures"] = sum(c[1] for c in counts)
+        out[f"{prefix}judge_{name}/request_failures"] = sum(c[3] for c in counts)
+        out[f"{prefix}check/policy_awake_during_{name}"] = sum(c[2] for c in counts)
+    return out
+
+
+def write_samples(path: Path, step: int, samples: list[Sample], results: list[ScoreResult],
+                  logs: dict[str, JudgeLog], limit: int, split: str) -> None:
+    """Append `limit` samples: prompt, completion, reward, components, and per judge its score,
+    raw output (`null` when gated out, or for a served judge whose server returns no text),
+    parse error, and whether the sample was sent to it (`judged`)."""
+    with path.open("a", encoding="utf-8") as f:
+        for sample, result in list(zip(samples, results, strict=True))[:limit]:
+            uid = sample.metadata["uid"]
+            judges = {name: {"score": result.components.get(name), "raw": log.raw.get(uid),
+                             "error": log.errors.get(uid), "judged": uid in log.judged}
+                      for name, log in logs.items()}
+            row = {"step": step, "split": split, "prompt": sample.prompt, "completion": sample.completion,
+                   "reward": result.score, "components": result.components, "judges": judges}
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")

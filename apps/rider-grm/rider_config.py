@@ -1,0 +1,224 @@
+"""rider-grm's configuration: the msgspec Structs read from TOML + dotted overrides, the seed's
+shell variables, the seed's per-judge parallel lists, and model/file path resolution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from rl_core.train import ConfigError
+from rl_models import tiny
+
+APP_DIR = Path(__file__).resolve().parent
+REPO_ROOT = APP_DIR.parents[1]
+DEFAULT_CONFIG = APP_DIR / "configs" / "default.toml"
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
+    path: str = "Qwen/Qwen3-1.7B"
+    """Policy (actor_rollout_ref.model.path); `tiny:qwen3[:seed]` builds a tiny random checkpoint."""
+    dtype: str = "bfloat16"  # float32 | bfloat16 | float16
+    ref_offload: bool = True  # keep the reference on CPU except while it scores (ref param_offload)
+    optimizer_offload: bool = True  # optimizer state on CPU while the judges run (actor optimizer_offload)
+
+
+class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
+    train_files: list[str] = []  # verl parquet: prompt, rm_prompt_{i}, reward_model.ground_truth
+    val_files: list[str] = []
+    max_prompt_length: Positive = 6144
+    max_response_length: Positive = 2048
+    filter_overlong_prompts: bool = True  # False: an overlong prompt is an error naming its row
+
+
+class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
+    n: Positive = 4  # responses per prompt (actor_rollout_ref.rollout.n)
+    temperature: float = 0.8
+    top_p: float = 1.0
+    top_k: int = 0
+    val_temperature: float = 0.0  # 0 = greedy validation
+    max_batch_size: Positive = 64  # rows decoded together by the hf engine
+    compile: bool = False  # compile the decode step (CUDA graphs); off: weights move on sleep/wake
+
+
+class JudgeConfig(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """One generative judge. `omit_defaults`: unset fields (None defaults included) are left out
+    when the config is written back as TOML (`config.toml` of the run), which has no null."""
+
+    module: str = ""
+    """VeRL-with-RMs reward module (import path or .py file) with rm_preprocess/rm_postprocess;
+    not used with engine = "server" (the server holds the module)."""
+    model: str = ""  # judge checkpoint, or the served model name for engine = "openai"
+    name: str | None = None  # metric name (default: the module's last part, or `spec`)
+    weight: float = 1.0
+    combine: Literal["add", "mul"] = "add"  # total += w*score | total *= w*score
+    temperature: float = 0.7
+    max_new_tokens: Positive = 512
+    engine: Literal["hf", "vllm", "openai", "server"] = "hf"
+    """hf: in process, swapped on and off the GPU; vllm: in process; openai: an OpenAI-compatible
+    generation server at `url` (the module runs here); server: an `rl-rewards serve` reward server
+    at `url` scoring with its reward named `spec` (module, model and sampling live on the server)."""
+    url: str | None = None  # server URL (engine = "openai" or "server")
+    spec: str | None = None  # engine = "server": the reward name configured on the server ([rewards.NAME])
+    timeout_s: float = 600.0  # engine = "server": per-request timeout (judges generate: be generous)
+    engine_options: dict[str, Any] = {}  # e.g. {gpu_memory_utilization = 0.8} for vllm
+    gate: float | None = None  # score only samples whose rule reward is >= gate
+    fallback: float = 0.0  # score of a sample whose judge output does not parse
+    tokenizer: str | None = None  # judge tokenizer for rm_preprocess (default: model)
+    prompt: Literal["rm_prompt", "prompt"] = "rm_prompt"
+    """text_prompts given to rm_preprocess: the row's rm_prompt_{i} (VeRL-with-RMs) or the
+    policy's prompt (modules that write their own instructions, e.g. rl_rewards.judges.rubric)."""
+
+
+class VerlJudgeLists(msgspec.Struct, kw_only=True, frozen=True):
+    """The seed's per-judge parallel lists (reward_model.*), expanded into `reward.judges`."""
+
+    reward_function: list[str] = []
+    model_path: list[str] = []
+    reward_weight: list[float] = []
+    reward_combine_func: list[Literal["add", "mul"]] = []
+    temperature: list[float] = []
+    gpu_memory_utilization: list[float] = []
+
+
+class EmbeddingConfig(msgspec.Struct, kw_only=True, frozen=True):
+    model: str | None = None  # BGE-style encoder (bge_sim.py); None = no similarity reward
+    weight: float = 1.0  # total += weight * (0.7 * mapped similarity + 0.3), REFERENCE.md §3
+
+
+class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
+    swap: Literal["auto", "always", "never"] = "auto"
+    """always: wake each in-process judge only while it scores and put the policy (weights and
+    optimizer state) to sleep meanwhile — one model on the GPU at a time (VeRL-with-RMs' plan).
+    never: the policy and every judge stay resident (fastest when all of them fit).
+    auto: step 1 runs as `always` and measures each phase's peak memory; from step 2 on, the
+    fastest plan whose measured needs fit in `swap_memory_fraction` of the GPU (everything
+    resident, or the policy resident and judges swapped, or `always`). On CPU: `always`."""
+    swap_memory_fraction: float = 0.9  # share of the GPU's memory `auto` may plan to use
+    rule: str | None = None  # "pkg.mod:compute_score" or "file.py:compute_score"
+    rule_weight: float = 1.0
+    judges: list[JudgeConfig] = []
+    verl: VerlJudgeLists = VerlJudgeLists()
+    embedding: EmbeddingConfig = EmbeddingConfig()
+
+
+class AlgoConfig(msgspec.Struct, kw_only=True, frozen=True):
+    adv_estimator: str = "reinforce_pp"  # reinforce_pp | reinforce_pp_baseline | grpo | rloo
+    gamma: float = 1.0  # reinforce_pp discount
+    loss: str = "ppo_clip"  # ppo_clip | dual_clip | gspo
+    agg: str = "token-mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    use_kl_loss: bool = True
+    kl_loss_type: str = "k3"  # low_var_kl
+    kl_loss_coef: float = 1e-4
+    kl_in_reward: bool = False  # subtract kl_coef * KL from token rewards instead / as well
+    kl_coef: float = 0.001  # algorithm.kl_ctrl.kl_coef
+    kl_reward_type: str = "k1"
+    replay_tolerance: float | None = None  # engine vs trainer |dlogp| (None: 1e-3 fp32, 5e-2 16-bit)
+
+
+class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
+    batch_size: Positive = 32  # prompts per step, all processes (data.train_batch_size)
+    mini_batch_size: Positive = 8  # prompts per optimizer step (ppo_mini_batch_size)
+    micro_batch_size: Positive = 4  # sequences per forward/backward (log_prob_micro_batch_size)
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    epochs: Positive = 15
+    max_steps: int | None = None
+    save_freq: Positive = 30
+    keep_last: Positive = 2
+    test_freq: int = 0  # validate every N steps and at the end; 0 = only at the end
+    val_before_train: bool = False
+    output_dir: str = "runs/rider-grm"
+    run_name: str | None = None
+    seed: int = 0
+    samples_to_log: int = 4  # generations (with each judge's raw output) written per step
+    log_with: list[str] = []  # accelerate trackers (trainer.logger)
+    print_summary: bool = True
+
+
+class Config(msgspec.Struct, kw_only=True, frozen=True):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    algo: AlgoConfig = AlgoConfig()
+    train: TrainConfig = TrainConfig()
+
+
+# The seed's shell variables, so its launch script keeps working.
+ENV = {"MODEL_PATH": "model.path", "TRAIN_FILE": "data.train_files", "SAVE_DIR": "train.output_dir",
+       "LR_ACTOR": "train.lr", "NUM_EPISODES": "train.epochs", "n_samples_per_prompt": "rollout.n"}
+
+
+def judge_configs(reward: RewardConfig) -> list[JudgeConfig]:
+    """`reward.judges`, or the seed's parallel lists expanded; unequal lengths and judges missing
+    what their engine needs are rejected."""
+    judges = _expand_verl_lists(reward)
+    check_judges(judges)
+    return judges
+
+
+def _expand_verl_lists(reward: RewardConfig) -> list[JudgeConfig]:
+    lists = msgspec.structs.asdict(reward.verl)
+    given = {k: v for k, v in lists.items() if v}
+    if not given:
+        return list(reward.judges)
+    if reward.judges:
+        raise ConfigError("set either reward.judges or the reward.verl.* lists, not both")
+    lengths = {f"reward.verl.{k}": len(v) for k, v in given.items()}
+    if len(set(lengths.values())) != 1 or "reward_function" not in given or "model_path" not in given:
+        raise ConfigError(f"reward.verl lists must all have one entry per judge (reward_function and "
+                          f"model_path required); got lengths {lengths}")
+    out = []
+    for i, (module, model) in enumerate(zip(given["reward_function"], given["model_path"], strict=True)):
+        kw: dict[str, Any] = {"module": module, "model": model}
+        for key, field in (("reward_weight", "weight"), ("reward_combine_func", "combine"), ("temperature", "temperature")):
+            if key in given:
+                kw[field] = given[key][i]
+        if "gpu_memory_utilization" in given:
+            kw["engine_options"] = {"gpu_memory_utilization": given["gpu_memory_utilization"][i]}
+        out.append(JudgeConfig(**kw))
+    return out
+
+
+def check_judges(judges: list[JudgeConfig]) -> None:
+    """Each judge has the fields its engine needs (fails at config load, naming the judge)."""
+    for i, judge in enumerate(judges):
+        where = f"reward.judges[{i}] (engine = {judge.engine!r})"
+        if judge.engine == "server":
+            if not judge.url or not judge.spec:
+                raise ConfigError(f"{where} needs url (the rl-rewards serve address) and spec (a reward "
+                                  "name configured on that server)")
+            continue
+        if not judge.module or not judge.model:
+            raise ConfigError(f"{where} needs module (a VeRL-with-RMs reward module) and model")
+        if judge.engine == "openai" and not judge.url:
+            raise ConfigError(f"{where} needs url (the OpenAI-compatible server's base URL)")
+
+
+def judge_name(judge: JudgeConfig) -> str:
+    if judge.name:
+        return judge.name
+    if judge.engine == "server":
+        return str(judge.spec)
+    return judge.module.removesuffix(".py").replace("/", ".").split(".")[-1]
+
+
+def resolve_path(path: str) -> str:
+    """Relative paths are tried against the working directory, then the repository root."""
+    if Path(path).exists() or Path(path).is_absolute() or not (REPO_ROOT / path).exists():
+        return path
+    return str(REPO_ROOT / path)
+
+
+def resolve_model(spec: str) -> str:
+    """`tiny:<family>[:seed]` -> a tiny random checkpoint folder (`rl_models.tiny`)."""
+    if not spec.startswith("tiny:"):
+        return resolve_path(spec)
+    family, _, seed = spec.removeprefix("tiny:").partition(":")
+    return str(tiny.build(family, seed=int(seed or 0)))

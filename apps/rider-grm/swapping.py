@@ -1,0 +1,261 @@
+"""Moving models on and off the accelerator cheaply, and deciding when not to.
+
+VeRL-with-RMs keeps one model on the GPU at a time: the policy sleeps while each judge wakes,
+scores and sleeps again. `HFEngine.sleep()` does `model.to("cpu")`: a synchronous copy into
+freshly allocated pageable memory per tensor, which on an H200 took 2-5 s for the Qwen3-1.7B
+policy and its Adam moments (a third of the step). Here the copies go through **page-locked
+host buffers allocated once and reused** (`PinnedOffload`, `OptimizerOffload`): all copies of a
+model are queued `non_blocking` and synchronised once, at full PCIe bandwidth. The engine's own
+`sleep()`/`wake()` still run afterwards/before (dropping the KV cache, emptying the allocator,
+flipping the engine state) but find the weights already where they should be, so they move
+nothing. On CPU nothing moves at all.
+
+`compute_swap_plan` picks, from one measured step, whether swapping is needed at all
+(`reward.swap = "auto"`): the fastest plan whose measured memory fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+PlanName = Literal["always", "judges", "never"]
+
+
+@dataclass(frozen=True)
+class SwapPlan:
+    """Who leaves the accelerator while others work. `always`: the policy (weights + optimizer
+    state) sleeps while judges score and each judge sleeps after scoring (one model resident);
+    `judges`: the policy stays, judges still take turns; `never`: everything stays resident."""
+
+    name: PlanName
+    offload_policy: bool
+    sleep_judges: bool
+
+
+PLANS: dict[PlanName, SwapPlan] = {
+    "always": SwapPlan("always", offload_policy=True, sleep_judges=True),
+    "judges": SwapPlan("judges", offload_policy=False, sleep_judges=True),
+    "never": SwapPlan("never", offload_policy=False, sleep_judges=False),
+}
+
+
+def compute_swap_plan(policy_peak: float, policy_resident: float, judge_weights: Sequence[float],
+                      judge_peaks: Sequence[float], capacity: float) -> PlanName:
+    """The fastest plan whose memory fits in `capacity` (all in the same unit, e.g. GiB).
+
+    Measured on a step run with `always` (so each phase saw only its own model):
+    - `policy_peak`: the largest peak of the policy's phases (generate, replay, update), judges asleep;
+    - `policy_resident`: what the policy keeps on the accelerator between its phases (weights
+      and optimizer state; gradients are freed after each update);
+    - `judge_weights[j]`: judge j's weights; `judge_peaks[j]`: the peak while judge j scored,
+      the policy asleep (its weights + KV cache + activations + whatever else was resident).
+
+    `never` needs the policy's peak plus every judge's weights, and each judge's scoring peak
+    plus the policy and the other judges' weights; `judges` needs each judge's scoring peak
+    plus the resident policy. Example: capacity 80, policy peak 30 (resident 20), judges of 10
+    and 10 weights scoring at peak 25 each: never = max(30 + 20, 25 + 20 + 10) = 55 -> "never".
+    """
+    if len(judge_weights) != len(judge_peaks):
+        raise ValueError(f"{len(judge_weights)} judge weights but {len(judge_peaks)} judge peaks")
+    if not judge_peaks:
+        return "never"  # nothing to swap in: keeping the policy resident costs nothing
+    total = sum(judge_weights)
+    never = max(policy_peak + total,
+                *(peak + policy_resident + total - w for w, peak in zip(judge_weights, judge_peaks, strict=True)))
+    if never <= capacity:
+        return "never"
+    if max(judge_peaks) + policy_resident <= capacity:
+        return "judges"
+    return "always"
+
+
+# ------------------------------------------------------------------------------ offloading
+
+
+def _unique_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters and buffers, each once (tied weights are one Parameter)."""
+    seen: dict[int, torch.Tensor] = {}
+    for t in (*module.parameters(), *module.buffers()):
+        seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+def _pinned_like(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+class PinnedOffload:
+    """A module's parameters and buffers moved between `device` and page-locked host buffers
+    that are allocated on the first `to_host()` and reused ever after.
+
+    While on the host, each tensor's `.data` *is* its host buffer (so the module still works
+    on CPU, and `module.to("cpu")` afterwards moves nothing). `to_device()` queues every copy
+    `non_blocking` and synchronises once. `pin=False` (no CUDA) uses ordinary host memory.
+    """
+
+    def __init__(self, module: torch.nn.Module, device: torch.device, *, pin: bool | None = None) -> None:
+        self.device = torch.device(device)
+        self.pin = self.device.type == "cuda" if pin is None else pin
+        self.tensors = _unique_tensors(module)
+        self.host: list[torch.Tensor] = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    @torch.no_grad()
+    def to_host(self) -> None:
+        if not self.host:
+            self.host = [_pinned_like(t, self.pin) for t in self.tensors]
+        for t, host in zip(self.tensors, self.host, strict=True):
+            if t.data.data_ptr() != host.data_ptr():
+                host.copy_(t.data, non_blocking=True)
+        _sync(self.device)  # the host copies are complete before the device copies are freed
+        for t, host in zip(self.tensors, self.host, strict=True):
+            t.data = host
+
+    @torch.no_grad()
+    def to_device(self) -> None:
+        for t in self.tensors:
+            if t.device != self.device:
+                t.data = t.data.to(self.device, non_blocking=True)
+        _sync(self.device)
+
+
+class OptimizerOffload:
+    """An optimizer's state tensors (Adam moments; not the 0-dim `step` counters) moved to
+    reused page-locked host buffers and back, one synchronisation per direction. Tensors that
+    are not on `device` are left alone (nothing to free)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        self.optimizer, self.device = optimizer, torch.device(device)
+        self.pin = self.device.type == "cuda"
+        self.host: dict[tuple[int, str], torch.Tensor] = {}
+
+    def _entries(self) -> list[tuple[int, dict[str, Any], str, torch.Tensor]]:
+        """(parameter id, its state dict, key, tensor) for every state tensor of dim > 0."""
+        return [(id(param), state, key, value) for param, state in self.optimizer.state.items()
+                for key, value in state.items() if isinstance(value, torch.Tensor) and value.dim() > 0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for *_, v in self._entries())
+
+    @torch.no_grad()
+    def to_host(self) -> None:
+        moved = []
+        for pid, state, key, value in self._entries():
+            if value.device != self.device:
+                continue
+            host = self.host.get((pid, key))
+            if host is None or host.shape != value.shape or host.dtype != value.dtype:
+                host = self.host[(pid, key)] = _pinned_like(value, self.pin)
+            host.copy_(value, non_blocking=True)
+            moved.append((state, key, host))
+        _sync(self.device)
+        for state, key, host in moved:
+            state[key] = host
+
+    @torch.no_grad()
+    def to_device(self) -> None:
+        for _, state, key, value in self._entries():
+            if value.device != self.device:
+                state[key] = value.to(self.device, non_blocking=True)
+        _sync(self.device)
+
+
+# ------------------------------------------------------------------------------ engines
+
+
+def engine_model(engine: Any) -> torch.nn.Module | None:
+    """The in-process model behind an `HFEngine` (possibly wrapped), else None (remote, vLLM)."""
+    inner = engine.inner if type(engine).__name__ == "RecordingEngine" else engine
+    return inner.model if type(inner).__name__ == "HFEngine" else None
+
+
+def make_offload(engine: Any, device: torch.device) -> PinnedOffload | None:
+    """Pinned offload for an in-process HF engine on an accelerator; None where nothing moves."""
+    model = engine_model(engine)
+    if model is None or torch.device(device).type == "cpu":
+        return None
+    return PinnedOffload(model, device)
+
+
+def sleep_engine(engine: Any, offload: PinnedOffload | None) -> None:
+    if offload is not None:
+        offload.to_host()
+    engine.sleep()
+
+
+def wake_engine(engine: Any, offload: PinnedOffload | None) -> None:
+    if offload is not None:
+        offload.to_device()
+    engine.wake()
+
+
+# ------------------------------------------------------------------------------ the policy
+
+
+class PolicySwap:
+    """The policy engine (which wraps the training model) and its optimizer state, put to sleep
+    before the judges score and woken after, as the current plan says.
+
+    mode "always"/"never" fix the plan; "auto" starts as "always" and `decide()` switches to the
+    fastest plan that fits once a step has measured every in-process judge (CUDA only).
+    """
+
+    def __init__(self, engine: Any, optimizer: torch.optim.Optimizer, device: torch.device, *,
+                 mode: Literal["auto", "always", "never"], offload_optimizer: bool, memory_fraction: float) -> None:
+        self.engine, self.device = engine, torch.device(device)
+        self.weights = make_offload(engine, self.device)
+        cuda = self.device.type == "cuda"
+        self.optimizer = OptimizerOffload(optimizer, self.device) if offload_optimizer and cuda else None
+        self.pending = mode == "auto" and cuda
+        self.plan = PLANS["always" if mode == "auto" else mode]
+        self.memory_fraction = memory_fraction
+
+    def offload(self) -> None:
+        if not self.plan.offload_policy:
+            return
+        sleep_engine(self.engine, self.weights)
+        if self.optimizer is not None:
+            self.optimizer.to_host()
+
+    def wake(self) -> None:
+        if not self.plan.offload_policy:
+            return
+        wake_engine(self.engine, self.weights)
+        if self.optimizer is not None:
+            self.optimizer.to_device()
+
+    def resident_gib(self) -> float:
+        """Policy weights + optimizer state, which stay on the GPU unless offloaded."""
+        weights = self.weights.nbytes if self.weights is not None else 0
+        optimizer = self.optimizer.nbytes if self.optimizer is not None else 0
+        return (weights + optimizer) / 2**30
+
+    def decide(self, metrics: Mapping[str, float], judges: Mapping[str, float]) -> SwapPlan | None:
+        """`auto`: the plan for the next steps from one step's `mem/<phase>_gib` (run as `always`)
+        and `judges` (name -> weights GiB of each in-process judge). None while a judge has not
+        scored yet (its peak is unknown) or when the plan is fixed."""
+        if not self.pending:
+            return None
+        peaks = [metrics.get(f"mem/judge_{name}_score_gib") for name in judges]
+        if any(p is None for p in peaks):
+            return None
+        phases = ("generate", "old_logp", "ref_logp", "advantages", "update")
+        policy_peak = max(metrics.get(f"mem/{p}_gib", 0.0) for p in phases)
+        capacity = torch.cuda.get_device_properties(self.device).total_memory / 2**30 * self.memory_fraction
+        name = compute_swap_plan(policy_peak, self.resident_gib(), list(judges.values()),
+                                 [float(p) for p in peaks if p is not None], capacity)
+        self.pending, self.plan = False, PLANS[name]
+        return self.plan
