@@ -1,22 +1,30 @@
-"""caption-rl throughput: the app's own loop on a random-weight policy at Qwen3-VL-2B shape.
+"""caption-rl against TRL's GRPOTrainer: one RL step on a random-weight policy at Qwen3-VL-2B shape.
 
     uv run --package caption-rl python benchmarks/caption_rl.py            # one H100/H200
-    uv run --package caption-rl python benchmarks/caption_rl.py --smoke    # tiny, CPU, seconds
+    uv run --package caption-rl python benchmarks/caption_rl.py --smoke    # tiny, CPU, ~1 minute
 
-32 images x n=8 captions of 256 tokens per step, in-process rule reward (timestamp format +
-length: apps/caption-rl/configs/rule_reward.toml), full fine-tuning in bf16. Reports verl's
-throughput (prompt + response tokens per step / step seconds / GPUs), seconds per phase
-(generate, reward, logprob, update) and peak GPU memory, averaged over the steps after the
-first (warm-up). When TRL is importable, `trl.GRPOTrainer` runs the same model, images, group
-size, lengths and reward in the same process for the ratio; TRL is not a dependency of this
-workspace, so install it into the benchmark environment to get that row.
+Both trainers get the same checkpoint, the same 32 images x n=8 captions of 256 tokens per
+step, the same in-process rule reward (timestamp format + length:
+apps/caption-rl/configs/rule_reward.toml), pure-bf16 full fine-tuning with gradient
+checkpointing, micro-batches of 16 captions, one optimizer step per RL step, clip 0.2/0.28,
+token-mean loss, no KL. Each runs in its own process (clean CUDA peak and Accelerate state).
+Reported: verl's throughput (prompt + response tokens per step / step seconds / GPUs), seconds
+per phase (caption-rl) and peak GPU memory, averaged over the steps after the first (warm-up).
+
+TRL is not a dependency of this workspace: the benchmark environment needs `trl` and `datasets`
+importable (e.g. wheels installed with `pip install --no-deps` into a folder on PYTHONPATH);
+without them the run stops and names what is missing.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import gc
+import itertools
+import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -71,30 +79,32 @@ def build_policy(out: Path, smoke: bool) -> Path:
     return out
 
 
-def run_app(policy: Path, out: Path, *, smoke: bool, steps: int) -> dict[str, float]:
-    from caption_parts import load_records
+MAX_PIXELS = 448 * 448  # per image, both trainers
+# (prompts per step, captions per prompt, caption tokens, captions per micro-batch)
+FULL, SMOKE = (32, 8, 256, 16), (4, 2, 16, 4)
 
+
+def run_caption_rl(policy: Path, out: Path, *, smoke: bool, steps: int) -> dict[str, float]:
+    """The app's own loop (`apps/caption-rl`), figures from its metrics.csv."""
     app = _load_app()
     images = REPO / "examples" / "data" / "caption_qa_images.jsonl"
-    prompts, n, tokens = (4, 2, 16) if smoke else (32, 8, 256)
-    assert len(load_records([str(images)], [], eval_size=0, task="auto", seed=0).train) == 16
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
+    prompts, n, tokens, micro = SMOKE if smoke else FULL
     run = app.main([
         f"model.path={policy}", "model.dtype=bfloat16", "model.gradient_checkpointing=true",
-        f"data.train=[\"{images}\"]", "data.max_pixels=200704",
+        f"data.train=[\"{images}\"]", f"data.max_pixels={MAX_PIXELS}",
         f"rollout.n={n}", f"rollout.max_new_tokens={tokens}", f"rollout.max_batch_size={prompts * n}",
         f"reward.spec={APP / 'configs' / 'rule_reward.toml'}", "reward.length_tokenizer=whitespace",
-        f"train.batch_size={prompts}", f"train.micro_batch_size={4 if smoke else 16}", f"train.max_steps={steps}",
+        f"train.batch_size={prompts}", f"train.micro_batch_size={micro}", f"train.max_steps={steps}",
         "train.epochs=100", "train.eval_freq=0", "train.save_freq=1000000", "train.export=false",
-        f"train.output_dir={out}", "algo.replay_tolerance=0.5",
+        f"train.output_dir={out}", "algo.replay_tolerance=0.5", "algo.clip_low=0.2", "algo.clip_high=0.28",
+        "algo.agg=token-mean", "algo.kl_coef=0",
     ])
     with (run / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))[1:]  # drop the warm-up step
     mean = lambda key: statistics.fmean(float(r[key]) for r in rows)  # noqa: E731
     figures = {key: mean(key) for key in ("throughput/tokens_per_s", "time/step", "time/generate", "time/reward",
                                           "time/logprob", "time/update", "response/length_mean")}
-    figures["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    figures["peak_gib"] = _peak_gib()
     return figures
 
 
@@ -108,74 +118,123 @@ def _load_app():
     return module
 
 
-def run_trl(policy: Path, *, smoke: bool, steps: int) -> dict[str, float] | None:
-    """TRL's GRPOTrainer on the same model, images, group size, lengths and rule reward; None
-    when TRL is not installed. Not run in this workspace's CI (TRL is not a dependency)."""
+def _peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+def trl_rows(prompts: int) -> list[dict]:
+    """The app's prompts and images for TRL: conversational prompt text plus an `image` column
+    (TRL puts the image before the text, where the records' `<image>` placeholder is), resized
+    to the same pixel budget as the app's `data.max_pixels`."""
+    from caption_parts import load_records, prompt_text, to_messages
+
+    images = REPO / "examples" / "data" / "caption_qa_images.jsonl"
+    records = load_records([str(images)], [], eval_size=0, task="image", seed=0).train
+    rows = []
+    for record in (records * prompts)[:prompts]:
+        [image] = [part["image"] for m in to_messages(record, fps=1.0, max_frames=1, max_pixels=MAX_PIXELS)
+                   for part in m["content"] if part["type"] == "image"]
+        rows.append({"prompt": [{"role": "user", "content": prompt_text(record)}], "image": image})
+    return rows
+
+
+def run_trl(policy: Path, out: Path, *, smoke: bool, steps: int) -> dict[str, float]:
+    """`trl.GRPOTrainer` with the app's data, group size, lengths, micro-batch, loss and reward:
+    one optimizer step per RL step (gradient accumulation over the whole generation batch)."""
     try:
+        import datasets
         import trl
-    except ImportError:
-        return None
-    from datasets import Dataset
+    except ImportError as e:
+        raise SystemExit(f"TRL side needs `trl` and `datasets` importable ({e}); see this file's docstring") from None
     from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback
 
-    from rl_data import load_image, read_caption_qa
     from rl_rewards import build_reward
     from rl_rewards.adapters import as_trl_reward
 
-    prompts, n, tokens = (4, 2, 16) if smoke else (32, 8, 256)
-    records = list(read_caption_qa(REPO / "examples" / "data" / "caption_qa_images.jsonl"))
-    rows = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Please describe this image in detail."}]}],
-             "image": load_image(r.images[0])} for r in (records * 2)[:prompts]]
-    reward = as_trl_reward(build_reward(APP / "configs" / "rule_reward.toml"))
-    args = trl.GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=prompts * n, num_generations=n,
-                          max_completion_length=tokens, max_steps=steps, learning_rate=1e-5, bf16=torch.cuda.is_available(),
-                          gradient_checkpointing=True, logging_steps=1, report_to=[], save_strategy="no",
-                          temperature=1.0, beta=0.0)
+    prompts, n, tokens, micro = SMOKE if smoke else FULL
+    args = trl.GRPOConfig(
+        output_dir=str(out), per_device_train_batch_size=micro, gradient_accumulation_steps=prompts * n // micro,
+        num_generations=n, max_completion_length=tokens, max_steps=steps, learning_rate=1e-5, bf16=False,
+        gradient_checkpointing=True, temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, epsilon_high=0.28,
+        loss_type="dapo", num_iterations=1, logging_steps=1, report_to="none", save_strategy="no",
+        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, seed=0)
     model = AutoModelForImageTextToText.from_pretrained(policy, dtype=torch.bfloat16)
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=as_trl_reward(build_reward(APP / "configs" / "rule_reward.toml")),
+                              args=args, train_dataset=datasets.Dataset.from_list(trl_rows(prompts * steps)),
                               processing_class=AutoProcessor.from_pretrained(policy))
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
     times: list[float] = []
 
-    class Timer(TrainerCallback):
+    class StepTimer(TrainerCallback):
         def on_step_begin(self, *args, **kwargs):
             self.began = time.perf_counter()
 
         def on_step_end(self, *args, **kwargs):
             times.append(time.perf_counter() - self.began)
 
-    trainer.add_callback(Timer())
+    trainer.add_callback(StepTimer())
     trainer.train()
-    return {"time/step": statistics.fmean(times[1:]) if len(times) > 1 else times[0],
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")}
+    logs = [entry for entry in trainer.state.log_history if "num_tokens" in entry]
+    seen = [0.0] + [float(entry["num_tokens"]) for entry in logs]  # cumulative prompt + completion tokens
+    per_step = [b - a for a, b in itertools.pairwise(seen)]
+    return {"trl_version": trl.__version__, "throughput/tokens_per_s": statistics.fmean(t / s for t, s in list(zip(per_step, times, strict=True))[1:]),
+            "time/step": statistics.fmean(times[1:]),
+            "response/length_mean": statistics.fmean(float(e["completions/mean_length"]) for e in logs[1:]),
+            "peak_gib": _peak_gib()}
+
+
+def run_side(side: str, smoke: bool, steps: int, policy: Path, out: Path) -> dict:
+    """One trainer in a fresh process; its figures come back as JSON."""
+    result = out / f"{side}.json"
+    cmd = [sys.executable, __file__, "--side", side, "--policy", str(policy), "--result", str(result),
+           "--steps", str(steps), *(["--smoke"] if smoke else [])]
+    subprocess.run(cmd, check=True)
+    return json.loads(result.read_text())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU; prints, appends nothing")
     parser.add_argument("--steps", type=int, default=None, help="training steps (first is warm-up)")
+    parser.add_argument("--side", choices=("caption-rl", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--policy", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     steps = args.steps or (2 if args.smoke else 4)
+    if args.side is not None:  # a child process: one trainer
+        run = run_caption_rl if args.side == "caption-rl" else run_trl
+        figures = run(args.policy, args.result.parent / f"{args.side}-run", smoke=args.smoke, steps=steps)
+        args.result.write_text(json.dumps(figures))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         policy = build_policy(Path(tmp) / "policy", args.smoke)
-        ours = run_app(policy, Path(tmp) / "runs", smoke=args.smoke, steps=steps)
-        trl_figures = run_trl(policy, smoke=args.smoke, steps=steps)
-    header = ["trainer", "tokens/s", "s/step", "generate s", "reward s", "logprob s", "update s", "peak GiB"]
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the children measure their own peaks; this process keeps no weights
+        ours = run_side("caption-rl", args.smoke, steps, policy, Path(tmp))
+        theirs = run_side("trl", args.smoke, steps, policy, Path(tmp))
+    report(ours, theirs, smoke=args.smoke)
+
+
+def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool) -> None:
+    header = ["trainer", "tokens/s", "s/step", "generate s", "reward s", "logprob s", "update s", "caption tokens",
+              "peak GiB"]
     table = [["caption-rl", f"{ours['throughput/tokens_per_s']:.0f}", f"{ours['time/step']:.2f}",
               f"{ours['time/generate']:.2f}", f"{ours['time/reward']:.3f}", f"{ours['time/logprob']:.2f}",
-              f"{ours['time/update']:.2f}", f"{ours['peak_gib']:.1f}"]]
+              f"{ours['time/update']:.2f}", f"{ours['response/length_mean']:.0f}", f"{ours['peak_gib']:.1f}"],
+             ["trl GRPOTrainer", f"{theirs['throughput/tokens_per_s']:.0f}", f"{theirs['time/step']:.2f}", "", "", "", "",
+              f"{theirs['response/length_mean']:.0f}", f"{theirs['peak_gib']:.1f}"]]
+    ratio = ours["throughput/tokens_per_s"] / theirs["throughput/tokens_per_s"]
+    memory = ours["peak_gib"] / theirs["peak_gib"] if theirs["peak_gib"] == theirs["peak_gib"] else float("nan")
+    table.append(["ratio caption-rl / TRL", f"{ratio:.2f}x", f"{theirs['time/step'] / ours['time/step']:.2f}x faster",
+                  "", "", "", "", "", f"{memory:.2f}x"])
     notes = ("Policy: random weights at Qwen3-VL-2B shape (vocab 151,936), bf16, full fine-tuning with gradient "
-             "checkpointing; 32 images x 8 captions x 256 tokens per step, rule reward; mean over the steps after "
-             "the first. tokens/s is verl's: (prompt + response tokens) / step seconds / GPUs.")
-    if trl_figures is None:
-        notes += " TRL not installed in this environment: no GRPOTrainer row (install trl to measure the ratio)."
-    else:
-        tokens_per_step = ours["throughput/tokens_per_s"] * ours["time/step"]  # same data, lengths, one GPU
-        table.append(["trl GRPOTrainer", f"{tokens_per_step / trl_figures['time/step']:.0f}",
-                      f"{trl_figures['time/step']:.2f}", "", "", "", "", f"{trl_figures['peak_gib']:.1f}"])
-        notes += f" Step-time ratio TRL/caption-rl: {trl_figures['time/step'] / ours['time/step']:.2f}x."
-    if args.smoke:
+             "checkpointing; 32 images x 8 captions x 256 tokens per step, rule reward, one optimizer step per RL "
+             f"step, micro-batches of 16; mean over the steps after the first. TRL {theirs['trl_version']} "
+             "GRPOTrainer (transformers generate, no vLLM) on the same checkpoint, images, group size, lengths, loss "
+             "(dapo token-mean, clip 0.2/0.28, beta 0) and reward, each trainer in its own process. tokens/s is "
+             "verl's: (prompt + response tokens) / step seconds / GPUs; TRL's from its num_tokens log. Goal: "
+             ">= 1.5x TRL's throughput at no more peak memory.")
+    if smoke:
         from benchmarks.results import markdown_table
 
         print(markdown_table(header, table))
@@ -183,8 +242,6 @@ def main() -> None:
         return
     from benchmarks.results import append_results
 
-    append_results("caption-rl: RL step throughput at Qwen3-VL-2B shape", header, table, notes)
-
-
+    append_results("caption-rl vs TRL GRPOTrainer: RL step throughput at Qwen3-VL-2B shape", header, table, notes)
 if __name__ == "__main__":
     main()
