@@ -39,6 +39,7 @@ from judging import Judge, PhaseMonitor, SwappedJudge
 from policy_update import advantages, collate, replay_logprobs, update
 from rewarding import (
     build_judges,
+    check_served,
     compose_reward,
     load_records,
     make_samples,
@@ -251,7 +252,11 @@ def setup(cfg: Config, resume: str | None) -> tuple[Parts, GroupSampler, list[Ju
         acc.init_trackers("rider-grm", config=msgspec.to_builtins(cfg))
     logger = MetricsLogger(run_dir, accelerator=acc, start_step=step if ckpt is not None else None)
     parts = Parts(cfg, acc, model, ref, optimizer, engine, judges, reward, monitor, swap, ref_offload, run_dir)
-    dry_run(parts, val[0])
+    try:
+        dry_run(parts, val[0])
+    except Exception:
+        close_judges(parts.judges)
+        raise
     return parts, sampler, train, val, step, logger
 
 
@@ -265,6 +270,11 @@ def dry_run(p: Parts, record: JudgeRecord) -> None:
     with isolated_rng():
         for judge in p.judges:
             judge.check(sample)
+
+
+def close_judges(judges: list[Judge]) -> None:
+    for judge in judges:
+        judge.close()
 
 
 def total_steps(cfg: Config, sampler: GroupSampler, world: int) -> int:
@@ -287,7 +297,7 @@ def main(argv: list[str]) -> Path:
         print(config_help(Config, env=ENV, prog="rider-grm"))
         return Path()
     cfg = load_config(Config, cli.config or DEFAULT_CONFIG, cli.overrides, env=ENV)
-    judge_configs(cfg.reward)  # unequal list settings, incomplete judges fail here, before anything loads
+    check_served(judge_configs(cfg.reward))  # bad lists, incomplete judges, servers down: before anything loads
     p, sampler, train, val, step, logger = setup(cfg, cli.resume)
     acc = p.accelerator
     total = total_steps(cfg, sampler, acc.num_processes)
@@ -310,6 +320,7 @@ def main(argv: list[str]) -> Path:
             logger.log(step, metrics)
             bar.update(step, metrics)
     acc.end_training()
+    close_judges(p.judges)
     if acc.is_main_process and cfg.train.print_summary:
         print_summary(p.run_dir)
     return p.run_dir

@@ -25,6 +25,7 @@ import msgspec
 import torch
 from swapping import PinnedOffload, sleep_engine, wake_engine
 
+from rl_core.train import ConfigError
 from rl_rewards.client import RemoteScorer, RewardClient, RewardClientError
 from rl_rewards.samples import Sample, Scorer, ScoreResult
 from rl_rewards.scorers.judge import JudgeScorer
@@ -209,6 +210,8 @@ class Judge(Protocol):
 
     def pop(self) -> JudgeLog: ...
 
+    def close(self) -> None: ...  # release the engine / HTTP connections at the end of the run
+
 
 def judge_prompt(sample: Sample, index: int, use_rm_prompt: bool) -> str:
     """The judge module's `text_prompts` entry: the row's `rm_prompt_{index}` or the policy prompt."""
@@ -279,6 +282,9 @@ class SwappedJudge:
         log, self.log = self.log, JudgeLog()
         return log
 
+    def close(self) -> None:
+        self.engine.close()
+
 
 class ServedJudge:
     """A judge scored by an `rl-rewards serve` reward server through its native `/v1/score`
@@ -321,33 +327,35 @@ class ServedJudge:
         return results
 
     def check(self, sample: Sample) -> None:
-        """Start-up: the server answers, is ready, serves `spec`, and scores one sample (an error
-        for that sample is fine: an untrained judge writes anything)."""
-        check_server(self.scorer.url, self.scorer.reward, self.name)
+        """Start-up dry run: the server scores one sample (an error for that sample is fine: an
+        untrained judge writes anything; a refused or failed request raises)."""
         self.scorer.score([self.request(sample)])
 
     def pop(self) -> JudgeLog:
         log, self.log = self.log, JudgeLog()
         return log
 
+    def close(self) -> None:
+        self.scorer.close()
 
-def check_server(url: str, spec: str, judge: str, ready_timeout: float = 60.0) -> None:
-    """Raise `ConnectionError` naming the judge and URL when no reward server answers there, or
-    `LookupError` listing the served rewards when `spec` is not one of them."""
+
+def check_server(url: str, spec: str, judge: str, ready_timeout: float = 120.0) -> None:
+    """Raise `ConfigError` naming the judge and URL when no reward server answers there or it
+    is not ready after `ready_timeout` s, or listing the served rewards when `spec` is not one."""
     client = RewardClient(url, timeout=10.0)
     try:
         try:
             health = client.health()  # answers (503) while the server still loads its judges
         except (httpx.TransportError, msgspec.MsgspecError) as e:
-            raise ConnectionError(f"judge {judge!r}: no rl-rewards server answers at {url} "
+            raise ConfigError(f"judge {judge!r}: no rl-rewards server answers at {url} "
                                   f"({type(e).__name__}: {e}); start one with `rl-rewards serve --config FILE`") from None
         if spec not in health.rewards:
-            raise LookupError(f"judge {judge!r}: the reward server at {url} does not serve spec {spec!r}; "
+            raise ConfigError(f"judge {judge!r}: the reward server at {url} does not serve spec {spec!r}; "
                               f"it serves {', '.join(health.rewards) or 'nothing'} (its [rewards.NAME] tables)")
         try:
             client.wait_ready(timeout=ready_timeout)
         except TimeoutError as e:
-            raise ConnectionError(f"judge {judge!r}: the reward server at {url} is not ready: {e}") from None
+            raise ConfigError(f"judge {judge!r}: the reward server at {url} is not ready: {e}") from None
     finally:
         client.close()
 

@@ -19,6 +19,7 @@ from judging import (
     ServedJudge,
     SwappedJudge,
     TimedScorer,
+    check_server,
     load_function,
 )
 from rider_config import (
@@ -94,12 +95,19 @@ def build_judge(i: int, judge: JudgeConfig, device: torch.device, monitor: Phase
     engine = RecordingEngine(inner)
     tokenizer = judge.tokenizer or (judge.model if judge.engine == "openai" else resolve_model(judge.model))
     scorer = JudgeScorer(engine, AutoTokenizer.from_pretrained(resolve_path(tokenizer)), resolve_path(judge.module),
-                         temperature=judge.temperature, max_new_tokens=judge.max_new_tokens)
+                         temperature=judge.temperature, max_new_tokens=judge.max_new_tokens, seed=judge.seed)
     swapped = SwappedJudge(judge_name(judge), i, scorer, engine, monitor, policy, use_rm_prompt=use_rm_prompt,
                            swap=sleep, offload=make_offload(engine, device))
     if sleep:
         swapped.sleep()
     return swapped
+
+
+def check_served(judges: list[JudgeConfig]) -> None:
+    """Every `engine = "server"` judge's server answers and serves its spec (before any model loads)."""
+    for judge in judges:
+        if judge.engine == "server":
+            check_server(str(judge.url), str(judge.spec), judge_name(judge))
 
 
 def build_judges(judges: list[JudgeConfig], device: torch.device, monitor: PhaseMonitor,

@@ -56,6 +56,7 @@ class JudgeConfig(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True)
     combine: Literal["add", "mul"] = "add"  # total += w*score | total *= w*score
     temperature: float = 0.7
     max_new_tokens: Positive = 512
+    seed: int | None = None  # judge sampling seed per call (None: drawn from the run's RNG, reproducible too)
     engine: Literal["hf", "vllm", "openai", "server"] = "hf"
     """hf: in process, swapped on and off the GPU; vllm: in process; openai: an OpenAI-compatible
     generation server at `url` (the module runs here); server: an `rl-rewards serve` reward server

@@ -1,0 +1,117 @@
+"""A judge served by a real `rl-rewards serve` process on 127.0.0.1 (engine = "server")."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import TESTS, app, tiny_overrides
+
+from rl_core.train import ConfigError
+from rl_models import tiny
+from rl_rewards.server.process import ServerProcess, free_port
+
+MODULE = TESTS / "judges" / "length_judge.py"
+SPEC = "length_judge"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One server for the module (loading torch in it takes ~1 min on 2 cores): it serves the
+    test module on the tiny judge, sampling with a fixed seed, as the reward `length_judge`."""
+    tmp = tmp_path_factory.mktemp("server")
+    config = tmp / "server.toml"
+    config.write_text(
+        f"[rewards.{SPEC}.components.judge]\nscorer = \"judge\"\n"
+        f"options = {{ module = \"{MODULE}\", model = \"{tiny.build('qwen3', seed=1)}\", temperature = 1.0, "
+        "max_new_tokens = 4, seed = 7 }\n"
+    )
+    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = ServerProcess(["--config", str(config)], env=env, log_path=tmp / "server.log", ready_timeout=300)
+    with proc:
+        yield proc.url
+
+
+def judge_table(**fields: object) -> str:
+    """`reward.judges` with one judge named j: mul, gated on the rule, fallback 0.25."""
+    base = {"name": "j", "combine": "mul", "weight": 0.5, "gate": 1.0, "fallback": 0.25, "prompt": "prompt"} | fields
+    body = ", ".join(f"{k} = {json.dumps(v)}" for k, v in base.items())
+    return f"[{{{body}}}]"
+
+
+def run(out: Path, judges: str) -> Path:
+    return app.main(tiny_overrides(out, **{
+        "reward.judges": judges, "reward.rule": f'"{TESTS}/rules/parity_rule.py"', "reward.rule_weight": 2.0,
+        "reward.embedding.model": "null", "train.max_steps": 1, "train.samples_to_log": 100, "train.batch_size": 4,
+    }))
+
+
+def served_samples(url: str) -> float:
+    """Samples the server has scored for the spec (its Prometheus counter)."""
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(f'rl_rewards_samples_total{{reward="{SPEC}"}}'):
+            return float(line.rpartition(" ")[2])
+    return 0.0
+
+
+def metrics(run_dir: Path) -> list[dict[str, str]]:
+    with (run_dir / "metrics.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def train_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["split"] == "train"]
+
+
+def test_served_judge_scores_like_the_same_judge_in_process(server: str, tmp_path: Path) -> None:
+    """Same module, model and seeded sampling, once in process and once behind the server: the
+    gate, the mul fold, the fallback for unparseable outputs and the counters all agree."""
+    local = run(tmp_path / "local", judge_table(module=str(MODULE), model="tiny:qwen3:1", temperature=1.0,
+                                                max_new_tokens=4, seed=7))
+    before = served_samples(server)
+    served = run(tmp_path / "served", judge_table(engine="server", url=server, spec=SPEC))
+    a, b = train_rows(local), train_rows(served)
+    assert len(a) == len(b) == 8
+    passed = [r for r in b if r["components"]["rule"] >= 1.0]
+    failed = [r for r in b if r["judges"]["j"]["error"] is not None]
+    assert passed and len(passed) < 8, "the parity rule should split the samples"
+    assert failed and len(failed) < len(passed), "the judge should both score and fail some outputs"
+    for x, y in zip(a, b, strict=True):
+        assert x["completion"] == y["completion"]
+        assert y["reward"] == pytest.approx(x["reward"], abs=1e-12)
+        assert y["components"]["j"] == pytest.approx(x["components"]["j"], abs=1e-12)
+        assert (x["judges"]["j"]["error"] is None) == (y["judges"]["j"]["error"] is None)
+        assert x["judges"]["j"]["judged"] == y["judges"]["j"]["judged"] == (x["components"]["rule"] >= 1.0)
+        assert y["judges"]["j"]["raw"] is None  # the server returns scores, not the judge's text
+    for r in failed:
+        assert r["components"]["j"] == 0.25 and "unreadable judge output" in r["judges"]["j"]["error"]
+    rows_a, rows_b = metrics(local), metrics(served)
+    for key in ("reward/mean", "judge_j/scored", "judge_j/parse_failures", "score/j_mean"):
+        assert rows_a[0][key] == rows_b[0][key], key
+    assert rows_b[0]["judge_j/request_failures"] == "0"
+    # gated-out samples never reached the server: it scored the dry-run sample, the passing
+    # training samples and the passing validation samples, nothing else
+    sent = 1 + int(rows_b[0]["judge_j/scored"]) + int(rows_b[0]["val/judge_j/scored"])
+    assert served_samples(server) - before == sent
+
+
+def test_unknown_spec_fails_at_startup_listing_the_served_ones(server: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=rf"does not serve spec 'nope'; it serves {SPEC}"):
+        run(tmp_path, judge_table(engine="server", url=server, spec="nope"))
+    assert not (tmp_path / "latest").exists()  # failed before the run directory was made
+
+
+def test_server_down_fails_at_startup(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ConfigError, match=rf"judge 'j': no rl-rewards server answers at {url}"):
+        run(tmp_path, judge_table(engine="server", url=url, spec=SPEC))
+
+
+def test_server_judge_needs_url_and_spec(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"reward.judges\[0\] \(engine = 'server'\) needs url .* and spec"):
+        run(tmp_path, judge_table(engine="server", url="http://127.0.0.1:1"))
