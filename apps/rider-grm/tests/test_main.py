@@ -74,7 +74,8 @@ def test_gate_keeps_rule_failures_away_from_the_judge(e2e_run: Path) -> None:
     passed = [s for s in samples if s["components"]["rule"] >= 1.0]
     assert gated and passed, "the parity rule should split the samples (pick another seed if not)"
     assert all(s["judges"]["score"]["raw"] is None for s in gated)  # never sent to the judge
-    assert all(s["judges"]["score"]["raw"] is not None for s in passed)
+    assert not any(s["judges"]["score"]["judged"] for s in gated)
+    assert all(s["judges"]["score"]["raw"] is not None and s["judges"]["score"]["judged"] for s in passed)
     assert all(s["judges"]["consistency"]["raw"] is not None for s in samples)  # ungated judge saw all
     rows = read_metrics(e2e_run)
     assert sum(int(r["judge_score/scored"]) for r in rows) == len(passed)
@@ -89,6 +90,18 @@ def test_unparseable_judge_output_is_counted_and_scored_by_the_fallback(e2e_run:
     rows = read_metrics(e2e_run)
     assert sum(int(r["judge_consistency/parse_failures"]) for r in rows) == len(failed)
     assert all("rm_postprocess" in s["judges"]["consistency"]["error"] for s in failed)
+
+
+def test_samples_carry_each_judges_raw_output(e2e_run: Path) -> None:
+    """The raw text logged for a judge is the text its module was given: a parse error quotes
+    the output it failed on, and that is the logged raw output."""
+    samples = [s for s in read_samples(e2e_run) if s["split"] == "train"]
+    failed = [s["judges"]["consistency"] for s in samples if s["judges"]["consistency"]["error"] is not None]
+    assert failed
+    for judge in failed:
+        assert isinstance(judge["raw"], str) and f"failed on {judge['raw'][:80]!r}" in judge["error"]
+    assert {s["judges"]["consistency"]["raw"] for s in samples} - {None}, "raw outputs are logged"
+    assert all(isinstance(s["judges"]["score"]["score"], float) for s in samples)
 
 
 def test_judges_asleep_while_the_policy_generates_and_vice_versa(e2e_run: Path) -> None:
@@ -111,6 +124,31 @@ def test_metrics_have_each_phase_and_judge_swap(e2e_run: Path) -> None:
         assert key in row
     assert float(row["replay/engine_logp_absdiff"]) < 1e-3
     assert float(row["actor/ratio_mean"]) == pytest.approx(1.0, abs=0.05)
+
+
+def test_swap_never_keeps_judges_resident_and_changes_no_number(tmp_path: Path, e2e_run: Path) -> None:
+    """`reward.swap = "never"`: nothing sleeps (judges awake while the policy generates, the
+    policy awake while they score) and the run is number for number the swapped one."""
+    run = app.main(tiny_overrides(tmp_path, **{
+        "reward.judges": JUDGES, "reward.rule": f'"{TESTS}/rules/parity_rule.py"', "reward.rule_weight": 2.0,
+        "reward.embedding.weight": 0.4, "train.max_steps": 2, "train.samples_to_log": 100, "train.save_freq": 1,
+        "reward.swap": '"never"',
+    }))
+    never, always = read_metrics(run), read_metrics(e2e_run)
+    assert [r["swap/offload_policy"] for r in always] == ["1.0", "1.0"]  # auto on CPU = always
+    assert [r["swap/offload_policy"] for r in never] == ["0.0", "0.0"]
+    assert never[1]["check/judges_awake_during_generate"] == "2"
+    assert never[0]["check/policy_awake_during_consistency"] == "1"
+    assert "time/offload_policy" not in never[0] or never[0]["time/offload_policy"] == ""
+    for key in ("reward/mean", "score/consistency_mean", "actor/pg_loss", "val/reward/mean"):
+        assert [r[key] for r in never] == [r[key] for r in always], key
+
+
+def test_run_config_is_written_as_toml_and_reads_back(e2e_run: Path) -> None:
+    """config.toml (rl_core's dump_config) holds the judges, with unset (None) fields left out."""
+    cfg = app.load_config(app.Config, e2e_run / "config.toml")
+    assert [j.name for j in cfg.reward.judges] == ["score", "consistency"]
+    assert cfg.reward.judges[0].gate == 1.0 and cfg.reward.judges[1].gate is None
 
 
 def test_resume_continues_exactly(tmp_path: Path, e2e_run: Path) -> None:

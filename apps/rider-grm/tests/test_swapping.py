@@ -1,0 +1,102 @@
+"""Swap plans (hand-worked memory budgets) and the pinned-buffer offloaders."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from swapping import (
+    PLANS,
+    OptimizerOffload,
+    PinnedOffload,
+    compute_swap_plan,
+    sleep_engine,
+    wake_engine,
+)
+
+from rl_models import tiny
+from rl_rollout.hf import HFEngine
+
+
+def test_swap_plan_keeps_everything_resident_when_it_fits() -> None:
+    # never = max(30 + 20, 25 + 20 + 20 - 10, 25 + 20 + 20 - 10) = 55 <= 80
+    assert compute_swap_plan(30, 20, [10, 10], [25, 25], capacity=80) == "never"
+
+
+def test_swap_plan_keeps_the_policy_when_only_one_judge_fits_beside_it() -> None:
+    # never = max(30 + 20, 25 + 20 + 10, 35 + 20 + 10) = 65 > 60; judges = 35 + 20 = 55 <= 60
+    assert compute_swap_plan(30, 20, [10, 10], [25, 35], capacity=60) == "judges"
+
+
+def test_swap_plan_swaps_everything_when_a_judge_and_the_policy_do_not_fit() -> None:
+    # judges = 35 + 20 = 55 > 50
+    assert compute_swap_plan(30, 20, [10, 10], [25, 35], capacity=50) == "always"
+
+
+def test_swap_plan_without_judges_and_bad_input() -> None:
+    assert compute_swap_plan(30, 20, [], [], capacity=1) == "never"
+    with pytest.raises(ValueError, match="2 judge weights but 1 judge peaks"):
+        compute_swap_plan(30, 20, [1, 2], [3], capacity=80)
+    assert [PLANS[n].offload_policy for n in ("always", "judges", "never")] == [True, False, False]
+    assert [PLANS[n].sleep_judges for n in ("always", "judges", "never")] == [True, True, False]
+
+
+def tied_model() -> torch.nn.Module:
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight  # tied, as in Qwen3 small models
+    model.register_buffer("scale", torch.arange(3.0))
+    return model
+
+
+def test_pinned_offload_reuses_its_host_buffers_and_counts_tied_weights_once() -> None:
+    """CPU stand-in for the accelerator (pin=False): the values survive, `.data` *is* the host
+    buffer after `to_host`, and the second offload writes into the same buffers."""
+    model = tied_model()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    offload = PinnedOffload(model, torch.device("cpu"), pin=False)
+    assert offload.nbytes == (10 * 4 + 3) * 4  # embedding (= tied head) + buffer, float32
+    offload.to_host()
+    first = [t.data_ptr() for t in offload.tensors]
+    assert first == [h.data_ptr() for h in offload.host]
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # an update between offloads is what the next offload copies
+    offload.to_device()
+    offload.to_host()
+    assert [h.data_ptr() for h in offload.host] == first
+    assert torch.equal(model.state_dict()["0.weight"], expected["0.weight"] + 1)
+    assert torch.equal(model.scale, expected["scale"])
+
+
+def test_optimizer_offload_moves_moments_not_step_counters() -> None:
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    offload = OptimizerOffload(optimizer, torch.device("cpu"))
+    before = {(id(p), k): v.clone() for p, s in optimizer.state.items() for k, v in s.items()}
+    assert offload.nbytes == 2 * (6 + 2) * 4  # exp_avg and exp_avg_sq of weight and bias
+    offload.to_host()
+    assert len(offload.host) == 4  # two moments x two parameters; `step` stays where it is
+    offload.to_device()
+    after = {(id(p), k): v for p, s in optimizer.state.items() for k, v in s.items()}
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pinned_offload_frees_the_gpu_and_the_engine_moves_nothing_more() -> None:
+    """On CUDA: after `sleep_engine` the weights live in pinned host buffers (memory freed), the
+    engine is asleep; `wake_engine` restores them bit-exactly and a second sleep reuses the buffers."""
+    engine = HFEngine.from_pretrained(tiny.build("qwen3"), device="cuda")
+    offload = PinnedOffload(engine.model, torch.device("cuda"))
+    expected = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    torch.cuda.synchronize()
+    awake = torch.cuda.memory_allocated()
+    sleep_engine(engine, offload)
+    assert engine.state == "asleep" and all(h.is_pinned() for h in offload.host)
+    assert awake - torch.cuda.memory_allocated() >= offload.nbytes
+    first = [h.data_ptr() for h in offload.host]
+    wake_engine(engine, offload)
+    assert engine.state == "awake" and next(engine.model.parameters()).is_cuda
+    assert all(torch.equal(v, expected[k]) for k, v in engine.model.state_dict().items())
+    sleep_engine(engine, offload)
+    assert [h.data_ptr() for h in offload.host] == first
