@@ -41,6 +41,7 @@ from grpo_parts import (
     trainable,
 )
 from peft import PeftModel
+from ray_rollout import Chunk, RayRollout, sample_chunk, start_workers
 
 from rl_core.advantages import compute_advantages
 from rl_core.flow import flow_kl
@@ -106,6 +107,12 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     n: Positive = 8  # images per prompt (group size)
     groups_per_epoch: Positive = 8  # prompts per epoch, all processes together
     sample_batch_size: Positive = 8  # images per sampling forward
+    workers: int = 0
+    """0 = sample in the trainer's engine; N = N Ray actors per trainer process (ray_rollout.py)."""
+    placement: Literal["split", "colocated"] = "split"
+    """VRL presets: `split` = actors on their own GPUs; `colocated` = on the trainer's, asleep during training."""
+    gpus_per_worker: float | None = None  # None: split 1, colocated 1/workers, 0 without CUDA
+    ray_address: str | None = None  # join this Ray cluster (env RAY_ADDRESS); None starts a local one
 
 
 class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -163,7 +170,7 @@ class Config(msgspec.Struct, kw_only=True, frozen=True):
 
 
 # VRL's deployment inputs stay environment variables (its README's table).
-ENV = {"VRL_OUTPUT_DIR": "train.output_dir", "REWARD_URL": "reward.url"}
+ENV = {"VRL_OUTPUT_DIR": "train.output_dir", "REWARD_URL": "reward.url", "RAY_ADDRESS": "rollout.ray_address"}
 
 
 def parse_config(argv: list[str]) -> tuple[Config, str | None] | None:
@@ -200,6 +207,7 @@ class Run:
     start_epoch: int
     optimizer_steps: int = 0
     first_ratio: float = math.nan  # max |log ratio| on this epoch's first replay (diagnostic)
+    workers: RayRollout | None = None  # Ray rollout actors (rollout.workers > 0)
     timer: PhaseTimer = field(default_factory=PhaseTimer)
 
 
@@ -218,6 +226,8 @@ def setup(cfg: Config, resume: str | None) -> Run:
     # cpu=True without CUDA: `accelerate launch --multi_gpu --num_processes N` then gives N gloo
     # processes on a CPU machine (its `--cpu` flag alone starts one process unless MPI is set up)
     acc = Accelerator(cpu=not torch.cuda.is_available(), log_with=list(t.log_with) or None)
+    if cfg.rollout.workers < 0:
+        raise ValueError(f"rollout.workers must be >= 0 (0 = in-process engine), got {cfg.rollout.workers}")
     if cfg.rollout.groups_per_epoch % acc.num_processes:
         raise ValueError(f"rollout.groups_per_epoch={cfg.rollout.groups_per_epoch} must divide by "
                          f"the {acc.num_processes} processes")
@@ -245,6 +255,8 @@ def setup(cfg: Config, resume: str | None) -> Run:
         meta = load_checkpoint(ckpt, state=checkpoint_state(run))
         run.start_epoch, run.optimizer_steps = meta["step"], meta["optimizer_steps"]
         acc.print(f"resumed from {ckpt} at epoch {run.start_epoch}")
+    if cfg.rollout.workers:
+        run.workers = start_workers(cfg.rollout, m, str(path), acc)
     if t.log_with:
         acc.init_trackers("diffusion-grpo")
     return run
@@ -271,22 +283,22 @@ class Batch:
 
 def collect(run: Run, epoch: int) -> Batch:
     cfg, acc = run.cfg, run.acc
-    n, s = cfg.rollout.n, cfg.sampling
+    n, s, size = cfg.rollout.n, cfg.sampling, cfg.rollout.sample_batch_size
     groups = cfg.rollout.groups_per_epoch // acc.num_processes
     indices = [next(iter(run.sampler)) for _ in range(groups * n)]  # n copies of each prompt
     records = [run.prompts[i] for i in indices]
-    unique = [r.prompt for r in records[::n]]
-    conditioning = run.engine.encode(unique, max_sequence_length=s.max_sequence_length)
-    trajectories = []
-    for start in range(0, len(records), cfg.rollout.sample_batch_size):
-        rows = list(range(start, min(start + cfg.rollout.sample_batch_size, len(records))))
-        trajectories.append(run.engine.sample(
-            [records[r].prompt for r in rows],
-            conditioning=conditioning.index([r // n for r in rows]),
-            num_steps=s.num_steps, guidance_scale=s.guidance_scale, height=s.resolution,
-            width=s.resolution, noise_level=s.noise_level, kind=s.kind,
-            sde_window=tuple(s.sde_window) if s.sde_window else None,
-            seeds=[sample_seed(cfg.train.seed, epoch, acc.process_index, r) for r in rows]))
+    chunks = [Chunk(tuple(r.prompt for r in records[start:start + size]),
+                    tuple(sample_seed(cfg.train.seed, epoch, acc.process_index, i)
+                          for i in range(start, min(start + size, len(records)))))
+              for start in range(0, len(records), size)]
+    kwargs = {"num_steps": s.num_steps, "guidance_scale": s.guidance_scale, "height": s.resolution,
+              "width": s.resolution, "noise_level": s.noise_level, "kind": s.kind,
+              "sde_window": tuple(s.sde_window) if s.sde_window else None, "max_sequence_length": s.max_sequence_length}
+    if run.workers is None:
+        trajectories = [sample_chunk(run.engine, chunk, **kwargs) for chunk in chunks]
+    else:  # the workers' LoRA is synced to this version first, and each trajectory checked against it
+        trajectories = run.workers.collect(chunks, version=run.optimizer_steps, transformer=run.engine.transformer,
+                                           device=acc.device, **kwargs)
     group_ids = torch.arange(len(records)) // n + acc.process_index * groups  # [N]
     return Batch(trajectories, records, group_ids)
 
@@ -484,7 +496,15 @@ def export_adapters(run: Run, out: Path) -> None:
 def train(cfg: Config, resume: str | None = None) -> Path:
     """Run the recipe; returns the run directory."""
     run = setup(cfg, resume)
-    acc, t = run.acc, cfg.train
+    try:
+        return run_epochs(run)
+    finally:
+        if run.workers is not None:
+            run.workers.close()
+
+
+def run_epochs(run: Run) -> Path:
+    cfg, acc, t = run.cfg, run.acc, run.cfg.train
     logger = MetricsLogger(run.run_dir, accelerator=acc, start_step=run.start_epoch)
     with TrainProgress(t.epochs, initial=run.start_epoch, accelerator=acc) as bar:
         for epoch in range(run.start_epoch, t.epochs):
@@ -510,7 +530,7 @@ def train(cfg: Config, resume: str | None = None) -> Path:
 
 def one_epoch(run: Run, epoch: int) -> dict[str, float]:
     run.model.eval()
-    run.first_ratio = math.nan
+    run.first_ratio, version = math.nan, run.optimizer_steps  # the weights this epoch samples with
     with run.timer("rollout"):
         batch = collect(run, epoch)
     images = [image for traj in batch.trajectories for image in to_pil(traj.images)]
@@ -526,7 +546,8 @@ def one_epoch(run: Run, epoch: int) -> dict[str, float]:
     num_images = len(images) * run.acc.num_processes
     return {**metrics, **parts, **train_metrics, **times, "optimizer_steps": run.optimizer_steps,
             "diag/first_replay_max_abs_log_ratio": run.first_ratio,
-            "images_per_s": num_images / times["time/rollout"], "epoch": epoch,
+            "images_per_s": num_images / times["time/rollout"], "epoch": epoch, "world_size": run.acc.num_processes,
+            "rollout/weight_version": version,
             **image_stats(images)}
 
 
