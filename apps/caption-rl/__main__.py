@@ -56,6 +56,7 @@ from caption_parts import (
     to_device,
     to_messages,
 )
+from caption_sync import build_engine, push_weights
 from peft import PeftModel
 
 from rl_core.advantages import compute_advantages
@@ -77,7 +78,6 @@ from rl_models.lora import add_lora, disabled_adapter, export_lora, merge_and_ex
 from rl_models.vl import load_vl_model
 from rl_rewards import ScoreResult
 from rl_rollout import SamplingParams
-from rl_rollout.hf import HFEngine
 
 # ------------------------------------------------------------------------------------- setup
 
@@ -91,7 +91,7 @@ class Run:
     run_dir: Path
     policy: torch.nn.Module  # `Policy` (model -> completion log-probs), prepared: DDP/FSDP-wrapped
     processor: Any
-    engine: HFEngine  # generates with the training model's own weights (no copy, no sync)
+    engine: Any  # rollout.engine: HFEngine over the training modules, or a colocated VLLMEngine
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     reward: LocalReward | RemoteReward
@@ -103,6 +103,8 @@ class Run:
     reference: torch.nn.Module | None  # frozen initial policy (full fine-tuning with a KL term)
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     placeholders: frozenset[int] = frozenset()  # vision placeholder token ids (see caption_parts)
+    pad_id: int = 0
+    weight_version: int = 0  # optimizer steps pushed into a vllm engine
 
 
 def load_policy(cfg: ModelConfig) -> tuple[torch.nn.Module, Any, str]:
@@ -149,8 +151,10 @@ def setup(cfg: Config, resume: str | None) -> Run:
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (t.warmup_steps + 1)))
     policy, optimizer, scheduler = acc.prepare(Policy(model), optimizer, scheduler)
-    # the engine decodes with the very modules being trained (LoRA layers included): no weight sync
-    engine = HFEngine(unwrap_peft(acc.unwrap_model(policy).model), processor, max_batch_size=cfg.rollout.max_batch_size)
+    r = cfg.rollout  # hf: decodes with the very modules being trained (LoRA layers included), no sync
+    engine = build_engine(r.engine, acc.unwrap_model(policy).model, processor, path=policy_path, dtype=cfg.model.dtype,
+                          max_batch_size=r.max_batch_size, gpu_memory_utilization=r.gpu_memory_utilization,
+                          rank=acc.process_index, world_size=world)
     sampler = GroupSampler(len(data.train), cfg.rollout.n, seed=t.seed, rank=acc.process_index, world_size=world)
     start = 0
     if ckpt is not None:
@@ -166,8 +170,15 @@ def setup(cfg: Config, resume: str | None) -> Run:
     if cfg.algo.kl_coef > 0 and cfg.model.lora_rank == 0:
         reference = load_policy(msgspec.structs.replace(cfg.model, gradient_checkpointing=False))[0]
         reference = reference.to(acc.device).eval().requires_grad_(False)
-    return Run(cfg, acc, run_dir, policy, processor, engine, optimizer, scheduler, reward, sampler, data,
-               per_rank, total, start, reference, placeholders=placeholder_ids(unwrap_peft(model).config))
+    tokenizer = processor.tokenizer
+    pad_id = engine.pad_id if r.engine == "hf" else tokenizer.pad_token_id
+    pad_id = tokenizer.eos_token_id if pad_id is None else pad_id
+    run = Run(cfg, acc, run_dir, policy, processor, engine, optimizer, scheduler, reward, sampler, data, per_rank,
+              total, start, reference, placeholders=placeholder_ids(unwrap_peft(model).config), pad_id=pad_id)
+    if r.engine == "vllm":  # the checkpoint it loaded may be older than the policy (--resume)
+        push_weights(engine, acc.unwrap_model(policy).model, version=run.weight_version)
+    return run
+
 
 # ------------------------------------------------------------------------------- the step
 
@@ -190,13 +201,29 @@ def generate(run: Run, records: list[CaptionQARecord], params: SamplingParams) -
                 for r in records]
     encoded = [encode_rollout_prompt(m, run.processor, i) for i, m in enumerate(messages)]
     keep = [i for i, e in enumerate(encoded) if len(e.ids) <= run.cfg.rollout.max_prompt_length]
-    run.engine.model.eval()
-    generations = run.engine.generate([messages[i] for i in keep], params)
+    with awake_engine(run) as engine:
+        generations = engine.generate([messages[i] for i in keep], params)
     generations = [msgspec.structs.replace(g, request_index=keep[g.request_index]) for g in generations]
     for g in generations:
         if g.prompt_ids != encoded[g.request_index].ids:
             raise RuntimeError(f"prompt {g.request_index}: the engine encoded it differently from the trainer")
     return encoded, generations
+
+
+@contextmanager
+def awake_engine(run: Run) -> Iterator[Any]:
+    """The rollout engine, ready to sample: the `hf` engine's model in eval mode; a colocated
+    vLLM engine woken for the rollout and put back to sleep (weights to CPU, KV cache freed) so
+    the trainer has the GPU memory."""
+    if run.cfg.rollout.engine == "hf":
+        run.engine.model.eval()
+        yield run.engine
+        return
+    run.engine.wake()
+    try:
+        yield run.engine
+    finally:
+        run.engine.sleep()
 
 
 def advantages_for(run: Run, scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
@@ -264,7 +291,7 @@ def replay(run: Run, rollouts: list[Rollout], *, check: bool) -> tuple[list, lis
     ref: list | None = [] if cfg.algo.kl_coef > 0 else None
     with torch.no_grad():
         for chunk in batched(rollouts, cfg.train.micro_batch_size):
-            batch = to_device(collate(chunk, run.engine.pad_id, run.placeholders), acc.device)
+            batch = to_device(collate(chunk, run.pad_id, run.placeholders), acc.device)
             lp, ent = replay_logprobs(model, batch, cfg.rollout.temperature)  # [B, C], [B, C]
             for row, r in enumerate(chunk):
                 length = len(r.completion_ids)
@@ -339,6 +366,9 @@ def update(run: Run, rollouts: list[Rollout], adv: torch.Tensor, old: list, ref:
             run.optimizer.step()
             run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
+            if cfg.rollout.engine == "vllm":  # the next rollouts sample from the updated policy
+                run.weight_version += 1
+                push_weights(run.engine, acc.unwrap_model(run.policy).model, version=run.weight_version)
     run.policy.eval()
     return reduce_update_stats(acc, sums)
 
@@ -346,7 +376,7 @@ def update(run: Run, rollouts: list[Rollout], adv: torch.Tensor, old: list, ref:
 def micro_loss(run: Run, rows: list[Rollout], adv: torch.Tensor, old: list, ref: list | None,
                num_valid: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
     a, acc = run.cfg.algo, run.acc
-    batch = to_device(collate(rows, run.engine.pad_id, run.placeholders), acc.device)
+    batch = to_device(collate(rows, run.pad_id, run.placeholders), acc.device)
     valid = torch.tensor([r.valid for r in rows], device=acc.device)[:, None]  # [B, 1]
     mask = batch.completion_mask * valid  # [B, C] failed samples contribute nothing
     logp = run.policy(batch, run.cfg.rollout.temperature)  # [B, C]

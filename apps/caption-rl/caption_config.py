@@ -40,7 +40,10 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
-    engine: Literal["hf"] = "hf"
+    engine: Literal["hf", "vllm"] = "hf"
+    """hf: the training model decodes (no copy, no sync); vllm: a colocated vLLM engine per GPU,
+    weights pushed after every optimizer step (faster decoding, one more copy of the weights)."""
+    gpu_memory_utilization: float = 0.3  # vllm: GPU memory fraction for its weights + KV cache
     n: Positive = 8  # captions sampled per prompt (group size)
     temperature: float = 1.0
     top_p: float = 1.0

@@ -9,9 +9,17 @@ with no GPU; its tests carry the `vllm` marker and skip without vLLM.
   renormalizes over the kept tokens (unlike `hf`), so there the two engines differ.
 - Memory: `enable_sleep_mode=True`; `sleep()` is `LLM.sleep(level=1)` (weights offloaded to
   CPU, KV cache discarded), `wake()` is `LLM.wake_up()`. Prefix caching is on.
-- Weights: `load_weights` runs `model.load_weights(...)` inside each worker through
-  `LLM.collective_rpc`. With V1 multiprocessing, sending a function needs
-  `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (or `VLLM_ENABLE_V1_MULTIPROCESSING=0`, colocated).
+- Weights: `load_weights(named_tensors, version=...)` runs `model.load_weights(...)` inside each
+  worker through `LLM.collective_rpc`; vLLM's Qwen/Qwen-VL `load_weights` take the Hugging Face
+  checkpoint names (its `hf_to_vllm_mapper` renames them and stacks q/k/v, gate/up). Sent while
+  asleep, only the weights wake (`wake_up(tags=["weights"])`, the RL pattern of verl/TRL), so a
+  trainer can push after every optimizer step without re-allocating the KV cache; `wake()` then
+  brings the KV cache back. Colocated with the trainer, set `VLLM_ENABLE_V1_MULTIPROCESSING=0` so
+  the worker runs in process and tensors pass by reference (with V1 multiprocessing, sending a
+  function needs `VLLM_ALLOW_INSECURE_SERIALIZATION=1` and copies every tensor).
+- Images/videos: chat messages holding PIL images / frame arrays are rendered with the model's
+  processor chat template and passed as `multi_modal_data`; vLLM expands the placeholders with
+  the same Hugging Face processor, so the prompt ids match the `hf` engine's.
 - Scoring: `prompt_logprobs=0` over `prefix + suffix + [candidate]`; prefix caching computes the
   shared prefix once. Prompt log-probs are raw, so only `temperature=1.0`.
 """
@@ -22,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoProcessor
 
 from rl_rollout.protocol import Generation, Prompt, SamplingParams
 
@@ -36,6 +45,17 @@ def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]
     worker.model_runner.model.load_weights(weights=weights)
 
 
+def _media(messages: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
+    """`{"image": [...], "video": [...]}` from the content parts of chat messages (empty kinds left out)."""
+    found: dict[str, list[Any]] = {}
+    for message in messages:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else []:
+            if part.get("type") in ("image", "video") and part.get(part["type"]) is not None:
+                found.setdefault(part["type"], []).append(part[part["type"]])
+    return found
+
+
 class VLLMEngine:
     """`Engine` over `vllm.LLM(model, enable_sleep_mode=True, enable_prefix_caching=True, ...)`.
 
@@ -46,11 +66,14 @@ class VLLMEngine:
         llm_kwargs = {"enable_sleep_mode": True, "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs"} | llm_kwargs
         self.llm = vllm.LLM(model=model, **llm_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
-        self.state = "awake"
+        is_vl = "vision_config" in AutoConfig.from_pretrained(model).to_dict()
+        self.processor = AutoProcessor.from_pretrained(model) if is_vl else None  # chat template with media parts
+        self.state = "awake"  # "awake" | "asleep" | "weights" (asleep but for the weights) | "closed"
+        self.weight_version = 0  # bumped by every load_weights
 
     @property
     def is_asleep(self) -> bool:
-        return self.state == "asleep"
+        return self.state in ("asleep", "weights")
 
     def _sampling(self, params: SamplingParams) -> vllm.SamplingParams:
         return vllm.SamplingParams(
@@ -65,9 +88,15 @@ class VLLMEngine:
         if prompt and all(isinstance(t, int) for t in prompt):
             return {"prompt_token_ids": list(prompt)}
         if prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            return {"prompt_token_ids": list(ids)}
-        raise ValueError(f"request {index}: a prompt is token ids, a string, or chat messages (images: use the hf engine)")
+            media = _media(prompt)
+            if not media:
+                ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+                return {"prompt_token_ids": list(ids)}
+            if self.processor is None:
+                raise ValueError(f"request {index}: holds images/videos but the model has no vision_config")
+            text = self.processor.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            return {"prompt": text, "multi_modal_data": media}
+        raise ValueError(f"request {index}: a prompt is token ids, a string, or chat messages")
 
     def generate(self, requests: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
         if len(requests) == 0:
@@ -98,16 +127,25 @@ class VLLMEngine:
         scores = [out.prompt_logprobs[-1][out.prompt_token_ids[-1]].logprob for out in outputs]
         return torch.tensor(scores, dtype=torch.float32).view(len(suffixes), len(candidates))
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None) -> None:
+        """Copy `(hf_name, tensor)` pairs into the running model in place; `version` (default:
+        the previous one + 1) is kept in `weight_version` so callers can check what is served."""
+        if self.state == "asleep":
+            self.llm.wake_up(tags=["weights"])
+            self.state = "weights"
         self.llm.collective_rpc(_load_weights_on_worker, args=(list(named_tensors),))
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        self.weight_version = self.weight_version + 1 if version is None else version
 
     def sleep(self) -> None:
         self.llm.sleep(level=1)
         self.state = "asleep"
 
     def wake(self) -> None:
-        self.llm.wake_up()
+        if self.state == "weights":
+            self.llm.wake_up(tags=["kv_cache"])
+        else:
+            self.llm.wake_up()
         self.state = "awake"
 
     def close(self) -> None:
