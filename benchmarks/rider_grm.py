@@ -1,14 +1,18 @@
 """rider-grm on one GPU: a policy and two judges at Qwen3-1.7B shape (random weights), the whole
-recipe run three ways in one process —
+recipe run four ways in one process —
 
 - `policy alone`: rule reward only (no judges): the baseline peak memory;
-- `swapped`: both judges, each woken only while it scores, the policy asleep meanwhile
-  (the default, VeRL-with-RMs' memory plan);
-- `resident`: both judges and the policy on the GPU all the time (`reward.swap=false`).
+- `swapped`: `reward.swap=always`: each judge woken only while it scores, the policy (weights and
+  Adam moments) asleep meanwhile — VeRL-with-RMs' memory plan; copies go through reused pinned
+  host buffers;
+- `auto`: `reward.swap=auto`: step 1 swapped and measured, then the fastest plan that fits
+  (everything resident / policy resident + judges swapped / swapped) — the plan is reported;
+- `resident`: `reward.swap=never`: policy and both judges on the GPU all the time.
 
-Reports, for the last step of each run, seconds per phase, the peak GPU memory of the step,
-and each judge's wake/sleep seconds. Goals (issue 9): swapped peak <= policy-alone peak + one
-judge's weights and cache; wake + sleep <= 10% of the step time.
+Reports, for the last step of each run, seconds per phase with each swap piece on its own
+(policy offload, policy wake, each judge's wake/score/sleep), the swap share of the step and
+the peak GPU memory. Goals (issue 9): swapped peak <= policy-alone peak + one judge's weights
+and cache; swap <= 10% of the step time.
 
     uv run python benchmarks/rider_grm.py            # GPU, appends to benchmarks/RESULTS.md
     uv run python benchmarks/rider_grm.py --smoke    # CPU, tiny shapes, seconds
@@ -67,6 +71,11 @@ def random_checkpoint(out: Path, shape: dict, seed: int) -> Path:
     return out
 
 
+MODES = {"policy alone": "never", "swapped": "always", "auto": "auto", "resident": "never"}
+JUDGES = ("rubric", "yes_no")
+PHASES = ["generate", "offload_policy", "reward", "wake_policy", "old_logp", "ref_logp", "advantages", "update"]
+
+
 def run(app, out: Path, policy: Path, judge: Path, mode: str, smoke: bool) -> dict[str, float]:
     judges = "[]" if mode == "policy alone" else (
         f'[{{name = "rubric", module = "rl_rewards.judges.rubric", model = "{judge}", prompt = "prompt", '
@@ -75,11 +84,11 @@ def run(app, out: Path, policy: Path, judge: Path, mode: str, smoke: bool) -> di
         f'weight = 0.5, max_new_tokens = {4 if smoke else 16}, engine_options = {{compile = false}}}}]')
     overrides = [
         f"model.path={policy}", "model.dtype=bfloat16", f"reward.judges={judges}",
-        f"reward.swap={'false' if mode == 'resident' else 'true'}", "reward.embedding.model=null",
+        f'reward.swap="{MODES[mode]}"', "reward.embedding.model=null",
         'data.train_files=["examples/data/rider/train.parquet"]', 'data.val_files=["examples/data/rider/val.parquet"]',
         f"data.max_response_length={8 if smoke else 256}", "rollout.n=4", f"train.batch_size={2 if smoke else 8}",
         f"train.mini_batch_size={2 if smoke else 8}", "train.micro_batch_size=8",
-        "train.lr=1e-6", "train.max_steps=2", "train.save_freq=1000", "train.print_summary=false",
+        "train.lr=1e-6", "train.max_steps=3", "train.save_freq=1000", "train.print_summary=false",
         f'train.output_dir="{out / mode.replace(" ", "_")}"', "algo.replay_tolerance=0.5",
         "rollout.max_batch_size=64", "reward.rule=rider_rules:compute_score",
     ]
@@ -87,6 +96,33 @@ def run(app, out: Path, policy: Path, judge: Path, mode: str, smoke: bool) -> di
     with (run_dir / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
     return {k: float(v) for k, v in rows[-1].items() if v not in ("", None)}
+
+
+def plan_of(m: dict[str, float]) -> str:
+    """The swap plan the step ran with (from the `swap/*` metrics)."""
+    if m.get("swap/offload_policy", 0.0):
+        return "always"
+    return "judges" if m.get("swap/sleep_judges", 0.0) else "never"
+
+
+def swap_seconds(m: dict[str, float]) -> float:
+    judges = sum(m.get(f"time/judge_{j}_{part}", 0.0) for j in JUDGES for part in ("wake", "sleep"))
+    return m.get("time/offload_policy", 0.0) + m.get("time/wake_policy", 0.0) + judges
+
+
+def tables(results: dict[str, dict[str, float]]) -> tuple[list[str], list[list[str]], list[str], list[list[str]]]:
+    header = ["run", "plan", "step s", *[f"{p} s" for p in PHASES], "swap s", "swap % of step", "peak GiB"]
+    rows = []
+    for mode, m in results.items():
+        step = sum(m.get(f"time/{p}", 0.0) for p in PHASES)
+        swap = swap_seconds(m)
+        rows.append([mode, plan_of(m), f"{step:.2f}", *[f"{m.get(f'time/{p}', 0.0):.3f}" for p in PHASES],
+                     f"{swap:.3f}", f"{100 * swap / step:.1f}" if step else "-", f"{m.get('mem/peak_gib', 0.0):.2f}"])
+    judge_header = ["run", "judge", "wake s", "score s", "sleep s", "peak GiB while scoring"]
+    judge_rows = [[mode, name, *[f"{m.get(f'time/judge_{name}_{part}', 0.0):.3f}" for part in ("wake", "score", "sleep")],
+                   f"{m.get(f'mem/judge_{name}_score_gib', 0.0):.2f}"]
+                  for mode, m in results.items() if mode != "policy alone" for name in JUDGES]
+    return header, rows, judge_header, judge_rows
 
 
 def main() -> None:
@@ -99,33 +135,21 @@ def main() -> None:
         root = Path(tmp)
         policy = random_checkpoint(root / "policy", shape, 0)
         judge = random_checkpoint(root / "judge", shape, 1)
-        results = {mode: run(app, root, policy, judge, mode, args.smoke)
-                   for mode in ("policy alone", "swapped", "resident")}
-    phases = ["generate", "offload_policy", "reward", "wake_policy", "old_logp", "ref_logp", "update"]
-    header = ["run", "step s", *[f"{p} s" for p in phases], "judge wake+sleep s", "swap % of step", "peak GiB"]
-    rows = []
-    for mode, m in results.items():
-        step = sum(m.get(f"time/{p}", 0.0) for p in phases)
-        swap = sum(v for k, v in m.items() if k.startswith("time/judge_") and k.endswith(("_wake", "_sleep")))
-        swap += m.get("time/offload_policy", 0.0) + m.get("time/wake_policy", 0.0)
-        rows.append([mode, f"{step:.2f}", *[f"{m.get(f'time/{p}', 0.0):.2f}" for p in phases],
-                     f"{swap:.2f}", f"{100 * swap / step:.1f}" if step else "-", f"{m.get('mem/peak_gib', 0.0):.2f}"])
-    judge_rows = [[mode, name, f"{m.get(f'time/judge_{name}_wake', 0.0):.3f}", f"{m.get(f'time/judge_{name}_sleep', 0.0):.3f}",
-                   f"{m.get(f'time/judge_{name}_score', 0.0):.2f}", f"{m.get(f'mem/judge_{name}_score_gib', 0.0):.2f}"]
-                  for mode, m in results.items() if mode != "policy alone" for name in ("rubric", "yes_no")]
-    judge_header = ["run", "judge", "wake s", "sleep s", "score s", "peak GiB while scoring"]
+        results = {mode: run(app, root, policy, judge, mode, args.smoke) for mode in MODES}
+    header, rows, judge_header, judge_rows = tables(results)
     notes = ("Qwen3-1.7B shape, random bf16 weights, policy + 2 judges (rl_rewards.judges.rubric / yes_no), "
-             "8 prompts x n=4, 256 response tokens, judges 64/16 new tokens; decode not compiled (CUDA graphs would be re-captured after every wake); second step of each run. "
-             "`step s` sums the phases listed (reward includes the judges' wake/score/sleep); "
-             "swap = policy offload + wake + each judge's wake + sleep.")
+             "8 prompts x n=4, 256 response tokens, judges 64/16 new tokens; decode not compiled (CUDA graphs "
+             "would be re-captured after every wake); third step of each run (auto decided its plan after step 1). "
+             "`step s` sums the phases listed (reward includes the judges' wake/score/sleep); swap = policy "
+             "offload + policy wake + each judge's wake + sleep, through reused pinned host buffers.")
     if args.smoke:
         from benchmarks.results import markdown_table
 
         print(markdown_table(header, rows))
         print(markdown_table(judge_header, judge_rows))
         return
-    append_results("rider-grm: judges swapped vs resident (Qwen3-1.7B shape)", header, rows, notes)
-    append_results("rider-grm: judge wake/sleep", judge_header, judge_rows)
+    append_results("rider-grm: judges swapped vs auto vs resident (Qwen3-1.7B shape)", header, rows, notes)
+    append_results("rider-grm: judge wake/score/sleep", judge_header, judge_rows)
 
 
 if __name__ == "__main__":

@@ -233,9 +233,12 @@ def setup(cfg: Config, resume: str | None) -> tuple[Parts, GroupSampler, list[Ju
     engine = HFEngine(acc.unwrap_model(model), tokenizer, device=acc.device, compile=cfg.rollout.compile,
                       max_batch_size=cfg.rollout.max_batch_size)
     monitor = PhaseMonitor(acc.device)
-    swap = PolicySwap(engine, optimizer, acc.device, mode=cfg.reward.swap,
-                      offload_optimizer=cfg.model.optimizer_offload, memory_fraction=cfg.reward.swap_memory_fraction)
-    judges = build_judges(judge_configs(cfg.reward), acc.device, monitor, engine, len(train[0].rm_prompts),
+    judge_cfgs = judge_configs(cfg.reward)
+    # with no judge in this process (none, or all served) there is nothing to make room for
+    mode = cfg.reward.swap if any(j.engine in ("hf", "vllm") for j in judge_cfgs) else "never"
+    swap = PolicySwap(engine, optimizer, acc.device, mode=mode, offload_optimizer=cfg.model.optimizer_offload,
+                      memory_fraction=cfg.reward.swap_memory_fraction)
+    judges = build_judges(judge_cfgs, acc.device, monitor, engine, len(train[0].rm_prompts),
                           sleep=swap.plan.sleep_judges)
     if any(isinstance(j, SwappedJudge) and j.offload is None for j in judges):
         swap.pending = False  # a vLLM judge's memory cannot be measured: keep the fixed plan

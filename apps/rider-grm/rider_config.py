@@ -96,7 +96,8 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     never: the policy and every judge stay resident (fastest when all of them fit).
     auto: step 1 runs as `always` and measures each phase's peak memory; from step 2 on, the
     fastest plan whose measured needs fit in `swap_memory_fraction` of the GPU (everything
-    resident, or the policy resident and judges swapped, or `always`). On CPU: `always`."""
+    resident, or the policy resident and judges swapped, or `always`). On CPU: `always`.
+    With no judge in this process (none, or all served) the policy never sleeps."""
     swap_memory_fraction: float = 0.9  # share of the GPU's memory `auto` may plan to use
     rule: str | None = None  # "pkg.mod:compute_score" or "file.py:compute_score"
     rule_weight: float = 1.0
