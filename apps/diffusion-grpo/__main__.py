@@ -211,11 +211,15 @@ class Run:
     timer: PhaseTimer = field(default_factory=PhaseTimer)
 
 
-def build_reward_scorer(cfg: RewardConfig) -> Any:
+def build_reward_scorer(cfg: RewardConfig, *, tiny_clip: bool = False) -> Any:
+    """The weighted sum of `cfg.components`. `clip_score`/`aesthetic` without a `model` option get
+    CLIP ViT-L/14 (the LAION aesthetic head's backbone), or the tiny CLIP with a tiny SD3."""
     if cfg.url is not None:
         return RemoteScorer(cfg.url, cfg.server_reward)
-    components = {name: Component(scorer=name, weight=w, options=cfg.kwargs.get(name, {}))
-                  for name, w in cfg.components.items() if w != 0}
+    clip = str(tiny.build("clip")) if tiny_clip else "openai/clip-vit-large-patch14"
+    components = {name: Component(scorer=name, weight=w, options=(
+        {"model": clip} if name in ("clip_score", "aesthetic") else {}) | cfg.kwargs.get(name, {}))
+        for name, w in cfg.components.items() if w != 0}
     if not components:
         raise ValueError(f"reward.components {cfg.components} has no non-zero weight")
     return build_reward(RewardSpec(components=components))
@@ -250,7 +254,7 @@ def setup(cfg: Config, resume: str | None) -> Run:
                            world_size=acc.num_processes)
     run = Run(cfg, acc, run_dir, engine, model, peft, optimizer,
               LoraEMA(trainable(peft), decay=t.ema_decay, interval=t.ema_interval),
-              build_reward_scorer(cfg.reward), prompts, eval_prompts, sampler, start_epoch=0)
+              build_reward_scorer(cfg.reward, tiny_clip=m.path.startswith("tiny:")), prompts, eval_prompts, sampler, start_epoch=0)
     if ckpt is not None:
         meta = load_checkpoint(ckpt, state=checkpoint_state(run))
         run.start_epoch, run.optimizer_steps = meta["step"], meta["optimizer_steps"]

@@ -144,3 +144,21 @@ def test_help_lists_every_vrl_knob(app, capsys) -> None:
     for key in ("rollout.n", "sampling.guidance_scale", "train.clip_range", "train.kl_beta",
                 "train.gradient_accumulation_steps", "eval.num_steps", "eval.use_ema", "reward.url"):
         assert key in text
+
+
+def test_aesthetic_and_clip_score_rewards_from_the_command_line(app, tmp_path: Path) -> None:
+    """VRL's reward override, as typed on the command line: OCR off, aesthetic + CLIPScore on
+    (the tiny CLIP stands in for ViT-L/14 when the model is tiny)."""
+    overrides = [o for o in tiny_overrides(tmp_path) if not o.startswith("reward.")]
+    argv = [*overrides, "reward.components.ocr=0.0", "reward.components.aesthetic=1.0",
+            "reward.components.clip_score=0.5", "reward.components.brightness=0", "eval.every=1", "eval.max_prompts=2", "eval.num_steps=2",
+            "train.epochs=1"]
+    assert app.main(argv) == 0
+    run = (tmp_path / "latest").resolve()
+    train, evals = _rows(run / "metrics.csv"), _rows(run / "eval_metrics.csv")
+    row = next(r for r in train if r.get("reward/mean"))
+    assert not row.get("reward/ocr") and not row.get("reward/brightness") and row["reward/failed"] == "0"
+    aesthetic, clip = float(row["reward/aesthetic"]), float(row["reward/clip_score"])
+    assert float(row["reward/mean"]) == pytest.approx(aesthetic + 0.5 * clip, abs=1e-6)
+    assert float(row["reward/std"]) > 0  # the random tiny heads still tell the images apart
+    assert [r["epoch"] for r in evals] == ["0", "1"] and all(r["reward/clip_score"] != "" for r in evals)
