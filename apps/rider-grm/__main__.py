@@ -222,7 +222,7 @@ def setup(cfg: Config, resume: str | None) -> tuple[Parts, GroupSampler, list[Ju
     ref.requires_grad_(False)
     ref_offload = None
     if cfg.model.ref_offload and acc.device.type != "cpu":
-        ref_offload = PinnedOffload(ref, acc.device)
+        ref_offload = PinnedOffload(ref, acc.device, frozen=True)
         ref_offload.to_host()  # into pinned buffers once; each step copies them in and drops them
     else:
         ref.to(acc.device)

@@ -100,11 +100,15 @@ class PinnedOffload:
     While on the host, each tensor's `.data` *is* its host buffer (so the module still works
     on CPU, and `module.to("cpu")` afterwards moves nothing). `to_device()` queues every copy
     `non_blocking` and synchronises once. `pin=False` (no CUDA) uses ordinary host memory.
+    `frozen=True` (a reference model that never trains): after the first `to_host()` the host
+    buffers stay current, so later ones only drop the device copies instead of copying back.
     """
 
-    def __init__(self, module: torch.nn.Module, device: torch.device, *, pin: bool | None = None) -> None:
+    def __init__(self, module: torch.nn.Module, device: torch.device, *, pin: bool | None = None,
+                 frozen: bool = False) -> None:
         self.device = torch.device(device)
         self.pin = self.device.type == "cuda" if pin is None else pin
+        self.frozen = frozen
         self.tensors = _unique_tensors(module)
         self.host: list[torch.Tensor] = []
 
@@ -114,10 +118,11 @@ class PinnedOffload:
 
     @torch.no_grad()
     def to_host(self) -> None:
+        current = self.frozen and bool(self.host)
         if not self.host:
             self.host = [_pinned_like(t, self.pin) for t in self.tensors]
         for t, host in zip(self.tensors, self.host, strict=True):
-            if t.data.data_ptr() != host.data_ptr():
+            if not current and t.data.data_ptr() != host.data_ptr():
                 host.copy_(t.data, non_blocking=True)
         _sync(self.device)  # the host copies are complete before the device copies are freed
         for t, host in zip(self.tensors, self.host, strict=True):
@@ -252,8 +257,11 @@ class PolicySwap:
         peaks = [metrics.get(f"mem/judge_{name}_score_gib") for name in judges]
         if any(p is None for p in peaks):
             return None
-        phases = ("generate", "old_logp", "ref_logp", "advantages", "update")
-        policy_peak = max(metrics.get(f"mem/{p}_gib", 0.0) for p in phases)
+        phases = ("old_logp", "ref_logp", "advantages", "update")
+        # step 1 generates before Adam's state exists; later steps generate with it resident
+        optimizer = self.optimizer.nbytes / 2**30 if self.optimizer is not None else 0.0
+        policy_peak = max(metrics.get("mem/generate_gib", 0.0) + optimizer,
+                          *(metrics.get(f"mem/{p}_gib", 0.0) for p in phases))
         capacity = torch.cuda.get_device_properties(self.device).total_memory / 2**30 * self.memory_fraction
         name = compute_swap_plan(policy_peak, self.resident_gib(), list(judges.values()),
                                  [float(p) for p in peaks if p is not None], capacity)

@@ -66,6 +66,19 @@ def test_pinned_offload_reuses_its_host_buffers_and_counts_tied_weights_once() -
     assert torch.equal(model.scale, expected["scale"])
 
 
+def test_frozen_offload_does_not_copy_back() -> None:
+    """A frozen (reference) model's host buffers are current after the first offload: later
+    offloads drop the device copies without copying (a change made meanwhile is not kept)."""
+    model = tied_model()
+    original = model[0].weight.detach().clone()
+    offload = PinnedOffload(model, torch.device("cpu"), pin=False, frozen=True)
+    offload.to_host()
+    model[0].weight.data = model[0].weight.data + 1  # as if moved to the device and changed there
+    offload.to_host()
+    assert model[0].weight.data_ptr() == offload.host[0].data_ptr()
+    assert torch.equal(model[0].weight, original)
+
+
 def test_optimizer_offload_moves_moments_not_step_counters() -> None:
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
