@@ -350,7 +350,8 @@ def print_summary(run_dir: Path) -> None:
         console.print(f"[bold]{sample['split']} step {sample['step']}[/] prompt: {sample['prompt']!r}")
         console.print(f"  completion: {sample['completion'][:200]!r}  reward: {sample['reward']}")
         for name, judge in sample["judges"].items():
-            raw = "(gated out: never sent to the judge)" if judge["raw"] is None else repr(judge["raw"][:120])
+            raw = repr(judge["raw"][:120]) if judge["raw"] is not None else (
+                "(served: no text returned)" if judge["judged"] else "(gated out: never sent to the judge)")
             console.print(f"  judge {name}: score={judge['score']} raw={raw}")
     console.print(f"run directory: {run_dir}")
 
