@@ -52,19 +52,42 @@ def sd3_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def pool(sd3_path: str):
+def cluster():
     ray = _ray()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     ship_module(sys.modules[__name__])  # this test module is not importable in the workers
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pool(cluster, sd3_path: str):
     spec = EngineSpec(factory=build_engine, kwargs={"path": sd3_path}, load_weights=load_proj_out)
     with RolloutPool(spec, num_workers=2) as pool:
         yield pool
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
 def local(sd3_path: str):
     return build_engine(sd3_path)
+
+
+@pytest.mark.slow  # two more engines to start (~30 s); first, while the cluster's 2 CPUs are free
+def test_generate_shards_requests_with_global_request_indexes(cluster) -> None:
+    from rl_rollout import SamplingParams
+    from rl_rollout.hf import HFEngine
+
+    path = str(tiny.build("qwen3"))
+    spec = EngineSpec(factory=HFEngine.from_pretrained, kwargs={"path": path, "dtype": torch.float32})
+    requests = ["The cat", "A dog", [1, 2, 3]]
+    params = SamplingParams(n=2, max_new_tokens=4, seed=0)
+    with RolloutPool(spec, num_workers=2) as pool:
+        rollout = pool.generate(requests, params)
+    local = HFEngine.from_pretrained(path, dtype=torch.float32)
+    expected = local.generate(requests[:2], params) + local.generate(requests[2:], params)  # one call per shard
+    assert [g.request_index for g in rollout.outputs] == [0, 0, 1, 1, 2, 2]
+    assert rollout.workers == [0, 0, 0, 0, 1, 1]
+    assert [g.completion_ids for g in rollout.outputs] == [g.completion_ids for g in expected]
 
 
 def _assert_same(remote, reference) -> None:
