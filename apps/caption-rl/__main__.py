@@ -11,7 +11,8 @@ format (videos) and 0.2 x length; group advantages (GRPO/RLOO); clipped policy-g
     uv run apps/caption-rl --help                            # every key, default, env var
 
 The loop, one step: group sampler -> generate (the policy itself, through the `hf` engine, which
-shares the training module's weights) -> reward (in process, or a running `rl-rewards serve`)
+shares the training module's weights; or a colocated vLLM engine that gets the weights pushed after
+every optimizer step, caption_sync.py) -> reward (in process, or a running `rl-rewards serve`)
 -> advantages -> recompute log-probs with the training model (the engine's must match on the
 first step) -> minibatch clipped PG updates, gradient accumulation over micro-batches with the
 global valid-token count -> log -> checkpoint -> periodic eval. See README.md next to this file.
@@ -20,6 +21,7 @@ global valid-token count -> log -> checkpoint -> periodic eval. See README.md ne
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections import defaultdict
@@ -32,7 +34,7 @@ from typing import Any
 import msgspec
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
+from accelerate.utils import DistributedType, gather_object
 from caption_config import Config, ModelConfig, flat_config, parse_config
 from caption_metrics import reduce_update_stats, rollout_metrics
 from caption_parts import (
@@ -107,6 +109,25 @@ class Run:
     weight_version: int = 0  # optimizer steps pushed into a vllm engine
 
 
+def check_sharding(acc: Accelerator) -> None:
+    """Refuse launches whose weight sharding the recipe cannot serve, instead of running something else.
+
+    The rollout engine (`hf`) and the log-prob replay read the policy's weights outside the
+    wrapped module's forward, where FSDP and ZeRO-3 keep them sharded: use DDP or ZeRO-1/2.
+    Accelerate turns FSDP on only on GPUs/accelerators; on a CPU machine it silently falls back
+    to plain data parallelism, which is refused here too so a sharded launch never runs unsharded.
+    """
+    asked_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    zero3 = acc.distributed_type == DistributedType.DEEPSPEED and acc.state.deepspeed_plugin.zero_stage == 3
+    if asked_fsdp and acc.distributed_type != DistributedType.FSDP:
+        raise ValueError(f"the accelerate config asks for FSDP, but accelerate enables it only on GPUs/accelerators: "
+                         f"this {acc.distributed_type.value} run would not shard anything. Launch with --multi_gpu (DDP).")
+    if acc.distributed_type == DistributedType.FSDP or zero3:
+        raise ValueError("caption-rl does not run with sharded weights (FSDP, DeepSpeed ZeRO-3): the rollout engine and "
+                         "the log-prob replay read the full weights outside the wrapped forward. Use DDP or ZeRO-1/2 "
+                         "(examples/caption-rl/accelerate/).")
+
+
 def load_policy(cfg: ModelConfig) -> tuple[torch.nn.Module, Any, str]:
     path = resolve_model(cfg.path)
     model, processor = load_vl_model(path, dtype=cfg.dtype)
@@ -134,6 +155,7 @@ def setup(cfg: Config, resume: str | None) -> Run:
     # cpu=True without CUDA: `accelerate launch --multi_gpu --num_processes N` then gives N gloo
     # processes on a CPU machine (its `--cpu` flag alone starts one process unless MPI is set up)
     acc = Accelerator(cpu=not torch.cuda.is_available(), log_with=list(t.log_with) or None)
+    check_sharding(acc)
     world = acc.num_processes
     mini = t.mini_batch_size or t.batch_size
     if t.batch_size % world or t.batch_size % mini:

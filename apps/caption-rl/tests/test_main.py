@@ -226,3 +226,30 @@ def test_two_processes_with_accelerate_launch(tmp_path):
     before, after = weights(tiny.build("qwen2_5_vl")), weights(run / "export")
     assert not [name for name, value in before.items() if torch.equal(value, after[name])]
     assert "caption-rl finished" in result.stdout
+
+
+def test_fsdp_request_that_accelerate_dropped_is_refused(app, tmp_path, monkeypatch):
+    """What `accelerate launch` with an FSDP config sets (ACCELERATE_USE_FSDP) on a machine where
+    accelerate does not turn FSDP on: a clear error, not an unsharded run."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match="asks for FSDP, but accelerate enables it only on GPUs"):
+        app.main(tiny_overrides(tmp_path))
+
+
+@pytest.mark.slow  # two fresh processes importing torch + transformers: ~1.5 min on a loaded 2-core box
+def test_fsdp_launch_on_cpu_is_refused_with_the_reason(tmp_path):
+    """An FSDP2 accelerate config on this CPU machine: accelerate only enables FSDP on
+    GPUs/accelerators and would silently run plain data parallelism; the app stops instead and
+    says why (on GPUs it refuses FSDP too: the engine and replay need whole weights)."""
+    config = tmp_path / "fsdp2.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nnum_machines: 1\nnum_processes: 2\n"
+                      "machine_rank: 0\nmixed_precision: 'no'\ndynamo_config: {}\nfsdp_config:\n  fsdp_version: 2\n"
+                      "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_state_dict_type: SHARDED_STATE_DICT\n"
+                      "  fsdp_reshard_after_forward: true\n  fsdp_offload_params: false\n")
+    launcher = Path(sys.executable).with_name("accelerate")
+    result = subprocess.run([str(launcher), "launch", "--config_file", str(config), str(APP / "__main__.py"),
+                             *tiny_overrides(tmp_path)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(APP)},
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    assert "asks for FSDP, but accelerate enables it only on GPUs" in result.stderr
+    assert not (tmp_path / "latest").exists()  # stopped before any run directory
