@@ -12,8 +12,15 @@ Reported: verl's throughput (prompt + response tokens per step / step seconds / 
 per phase (caption-rl) and peak GPU memory, averaged over the steps after the first (warm-up).
 
 TRL is not a dependency of this workspace: the benchmark environment needs `trl` and `datasets`
-importable (e.g. wheels installed with `pip install --no-deps` into a folder on PYTHONPATH);
-without them the run stops and names what is missing.
+importable; without them the run stops and names what is missing. On a machine that already
+has torch, transformers, accelerate, pyarrow, numpy and python-dateutil (this workspace's
+environment), six wheels are enough (what trl 1.16 and datasets 5.2 import at load time):
+
+    pip download --no-deps --python-version 3.12 --only-binary=:all: -d wheels \
+        --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+        trl==1.16.0 datasets==5.2.0 pandas==3.1.1 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0
+    pip install --no-deps --target /tmp/trlpkgs wheels/*.whl
+    PYTHONPATH=/tmp/trlpkgs python benchmarks/caption_rl.py
 """
 
 from __future__ import annotations
