@@ -231,9 +231,10 @@ def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool) -> 
              ["trl GRPOTrainer", f"{theirs['throughput/tokens_per_s']:.0f}", f"{theirs['time/step']:.2f}", "", "", "", "",
               f"{theirs['response/length_mean']:.0f}", f"{theirs['peak_gib']:.1f}"]]
     ratio = ours["throughput/tokens_per_s"] / theirs["throughput/tokens_per_s"]
-    memory = ours["peak_gib"] / theirs["peak_gib"] if theirs["peak_gib"] == theirs["peak_gib"] else float("nan")
+    on_gpu = theirs["peak_gib"] == theirs["peak_gib"]  # NaN without CUDA
+    memory = f"{ours['peak_gib'] / theirs['peak_gib']:.2f}x" if on_gpu else "n/a (CPU)"
     table.append(["ratio caption-rl / TRL", f"{ratio:.2f}x", f"{theirs['time/step'] / ours['time/step']:.2f}x faster",
-                  "", "", "", "", "", f"{memory:.2f}x"])
+                  "", "", "", "", "", memory])
     notes = ("Policy: random weights at Qwen3-VL-2B shape (vocab 151,936), bf16, full fine-tuning with gradient "
              "checkpointing; 32 images x 8 captions x 256 tokens per step, rule reward, one optimizer step per RL "
              f"step, micro-batches of 16; mean over the steps after the first. TRL {theirs['trl_version']} "
