@@ -177,6 +177,18 @@ def test_a_worker_that_dies_twice_on_its_shard_is_a_clear_error(pool: RolloutPoo
         pool.map(always_die, ITEMS, **SAMPLING)
 
 
+def broken_engine(path: str):
+    raise FileNotFoundError(f"no checkpoint at {path}")
+
+
+def test_a_worker_that_cannot_start_is_a_clear_error(cluster) -> None:
+    spec = EngineSpec(factory=broken_engine, kwargs={"path": "/nowhere"})
+    with pytest.raises(RuntimeError, match=r"(?s)rollout worker 0 failed to start.*no checkpoint at /nowhere"):
+        RolloutPool(spec, num_workers=1, num_cpus=0)  # 0 CPUs: schedulable next to the pool's workers
+    with pytest.raises(RuntimeError, match=r"(?s)rollout worker 0 did not start within 2 s.*resources"):
+        RolloutPool(spec, num_workers=1, num_gpus=1, start_timeout_s=2)  # no GPU in this cluster
+
+
 def test_without_ray_the_error_names_the_extra(monkeypatch, sd3_path: str) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     with pytest.raises(ImportError, match=r'pip install "rl-rollout\[ray\]"'):

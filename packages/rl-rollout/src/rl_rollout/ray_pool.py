@@ -224,7 +224,11 @@ class RolloutPool:
         self._workers: list[Any] = [None] * num_workers
         for i in range(num_workers):  # start all, then wait: the engines load in parallel
             self._workers[i] = self._actor_cls.remote(spec, i)
-        self.health()
+        try:
+            self.health()
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def num_workers(self) -> int:
