@@ -234,6 +234,21 @@ def cpu_benchmark(seconds: float, smoke: bool) -> list[list[object]]:
 # ----------------------------------------------------------------------------- GPU part
 
 
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _free_accelerator_memory() -> None:
+    """Give the in-process judge's GPU memory back before the server loads its own copy."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def gpu_benchmark(model: str, captions: int, qa_per_caption: int, rounds: int) -> list[list[object]]:
     """caption_qa exact: in-process scorer vs the same scorer behind `rl-rewards serve`."""
     import httpx
@@ -245,21 +260,30 @@ def gpu_benchmark(model: str, captions: int, qa_per_caption: int, rounds: int) -
     qa = [[f"Question {j}?\n   - A) red\n   - B) blue\n   - C) green\n   - D) none", "A"] for j in range(qa_per_caption)]
     texts = make_captions(captions)
     samples = [Sample(completion=c, reference=qa) for c in texts]
+    progress(f"loading the in-process scorer from {model}")
     scorer = build_scorer("caption_qa", model=model, estimator="exact", task="video")
     scorer.score(samples[:8])  # warm-up
+    progress("in-process: timing")
     started = time.perf_counter()
-    for _ in range(rounds):
+    for i in range(rounds):
         scorer.score(samples)
+        progress(f"in-process round {i + 1}/{rounds}: {time.perf_counter() - started:.1f} s")
     inproc = rounds * captions / (time.perf_counter() - started)
     del scorer
+    _free_accelerator_memory()
     body = {"prompts": [[c, qa] for c in texts], "query": [], "labels": []}
     args = ["--model", model, "--judge-option", "estimator=exact", "--task", "video", "--max-wait-ms", "5"]
-    with ServerProcess(args, ready_timeout=900) as server, httpx.Client(timeout=900) as http:
-        http.post(f"{server.url}/get_reward", json={**body, "prompts": body["prompts"][:8]})
+    progress("starting rl-rewards serve")
+    log_path = Path(tempfile.mkdtemp()) / "server.log"
+    progress(f"server log: {log_path}")
+    with ServerProcess(args, ready_timeout=900, log_path=log_path) as server, httpx.Client(timeout=900) as http:
+        http.post(f"{server.url}/get_reward", json={**body, "prompts": body["prompts"][:8]}).raise_for_status()
+        progress("served: timing")
         started = time.perf_counter()
-        for _ in range(rounds):
+        for i in range(rounds):
             r = http.post(f"{server.url}/get_reward", json=body)
             r.raise_for_status()
+            progress(f"served round {i + 1}/{rounds}: {time.perf_counter() - started:.1f} s")
         served = rounds * captions / (time.perf_counter() - started)
     return [
         ["caption_qa exact, in-process", f"{inproc:.1f}", "1.00x"],

@@ -195,3 +195,11 @@ def test_compiled_decode_step_matches_eager(qwen3_engine: HFEngine) -> None:
     for a, b in zip(first, eager, strict=True):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
     assert compiled.generate(PROMPTS[:2], params) == first
+
+
+def test_from_pretrained_places_the_model_on_cuda_when_available(qwen3_path: Path) -> None:
+    """`from_pretrained` loads onto the CPU; a served judge left there ran ~100x slower on a GPU box."""
+    engine = HFEngine.from_pretrained(qwen3_path)
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert engine.device.type == expected
+    assert next(engine.model.parameters()).device.type == expected

@@ -25,6 +25,12 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
     return DTYPES[dtype]
 
 
+def default_device() -> str:
+    """Where a model loaded for serving/scoring goes when the caller names no device: CUDA when
+    available, else the CPU (`from_pretrained` alone would leave it on the CPU)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def pretrained_kwargs(
     *,
     dtype: str | torch.dtype,

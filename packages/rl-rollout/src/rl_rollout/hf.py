@@ -148,7 +148,12 @@ class HFEngine:
         cls, path: str | Path, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None, **kwargs: Any
     ) -> HFEngine:
         """Load a checkpoint folder (or hub id): a text LM with its tokenizer, or a VL model
-        (config with a `vision_config`) with its processor."""
+        (config with a `vision_config`) with its processor.
+
+        `device` defaults to CUDA when available, else the CPU (`from_pretrained` itself loads
+        onto the CPU; a judge left there would run ~100x slower on a GPU machine)."""
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         config = AutoConfig.from_pretrained(path)
         if "vision_config" in config.to_dict():
             model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)

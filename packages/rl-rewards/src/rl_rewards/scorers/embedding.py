@@ -17,6 +17,7 @@ from rl_rewards.samples import Sample, ScoreResult
 
 try:
     from rl_models.encoders import compute_text_embeddings, load_embedding_model
+    from rl_models.loading import default_device
 except ImportError as e:
     raise ImportError(f'embedding_similarity needs torch, transformers and rl-models: pip install "rl-rewards[hf]" ({e})') from e
 
@@ -32,7 +33,7 @@ class EmbeddingSimilarityScorer:
     ) -> None:
         if pooling not in ("cls", "mean"):
             raise ValueError(f"embedding_similarity: pooling must be 'cls' or 'mean', got {pooling!r}")
-        self.encoder = load_embedding_model(model, device=device)
+        self.encoder = load_embedding_model(model, device=device or default_device())
         self.pooling, self.scale, self.offset, self.max_length = pooling, scale, offset, max_length
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:

@@ -16,6 +16,7 @@ try:
     import torch
 
     from rl_models.encoders import load_clip
+    from rl_models.loading import default_device
 except ImportError as e:
     raise ImportError(f'clip_score/aesthetic need torch, transformers and rl-models: pip install "rl-rewards[vision]" ({e})') from e
 
@@ -36,7 +37,7 @@ def score_images(samples: Sequence[Sample], values: Callable[[Sequence[Sample], 
 
 class _ClipBase:
     def __init__(self, model: str, device: str | None) -> None:
-        self.clip, self.processor = load_clip(model, device=device)
+        self.clip, self.processor = load_clip(model, device=device or default_device())
         self.device = self.clip.device
 
     @torch.no_grad()
