@@ -19,7 +19,7 @@ PACKAGES: dict[str, list[str]] = {
     "rl-core": ["train"],
     "rl-data": [],
     "rl-models": ["diffusers"],
-    "rl-rollout": ["diffusers"],
+    "rl-rollout": ["diffusers", "ray"],
     "rl-rewards": ["hf", "ocr", "vision", "ray"],
 }
 DEFAULT_MARKERS = "not gpu and not slow and not vllm"
