@@ -9,14 +9,12 @@ place (`VLLMEngine.load_weights`), the way verl's and TRL's colocated rollouts d
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-from peft.tuners.lora import LoraLayer
-from torch.distributed.tensor import DTensor
 
 from rl_models.logprobs import unwrap_peft
+from rl_models.lora import merged_named_weights
 from rl_rollout.hf import HFEngine
 
 BUCKET_BYTES = 512 * 2**20  # tensors per load_weights call: bounds the merged-LoRA copies alive at once
@@ -37,35 +35,12 @@ def build_engine(kind: str, model: torch.nn.Module, processor: Any, *, path: str
                       max_num_seqs=max_batch_size, **extra)
 
 
-def named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The policy's current weights under its Hugging Face checkpoint names, which vLLM's
-    `load_weights` takes (it maps them to its own layout): PEFT's `base_model.model.` prefix and
-    `.base_layer` dropped, LoRA deltas merged (W + scale * B @ A, computed: the trained base
-    weights are not touched), adapter tensors left out. Tied weights come once; FSDP2-sharded
-    parameters are gathered whole."""
-    base = unwrap_peft(model)
-    lora = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
-    with torch.no_grad():
-        for name, param in base.named_parameters():
-            if ".lora_" in name:
-                continue
-            tensor = param.full_tensor() if isinstance(param, DTensor) else param
-            owner_name, _, leaf = name.rpartition(".")
-            owner = lora.get(owner_name.removesuffix(".base_layer"))
-            if owner is not None and owner_name.endswith(".base_layer"):
-                name = f"{owner_name.removesuffix('.base_layer')}.{leaf}"
-                if leaf == "weight" and not owner.merged:
-                    for adapter in owner.active_adapters:
-                        tensor = tensor + owner.get_delta_weight(adapter).to(tensor.dtype)  # [out, in]
-            yield name, tensor.detach()
-
-
 def push_weights(engine: Any, model: torch.nn.Module, version: int) -> None:
-    """Send `named_weights(model)` to the vLLM engine in buckets of ~`BUCKET_BYTES` (tensors are
+    """Send `rl_models.lora.merged_named_weights(model)` to the vLLM engine in buckets of ~`BUCKET_BYTES` (tensors are
     computed lazily, so at most one bucket of merged LoRA weights exists at a time)."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, tensor in named_weights(model):
+    for name, tensor in merged_named_weights(model):
         if bucket and size + tensor.numel() * tensor.element_size() > BUCKET_BYTES:
             engine.load_weights(bucket, version=version)
             bucket, size = [], 0

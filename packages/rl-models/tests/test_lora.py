@@ -11,6 +11,7 @@ from rl_models.lora import (
     disabled_adapter,
     export_lora,
     merge_and_export,
+    merged_named_weights,
     reference_token_logprobs,
 )
 from rl_models.text import load_causal_lm
@@ -89,3 +90,20 @@ def test_vl_lora_targets_language_model_only(vl_paths):
 def test_unknown_family_lists_valid():
     with pytest.raises(KeyError, match=r"no default LoRA targets for family 'gpt9'.*qwen3"):
         default_target_modules("gpt9")
+
+
+def test_merged_named_weights_equal_a_merged_checkpoint_without_touching_the_base(qwen3_path):
+    model, _ = load_causal_lm(qwen3_path, dtype="float32")
+    peft_model = add_lora(model, r=4, alpha=8, init_lora_weights=False)
+    base_before = {n: p.detach().clone() for n, p in peft_model.named_parameters() if ".base_layer." in n}
+    pushed = dict(merged_named_weights(peft_model))
+    for name, param in peft_model.named_parameters():
+        if name in base_before:
+            torch.testing.assert_close(param, base_before[name], rtol=0, atol=0, msg=name)  # base untouched
+    assert not any(".lora_" in n or "base_layer" in n or n.startswith("base_model.") for n in pushed)
+    reference = {n: p.detach().clone() for n, p in peft_model.merge_and_unload().named_parameters()}
+    assert set(pushed) == set(reference)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(pushed[name], tensor, msg=name)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert (pushed[q] - base_before[f"base_model.model.{q.removesuffix('.weight')}.base_layer.weight"]).abs().max() > 0

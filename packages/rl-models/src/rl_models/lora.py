@@ -10,11 +10,13 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 from transformers.utils import PushToHubMixin
 
-from rl_models.logprobs import TokenBatch, token_logprobs
+from rl_models.logprobs import TokenBatch, token_logprobs, unwrap_peft
 
 _QWEN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Qwen-VL vision towers also have `*_proj` MLPs: restrict the match to the language model.
@@ -125,3 +127,26 @@ def merge_and_export(
     if processor is not None:
         processor.save_pretrained(out)
     return out
+
+
+def merged_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's current weights under its Hugging Face checkpoint names, which vLLM's
+    `load_weights` takes (it maps them to its own layout): PEFT's `base_model.model.` prefix and
+    `.base_layer` dropped, LoRA deltas merged (W + scale * B @ A, computed: the trained base
+    weights are not touched), adapter tensors left out. Tied weights come once; FSDP2-sharded
+    parameters are gathered whole."""
+    base = unwrap_peft(model)
+    lora = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+    with torch.no_grad():
+        for name, param in base.named_parameters():
+            if ".lora_" in name:
+                continue
+            tensor = param.full_tensor() if isinstance(param, DTensor) else param
+            owner_name, _, leaf = name.rpartition(".")
+            owner = lora.get(owner_name.removesuffix(".base_layer"))
+            if owner is not None and owner_name.endswith(".base_layer"):
+                name = f"{owner_name.removesuffix('.base_layer')}.{leaf}"
+                if leaf == "weight" and not owner.merged:
+                    for adapter in owner.active_adapters:
+                        tensor = tensor + owner.get_delta_weight(adapter).to(tensor.dtype)  # [out, in]
+            yield name, tensor.detach()
