@@ -5,7 +5,8 @@ scores and sleeps again. `HFEngine.sleep()` does `model.to("cpu")`: a synchronou
 freshly allocated pageable memory per tensor, which on an H200 took 2-5 s for the Qwen3-1.7B
 policy and its Adam moments (a third of the step). Here the copies go through **page-locked
 host buffers allocated once and reused** (`PinnedOffload`, `OptimizerOffload`): all copies of a
-model are queued `non_blocking` and synchronised once, at full PCIe bandwidth. The engine's own
+model are queued `non_blocking` and synchronised once, at full PCIe bandwidth
+(`rl_core.train.offload`). The engine's own
 `sleep()`/`wake()` still run afterwards/before (dropping the KV cache, emptying the allocator,
 flipping the engine state) but find the weights already where they should be, so they move
 nothing. On CPU nothing moves at all.
@@ -21,6 +22,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+
+from rl_core.train.offload import OptimizerOffload, PinnedOffload
+
+__all__ = ["PLANS", "OptimizerOffload", "PinnedOffload", "PolicySwap", "SwapPlan", "compute_swap_plan"]
 
 PlanName = Literal["always", "judges", "never"]
 
@@ -71,111 +76,6 @@ def compute_swap_plan(policy_peak: float, policy_resident: float, judge_weights:
     if max(judge_peaks) + policy_resident <= capacity:
         return "judges"
     return "always"
-
-
-# ------------------------------------------------------------------------------ offloading
-
-
-def _unique_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    """Parameters and buffers, each once (tied weights are one Parameter)."""
-    seen: dict[int, torch.Tensor] = {}
-    for t in (*module.parameters(), *module.buffers()):
-        seen.setdefault(id(t), t)
-    return list(seen.values())
-
-
-def _pinned_like(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
-class PinnedOffload:
-    """A module's parameters and buffers moved between `device` and page-locked host buffers
-    that are allocated on the first `to_host()` and reused ever after.
-
-    While on the host, each tensor's `.data` *is* its host buffer (so the module still works
-    on CPU, and `module.to("cpu")` afterwards moves nothing). `to_device()` queues every copy
-    `non_blocking` and synchronises once. `pin=False` (no CUDA) uses ordinary host memory.
-    `frozen=True` (a reference model that never trains): after the first `to_host()` the host
-    buffers stay current, so later ones only drop the device copies instead of copying back.
-    """
-
-    def __init__(self, module: torch.nn.Module, device: torch.device, *, pin: bool | None = None,
-                 frozen: bool = False) -> None:
-        self.device = torch.device(device)
-        self.pin = self.device.type == "cuda" if pin is None else pin
-        self.frozen = frozen
-        self.tensors = _unique_tensors(module)
-        self.host: list[torch.Tensor] = []
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
-    @torch.no_grad()
-    def to_host(self) -> None:
-        current = self.frozen and bool(self.host)
-        if not self.host:
-            self.host = [_pinned_like(t, self.pin) for t in self.tensors]
-        for t, host in zip(self.tensors, self.host, strict=True):
-            if not current and t.data.data_ptr() != host.data_ptr():
-                host.copy_(t.data, non_blocking=True)
-        _sync(self.device)  # the host copies are complete before the device copies are freed
-        for t, host in zip(self.tensors, self.host, strict=True):
-            t.data = host
-
-    @torch.no_grad()
-    def to_device(self) -> None:
-        for t in self.tensors:
-            if t.device != self.device:
-                t.data = t.data.to(self.device, non_blocking=True)
-        _sync(self.device)
-
-
-class OptimizerOffload:
-    """An optimizer's state tensors (Adam moments; not the 0-dim `step` counters) moved to
-    reused page-locked host buffers and back, one synchronisation per direction. Tensors that
-    are not on `device` are left alone (nothing to free)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-        self.optimizer, self.device = optimizer, torch.device(device)
-        self.pin = self.device.type == "cuda"
-        self.host: dict[tuple[int, str], torch.Tensor] = {}
-
-    def _entries(self) -> list[tuple[int, dict[str, Any], str, torch.Tensor]]:
-        """(parameter id, its state dict, key, tensor) for every state tensor of dim > 0."""
-        return [(id(param), state, key, value) for param, state in self.optimizer.state.items()
-                for key, value in state.items() if isinstance(value, torch.Tensor) and value.dim() > 0]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(v.numel() * v.element_size() for *_, v in self._entries())
-
-    @torch.no_grad()
-    def to_host(self) -> None:
-        moved = []
-        for pid, state, key, value in self._entries():
-            if value.device != self.device:
-                continue
-            host = self.host.get((pid, key))
-            if host is None or host.shape != value.shape or host.dtype != value.dtype:
-                host = self.host[(pid, key)] = _pinned_like(value, self.pin)
-            host.copy_(value, non_blocking=True)
-            moved.append((state, key, host))
-        _sync(self.device)
-        for state, key, host in moved:
-            state[key] = host
-
-    @torch.no_grad()
-    def to_device(self) -> None:
-        for _, state, key, value in self._entries():
-            if value.device != self.device:
-                state[key] = value.to(self.device, non_blocking=True)
-        _sync(self.device)
 
 
 # ------------------------------------------------------------------------------ engines

@@ -1,4 +1,5 @@
-"""Swap plans (hand-worked memory budgets) and the pinned-buffer offloaders."""
+"""Swap plans (hand-worked memory budgets) and engine sleep/wake through the pinned offloaders
+(their unit tests live with them in rl-core: tests/train/test_train_offload.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import pytest
 import torch
 from swapping import (
     PLANS,
-    OptimizerOffload,
     PinnedOffload,
     compute_swap_plan,
     sleep_engine,
@@ -38,60 +38,6 @@ def test_swap_plan_without_judges_and_bad_input() -> None:
         compute_swap_plan(30, 20, [1, 2], [3], capacity=80)
     assert [PLANS[n].offload_policy for n in ("always", "judges", "never")] == [True, False, False]
     assert [PLANS[n].sleep_judges for n in ("always", "judges", "never")] == [True, True, False]
-
-
-def tied_model() -> torch.nn.Module:
-    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
-    model[1].weight = model[0].weight  # tied, as in Qwen3 small models
-    model.register_buffer("scale", torch.arange(3.0))
-    return model
-
-
-def test_pinned_offload_reuses_its_host_buffers_and_counts_tied_weights_once() -> None:
-    """CPU stand-in for the accelerator (pin=False): the values survive, `.data` *is* the host
-    buffer after `to_host`, and the second offload writes into the same buffers."""
-    model = tied_model()
-    expected = {k: v.clone() for k, v in model.state_dict().items()}
-    offload = PinnedOffload(model, torch.device("cpu"), pin=False)
-    assert offload.nbytes == (10 * 4 + 3) * 4  # embedding (= tied head) + buffer, float32
-    offload.to_host()
-    first = [t.data_ptr() for t in offload.tensors]
-    assert first == [h.data_ptr() for h in offload.host]
-    with torch.no_grad():
-        model[0].weight.add_(1.0)  # an update between offloads is what the next offload copies
-    offload.to_device()
-    offload.to_host()
-    assert [h.data_ptr() for h in offload.host] == first
-    assert torch.equal(model.state_dict()["0.weight"], expected["0.weight"] + 1)
-    assert torch.equal(model.scale, expected["scale"])
-
-
-def test_frozen_offload_does_not_copy_back() -> None:
-    """A frozen (reference) model's host buffers are current after the first offload: later
-    offloads drop the device copies without copying (a change made meanwhile is not kept)."""
-    model = tied_model()
-    original = model[0].weight.detach().clone()
-    offload = PinnedOffload(model, torch.device("cpu"), pin=False, frozen=True)
-    offload.to_host()
-    model[0].weight.data = model[0].weight.data + 1  # as if moved to the device and changed there
-    offload.to_host()
-    assert model[0].weight.data_ptr() == offload.host[0].data_ptr()
-    assert torch.equal(model[0].weight, original)
-
-
-def test_optimizer_offload_moves_moments_not_step_counters() -> None:
-    model = torch.nn.Linear(3, 2)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.ones(1, 3)).sum().backward()
-    optimizer.step()
-    offload = OptimizerOffload(optimizer, torch.device("cpu"))
-    before = {(id(p), k): v.clone() for p, s in optimizer.state.items() for k, v in s.items()}
-    assert offload.nbytes == 2 * (6 + 2) * 4  # exp_avg and exp_avg_sq of weight and bias
-    offload.to_host()
-    assert len(offload.host) == 4  # two moments x two parameters; `step` stays where it is
-    offload.to_device()
-    after = {(id(p), k): v for p, s in optimizer.state.items() for k, v in s.items()}
-    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 @pytest.mark.gpu

@@ -5,7 +5,12 @@ import math
 import pytest
 import torch
 
-from rl_core.logprobs import entropy, token_logprobs, token_logprobs_from_hidden
+from rl_core.logprobs import (
+    entropy,
+    token_logprobs,
+    token_logprobs_and_entropy_from_hidden,
+    token_logprobs_from_hidden,
+)
 
 
 def test_token_logprobs_hand_worked() -> None:
@@ -88,6 +93,23 @@ def test_chunked_equals_naive_values_and_gradients_fp32(
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gh, rh, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 64])
+def test_entropy_from_hidden_equals_entropy_of_full_logits(chunk_size: int) -> None:
+    b, t, h, v = 2, 9, 8, 31
+    hidden = torch.randn(b, t, h, requires_grad=True)
+    weight = torch.randn(v, h, requires_grad=True)
+    labels = torch.randint(0, v, (b, t))
+    logp, ent = token_logprobs_and_entropy_from_hidden(hidden, weight, labels, temperature=0.7, chunk_size=chunk_size)
+    logits = (hidden @ weight.T / 0.7).detach()  # [b, t, v]
+    torch.testing.assert_close(ent, entropy(logits), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logp, token_logprobs_from_hidden(hidden, weight, labels, 0.7, chunk_size))
+    assert not ent.requires_grad and logp.requires_grad
+    # the entropy output does not disturb the log-prob gradient
+    g_both = torch.autograd.grad(logp.sum(), hidden)[0]
+    g_plain = torch.autograd.grad(token_logprobs_from_hidden(hidden, weight, labels, 0.7, chunk_size).sum(), hidden)[0]
+    torch.testing.assert_close(g_both, g_plain)
 
 
 def test_chunked_gradcheck_float64() -> None:

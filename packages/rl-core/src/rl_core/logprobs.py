@@ -12,6 +12,9 @@
   logits and accumulates the gradients of `hidden` and (when it requires grad) `weight`.
   Memory is O(chunk_size * V + V * H) instead of O(B * T * V); the cost is one extra matmul
   (the recomputation). See `benchmarks/logprobs.py` for figures.
+- `token_logprobs_and_entropy_from_hidden(...)`: the same, plus the entropy of each position's
+  distribution (no gradient), taken from the chunk already in memory: when the entropy is only
+  logged, this saves the separate no-grad pass over the LM head.
 
 Temperature: sampling engines (vLLM, HF `generate`) divide logits by the temperature before the
 softmax, so pass the rollout temperature here to score the distribution that was sampled.
@@ -23,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-__all__ = ["entropy", "token_logprobs", "token_logprobs_from_hidden"]
+__all__ = ["entropy", "token_logprobs", "token_logprobs_and_entropy_from_hidden", "token_logprobs_from_hidden"]
 
 _ROWS_PER_CHUNK = 4096
 
@@ -99,23 +102,29 @@ class _LogprobsFromHidden(torch.autograd.Function):
         labels: Tensor,  # [N]
         temperature: float,
         chunk_size: int,
-    ) -> Tensor:
+        with_entropy: bool,
+    ) -> tuple[Tensor, Tensor]:
         dtype = _compute_dtype(hidden.dtype)
         out = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)  # [N]
+        ent = torch.empty(hidden.shape[0] if with_entropy else 0, dtype=dtype, device=hidden.device)  # [N] or [0]
         for start in range(0, hidden.shape[0], chunk_size):
             stop = start + chunk_size
             logits = _chunk_logits(hidden[start:stop], weight, temperature, dtype)  # [c, V]
             logp = torch.log_softmax(logits, dim=-1, dtype=dtype)  # [c, V] one chunk only
             out[start:stop] = logp.gather(1, labels[start:stop, None]).squeeze(1)
-            del logits, logp
+            del logits
+            if with_entropy:
+                ent[start:stop] = logp.exp().mul_(logp).sum(-1).neg_()  # [c]: -sum p log p
+            del logp
         ctx.save_for_backward(hidden, weight, labels, out)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
-        return out
+        ctx.mark_non_differentiable(ent)
+        return out, ent
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: FunctionCtx, grad_out: Tensor, _grad_ent: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         hidden, weight, labels, logp = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -145,7 +154,7 @@ class _LogprobsFromHidden(torch.autograd.Function):
             del q
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def token_logprobs_from_hidden(
@@ -163,6 +172,25 @@ def token_logprobs_from_hidden(
     within float32 rounding, without ever holding the `[B*T, V]` logits. `chunk_size` is the
     number of tokens per block: peak extra memory is about `chunk_size * V * 6` bytes in bf16.
     """
+    return _apply(hidden, weight, labels, temperature, chunk_size, with_entropy=False)[0]
+
+
+def token_logprobs_and_entropy_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 4096,
+) -> tuple[Tensor, Tensor]:
+    """`(logprobs [B, T], entropy [B, T])`, both float32: `token_logprobs_from_hidden` plus the
+    entropy of `softmax(hidden @ weight.T / temperature)` at every position, computed from each
+    chunk while it is in memory. The entropy carries no gradient (it is for logging); a chunk
+    costs one more elementwise pass, about `chunk_size * V * 4` bytes more memory."""
+    return _apply(hidden, weight, labels, temperature, chunk_size, with_entropy=True)
+
+
+def _apply(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float, chunk_size: int,
+           *, with_entropy: bool) -> tuple[Tensor, Tensor]:
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, H], got shape {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[2]:
@@ -180,7 +208,7 @@ def token_logprobs_from_hidden(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     batch, length, size = hidden.shape
     _check_labels(labels, weight.shape[0], (batch, length))
-    flat = _LogprobsFromHidden.apply(
-        hidden.reshape(-1, size), weight, labels.reshape(-1), float(temperature), int(chunk_size)
-    )  # [B*T]
-    return flat.reshape(batch, length)
+    flat, ent = _LogprobsFromHidden.apply(
+        hidden.reshape(-1, size), weight, labels.reshape(-1), float(temperature), int(chunk_size), with_entropy
+    )  # [B*T], [B*T] or [0]
+    return flat.reshape(batch, length), ent.reshape(batch, length) if with_entropy else ent

@@ -112,3 +112,25 @@ def test_phase_timer_records_a_phase_that_raises() -> None:
         time.sleep(0.02)
         raise KeyError("x")
     assert timer.pop()["time/update"] >= 0.02
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_phase_timer_reports_no_memory_without_cuda() -> None:
+    timer = PhaseTimer()
+    with timer("update"):
+        pass
+    assert list(timer.pop()) == ["time/update"]
+
+
+@pytest.mark.gpu
+def test_phase_timer_peak_memory_per_phase() -> None:
+    timer = PhaseTimer()
+    torch.zeros(1, device="cuda")  # CUDA in use
+    with timer("big"):
+        block = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # 0.25 GiB
+        del block
+    with timer("small"):
+        torch.empty(2**20, dtype=torch.uint8, device="cuda")
+    out = timer.pop()
+    assert out["memory/big_peak_gib"] >= 0.25
+    assert out["memory/small_peak_gib"] < out["memory/big_peak_gib"] - 0.2  # the peak was reset

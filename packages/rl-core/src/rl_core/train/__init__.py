@@ -1,5 +1,6 @@
 """Training plumbing every app needs once (install with `pip install "rl-core[train]"`):
-config loading, run directories, metric logging, progress, atomic checkpoints, seeding.
+config loading, run directories, metric logging, progress, atomic checkpoints, seeding, and
+pinned-buffer offloading of weights or optimizer state.
 
 Accelerate is imported only where an accelerator is used, never at import time.
 """
@@ -20,6 +21,7 @@ from rl_core.train.config import (
     parse_cli,
 )
 from rl_core.train.metrics import MetricsLogger, PhaseTimer
+from rl_core.train.offload import OptimizerOffload, PinnedOffload
 from rl_core.train.progress import TrainProgress
 from rl_core.train.rundir import latest_run, make_run_dir
 from rl_core.train.seeding import get_rng_state, seed_everything, set_rng_state
@@ -28,7 +30,9 @@ __all__ = [
     "CliArgs",
     "ConfigError",
     "MetricsLogger",
+    "OptimizerOffload",
     "PhaseTimer",
+    "PinnedOffload",
     "Stateful",
     "TrainProgress",
     "config_help",

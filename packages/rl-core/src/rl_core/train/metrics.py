@@ -96,36 +96,50 @@ class MetricsLogger:
             csv.DictWriter(f, fieldnames=self.columns, lineterminator="\n").writerow(row)
 
 
-def _cuda_sync() -> None:
+def _cuda_sync() -> bool:
+    """Synchronize CUDA if it is in use; returns whether it is."""
     # Kernels run asynchronously: without a sync, a phase would be charged for only the time
     # to launch its kernels and the next phase for the rest.
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
+        return True
+    return False
 
 
 class PhaseTimer:
-    """Wall time per training phase, reported as `time/<phase>` seconds.
+    """Wall time per training phase, reported as `time/<phase>` seconds, and on CUDA the peak
+    memory allocated during it as `memory/<phase>_peak_gib`.
 
     `with timer("reward"): ...` adds to that phase's total (a phase entered twice in one step
-    is summed); `pop()` returns the totals and starts the next step from zero. CUDA is
-    synchronized at both ends of a phase once CUDA is in use.
+    is summed; its memory peak is the larger one); `pop()` returns the totals and starts the
+    next step from zero. CUDA is synchronized at both ends of a phase once CUDA is in use, and
+    the allocator's peak counter is reset at the start of each phase, so the figures say which
+    phase sets the run's peak (what limits batch size or sequence length).
     """
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = {}
+        self.peaks: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
-        _cuda_sync()
+        cuda = _cuda_sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         try:
             yield
         finally:
-            _cuda_sync()
+            cuda = _cuda_sync()
             self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - start
+            if cuda:
+                peak = torch.cuda.max_memory_allocated() / 2**30
+                self.peaks[phase] = max(self.peaks.get(phase, 0.0), peak)
 
     def pop(self) -> dict[str, float]:
-        """`{"time/<phase>": seconds}` since the last pop; resets the totals."""
+        """`{"time/<phase>": seconds, "memory/<phase>_peak_gib": GiB}` since the last pop;
+        resets the totals."""
         out = {f"time/{phase}": seconds for phase, seconds in self.totals.items()}
-        self.totals = {}
+        out.update({f"memory/{phase}_peak_gib": gib for phase, gib in self.peaks.items()})
+        self.totals, self.peaks = {}, {}
         return out
