@@ -14,7 +14,7 @@ from peft import PeftModel
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from rl_core.logprobs import token_logprobs_from_hidden
+from rl_core.logprobs import token_logprobs_and_entropy_from_hidden, token_logprobs_from_hidden
 from rl_models.vl import VL_MODEL_TYPES
 
 
@@ -130,7 +130,12 @@ def final_hidden_states(model: torch.nn.Module, batch: TokenBatch) -> Tensor:
     else:
         positions = batch.attention_mask.long().cumsum(-1) - 1  # [B, T]
         kwargs["position_ids"] = positions.clamp_min(0)  # [B, T]
-    return causal_lm.model(**kwargs).last_hidden_state  # [B, T, H]
+    hidden = causal_lm.model(**kwargs).last_hidden_state  # [B, T, H]
+    if is_vl:
+        # Qwen-VL's forward caches the batch's M-RoPE deltas for generate(); a scoring forward
+        # must not leave them behind (a compiled decode step guards on them and recompiles)
+        causal_lm.model.rope_deltas = None
+    return hidden
 
 
 def token_logprobs(
@@ -145,6 +150,34 @@ def token_logprobs(
     `temperature` divides the logits, matching the sampler's (use the rollout temperature so the
     importance ratio starts at 1). Works on plain and peft-wrapped models; differentiable.
     """
+    scored, head = _scored_hidden(model, batch)  # [B, C, H], LM head
+    logprobs = token_logprobs_from_hidden(
+        scored, head.weight, batch.completion_ids, temperature=temperature, chunk_size=chunk_size
+    )  # [B, C]
+    return logprobs * batch.completion_mask.to(logprobs.dtype)  # [B, C]
+
+
+def token_logprobs_and_entropy(
+    model: torch.nn.Module,
+    batch: TokenBatch,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> tuple[Tensor, Tensor]:
+    """`token_logprobs` plus the entropy `[B, C]` (float32, no gradient) of each completion
+    position's distribution, from the same forward: pick it when the entropy is logged during
+    the update, so no separate pass over the LM head is needed. Both are 0 on padding."""
+    scored, head = _scored_hidden(model, batch)  # [B, C, H], LM head
+    logprobs, ent = token_logprobs_and_entropy_from_hidden(
+        scored, head.weight, batch.completion_ids, temperature=temperature, chunk_size=chunk_size
+    )  # [B, C], [B, C]
+    mask = batch.completion_mask.to(logprobs.dtype)  # [B, C]
+    return logprobs * mask, ent * mask
+
+
+def _scored_hidden(model: torch.nn.Module, batch: TokenBatch) -> tuple[Tensor, torch.nn.Linear]:
+    """Hidden states `[B, C, H]` at the positions that predict the completion tokens, and the
+    LM head that turns them into logits."""
     causal_lm = unwrap_peft(model)
     head = causal_lm.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
@@ -154,8 +187,4 @@ def token_logprobs(
         )
     hidden = final_hidden_states(model, batch)  # [B, T, H]
     p = batch.prompt_length
-    scored = hidden[:, p - 1 : -1]  # [B, C, H]; position t predicts token t + 1
-    logprobs = token_logprobs_from_hidden(
-        scored, head.weight, batch.completion_ids, temperature=temperature, chunk_size=chunk_size
-    )  # [B, C]
-    return logprobs * batch.completion_mask.to(logprobs.dtype)  # [B, C]
+    return hidden[:, p - 1 : -1], head  # [B, C, H]; position t predicts token t + 1
