@@ -3,7 +3,7 @@
 Generation runs its own decode loop over a `StaticCache` instead of wrapping `generate()`, so
 every sampled token comes with its exact log-prob (see `rl_rollout.sampling`) at no extra cost,
 and the decode step has static shapes. On CUDA the decode step is compiled with
-`torch.compile(mode="reduce-overhead")` (CUDA graphs; transformers' own `get_compiled_call`),
+`torch.compile` (text decoder + LM head only; `compile_mode="reduce-overhead"` adds CUDA graphs),
 which removes the per-layer launch overhead that dominates decode at batch sizes below ~128.
 Pick `compile=False` for short one-off generations where compile time does not pay back.
 
@@ -33,6 +33,7 @@ from transformers import (
     StaticCache,
 )
 
+from rl_models.vl import VL_MODEL_TYPES
 from rl_rollout.prompts import EncodedPrompt, PromptBatch, encode_prompt, pad_batch
 from rl_rollout.protocol import Generation, Prompt, SamplingParams
 from rl_rollout.sampling import compute_logprobs, sample_next_tokens
@@ -106,6 +107,10 @@ class HFEngine:
     tokenizer_or_processor: its tokenizer, or for VL models its `AutoProcessor`.
     max_batch_size: rows (requests x n) decoded together; more are processed in chunks.
     compile: compile the decode step (default: on CUDA only).
+    compile_mode: `torch.compile` mode of the decode step. `"reduce-overhead"` (CUDA graphs)
+        is fastest when the KV cache stays allocated between calls; pick `"default"` (fused
+        kernels, no graphs) when the caller frees the cache between calls (`release_cache`),
+        since a graph is tied to the cache's addresses.
     stop_token_ids: tokens that end a completion (default: the generation config's EOS ids).
     score_token_budget: tokens (rows x padded width) per scoring forward; bounds the activation
         and attention-mask memory of `score_next_tokens(_batch)`. ~16k saturates a large GPU on a
@@ -120,6 +125,7 @@ class HFEngine:
         device: str | torch.device | None = None,
         max_batch_size: int = 64,
         compile: bool | None = None,
+        compile_mode: str = "reduce-overhead",
         stop_token_ids: Sequence[int] | None = None,
         score_token_budget: int = 16384,
     ) -> None:
@@ -138,9 +144,15 @@ class HFEngine:
         self.stop_token_ids = list(stop_token_ids) if stop_token_ids is not None else self._default_stop_ids()
         self.pad_id = self._pad_id()
         self.compile = self.device.type == "cuda" if compile is None else compile
-        self._step = self.model.get_compiled_call(None) if self.compile else self.model.__call__
+        inner = self.model.model  # the decoder of a causal LM, or the multimodal model of a VL one
+        self._text_decoder = inner.language_model if model.config.model_type in VL_MODEL_TYPES else inner
+        self._head = self.model.get_output_embeddings()
+        self.compile_mode = compile_mode
+        step = self._decode_step
+        self._step = torch.compile(step, mode=compile_mode) if self.compile else step
         self._cache: StaticCache | None = None
         self._cache_key: tuple[int, int] = (0, 0)
+        self._cache_released = False  # storage freed by release_cache, tensors kept
         self.state = "awake"  # "awake" | "asleep" | "closed"
 
     @classmethod
@@ -241,11 +253,16 @@ class HFEngine:
         its CUDA graph when the cache tensors keep their addresses."""
         length = -(-length // _CACHE_ROUND) * _CACHE_ROUND
         if self._cache is not None and self._cache_key == (batch_size, length):
+            if self._cache_released:  # storage freed by release_cache: take it again
+                for tensor in self._cache_tensors():
+                    tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+                self._cache_released = False
             self._cache.reset()
         else:
             self._cache = None  # free the old one before allocating
             self._cache = StaticCache(config=self.model.config, max_cache_len=length)
             self._cache_key = (batch_size, length)
+            self._cache_released = False
         return self._cache
 
     def _prefill_positions(self, batch: PromptBatch, input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,6 +279,20 @@ class HFEngine:
             return positions, lengths + deltas[:, 0].to(lengths.dtype)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]
         return positions, lengths
+
+    def _decode_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                     cache: StaticCache) -> torch.Tensor:
+        """Logits `[B, V]` of the next token after one new token per row: the text decoder and
+        the LM head only. For Qwen-VL this skips the multimodal wrapper, which has nothing to do
+        once the media are in the cache and whose graph breaks and cached state (`rope_deltas`)
+        cost recompiles; text positions continue from `position_ids` (M-RoPE deltas included).
+
+        input_ids, position_ids: [B, 1]; attention_mask: [B, L] over the whole cache."""
+        hidden = self._text_decoder(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=cache, use_cache=True,
+        ).last_hidden_state  # [B, 1, H]
+        return self._head(hidden[:, -1])  # [B, V]
 
     def _decode(self, batch: PromptBatch, params: SamplingParams, generator: torch.Generator) -> _Decoded:
         """Prefill the batch, then sample token by token until every row hit a stop token, a
@@ -302,10 +333,7 @@ class HFEngine:
             done |= newly
             if t + 1 == steps or ((t + 1) % _SYNC_EVERY == 0 and bool(done.all())):
                 break
-            logits = self._step(
-                input_ids=tok[:, None], attention_mask=mask, position_ids=(next_pos + t)[:, None],
-                past_key_values=cache, use_cache=True,
-            ).logits[:, -1]  # [B, V]
+            logits = self._step(tok[:, None], mask, (next_pos + t)[:, None], cache)  # [B, V]
         return _Decoded(tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist())
 
     # ------------------------------------------------------------------ scoring
@@ -446,6 +474,28 @@ class HFEngine:
             if target.shape != tensor.shape:
                 raise ValueError(f"load_weights: {name!r} has shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+
+    def release_cache(self) -> None:
+        """Give the KV cache's memory back now; the next `generate` takes it again. A trainer
+        that decodes with the model it trains calls this before its update, so the cache (batch
+        x length x layers x KV heads: ~9 GiB for 256 rows of 300 tokens at Qwen3-VL-2B) does not
+        sit next to gradients and optimizer state.
+
+        The cache tensors keep their identity and shapes (only their storage is freed and later
+        re-allocated), so a compiled decode step is not recompiled; their addresses do change,
+        which CUDA graphs cannot follow: with `compile_mode="reduce-overhead"` the cache object
+        is dropped instead and the next call records a new graph."""
+        if self._cache is None:
+            return
+        if self.compile and self.compile_mode == "reduce-overhead":
+            self._cache, self._cache_key = None, (0, 0)
+            return
+        for tensor in self._cache_tensors():
+            tensor.untyped_storage().resize_(0)
+        self._cache_released = True
+
+    def _cache_tensors(self) -> list[torch.Tensor]:
+        return [t for layer in self._cache.layers if layer.is_initialized for t in (layer.keys, layer.values)]
 
     def sleep(self) -> None:
         """Release accelerator memory: weights go to CPU, the KV cache is dropped, and the CUDA
