@@ -9,7 +9,7 @@ apps/caption-rl/configs/rule_reward.toml), pure-bf16 full fine-tuning with gradi
 checkpointing, micro-batches of 16 captions, one optimizer step per RL step, clip 0.2/0.28,
 token-mean loss, no KL. Each runs in its own process (clean CUDA peak and Accelerate state).
 Reported: verl's throughput (prompt + response tokens per step / step seconds / GPUs), seconds
-per phase (caption-rl) and peak GPU memory, averaged over the steps after the first (warm-up).
+per phase (caption-rl) and peak GPU memory, averaged over the steps after the first `WARMUP` ones.
 
 TRL is not a dependency of this workspace: the benchmark environment needs `trl` and `datasets`
 importable; without them the run stops and names what is missing. On a machine that already
@@ -87,12 +87,17 @@ def build_policy(out: Path, smoke: bool) -> Path:
 
 
 MAX_PIXELS = 448 * 448  # per image, both trainers
+# Steps left out of the means, for both trainers: step 1 compiles (caption-rl's decode step) and
+# step 2 is the first with optimizer state (caption-rl allocates its page-locked host buffers for
+# the Adam moments then, once). Every step's time is still printed in the notes.
+WARMUP = 2
 # (prompts per step, captions per prompt, caption tokens, captions per micro-batch)
 FULL, SMOKE = (32, 8, 256, 16), (4, 2, 16, 4)
 
 
-def run_caption_rl(policy: Path, out: Path, *, smoke: bool, steps: int) -> dict[str, float]:
-    """The app's own loop (`apps/caption-rl`), figures from its metrics.csv."""
+def run_caption_rl(policy: Path, out: Path, *, smoke: bool, steps: int, overrides: list[str]) -> dict[str, float]:
+    """The app's own loop (`apps/caption-rl`), figures from its metrics.csv; `overrides` are extra
+    `key=value` settings of the app (`--set`)."""
     app = _load_app()
     images = REPO / "examples" / "data" / "caption_qa_images.jsonl"
     prompts, n, tokens, micro = SMOKE if smoke else FULL
@@ -104,13 +109,17 @@ def run_caption_rl(policy: Path, out: Path, *, smoke: bool, steps: int) -> dict[
         f"train.batch_size={prompts}", f"train.micro_batch_size={micro}", f"train.max_steps={steps}",
         "train.epochs=100", "train.eval_freq=0", "train.save_freq=1000000", "train.export=false",
         f"train.output_dir={out}", "algo.replay_tolerance=0.5", "algo.clip_low=0.2", "algo.clip_high=0.28",
-        "algo.agg=token-mean", "algo.kl_coef=0",
+        "algo.agg=token-mean", "algo.kl_coef=0", *overrides,
     ])
     with (run / "metrics.csv").open() as f:
-        rows = list(csv.DictReader(f))[1:]  # drop the warm-up step
+        every = list(csv.DictReader(f))
+    rows = every[WARMUP:]
     mean = lambda key: statistics.fmean(float(r[key]) for r in rows)  # noqa: E731
     figures = {key: mean(key) for key in ("throughput/tokens_per_s", "time/step", "time/generate", "time/reward",
                                           "time/logprob", "time/update", "response/length_mean")}
+    figures.update({key: max(float(r[key]) for r in rows) for key in rows[0] if key.startswith("memory/")})
+    for phase in ("step", "generate", "update"):  # every step, warm-up included, for the notes
+        figures[f"steps/{phase}"] = [round(float(r[f"time/{phase}"]), 1) for r in every]
     figures["peak_gib"] = _peak_gib()
     return figures
 
@@ -145,7 +154,7 @@ def trl_rows(prompts: int) -> list[dict]:
     return rows
 
 
-def run_trl(policy: Path, out: Path, *, smoke: bool, steps: int) -> dict[str, float]:
+def run_trl(policy: Path, out: Path, *, smoke: bool, steps: int, overrides: list[str]) -> dict[str, float]:
     """`trl.GRPOTrainer` with the app's data, group size, lengths, micro-batch, loss and reward:
     one optimizer step per RL step (gradient accumulation over the whole generation batch)."""
     try:
@@ -183,17 +192,18 @@ def run_trl(policy: Path, out: Path, *, smoke: bool, steps: int) -> dict[str, fl
     logs = [entry for entry in trainer.state.log_history if "num_tokens" in entry]
     seen = [0.0] + [float(entry["num_tokens"]) for entry in logs]  # cumulative prompt + completion tokens
     per_step = [b - a for a, b in itertools.pairwise(seen)]
-    return {"trl_version": trl.__version__, "throughput/tokens_per_s": statistics.fmean(t / s for t, s in list(zip(per_step, times, strict=True))[1:]),
-            "time/step": statistics.fmean(times[1:]),
-            "response/length_mean": statistics.fmean(float(e["completions/mean_length"]) for e in logs[1:]),
+    return {"trl_version": trl.__version__,
+            "throughput/tokens_per_s": statistics.fmean(t / s for t, s in list(zip(per_step, times, strict=True))[WARMUP:]),
+            "time/step": statistics.fmean(times[WARMUP:]), "steps/step": [round(t, 1) for t in times],
+            "response/length_mean": statistics.fmean(float(e["completions/mean_length"]) for e in logs[WARMUP:]),
             "peak_gib": _peak_gib()}
 
 
-def run_side(side: str, smoke: bool, steps: int, policy: Path, out: Path) -> dict:
+def run_side(side: str, smoke: bool, steps: int, policy: Path, out: Path, overrides: list[str]) -> dict:
     """One trainer in a fresh process; its figures come back as JSON."""
     result = out / f"{side}.json"
     cmd = [sys.executable, __file__, "--side", side, "--policy", str(policy), "--result", str(result),
-           "--steps", str(steps), *(["--smoke"] if smoke else [])]
+           "--steps", str(steps), *(["--smoke"] if smoke else []), *(f"--set={o}" for o in overrides)]
     subprocess.run(cmd, check=True)
     return json.loads(result.read_text())
 
@@ -202,14 +212,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU; prints, appends nothing")
     parser.add_argument("--steps", type=int, default=None, help="training steps (first is warm-up)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra caption-rl setting, e.g. --set rollout.compile_mode=reduce-overhead (repeatable)")
     parser.add_argument("--side", choices=("caption-rl", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--policy", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    steps = args.steps or (2 if args.smoke else 4)
+    steps = args.steps or (WARMUP + 1 if args.smoke else WARMUP + 5)
     if args.side is not None:  # a child process: one trainer
         run = run_caption_rl if args.side == "caption-rl" else run_trl
-        figures = run(args.policy, args.result.parent / f"{args.side}-run", smoke=args.smoke, steps=steps)
+        figures = run(args.policy, args.result.parent / f"{args.side}-run", smoke=args.smoke, steps=steps,
+                      overrides=args.overrides if args.side == "caption-rl" else [])
         args.result.write_text(json.dumps(figures))
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -217,8 +230,8 @@ def main() -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the children measure their own peaks; this process keeps no weights
-        ours = run_side("caption-rl", args.smoke, steps, policy, Path(tmp))
-        theirs = run_side("trl", args.smoke, steps, policy, Path(tmp))
+        ours = run_side("caption-rl", args.smoke, steps, policy, Path(tmp), args.overrides)
+        theirs = run_side("trl", args.smoke, steps, policy, Path(tmp), [])
     report(ours, theirs, smoke=args.smoke)
 
 
@@ -237,11 +250,16 @@ def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool) -> 
                   "", "", "", "", "", memory])
     notes = ("Policy: random weights at Qwen3-VL-2B shape (vocab 151,936), bf16, full fine-tuning with gradient "
              "checkpointing; 32 images x 8 captions x 256 tokens per step, rule reward, one optimizer step per RL "
-             f"step, micro-batches of 16; mean over the steps after the first. TRL {theirs['trl_version']} "
+             f"step, micro-batches of 16; mean over the steps after the first {WARMUP} (warm-up) of each trainer. TRL {theirs['trl_version']} "
              "GRPOTrainer (transformers generate, no vLLM) on the same checkpoint, images, group size, lengths, loss "
              "(dapo token-mean, clip 0.2/0.28, beta 0) and reward, each trainer in its own process. tokens/s is "
              "verl's: (prompt + response tokens) / step seconds / GPUs; TRL's from its num_tokens log. Goal: "
              ">= 1.5x TRL's throughput at no more peak memory.")
+    notes += (f" Seconds per step, warm-up included: caption-rl {ours['steps/step']} (generate {ours['steps/generate']},"
+              f" update {ours['steps/update']}); TRL {theirs['steps/step']}.")
+    phases = {k.removeprefix("memory/").removesuffix("_peak_gib"): v for k, v in ours.items() if k.startswith("memory/")}
+    if phases and on_gpu:
+        notes += " caption-rl peak GiB per phase: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()) + "."
     if smoke:
         from benchmarks.results import markdown_table
 

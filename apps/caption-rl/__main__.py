@@ -66,6 +66,7 @@ from rl_core.kl import compute_kl
 from rl_core.losses import aggregate, compute_policy_loss
 from rl_core.train import (
     MetricsLogger,
+    OptimizerOffload,
     PhaseTimer,
     TrainProgress,
     load_checkpoint,
@@ -77,6 +78,7 @@ from rl_core.train import (
 from rl_data import CaptionQARecord, GroupSampler
 from rl_models.logprobs import token_logprobs, unwrap_peft
 from rl_models.lora import add_lora, disabled_adapter, export_lora, merge_and_export
+from rl_models.shared_media import share_identical_media
 from rl_models.vl import load_vl_model
 from rl_rewards import ScoreResult
 from rl_rollout import SamplingParams
@@ -107,6 +109,13 @@ class Run:
     placeholders: frozenset[int] = frozenset()  # vision placeholder token ids (see caption_parts)
     pad_id: int = 0
     weight_version: int = 0  # optimizer steps pushed into a vllm engine
+    optimizer_offload: OptimizerOffload | None = None  # Adam moments to host while the policy decodes
+
+    @property
+    def on_policy(self) -> bool:
+        """Each rollout batch makes exactly one optimizer step: old log-probs = the update's own."""
+        t = self.cfg.train
+        return self.cfg.algo.ppo_epochs == 1 and (t.mini_batch_size or t.batch_size) == t.batch_size
 
 
 def check_sharding(acc: Accelerator) -> None:
@@ -131,6 +140,8 @@ def check_sharding(acc: Accelerator) -> None:
 def load_policy(cfg: ModelConfig) -> tuple[torch.nn.Module, Any, str]:
     path = resolve_model(cfg.path)
     model, processor = load_vl_model(path, dtype=cfg.dtype)
+    if cfg.share_media:
+        share_identical_media(model)
     if cfg.lora_rank > 0:
         model = add_lora(model, r=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_targets)
     if cfg.gradient_checkpointing:
@@ -175,7 +186,8 @@ def setup(cfg: Config, resume: str | None) -> Run:
     policy, optimizer, scheduler = acc.prepare(Policy(model), optimizer, scheduler)
     r = cfg.rollout  # hf: decodes with the very modules being trained (LoRA layers included), no sync
     engine = build_engine(r.engine, acc.unwrap_model(policy).model, processor, path=policy_path, dtype=cfg.model.dtype,
-                          max_batch_size=r.max_batch_size, gpu_memory_utilization=r.gpu_memory_utilization,
+                          max_batch_size=r.max_batch_size, compile_mode=r.compile_mode,
+                          gpu_memory_utilization=r.gpu_memory_utilization,
                           rank=acc.process_index, world_size=world)
     sampler = GroupSampler(len(data.train), cfg.rollout.n, seed=t.seed, rank=acc.process_index, world_size=world)
     start = 0
@@ -195,8 +207,10 @@ def setup(cfg: Config, resume: str | None) -> Run:
     tokenizer = processor.tokenizer
     pad_id = engine.pad_id if r.engine == "hf" else tokenizer.pad_token_id
     pad_id = tokenizer.eos_token_id if pad_id is None else pad_id
+    offload = r.offload_optimizer == "always" or (r.offload_optimizer == "auto" and r.engine == "hf")
     run = Run(cfg, acc, run_dir, policy, processor, engine, optimizer, scheduler, reward, sampler, data, per_rank,
-              total, start, reference, placeholders=placeholder_ids(unwrap_peft(model).config), pad_id=pad_id)
+              total, start, reference, placeholders=placeholder_ids(unwrap_peft(model).config), pad_id=pad_id,
+              optimizer_offload=OptimizerOffload(optimizer, acc.device) if offload and acc.device.type == "cuda" else None)
     if r.engine == "vllm":  # the checkpoint it loaded may be older than the policy (--resume)
         push_weights(engine, acc.unwrap_model(policy).model, version=run.weight_version)
     return run
@@ -234,12 +248,22 @@ def generate(run: Run, records: list[CaptionQARecord], params: SamplingParams) -
 
 @contextmanager
 def awake_engine(run: Run) -> Iterator[Any]:
-    """The rollout engine, ready to sample: the `hf` engine's model in eval mode; a colocated
-    vLLM engine woken for the rollout and put back to sleep (weights to CPU, KV cache freed) so
-    the trainer has the GPU memory."""
+    """The rollout engine, ready to sample: the `hf` engine's model in eval mode, with the Adam
+    moments on the host while it decodes and its KV cache freed afterwards (`rollout.
+    offload_optimizer`, `rollout.release_cache`), so decoding and training take turns with the
+    same memory; a colocated vLLM engine woken for the rollout and put back to sleep (weights to
+    CPU, KV cache freed) so the trainer has the GPU memory."""
     if run.cfg.rollout.engine == "hf":
         run.engine.model.eval()
-        yield run.engine
+        if run.optimizer_offload is not None:
+            run.optimizer_offload.to_host()
+        try:
+            yield run.engine
+        finally:
+            if run.cfg.rollout.release_cache:
+                run.engine.release_cache()
+            if run.optimizer_offload is not None:
+                run.optimizer_offload.to_device()
         return
     run.engine.wake()
     try:
@@ -289,10 +313,11 @@ def step_once(run: Run, step: int) -> dict[str, Any]:
     adv = advantages_for(run, scores.to(acc.device), groups.to(acc.device)).cpu()  # [B]
     rollouts = [Rollout(encoded[g.request_index], g.completion_ids, g.logprobs, valid=not math.isnan(scores[i]))
                 for i, g in enumerate(generations)]  # failed samples stay as rows with weight 0
+    first = step == run.start_step + 1
     with run.timer("logprob"):
-        old, ref, stats = replay(run, rollouts, check=step == run.start_step + 1)
+        old, ref, stats = replay(run, rollouts, check=first)
     with run.timer("update"):
-        update_stats = update(run, rollouts, adv, old, ref)
+        update_stats = update(run, rollouts, adv, old, ref, check=first and old is None)
     metrics = {"skipped": 0, **rollout_metrics(generations, results, adv), **stats, **update_stats,
                "response/placeholder_rows": acc.reduce(torch.tensor(float(sum(bad)), device=acc.device), "sum").item()}
     if acc.is_main_process:
@@ -302,42 +327,71 @@ def step_once(run: Run, step: int) -> dict[str, Any]:
     return metrics
 
 
-def replay(run: Run, rollouts: list[Rollout], *, check: bool) -> tuple[list, list | None, dict[str, float]]:
+def replay(run: Run, rollouts: list[Rollout], *, check: bool) -> tuple[list | None, list | None, dict[str, float]]:
     """Log-probs of every rollout under the training model before the update (PPO's old_logp),
     and under the reference when the KL term is on. On the first step of a run the engine's
     sampling log-probs must match them (the importance ratio is 1 on the first replay): a
-    mismatch means the engine and the trainer see different prompts, media or weights."""
-    cfg, acc = run.cfg, run.acc
-    model = acc.unwrap_model(run.policy).model  # no-grad forwards need no DDP collectives
-    old, diffs, ents = [], [torch.zeros(0)], [torch.zeros(0)]
-    ref: list | None = [] if cfg.algo.kl_coef > 0 else None
+    mismatch means the engine and the trainer see different prompts, media or weights.
+
+    On-policy runs (`algo.old_logprobs = "auto"`, one optimizer step per batch) skip the old
+    log-probs (None): the update takes them from its own forward and checks the engine there."""
+    cfg = run.cfg
+    want_old = cfg.algo.old_logprobs == "replay" or not run.on_policy
+    want_ref = cfg.algo.kl_coef > 0
+    if not want_old and not want_ref:
+        return None, None, {}
+    model = run.acc.unwrap_model(run.policy).model  # no-grad forwards need no DDP collectives
+    old: list = []
+    diff, ents = EngineCheck(), [torch.zeros(0)]
+    ref: list | None = [] if want_ref else None
     with torch.no_grad():
         for chunk in batched(rollouts, cfg.train.micro_batch_size):
-            batch = to_device(collate(chunk, run.pad_id, run.placeholders), acc.device)
-            lp, ent = replay_logprobs(model, batch, cfg.rollout.temperature)  # [B, C], [B, C]
-            for row, r in enumerate(chunk):
-                length = len(r.completion_ids)
-                old.append(lp[row, :length].cpu())
-                if r.valid:  # rows with a failed reward or a sampled placeholder are never trained on
-                    ents.append(ent[row, :length].cpu())
-                    diffs.append((old[-1] - torch.tensor(r.engine_logprobs)).abs())
+            batch = to_device(collate(chunk, run.pad_id, run.placeholders), run.acc.device)
+            if want_old:
+                lp, ent = replay_logprobs(model, batch, cfg.rollout.temperature)  # [B, C], [B, C]
+                for row, r in enumerate(chunk):
+                    old.append(lp[row, : len(r.completion_ids)].cpu())
+                    if r.valid:  # rows with a failed reward or a sampled placeholder are never trained on
+                        ents.append(ent[row, : len(r.completion_ids)].cpu())
+                        diff.add(old[-1], r.engine_logprobs)
             if ref is not None:
                 with reference_model(run) as reference:
                     ref_lp = token_logprobs(reference, batch, temperature=cfg.rollout.temperature)  # [B, C]
                 ref += [ref_lp[row, : len(r.completion_ids)].cpu() for row, r in enumerate(chunk)]
-    diff = torch.cat(diffs)
+    if not want_old:
+        return None, ref, {}
     ent = torch.cat(ents)
-    totals = acc.reduce(torch.tensor([diff.sum(), diff.numel(), ent.sum()], device=acc.device), "sum").tolist()
-    diff_max = acc.reduce(diff.max().to(acc.device) if diff.numel() else torch.zeros((), device=acc.device), "max").item()
-    mean_diff = totals[0] / max(totals[1], 1.0)
-    tolerance = cfg.algo.replay_tolerance
-    if tolerance is None:
-        tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
-    if check and mean_diff > tolerance:
-        raise RuntimeError(f"first replay: mean |engine logp - trainer logp| = {mean_diff:.3g} > algo.replay_tolerance="
-                           f"{tolerance} (max {diff_max:.3g}): the rollout engine and the training model disagree")
-    return old, ref, {"logprob/engine_diff_mean": mean_diff, "logprob/engine_diff_max": diff_max,
-                      "entropy": totals[2] / max(totals[1], 1.0)}
+    stats = diff.reduce(run, check=check)
+    totals = run.acc.reduce(torch.tensor([ent.sum(), float(ent.numel())], device=run.acc.device), "sum").tolist()
+    return old, ref, {**stats, "entropy": totals[0] / max(totals[1], 1.0)}
+
+
+class EngineCheck:
+    """|engine logp - trainer logp| over the trained tokens, reduced over processes; on the
+    first step its mean must be within `algo.replay_tolerance`."""
+
+    def __init__(self) -> None:
+        self.total, self.count, self.max = 0.0, 0, 0.0
+
+    def add(self, trainer: torch.Tensor, engine: list[float]) -> None:
+        d = (trainer.detach().float().cpu() - torch.tensor(engine)).abs()  # [C]
+        self.total += float(d.sum())
+        self.count += d.numel()
+        self.max = max(self.max, float(d.max())) if d.numel() else self.max
+
+    def reduce(self, run: Run, *, check: bool) -> dict[str, float]:
+        acc = run.acc
+        total, count = acc.reduce(torch.tensor([self.total, float(self.count)], device=acc.device), "sum").tolist()
+        peak = acc.reduce(torch.tensor(self.max, device=acc.device), "max").item()
+        mean = total / max(count, 1.0)
+        tolerance = run.cfg.algo.replay_tolerance
+        if tolerance is None:
+            model = acc.unwrap_model(run.policy).model
+            tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
+        if check and mean > tolerance:
+            raise RuntimeError(f"first replay: mean |engine logp - trainer logp| = {mean:.3g} > algo.replay_tolerance="
+                               f"{tolerance} (max {peak:.3g}): the rollout engine and the training model disagree")
+        return {"logprob/engine_diff_mean": mean, "logprob/engine_diff_max": peak}
 
 
 @contextmanager
@@ -351,17 +405,23 @@ def reference_model(run: Run) -> Iterator[torch.nn.Module]:
         yield model
 
 
-def update(run: Run, rollouts: list[Rollout], adv: torch.Tensor, old: list, ref: list | None) -> dict[str, float]:
+def update(run: Run, rollouts: list[Rollout], adv: torch.Tensor, old: list | None, ref: list | None, *,
+           check: bool) -> dict[str, float]:
     """`ppo_epochs` passes over `batch_size / mini_batch_size` minibatches; each is one optimizer
     step accumulated over micro-batches. Every micro-batch loss is divided by the valid-token
     (or sequence) count of the whole minibatch on all processes, and scaled by the process count
     because DDP averages gradients: accumulation and data parallelism do not change the update.
-    Processes run the same number of backward passes (padding with zero-weight ones)."""
+    Processes run the same number of backward passes (padding with zero-weight ones).
+
+    `old=None` (on-policy, see `replay`): each micro-batch's own log-probs are its old ones, and
+    the engine's sampling log-probs are compared with them before the first optimizer step
+    (`check`: the first step of the run raises on a mismatch, before any weight changes)."""
     cfg, acc, a = run.cfg, run.acc, run.cfg.algo
     t = cfg.train
     num_minibatches = t.batch_size // (t.mini_batch_size or t.batch_size)
     parts = [p.tolist() for p in torch.arange(len(rollouts)).tensor_split(num_minibatches)]
     sums: dict[str, float] = defaultdict(float)
+    engine = EngineCheck() if old is None else None
     run.policy.train()
     for _ in range(a.ppo_epochs):
         for part in parts:
@@ -375,14 +435,18 @@ def update(run: Run, rollouts: list[Rollout], adv: torch.Tensor, old: list, ref:
                 weight = 1.0 if j < real else 0.0
                 sync = nullcontext() if j == count - 1 else acc.no_sync(run.policy)
                 with sync:
-                    loss, metrics = micro_loss(run, [rollouts[i] for i in rows], adv[rows], [old[i] for i in rows],
-                                               [ref[i] for i in rows] if ref is not None else None, num_valid)
+                    loss, metrics = micro_loss(run, [rollouts[i] for i in rows], adv[rows],
+                                               [old[i] for i in rows] if old is not None else None,
+                                               [ref[i] for i in rows] if ref is not None else None, num_valid,
+                                               engine if j < real else None)
                     acc.backward(loss * acc.num_processes * weight)
                 for key, value in metrics.items():
                     if key == "ratio_max":
                         sums[key] = max(sums[key], value * weight)
                     else:
                         sums[key] += value * weight
+            if engine is not None and not sums["optimizer_steps"]:  # before any weight changes
+                engine_stats = engine.reduce(run, check=check)
             sums["grad_norm"] += float(acc.clip_grad_norm_(run.policy.parameters(), t.grad_clip))
             sums["optimizer_steps"] += 1
             run.optimizer.step()
@@ -392,17 +456,21 @@ def update(run: Run, rollouts: list[Rollout], adv: torch.Tensor, old: list, ref:
                 run.weight_version += 1
                 push_weights(run.engine, acc.unwrap_model(run.policy).model, version=run.weight_version)
     run.policy.eval()
-    return reduce_update_stats(acc, sums)
+    stats = reduce_update_stats(acc, sums)
+    return stats if engine is None else {**stats, **engine_stats}
 
 
-def micro_loss(run: Run, rows: list[Rollout], adv: torch.Tensor, old: list, ref: list | None,
-               num_valid: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+def micro_loss(run: Run, rows: list[Rollout], adv: torch.Tensor, old: list | None, ref: list | None,
+               num_valid: torch.Tensor, engine: EngineCheck | None) -> tuple[torch.Tensor, dict[str, float]]:
+    """One micro-batch's loss (already divided by the minibatch's global `num_valid`) and its
+    metric sums. `old=None`: on-policy, old log-probs are this forward's own (detached), and the
+    entropy and the engine comparison (`engine`, real micro-batches only) come from it too."""
     a, acc = run.cfg.algo, run.acc
     batch = to_device(collate(rows, run.pad_id, run.placeholders), acc.device)
     valid = torch.tensor([r.valid for r in rows], device=acc.device)[:, None]  # [B, 1]
     mask = batch.completion_mask * valid  # [B, C] failed samples contribute nothing
-    logp = run.policy(batch, run.cfg.rollout.temperature)  # [B, C]
-    old_logp = pad_rows(old, logp.shape[1]).to(acc.device)  # [B, C]
+    logp, ent = run.policy(batch, run.cfg.rollout.temperature)  # [B, C], [B, C]
+    old_logp = logp.detach() if old is None else pad_rows(old, logp.shape[1]).to(acc.device)  # [B, C]
     advantages = adv.to(acc.device, logp.dtype)[:, None] * mask  # [B, C]
     loss, metrics = compute_policy_loss(a.loss, logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,
                                         agg=a.agg, clip_low=a.clip_low, clip_high=a.clip_high, num_valid=num_valid)
@@ -410,6 +478,12 @@ def micro_loss(run: Run, rows: list[Rollout], adv: torch.Tensor, old: list, ref:
     out = {"loss/policy": float(loss.detach()), "tokens": tokens, **{k: float(v) * tokens for k, v in metrics.items()
                                                              if k in ("clip_fraction", "approx_kl", "ratio_mean")}}
     out["ratio_max"] = float(metrics["ratio_max"]) if tokens else 1.0
+    if old is None:
+        out["entropy"] = float((ent * mask).sum())  # token-weighted; reduce_update_stats takes the mean
+        if engine is not None:
+            for row, r in enumerate(rows):
+                if r.valid:
+                    engine.add(logp[row, : len(r.completion_ids)], r.engine_logprobs)
     if ref is not None:
         kl = compute_kl(a.kl, logp, pad_rows(ref, logp.shape[1]).to(acc.device))  # [B, C]
         kl_loss = aggregate(kl, mask, a.agg, num_valid=num_valid)

@@ -26,6 +26,10 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     lora_alpha: int = 32
     lora_targets: list[str] | None = None  # peft target_modules; None = rl_models' family default
     gradient_checkpointing: bool = False
+    share_media: bool = True
+    """Encode each distinct image/video once per forward (`rl_models.share_identical_media`): a
+    group's n rollouts repeat their prompt's media, so the vision tower does 1/n of the work in
+    prefill, replay and update, with the same results."""
 
 
 class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -51,6 +55,15 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_new_tokens: Positive = 4096  # response length
     max_prompt_length: Positive = 13000  # longer prompts (media tokens included) are skipped
     max_batch_size: Positive = 64  # rows decoded together by the engine
+    compile_mode: str = "default"
+    """hf engine on CUDA: torch.compile mode of the decode step. `default` (fused kernels) lets
+    the KV cache be freed during the update; `reduce-overhead` (CUDA graphs) pins the cache's
+    addresses, so keep it allocated (`release_cache = false`): faster decode, more memory."""
+    release_cache: bool = True  # hf: free the KV cache before the update (memory for training)
+    offload_optimizer: Literal["auto", "always", "never"] = "auto"
+    """Move the optimizer state (Adam moments: 2x the trained weights) to pinned host memory while
+    the policy decodes, making room for the KV cache (`rl_core.train.OptimizerOffload`; ~0.2 s per
+    direction for 8 GiB on an H100). auto: on CUDA with the hf engine."""
 
 
 class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -81,6 +94,12 @@ class AlgoConfig(msgspec.Struct, kw_only=True, frozen=True):
     kl: str = "k3"  # KL-to-reference estimator (only used when kl_coef > 0)
     kl_coef: float = 0.0  # CapRL++: no KL
     ppo_epochs: Positive = 1
+    old_logprobs: Literal["auto", "replay"] = "auto"
+    """PPO's old log-probs. `replay`: a no-grad pass over every rollout before the update.
+    `auto`: skip that pass when the batch makes exactly one optimizer step (ppo_epochs = 1 and
+    one minibatch): the weights cannot change before every micro-batch has been scored, so the
+    update's own forward gives them (ratio exactly 1), as TRL and verl do; the first-step
+    engine check and the entropy then come from that forward too."""
     replay_tolerance: float | None = None
     """Max mean |engine logp - trainer logp| on the first step (None: 1e-3 fp32, 5e-2 16-bit)."""
 

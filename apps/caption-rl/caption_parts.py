@@ -21,7 +21,12 @@ import torch
 from rl_core.logprobs import entropy
 from rl_core.logprobs import token_logprobs as rl_token_logprobs
 from rl_data import CaptionQARecord, format_question_text, load_image, read_caption_qa, sample_video
-from rl_models.logprobs import TokenBatch, final_hidden_states, token_logprobs, unwrap_peft
+from rl_models.logprobs import (
+    TokenBatch,
+    final_hidden_states,
+    token_logprobs_and_entropy,
+    unwrap_peft,
+)
 from rl_rewards import Sample, ScoreResult, build_reward
 from rl_rewards.client import RetryPolicy, RewardClient
 from rl_rollout.prompts import EncodedPrompt, encode_prompt, pad_batch
@@ -262,17 +267,18 @@ def collate(rollouts: Sequence[Rollout], pad_id: int, placeholders: frozenset[in
 
 
 class Policy(torch.nn.Module):
-    """The trained model behind one forward that returns completion log-probs `[B, C]`
-    (`rl_models.token_logprobs`: hidden states, then the LM head in chunks). Handing this module
-    to `accelerator.prepare` makes DDP/FSDP wrap the whole log-prob computation, so gradients
-    are synchronized even though the logits never go through `model.forward`."""
+    """The trained model behind one forward that returns completion log-probs and entropies
+    `[B, C]` (`rl_models.token_logprobs_and_entropy`: hidden states, then the LM head in chunks;
+    the entropy carries no gradient). Handing this module to `accelerator.prepare` makes DDP/FSDP
+    wrap the whole log-prob computation, so gradients are synchronized even though the logits
+    never go through `model.forward`."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, batch: TokenBatch, temperature: float) -> torch.Tensor:
-        return token_logprobs(self.model, batch, temperature=temperature)  # [B, C]
+    def forward(self, batch: TokenBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_logprobs_and_entropy(self.model, batch, temperature=temperature)  # [B, C] x2
 
 
 @torch.no_grad()

@@ -21,11 +21,11 @@ BUCKET_BYTES = 512 * 2**20  # tensors per load_weights call: bounds the merged-L
 
 
 def build_engine(kind: str, model: torch.nn.Module, processor: Any, *, path: str, dtype: str, max_batch_size: int,
-                 gpu_memory_utilization: float, rank: int, world_size: int) -> Any:
+                 compile_mode: str, gpu_memory_utilization: float, rank: int, world_size: int) -> Any:
     """The rollout engine: `HFEngine` over the training model itself, or a colocated `VLLMEngine`
     loaded from the same checkpoint (weights kept in sync by `push_weights`)."""
     if kind == "hf":
-        return HFEngine(unwrap_peft(model), processor, max_batch_size=max_batch_size)
+        return HFEngine(unwrap_peft(model), processor, max_batch_size=max_batch_size, compile_mode=compile_mode)
     # colocated: the worker runs in this process, so load_weights passes tensors by reference
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from rl_rollout.vllm import VLLMEngine
