@@ -190,3 +190,21 @@ def test_scorer_returning_wrong_count_fails_each_sample_clearly():
 def test_build_reward_rejects_scorers_for_unknown_components():
     with pytest.raises(KeyError, match="unknown components"):
         build_reward({"components": {"a": {"scorer": "timestamp_format"}}}, scorers={"zzz": LookupScorer("r")})
+
+
+def test_rule_only_rewards_run_inline_and_others_do_not():
+    from rl_rewards.samples import runs_inline
+
+    rules = build_reward({"components": {"fmt": {"scorer": "timestamp_format"},
+                                         "len": {"scorer": "length", "options": {"tokenizer": "whitespace"}}}})
+    assert rules.inline and runs_inline(rules)
+
+    class Remote:  # no `inline`: anything unknown is queued, never run on the event loop
+        name = "remote"
+
+        def score(self, samples):
+            return [ScoreResult(score=0.0) for _ in samples]
+
+    mixed = build_reward({"components": {"fmt": {"scorer": "timestamp_format"}, "other": {"scorer": "remote"}}},
+                         scorers={"other": Remote()})
+    assert not mixed.inline and not runs_inline(Remote())

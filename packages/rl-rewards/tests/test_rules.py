@@ -1,10 +1,14 @@
 """Rule rewards against hand-worked cases (REFERENCE.md §1, §2, §3)."""
 
 import math
+from itertools import pairwise
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rl_rewards.rules import (
+    TIMESTAMP_PATTERN,
     embedding_similarity_map,
     first_option_letter,
     length_reward,
@@ -51,6 +55,42 @@ def test_timestamp_max_minute_option():
     assert timestamp_format("[11:00]", max_minute=10) == 0.0
     assert timestamp_format("[10:00 - 11:00]", max_minute=10) == 0.0  # end minute checked too
     assert timestamp_format("[10:00]", max_minute=10) == 1.0
+
+
+def _timestamp_format_reference(text: str, max_minute: int = 599) -> float:
+    """REFERENCE.md §1 read literally: every match, its validity, the valid starts, then R_fmt."""
+    def seconds(m: str, s: str) -> int | None:
+        return None if int(s) > 59 or int(m) > max_minute else 60 * int(m) + int(s)
+
+    matches = list(TIMESTAMP_PATTERN.finditer(text))
+    starts = []
+    for match in matches:
+        m1, s1, m2, s2 = match.groups()
+        start = seconds(m1, s1)
+        end = start if m2 is None else seconds(m2, s2)
+        if start is not None and end is not None and end >= start:
+            starts.append(start)
+    if not matches:
+        return 0.0
+    chrono = bool(starts) and all(a <= b for a, b in pairwise(starts))
+    return 0.5 * len(starts) / len(matches) + 0.5 * float(chrono)
+
+
+_stamp = st.builds(
+    lambda m, s, rng, close, gap: f"[{m}:{s:02d}{rng}{close}{gap}",
+    st.integers(0, 700).map(str) | st.sampled_from(["0", "00", "000", "0000"]),
+    st.integers(0, 99),
+    st.none().map(lambda _: "") | st.builds(lambda sep, m, s: f"{sep}{m}:{s:02d}", st.sampled_from(["-", " - ", " -", "  -  "]),
+                                            st.integers(0, 700), st.integers(0, 99)),
+    st.sampled_from(["]", "", " ]", "]]"]),
+    st.sampled_from(["", " ", " a dog ", "\n", ":05]"]),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_stamp, max_size=8).map("".join), st.sampled_from([599, 10, 0]))
+def test_timestamp_format_matches_the_reference(text, max_minute):
+    assert timestamp_format(text, max_minute) == _timestamp_format_reference(text, max_minute)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
-from itertools import pairwise
 
 from rapidfuzz.distance import Levenshtein
 
@@ -31,30 +30,25 @@ def timestamp_format(text: str, max_minute: int = 599) -> float:
     and minutes up to 599 cover ten hours). Overlapping ranges are allowed; only start order is
     checked.
     """
-    n_all = 0
-    valid_starts: list[int] = []
-    for match in TIMESTAMP_PATTERN.finditer(text):
-        n_all += 1
-        m1, s1, m2, s2 = match.groups()
-        start = _seconds(m1, s1, max_minute)
-        if start is None:
-            continue
-        if m2 is not None:
-            end = _seconds(m2, s2, max_minute)
-            if end is None or end < start:
-                continue
-        valid_starts.append(start)
-    if n_all == 0:
+    matches = TIMESTAMP_PATTERN.findall(text)  # [(m1, s1, m2, s2)]; m2 = s2 = "" without a range end
+    if not matches:
         return 0.0
-    chrono = bool(valid_starts) and all(a <= b for a, b in pairwise(valid_starts))
-    return 0.5 * len(valid_starts) / n_all + 0.5 * float(chrono)
-
-
-def _seconds(minutes: str, seconds: str, max_minute: int) -> int | None:
-    m, s = int(minutes), int(seconds)
-    if s > 59 or m > max_minute:
-        return None
-    return 60 * m + s
+    valid = 0
+    chrono = True
+    last_start = -1
+    for m1, s1, m2, s2 in matches:  # inlined checks: this runs for every caption the server scores
+        minute, second = int(m1), int(s1)
+        if second > 59 or minute > max_minute:
+            continue
+        start = 60 * minute + second
+        if m2:
+            minute, second = int(m2), int(s2)
+            if second > 59 or minute > max_minute or 60 * minute + second < start:
+                continue
+        chrono = chrono and start >= last_start
+        last_start = start
+        valid += 1
+    return 0.5 * valid / len(matches) + 0.5 * float(chrono and valid > 0)
 
 
 def length_reward(n_tokens: int, l1: int, l2: int) -> float:

@@ -55,3 +55,24 @@ class AsyncScorer(Protocol):
     name: str
 
     async def ascore(self, samples: Sequence[Sample]) -> list[ScoreResult]: ...
+
+
+@runtime_checkable
+class InlineScorer(Protocol):
+    """A `Scorer` that may mark itself cheap enough to run where a request arrives.
+
+    Set `inline = True` on pure rules (microseconds per sample, no model, no I/O, safe to call
+    from any thread): the reward server then scores them on its event loop instead of queueing
+    them for a batch thread or worker, since batching buys a rule nothing and the hand-off costs
+    more than the scoring. Leave it off (or False) for anything that loads a model.
+    """
+
+    name: str
+    inline: bool
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]: ...
+
+
+def runs_inline(scorer: object) -> bool:
+    """True when `scorer` declares `inline = True` (see `InlineScorer`)."""
+    return isinstance(scorer, InlineScorer) and scorer.inline

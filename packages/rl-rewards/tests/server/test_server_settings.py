@@ -1,9 +1,15 @@
-"""Settings precedence: defaults < TOML < CapRL env vars < flags; GPU groups per worker."""
+"""Settings precedence: defaults < TOML < CapRL env vars < flags; GPU groups per worker;
+CapRL's REWARD_WORKER_BASE accepted by a real server, which says it ignores it."""
 
 from __future__ import annotations
 
-import pytest
+import json
 
+import httpx
+import pytest
+from conftest import server_process
+
+from rl_rewards.server.command import ignored_settings
 from rl_rewards.server.settings import env_overrides, load_settings
 
 pytestmark = pytest.mark.no_torch
@@ -51,3 +57,19 @@ def test_too_few_gpus_for_workers():
     with pytest.raises(ValueError, match="at most 2 workers"):
         s.gpu_groups()
     assert load_settings(environ={"REWARD_NUM_WORKERS": "2"}).gpu_groups() == [None, None]
+
+
+def test_reward_worker_base_is_accepted_and_the_log_says_it_is_ignored(tmp_path):
+    assert ignored_settings(load_settings(environ={})) == []  # nothing to say without it
+    env = {"REWARD_WORKER_BASE": "18899", "REWARD_NUM_WORKERS": "1"}
+    with server_process(tmp_path, "worker_base", ["--log-format", "json"], env=env) as server:
+        health = httpx.get(f"{server.url}/health", timeout=5).json()
+        assert health["ready"] is True and health["workers_alive"] == 1
+        r = httpx.post(f"{server.url}/v1/score", json={"samples": [{"completion": "[00:01] a"}]}, timeout=30)
+        assert r.status_code == 200 and r.json()["results"][0]["score"] == 1.0
+    log = [json.loads(line) for line in (tmp_path / "worker_base.log").read_text().splitlines() if line.startswith("{")]
+    notes = [e["message"] for e in log if e["level"] == "warning" and "REWARD_WORKER_BASE" in e["message"]]
+    assert len(notes) == 1
+    assert notes[0].startswith("REWARD_WORKER_BASE=18899 is not needed and is ignored")
+    assert "pipes, not ports" in notes[0]
+    assert not any(e["level"] == "error" for e in log)

@@ -13,6 +13,7 @@ class TimestampFormatScorer:
     Use with the video caption task, weight 0.2 as in CapRL++."""
 
     name = "timestamp_format"
+    inline = True  # a regex pass per caption: scored where the request arrives
 
     def __init__(self, *, max_minute: int = 599) -> None:
         self.max_minute = max_minute

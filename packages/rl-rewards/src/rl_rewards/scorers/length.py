@@ -37,6 +37,7 @@ class LengthScorer:
         length_reward(0, l1, l2)  # validates l1 < l2 at build time
         self.l1, self.l2 = l1, l2
         self.count = load_token_counter(tokenizer)
+        self.inline = tokenizer == WHITESPACE  # a tokenizer is a model-sized load: not inline
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
         counts = self.count([s.completion for s in samples])

@@ -107,21 +107,28 @@ class RewardService:
         await asyncio.gather(*(b.close() for b in self.batchers.values()))
         await self.pool.close()
 
-    def batcher(self, name: str) -> Batcher:
+    def check_served(self, name: str) -> None:
         if not self.ready():
             raise HTTPProblem(503, self.load_error or "the server is still loading its rewards; poll GET /health")
         if name not in self.batchers:
             raise HTTPProblem(
                 404, f"unknown reward {name!r}; served rewards: {', '.join(self.names)}", field="$.reward"
             )
-        return self.batchers[name]
 
     async def score(self, name: str, prepared: Sequence[protocols.Prepared]) -> list[ScoreResult]:
-        """Score the prepared samples with reward `name`; pre-failed ones keep their error."""
-        batcher = self.batcher(name)
+        """Score the prepared samples with reward `name`; pre-failed ones keep their error.
+        Rule-only rewards are scored right here (no queue, no thread hop); the others go
+        through the reward's batcher to the pool."""
+        self.check_served(name)
         samples = [p for p in prepared if isinstance(p, Sample)]
+        if name in self.pool.inline:
+            started = time.perf_counter()
+            scored = self.pool.score_inline(name, samples)
+            if samples:
+                self.metrics.observe_batch(name, samples, scored, time.perf_counter() - started)
+            return protocols.merge(prepared, scored)
         try:
-            scored = await batcher.score(samples)
+            scored = await self.batchers[name].score(samples)
         except RuntimeError as e:
             raise HTTPProblem(503, f"scoring failed on every worker: {e}") from None
         return protocols.merge(prepared, scored)
@@ -166,7 +173,7 @@ def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
     async def get_reward(request: Request) -> bytes:
         body = await read_body(request, settings.limits)
         req = decode(body, wire.GetRewardRequest)
-        mode = req.score_mode or settings.score_mode
+        mode = req.score_mode or _shape_mode(req) or settings.score_mode
         if mode == "vl_judge":
             return wire.encode_json(await _vl_judge(service, req))
         return wire.encode_json(await _qa(service, req))
@@ -214,6 +221,17 @@ def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
     )
     app.state.service = service
     return app
+
+
+def _shape_mode(req: wire.GetRewardRequest) -> str | None:
+    """The mode a request without `score_mode` is written in: CapRL's qa requests carry
+    `prompts`, vl_judge ones `samples`. Without this, a qa batch sent to a vl_judge server read
+    as an empty vl_judge batch and got 200 `{"rewards": []}` instead of the 422 naming the fix."""
+    if req.prompts and not req.samples:
+        return "qa"
+    if req.samples and not req.prompts:
+        return "vl_judge"
+    return None
 
 
 def _confined(sample: Sample, roots: list[str]) -> protocols.Prepared:

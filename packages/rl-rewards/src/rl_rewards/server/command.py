@@ -50,6 +50,17 @@ def configure_logging(settings: ServerSettings) -> None:
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
 
 
+def ignored_settings(settings: ServerSettings) -> list[str]:
+    """Notes, in plain words, on CapRL++ settings that are accepted (so launch scripts keep
+    working) but change nothing here."""
+    if settings.worker_base_port is None:
+        return []
+    return [
+        f"REWARD_WORKER_BASE={settings.worker_base_port} is not needed and is ignored: "
+        "reward workers talk to the router over pipes, not ports; unset it to silence this"
+    ]
+
+
 def banner(settings: ServerSettings) -> None:
     """Print the configuration in effect (API key masked) to stderr."""
     table = Table(title=f"rl-rewards server on http://{settings.host}:{settings.port}", show_header=False)
@@ -60,8 +71,8 @@ def banner(settings: ServerSettings) -> None:
             value = msgspec.structs.asdict(value)
         table.add_row(key, str(value))
     table.add_row("served rewards", ", ".join(reward_names(settings)))
-    if settings.worker_base_port is not None:
-        table.add_row("note", "REWARD_WORKER_BASE is ignored: workers talk to the router over pipes")
+    for note in ignored_settings(settings):
+        table.add_row("note", note)
     Console(stderr=True).print(table)
 
 
@@ -125,6 +136,8 @@ def serve_command(
         raise typer.BadParameter(str(e)) from None
     configure_logging(settings)
     banner(settings)
+    for note in ignored_settings(settings):  # one log line (the banner wraps it), json logs too
+        logging.getLogger("rl_rewards.server").warning(note)
     run(settings)
 
 

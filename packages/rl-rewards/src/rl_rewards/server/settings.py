@@ -6,7 +6,7 @@ The environment variables are those of the CapRL++ launch script, so its users k
 |---|---|---|
 | `REWARD_MODEL` | `model` | judge checkpoint for `score_mode` (qa: text LLM, vl_judge: VLM) |
 | `REWARD_PORT` | `port` | default 18889 |
-| `REWARD_WORKER_BASE` | `worker_base_port` | accepted; workers talk over pipes, no ports |
+| `REWARD_WORKER_BASE` | `worker_base_port` | not needed, ignored (a startup warning says so): workers use pipes, no ports |
 | `REWARD_NUM_WORKERS` | `workers` | worker processes (0 = score in the server process) |
 | `REWARD_SCORE_MODE` | `score_mode` | `qa` or `vl_judge`; a request's `score_mode` overrides it |
 | `REWARD_TASK` | `task` | `video` adds `FORMAT_REWARD_WEIGHT`·R_fmt to qa rewards |
@@ -56,7 +56,7 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
     qa_num: int = 8
     format_reward_weight: float = 0.2
     judge_options: dict[str, Any] = {}
-    worker_base_port: int | None = None
+    worker_base_port: int | None = None  # CapRL's REWARD_WORKER_BASE: accepted, not needed, ignored
     workers: int = 0
     cuda_visible_devices: str | None = None
     ray: bool = False

@@ -2,6 +2,8 @@
 
 `LocalPool` (`--workers 0`): the rewards live in the server process; batches run one at a time
 in a dedicated thread (model scorers are not thread-safe), so the event loop keeps serving.
+Rewards made of rules only (`rl_rewards.samples.runs_inline`) skip the queue and the thread:
+they are scored on the event loop as requests arrive.
 
 `Router` over `ProcessWorker`s (`--workers N`): N worker processes (`python -m
 rl_rewards.server.workers`), one per GPU group of `CUDA_VISIBLE_DEVICES` or N CPU workers. Each
@@ -24,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO, Protocol
 
 from rl_rewards import wire
-from rl_rewards.samples import Sample, ScoreResult
+from rl_rewards.samples import Sample, ScoreResult, runs_inline
 from rl_rewards.server.metrics import Metrics
 from rl_rewards.server.rewards import build_served, score_with
 from rl_rewards.server.settings import ServerSettings, from_json, to_json
@@ -44,9 +46,12 @@ class Pool(Protocol):
     size: int
     rewards: list[str]
     """Names of the loaded rewards (filled by `start`)."""
+    inline: frozenset[str]
+    """Rewards scored at once on the caller's thread (`score_inline`), not through a batcher."""
 
     async def start(self) -> None: ...
     async def score(self, reward: str, samples: list[Sample]) -> list[ScoreResult]: ...
+    def score_inline(self, reward: str, samples: list[Sample]) -> list[ScoreResult]: ...
     async def close(self) -> None: ...
     def alive(self) -> int: ...
     def ready(self) -> bool: ...
@@ -62,15 +67,20 @@ class LocalPool:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl-rewards-score")
         self._served: dict | None = None
         self.rewards: list[str] = []
+        self.inline: frozenset[str] = frozenset()
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._served = await loop.run_in_executor(self._executor, build_served, self._settings)
         self.rewards = list(self._served)
+        self.inline = frozenset(name for name, scorer in self._served.items() if runs_inline(scorer))
 
     async def score(self, reward: str, samples: list[Sample]) -> list[ScoreResult]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, score_with, self._served, reward, samples)
+
+    def score_inline(self, reward: str, samples: list[Sample]) -> list[ScoreResult]:
+        return score_with(self._served, reward, samples)
 
     async def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -107,6 +117,7 @@ class Router:
         self._max_attempts = max_attempts
         self._workers: list[WorkerHandle] = [factory(i) for i in range(size)]
         self.rewards: list[str] = []
+        self.inline: frozenset[str] = frozenset()  # the rewards live in the workers: all routed
         self._restarting: dict[int, asyncio.Task[None]] = {}
         self._started = False
         self._next_id = 0
@@ -146,6 +157,9 @@ class Router:
                 return reply.results
             errors.append(f"worker {worker.index}: {reply.error}")
         raise RuntimeError(f"reward {reward!r}: chunk failed on {self._max_attempts} attempts: {'; '.join(errors)}")
+
+    def score_inline(self, reward: str, samples: list[Sample]) -> list[ScoreResult]:
+        raise RuntimeError("a worker pool scores every reward in its workers; nothing is inline")
 
     async def _pick(self, tried: set[int]) -> WorkerHandle:
         """The least-loaded live worker, preferring ones this chunk has not failed on; waits for
