@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -36,6 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.results import append_results
 
+SETUPS = [  # (row label, `rl-rewards serve` flags)
+    ("rl-rewards serve (one process, rules scored inline)", ["--workers", "0"]),
+    ("rl-rewards serve --workers 2", ["--workers", "2"]),
+    ("rl-rewards serve --http-processes 2", ["--http-processes", "2"]),
+]
 CAPTIONS_PER_REQUEST = 64
 CLIENTS = 16
 REWARD_TOML = """
@@ -201,12 +207,12 @@ def cpu_benchmark(seconds: float, smoke: bool) -> list[list[object]]:
         config = Path(tmp) / "rewards.toml"
         config.write_text(REWARD_TOML)
         ours_rows = {}
-        for workers in (0, 2):
-            args = ["--config", str(config), "--max-wait-ms", "1", "--log-level", "warning", "--workers", str(workers)]
+        for label, extra in SETUPS:
+            args = ["--config", str(config), "--max-wait-ms", "1", "--log-level", "warning", *extra]
             with ServerProcess(args) as ours:
                 got = [r["score"] for r in httpx.post(f"{ours.url}/v1/score", content=body).json()["results"]]
                 assert all(math.isclose(a, b) for a, b in zip(got, expected, strict=True)), "ours: wrong rewards"
-                ours_rows[workers] = load(ours.url, "/v1/score", body, seconds, CLIENTS)
+                ours_rows[label] = load(ours.url, "/v1/score", body, seconds, CLIENTS)
         worker_port, master_port = free_port(), free_port()
         worker_url = f"http://127.0.0.1:{worker_port}"
         procs = [
@@ -225,8 +231,8 @@ def cpu_benchmark(seconds: float, smoke: bool) -> list[list[object]]:
                 p.terminate()
                 p.wait()
     rows.append(["CapRL-style master + 1 worker (baseline)", f"{base_row[0]:.0f}", f"{base_row[1]:.1f}", f"{base_row[2]:.1f}", "1.00x"])
-    for workers, label in ((0, "rl-rewards serve (in-process scoring)"), (2, "rl-rewards serve --workers 2")):
-        row = ours_rows[workers]
+    for label, _ in SETUPS:
+        row = ours_rows[label]
         rows.append([label, f"{row[0]:.0f}", f"{row[1]:.1f}", f"{row[2]:.1f}", f"{row[0] / base_row[0]:.2f}x"])
     return rows
 
@@ -291,6 +297,13 @@ def gpu_benchmark(model: str, captions: int, qa_per_caption: int, rounds: int) -
     ]
 
 
+def _fast_http() -> str:
+    import importlib.util
+
+    found = [m for m in ("uvloop", "httptools") if importlib.util.find_spec(m) is not None]
+    return ", ".join(found) + " installed" if found else "neither installed"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny run, print only")
@@ -321,7 +334,9 @@ def main() -> None:
         notes = (
             f"{args.seconds:.0f} s per system after 1 s warm-up; raw HTTP/1.1 keep-alive load generator. "
             "Baseline: starlette sync handlers (FastAPI `def` shape), master posts ceil(B/N) chunks to 1 worker "
-            "that serves one request at a time (pooled httpx client master->worker). Goal: >= 5x samples/s at lower p99."
+            "that serves one request at a time (pooled httpx client master->worker). Both sides run in the same "
+            f"environment (uvicorn picks uvloop/httptools when installed: {_fast_http()}). Load generator, servers and "
+            f"baseline share this machine's {os.cpu_count()} cores. Goal: >= 5x samples/s at lower p99."
         )
     if args.smoke:
         from benchmarks.results import markdown_table

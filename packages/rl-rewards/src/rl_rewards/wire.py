@@ -121,6 +121,7 @@ class HealthResponse(msgspec.Struct, kw_only=True):
     judge: str | None = None
     workers: int = 0
     workers_alive: int = 0
+    pid: int = 0  # the server process that answered (several share the port with --http-processes)
 
 
 class ErrorResponse(msgspec.Struct, kw_only=True, omit_defaults=True):

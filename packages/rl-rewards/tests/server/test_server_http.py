@@ -203,3 +203,39 @@ def test_auth_off_default_rule_rewards(server, auth_server):
     # with no [rewards] config the embedded defaults are served
     names = httpx.get(f"{auth_server.url}/health").json()["rewards"]
     assert names[:2] == ["timestamp_format", "length"]
+
+
+def test_two_http_processes_share_the_port_and_their_metrics(tmp_path):
+    """`--http-processes 2`: both processes answer on one port (fresh connections land on
+    either), every request is scored, /metrics adds up both, and SIGTERM stops all of them."""
+    (tmp_path / "server.toml").write_text(CONFIG)
+    server = server_process(tmp_path, "two", ["--config", str(tmp_path / "server.toml"), "--http-processes", "2"])
+    with server as proc:
+        pids = {httpx.get(f"{proc.url}/health", timeout=5).json()["pid"] for _ in range(40)}
+        assert len(pids) == 2 and proc.proc.pid not in pids  # two children, not the supervisor
+        for _ in range(20):  # a new connection each time
+            r = post(proc.url, "/v1/score", {"reward": "caption", "samples": [{"completion": "[00:01] a b"}] * 3})
+            assert [x["score"] for x in r.json()["results"]] == [pytest.approx(0.4)] * 3
+        assert metric(proc.url, "rl_rewards_samples_total", reward="caption") == 60
+    assert proc.proc.poll() is not None
+    children = [p for p in pids if _alive(p)]
+    assert not children, children
+
+
+def test_http_processes_refuse_a_judge():
+    from rl_rewards.server.settings import load_settings
+
+    with pytest.raises(ValueError, match="use http_processes=1 with --workers N"):
+        load_settings(environ={"REWARD_MODEL": "/models/judge", "REWARD_HTTP_PROCESSES": "2"}).check()
+    with pytest.raises(ValueError, match="http_processes must be >= 1"):
+        load_settings(flags={"http_processes": 0}).check()
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

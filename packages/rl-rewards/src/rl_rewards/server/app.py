@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
@@ -47,8 +48,8 @@ from rl_rewards.server.rewards import (
     judge_name,
     reward_names,
 )
-from rl_rewards.server.settings import ServerSettings
-from rl_rewards.server.workers import LocalPool, Pool, process_router
+from rl_rewards.server.settings import ServerSettings, from_json
+from rl_rewards.server.workers import SETTINGS_ENV, LocalPool, Pool, process_router
 
 log = logging.getLogger("rl_rewards.server")
 JSON = "application/json"
@@ -82,6 +83,11 @@ class RewardService:
 
     async def start(self) -> None:
         self._loader = asyncio.create_task(self._load())
+
+    async def loaded(self) -> None:
+        """Wait for the background load started by `start`."""
+        if self._loader is not None:
+            await self._loader
 
     async def _load(self) -> None:
         started = time.perf_counter()
@@ -150,6 +156,11 @@ def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await service.start()
+        if settings.http_processes > 1:
+            # processes share the port: one must not take connections before its rewards exist
+            # (rule rewards only, built in milliseconds), or a client gets 503 from it while
+            # /health, answered by another, already says ready
+            await service.loaded()
         yield
         log.info("shutting down: draining queued batches")
         await service.close()
@@ -202,7 +213,7 @@ def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
     async def health(request: Request) -> Response:
         info = wire.HealthResponse(
             ready=service.ready(), rewards=service.names or reward_names(settings), score_mode=settings.score_mode,
-            judge=judge_name(settings), workers=service.pool.size, workers_alive=service.pool.alive(),
+            judge=judge_name(settings), workers=service.pool.size, workers_alive=service.pool.alive(), pid=os.getpid(),
         )
         return Response(wire.encode_json(info), status_code=200 if info.ready else 503, media_type=JSON)
 
@@ -221,6 +232,16 @@ def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
     )
     app.state.service = service
     return app
+
+
+def app_from_environment() -> Starlette:
+    """The app of one of several server processes (`--http-processes`): settings from the
+    environment variable the supervisor set, logging as in the parent."""
+    from rl_rewards.server.command import configure_logging
+
+    settings = from_json(os.environ[SETTINGS_ENV])
+    configure_logging(settings)
+    return build_app(settings)
 
 
 def _shape_mode(req: wire.GetRewardRequest) -> str | None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -22,7 +24,8 @@ from rich.console import Console
 from rich.table import Table
 
 from rl_rewards.server.rewards import reward_names
-from rl_rewards.server.settings import ServerSettings, load_settings
+from rl_rewards.server.settings import ServerSettings, load_settings, to_json
+from rl_rewards.server.workers import SETTINGS_ENV
 
 
 class JsonFormatter(logging.Formatter):
@@ -102,6 +105,7 @@ def serve_command(
     format_reward_weight: Annotated[float | None, typer.Option(help="Video format weight (env FORMAT_REWARD_WEIGHT).")] = None,
     judge_option: Annotated[list[str] | None, typer.Option(help="Judge scorer option KEY=VALUE (repeatable).")] = None,
     workers: Annotated[int | None, typer.Option(help="Worker processes; 0 scores in the server process (env REWARD_NUM_WORKERS).")] = None,
+    http_processes: Annotated[int | None, typer.Option(help="Server processes sharing the port, for rule rewards on several cores (env REWARD_HTTP_PROCESSES; not with a judge).")] = None,
     ray: Annotated[bool | None, typer.Option("--ray/--no-ray", help="Run workers as Ray actors (rl-rewards[ray]).")] = None,
     ray_address: Annotated[str | None, typer.Option(help="Ray cluster address (env RAY_ADDRESS; unset: local).")] = None,
     api_key: Annotated[str | None, typer.Option(help="Bearer token for scoring routes (env REWARD_API_KEY).")] = None,
@@ -122,6 +126,7 @@ def serve_command(
         "host": host, "port": port, "model": model, "score_mode": score_mode, "task": task,
         "qa_num": qa_num, "format_reward_weight": format_reward_weight,
         "judge_options": _parse_options(judge_option), "workers": workers, "ray": ray,
+        "http_processes": http_processes,
         "ray_address": ray_address, "api_key": api_key,
         "media_roots": [str(p) for p in media_root] if media_root else None,
         "default_reward": default_reward, "openrlhf_reward": openrlhf_reward,
@@ -131,7 +136,7 @@ def serve_command(
     }
     try:
         settings = load_settings(config, flags)
-        settings.gpu_groups()
+        settings.check()
     except (ValueError, OSError) as e:
         raise typer.BadParameter(str(e)) from None
     configure_logging(settings)
@@ -142,13 +147,22 @@ def serve_command(
 
 
 def run(settings: ServerSettings) -> None:
-    """Serve until SIGINT/SIGTERM; in-flight requests finish (up to `shutdown_timeout_s`)."""
+    """Serve until SIGINT/SIGTERM; in-flight requests finish (up to `shutdown_timeout_s`).
+
+    With `http_processes > 1`, uvicorn's supervisor binds the port once and starts that many
+    server processes on it (each builds the settings from the environment and its own rewards);
+    their Prometheus metrics are written to a shared folder so `/metrics` reports all of them."""
     from rl_rewards.server.app import build_app
 
     started = time.perf_counter()
-    config = uvicorn.Config(
-        build_app(settings), host=settings.host, port=settings.port, log_config=None,
-        access_log=False, timeout_graceful_shutdown=int(settings.shutdown_timeout_s), lifespan="on",
-    )
-    uvicorn.Server(config).run()
+    common = {"host": settings.host, "port": settings.port, "log_config": None, "access_log": False,
+              "timeout_graceful_shutdown": int(settings.shutdown_timeout_s), "lifespan": "on"}
+    if settings.http_processes > 1:
+        with tempfile.TemporaryDirectory(prefix="rl-rewards-metrics-") as metrics_dir:
+            os.environ[SETTINGS_ENV] = to_json(settings).decode()
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+            uvicorn.run("rl_rewards.server.app:app_from_environment", factory=True,
+                        workers=settings.http_processes, **common)
+    else:
+        uvicorn.Server(uvicorn.Config(build_app(settings), **common)).run()
     logging.getLogger("rl_rewards.server").info("stopped after %.0fs", time.perf_counter() - started)

@@ -6,13 +6,24 @@ Exposed at `GET /metrics` in the Prometheus text format:
 `rl_rewards_batch_size{reward}`, `rl_rewards_queue_depth{reward}`,
 `rl_rewards_batch_seconds{reward}` (scoring latency per scorer batch),
 `rl_rewards_worker_restarts_total`, `rl_rewards_chunk_retries_total`.
+
+With several server processes (`--http-processes`), `PROMETHEUS_MULTIPROC_DIR` is set: every
+process writes its values there and `/metrics` adds them up, whichever process answers.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from rl_rewards.samples import Sample, ScoreResult
@@ -33,7 +44,8 @@ class Metrics:
             "rl_rewards_batch_size", "Samples per scorer batch", ["reward"], buckets=_BATCH_BUCKETS, registry=r
         )
         self.batch_seconds = Histogram("rl_rewards_batch_seconds", "Scoring latency per batch", ["reward"], registry=r)
-        self.queue_depth = Gauge("rl_rewards_queue_depth", "Samples waiting to be batched", ["reward"], registry=r)
+        self.queue_depth = Gauge("rl_rewards_queue_depth", "Samples waiting to be batched", ["reward"], registry=r,
+                                 multiprocess_mode="livesum")
         self.worker_restarts = Counter("rl_rewards_worker_restarts", "Worker processes restarted", registry=r)
         self.chunk_retries = Counter("rl_rewards_chunk_retries", "Chunks retried on another worker", registry=r)
 
@@ -48,4 +60,8 @@ class Metrics:
         self.batch_seconds.labels(reward).observe(seconds)
 
     def render(self) -> bytes:
+        if "PROMETHEUS_MULTIPROC_DIR" in os.environ:  # one server process of several: sum them all
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)

@@ -14,6 +14,7 @@ The environment variables are those of the CapRL++ launch script, so its users k
 | `FORMAT_REWARD_WEIGHT` | `format_reward_weight` | default 0.2 |
 | `CUDA_VISIBLE_DEVICES` | `cuda_visible_devices` | split into one contiguous group per worker |
 | `REWARD_API_KEY` | `api_key` | bearer token required on scoring routes |
+| `REWARD_HTTP_PROCESSES` | `http_processes` | server processes sharing the port (rule rewards; ours, not CapRL's) |
 | `RAY_ADDRESS` | `ray_address` | Ray cluster for `--ray` (unset: a local one) |
 """
 
@@ -58,6 +59,11 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
     judge_options: dict[str, Any] = {}
     worker_base_port: int | None = None  # CapRL's REWARD_WORKER_BASE: accepted, not needed, ignored
     workers: int = 0
+    http_processes: int = 1
+    """Server processes sharing the port (uvicorn's supervisor), each with its own copy of the
+    rewards. For rule/CPU rewards on a multi-core machine: one Python process uses one core.
+    Model judges scale with `workers` instead (one copy per GPU group), so a judge (`model`),
+    `workers` or `ray` with more than one HTTP process is refused."""
     cuda_visible_devices: str | None = None
     ray: bool = False
     ray_address: str | None = None
@@ -70,6 +76,17 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
     log_format: Literal["text", "json"] = "text"
     log_level: str = "info"
     shutdown_timeout_s: float = 30.0
+
+    def check(self) -> None:
+        """Raise ValueError naming the setting when a combination cannot run."""
+        if self.http_processes < 1:
+            raise ValueError(f"http_processes must be >= 1, got {self.http_processes}")
+        if self.http_processes > 1 and (self.model is not None or self.workers > 0 or self.ray):
+            raise ValueError(
+                f"http_processes={self.http_processes} would load the judge / start the worker pool once per "
+                "process; use http_processes=1 with --workers N to scale model judges (REWARD_MODEL, --workers, --ray)"
+            )
+        self.gpu_groups()
 
     def gpu_groups(self) -> list[str | None]:
         """One `CUDA_VISIBLE_DEVICES` value per worker: the listed devices cut into `workers`
@@ -97,6 +114,7 @@ _ENV: dict[str, tuple[str, type]] = {
     "FORMAT_REWARD_WEIGHT": ("format_reward_weight", float),
     "CUDA_VISIBLE_DEVICES": ("cuda_visible_devices", str),
     "REWARD_API_KEY": ("api_key", str),
+    "REWARD_HTTP_PROCESSES": ("http_processes", int),
     "RAY_ADDRESS": ("ray_address", str),
 }
 
