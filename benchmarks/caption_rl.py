@@ -154,7 +154,7 @@ def trl_rows(prompts: int) -> list[dict]:
     return rows
 
 
-def run_trl(policy: Path, out: Path, *, smoke: bool, steps: int, overrides: list[str]) -> dict[str, float]:
+def run_trl(policy: Path, out: Path, *, smoke: bool, steps: int) -> dict[str, float]:
     """`trl.GRPOTrainer` with the app's data, group size, lengths, micro-batch, loss and reward:
     one optimizer step per RL step (gradient accumulation over the whole generation batch)."""
     try:
@@ -220,9 +220,11 @@ def main() -> None:
     args = parser.parse_args()
     steps = args.steps or (WARMUP + 1 if args.smoke else WARMUP + 5)
     if args.side is not None:  # a child process: one trainer
-        run = run_caption_rl if args.side == "caption-rl" else run_trl
-        figures = run(args.policy, args.result.parent / f"{args.side}-run", smoke=args.smoke, steps=steps,
-                      overrides=args.overrides if args.side == "caption-rl" else [])
+        out = args.result.parent / f"{args.side}-run"
+        if args.side == "caption-rl":
+            figures = run_caption_rl(args.policy, out, smoke=args.smoke, steps=steps, overrides=args.overrides)
+        else:
+            figures = run_trl(args.policy, out, smoke=args.smoke, steps=steps)
         args.result.write_text(json.dumps(figures))
         return
     with tempfile.TemporaryDirectory() as tmp:

@@ -114,7 +114,8 @@ def test_phase_timer_records_a_phase_that_raises() -> None:
     assert timer.pop()["time/update"] >= 0.02
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour; with CUDA the memory keys are "
+                    "checked by test_phase_timer_peak_memory_per_phase")
 def test_phase_timer_reports_no_memory_without_cuda() -> None:
     timer = PhaseTimer()
     with timer("update"):
