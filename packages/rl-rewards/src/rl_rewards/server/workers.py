@@ -248,9 +248,13 @@ class ProcessWorker:
         payload = wire.encode_msgpack(chunk)
         try:
             async with self._write_lock:
+                if self._proc.stdin.is_closing():  # died since is_alive(): its reader has not noticed yet
+                    raise BrokenPipeError("the worker's stdin is closed")
                 self._proc.stdin.write(_HEADER.pack(len(payload)) + payload)
                 await self._proc.stdin.drain()
-        except (ConnectionError, BrokenPipeError) as e:
+        # asyncio raises BrokenPipeError for a dead worker's pipe; uvloop raises RuntimeError
+        # ("unable to perform operation on <WriteUnixTransport closed=True>")
+        except (ConnectionError, BrokenPipeError, RuntimeError) as e:
             self._pending.pop(chunk.id, None)
             self._mark_dead()
             raise WorkerLost(f"pipe closed ({e})") from None
