@@ -194,6 +194,19 @@ def _wait(url: str, path: str = "/health", timeout: float = 60) -> None:
     raise TimeoutError(url)
 
 
+def _wait_processes(url: str, count: int, timeout: float = 60) -> None:
+    """Until `count` distinct server processes answer /health (each listens once it has loaded;
+    connections opened before would all reach the first)."""
+    import httpx
+
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while len(seen) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(seen)} of {count} server processes answered {url}/health")
+        seen.add(httpx.get(f"{url}/health", timeout=5).json()["pid"])
+
+
 def cpu_benchmark(seconds: float, smoke: bool) -> list[list[object]]:
     import httpx
 
@@ -210,6 +223,7 @@ def cpu_benchmark(seconds: float, smoke: bool) -> list[list[object]]:
         for label, extra in SETUPS:
             args = ["--config", str(config), "--max-wait-ms", "1", "--log-level", "warning", *extra]
             with ServerProcess(args) as ours:
+                _wait_processes(ours.url, int(extra[1]) if extra[0] == "--http-processes" else 1)
                 got = [r["score"] for r in httpx.post(f"{ours.url}/v1/score", content=body).json()["results"]]
                 assert all(math.isclose(a, b) for a, b in zip(got, expected, strict=True)), "ours: wrong rewards"
                 ours_rows[label] = load(ours.url, "/v1/score", body, seconds, CLIENTS)

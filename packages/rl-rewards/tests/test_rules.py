@@ -14,6 +14,7 @@ from rl_rewards.rules import (
     length_reward,
     ocr_similarity,
     timestamp_format,
+    whitespace_words,
 )
 
 pytestmark = pytest.mark.no_torch
@@ -87,10 +88,41 @@ _stamp = st.builds(
 )
 
 
+# `\d` matches every Unicode decimal digit and `int` reads them: the digit tables' misses fall back to it
+_ARABIC_INDIC = str.maketrans("0123456789", "٠١٢٣٤٥٦٧٨٩")
+
+
 @settings(max_examples=400, deadline=None)
-@given(st.lists(_stamp, max_size=8).map("".join), st.sampled_from([599, 10, 0]))
+@given(
+    st.lists(_stamp | _stamp.map(lambda s: s.translate(_ARABIC_INDIC)), max_size=8).map("".join),
+    st.sampled_from([599, 10, 0]),
+)
 def test_timestamp_format_matches_the_reference(text, max_minute):
     assert timestamp_format(text, max_minute) == _timestamp_format_reference(text, max_minute)
+
+
+@pytest.mark.parametrize(("text", "expected"), [("[٠٥:٣٠] a [٠٦:٠٠] b", 1.0), ("[٠٥:٧٠]", 0.0), ("[1:٥٩ - ٢:00]", 1.0)])
+def test_timestamp_format_reads_non_ascii_digits(text, expected):
+    assert timestamp_format(text) == expected == _timestamp_format_reference(text)
+
+
+_words = st.lists(
+    st.sampled_from([" ", "  ", "\t", "\n", "\r", "\x0b", "\x0c", "\x1c", "\x1f", "\x85", "\xa0", "\u3000", "a", "bc", "é", "[0"]),
+    max_size=24,
+).map("".join)
+
+
+@settings(max_examples=600, deadline=None)
+@given(_words | st.text(max_size=40))
+def test_whitespace_words_is_len_of_split(text):
+    assert whitespace_words(text) == len(text.split())
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("", 0), (" ", 0), ("a", 1), ("a b  c", 3), (" a b ", 2), ("a\nb c", 3), ("a\xa0b", 2)]
+)
+def test_whitespace_words_hand_worked(text, expected):
+    assert whitespace_words(text) == expected
 
 
 @pytest.mark.parametrize(

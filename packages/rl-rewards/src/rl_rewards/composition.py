@@ -76,6 +76,7 @@ class _Batch:
     scored: list[list[str]] = field(init=False)  # components that count in the total, in order
     errors: list[str | None] = field(init=False)
     abstained: list[bool] = field(init=False)
+    out: int = field(init=False, default=0)  # samples failed or abstained so far
 
     def __post_init__(self) -> None:
         self.values = [{} for _ in range(self.n)]
@@ -92,7 +93,11 @@ class _Part:
 
 
 class Reward:
-    """A composed reward; itself a `Scorer` and an `AsyncScorer` (name "reward")."""
+    """A composed reward; itself a `Scorer` and an `AsyncScorer` (name "reward").
+
+    The bookkeeping below runs per sample for every request a reward server scores, so it keeps
+    to local names and plain loops (rule rewards score in microseconds: the composition was a
+    fifth of their cost)."""
 
     name = "reward"
 
@@ -100,28 +105,32 @@ class Reward:
         self.spec = spec
         self.parts = [_Part(name, c, scorers[name]) for name, c in spec.components.items()]
         self.inline = all(runs_inline(part.scorer) for part in self.parts)  # rules only
+        self._weights = {name: c.weight for name, c in spec.components.items()}
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
         batch = _Batch(len(samples))
         for part in self.parts:
             todo = self._todo(part, batch)
-            results = score_isolated(part.scorer, [samples[i] for i in todo])
+            results = score_isolated(part.scorer, samples if len(todo) == batch.n else [samples[i] for i in todo])
             self._absorb(part, batch, todo, results)
-        return [self._result(batch, i) for i in range(len(samples))]
+        return self._results(batch)
 
     async def ascore(self, samples: Sequence[Sample]) -> list[ScoreResult]:
         batch = _Batch(len(samples))
         for part in self.parts:
             todo = self._todo(part, batch)
-            results = await ascore_isolated(part.scorer, [samples[i] for i in todo])
+            todo_samples = samples if len(todo) == batch.n else [samples[i] for i in todo]
+            results = await ascore_isolated(part.scorer, todo_samples)
             self._absorb(part, batch, todo, results)
-        return [self._result(batch, i) for i in range(len(samples))]
+        return self._results(batch)
 
     @staticmethod
-    def _todo(part: _Part, batch: _Batch) -> list[int]:
+    def _todo(part: _Part, batch: _Batch) -> Sequence[int]:
         """Samples this component must score: not already failed/abstained, and past its gate.
         Gated-out samples are reported as 0.0 here and never reach the scorer."""
         gate = part.component.gate
+        if gate is None and batch.out == 0:
+            return range(batch.n)
         todo = []
         for i in range(batch.n):
             if batch.errors[i] is not None or batch.abstained[i]:
@@ -133,35 +142,46 @@ class Reward:
         return todo
 
     @staticmethod
-    def _absorb(part: _Part, batch: _Batch, todo: list[int], results: list[ScoreResult]) -> None:
-        fallback = part.component.fallback
+    def _absorb(part: _Part, batch: _Batch, todo: Sequence[int], results: list[ScoreResult]) -> None:
+        name, fallback = part.name, part.component.fallback
+        keys: dict[str, str] = {}  # sub-component -> "name.sub", built once per batch
+        values, scored = batch.values, batch.scored
         for i, result in zip(todo, results, strict=True):
+            sample_values = values[i]
             for key, value in result.components.items():
-                batch.values[i][f"{part.name}.{key}"] = value
+                full = keys.get(key)
+                if full is None:
+                    full = keys[key] = f"{name}.{key}"
+                sample_values[full] = value
             if result.score is not None:
-                batch.values[i][part.name] = result.score
+                sample_values[name] = result.score
             elif result.error is not None and fallback is None:
-                batch.errors[i] = f"component {part.name!r} (scorer {part.component.scorer!r}): {result.error}"
+                batch.errors[i] = f"component {name!r} (scorer {part.component.scorer!r}): {result.error}"
+                batch.out += 1
                 continue
             elif fallback is not None:
-                batch.values[i][part.name] = fallback
+                sample_values[name] = fallback
             else:
                 batch.abstained[i] = True
+                batch.out += 1
                 continue
-            batch.scored[i].append(part.name)
+            scored[i].append(name)
 
-    def _result(self, batch: _Batch, i: int) -> ScoreResult:
-        values = batch.values[i]
-        if batch.errors[i] is not None:
-            return ScoreResult(score=None, components=values, error=batch.errors[i])
-        if batch.abstained[i]:
-            return ScoreResult(score=None, components=values)
-        return ScoreResult(score=self._combine(values, batch.scored[i]), components=values)
+    def _results(self, batch: _Batch) -> list[ScoreResult]:
+        combine = self._combine
+        rows = zip(batch.values, batch.scored, batch.errors, batch.abstained, strict=True)
+        return [
+            ScoreResult(score=combine(values, scored), components=values)
+            if error is None and not abstained
+            else ScoreResult(score=None, components=values, error=error)
+            for values, scored, error, abstained in rows
+        ]
 
     def _combine(self, values: dict[str, float], scored: list[str]) -> float:
-        components = self.spec.components
         if self.spec.combine == "sum":
-            return sum(components[name].weight * values[name] for name in scored)
+            weights = self._weights
+            return sum([weights[name] * values[name] for name in scored])
+        components = self.spec.components
         total = components[scored[0]].weight * values[scored[0]]
         for name in scored[1:]:
             term = components[name].weight * values[name]

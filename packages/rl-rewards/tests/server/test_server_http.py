@@ -3,7 +3,9 @@ every limit, media-root confinement, and a table of malformed requests."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -220,6 +222,37 @@ def test_two_http_processes_share_the_port_and_their_metrics(tmp_path):
     assert proc.proc.returncode == 0  # SIGTERM drained and exited cleanly, no SIGKILL after the timeout
     children = [p for p in pids if _alive(p)]
     assert not children, children
+
+
+def test_bursts_of_keep_alive_connections_reach_every_http_process(tmp_path):
+    """16 connections opened at once (a trainer's client pool) are spread over the processes by
+    the kernel (each process has its own SO_REUSEPORT socket). With uvicorn's one shared socket,
+    the first process to wake accepted a whole burst and the other sat idle."""
+    (tmp_path / "server.toml").write_text(CONFIG)
+    server = server_process(tmp_path, "burst", ["--config", str(tmp_path / "server.toml"), "--http-processes", "2"])
+    with server as proc:
+        deadline = time.monotonic() + 60
+        while len({httpx.get(f"{proc.url}/health", timeout=5).json()["pid"] for _ in range(10)}) < 2:
+            assert time.monotonic() < deadline, "the second process never answered"
+        host, port = proc.url.removeprefix("http://").split(":")
+        for _ in range(3):
+            pids = asyncio.run(_pids_of_a_burst(host, int(port), 16))
+            assert len(set(pids)) == 2, f"a burst went to one process: {pids}"
+
+
+async def _pids_of_a_burst(host: str, port: int, count: int) -> list[int]:
+    """Open `count` connections together, then ask /health on each: the answering pids."""
+    connections = await asyncio.gather(*(asyncio.open_connection(host, port) for _ in range(count)))
+    pids = []
+    for reader, writer in connections:
+        writer.write(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        pids.append(json.loads(await reader.readexactly(length))["pid"])
+    for _, writer in connections:
+        writer.close()
+    return pids
 
 
 def test_http_processes_refuse_a_judge():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from rl_rewards.rules import length_reward
+from rl_rewards.rules import length_reward, whitespace_words
 from rl_rewards.samples import Sample, ScoreResult
 
 WHITESPACE = "whitespace"
@@ -15,7 +15,7 @@ def load_token_counter(tokenizer: str) -> Callable[[list[str]], list[int]]:
     special tokens, as CapRL++ does), or `"whitespace"` — words split on whitespace, an explicit
     approximation for when no tokenizer is at hand (it is not CapRL++'s count)."""
     if tokenizer == WHITESPACE:
-        return lambda texts: [len(text.split()) for text in texts]
+        return lambda texts: [whitespace_words(text) for text in texts]  # = len(text.split())
     try:
         from transformers import AutoTokenizer
     except ImportError as e:

@@ -175,8 +175,7 @@ def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
             except HTTPProblem as p:
                 body, status = wire.encode_json(wire.ErrorResponse(error=p.error, field=p.field, limit=p.limit)), p.status
                 log.info("%s %s -> %d: %s", request.method, path, status, p.error)
-            service.metrics.requests.labels(path, str(status)).inc()
-            service.metrics.request_seconds.labels(path).observe(time.perf_counter() - started)
+            service.metrics.observe_request(path, status, time.perf_counter() - started)
             return Response(body, status_code=status, media_type=JSON)
 
         return Route(path, endpoint, methods=["POST"] if scoring else ["GET"])
@@ -204,9 +203,9 @@ def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
     async def native(request: Request) -> bytes:
         req = decode(await read_body(request, settings.limits), wire.ScoreRequest)
         check_batch(len(req.samples), "$.samples", settings.limits)
-        check_texts(protocols.sample_texts(req.samples, "$.samples"), settings.limits)
+        check_texts(protocols.sample_texts(req.samples, "$.samples", settings.limits.max_text_chars), settings.limits)
         name = req.reward or service.default
-        prepared = [_confined(s, settings.media_roots) for s in req.samples]
+        prepared = _confined_all(req.samples, settings.media_roots)
         results = await service.score(name, prepared)
         return wire.encode_json(wire.ScoreResponse(reward=name, results=results))
 
@@ -253,6 +252,12 @@ def _shape_mode(req: wire.GetRewardRequest) -> str | None:
     if req.samples and not req.prompts:
         return "vl_judge"
     return None
+
+
+def _confined_all(samples: list[Sample], roots: list[str]) -> Sequence[protocols.Prepared]:
+    if not any(s.metadata for s in samples):  # no media paths to resolve (rule rewards' requests)
+        return samples
+    return [_confined(s, roots) for s in samples]
 
 
 def _confined(sample: Sample, roots: list[str]) -> protocols.Prepared:

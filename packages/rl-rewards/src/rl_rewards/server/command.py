@@ -23,6 +23,7 @@ import uvicorn
 from rich.console import Console
 from rich.table import Table
 
+from rl_rewards.server.http_processes import serve_processes
 from rl_rewards.server.rewards import reward_names
 from rl_rewards.server.settings import ServerSettings, load_settings, to_json
 from rl_rewards.server.workers import SETTINGS_ENV
@@ -149,20 +150,19 @@ def serve_command(
 def run(settings: ServerSettings) -> None:
     """Serve until SIGINT/SIGTERM; in-flight requests finish (up to `shutdown_timeout_s`).
 
-    With `http_processes > 1`, uvicorn's supervisor binds the port once and starts that many
-    server processes on it (each builds the settings from the environment and its own rewards);
+    With `http_processes > 1`, that many server processes listen on the same port (see
+    `serve_processes`); each builds the settings from the environment and its own rewards, and
     their Prometheus metrics are written to a shared folder so `/metrics` reports all of them."""
     from rl_rewards.server.app import build_app
 
     started = time.perf_counter()
-    common = {"host": settings.host, "port": settings.port, "log_config": None, "access_log": False,
-              "timeout_graceful_shutdown": int(settings.shutdown_timeout_s), "lifespan": "on"}
+    common = {"log_config": None, "access_log": False, "timeout_graceful_shutdown": int(settings.shutdown_timeout_s),
+              "lifespan": "on"}
     if settings.http_processes > 1:
         with tempfile.TemporaryDirectory(prefix="rl-rewards-metrics-") as metrics_dir:
             os.environ[SETTINGS_ENV] = to_json(settings).decode()
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-            uvicorn.run("rl_rewards.server.app:app_from_environment", factory=True,
-                        workers=settings.http_processes, **common)
+            serve_processes(settings.host, settings.port, settings.http_processes, common)
     else:
-        uvicorn.Server(uvicorn.Config(build_app(settings), **common)).run()
+        uvicorn.Server(uvicorn.Config(build_app(settings), host=settings.host, port=settings.port, **common)).run()
     logging.getLogger("rl_rewards.server").info("stopped after %.0fs", time.perf_counter() - started)

@@ -90,7 +90,7 @@ def resolve_media(path: str, roots: Sequence[str]) -> str:
 def confine_sample(sample: Sample, roots: Sequence[str]) -> Sample:
     """The sample with every media path in its metadata resolved inside the media roots
     (ValueError naming the key if one is not)."""
-    if not any(key in sample.metadata for key in MEDIA_KEYS):
+    if not sample.metadata or not any(key in sample.metadata for key in MEDIA_KEYS):
         return sample
     metadata: dict[str, Any] = dict(sample.metadata)
     for key in MEDIA_KEYS:

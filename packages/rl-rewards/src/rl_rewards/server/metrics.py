@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -48,16 +49,36 @@ class Metrics:
                                  multiprocess_mode="livesum")
         self.worker_restarts = Counter("rl_rewards_worker_restarts", "Worker processes restarted", registry=r)
         self.chunk_retries = Counter("rl_rewards_chunk_retries", "Chunks retried on another worker", registry=r)
+        # labelled children by label values: `.labels()` takes a lock and builds its key on every
+        # call, and these are updated on every request
+        self._request_children: dict[tuple[str, int], tuple[Any, Any]] = {}
+        self._reward_children: dict[str, tuple[Any, Any, Any, Any]] = {}
+
+    def observe_request(self, route: str, status: int, seconds: float) -> None:
+        children = self._request_children.get((route, status))
+        if children is None:
+            children = self._request_children[(route, status)] = (
+                self.requests.labels(route, str(status)), self.request_seconds.labels(route),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
 
     def observe_batch(
         self, reward: str, samples: Sequence[Sample], results: Sequence[ScoreResult], seconds: float
     ) -> None:
-        self.samples.labels(reward).inc(len(samples))
-        errors = sum(1 for r in results if r.error is not None)
+        children = self._reward_children.get(reward)
+        if children is None:
+            children = self._reward_children[reward] = (
+                self.samples.labels(reward), self.sample_errors.labels(reward),
+                self.batch_size.labels(reward), self.batch_seconds.labels(reward),
+            )
+        n_samples, n_errors, batch_size, batch_seconds = children
+        n_samples.inc(len(samples))
+        errors = len(results) - [r.error for r in results].count(None)
         if errors:
-            self.sample_errors.labels(reward).inc(errors)
-        self.batch_size.labels(reward).observe(len(samples))
-        self.batch_seconds.labels(reward).observe(seconds)
+            n_errors.inc(errors)
+        batch_size.observe(len(samples))
+        batch_seconds.observe(seconds)
 
     def render(self) -> bytes:
         if "PROMETHEUS_MULTIPROC_DIR" in os.environ:  # one server process of several: sum them all

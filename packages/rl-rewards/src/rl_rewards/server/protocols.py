@@ -96,13 +96,19 @@ def openrlhf_response(results: Sequence[ScoreResult]) -> wire.OpenRLHFResponse:
     return wire.OpenRLHFResponse(rewards=values, scores=list(values), extra_logs=extra)
 
 
-def sample_texts(samples: Sequence[Sample], prefix: str) -> Iterator[tuple[str, str]]:
+def sample_texts(samples: Sequence[Sample], prefix: str, longer_than: int = -1) -> Iterator[tuple[str, str]]:
+    """(JSON path, text) of the completion and prompt of every sample with a text longer than
+    `longer_than` characters (a limit check needs only those; formatting every path cost more
+    than the check)."""
     for i, sample in enumerate(samples):
-        yield f"{prefix}[{i}].completion", sample.completion
-        yield f"{prefix}[{i}].prompt", sample.prompt
+        if len(sample.completion) > longer_than or len(sample.prompt) > longer_than:
+            yield f"{prefix}[{i}].completion", sample.completion
+            yield f"{prefix}[{i}].prompt", sample.prompt
 
 
 def merge(prepared: Sequence[Prepared], scored: Sequence[ScoreResult]) -> list[ScoreResult]:
     """Put scored results back between the samples that failed before scoring."""
+    if len(scored) == len(prepared):  # none failed
+        return list(scored)
     it = iter(scored)
     return [ScoreResult.failed(p) if isinstance(p, str) else next(it) for p in prepared]
