@@ -76,6 +76,7 @@ from rl_core.train import (
     seed_everything,
 )
 from rl_data import CaptionQARecord, GroupSampler
+from rl_models.compiled import compile_decoder_layers
 from rl_models.logprobs import token_logprobs, unwrap_peft
 from rl_models.lora import add_lora, disabled_adapter, export_lora, merge_and_export
 from rl_models.shared_media import share_identical_media
@@ -146,6 +147,8 @@ def load_policy(cfg: ModelConfig) -> tuple[torch.nn.Module, Any, str]:
         model = add_lora(model, r=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_targets)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if cfg.compile_layers == "on" or (cfg.compile_layers == "auto" and torch.cuda.is_available()):
+        compile_decoder_layers(model)
     return model, processor, path
 
 

@@ -30,6 +30,11 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Encode each distinct image/video once per forward (`rl_models.share_identical_media`): a
     group's n rollouts repeat their prompt's media, so the vision tower does 1/n of the work in
     prefill, replay and update, with the same results."""
+    compile_layers: Literal["auto", "on", "off"] = "auto"
+    """`torch.compile` each text decoder layer (`rl_models.compile_decoder_layers`): fuses the
+    elementwise kernels (RMSNorm, rotary, SwiGLU) that dominate a short-row update's GPU time
+    (H100, Qwen3-VL-2B shape: 28% faster forward + backward per 16 captions, same memory).
+    `auto`: on with CUDA only (on a CPU the compile costs more than it saves)."""
 
 
 class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
