@@ -143,8 +143,13 @@ def test_on_policy_update_equals_the_replayed_one(app, tmp_path):
                                     "algo.old_logprobs=replay", "train.run_name=replay"))
     start, a, b = weights(tiny.build("qwen2_5_vl")), weights(auto / "export"), weights(again / "export")
     assert max((a[k] - start[k]).abs().max().item() for k in a) > 5e-5  # Adam's first step: ~lr = 1e-4
-    for name in a:  # float noise on near-zero gradients can flip Adam's first step for single elements
-        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0, msg=name)
+    for name in a:
+        # Adam's first step is ~lr * sign(g): where |g| is near Adam's eps, float noise between the
+        # two paths moves an element by up to 2 * lr (seen: 1 of 8192 by 1.01e-5 on an AVX-512 CPU).
+        # A wrong old log-prob would move most elements; allow 1 in 1000 at most.
+        off = (a[name] - b[name]).abs()
+        assert int((off > 1e-5).sum()) <= max(1, off.numel() // 1000) and float(off.max()) <= 2.5e-4, (
+            name, int((off > 1e-5).sum()), float(off.max()))
     [ra], [rb] = rows(auto), rows(again)
     for key in ("loss/policy", "entropy", "logprob/engine_diff_mean", "grad_norm"):
         assert float(ra[key]) == pytest.approx(float(rb[key]), rel=1e-4, abs=1e-6), key

@@ -1,6 +1,7 @@
 """Rollout on Ray actors (`rollout.workers=2`, a real local Ray cluster on 2 CPUs): the run trains
 end to end, the workers' LoRA follows the trainer's by version, the first replay of every
-epoch reproduces the workers' log-probs (ratio 1), and the run equals the in-process one."""
+epoch reproduces the workers' log-probs (ratio 1), and the run equals the in-process one (to
+float32 rounding)."""
 
 from __future__ import annotations
 
@@ -39,9 +40,16 @@ def test_ray_workers_train_like_the_in_process_engine(app, ray_cluster, tmp_path
     assert [r["rollout/weight_version"] for r in ray_rows] == ["0", "2"]
     for row in ray_rows:  # the trainer replays the workers' trajectories: ratio exactly 1
         assert float(row["diag/first_replay_max_abs_log_ratio"]) == 0.0
-    for key in ("reward/mean", "image/brightness", "loss", "grad_norm"):  # same seeds, same trajectories
-        assert [r[key] for r in ray_rows] == [r[key] for r in local_rows], key
+    # Same seeds, same trajectories. Not bitwise: a worker denoises half the prompts, so its
+    # forwards have other shapes than the in-process batch, and CPU kernels (AVX-512 ones, seen:
+    # reward 0.5073372 vs 0.5073376) round per shape. Different trajectories would differ at 1e-2.
+    # The loss is a near-cancelling sum of +-advantage terms (~1e-6 here): compared absolutely.
+    for key, tolerance in (("reward/mean", {"rel": 1e-4}), ("image/brightness", {"rel": 1e-4}),
+                           ("loss", {"abs": 1e-5}), ("grad_norm", {"rel": 1e-3})):
+        assert [float(r[key]) for r in ray_rows] == pytest.approx([float(r[key]) for r in local_rows], **tolerance), key
     for ckpt in ("checkpoint-1", "checkpoint-2"):
         a = torch.load(runs[2] / "checkpoints" / ckpt / "lora.pt", weights_only=True)
         b = torch.load(runs[0] / "checkpoints" / ckpt / "lora.pt", weights_only=True)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), ckpt
+        assert a.keys() == b.keys(), ckpt
+        for k in a:  # seen up to 6.6e-6; one Adam step of a different trajectory moves an element ~lr = 3e-4
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=3e-5, msg=lambda m, ckpt=ckpt, k=k: f"{ckpt} {k}: {m}")
