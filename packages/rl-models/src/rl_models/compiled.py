@@ -5,7 +5,8 @@ Training a 2-4B policy on short rows is not bound by its matmuls: at Qwen3-VL-2B
 elementwise kernels around them (RMSNorm in float32, rotary embeddings, SwiGLU, and their
 backward), ~21 us each. Compiling each decoder layer fuses them: measured on one H100 (random
 weights, gradient checkpointing on), forward + backward of 16 rows went from 0.436 s to 0.312 s
-and of 32 rows from 0.87 s to 0.514 s, with the same activation memory.
+and of 32 rows from 0.726 s to 0.514 s (eager figure from an earlier lease), with the same
+activation memory.
 
 Why per layer and not the whole model: the layers are identical, so one compiled graph serves
 all of them (`torch.compile` treats the module as an input), the compile takes seconds instead
