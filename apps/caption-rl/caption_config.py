@@ -5,14 +5,24 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
 import msgspec
 
-from rl_core.train import config_help, load_config, parse_cli
+from rl_core.train import (
+    GROUP_ESTIMATORS,
+    ConfigError,
+    NonNegative,
+    NonNegativeFloat,
+    Positive,
+    PositiveFloat,
+    UnitInterval,
+    config_help,
+    load_config,
+    parse_cli,
+)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.toml"
-Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
 # ----------------------------------------------------------------------------------- config
@@ -22,8 +32,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     path: str = "Qwen/Qwen3-VL-4B-Instruct"
     """Caption model (local folder or hub id); `tiny:<family>` builds a tiny random checkpoint."""
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16 | auto
-    lora_rank: int = 0  # 0 = full fine-tuning (CapRL++); > 0 trains a LoRA adapter
-    lora_alpha: int = 32
+    lora_rank: NonNegative = 0  # 0 = full fine-tuning (CapRL++); > 0 trains a LoRA adapter
+    lora_alpha: Positive = 32
     lora_targets: list[str] | None = None  # peft target_modules; None = rl_models' family default
     gradient_checkpointing: bool = False
     share_media: bool = True
@@ -41,25 +51,29 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
     train: list[str] = []
     """CapRL caption-QA JSONL/parquet files (image and/or video rows)."""
     eval: list[str] = []  # held-out files; empty = hold out `eval_size` train records
-    eval_size: int = 0
+    eval_size: NonNegative = 0
     task: Literal["auto", "image", "video"] = "auto"  # keep only image or video rows
-    video_fps: float = 2.0  # frames sampled per second (CapRL: ~2)
-    video_max_frames: int = 64
-    max_pixels: int = 448 * 448  # per image / video frame
+    video_fps: PositiveFloat = 2.0  # frames sampled per second (CapRL: ~2)
+    video_max_frames: Positive = 64
+    max_pixels: Positive = 448 * 448  # per image / video frame
 
 
 class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     engine: Literal["hf", "vllm"] = "hf"
     """hf: the training model decodes (no copy, no sync); vllm: a colocated vLLM engine per GPU,
     weights pushed after every optimizer step (faster decoding, one more copy of the weights)."""
-    gpu_memory_utilization: float = 0.3  # vllm: GPU memory fraction for its weights + KV cache
+    gpu_memory_utilization: UnitInterval = 0.3  # vllm: GPU memory fraction for its weights + KV cache
     n: Positive = 8  # captions sampled per prompt (group size)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: PositiveFloat = 1.0
+    top_p: UnitInterval = 1.0
+    top_k: NonNegative = 0
     max_new_tokens: Positive = 4096  # response length
     max_prompt_length: Positive = 13000  # longer prompts (media tokens included) are skipped
     max_batch_size: Positive = 64  # rows decoded together by the engine
+    per_prompt_seeds: bool = False
+    """Sample each prompt's group with its own seed, drawn from (train.seed, step, record index):
+    the same rollouts whatever the process count or batch split (the 2-process = 1-process
+    tests rely on it). Slower: one engine call per prompt instead of one per batch."""
     compile_mode: str = "default"
     """hf engine on CUDA: torch.compile mode of the decode step. `default` (fused kernels) lets
     the KV cache be freed during the update; `reduce-overhead` (CUDA graphs) pins the cache's
@@ -75,29 +89,29 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     url: str | None = None
     """Running reward server (`rl-rewards serve` or CapRL's), e.g. http://host:18889/get_reward;
     unset = score in process."""
-    port: int = 18889  # with host: url = http://host:port/get_reward
+    port: Positive = 18889  # with host: url = http://host:port/get_reward
     host: str | None = None
     judge: str = "Qwen/Qwen3-4B-Instruct-2507"  # in-process QA judge (text LLM)
     qa_estimator: Literal["exact", "sample"] = "exact"  # see rl_rewards.scorers.caption_qa
-    qa_num: int = 8  # questions drawn per caption (estimator=sample)
-    format_weight: float = 0.2  # x timestamp-format reward, video rows
+    qa_num: Positive = 8  # questions drawn per caption (estimator=sample)
+    format_weight: NonNegativeFloat = 0.2  # x timestamp-format reward, video rows
     length_tokenizer: str | None = None  # default: the caption model's tokenizer
-    length_l1: int = 2048
-    length_l2: int = 3072
-    length_weight: float = 0.2
+    length_l1: NonNegative = 2048
+    length_l2: Positive = 3072
+    length_weight: NonNegativeFloat = 0.2
     spec: str | None = None  # a RewardSpec TOML replacing QA + format + length (in process)
     retries: Positive = 5  # attempts per server call; then the step is skipped
-    timeout: float = 180.0  # seconds per server call
+    timeout: PositiveFloat = 180.0  # seconds per server call
 
 
 class AlgoConfig(msgspec.Struct, kw_only=True, frozen=True):
     advantage: str = "grpo"  # rl_core advantage estimator: grpo | rloo | dr_grpo | ...
     loss: str = "ppo_clip"  # ppo_clip | dual_clip | gspo
     agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | ...
-    clip_low: float = 0.2
-    clip_high: float = 0.28  # DAPO clip-higher; = clip_low for symmetric PPO
+    clip_low: UnitInterval = 0.2
+    clip_high: NonNegativeFloat = 0.28  # DAPO clip-higher; = clip_low for symmetric PPO
     kl: str = "k3"  # KL-to-reference estimator (only used when kl_coef > 0)
-    kl_coef: float = 0.0  # CapRL++: no KL
+    kl_coef: NonNegativeFloat = 0.0  # CapRL++: no KL
     ppo_epochs: Positive = 1
     old_logprobs: Literal["auto", "replay"] = "auto"
     """PPO's old log-probs. `replay`: a no-grad pass over every rollout before the update.
@@ -105,29 +119,32 @@ class AlgoConfig(msgspec.Struct, kw_only=True, frozen=True):
     one minibatch): the weights cannot change before every micro-batch has been scored, so the
     update's own forward gives them (ratio exactly 1), as TRL and verl do; the first-step
     engine check and the entropy then come from that forward too."""
-    replay_tolerance: float | None = None
+    replay_tolerance: NonNegativeFloat | None = None
     """Max mean |engine logp - trainer logp| on the first step (None: 1e-3 fp32, 5e-2 16-bit)."""
 
 
 class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
     batch_size: Positive = 128  # prompts per step, all processes together
-    mini_batch_size: int | None = None  # prompts per optimizer step (None = batch_size)
+    mini_batch_size: Positive | None = None  # prompts per optimizer step (None = batch_size)
     micro_batch_size: Positive = 4  # captions per forward/backward on one process
     epochs: Positive = 3
-    max_steps: int | None = None  # stop earlier than `epochs`
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    grad_clip: float = 1.0
+    max_steps: Positive | None = None  # stop earlier than `epochs`
+    lr: PositiveFloat = 1e-5
+    weight_decay: NonNegativeFloat = 0.0
+    warmup_steps: NonNegative = 0
+    grad_clip: PositiveFloat = 1.0
     save_freq: Positive = 50  # checkpoint every N steps (and at the end)
     keep_last: Positive = 2
-    eval_freq: int = 10  # 0 = no eval
+    eval_freq: NonNegative = 10  # 0 = no eval
     output_dir: str = "runs/caption-rl"
     run_name: str | None = None
-    seed: int = 0
+    seed: NonNegative = 0
     export: bool = True  # save the final HF model (or LoRA adapter) in run_dir/export
     log_with: list[str] = []  # accelerate trackers: tensorboard, wandb, ...
-    samples_to_log: int = 4  # example captions written per step/eval
+    samples_to_log: NonNegative = 4  # example captions written per step/eval
+    max_nonfinite_steps: Positive = 3
+    """Consecutive optimizer steps with a non-finite loss or gradient (each skipped, weights
+    untouched) after which the run stops with an error."""
 
 
 class Config(msgspec.Struct, kw_only=True, frozen=True):
@@ -172,12 +189,25 @@ def parse_config(argv: list[str]) -> tuple[Config, str | None] | None:
     """
     cli = parse_cli(argv)
     if cli.help:
-        print(config_help(Config, env=ENV, prog="caption-rl"))
+        print(config_help(Config, env=ENV, prog="caption-rl", defaults=load_config(Config, DEFAULT_CONFIG),
+                          defaults_from="the embedded tiny default (configs/default.toml; --config FILE or "
+                                        "CAPTION_MODEL start from the full-size values instead)"))
         return None
     path = cli.config
     if path is None and "CAPTION_MODEL" not in os.environ:
         path = DEFAULT_CONFIG
-    return load_config(Config, path, cli.overrides, env=ENV), cli.resume
+    return check_config(load_config(Config, path, cli.overrides, env=ENV)), cli.resume
+
+
+def check_config(cfg: Config) -> Config:
+    """Rules between keys that a per-field range cannot state."""
+    if cfg.algo.advantage in GROUP_ESTIMATORS and cfg.rollout.n < 2:
+        raise ConfigError(f"rollout.n={cfg.rollout.n}: algo.advantage={cfg.algo.advantage!r} compares the captions "
+                          "of one prompt with each other and needs rollout.n >= 2")
+    if cfg.reward.length_l1 >= cfg.reward.length_l2:
+        raise ConfigError(f"reward.length_l1={cfg.reward.length_l1} must be below reward.length_l2="
+                          f"{cfg.reward.length_l2} (the length reward falls from 1 at l1 to 0 at l2)")
+    return cfg
 
 
 def flat_config(cfg: Config) -> dict[str, int | float | str | bool]:

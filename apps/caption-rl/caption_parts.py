@@ -1,35 +1,30 @@
 """The pieces of the caption-rl recipe that are specific to captioning: records -> chat messages
-with decoded media, the reward backends (in process / a running reward server), rollout
-micro-batches and their log-probs under the training model, and the output files.
+with decoded media, and the reward backends (in process / a running reward server).
 
 Everything generic (algorithms, checkpoints, logging, engines, scorers) comes from the packages.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import random
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from rl_core.logprobs import entropy
-from rl_core.logprobs import token_logprobs as rl_token_logprobs
-from rl_data import CaptionQARecord, format_question_text, load_image, read_caption_qa, sample_video
-from rl_models.logprobs import (
-    TokenBatch,
-    final_hidden_states,
-    token_logprobs_and_entropy,
-    unwrap_peft,
+from rl_core.train import UserError
+from rl_data import (
+    CaptionQARecord,
+    Location,
+    format_question_text,
+    load_image,
+    read_caption_qa,
+    sample_video,
 )
 from rl_rewards import Sample, ScoreResult, build_reward
 from rl_rewards.client import RetryPolicy, RewardClient
-from rl_rollout.prompts import EncodedPrompt, encode_prompt, pad_batch
+from rl_rollout.prompts import EncodedPrompt, encode_prompt
 
 _PLACEHOLDER = re.compile(r"<(image|video)>\n?")
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -44,7 +39,7 @@ def resolve_model(path: str) -> str:
         return str(tiny.build(path.removeprefix("tiny:")))
     if Path(path).exists() or _HUB_ID.fullmatch(path):
         return path
-    raise FileNotFoundError(f"model not found: {path!r} is neither a local folder, a hub id (org/name) nor "
+    raise UserError(f"model not found: {path!r} is neither a local folder, a hub id (org/name) nor "
                             f"tiny:<family> (model.path / CAPTION_MODEL, reward.judge)")
 
 
@@ -56,6 +51,8 @@ class Dataset:
     train: list[CaptionQARecord]
     eval: list[CaptionQARecord]
     skipped: int  # records without QA / malformed, skipped and counted
+    train_where: list[Location]  # file and line of each train record (for errors found later)
+    eval_where: list[Location]
 
 
 def load_records(
@@ -64,31 +61,35 @@ def load_records(
     """Read every file (bad records skipped and counted, with file and line in the log), keep the
     rows of `task`, and hold out `eval_size` train records when no eval file is given."""
     if not train_files:
-        raise ValueError("data.train is empty: name at least one CapRL caption-QA file (or set DATASET)")
+        raise UserError("data.train is empty: name at least one CapRL caption-QA file (or set DATASET)")
     skipped = 0
 
-    def read(files: Sequence[str]) -> list[CaptionQARecord]:
+    def read(files: Sequence[str]) -> list[tuple[Location, CaptionQARecord]]:
         nonlocal skipped
         out = []
         for file in files:
             if not Path(file).is_file():
-                raise FileNotFoundError(f"dataset file not found: {file} (data.train / data.eval / DATASET)")
+                raise UserError(f"dataset file not found: {file} (data.train / data.eval / DATASET)")
             reader = read_caption_qa(file, on_error="skip")
-            out += [r for r in reader if task == "auto" or r.kind == task]
+            out += [(where, r) for where, r in reader.located() if task == "auto" or r.kind == task]
             skipped += reader.skipped
         return out
 
     train, held = read(train_files), read(eval_files)
+    if not train:
+        kind = f"{task} " if task != "auto" else ""
+        raise UserError(f"no usable {kind}training records in {list(train_files)} ({skipped} skipped as malformed "
+                        "or without QA; data.task selects image or video rows)")
     if not held and eval_size > 0:
+        if eval_size >= len(train):
+            raise UserError(f"data.eval_size={eval_size} would hold out all {len(train)} training records of "
+                            f"{list(train_files)}: lower data.eval_size or give held-out files in data.eval")
         order = list(range(len(train)))
         random.Random(seed).shuffle(order)
         picked = set(order[:eval_size])
         held = [r for i, r in enumerate(train) if i in picked]
         train = [r for i, r in enumerate(train) if i not in picked]
-    if not train:
-        raise ValueError(f"no usable {task if task != 'auto' else ''} training records in {list(train_files)} "
-                         f"({skipped} skipped as malformed or without QA)")
-    return Dataset(train, held, skipped)
+    return Dataset([r for _, r in train], [r for _, r in held], skipped, [w for w, _ in train], [w for w, _ in held])
 
 
 def to_messages(record: CaptionQARecord, *, fps: float, max_frames: int, max_pixels: int) -> list[dict[str, Any]]:
@@ -106,12 +107,17 @@ def to_messages(record: CaptionQARecord, *, fps: float, max_frames: int, max_pix
         parts: list[dict[str, Any]] = []
         for i, piece in enumerate(_PLACEHOLDER.split(content)):
             if i % 2:
-                parts.append({"type": piece, piece: next(media[piece])})
+                item = next(media[piece], None)
+                if item is None:
+                    raise ValueError(f"more <{piece}> markers than {piece}s in the record")
+                parts.append({"type": piece, piece: item})
             elif piece.strip():
                 parts.append({"type": "text", "text": piece.strip()})
         messages.append({"role": message.role, "content": parts})
     rest = [{"type": kind, kind: item} for kind in ("image", "video") for item in media[kind]]
-    user = next(m for m in messages if m["role"] == "user")
+    user = next((m for m in messages if m["role"] == "user"), None)
+    if user is None:
+        raise ValueError("the prompt has no user turn")
     user["content"] = rest + user["content"]
     return messages
 
@@ -155,7 +161,7 @@ class LocalReward:
                  length_tokenizer: str, length_l1: int, length_l2: int, length_weight: float, seed: int) -> None:
         if spec is not None:
             if not Path(spec).is_file():
-                raise FileNotFoundError(f"reward.spec file not found: {spec}")
+                raise UserError(f"reward.spec file not found: {spec}")
             self.by_task = dict.fromkeys(("image", "video"), build_reward(spec))
             return
         from rl_rewards.scorers.caption_qa import CaptionQAScorer
@@ -196,7 +202,7 @@ class RemoteReward:
         try:
             self.client.health()
         except Exception as e:  # httpx connection errors, bad JSON from a non-reward server
-            raise ConnectionError(f"reward server {base} is not reachable ({type(e).__name__}: {e}); start it with "
+            raise UserError(f"reward server {base} is not reachable ({type(e).__name__}: {e}); start it with "
                                   f"`rl-rewards serve` or fix reward.url / REWARD_REMOTE_URL") from None
         spec = {"components": {"length": {"scorer": "length", "options": {
             "tokenizer": length_tokenizer, "l1": length_l1, "l2": length_l2}}}}
@@ -227,21 +233,6 @@ class RemoteReward:
 # --------------------------------------------------------------------------- rollout batches
 
 
-def batched(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
-    """`items` in consecutive chunks of `size` (itertools.batched is Python 3.12+)."""
-    return [items[i : i + size] for i in range(0, len(items), size)]
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """One sampled caption and everything the update needs about it."""
-
-    prompt: EncodedPrompt  # prompt ids + processor media tensors (pixel_values, grids)
-    completion_ids: list[int]
-    engine_logprobs: list[float]
-    valid: bool  # False: the sample failed to score; it stays in the batch with weight 0
-
-
 def placeholder_ids(config: Any) -> frozenset[int]:
     """Qwen-VL's vision placeholder tokens. A completion that samples one (a random or badly
     drifted policy can) would be read as an image slot by the model's forward: such rollouts
@@ -250,100 +241,6 @@ def placeholder_ids(config: Any) -> frozenset[int]:
                      if config.to_dict().get(k) is not None)
 
 
-def collate(rollouts: Sequence[Rollout], pad_id: int, placeholders: frozenset[int] = frozenset()) -> TokenBatch:
-    """Rollouts as one `rl_models` TokenBatch: prompts left-padded (with their processor
-    tensors), completions right-padded, every completion starting at column P. Vision
-    placeholders sampled into a completion become `pad_id` (those rows are never trained on)."""
-    prompts = pad_batch([r.prompt for r in rollouts], pad_id)
-    width = max(len(r.completion_ids) for r in rollouts)
-    completion = torch.full((len(rollouts), width), pad_id, dtype=torch.long)  # [B, C]
-    completion_mask = torch.zeros(len(rollouts), width, dtype=torch.long)  # [B, C]
-    for i, r in enumerate(rollouts):
-        completion[i, : len(r.completion_ids)] = torch.tensor(
-            [pad_id if tok in placeholders else tok for tok in r.completion_ids])
-        completion_mask[i, : len(r.completion_ids)] = 1
-    return TokenBatch.from_prompt_completion(prompts.input_ids, prompts.attention_mask, completion, completion_mask,
-                                             **prompts.media)
-
-
-class Policy(torch.nn.Module):
-    """The trained model behind one forward that returns completion log-probs and entropies
-    `[B, C]` (`rl_models.token_logprobs_and_entropy`: hidden states, then the LM head in chunks;
-    the entropy carries no gradient). Handing this module to `accelerator.prepare` makes DDP/FSDP
-    wrap the whole log-prob computation, so gradients are synchronized even though the logits
-    never go through `model.forward`."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch: TokenBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_logprobs_and_entropy(self.model, batch, temperature=temperature)  # [B, C] x2
-
-
-@torch.no_grad()
-def replay_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float,
-                    rows_per_chunk: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """No-grad log-probs `[B, C]` and entropies `[B, C]` of softmax(logits / temperature),
-    from the hidden states a few rows at a time (the full `[B, C, V]` never exists)."""
-    hidden = final_hidden_states(model, batch)[:, batch.prompt_length - 1 : -1]  # [B, C, H]
-    weight = unwrap_peft(model).get_output_embeddings().weight  # [V, H]
-    logps, ents = [], []
-    for start in range(0, hidden.shape[0], rows_per_chunk):
-        logits = hidden[start : start + rows_per_chunk] @ weight.T / temperature  # [b, C, V]
-        logps.append(rl_token_logprobs(logits, batch.completion_ids[start : start + rows_per_chunk]))  # [b, C]
-        ents.append(entropy(logits))  # [b, C]
-    mask = batch.completion_mask.float()  # [B, C]
-    return torch.cat(logps) * mask, torch.cat(ents) * mask
-
-
-def pad_rows(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
-    """Right-pad 1-D per-token tensors into `[B, width]` (zeros)."""
-    out = torch.zeros(len(rows), width)  # [B, C]
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = row
-    return out
-
-
-def to_device(batch: TokenBatch, device: torch.device) -> TokenBatch:
-    return replace(batch, **{k: v.to(device) for k, v in vars(batch).items() if isinstance(v, torch.Tensor)})
-
-
 def encode_rollout_prompt(messages: list[dict[str, Any]], processor: Any, index: int) -> EncodedPrompt:
     """The prompt exactly as the `hf` engine encodes it (same chat template and processor)."""
     return encode_prompt(messages, processor.tokenizer, processor, index)
-
-
-# ----------------------------------------------------------------------------------- outputs
-
-
-def append_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-
-
-def plot_reward_curve(metrics_csv: Path, out: Path) -> None:
-    """`reward_curve.png`: train reward per step and eval reward per eval, from metrics.csv."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    with metrics_csv.open(newline="", encoding="utf-8") as f:
-        rows = list(csv.DictReader(f))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, style in (("reward/mean", "-"), ("eval/reward/mean", "o--")):
-        points = [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
-        if points:
-            ax.plot(*zip(*points, strict=True), style, label=key)
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(out)

@@ -25,6 +25,7 @@ advantages, the update).
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,7 +37,7 @@ import msgspec
 import torch
 from accelerate import Accelerator
 from judging import Judge, PhaseMonitor, SwappedJudge
-from policy_update import advantages, collate, replay_logprobs, update
+from policy_update import advantages, logprobs, to_rollouts, update
 from rewarding import (
     build_judges,
     check_served,
@@ -45,25 +46,39 @@ from rewarding import (
     make_samples,
     messages,
     reward_metrics,
+    sample_rows,
     score,
-    write_samples,
 )
 from rich.console import Console
 from rich.table import Table
-from rider_config import DEFAULT_CONFIG, ENV, Config, judge_configs, judge_name, resolve_model
+from rider_config import (
+    DEFAULT_CONFIG,
+    ENV,
+    Config,
+    check_config,
+    judge_configs,
+    judge_name,
+    resolve_model,
+)
 from swapping import PinnedOffload, PolicySwap
 
 from rl_core.train import (
     ConfigError,
     MetricsLogger,
+    NonFiniteGuard,
+    SampleLog,
     TrainProgress,
+    UserError,
+    check_finite_parameters,
     config_help,
     get_rng_state,
     load_checkpoint,
     load_config,
     make_run_dir,
     parse_cli,
+    plot_reward_curve,
     resolve_resume,
+    run_app,
     save_checkpoint,
     seed_everything,
     set_rng_state,
@@ -73,6 +88,7 @@ from rl_models.text import load_causal_lm
 from rl_rewards.composition import Reward
 from rl_rollout import Generation, SamplingParams
 from rl_rollout.hf import HFEngine
+from rl_rollout.training import Policy
 
 __all__ = ["Config", "judge_configs", "judge_name", "load_config", "main"]
 
@@ -95,6 +111,8 @@ class Parts:
     swap: PolicySwap
     ref_offload: PinnedOffload | None  # the reference's weights between uses (CUDA, model.ref_offload)
     run_dir: Path
+    samples: SampleLog
+    guard: NonFiniteGuard
 
 
 def generate(p: Parts, records: list[JudgeRecord], n: int, temperature: float) -> tuple[list[Generation], int]:
@@ -117,18 +135,18 @@ def wake_policy(p: Parts) -> None:
             p.swap.wake()
 
 
-def reference_logprobs(p: Parts, roll: Any) -> torch.Tensor:
+def reference_logprobs(p: Parts, rollouts: list) -> list[torch.Tensor]:
     """The reference's log-probs; with `model.ref_offload` its weights visit the GPU for this."""
     if p.ref_offload is not None:
         p.ref_offload.to_device()
     try:
-        return replay_logprobs(p.ref, roll, p.cfg.train.micro_batch_size, p.cfg.rollout.temperature)
+        return logprobs(p.ref, rollouts, p.cfg, p.engine.pad_id, p.accelerator.device)
     finally:
         if p.ref_offload is not None:
             p.ref_offload.to_host()
 
 
-def train_step(p: Parts, step: int, records: list[JudgeRecord]) -> dict[str, float]:
+def train_step(p: Parts, step: int, records: list[JudgeRecord], first: bool) -> dict[str, float]:
     cfg, acc = p.cfg, p.accelerator
     n = cfg.rollout.n
     gens, judges_awake = generate(p, records, n, cfg.rollout.temperature)
@@ -137,32 +155,26 @@ def train_step(p: Parts, step: int, records: list[JudgeRecord]) -> dict[str, flo
     with p.monitor("reward"):
         results, logs = score(p.reward, p.judges, samples)
     wake_policy(p)
-    roll = collate(gens, n, p.engine.pad_id, acc.device)
+    scores = torch.tensor([math.nan if r.score is None else r.score for r in results])  # [B] NaN: failed
+    everything = to_rollouts(gens, torch.ones(len(gens), dtype=torch.bool))
+    model = acc.unwrap_model(p.model).model
     with p.monitor("old_logp"):
-        old_logp = replay_logprobs(p.model, roll, cfg.train.micro_batch_size, cfg.rollout.temperature)
-    ref_logp = None
+        old = logprobs(model, everything, cfg, p.engine.pad_id, acc.device)
+    ref = None
     if cfg.algo.use_kl_loss or cfg.algo.kl_in_reward:
         with p.monitor("ref_logp"):
-            ref_logp = reference_logprobs(p, roll)
-    tokens = roll.response_mask.sum().clamp(min=1)
-    absdiff = ((old_logp - roll.engine_logp).abs() * roll.response_mask).sum() / tokens
-    tol = cfg.algo.replay_tolerance or (1e-3 if p.engine.model.dtype == torch.float32 else 5e-2)
-    if step == 1 and absdiff.item() > tol:
-        raise RuntimeError(f"log-prob replay: mean |engine - trainer| = {absdiff.item():.2e} > {tol:.0e} on the first "
-                           "step; the engine and the trainer do not compute the same distribution")
-    scores = torch.tensor([0.0 if r.score is None else r.score for r in results], device=acc.device)  # [B]
+            ref = reference_logprobs(p, everything)
     with p.monitor("advantages"):
-        adv = advantages(cfg, acc, roll, scores, old_logp, ref_logp)
+        adv = advantages(cfg, acc, gens, scores, old, ref)
     with p.monitor("update"):
-        actor = update(cfg, acc, p.model, p.optimizer, roll, old_logp, ref_logp, adv, first=step == 1)
-    metrics = reward_metrics(results, logs, "") | actor
-    lengths = acc.gather(roll.response_mask.sum(-1)).float()  # [W*B]
-    metrics |= {"replay/engine_logp_absdiff": acc.reduce(absdiff, reduction="mean").item(),
-                "response_length/mean": lengths.mean().item(),
+        actor = update(cfg, acc, p.model, p.optimizer, to_rollouts(gens, adv.valid), adv.advantages, old, ref,
+                       p.guard, p.engine.pad_id, first=first, model_dtype=next(model.parameters()).dtype)
+    metrics = reward_metrics(results, logs, "") | adv.metrics | actor
+    lengths = acc.gather(torch.tensor([float(len(g.completion_ids)) for g in gens], device=acc.device))  # [W*B]
+    metrics |= {"response_length/mean": lengths.mean().item(),
                 "check/judges_awake_during_generate": acc.reduce(torch.tensor(judges_awake, device=acc.device),
                                                                   reduction="sum").item()}
-    if acc.is_main_process:
-        write_samples(p.run_dir / "samples.jsonl", step, samples, results, logs, cfg.train.samples_to_log, "train")
+    p.samples.write("train", step, sample_rows(samples, results, logs, cfg.train.samples_to_log))
     return metrics
 
 
@@ -205,8 +217,7 @@ def _validate(p: Parts, step: int, records: list[JudgeRecord]) -> dict[str, floa
     samples = make_samples(shard, gens, offset=10**9 + acc.process_index * len(gens))
     results, logs = score(p.reward, p.judges, samples)
     wake_policy(p)
-    if acc.is_main_process:
-        write_samples(p.run_dir / "samples.jsonl", step, samples, results, logs, p.cfg.train.samples_to_log, "val")
+    p.samples.write("val", step, sample_rows(samples, results, logs, p.cfg.train.samples_to_log))
     return reward_metrics(results, logs, "val/")
 
 
@@ -229,8 +240,8 @@ def setup(cfg: Config, resume: str | None) -> tuple[Parts, GroupSampler, list[Ju
     train = load_records(cfg.data.train_files, tokenizer, cfg.data)
     val = load_records(cfg.data.val_files or cfg.data.train_files, tokenizer, cfg.data)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    model, optimizer = acc.prepare(model, optimizer)
-    engine = HFEngine(acc.unwrap_model(model), tokenizer, device=acc.device, compile=cfg.rollout.compile,
+    policy, optimizer = acc.prepare(Policy(model), optimizer)
+    engine = HFEngine(acc.unwrap_model(policy).model, tokenizer, device=acc.device, compile=cfg.rollout.compile,
                       max_batch_size=cfg.rollout.max_batch_size)
     monitor = PhaseMonitor(acc.device)
     judge_cfgs = judge_configs(cfg.reward)
@@ -247,14 +258,19 @@ def setup(cfg: Config, resume: str | None) -> tuple[Parts, GroupSampler, list[Ju
                            world_size=acc.num_processes)
     ckpt = resolve_resume(resume, cfg.train.output_dir)
     name = ckpt.parent.parent.name if ckpt is not None else cfg.train.run_name
+    if ckpt is not None and cfg.train.run_name not in (None, name):
+        raise UserError(f"--resume continues run {name!r}, but train.run_name={cfg.train.run_name!r} names another "
+                        "run: drop train.run_name, or resume that run's directory")
     run_dir = make_run_dir(cfg.train.output_dir, name, config=cfg, accelerator=acc)
     step = 0
     if ckpt is not None:
         step = load_checkpoint(ckpt, state={"sampler": sampler}, accelerator=acc)["step"]
     if cfg.train.log_with:
         acc.init_trackers("rider-grm", config=msgspec.to_builtins(cfg))
-    logger = MetricsLogger(run_dir, accelerator=acc, start_step=step if ckpt is not None else None)
-    parts = Parts(cfg, acc, model, ref, optimizer, engine, judges, reward, monitor, swap, ref_offload, run_dir)
+    logger = MetricsLogger(run_dir, accelerator=acc, start_step=step)
+    parts = Parts(cfg, acc, policy, ref, optimizer, engine, judges, reward, monitor, swap, ref_offload, run_dir,
+                  SampleLog(run_dir, main=acc.is_main_process, start_step=step),
+                  NonFiniteGuard(cfg.train.max_nonfinite_steps))
     try:
         dry_run(parts, val[0])
     except Exception:
@@ -294,34 +310,40 @@ def next_records(sampler: GroupSampler, train: list[JudgeRecord], prompts: int) 
     return [train[i] for i in batch[:: sampler.n]]
 
 
-def main(argv: list[str]) -> Path:
+def main(argv: list[str]) -> Path | None:
+    """Run the app; returns the run directory (None after --help)."""
     cli = parse_cli(argv)
     if cli.help:
-        print(config_help(Config, env=ENV, prog="rider-grm"))
-        return Path()
-    cfg = load_config(Config, cli.config or DEFAULT_CONFIG, cli.overrides, env=ENV)
+        print(config_help(Config, env=ENV, prog="rider-grm", defaults=load_config(Config, DEFAULT_CONFIG),
+                          defaults_from="the embedded tiny default (configs/default.toml)"))
+        return None
+    cfg = check_config(load_config(Config, cli.config or DEFAULT_CONFIG, cli.overrides, env=ENV))
     check_served(judge_configs(cfg.reward))  # bad lists, incomplete judges, servers down: before anything loads
     p, sampler, train, val, step, logger = setup(cfg, cli.resume)
     acc = p.accelerator
     total = total_steps(cfg, sampler, acc.num_processes)
     if cfg.train.val_before_train and step == 0:
         logger.log(0, validate(p, 0, val) | p.monitor.pop())
+    start = step
     with TrainProgress(total, initial=step, show=("reward/mean",), accelerator=acc) as bar:
         while step < total:
             step += 1
             records = next_records(sampler, train, cfg.train.batch_size // acc.num_processes)
-            metrics = train_step(p, step, records)
-            if step % cfg.train.save_freq == 0 or step == total:
-                with p.monitor("checkpoint"):
-                    save_checkpoint(p.run_dir / "checkpoints", step, state={"sampler": sampler}, accelerator=acc,
-                                    keep_last=cfg.train.keep_last)
+            metrics = train_step(p, step, records, first=step == start + 1)
             if step == total or (cfg.train.test_freq > 0 and step % cfg.train.test_freq == 0):
                 metrics |= validate(p, step, val)
             metrics |= p.monitor.pop()
             plan_swaps(p, metrics)
             metrics["world_size"] = acc.num_processes
-            logger.log(step, metrics)
+            logger.log(step, metrics)  # logged before the checkpoint: a resume never loses a logged step
             bar.update(step, metrics)
+            if step % cfg.train.save_freq == 0 or step == total:
+                check_finite_parameters(acc.unwrap_model(p.model), f"checkpoint at step {step}")
+                save_checkpoint(p.run_dir / "checkpoints", step, state={"sampler": sampler}, accelerator=acc,
+                                keep_last=cfg.train.keep_last)
+            if acc.is_main_process:
+                plot_reward_curve(p.run_dir, curves=(("metrics.csv", "reward/mean", "train"),
+                                                     ("metrics.csv", "val/reward/mean", "val")))
     acc.end_training()
     close_judges(p.judges)
     if acc.is_main_process and cfg.train.print_summary:
@@ -345,9 +367,10 @@ def print_summary(run_dir: Path) -> None:
         table.add_row(key, *[_short(row.get(key, "")) for row in rows])
     console = Console()
     console.print(table)
-    for line in (run_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines()[-2:]:
-        sample = json.loads(line)
-        console.print(f"[bold]{sample['split']} step {sample['step']}[/] prompt: {sample['prompt']!r}")
+    for split in ("train", "val"):
+        lines = (run_dir / "samples" / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()
+        sample = json.loads(lines[-1])
+        console.print(f"[bold]{split} step {sample['step']}[/] prompt: {sample['prompt']!r}")
         console.print(f"  completion: {sample['completion'][:200]!r}  reward: {sample['reward']}")
         for name, judge in sample["judges"].items():
             raw = repr(judge["raw"][:120]) if judge["raw"] is not None else (
@@ -364,7 +387,4 @@ def _short(value: str) -> str:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except ConfigError as e:
-        sys.exit(f"rider-grm: config error: {e}")
+    sys.exit(run_app("rider-grm", main))

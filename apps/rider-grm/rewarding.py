@@ -4,8 +4,7 @@ reward metrics, and the sample generations written with each judge's raw output.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import math
 from typing import Any
 
 import torch
@@ -158,11 +157,13 @@ def score(reward: Reward, judges: list[Judge], samples: list[Sample]) -> tuple[l
 
 
 def reward_metrics(results: list[ScoreResult], logs: dict[str, JudgeLog], prefix: str) -> dict[str, float]:
-    """Mean/std of the combined reward and of each component over all ranks, judge counters."""
+    """Mean/std of the combined reward over the samples that scored, and of each component,
+    over all ranks; failed samples (`reward/failed`) and judge counters."""
     everything = gather_object([(r.score, r.components) for r in results])
-    totals = torch.tensor([0.0 if s is None else s for s, _ in everything])
-    out = {f"{prefix}reward/mean": totals.mean().item(), f"{prefix}reward/std": totals.std(unbiased=False).item(),
-           f"{prefix}reward/errors": sum(s is None for s, _ in everything)}
+    totals = torch.tensor([s for s, _ in everything if s is not None])
+    out = {f"{prefix}reward/mean": totals.mean().item() if totals.numel() else math.nan,
+           f"{prefix}reward/std": totals.std(unbiased=False).item() if totals.numel() else 0.0,
+           f"{prefix}reward/failed": sum(s is None for s, _ in everything)}
     keys = sorted({k for _, comps in everything for k in comps})
     for key in keys:
         vals = torch.tensor([comps[key] for _, comps in everything if key in comps])
@@ -177,17 +178,18 @@ def reward_metrics(results: list[ScoreResult], logs: dict[str, JudgeLog], prefix
     return out
 
 
-def write_samples(path: Path, step: int, samples: list[Sample], results: list[ScoreResult],
-                  logs: dict[str, JudgeLog], limit: int, split: str) -> None:
-    """Append `limit` samples: prompt, completion, reward, components, and per judge its score,
-    raw output (`null` when gated out, or for a served judge whose server returns no text),
-    parse error, and whether the sample was sent to it (`judged`)."""
-    with path.open("a", encoding="utf-8") as f:
-        for sample, result in list(zip(samples, results, strict=True))[:limit]:
-            uid = sample.metadata["uid"]
-            judges = {name: {"score": result.components.get(name), "raw": log.raw.get(uid),
-                             "error": log.errors.get(uid), "judged": uid in log.judged}
-                      for name, log in logs.items()}
-            row = {"step": step, "split": split, "prompt": sample.prompt, "completion": sample.completion,
-                   "reward": result.score, "components": result.components, "judges": judges}
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+def sample_rows(samples: list[Sample], results: list[ScoreResult], logs: dict[str, JudgeLog],
+                limit: int) -> list[dict[str, Any]]:
+    """`limit` samples for `samples/<split>.jsonl`: prompt, completion, reward (null when it
+    failed, with the error), components, and per judge its score, raw output (`null` when gated
+    out, or for a served judge whose server returns no text), parse error, and whether the
+    sample was sent to it (`judged`)."""
+    rows = []
+    for sample, result in list(zip(samples, results, strict=True))[:limit]:
+        uid = sample.metadata["uid"]
+        judges = {name: {"score": result.components.get(name), "raw": log.raw.get(uid),
+                         "error": log.errors.get(uid), "judged": uid in log.judged}
+                  for name, log in logs.items()}
+        rows.append({"prompt": sample.prompt, "completion": sample.completion, "reward": result.score,
+                     "error": result.error, "components": result.components, "judges": judges})
+    return rows

@@ -4,17 +4,24 @@ shell variables, the seed's per-judge parallel lists, and model/file path resolu
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import msgspec
 
-from rl_core.train import ConfigError
+from rl_core.train import (
+    GROUP_ESTIMATORS,
+    ConfigError,
+    NonNegative,
+    NonNegativeFloat,
+    Positive,
+    PositiveFloat,
+    UnitInterval,
+)
 from rl_models import tiny
 
 APP_DIR = Path(__file__).resolve().parent
 REPO_ROOT = APP_DIR.parents[1]
 DEFAULT_CONFIG = APP_DIR / "configs" / "default.toml"
-Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -35,10 +42,10 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     n: Positive = 4  # responses per prompt (actor_rollout_ref.rollout.n)
-    temperature: float = 0.8
-    top_p: float = 1.0
-    top_k: int = 0
-    val_temperature: float = 0.0  # 0 = greedy validation
+    temperature: PositiveFloat = 0.8
+    top_p: UnitInterval = 1.0
+    top_k: NonNegative = 0
+    val_temperature: NonNegativeFloat = 0.0  # 0 = greedy validation
     max_batch_size: Positive = 64  # rows decoded together by the hf engine
     compile: bool = False  # compile the decode step (CUDA graphs); off: weights move on sleep/wake
 
@@ -54,7 +61,7 @@ class JudgeConfig(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True)
     name: str | None = None  # metric name (default: the module's last part, or `spec`)
     weight: float = 1.0
     combine: Literal["add", "mul"] = "add"  # total += w*score | total *= w*score
-    temperature: float = 0.7
+    temperature: NonNegativeFloat = 0.7
     max_new_tokens: Positive = 512
     seed: int | None = None  # judge sampling seed per call (None: drawn from the run's RNG, reproducible too)
     engine: Literal["hf", "vllm", "openai", "server"] = "hf"
@@ -63,7 +70,7 @@ class JudgeConfig(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True)
     at `url` scoring with its reward named `spec` (module, model and sampling live on the server)."""
     url: str | None = None  # server URL (engine = "openai" or "server")
     spec: str | None = None  # engine = "server": the reward name configured on the server ([rewards.NAME])
-    timeout_s: float = 600.0  # engine = "server": per-request timeout (judges generate: be generous)
+    timeout_s: PositiveFloat = 600.0  # engine = "server": per-request timeout (judges generate: be generous)
     engine_options: dict[str, Any] = {}  # e.g. {gpu_memory_utilization = 0.8} for vllm
     gate: float | None = None  # score only samples whose rule reward is >= gate
     fallback: float = 0.0  # score of a sample whose judge output does not parse
@@ -98,7 +105,7 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     fastest plan whose measured needs fit in `swap_memory_fraction` of the GPU (everything
     resident, or the policy resident and judges swapped, or `always`). On CPU: `always`.
     With no judge in this process (none, or all served) the policy never sleeps."""
-    swap_memory_fraction: float = 0.9  # share of the GPU's memory `auto` may plan to use
+    swap_memory_fraction: UnitInterval = 0.9  # share of the GPU's memory `auto` may plan to use
     rule: str | None = None  # "pkg.mod:compute_score" or "file.py:compute_score"
     rule_weight: float = 1.0
     judges: list[JudgeConfig] = []
@@ -108,39 +115,42 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 class AlgoConfig(msgspec.Struct, kw_only=True, frozen=True):
     adv_estimator: str = "reinforce_pp"  # reinforce_pp | reinforce_pp_baseline | grpo | rloo
-    gamma: float = 1.0  # reinforce_pp discount
+    gamma: UnitInterval = 1.0  # reinforce_pp discount
     loss: str = "ppo_clip"  # ppo_clip | dual_clip | gspo
     agg: str = "token-mean"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
+    clip_low: UnitInterval = 0.2
+    clip_high: NonNegativeFloat = 0.2
     use_kl_loss: bool = True
     kl_loss_type: str = "k3"  # low_var_kl
-    kl_loss_coef: float = 1e-4
+    kl_loss_coef: NonNegativeFloat = 1e-4
     kl_in_reward: bool = False  # subtract kl_coef * KL from token rewards instead / as well
-    kl_coef: float = 0.001  # algorithm.kl_ctrl.kl_coef
+    kl_coef: NonNegativeFloat = 0.001  # algorithm.kl_ctrl.kl_coef
     kl_reward_type: str = "k1"
-    replay_tolerance: float | None = None  # engine vs trainer |dlogp| (None: 1e-3 fp32, 5e-2 16-bit)
+    replay_tolerance: NonNegativeFloat | None = None  # engine vs trainer |dlogp| (None: 1e-3 fp32, 5e-2 16-bit)
 
 
 class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
     batch_size: Positive = 32  # prompts per step, all processes (data.train_batch_size)
     mini_batch_size: Positive = 8  # prompts per optimizer step (ppo_mini_batch_size)
     micro_batch_size: Positive = 4  # sequences per forward/backward (log_prob_micro_batch_size)
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    lr: PositiveFloat = 1e-6
+    weight_decay: NonNegativeFloat = 0.0
+    grad_clip: PositiveFloat = 1.0
     epochs: Positive = 15
-    max_steps: int | None = None
+    max_steps: Positive | None = None
     save_freq: Positive = 30
     keep_last: Positive = 2
-    test_freq: int = 0  # validate every N steps and at the end; 0 = only at the end
+    test_freq: NonNegative = 0  # validate every N steps and at the end; 0 = only at the end
     val_before_train: bool = False
     output_dir: str = "runs/rider-grm"
     run_name: str | None = None
-    seed: int = 0
-    samples_to_log: int = 4  # generations (with each judge's raw output) written per step
+    seed: NonNegative = 0
+    samples_to_log: NonNegative = 4  # generations (with each judge's raw output) written per step
     log_with: list[str] = []  # accelerate trackers (trainer.logger)
     print_summary: bool = True
+    max_nonfinite_steps: Positive = 3
+    """Consecutive optimizer steps with a non-finite loss or gradient (each skipped, weights
+    untouched) after which the run stops with an error."""
 
 
 class Config(msgspec.Struct, kw_only=True, frozen=True):
@@ -186,6 +196,17 @@ def _expand_verl_lists(reward: RewardConfig) -> list[JudgeConfig]:
             kw["engine_options"] = {"gpu_memory_utilization": given["gpu_memory_utilization"][i]}
         out.append(JudgeConfig(**kw))
     return out
+
+
+def check_config(cfg: Config) -> Config:
+    """Rules between keys that a per-field range cannot state."""
+    if cfg.algo.adv_estimator in GROUP_ESTIMATORS and cfg.rollout.n < 2:
+        raise ConfigError(f"rollout.n={cfg.rollout.n}: algo.adv_estimator={cfg.algo.adv_estimator!r} compares the "
+                          "responses to one prompt with each other and needs rollout.n >= 2")
+    if cfg.train.batch_size % cfg.train.mini_batch_size:
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be a multiple of train.mini_batch_size="
+                          f"{cfg.train.mini_batch_size}")
+    return cfg
 
 
 def check_judges(judges: list[JudgeConfig]) -> None:

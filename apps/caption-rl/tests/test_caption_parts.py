@@ -15,8 +15,6 @@ from caption_parts import (
     LocalReward,
     RemoteReward,
     RewardUnavailable,
-    Rollout,
-    collate,
     load_records,
     make_sample,
     placeholder_ids,
@@ -26,8 +24,10 @@ from caption_parts import (
 from conftest import DATA, RULE_SPEC, free_port
 from PIL import Image
 
+from rl_core.train import UserError
 from rl_models import tiny
 from rl_rollout.prompts import EncodedPrompt
+from rl_rollout.training import Rollout, collate
 
 IMAGES, VIDEOS = DATA / "caption_qa_images.jsonl", DATA / "caption_qa_videos.jsonl"
 
@@ -62,11 +62,11 @@ def test_records_without_qa_are_skipped_and_counted(tmp_path):
 def test_task_filter_and_clear_errors_for_missing_inputs(tmp_path):
     data = load_records([str(IMAGES), str(VIDEOS)], [], eval_size=0, task="video", seed=0)
     assert len(data.train) == 3 and {r.kind for r in data.train} == {"video"}
-    with pytest.raises(FileNotFoundError, match=r"dataset file not found: .*nope\.jsonl"):
+    with pytest.raises(UserError, match=r"dataset file not found: .*nope\.jsonl"):
         load_records([str(tmp_path / "nope.jsonl")], [], eval_size=0, task="auto", seed=0)
-    with pytest.raises(ValueError, match=r"data\.train is empty"):
+    with pytest.raises(UserError, match=r"data\.train is empty"):
         load_records([], [], eval_size=0, task="auto", seed=0)
-    with pytest.raises(FileNotFoundError, match=r"model not found: .*missing-model"):
+    with pytest.raises(UserError, match=r"model not found: .*missing-model"):
         resolve_model(str(tmp_path / "missing-model"))
     assert resolve_model("Qwen/Qwen3-VL-4B-Instruct") == "Qwen/Qwen3-VL-4B-Instruct"  # a hub id
 
@@ -124,7 +124,7 @@ def test_remote_reward_against_a_real_server_then_the_server_dies(reward_server)
 
 
 def test_a_reward_server_that_is_down_at_start_is_a_clear_error():
-    with pytest.raises(ConnectionError, match=r"reward server http://127\.0\.0\.1:.* is not reachable.*rl-rewards serve"):
+    with pytest.raises(UserError, match=r"reward server http://127\.0\.0\.1:.* is not reachable.*rl-rewards serve"):
         _remote(f"http://127.0.0.1:{free_port()}/get_reward")
 
 

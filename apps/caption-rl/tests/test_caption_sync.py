@@ -48,7 +48,7 @@ def test_weight_sync_with_fake_vllm_llm(app, tmp_path, vllm_module):
                      "wake_up", "generate", "sleep1", "wake_up['weights']", "load_weights", "load_weights",  # step 1
                      "wake_up['kv_cache']", "generate", "sleep1", "wake_up['weights']", "load_weights", "load_weights"]
     table = app_rows(run)
-    assert float(table[0]["logprob/engine_diff_mean"]) < 1e-3  # the engine sampled what the trainer scores
+    assert float(table[0]["replay/engine_diff_mean"]) < 1e-3  # the engine sampled what the trainer scores
     exported = dict(AutoModelForImageTextToText.from_pretrained(run / "export").named_parameters())  # LoRA merged
     changed = [n for n in start if not torch.equal(start[n], exported[n])]
     assert changed and all("proj" in n for n in changed), changed
@@ -92,5 +92,5 @@ def test_weight_sync_with_real_vllm(app, tmp_path):
         tmp_path, "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.2", "model.lora_rank=4", "train.lr=1e-2",
         f"data.train=[\"{DATA / 'caption_qa_images.jsonl'}\"]", "data.eval_size=0", "train.max_steps=2"))
     first, second = app_rows(run)
-    assert float(first["logprob/engine_diff_mean"]) < 1e-2
-    assert float(second["logprob/engine_diff_mean"]) < 1e-2  # never run here (no GPU): thresholds unmeasured
+    assert float(first["replay/engine_diff_mean"]) < 1e-2
+    assert float(second["replay/engine_diff_mean"]) < 1e-2  # never run here (no GPU): thresholds unmeasured

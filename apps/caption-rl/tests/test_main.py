@@ -18,6 +18,7 @@ import torch
 from conftest import APP, DATA, REPO, tiny_overrides
 from safetensors.torch import load_file
 
+from rl_core.train import UserError
 from rl_models import tiny
 from rl_rewards import ScoreResult, register_scorer
 from rl_rewards.registry import SCORERS
@@ -27,7 +28,7 @@ METRIC_COLUMNS = [
     "adv/mean", "adv/std", "adv/min", "adv/max", "loss/policy", "clip_fraction", "approx_kl", "entropy",
     "response/length_mean", "response/length_max", "response/truncation_rate", "grad_norm", "lr",
     "time/generate", "time/reward", "time/logprob", "time/update", "throughput/tokens_per_s",
-    "logprob/engine_diff_mean", "data/skipped_records", "eval/reward/mean", "eval/reward/qa",
+    "replay/engine_diff_mean", "data/skipped_records", "eval/reward/mean", "eval/reward/qa",
     "time/eval", "skipped",
 ]
 
@@ -72,14 +73,15 @@ def test_caprl_launch_variables_start_from_the_full_size_defaults(app, monkeypat
     assert (cfg.reward.length_l1, cfg.reward.length_l2, cfg.train.save_freq) == (1024, 3072, 7)
     assert (cfg.train.batch_size, cfg.rollout.max_new_tokens, cfg.algo.kl_coef) == (128, 4096, 0.0)
     monkeypatch.delenv("CAPTION_MODEL")
+    monkeypatch.delenv("REWARD_LENGTH_L1")  # 1024 is above the tiny default's l2
     cfg, _ = app.parse_config([])  # no CapRL launch line: the embedded tiny default
     assert cfg.model.path == "tiny:qwen2_5_vl" and cfg.train.max_steps == 6
 
 
 def test_missing_model_and_dataset_are_clear_errors(app, tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"dataset file not found: .*absent\.jsonl"):
+    with pytest.raises(UserError, match=r"dataset file not found: .*absent\.jsonl"):
         app.main(tiny_overrides(tmp_path, f"data.train={tmp_path / 'absent.jsonl'}"))
-    with pytest.raises(FileNotFoundError, match=r"model not found: .*no-such-model"):
+    with pytest.raises(UserError, match=r"model not found: .*no-such-model"):
         app.main(tiny_overrides(tmp_path, f"model.path={tmp_path / 'no-such-model'}"))
 
 
@@ -96,7 +98,7 @@ def test_end_to_end_images_and_a_video_with_the_qa_judge(app, tmp_path):
     missing = [c for c in METRIC_COLUMNS if c not in table[0]]
     assert not missing, missing
     assert all(table[-1][c] != "" for c in METRIC_COLUMNS), table[-1]
-    assert float(table[0]["logprob/engine_diff_mean"]) < 1e-3
+    assert float(table[0]["replay/engine_diff_mean"]) < 1e-3
     assert float(table[0]["reward/failed"]) == 0 and 0 <= float(table[0]["reward/qa"]) <= 1
     before, after = weights(tiny.build("qwen2_5_vl")), weights(run / "export")
     unchanged = [name for name, value in before.items() if torch.equal(value, after[name])]
@@ -151,9 +153,9 @@ def test_on_policy_update_equals_the_replayed_one(app, tmp_path):
         assert int((off > 1e-5).sum()) <= max(1, off.numel() // 1000) and float(off.max()) <= 2.5e-4, (
             name, int((off > 1e-5).sum()), float(off.max()))
     [ra], [rb] = rows(auto), rows(again)
-    for key in ("loss/policy", "entropy", "logprob/engine_diff_mean", "grad_norm"):
+    for key in ("loss/policy", "entropy", "replay/engine_diff_mean", "grad_norm"):
         assert float(ra[key]) == pytest.approx(float(rb[key]), rel=1e-4, abs=1e-6), key
-    assert float(ra["logprob/engine_diff_mean"]) < 1e-3 and float(ra["entropy"]) > 0
+    assert float(ra["replay/engine_diff_mean"]) < 1e-3 and float(ra["entropy"]) > 0
     assert float(ra["time/logprob"]) < float(rb["time/logprob"])
 
 
@@ -237,25 +239,67 @@ def test_training_against_a_real_reward_server_that_dies_mid_run(app, tmp_path, 
     assert (run / "checkpoints" / "checkpoint-3" / "meta.json").is_file()
 
 
-def test_two_processes_with_accelerate_launch(tmp_path):
-    """The same run under `accelerate launch --multi_gpu --num_processes 2` on CPU (two gloo
-    processes; `--cpu` alone would start one without MPI): rollouts sharded by rank,
-    rewards gathered before advantages, gradients synchronized (both ranks export one model)."""
-    overrides = tiny_overrides(tmp_path, "train.batch_size=2", "train.max_steps=2", "train.eval_freq=2")
+def launch_two(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`accelerate launch --multi_gpu --num_processes 2` on CPU: two gloo processes (`--cpu`
+    alone would start one without MPI)."""
     launcher = Path(sys.executable).with_name("accelerate")
-    env = {**os.environ, "PYTHONPATH": str(APP)}
+    env = {**os.environ, "PYTHONPATH": str(APP), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
          "--dynamo_backend", "no", str(APP / "__main__.py"), *overrides],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
-    run = (tmp_path / "latest").resolve()
-    table = rows(run)
-    assert [r["step"] for r in table] == ["1", "2"]
-    assert [r["world_size"] for r in table] == ["2", "2"]  # two processes really ran
-    assert all(table[-1][c] != "" for c in ("reward/mean", "loss/policy", "grad_norm", "eval/reward/mean"))
-    before, after = weights(tiny.build("qwen2_5_vl")), weights(run / "export")
-    assert not [name for name, value in before.items() if torch.equal(value, after[name])]
+    return result
+
+
+def one_step(tmp_path: Path, data: Path, name: str) -> list[str]:
+    """One full RL step on 4 prompts x 4 captions, rollouts seeded per prompt (the same
+    captions whatever the process count), no hold-out."""
+    return tiny_overrides(tmp_path, f"data.train=[\"{data}\"]", "data.eval_size=0", "train.batch_size=4",
+                          "train.max_steps=1", "train.micro_batch_size=3", "rollout.per_prompt_seeds=true",
+                          f"train.run_name={name}")
+
+
+def image_rows(tmp_path: Path, broken: int | None = None) -> Path:
+    """The example image rows with absolute paths; row `broken` names an image that is not there."""
+    rows_ = [json.loads(line) for line in (DATA / "caption_qa_images.jsonl").read_text().splitlines()]
+    for i, row in enumerate(rows_):
+        path = row["image"]["path"] if isinstance(row["image"], dict) else row["image"]
+        row["image"] = str(tmp_path / "missing.png") if i == broken else str(DATA / path)
+    out = tmp_path / f"images-{broken}.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows_))
+    return out
+
+
+# One step on one process, batch 4 (pinned on the 2-core CPU; a changed formula moves them by far more)
+PINNED = {"even": {"reward/mean": 0.8, "grad_norm": 1.35367, "entropy": 6.44867},
+          "uneven": {"reward/mean": 0.816667, "grad_norm": 1.44822, "entropy": 6.44872}}
+
+
+@pytest.mark.parametrize("case", ["even", "uneven"])
+def test_two_processes_equal_one_process_with_twice_the_batch(app, tmp_path, case):
+    """2 processes x 2 prompts = 1 process x 4 prompts for one full RL step: same rollouts, same
+    rewards and advantages (gathered over processes), same loss and the same updated weights.
+    `uneven`: the second prompt of rank 0 names a missing image; it is skipped and counted as a
+    bad record, so rank 0 trains 1 prompt and rank 1 two (the cross-process gathers pad)."""
+    from rl_data import GroupSampler
+
+    count = len((DATA / "caption_qa_images.jsonl").read_text().splitlines())
+    broken = GroupSampler(count, 4, seed=0, rank=0, world_size=2).epoch_prompts(0)[1] if case == "uneven" else None
+    data = image_rows(tmp_path, broken)
+    single = app.main(one_step(tmp_path, data, "one"))
+    result = launch_two(tmp_path, *one_step(tmp_path, data, "two"))
+    [a], [b] = rows(single), rows(tmp_path / "two")
+    assert (a["world_size"], b["world_size"]) == ("1", "2")
+    assert float(a["data/skipped_records"]) == float(b["data/skipped_records"]) == (1.0 if broken else 0.0)
+    for key, value in PINNED[case].items():
+        assert float(a[key]) == pytest.approx(value, abs=2e-4), (key, a[key])
+    for key in ("reward/mean", "reward/std", "adv/std", "loss/policy", "grad_norm", "entropy", "response/length_mean"):
+        assert float(b[key]) == pytest.approx(float(a[key]), abs=2e-5), (key, a[key], b[key])
+    wa, wb, start = weights(single / "export"), weights(tmp_path / "two" / "export"), weights(tiny.build("qwen2_5_vl"))
+    assert max((wa[k] - start[k]).abs().max().item() for k in wa) > 5e-5  # the step moved the weights
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], atol=5e-6, rtol=0, msg=name)
     assert "caption-rl finished" in result.stdout
 
 
@@ -263,7 +307,7 @@ def test_fsdp_request_that_accelerate_dropped_is_refused(app, tmp_path, monkeypa
     """What `accelerate launch` with an FSDP config sets (ACCELERATE_USE_FSDP) on a machine where
     accelerate does not turn FSDP on: a clear error, not an unsharded run."""
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(ValueError, match="asks for FSDP, but accelerate enables it only on GPUs"):
+    with pytest.raises(UserError, match="asks for FSDP, but accelerate enables it only on GPUs"):
         app.main(tiny_overrides(tmp_path))
 
 

@@ -22,7 +22,7 @@ _EXPORTS = {
     "records": ["CaptionQARecord", "ChatMessage", "FieldError", "ImageSource", "JudgeRecord",
                 "OCRPrompt", "PromptRecord", "QAItem", "caption_qa_from_row", "judge_from_row",
                 "ocr_prompt_from_line", "prompt_from_row", "qa_from_question_text"],
-    "readers": ["Reader", "read_caption_qa", "read_judge_records", "read_ocr_prompts",
+    "readers": ["Location", "Reader", "read_caption_qa", "read_judge_records", "read_ocr_prompts",
                 "read_prompts"],
     "media": ["VideoFrames", "load_image", "sample_video"],
     "sampler": ["GroupSampler"],

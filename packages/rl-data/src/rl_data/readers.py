@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 import msgspec
 import pyarrow.parquet as pq
@@ -34,6 +34,7 @@ from rl_data.records import (
 )
 
 __all__ = [
+    "Location",
     "Reader",
     "read_caption_qa",
     "read_judge_records",
@@ -42,6 +43,15 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+
+class Location(NamedTuple):
+    """Where a record came from: `RecordError(loc.path, loc.line, field, reason, unit=loc.unit)`."""
+
+    path: Path
+    line: int
+    unit: Literal["line", "row"]
+
 Format = Literal["jsonl", "parquet", "lines"]
 _SUFFIXES: dict[str, Format] = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
 _decoder = msgspec.json.Decoder()
@@ -134,7 +144,14 @@ class Reader(Generic[T]):
             raise RecordError(self.path, line, exc.field, exc.reason, unit=unit) from None
 
     def __iter__(self) -> Iterator[T]:
+        for _, record in self.located():
+            yield record
+
+    def located(self) -> Iterator[tuple[Location, T]]:
+        """Each record with where it came from, for a record that fails later (its media do not
+        decode, say): `RecordError(*location, reason)` then names the same file and line."""
         self.stats = ReadStats()
+        unit: Literal["line", "row"] = "row" if self.fmt == "parquet" else "line"
         for line, raw in self._rows():
             try:
                 record = self._record(line, raw)
@@ -144,7 +161,7 @@ class Reader(Generic[T]):
                 self.stats.record_skip(exc)
                 continue
             self.stats.read += 1
-            yield record
+            yield Location(self.path, line, unit), record
 
 
 def read_caption_qa(

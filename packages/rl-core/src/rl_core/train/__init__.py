@@ -1,10 +1,13 @@
 """Training plumbing every app needs once (install with `pip install "rl-core[train]"`):
-config loading, run directories, metric logging, progress, atomic checkpoints, seeding, and
-pinned-buffer offloading of weights or optimizer state.
+config loading, run directories, metric and sample logs, progress, atomic checkpoints, seeding,
+pinned-buffer offloading of weights or optimizer state, and the training phases the apps share:
+group advantages over processes (`groups`), the accumulated optimizer step with its non-finite
+guard and first-replay check (`update`), and the `main()` contract with user errors (`app`).
 
 Accelerate is imported only where an accelerator is used, never at import time.
 """
 
+from rl_core.train.app import UserError, run_app
 from rl_core.train.checkpoint import (
     Stateful,
     latest_checkpoint,
@@ -15,36 +18,74 @@ from rl_core.train.checkpoint import (
 from rl_core.train.config import (
     CliArgs,
     ConfigError,
+    NonNegative,
+    NonNegativeFloat,
+    Positive,
+    PositiveFloat,
+    UnitInterval,
     config_help,
     dump_config,
     load_config,
     parse_cli,
 )
+from rl_core.train.groups import GROUP_ESTIMATORS, GroupAdvantages, gather_rows, group_advantages
 from rl_core.train.metrics import MetricsLogger, PhaseTimer
 from rl_core.train.offload import OptimizerOffload, PinnedOffload
+from rl_core.train.plots import plot_reward_curve
 from rl_core.train.progress import TrainProgress
 from rl_core.train.rundir import latest_run, make_run_dir
-from rl_core.train.seeding import get_rng_state, seed_everything, set_rng_state
+from rl_core.train.samples import SampleLog
+from rl_core.train.seeding import get_rng_state, sample_seed, seed_everything, set_rng_state
+from rl_core.train.update import (
+    NonFiniteError,
+    NonFiniteGuard,
+    ReplayCheck,
+    StepStats,
+    UpdateStats,
+    check_finite_parameters,
+    optimizer_step,
+)
 
 __all__ = [
+    "GROUP_ESTIMATORS",
     "CliArgs",
     "ConfigError",
+    "GroupAdvantages",
     "MetricsLogger",
+    "NonFiniteError",
+    "NonFiniteGuard",
+    "NonNegative",
+    "NonNegativeFloat",
     "OptimizerOffload",
     "PhaseTimer",
     "PinnedOffload",
+    "Positive",
+    "PositiveFloat",
+    "ReplayCheck",
+    "SampleLog",
     "Stateful",
+    "StepStats",
     "TrainProgress",
+    "UnitInterval",
+    "UpdateStats",
+    "UserError",
+    "check_finite_parameters",
     "config_help",
     "dump_config",
+    "gather_rows",
     "get_rng_state",
+    "group_advantages",
     "latest_checkpoint",
     "latest_run",
     "load_checkpoint",
     "load_config",
     "make_run_dir",
+    "optimizer_step",
     "parse_cli",
+    "plot_reward_curve",
     "resolve_resume",
+    "run_app",
+    "sample_seed",
     "save_checkpoint",
     "seed_everything",
     "set_rng_state",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -102,10 +102,13 @@ def save_checkpoint(
     state: Mapping[str, Any],
     accelerator: Any = None,
     keep_last: int | None = None,
+    write_files: Callable[[Path], None] | None = None,
 ) -> Path:
     """Atomically write `root/checkpoint-<step>` and return its path (see the module doc).
 
     `state` maps names to `Stateful` objects or JSON-able values (the key `step` is reserved).
+    `write_files(folder)` (main process) writes more files into the checkpoint before it is
+    published (an exported adapter, say), so "latest" never names a checkpoint without them.
     `keep_last=N` deletes all but the newest N checkpoints afterwards. With an accelerator, call
     it on every process.
     """
@@ -139,6 +142,8 @@ def save_checkpoint(
     if main:
         for name, obj in stateful.items():
             torch.save(obj.state_dict(), tmp / f"{name}.pt")
+        if write_files is not None:
+            write_files(tmp)
         (tmp / "meta.json").write_bytes(meta)  # last: its presence marks a complete checkpoint
     _barrier(accelerator)
     if main:

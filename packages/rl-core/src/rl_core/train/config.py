@@ -38,13 +38,25 @@ from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 import msgspec
 import yaml
 
-__all__ = ["CliArgs", "ConfigError", "config_help", "dump_config", "load_config", "parse_cli"]
+from rl_core.train.app import UserError
+
+__all__ = ["CliArgs", "ConfigError", "NonNegative", "NonNegativeFloat", "Positive", "PositiveFloat", "UnitInterval",
+           "config_help", "dump_config", "load_config", "parse_cli"]
+
+# Ranges for numeric config fields: every numeric knob declares one, so a refused value names the
+# key, the range and where the value came from (file, env var, override). NaN/inf are refused for
+# every float field whatever its range (`load_config`).
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+UnitInterval = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
 T = TypeVar("T", bound=msgspec.Struct)
 _NULLS = frozenset({"null", "none", "None"})
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config value or key is wrong; the message names the dotted key and its source."""
 
 
@@ -85,7 +97,11 @@ def _admits(tp: Any, kind: type) -> bool:
 
 
 def _type_name(tp: Any) -> str:
-    tp, _ = _unwrap(tp)
+    tp, meta = _unwrap(tp)
+    bounds = [f"{sym} {getattr(m, attr)}" for m in meta if isinstance(m, msgspec.Meta)
+              for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if getattr(m, attr) is not None]
+    if bounds:
+        return f"{_type_name(tp)} {', '.join(bounds)}"
     origin = get_origin(tp)
     if origin is Literal:
         return " | ".join(repr(arg) for arg in get_args(tp))
@@ -273,9 +289,26 @@ def load_config(
         _set(data, dotted, _checked(_parse_value(raw, tp), tp, dotted, source))
         sources[dotted] = source
     try:
-        return msgspec.convert(data, cls, strict=False)
+        config = msgspec.convert(data, cls, strict=False)
     except msgspec.ValidationError as e:
         raise ConfigError(_error_message(e, data, sources)) from None
+    _check_finite(msgspec.to_builtins(config), "", sources)
+    return config
+
+
+def _check_finite(tree: Any, dotted: str, sources: Mapping[str, str]) -> None:
+    """No config float may be NaN or infinite (a NaN temperature or learning rate would train
+    on garbage without an error); the message names the key and where the value came from."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            _check_finite(value, f"{dotted}.{key}" if dotted else str(key), sources)
+    elif isinstance(tree, list):
+        for i, value in enumerate(tree):
+            _check_finite(value, f"{dotted}[{i}]", sources)
+    elif isinstance(tree, float) and not math.isfinite(tree):
+        source = next((sources[k] for k in sorted(sources, key=len, reverse=True)
+                       if dotted == k or dotted.startswith(k + ".") or dotted.startswith(k + "[")), "the default")
+        raise ConfigError(f"{dotted}: must be a finite number, got {tree} (from {source})")
 
 
 # ---------------------------------------------------------------- command line
@@ -352,16 +385,19 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _help_rows(cls: type[msgspec.Struct], prefix: str = "") -> list[tuple[str, str, str]]:
+def _help_rows(cls: type[msgspec.Struct], prefix: str = "", values: Any = None) -> list[tuple[str, str, str]]:
     docs = _field_docs(cls)
     rows = []
     for info in msgspec.structs.fields(cls):
         key = prefix + info.encode_name
         sub = _struct_of(info.type)
+        value = getattr(values, info.name) if values is not None else None
         if sub is not None:
-            rows += _help_rows(sub, key + ".")
+            rows += _help_rows(sub, key + ".", value)
             continue
-        if info.default is not msgspec.NODEFAULT:
+        if values is not None:
+            default = _toml_value(msgspec.to_builtins(value)) if value is not None else "null"
+        elif info.default is not msgspec.NODEFAULT:
             default = _toml_value(info.default) if info.default is not None else "null"
         elif info.default_factory is not msgspec.NODEFAULT:
             default = _toml_value(msgspec.to_builtins(info.default_factory()))
@@ -375,14 +411,17 @@ def _help_rows(cls: type[msgspec.Struct], prefix: str = "") -> list[tuple[str, s
 
 
 def config_help(cls: type[msgspec.Struct], *, env: Mapping[str, str] | None = None,
-                prog: str = "app") -> str:
-    """`--help` text: usage, then every dotted key with its type, default, doc and env var.
+                prog: str = "app", defaults: msgspec.Struct | None = None, defaults_from: str = "") -> str:
+    """`--help` text: usage, then every dotted key with its type and range, default, doc and
+    env var.
 
     Docs come from `msgspec.Meta(description=...)`, else the field's attribute docstring,
-    else its trailing `# comment`.
+    else its trailing `# comment`. `defaults` (an instance, e.g. the app's embedded default
+    config) shows the values a bare run uses instead of the class defaults; `defaults_from`
+    says where they come from.
     """
     env_of = {dotted: var for var, dotted in (env or {}).items()}
-    rows = _help_rows(cls)
+    rows = _help_rows(cls, values=defaults)
     key_w = max((len(r[0]) for r in rows), default=0)
     type_w = max((len(r[1]) for r in rows), default=0)
     lines = [
@@ -391,8 +430,9 @@ def config_help(cls: type[msgspec.Struct], *, env: Mapping[str, str] | None = No
         "  --config FILE    TOML (.toml) or YAML (.yaml) file setting any key below",
         "  --resume [PATH]  resume from a checkpoint or run directory (default: the latest run)",
         "  key=value        set one key; precedence: defaults < --config < env < key=value",
+        "  --debug          show the full traceback of a user error",
         "",
-        "keys:",
+        f"keys (defaults: {defaults_from}):" if defaults_from else "keys:",
     ]
     for key, typed, doc in rows:
         note = f"  [env {env_of[key]}]" if key in env_of else ""

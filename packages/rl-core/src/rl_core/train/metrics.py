@@ -53,8 +53,8 @@ class MetricsLogger:
     """
 
     def __init__(self, run_dir: str | os.PathLike[str], *, accelerator: Any = None,
-                 start_step: int | None = None) -> None:
-        self.path = Path(run_dir) / "metrics.csv"
+                 start_step: int | None = None, filename: str = "metrics.csv") -> None:
+        self.path = Path(run_dir) / filename
         self.accelerator = accelerator
         self.main = accelerator is None or accelerator.is_main_process
         self.columns = ["step"]

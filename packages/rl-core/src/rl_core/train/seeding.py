@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import hashlib
 import random
 from typing import Any
 
@@ -15,7 +16,7 @@ try:  # NumPy is optional for rl-core; its global RNG is seeded/saved when it is
 except ImportError:  # pragma: no cover - numpy comes with accelerate in rl-core[train]
     np = None
 
-__all__ = ["get_rng_state", "seed_everything", "set_rng_state"]
+__all__ = ["get_rng_state", "sample_seed", "seed_everything", "set_rng_state"]
 
 
 def seed_everything(seed: int, *, rank: int = 0, deterministic: bool = False) -> int:
@@ -60,3 +61,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((kind, key.numpy().astype(np.uint32), pos, has_gauss, gauss))
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def sample_seed(*parts: int) -> int:
+    """A 56-bit seed from integers such as `(seed, step, sample index)`: randomness that depends
+    only on a sample's place in the run, not on the process count, the batch split or what ran
+    before it, so a resumed or re-sharded run draws the same samples."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")

@@ -1,0 +1,120 @@
+"""caption-rl's setup pieces: the policy (LoRA, compiled layers, shared media), the reward
+backend, the sharding check, the engine's turn on the accelerator, the KL reference and the
+export."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from caption_config import Config, ModelConfig
+from caption_parts import LocalReward, RemoteReward, resolve_model
+from peft import PeftModel
+
+from rl_core.train import UserError
+from rl_models.compiled import compile_decoder_layers
+from rl_models.lora import add_lora, disabled_adapter, export_lora, merge_and_export
+from rl_models.shared_media import share_identical_media
+from rl_models.vl import load_vl_model
+
+
+def check_sharding(acc: Accelerator) -> None:
+    """Refuse launches whose weight sharding the recipe cannot serve, instead of running something else.
+
+    The rollout engine (`hf`) and the log-prob replay read the policy's weights outside the
+    wrapped module's forward, where FSDP and ZeRO-3 keep them sharded: use DDP or ZeRO-1/2.
+    Accelerate turns FSDP on only on GPUs/accelerators; on a CPU machine it silently falls back
+    to plain data parallelism, which is refused here too so a sharded launch never runs unsharded.
+    """
+    asked_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    zero3 = acc.distributed_type == DistributedType.DEEPSPEED and acc.state.deepspeed_plugin.zero_stage == 3
+    if asked_fsdp and acc.distributed_type != DistributedType.FSDP:
+        raise UserError(f"the accelerate config asks for FSDP, but accelerate enables it only on GPUs/accelerators: "
+                        f"this {acc.distributed_type.value} run would not shard anything. Launch with --multi_gpu (DDP).")
+    if acc.distributed_type == DistributedType.FSDP or zero3:
+        raise UserError("caption-rl does not run with sharded weights (FSDP, DeepSpeed ZeRO-3): the rollout engine and "
+                        "the log-prob replay read the full weights outside the wrapped forward. Use DDP or ZeRO-1/2 "
+                        "(examples/caption-rl/accelerate/).")
+
+
+def load_policy(cfg: ModelConfig, *, trainable: bool = True) -> tuple[torch.nn.Module, Any, str]:
+    """The captioner with LoRA / gradient checkpointing / compiled layers as configured; with
+    `trainable=False` a frozen copy of the initial policy (the full fine-tuning KL reference)."""
+    path = resolve_model(cfg.path)
+    model, processor = load_vl_model(path, dtype=cfg.dtype)
+    if cfg.share_media:
+        share_identical_media(model)
+    if not trainable:
+        return model.eval().requires_grad_(False), processor, path
+    if cfg.lora_rank > 0:
+        model = add_lora(model, r=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_targets)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if cfg.compile_layers == "on" or (cfg.compile_layers == "auto" and torch.cuda.is_available()):
+        compile_decoder_layers(model)
+    return model, processor, path
+
+
+def build_reward_backend(cfg: Config, policy_path: str) -> LocalReward | RemoteReward:
+    r = cfg.reward
+    url = r.url or (f"http://{r.host}:{r.port}/get_reward" if r.host else None)
+    length = {"length_tokenizer": r.length_tokenizer or policy_path, "length_l1": r.length_l1,
+              "length_l2": r.length_l2, "length_weight": r.length_weight}
+    if url is not None:
+        return RemoteReward(url, retries=r.retries, timeout=r.timeout, **length)
+    judge = None if r.spec is not None else resolve_model(r.judge)
+    return LocalReward(judge=judge, spec=r.spec, qa_estimator=r.qa_estimator, qa_num=r.qa_num,
+                       format_weight=r.format_weight, seed=cfg.train.seed, **length)
+
+
+@contextmanager
+def awake_engine(run: Any) -> Iterator[Any]:
+    """The rollout engine, ready to sample: the `hf` engine's model in eval mode, with the Adam
+    moments on the host while it decodes and its KV cache freed afterwards (`rollout.
+    offload_optimizer`, `rollout.release_cache`), so decoding and training take turns with the
+    same memory; a colocated vLLM engine woken for the rollout and put back to sleep (weights to
+    CPU, KV cache freed) so the trainer has the GPU memory."""
+    if run.cfg.rollout.engine == "hf":
+        run.engine.model.eval()
+        if run.optimizer_offload is not None:
+            run.optimizer_offload.to_host()
+        try:
+            yield run.engine
+        finally:
+            if run.cfg.rollout.release_cache:
+                run.engine.release_cache()
+            if run.optimizer_offload is not None:
+                run.optimizer_offload.to_device()
+        return
+    run.engine.wake()
+    try:
+        yield run.engine
+    finally:
+        run.engine.sleep()
+
+
+@contextmanager
+def reference_model(run: Any) -> Iterator[torch.nn.Module]:
+    """The KL reference: the same model with its LoRA adapter disabled (no second copy of the
+    weights), or a frozen copy of the initial policy for full fine-tuning."""
+    if run.reference is not None:
+        yield run.reference
+        return
+    with disabled_adapter(run.model) as model:
+        yield model
+
+
+def export(model: torch.nn.Module, processor: Any, out: Path) -> None:
+    """The final model in Hugging Face format (LoRA: the adapter and the merged model)."""
+    if isinstance(model, PeftModel):
+        export_lora(model, out / "adapter")
+        merge_and_export(model, out, processor=processor)
+    else:
+        model.save_pretrained(out)
+        processor.save_pretrained(out)

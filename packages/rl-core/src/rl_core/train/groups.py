@@ -1,0 +1,139 @@
+"""Group advantages over every process, with the one failed-reward rule of all apps.
+
+Each process holds its own rollouts (`[B_r]` rows, `B_r` may differ between processes: prompts
+dropped as too long, records skipped as bad). Group statistics must see whole groups and the
+global batch, so rewards are gathered first (padded to the longest process, then unpadded),
+the estimator runs on the global batch, and each process keeps its own rows.
+
+The failed-reward rule, the same in every app:
+- a sample whose reward is not finite (NaN: scoring failed or was refused) is left out of its
+  group's statistics and gets advantage 0; it is counted in `reward/failed`;
+- for the group estimators (`GROUP_ESTIMATORS`), a group with fewer than 2 valid samples has no
+  baseline: its samples get advantage 0 and it is counted in `adv/small_groups`.
+
+    result = group_advantages("grpo", scores, group_ids, accelerator=acc)   # scores [B_r]
+    result.advantages                                                        # [B_r]
+    result.metrics["reward/failed"]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rl_core.advantages import compute_advantages
+
+__all__ = ["GROUP_ESTIMATORS", "GroupAdvantages", "gather_rows", "group_advantages"]
+
+# Estimators whose baseline is the group: with one valid sample there is nothing to compare to.
+GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"})
+
+
+def gather_rows(tensor: Tensor, accelerator: Any = None) -> tuple[Tensor, slice]:
+    """Rows of `tensor` (`[B_r, ...]`, `B_r` may differ per process; later dims may differ too
+    and are right-padded with zeros to the widest) from every process in rank order,
+    `[sum_r B_r, ...]`, and the slice of this process's rows in it.
+
+    Pads to the longest process before the collective, so gloo/NCCL see equal sizes (an unequal
+    `gather` aborts on gloo and hangs or returns wrong data on NCCL).
+    """
+    if accelerator is None or accelerator.num_processes == 1:
+        return tensor, slice(0, tensor.shape[0])
+    device = accelerator.device
+    local = tensor.to(device)
+    counts = accelerator.gather(torch.tensor([local.shape[0]], device=device)).tolist()  # [W]
+    for dim in range(local.dim()):  # pad_across_processes pads one dim per call
+        local = accelerator.pad_across_processes(local, dim=dim)
+    longest = local.shape[0]
+    everything = accelerator.gather(local)  # [W * longest, ...]
+    pieces = [everything[r * longest : r * longest + n] for r, n in enumerate(counts)]
+    start = sum(counts[: accelerator.process_index])
+    return torch.cat(pieces), slice(start, start + counts[accelerator.process_index])
+
+
+@dataclass(frozen=True)
+class GroupAdvantages:
+    """This process's advantages (`[B_r]` for `[B_r]` scores, `[B_r, T]` for token rewards)
+    and metrics over the global batch (the same on every process)."""
+
+    advantages: Tensor
+    valid: Tensor  # [B_r] bool: the sample entered the statistics (finite reward, group of >= 2)
+    metrics: dict[str, float]
+
+
+def group_advantages(
+    estimator: str,
+    scores: Tensor,
+    group_ids: Tensor,
+    *,
+    accelerator: Any = None,
+    mask: Tensor | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> GroupAdvantages:
+    """Advantages of this process's samples under `estimator`, statistics over every process.
+
+    Args:
+        estimator: an `rl_core.advantages` name (`grpo`, `rloo`, `reinforce_pp`, ...).
+        scores: `[B_r]` sequence rewards, or `[B_r, T]` token rewards with `mask`; a row with a
+            non-finite value failed to score.
+        group_ids: `[B_r]` ids unique across processes (the same prompt's samples share one).
+        mask: `[B_r, T]` response mask for token rewards (None for sequence rewards).
+        options: extra keyword arguments of the estimator (gamma, scale, eps, clip, ...).
+    """
+    token_level = scores.dim() == 2
+    if token_level != (mask is not None):
+        raise ValueError("token rewards [B, T] need a mask [B, T]; sequence rewards [B] take none")
+    rewards, own = gather_rows(scores.float(), accelerator)  # [B] or [B, T]
+    groups, _ = gather_rows(group_ids.long(), accelerator)  # [B]
+    masks = gather_rows(mask.float(), accelerator)[0] if mask is not None else None  # [B, T]
+    finite = torch.isfinite(rewards) if not token_level else torch.isfinite(rewards).all(dim=1)  # [B]
+    valid, small = _valid_rows(estimator, finite, groups)
+    adv = torch.zeros_like(rewards)  # [B] or [B, T]
+    if valid.any():
+        if token_level:
+            assert masks is not None
+            adv[valid] = compute_advantages(estimator, rewards=rewards[valid], mask=masks[valid],
+                                            group_ids=groups[valid], **(options or {}))  # [V, T]
+        else:
+            ones = torch.ones(int(valid.sum()), 1, dtype=rewards.dtype, device=rewards.device)  # [V, 1]
+            adv[valid] = compute_advantages(estimator, rewards=rewards[valid][:, None], mask=ones,
+                                            group_ids=groups[valid], **(options or {}))[:, 0]  # [V]
+    metrics = _metrics(rewards, masks, finite, valid, adv, small)
+    local = adv[own][:, : scores.shape[1]] if token_level else adv[own]  # this process's width
+    return GroupAdvantages(local.to(scores.device), valid[own].to(scores.device), metrics)
+
+
+def _valid_rows(estimator: str, finite: Tensor, groups: Tensor) -> tuple[Tensor, int]:
+    """Rows that enter the estimator `[B]`, and the number of groups left out for having fewer
+    than 2 valid samples (group estimators only)."""
+    if estimator not in GROUP_ESTIMATORS:
+        return finite, 0
+    ids, index = torch.unique(groups, return_inverse=True)  # [G], [B]
+    per_group = torch.zeros(len(ids), dtype=torch.long, device=groups.device).index_add_(
+        0, index, finite.long())  # [G] valid samples per group
+    big_enough = per_group >= 2  # [G]
+    return finite & big_enough[index], int(((per_group > 0) & ~big_enough).sum())
+
+
+def _metrics(rewards: Tensor, masks: Tensor | None, finite: Tensor, valid: Tensor, adv: Tensor,
+             small: int) -> dict[str, float]:
+    """reward/* over the finite samples (sequence total for token rewards), adv/* over the
+    samples that entered the statistics."""
+    totals = (rewards * masks).sum(dim=1) if masks is not None else rewards  # [B]
+    ok = totals[finite]
+    seq_adv = adv[valid] if masks is None else (adv * masks).sum(1)[valid] / masks.sum(1)[valid].clamp(min=1)
+    out = {
+        "reward/mean": ok.mean().item() if ok.numel() else float("nan"),
+        "reward/std": ok.std().item() if ok.numel() > 1 else 0.0,
+        "reward/failed": float((~finite).sum()),
+        "adv/small_groups": float(small),
+        "adv/kept_fraction": float(valid.float().mean()) if valid.numel() else 0.0,
+    }
+    if seq_adv.numel():
+        out.update({"adv/mean": seq_adv.mean().item(), "adv/std": seq_adv.std().item() if seq_adv.numel() > 1 else 0.0,
+                    "adv/min": seq_adv.min().item(), "adv/max": seq_adv.max().item()})
+    return out

@@ -1,0 +1,222 @@
+"""From language-model rollouts to a policy update: the token-level RL update that caption-rl
+(Qwen-VL captioners) and rider-grm (text policies) share.
+
+    rollouts = [Rollout(EncodedPrompt(g.prompt_ids), g.completion_ids, g.logprobs, valid=True) ...]
+    old = rollout_logprobs(model, rollouts, ...)      # or None on-policy (see `token_update`)
+    metrics = token_update(acc, Policy(model) prepared, optimizer, rollouts, advantages, ...)
+
+The accumulation rules (global valid-token count, data-parallel scaling, equal backward counts
+on every process, the non-finite guard) are `rl_core.train.optimizer_step`'s; this module adds
+what is specific to token sequences: collating prompts (with their media tensors) and
+completions into a `TokenBatch`, the clipped policy loss with an optional KL term, and the
+engine-vs-trainer log-prob check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rl_core.kl import compute_kl
+from rl_core.losses import aggregate, compute_policy_loss
+from rl_core.train import NonFiniteGuard, ReplayCheck, UpdateStats, optimizer_step
+from rl_models.logprobs import TokenBatch, token_logprobs, token_logprobs_and_entropy
+from rl_rollout.prompts import EncodedPrompt, pad_batch
+
+__all__ = ["LossOptions", "Policy", "Rollout", "collate", "pad_rows", "rollout_logprobs", "to_device", "token_update"]
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One sampled completion and what the update needs about it."""
+
+    prompt: EncodedPrompt  # prompt ids (+ processor media tensors for VL models)
+    completion_ids: list[int]
+    engine_logprobs: list[float]  # the rollout engine's sampling log-probs
+    valid: bool  # False: failed to score (or unusable); stays in the batch with weight 0
+
+
+def collate(rollouts: Sequence[Rollout], pad_id: int, placeholders: frozenset[int] = frozenset()) -> TokenBatch:
+    """Prompts left-padded (with their processor tensors), completions right-padded, every
+    completion starting at column P. Tokens in `placeholders` (a VL model's vision slots,
+    which a drifted policy can sample) become `pad_id`; such rows must be marked invalid."""
+    prompts = pad_batch([r.prompt for r in rollouts], pad_id)
+    width = max(1, max(len(r.completion_ids) for r in rollouts))
+    completion = torch.full((len(rollouts), width), pad_id, dtype=torch.long)  # [B, C]
+    completion_mask = torch.zeros(len(rollouts), width, dtype=torch.long)  # [B, C]
+    for i, r in enumerate(rollouts):
+        completion[i, : len(r.completion_ids)] = torch.tensor(
+            [pad_id if tok in placeholders else tok for tok in r.completion_ids], dtype=torch.long)
+        completion_mask[i, : len(r.completion_ids)] = 1
+    return TokenBatch.from_prompt_completion(prompts.input_ids, prompts.attention_mask, completion, completion_mask,
+                                             **prompts.media)
+
+
+def to_device(batch: TokenBatch, device: torch.device) -> TokenBatch:
+    return replace(batch, **{k: v.to(device) for k, v in vars(batch).items() if isinstance(v, Tensor)})
+
+
+def pad_rows(rows: Sequence[Tensor], width: int) -> Tensor:
+    """Right-pad 1-D per-token tensors into `[B, width]` (zeros)."""
+    out = torch.zeros(len(rows), width)  # [B, C]
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row[:width]
+    return out
+
+
+class Policy(torch.nn.Module):
+    """The trained model behind one forward returning completion log-probs and entropies
+    `[B, C]` (`rl_models.token_logprobs_and_entropy`: hidden states, then the LM head in
+    chunks; the entropy carries no gradient). Hand this module to `accelerator.prepare`, so
+    DDP wraps the whole log-prob computation and synchronizes its gradients."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: TokenBatch, temperature: float) -> tuple[Tensor, Tensor]:
+        return token_logprobs_and_entropy(self.model, batch, temperature=temperature)  # [B, C] x2
+
+
+@torch.no_grad()
+def rollout_logprobs(model: torch.nn.Module, rollouts: Sequence[Rollout], *, micro_batch_size: int,
+                     temperature: float, pad_id: int, device: torch.device,
+                     placeholders: frozenset[int] = frozenset()) -> list[Tensor]:
+    """No-grad log-probs of each rollout's completion under `model` (a list of `[C_i]`, CPU):
+    PPO's old log-probs, or the KL reference's."""
+    out: list[Tensor] = []
+    for start in range(0, len(rollouts), micro_batch_size):
+        chunk = rollouts[start : start + micro_batch_size]
+        batch = to_device(collate(chunk, pad_id, placeholders), device)
+        logp = token_logprobs(model, batch, temperature=temperature)  # [b, C]
+        out += [logp[i, : len(r.completion_ids)].float().cpu() for i, r in enumerate(chunk)]
+    return out
+
+
+def engine_check(rollouts: Sequence[Rollout], trainer: Sequence[Tensor]) -> ReplayCheck:
+    """|engine - trainer| log-probs over the valid rollouts' tokens."""
+    check = ReplayCheck()
+    for r, logp in zip(rollouts, trainer, strict=True):
+        if r.valid:
+            check.add(logp[: len(r.completion_ids)], torch.tensor(r.engine_logprobs))
+    return check
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The token policy loss: `rl_core.losses.compute_policy_loss(loss, agg, clip_low,
+    clip_high)` plus `kl_coef` x `rl_core.kl.compute_kl(kl)` to the reference, aggregated the
+    same way. `norm_length` is `seq-mean-token-sum-norm`'s constant (the response length cap)."""
+
+    loss: str = "ppo_clip"
+    agg: str = "token-mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl: str = "k3"
+    kl_coef: float = 0.0
+    temperature: float = 1.0
+    norm_length: float | None = None
+
+
+@dataclass(frozen=True)
+class _Micro:
+    rows: list[int]
+    units: float
+
+
+def _units(rollouts: Sequence[Rollout], rows: Sequence[int], agg: str) -> float:
+    valid = [rollouts[i] for i in rows if rollouts[i].valid]
+    return float(sum(len(r.completion_ids) for r in valid) if agg == "token-mean" else len(valid))
+
+
+def token_update(
+    accelerator: Any,
+    policy: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rollouts: Sequence[Rollout],
+    advantages: Sequence[Tensor],
+    *,
+    options: LossOptions,
+    old: Sequence[Tensor] | None,
+    ref: Sequence[Tensor] | None,
+    num_minibatches: int,
+    micro_batch_size: int,
+    ppo_epochs: int,
+    grad_clip: float,
+    guard: NonFiniteGuard,
+    pad_id: int,
+    placeholders: frozenset[int] = frozenset(),
+    scheduler: Any = None,
+    check_tolerance: float | None = None,
+    after_step: Callable[[], None] | None = None,
+) -> dict[str, float]:
+    """`ppo_epochs` passes over `num_minibatches` minibatches of this process's rollouts; each
+    minibatch is one `optimizer_step` over micro-batches of `micro_batch_size` rollouts.
+
+    `policy` is the prepared `Policy`. `advantages[i]` is rollout i's per-token advantage `[C_i]`
+    (broadcast a sequence advantage with `expand`). `old=None` means on-policy (one optimizer
+    step per batch): each micro-batch's own detached log-probs are its old ones, as TRL and verl
+    do, and the engine's sampling log-probs are compared with them before the first optimizer
+    step; `check_tolerance` (the run's first step) raises when they disagree. `ref` holds the
+    KL reference's log-probs when `options.kl_coef > 0`. `after_step` runs after each optimizer
+    step that was taken (a vLLM weight push, say)."""
+    parts = [p.tolist() for p in torch.arange(len(rollouts)).tensor_split(num_minibatches)]
+    stats, check = UpdateStats(), ReplayCheck()
+    device = accelerator.device
+
+    norm_length = options.norm_length if options.agg == "seq-mean-token-sum-norm" else None
+
+    def loss_fn(micro: _Micro, num_valid: Tensor) -> tuple[Tensor, dict[str, float]]:
+        rows = [rollouts[i] for i in micro.rows]
+        batch = to_device(collate(rows, pad_id, placeholders), device)
+        valid = torch.tensor([r.valid for r in rows], device=device)[:, None]  # [B, 1]
+        mask = batch.completion_mask * valid  # [B, C] failed samples contribute nothing
+        logp, ent = policy(batch, options.temperature)  # [B, C], [B, C]
+        width = logp.shape[1]
+        old_logp = logp.detach() if old is None else pad_rows([old[i] for i in micro.rows], width).to(device)
+        adv = pad_rows([advantages[i] for i in micro.rows], width).to(device, logp.dtype) * mask  # [B, C]
+        if old is None and stats.steps == 0:
+            for row, r in enumerate(rows):
+                if r.valid:
+                    check.add(logp[row, : len(r.completion_ids)], torch.tensor(r.engine_logprobs))
+        loss, metrics = compute_policy_loss(options.loss, logp=logp, old_logp=old_logp, advantages=adv, mask=mask,
+                                            agg=options.agg, clip_low=options.clip_low, clip_high=options.clip_high,
+                                            num_valid=num_valid, norm_length=norm_length)
+        out = {"loss/policy": float(loss.detach()), "entropy": _mean(ent, mask),
+               **{k: float(v) for k, v in metrics.items() if k in ("clip_fraction", "approx_kl", "ratio_mean")},
+               "ratio_max": float(metrics["ratio_max"]) if mask.any() else 1.0}
+        if ref is not None and options.kl_coef > 0:
+            kl = compute_kl(options.kl, logp, pad_rows([ref[i] for i in micro.rows], width).to(device))  # [B, C]
+            kl_loss = aggregate(kl, mask, options.agg, num_valid=num_valid, norm_length=norm_length)
+            loss = loss + options.kl_coef * kl_loss
+            out["loss/kl"] = float(kl_loss.detach())
+        return loss, out
+
+    def before_step() -> None:
+        if old is None and stats.steps == 0:  # first optimizer step of this batch: weights unchanged so far
+            extra.update(check.verify(accelerator, check_tolerance if check_tolerance is not None else float("inf"),
+                                      "first replay"))
+
+    extra: dict[str, float] = {}
+    policy.train()
+    for _ in range(ppo_epochs):
+        for part in parts:
+            micro = [_Micro(part[i : i + micro_batch_size], _units(rollouts, part[i : i + micro_batch_size], options.agg))
+                     for i in range(0, len(part), micro_batch_size)]
+            step = optimizer_step(accelerator, policy, optimizer, micro, loss_fn, units=lambda m: m.units,
+                                  grad_clip=grad_clip, guard=guard, stats=stats, scheduler=scheduler,
+                                  before_step=before_step, filler=_Micro([0], 0.0))
+            if step.stepped and after_step is not None:
+                after_step()
+    policy.eval()
+    return {**stats.reduce(accelerator), **extra}
+
+
+def _mean(values: Tensor, mask: Tensor) -> float:
+    """Mean of `values` over the mask's tokens (0 when empty)."""
+    count = float(mask.sum())
+    return float((values * mask).sum()) / count if count else 0.0
