@@ -17,7 +17,7 @@ nox.options.sessions = ["lint", "tests", "rewards_no_torch", "app_caption_rl", "
 # package -> extras its tests need (never vllm: it needs a GPU and is opt-in).
 PACKAGES: dict[str, list[str]] = {
     "rl-core": ["train"],
-    "rl-data": [],
+    "rl-data": ["datasets"],
     "rl-models": ["diffusers"],
     "rl-rollout": ["diffusers", "ray"],
     "rl-rewards": ["hf", "ocr", "vision", "ray"],

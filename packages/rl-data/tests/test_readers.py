@@ -119,7 +119,7 @@ def test_judge_reader_parquet_streams_in_batches(tmp_path):
     path = tmp_path / "j.parquet"
     pq.write_table(pa.Table.from_pylist(_judge_rows(10)), path, row_group_size=3)
     reader = read_judge_records(path)
-    reader.batch_size = 4  # 3 batches across 4 row groups
+    reader.rows.batch_size = 4  # 3 batches across 4 row groups
     records = list(reader)
     assert [r.ground_truth for r in records] == [f"g{i}" for i in range(10)]
     assert records[0].rm_prompts == ["J0 {response}", ""]

@@ -2,7 +2,8 @@ import itertools
 
 import pytest
 
-from rl_data.sampler import GroupSampler
+from rl_data.readers import read_prompts
+from rl_data.sampler import GroupSampler, GroupStream
 
 
 def _groups(indices, n):
@@ -119,3 +120,95 @@ def test_bad_arguments():
         GroupSampler(2, 2, world_size=4, drop_last=True)
     with pytest.raises(ValueError, match="prompts_per_batch"):
         next(GroupSampler(4, 2).batches(0))
+
+
+# ----------------------------------------------------------------------------- GroupStream
+
+
+def _ids_of(records):
+    return [r.fields["id"] for r in records]
+
+
+def _prompt_file(tmp_path, ids, bad=()):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(('{"prompt": ""}' if i in bad else f'{{"prompt": "p{i}", "id": {i}}}') + "\n"
+                            for i in ids))
+    return path
+
+
+def test_group_stream_repeats_each_record_n_times_epoch_after_epoch(tmp_path):
+    stream = GroupStream(read_prompts(_prompt_file(tmp_path, range(3), bad={1}), on_error="skip"), n=2)
+    batches = stream.batches(3)
+    assert _ids_of(next(batches)) == [0, 0, 2, 2, 0, 0]  # row 1 skipped; a new epoch follows
+    assert _ids_of(next(batches)) == [2, 2, 0, 0, 2, 2]
+    assert stream.epoch == 2 and stream.reader.skipped == 1  # the third epoch is under way
+
+
+@pytest.mark.parametrize("stop", [1, 3, 4, 9, 12])
+def test_group_stream_resume_over_a_file_with_bad_rows(tmp_path, stop):
+    path = _prompt_file(tmp_path, range(6), bad={2})
+    expected = _ids_of(itertools.islice(GroupStream(read_prompts(path, on_error="skip"), n=2), 30))
+    first = GroupStream(read_prompts(path, on_error="skip"), n=2)
+    head = _ids_of(itertools.islice(iter(first), stop))
+    resumed = GroupStream(read_prompts(path, on_error="skip"), n=2)
+    resumed.load_state_dict(first.state_dict())
+    assert head + _ids_of(itertools.islice(iter(resumed), 30 - stop)) == expected
+
+
+def test_group_stream_state_checks():
+    rows = [{"prompt": "a", "id": 0}]
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_list(rows)
+    state = GroupStream(read_prompts(ds), n=2).state_dict()
+    with pytest.raises(ValueError, match="n=2 but this stream has n=3"):
+        GroupStream(read_prompts(ds), n=3).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"shard=\[0, 1\] but this stream has shard=\[1, 2\]"):
+        GroupStream(read_prompts(ds, rank=1, world_size=2), n=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="repeat 2 is not a position"):
+        GroupStream(read_prompts(ds), n=2).load_state_dict({**state, "repeat": 2})
+    empty = GroupStream(read_prompts(ds, rank=1, world_size=2), n=2)  # one row: rank 1 has none
+    with pytest.raises(ValueError, match="no usable record in epoch 0"):
+        next(iter(empty))
+
+
+def _shuffled_stream(rank, world_size, n=2):
+    """A 2-shard iterable dataset shuffled with a seed (shard order and a buffer), this rank's part."""
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_list([{"prompt": f"p{i}", "id": i} for i in range(11)])
+    ids = ds.to_iterable_dataset(num_shards=2).shuffle(seed=3, buffer_size=4)
+    return GroupStream(read_prompts(ids, rank=rank, world_size=world_size), n=n)
+
+
+def test_group_stream_ranks_see_disjoint_records_that_cover_the_epoch():
+    first_epochs = []
+    for rank in range(2):
+        stream = _shuffled_stream(rank, 2)
+        size = len(list(stream.reader))  # this rank's shard
+        first_epochs.append(_groups(_ids_of(itertools.islice(iter(stream), 2 * size)), 2))
+        assert stream.state_dict()["position"] == size  # the epoch is done, the next not begun
+    assert not set(first_epochs[0]) & set(first_epochs[1])
+    assert sorted(first_epochs[0] + first_epochs[1]) == list(range(11))
+
+
+def _with_epochs(stream, count):
+    """(epoch, id) of the next `count` records (the epoch is counted before each yield)."""
+    return [(stream.epoch, r.fields["id"]) for r in itertools.islice(iter(stream), count)]
+
+
+@pytest.mark.parametrize("stop", [3, 10, 13, 25])
+def test_group_stream_resumed_over_a_shuffled_iterable_dataset_continues_without_repeats(stop):
+    expected = _with_epochs(_shuffled_stream(1, 2), 40)
+    first = _shuffled_stream(1, 2)
+    head = _with_epochs(first, stop)  # mid-group (3, 13, 25) and at an epoch end (10 or 12)
+    resumed = _shuffled_stream(1, 2)
+    resumed.load_state_dict(first.state_dict())
+    assert head + _with_epochs(resumed, 40 - stop) == expected
+    by_epoch = {}
+    for epoch, i in expected:
+        by_epoch.setdefault(epoch, []).append(i)
+    complete = [ids for epoch, ids in sorted(by_epoch.items()) if epoch < max(by_epoch)]
+    assert len(complete) >= 2
+    for ids in complete:
+        groups = _groups(ids, 2)
+        assert len(set(groups)) == len(groups)  # no record twice within an epoch
+    assert complete[0] != complete[1]  # set_epoch reshuffled the next epoch

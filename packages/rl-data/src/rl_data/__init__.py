@@ -2,10 +2,13 @@
 
 Record Structs and streaming readers for CapRL caption-QA rows, verl-style generative-judge
 parquet, Flow-GRPO OCR prompt manifests and plain prompt JSONL (bad records named by file, line
-and field); multiple-choice option normalization; image loading and video frame sampling
-(PyAV); a resumable group sampler.
+and field) — and, with ``rl-data[datasets]``, for Hugging Face datasets in the same layouts (bad
+records named by split, row and field); multiple-choice option normalization; image loading and
+video frame sampling (PyAV); a resumable group sampler, and a resumable group stream for
+iterable datasets sharded by rank.
 
-Names are re-exported lazily: ``import rl_data.choices`` does not load pyarrow or PyAV.
+Names are re-exported lazily: ``import rl_data.choices`` does not load pyarrow or PyAV, and no
+name loads ``datasets`` until a dataset is read.
 """
 
 from __future__ import annotations
@@ -24,8 +27,12 @@ _EXPORTS = {
                 "ocr_prompt_from_line", "prompt_from_row", "qa_from_question_text"],
     "readers": ["Location", "Reader", "read_caption_qa", "read_judge_records", "read_ocr_prompts",
                 "read_prompts"],
+    "sources": ["open_source"],
+    "layouts": ["ColumnMap"],
+    "hf": ["shard_by_rank"],
+    "writers": ["RecordWriter"],
     "media": ["VideoFrames", "load_image", "sample_video"],
-    "sampler": ["GroupSampler"],
+    "sampler": ["GroupSampler", "GroupStream"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)

@@ -146,6 +146,8 @@ class _RawGroundTruth(msgspec.Struct):
 
 
 class _RawImage(msgspec.Struct):
+    """``{bytes, path}``: how ``datasets.Image`` and ``datasets.Video`` store media."""
+
     bytes: Any = None  # bytes (parquet) or a base64 str (JSON); checked in _image
     path: str | None = None
 
@@ -155,7 +157,7 @@ class _RawCaptionRow(msgspec.Struct):
     reward_model: _RawGroundTruth
     image: str | _RawImage | None = None
     images: list[str | _RawImage] | None = None
-    videos: list[str] | None = None
+    videos: list[str | _RawImage] | None = None
     data_source: str | None = None
     extra_info: dict[str, Any] | None = None
 
@@ -219,6 +221,15 @@ def _image(raw: str | _RawImage, field: str, media_root: Path | None) -> ImageSo
     return ImageSource(path=_resolve(raw.path, media_root) if raw.path else None, bytes=bytes(data) if data else None)
 
 
+def _video(raw: str | _RawImage, field: str, media_root: Path | None) -> str:
+    if isinstance(raw, str):
+        return _resolve(raw, media_root)
+    if not raw.path:
+        raise FieldError(field, "video has no path; rl-data decodes videos from files "
+                                "(store paths, e.g. datasets.Video(decode=False) over files)")
+    return _resolve(raw.path, media_root)
+
+
 def _qa_item(raw: _RawQA, field: str) -> QAItem:
     if not raw.question.strip():
         raise FieldError(f"{field}.question", "empty question")
@@ -249,7 +260,8 @@ def caption_qa_from_row(row: Any, *, media_root: str | Path | None = None) -> Ca
     """Convert one CapRL row (image or video) into a :class:`CaptionQARecord`.
 
     ``image`` may be a path, raw bytes (parquet), or ``{bytes, path}``; ``images`` a list of those;
-    ``videos`` a list of paths. Relative media paths are joined to ``media_root``. Each QA answer
+    ``videos`` a list of paths (or ``{path, bytes}`` holding a path, as ``datasets.Video`` stores
+    them). Relative media paths are joined to ``media_root``. Each QA answer
     is read in the options' original labelling and mapped to the normalized letter. An empty QA
     list is an error (CapRL silently zeroed the whole batch on it).
     """
@@ -259,7 +271,7 @@ def caption_qa_from_row(row: Any, *, media_root: str | Path | None = None) -> Ca
     root = Path(media_root) if media_root is not None else None
     images = [_image(raw.image, "image", root)] if raw.image is not None else []
     images += [_image(im, f"images[{i}]", root) for i, im in enumerate(raw.images or [])]
-    videos = [_resolve(v, root) for v in raw.videos or []]
+    videos = [_video(v, f"videos[{i}]", root) for i, v in enumerate(raw.videos or [])]
     if not images and not videos:
         raise FieldError("image", "row has no `image`, `images` or `videos`")
     gt = raw.reward_model.ground_truth

@@ -11,6 +11,11 @@ runs the same number of steps (collectives need that); ``drop_last=True`` drops 
 Resume: ``state_dict()`` holds the epoch and the number of indices this rank has yielded in it
 (equal on all ranks, so one rank's state restores all of them); after ``load_state_dict`` the
 next index is exactly the one that would have come next.
+
+:class:`GroupStream` is the same idea for data that cannot be indexed — an ``IterableDataset``
+streamed from the Hub or larger than memory: it repeats each record of a reader ``n`` times,
+epoch after epoch, and resumes from a saved position. Pick :class:`GroupSampler` whenever the
+records fit in a list (it shuffles exactly and pads ranks to equal length).
 """
 
 from __future__ import annotations
@@ -18,9 +23,14 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-__all__ = ["GroupSampler"]
+if TYPE_CHECKING:
+    from rl_data.readers import Reader
+
+__all__ = ["GroupSampler", "GroupStream"]
+
+T = TypeVar("T")
 
 
 class GroupSampler:
@@ -137,3 +147,74 @@ class GroupSampler:
         if not 0 <= state["position"] <= len(self):
             raise ValueError(f"sampler state position {state['position']} outside [0, {len(self)}]")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+class GroupStream(Generic[T]):
+    """The records of one rank's reader, each repeated ``n`` times in a row, epoch after epoch.
+
+    Give it this rank's shard, e.g. ``read_caption_qa(ids, rank=r, world_size=w,
+    on_error="skip")`` over an ``IterableDataset``: shards of different ranks are disjoint, so two
+    processes never see the same record. The stream never ends — after the last record the reader
+    is moved to the next epoch (``set_epoch``, which reshuffles an ``IterableDataset`` shuffled
+    with a seed) — so ranks whose shards differ in length still take the same number of batches.
+
+    Resume: ``state_dict()`` holds the epoch, the row to continue from and how many copies of the
+    current record were already given; ``load_state_dict`` continues exactly there. The rows
+    before that point are read again but not converted (no media is decoded), and the order must
+    be the same as before — a fixed ``seed`` for a shuffled dataset. Each rank's position is its
+    own (shard lengths and bad rows differ): save every rank's state.
+    """
+
+    def __init__(self, reader: Reader[T], n: int) -> None:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        self.reader, self.n = reader, n
+        self.epoch = 0
+        self.position = 0  # ordinal of the row whose group is under way (or next)
+        self.repeat = 0  # copies of that row's record given so far
+
+    def __iter__(self) -> Iterator[T]:
+        while True:
+            self.reader.set_epoch(self.epoch)
+            found = self.position > 0 or self.repeat > 0
+            for ordinal, record in self.reader.records(self.position):
+                found = True
+                self.position = ordinal
+                while self.repeat < self.n:
+                    self.repeat += 1
+                    if self.repeat == self.n:  # count before yielding: state_dict() is resumable
+                        self.position, self.repeat = ordinal + 1, 0
+                        yield record
+                        break
+                    yield record
+            if not found:
+                raise ValueError(f"{self.reader.rows.source}: no usable record in epoch "
+                                 f"{self.epoch} ({self.reader.skipped} skipped)")
+            self.epoch, self.position, self.repeat = self.epoch + 1, 0, 0
+
+    def batches(self, prompts_per_batch: int) -> Iterator[list[T]]:
+        """Batches of ``prompts_per_batch * n`` records (whole groups when the stream was
+        started with batches), without end."""
+        if prompts_per_batch < 1:
+            raise ValueError(f"prompts_per_batch must be >= 1, got {prompts_per_batch}")
+        size = prompts_per_batch * self.n
+        records = iter(self)
+        while True:
+            yield [next(records) for _ in range(size)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "repeat": self.repeat,
+                "n": self.n, "shard": list(self.reader.rows.shard)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a position saved by a stream of the same ``n`` over the same shard."""
+        for key, mine in (("n", self.n), ("shard", list(self.reader.rows.shard))):
+            saved = list(state[key]) if key == "shard" else state[key]
+            if saved != mine:
+                raise ValueError(f"stream state has {key}={state[key]!r} but this stream has "
+                                 f"{key}={mine!r}; resume with the same settings")
+        if not 0 <= state["repeat"] < self.n or state["position"] < 0:
+            raise ValueError(f"stream state position {state['position']}, repeat {state['repeat']} "
+                             f"is not a position of a stream with n={self.n}")
+        self.epoch, self.position, self.repeat = (int(state["epoch"]), int(state["position"]),
+                                                  int(state["repeat"]))
