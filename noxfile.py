@@ -72,10 +72,18 @@ def app_caption_rl(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "apps/caption-rl/tests", "-m", DEFAULT_MARKERS, "-q", *session.posargs)
 
 
+APPS = ["caption-rl", "rider-grm", "diffusion-grpo"]
+
+
 def _marker_session(session: nox.Session, marker: str) -> None:
+    """Every package's and every app's tests with `marker` (each in its own environment)."""
     for package, extras in PACKAGES.items():
         _sync(session, package, extras)
         _pytest(session, package, marker)
+    for app in APPS:
+        _sync(session, app, [])
+        session.run("python", "-m", "pytest", f"apps/{app}/tests", "-m", marker, "-q", *session.posargs,
+                    success_codes=[0, 5])
 
 
 @nox.session

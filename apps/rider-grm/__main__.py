@@ -17,7 +17,7 @@ are on the accelerator while the judges score; "auto" drops the swaps the GPU do
 See README.md next to this file for the seed's launch line translated.
 
 The parts live next to this file: `rider_config` (config), `rewarding` (rows, judges, the
-reward fold, reward metrics, samples.jsonl), `judging` (phase monitor, rule, in-process and
+reward fold, reward metrics, sample rows), `judging` (phase monitor, rule, in-process and
 served judges), `swapping` (pinned offload, the swap plan), `policy_update` (replay,
 advantages, the update).
 """
@@ -169,7 +169,7 @@ def train_step(p: Parts, step: int, records: list[JudgeRecord], first: bool) -> 
     with p.monitor("update"):
         actor = update(cfg, acc, p.model, p.optimizer, to_rollouts(gens, adv.valid), adv.advantages, old, ref,
                        p.guard, p.engine.pad_id, first=first, model_dtype=next(model.parameters()).dtype)
-    metrics = reward_metrics(results, logs, "") | adv.metrics | actor
+    metrics = adv.metrics | reward_metrics(results, logs, "") | actor  # the reward/* of the scores themselves
     lengths = acc.gather(torch.tensor([float(len(g.completion_ids)) for g in gens], device=acc.device))  # [W*B]
     metrics |= {"response_length/mean": lengths.mean().item(),
                 "check/judges_awake_during_generate": acc.reduce(torch.tensor(judges_awake, device=acc.device),

@@ -297,7 +297,7 @@ class ServedJudge:
     judge output) comes back with an error: counted in `judge_<name>/parse_failures` and scored
     by the judge's `fallback`. A request that fails as a whole after the client's retries fails
     its samples the same way and is counted in `judge_<name>/request_failures` too. The server
-    does not return the judge's raw text, so samples.jsonl records `raw: null, judged: true`.
+    does not return the judge's raw text, so samples/*.jsonl record `raw: null, judged: true`.
     """
 
     def __init__(self, name: str, index: int, scorer: RemoteScorer, monitor: PhaseMonitor,

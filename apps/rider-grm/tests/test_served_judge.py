@@ -64,8 +64,7 @@ def metrics(run_dir: Path) -> list[dict[str, str]]:
 
 
 def train_rows(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["split"] == "train"]
+    return [json.loads(line) for line in (run_dir / "samples" / "train.jsonl").read_text().splitlines()]
 
 
 def test_served_judge_scores_like_the_same_judge_in_process(server: str, tmp_path: Path) -> None:
