@@ -203,10 +203,10 @@ def test_dump_config_writes_none_as_comment() -> None:
 def test_config_help_lists_every_key_with_type_default_doc_env() -> None:
     text = config_help(Config, env=ENV, prog="my-app")
     assert text.startswith("usage: my-app [--config FILE] [--resume [PATH]] [key=value ...]")
-    lines = {line.split()[0]: line for line in text.splitlines()[7:]}
+    lines = {line.split()[0]: line for line in text.split("keys:\n", 1)[1].splitlines()}
     assert set(lines) == {"name", "steps", "estimator", "bf16", "seed", "tags", "optim.lr",
                           "weights", "optim.betas", "optim.warmup", "eval.every", "eval.seeds"}
-    assert "float = 1e-05" in lines["optim.lr"]
+    assert "float > 0 = 1e-05" in lines["optim.lr"]
     assert "AdamW learning rate  [env TEST_RL_LR]" in lines["optim.lr"]
     assert "linear warmup steps" in lines["optim.warmup"]  # trailing comment
     assert "Evaluate every N steps." in lines["eval.every"]  # attribute docstring

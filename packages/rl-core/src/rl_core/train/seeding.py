@@ -4,8 +4,8 @@
 
 from __future__ import annotations
 
-import os
 import hashlib
+import os
 import random
 from typing import Any
 
