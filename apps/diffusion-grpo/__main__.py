@@ -36,26 +36,40 @@ from grpo_parts import (
     contact_sheet,
     image_stats,
     plot_reward_curve,
-    sample_seed,
     to_pil,
     trainable,
 )
 from peft import PeftModel
 from ray_rollout import Chunk, RayRollout, sample_chunk, start_workers
 
-from rl_core.advantages import compute_advantages
 from rl_core.flow import flow_kl
 from rl_core.losses import compute_policy_loss
 from rl_core.train import (
+    ConfigError,
     MetricsLogger,
+    NonFiniteGuard,
+    NonNegative,
+    NonNegativeFloat,
     PhaseTimer,
+    Positive,
+    PositiveFloat,
+    ReplayCheck,
     TrainProgress,
+    UnitInterval,
+    UpdateStats,
+    UserError,
+    check_finite_parameters,
     config_help,
+    gather_rows,
+    group_advantages,
     load_checkpoint,
     load_config,
     make_run_dir,
+    optimizer_step,
     parse_cli,
     resolve_resume,
+    run_app,
+    sample_seed,
     save_checkpoint,
     seed_everything,
 )
@@ -69,7 +83,6 @@ from rl_rollout.diffusion import DiffusionEngine, Trajectory
 APP = Path(__file__).resolve().parent
 REPO = APP.parents[1]
 DEFAULT_CONFIG = APP / "configs" / "default.toml"
-Positive = Annotated[int, msgspec.Meta(ge=1)]
 if "brightness" not in SCORERS:  # the app module is imported once per process, tests included
     register_scorer("brightness", BrightnessScorer)
 
@@ -95,8 +108,8 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
 class SamplingConfig(msgspec.Struct, kw_only=True, frozen=True):
     resolution: Positive = 512  # square images
     num_steps: Positive = 10  # training rollout steps
-    guidance_scale: float = 4.5
-    noise_level: float = 0.7  # SDE `a` (0.7 Flow-GRPO sde; 0.8 for cps)
+    guidance_scale: NonNegativeFloat = 4.5
+    noise_level: PositiveFloat = 0.7  # SDE `a` (0.7 Flow-GRPO sde; 0.8 for cps)
     kind: Literal["sde", "cps"] = "sde"
     sde_window: list[int] | None = None
     """[start, stop): stochastic steps (Flow-GRPO-Fast); other steps use the ODE. None = all."""
@@ -107,7 +120,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     n: Positive = 8  # images per prompt (group size)
     groups_per_epoch: Positive = 8  # prompts per epoch, all processes together
     sample_batch_size: Positive = 8  # images per sampling forward
-    workers: int = 0
+    workers: NonNegative = 0
     """0 = sample in the trainer's engine; N = N Ray actors per trainer process (ray_rollout.py)."""
     placement: Literal["split", "colocated"] = "split"
     """VRL presets: `split` = actors on their own GPUs; `colocated` = on the trainer's, asleep during training."""
@@ -125,28 +138,31 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
     epochs: Positive = 100_000
-    lr: float = 3e-4
-    weight_decay: float = 1e-4
-    max_grad_norm: float = 1.0
-    clip_range: float = 1e-4  # PPO ratio clip (SD3: 1e-4; log-probs are per-element means)
-    kl_beta: float = 0.04  # flow KL to the LoRA-disabled model; 0 skips the reference forward
+    lr: PositiveFloat = 3e-4
+    weight_decay: NonNegativeFloat = 1e-4
+    max_grad_norm: PositiveFloat = 1.0
+    clip_range: UnitInterval = 1e-4  # PPO ratio clip (SD3: 1e-4; log-probs are per-element means)
+    kl_beta: NonNegativeFloat = 0.04  # flow KL to the LoRA-disabled model; 0 skips the reference forward
     adv_scale: Literal["batch", "group"] = "batch"  # std over the whole batch (Flow-GRPO global std)
-    adv_clip: float = 5.0
-    adv_eps: float = 1e-4
+    adv_clip: PositiveFloat = 5.0
+    adv_eps: NonNegativeFloat = 1e-4
     micro_batch_size: Positive = 8  # images per replay forward (= sample_batch_size keeps ratio bit-exact)
     gradient_accumulation_steps: Positive = 4  # micro-batches per optimizer step
-    timestep_fraction: float = 0.99  # train the stochastic steps k < int(S * fraction): 9 of 10
-    ema_decay: float = 0.9
+    timestep_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.99  # train the stochastic steps k < int(S * fraction): 9 of 10
+    ema_decay: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.9
     ema_interval: Positive = 8  # optimizer steps between EMA updates
-    ratio_tolerance: float = 1e-5
+    ratio_tolerance: NonNegativeFloat = 1e-5
     """Max |log ratio| on the first replay of an epoch; above it the run stops (rollout and replay
     disagree). Raise it for bf16 with micro_batch_size != sample_batch_size."""
     seed: int = 42
     save_freq: Positive = 60  # epochs between checkpoints (and at the end)
     keep_last: Positive = 2
-    output_dir: str = "outputs/sd3_5_ocr_grpo"
+    output_dir: str = "runs/diffusion-grpo"
     run_name: str | None = None
     log_with: list[str] = []  # accelerate trackers: tensorboard, wandb, ...
+    max_nonfinite_steps: Positive = 3
+    """Consecutive optimizer steps with a non-finite loss or gradient (each skipped: LoRA,
+    optimizer and EMA untouched) after which the run stops with an error."""
 
 
 class EvalConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -177,9 +193,17 @@ def parse_config(argv: list[str]) -> tuple[Config, str | None] | None:
     """argv -> (config, resume spec); None after printing --help. No `--config`: the tiny default."""
     cli = parse_cli(argv)
     if cli.help:
-        print(config_help(Config, env=ENV, prog="diffusion-grpo"))
+        print(config_help(Config, env=ENV, prog="diffusion-grpo", defaults=load_config(Config, DEFAULT_CONFIG),
+                          defaults_from="the embedded tiny default (configs/default.toml)"))
         return None
-    return load_config(Config, cli.config or DEFAULT_CONFIG, cli.overrides, env=ENV), cli.resume
+    cfg = load_config(Config, cli.config or DEFAULT_CONFIG, cli.overrides, env=ENV)
+    if cfg.rollout.n < 2:
+        raise ConfigError(f"rollout.n={cfg.rollout.n}: GRPO compares the images of one prompt with each other and "
+                          "needs rollout.n >= 2")
+    if int(cfg.sampling.num_steps * cfg.train.timestep_fraction) == 0:
+        raise ConfigError(f"train.timestep_fraction={cfg.train.timestep_fraction} x sampling.num_steps="
+                          f"{cfg.sampling.num_steps} trains no step (Flow-GRPO trains int(steps x fraction)); raise it")
+    return cfg, cli.resume
 
 
 def resolve_path(path: str) -> Path:
@@ -209,6 +233,7 @@ class Run:
     first_ratio: float = math.nan  # max |log ratio| on this epoch's first replay (diagnostic)
     workers: RayRollout | None = None  # Ray rollout actors (rollout.workers > 0)
     timer: PhaseTimer = field(default_factory=PhaseTimer)
+    guard: NonFiniteGuard = field(default_factory=NonFiniteGuard)
 
 
 def build_reward_scorer(cfg: RewardConfig, *, tiny_clip: bool = False) -> Any:
@@ -221,7 +246,7 @@ def build_reward_scorer(cfg: RewardConfig, *, tiny_clip: bool = False) -> Any:
         {"model": clip} if name in ("clip_score", "aesthetic") else {}) | cfg.kwargs.get(name, {}))
         for name, w in cfg.components.items() if w != 0}
     if not components:
-        raise ValueError(f"reward.components {cfg.components} has no non-zero weight")
+        raise UserError(f"reward.components {cfg.components} has no non-zero weight")
     return build_reward(RewardSpec(components=components))
 
 
@@ -230,10 +255,8 @@ def setup(cfg: Config, resume: str | None) -> Run:
     # cpu=True without CUDA: `accelerate launch --multi_gpu --num_processes N` then gives N gloo
     # processes on a CPU machine (its `--cpu` flag alone starts one process unless MPI is set up)
     acc = Accelerator(cpu=not torch.cuda.is_available(), log_with=list(t.log_with) or None)
-    if cfg.rollout.workers < 0:
-        raise ValueError(f"rollout.workers must be >= 0 (0 = in-process engine), got {cfg.rollout.workers}")
     if cfg.rollout.groups_per_epoch % acc.num_processes:
-        raise ValueError(f"rollout.groups_per_epoch={cfg.rollout.groups_per_epoch} must divide by "
+        raise UserError(f"rollout.groups_per_epoch={cfg.rollout.groups_per_epoch} must divide by "
                          f"the {acc.num_processes} processes")
     ckpt = resolve_resume(resume, t.output_dir)
     run_dir = make_run_dir(t.output_dir, ckpt.parent.parent.name if ckpt else t.run_name,
@@ -254,7 +277,8 @@ def setup(cfg: Config, resume: str | None) -> Run:
                            world_size=acc.num_processes)
     run = Run(cfg, acc, run_dir, engine, model, peft, optimizer,
               LoraEMA(trainable(peft), decay=t.ema_decay, interval=t.ema_interval),
-              build_reward_scorer(cfg.reward, tiny_clip=m.path.startswith("tiny:")), prompts, eval_prompts, sampler, start_epoch=0)
+              build_reward_scorer(cfg.reward, tiny_clip=m.path.startswith("tiny:")), prompts, eval_prompts, sampler, start_epoch=0,
+              guard=NonFiniteGuard(t.max_nonfinite_steps))
     if ckpt is not None:
         meta = load_checkpoint(ckpt, state=checkpoint_state(run))
         run.start_epoch, run.optimizer_steps = meta["step"], meta["optimizer_steps"]
@@ -291,9 +315,11 @@ def collect(run: Run, epoch: int) -> Batch:
     groups = cfg.rollout.groups_per_epoch // acc.num_processes
     indices = [next(iter(run.sampler)) for _ in range(groups * n)]  # n copies of each prompt
     records = [run.prompts[i] for i in indices]
-    chunks = [Chunk(tuple(r.prompt for r in records[start:start + size]),
-                    tuple(sample_seed(cfg.train.seed, epoch, acc.process_index, i)
-                          for i in range(start, min(start + size, len(records)))))
+    # a sample's noise depends on its group's place in the epoch's prompt order (group g of rank r
+    # is the (g * world + r)-th prompt) and its index in the group: not on the process count
+    world, rank = acc.num_processes, acc.process_index
+    seeds = [sample_seed(cfg.train.seed, epoch, ((i // n) * world + rank) * n + i % n) for i in range(len(records))]
+    chunks = [Chunk(tuple(r.prompt for r in records[start:start + size]), tuple(seeds[start:start + size]))
               for start in range(0, len(records), size)]
     kwargs = {"num_steps": s.num_steps, "guidance_scale": s.guidance_scale, "height": s.resolution,
               "width": s.resolution, "noise_level": s.noise_level, "kind": s.kind,
@@ -330,29 +356,17 @@ def score(run: Run, images: list, records: list[OCRPrompt], image_dir: Path) -> 
 
 
 def advantages(run: Run, rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO advantages `[N]` of this process's samples, std over the global batch; failed samples
-    get 0 (dropped with the zero-advantage ones)."""
-    acc, t = run.acc, run.cfg.train
-    all_rewards = acc.gather(rewards.to(acc.device)).cpu()  # [N * world]
-    all_groups = acc.gather(group_ids.to(acc.device)).cpu()  # [N * world]
-    ok = torch.isfinite(all_rewards)  # [N * world]
-    adv = torch.zeros_like(all_rewards)  # [N * world]
-    if ok.sum() > 1:
-        adv[ok] = compute_advantages(
-            "grpo", rewards=all_rewards[ok], mask=torch.ones(int(ok.sum()), 1),
-            group_ids=all_groups[ok], scale=t.adv_scale, eps=t.adv_eps, clip=t.adv_clip)[:, 0]
-    valid = all_rewards[ok]
-    stds = [valid[all_groups[ok] == g].std().item() for g in all_groups[ok].unique() if (all_groups[ok] == g).sum() > 1]
-    metrics = {
-        "reward/mean": valid.mean().item() if valid.numel() else math.nan,
-        "reward/std": valid.std().item() if valid.numel() > 1 else 0.0,
-        "reward/failed": int((~ok).sum()),
-        "reward/zero_std_group_fraction": sum(s == 0 for s in stds) / max(len(stds), 1),
-        "adv/mean": adv.mean().item(), "adv/std": adv.std().item(), "adv/abs_max": adv.abs().max().item(),
-        "adv/kept_fraction": (adv != 0).float().mean().item(),
-    }
-    n = rewards.numel()
-    return adv[acc.process_index * n:(acc.process_index + 1) * n], metrics
+    """GRPO advantages `[N]` of this process's samples over every process's groups
+    (`rl_core.train.group_advantages`: failed samples and groups left with one sample get 0 and
+    are counted); Flow-GRPO's global std, eps and clip."""
+    t = run.cfg.train
+    out = group_advantages("grpo", rewards, group_ids, accelerator=run.acc,
+                           options={"scale": t.adv_scale, "eps": t.adv_eps, "clip": t.adv_clip})
+    everything, _ = gather_rows(rewards, run.acc)  # [N * world]
+    groups, _ = gather_rows(group_ids, run.acc)  # [N * world]
+    stds = [everything[(groups == g) & torch.isfinite(everything)].std().item() for g in groups.unique()
+            if ((groups == g) & torch.isfinite(everything)).sum() > 1]
+    return out.advantages, {**out.metrics, "reward/zero_std_group_fraction": sum(s == 0 for s in stds) / max(len(stds), 1)}
 
 
 # ----------------------------------------------------------------------------------- train
@@ -360,8 +374,8 @@ def advantages(run: Run, rewards: torch.Tensor, group_ids: torch.Tensor) -> tupl
 
 def plan_micro_batches(run: Run, batch: Batch, adv: torch.Tensor) -> list[tuple[int, torch.Tensor, float]]:
     """(trajectory index, rows, weight) per micro-batch: the kept (non-zero advantage) rows of each
-    trajectory in chunks. Every process runs the same number of micro-batches (DDP backward
-    calls must match): short processes repeat their last one with weight 0."""
+    trajectory in chunks. Every process plans the same number of micro-batches, so the optimizer
+    steps line up: short processes repeat their last one with weight 0."""
     size, plan, offset = run.cfg.train.micro_batch_size, [], 0
     for k, traj in enumerate(batch.trajectories):
         rows = (adv[offset:offset + len(traj.prompts)] != 0).nonzero().flatten()  # [kept]
@@ -378,71 +392,54 @@ def trained_steps(traj: Trajectory, fraction: float) -> list[int]:
 
 
 def train_epoch(run: Run, batch: Batch, adv: torch.Tensor, epoch: int) -> dict[str, float]:
+    """`gradient_accumulation_steps` micro-batches per optimizer step (`rl_core.train.optimizer_step`):
+    each (micro-batch, trained timestep) pair is one forward/backward, and every (sample,
+    timestep) weighs the same in the step, whatever the micro-batch split or process count."""
     acc, t = run.acc, run.cfg.train
     plan = plan_micro_batches(run, batch, adv)
     offsets = [0]
     for traj in batch.trajectories:
         offsets.append(offsets[-1] + len(traj.prompts))
     steps = trained_steps(batch.trajectories[0], t.timestep_fraction)
-    sums: dict[str, float] = {}
-    updates: list[dict[str, float]] = []
-    first_check, accum = True, t.gradient_accumulation_steps
-    run.model.train()
-    for i, (k, rows, weight) in enumerate(plan):
-        window = min(accum, len(plan) - (i // accum) * accum)  # micro-batches in this update
-        boundary = (i + 1) % accum == 0 or i == len(plan) - 1
+    stats, check = UpdateStats(), ReplayCheck()
+
+    def loss_fn(micro: tuple[int, torch.Tensor, float, int], num_valid: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        k, rows, weight, step = micro
         traj, row_adv = batch.trajectories[k], adv[offsets[k] + rows].to(acc.device)  # [b]
-        for j, step in enumerate(steps):
-            sync = boundary and j == len(steps) - 1
-            with nullcontext() if sync else acc.no_sync(run.model):
-                out = run.engine.replay(traj, step, rows=rows, model=run.model)
-                old = traj.log_probs[rows, step]  # [b]
-                if first_check:  # on-policy: nothing was updated since this epoch's rollout
-                    check_ratio(run, out.log_prob.detach() - old, epoch)
-                policy, stats = compute_policy_loss(
-                    "ppo_clip", logp=out.log_prob[:, None], old_logp=old[:, None],
-                    advantages=row_adv[:, None], mask=torch.ones_like(old)[:, None],
-                    clip_low=t.clip_range, clip_high=t.clip_range)
-                kl = torch.zeros((), device=acc.device)
-                if t.kl_beta > 0:
-                    with torch.no_grad(), run.peft.disable_adapter():
-                        ref = run.engine.replay(traj, step, rows=rows, model=run.peft)
-                    kl = flow_kl(out.mean, ref.mean, out.std).mean()
-                loss = (policy + t.kl_beta * kl) * weight / (window * len(steps))
-                acc.backward(loss)
-            for key, value in {"loss": loss * window * len(steps), "policy_loss": policy, "kl": kl,
-                               **{f"policy/{n}": v for n, v in stats.items()}}.items():
-                sums[key] = sums.get(key, 0.0) + value.item() / (len(plan) * len(steps))
-        first_check = first_check and not boundary
-        if boundary:
-            updates.append(optimizer_step(run))
-    sums["grad_norm"] = sum(u["grad_norm"] for u in updates) / len(updates)
-    sums["diag/skipped_steps"] = sum(u["skipped"] for u in updates)
-    return sums
+        out = run.engine.replay(traj, step, rows=rows, model=run.model)
+        old = traj.log_probs[rows, step]  # [b]
+        if stats.steps == 0 and weight:  # on-policy: nothing was updated since this epoch's rollout
+            check.add(out.log_prob.detach(), old)
+        policy, metrics = compute_policy_loss(
+            "ppo_clip", logp=out.log_prob[:, None], old_logp=old[:, None], advantages=row_adv[:, None],
+            mask=torch.ones_like(old)[:, None], clip_low=t.clip_range, clip_high=t.clip_range, num_valid=num_valid)
+        kl = torch.zeros((), device=acc.device)
+        if t.kl_beta > 0:
+            with torch.no_grad(), run.peft.disable_adapter():
+                ref = run.engine.replay(traj, step, rows=rows, model=run.peft)
+            kl = flow_kl(out.mean, ref.mean, out.std).sum() / num_valid
+        loss = (policy + t.kl_beta * kl) * weight
+        return loss, {"loss/total": float(loss.detach()), "loss/policy": float(policy.detach()),
+                      "loss/kl": float(kl.detach()), **{f"policy/{n}": float(v) for n, v in metrics.items()}}
 
+    def first_check() -> None:
+        if stats.steps == 0:
+            metrics = check.verify(acc, t.ratio_tolerance, f"epoch {epoch}: first replay, |log ratio| vs "
+                                   "train.ratio_tolerance (dropout on? a different step function or dtype? bf16 with "
+                                   "micro_batch_size != sample_batch_size needs a looser tolerance)")
+            run.first_ratio = metrics["replay/engine_diff_max"]
 
-def check_ratio(run: Run, log_ratio: torch.Tensor, epoch: int) -> None:
-    worst = log_ratio.abs().max().item() if log_ratio.numel() else 0.0
-    run.first_ratio = worst if math.isnan(run.first_ratio) else max(run.first_ratio, worst)
-    if not worst <= run.cfg.train.ratio_tolerance:
-        raise RuntimeError(
-            f"epoch {epoch}: the first replay's |log ratio| is {worst:.3g} > train.ratio_tolerance="
-            f"{run.cfg.train.ratio_tolerance}: rollout and replay disagree (dropout on? a different "
-            "step function or dtype?); bf16 with micro_batch_size != sample_batch_size needs a looser tolerance")
-
-
-def optimizer_step(run: Run) -> dict[str, float]:
-    """Clip, step (skipped when the gradient is NaN/inf: logged as diag/skipped_steps), EMA."""
-    grad_norm = run.acc.clip_grad_norm_(run.model.parameters(), run.cfg.train.max_grad_norm)
-    finite = bool(torch.isfinite(grad_norm))
-    if finite:
-        run.optimizer.step()
-        run.optimizer_steps += 1
-        run.ema.step(run.optimizer_steps)
-    run.optimizer.zero_grad(set_to_none=True)
-    if not finite:
-        run.acc.print(f"non-finite gradient norm ({float(grad_norm)}): optimizer step skipped")
-    return {"grad_norm": float(grad_norm) if finite else math.nan, "skipped": float(not finite)}
+    run.model.train()
+    accum = t.gradient_accumulation_steps
+    for start in range(0, len(plan), accum):
+        window = [(k, rows, weight, step) for k, rows, weight in plan[start:start + accum] for step in steps]
+        stepped = optimizer_step(acc, run.model, run.optimizer, window, loss_fn,
+                                 units=lambda m: float(len(m[1])) * m[2], grad_clip=t.max_grad_norm,
+                                 guard=run.guard, stats=stats, before_step=first_check).stepped
+        if stepped:
+            run.optimizer_steps += 1
+            run.ema.step(run.optimizer_steps)
+    return stats.reduce(acc)
 
 
 # ------------------------------------------------------------------------------------ eval
@@ -484,9 +481,10 @@ def save(run: Run, epoch: int) -> Path:
     """Trainer state (`checkpoint-<epoch>`, resumable) + the LoRA in PEFT format, raw and EMA."""
     root = run.run_dir / "checkpoints"
     ckpt = root / f"checkpoint-{epoch}"
-    if run.acc.is_main_process:
-        ckpt = save_checkpoint(root, epoch, state=checkpoint_state(run), keep_last=run.cfg.train.keep_last)
-        export_adapters(run, ckpt)
+    check_finite_parameters(run.peft, f"checkpoint at epoch {epoch}")
+    if run.acc.is_main_process:  # the adapters are written before the checkpoint is published
+        ckpt = save_checkpoint(root, epoch, state=checkpoint_state(run), keep_last=run.cfg.train.keep_last,
+                               write_files=lambda folder: export_adapters(run, folder))
     run.acc.wait_for_everyone()
     return ckpt
 
@@ -555,15 +553,15 @@ def one_epoch(run: Run, epoch: int) -> dict[str, float]:
             **image_stats(images)}
 
 
-def main(argv: list[str]) -> int:
-    parsed = parse_config(argv)
+def main(argv: list[str] | None = None) -> Path | None:
+    """Run the app; returns the run directory (None after --help)."""
+    parsed = parse_config(sys.argv[1:] if argv is None else argv)
     if parsed is None:
-        return 0
-    cfg, resume = parsed
-    run_dir = train(cfg, resume)
+        return None
+    run_dir = train(*parsed)
     print(f"run directory: {run_dir}")
-    return 0
+    return run_dir
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_app("diffusion-grpo", main))

@@ -237,14 +237,15 @@ def setup(cfg: Config, resume: str | None) -> tuple[Parts, GroupSampler, list[Ju
         ref_offload.to_host()  # into pinned buffers once; each step copies them in and drops them
     else:
         ref.to(acc.device)
-    train = load_records(cfg.data.train_files, tokenizer, cfg.data)
-    val = load_records(cfg.data.val_files or cfg.data.train_files, tokenizer, cfg.data)
+    judge_cfgs = judge_configs(cfg.reward)
+    reads = max((i + 1 for i, j in enumerate(judge_cfgs) if j.prompt == "rm_prompt"), default=0)
+    train = load_records(cfg.data.train_files, tokenizer, cfg.data, reads)
+    val = load_records(cfg.data.val_files or cfg.data.train_files, tokenizer, cfg.data, reads)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     policy, optimizer = acc.prepare(Policy(model), optimizer)
     engine = HFEngine(acc.unwrap_model(policy).model, tokenizer, device=acc.device, compile=cfg.rollout.compile,
                       max_batch_size=cfg.rollout.max_batch_size)
     monitor = PhaseMonitor(acc.device)
-    judge_cfgs = judge_configs(cfg.reward)
     # with no judge in this process (none, or all served) there is nothing to make room for
     mode = cfg.reward.swap if any(j.engine in ("hf", "vllm") for j in judge_cfgs) else "never"
     swap = PolicySwap(engine, optimizer, acc.device, mode=mode, offload_optimizer=cfg.model.optimizer_offload,

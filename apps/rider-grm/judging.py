@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -120,10 +121,14 @@ class RuleScorer:
             value = self.fn(meta["data_source"], sample.completion, sample.reference, meta["extra_info"])
         except Exception as e:  # a rule bug on one sample fails that sample only
             return ScoreResult.failed(f"{type(e).__name__}: {e}")
+        extras = {}
         if isinstance(value, dict):
             extras = {k: float(v) for k, v in value.items() if k != "score" and isinstance(v, int | float)}
-            return ScoreResult(score=float(value["score"]), components=extras)
-        return ScoreResult(score=float(value))
+            value = value.get("score")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            # a NaN rule score would pass every gate (NaN < threshold is false) and poison the fold
+            return ScoreResult.failed(f"rule returned {value!r}, not a finite number")
+        return ScoreResult(score=float(value), components=extras)
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
         with self.monitor("rule"):
@@ -320,8 +325,10 @@ class ServedJudge:
         with self.monitor(f"judge_{self.name}_score"):
             try:
                 results = self.scorer.score([self.request(s) for s in samples])
-            except RewardClientError as e:
-                results = [ScoreResult.failed(f"reward server request failed: {e}") for _ in samples]
+            except (RewardClientError, httpx.HTTPError, msgspec.MsgspecError, ValueError) as e:
+                # down after retries, or an answer that is not our wire format (HTML, a string score)
+                results = [ScoreResult.failed(f"reward server request failed: {type(e).__name__}: {e}")
+                           for _ in samples]
                 self.log.request_failures += len(samples)
         self.log.record(samples, results, raw=None)
         return results

@@ -5,6 +5,7 @@ reward metrics, and the sample generations written with each judge's raw output.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from rider_config import (
 from swapping import make_offload
 from transformers import AutoTokenizer
 
-from rl_core.train import ConfigError
+from rl_core.train import ConfigError, UserError
 from rl_data import JudgeRecord, read_judge_records
 from rl_rewards.client import RemoteScorer
 from rl_rewards.composition import Reward, build_reward
@@ -51,19 +52,27 @@ def messages(record: JudgeRecord) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in record.prompt]
 
 
-def load_records(files: list[str], tokenizer: Any, data: DataConfig) -> list[JudgeRecord]:
-    """Judge rows of `files`; prompts longer than max_prompt_length are dropped or rejected."""
+def load_records(files: list[str], tokenizer: Any, data: DataConfig, rm_prompts: int = 0) -> list[JudgeRecord]:
+    """Judge rows of `files`; prompts longer than max_prompt_length are dropped or rejected.
+    Every row must carry the `rm_prompt_{i}` columns of the `rm_prompts` judges that read them
+    (a row without one would silently get the judge's fallback)."""
     records = []
     for file in files:
-        for row, record in enumerate(read_judge_records(resolve_path(file))):
+        if not Path(resolve_path(file)).is_file():
+            raise UserError(f"data file not found: {file} (data.train_files / data.val_files)")
+        for where, record in read_judge_records(resolve_path(file)).located():
+            if len(record.rm_prompts) < rm_prompts:
+                raise UserError(f"{where.path}: {where.unit} {where.line}: no rm_prompt_{len(record.rm_prompts)} "
+                                f"column, but {rm_prompts} judges read rm_prompt_0..{rm_prompts - 1}")
             ids = tokenizer.apply_chat_template(messages(record), add_generation_prompt=True, tokenize=True,
                                                 return_dict=True)["input_ids"]
             if len(ids) <= data.max_prompt_length:
                 records.append(record)
             elif not data.filter_overlong_prompts:
-                raise ValueError(f"{file} row {row}: prompt has {len(ids)} tokens > data.max_prompt_length")
+                raise UserError(f"{where.path}: {where.unit} {where.line}: prompt has {len(ids)} tokens > "
+                                f"data.max_prompt_length={data.max_prompt_length}")
     if not records:
-        raise ValueError(f"no usable rows in {files}")
+        raise UserError(f"no usable rows in {files} (all over data.max_prompt_length?)")
     return records
 
 

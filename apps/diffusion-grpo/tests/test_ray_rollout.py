@@ -45,7 +45,7 @@ def test_ray_workers_train_like_the_in_process_engine(app, ray_cluster, tmp_path
     # reward 0.5073372 vs 0.5073376) round per shape. Different trajectories would differ at 1e-2.
     # The loss is a near-cancelling sum of +-advantage terms (~1e-6 here): compared absolutely.
     for key, tolerance in (("reward/mean", {"rel": 1e-4}), ("image/brightness", {"rel": 1e-4}),
-                           ("loss", {"abs": 1e-5}), ("grad_norm", {"rel": 1e-3})):
+                           ("loss/total", {"abs": 1e-5}), ("grad_norm", {"rel": 1e-3})):
         assert [float(r[key]) for r in ray_rows] == pytest.approx([float(r[key]) for r in local_rows], **tolerance), key
     for ckpt in ("checkpoint-1", "checkpoint-2"):
         a = torch.load(runs[2] / "checkpoints" / ckpt / "lora.pt", weights_only=True)

@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_overrides
 from PIL import Image
 
-from rl_core.train import ConfigError, load_config
+from rl_core.train import ConfigError, UserError, load_config
 
 
 def _config(app, out: Path, *extra: str):
@@ -56,7 +56,7 @@ def test_outputs_match_vrl(full_run: Path) -> None:
     train = [r for r in rows if r.get("reward/mean")]
     assert [int(r["step"]) for r in train] == [1, 2]
     for key in ("reward/std", "reward/brightness", "reward/zero_std_group_fraction", "adv/std",
-                "loss", "policy_loss", "kl", "policy/clip_fraction", "policy/approx_kl", "grad_norm",
+                "loss/total", "loss/policy", "loss/kl", "policy/clip_fraction", "policy/approx_kl", "grad_norm",
                 "time/rollout", "time/reward", "time/train", "images_per_s", "image/brightness"):
         assert train[0].get(key) not in (None, ""), key
     # micro-batches are the sampled batches (nothing dropped): the first replay is bit-exact
@@ -102,16 +102,25 @@ def run(app, tmp_path_factory):
     return app.setup(_config(app, out, "train.kl_beta=0.04"), resume=None)
 
 
-def test_nan_gradient_skips_the_step(app, run) -> None:
+def test_nan_loss_skips_the_step_and_three_in_a_row_stop(app, run) -> None:
+    """A non-finite loss skips the optimizer step: LoRA, optimizer and EMA untouched, counted;
+    `train.max_nonfinite_steps` (3) in a row stop the run."""
+    from rl_core.train import NonFiniteError
+
+    batch = app.collect(run, epoch=0)
+    adv = torch.full((8,), float("nan"))  # NaN advantages -> NaN loss and gradients
     params = list(app.trainable(run.peft).values())
     before = [p.detach().clone() for p in params]
-    for p in params:
-        p.grad = torch.full_like(p, float("nan"))
-    steps = run.optimizer_steps
-    result = app.optimizer_step(run)
-    assert result["skipped"] == 1.0 and run.optimizer_steps == steps
-    assert all(torch.equal(b, p) for b, p in zip(before, params, strict=True))
+    ema, steps = {k: v.clone() for k, v in run.ema.shadow.items()}, run.optimizer_steps
+    run.guard.consecutive = 0
+    stats = app.train_epoch(run, batch, adv, epoch=0)  # 2 optimizer steps, both skipped
+    assert stats["nonfinite/skipped_steps"] == 2.0 and stats["optimizer_steps"] == 0.0
+    assert run.optimizer_steps == steps and all(torch.equal(b, p) for b, p in zip(before, params, strict=True))
+    assert all(torch.equal(ema[k], run.ema.shadow[k]) for k in ema)
     assert all(p.grad is None for p in params)
+    with pytest.raises(NonFiniteError, match="3 optimizer steps in a row"):
+        app.train_epoch(run, batch, adv, epoch=0)
+    run.guard.consecutive = 0
 
 
 def test_first_replay_mismatch_stops_the_run(app, run) -> None:
@@ -119,7 +128,7 @@ def test_first_replay_mismatch_stops_the_run(app, run) -> None:
     rewards = torch.arange(8, dtype=torch.float32)  # every group has spread: all rows kept
     adv, _ = app.advantages(run, rewards, batch.group_ids)
     stats = app.train_epoch(run, batch, adv, epoch=0)  # on-policy: passes, with a KL term
-    assert run.first_ratio == 0.0 and stats["kl"] >= 0 and run.optimizer_steps == 2
+    assert run.first_ratio == 0.0 and stats["loss/kl"] >= 0 and run.optimizer_steps == 2
     traj = batch.trajectories[0]
     tampered = app.Batch([type(traj)(**{**traj.__dict__, "log_probs": traj.log_probs + 1e-3})],
                          batch.records[:4], batch.group_ids[:4])
@@ -134,12 +143,12 @@ def test_config_errors_name_the_key(app, tmp_path: Path) -> None:
         _config(app, tmp_path, "train.lrr=1")
     with pytest.raises(ConfigError, match=r"sampling\.kind"):
         _config(app, tmp_path, "sampling.kind=ddim")
-    with pytest.raises(ValueError, match="no non-zero weight"):
+    with pytest.raises(UserError, match="no non-zero weight"):
         app.build_reward_scorer(app.RewardConfig(components={"ocr": 0.0}))
 
 
 def test_help_lists_every_vrl_knob(app, capsys) -> None:
-    assert app.main(["--help"]) == 0
+    assert app.main(["--help"]) is None
     text = capsys.readouterr().out
     for key in ("rollout.n", "sampling.guidance_scale", "train.clip_range", "train.kl_beta",
                 "train.gradient_accumulation_steps", "eval.num_steps", "eval.use_ema", "reward.url"):
@@ -153,8 +162,8 @@ def test_aesthetic_and_clip_score_rewards_from_the_command_line(app, tmp_path: P
     argv = [*overrides, "reward.components.ocr=0.0", "reward.components.aesthetic=1.0",
             "reward.components.clip_score=0.5", "reward.components.brightness=0", "eval.every=1", "eval.max_prompts=2", "eval.num_steps=2",
             "train.epochs=1"]
-    assert app.main(argv) == 0
-    run = (tmp_path / "latest").resolve()
+    run = app.main(argv)
+    assert run == (tmp_path / "latest").resolve()
     train, evals = _rows(run / "metrics.csv"), _rows(run / "eval_metrics.csv")
     row = next(r for r in train if r.get("reward/mean"))
     assert not row.get("reward/ocr") and not row.get("reward/brightness") and row["reward/failed"] == "0"

@@ -61,6 +61,8 @@ class JudgeScorer:
             return ScoreResult.failed(f"{self.module.name}.rm_postprocess failed on {text[:80]!r}: {type(e).__name__}: {e}")
 
     def _result(self, value: Any) -> ScoreResult:
+        if isinstance(value, bool) or not isinstance(value, int | float):  # None, "0.5", a dict: not a score
+            return ScoreResult.failed(f"{self.module.name}.rm_postprocess returned {value!r}, not a number")
         value = float(value)
         if not math.isfinite(value):
             return ScoreResult.failed(f"{self.module.name}.rm_postprocess returned {value}")

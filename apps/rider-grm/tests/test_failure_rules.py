@@ -1,0 +1,97 @@
+"""The shared failure rules in rider-grm: a non-finite rule score, a judge module that returns a
+non-number, a data row without the rm_prompt a judge reads, refused values before any model
+loads, and user errors as one line without a traceback."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import APP, REPO, TESTS, app, tiny_overrides
+
+from rl_core.train import ConfigError, UserError
+
+
+def rows(run: Path) -> list[dict[str, str]]:
+    with (run / "metrics.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def samples(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "samples" / "train.jsonl").read_text().splitlines()]
+
+
+def test_nan_rule_fails_the_sample_instead_of_passing_the_gate(tmp_path: Path) -> None:
+    run = app.main(tiny_overrides(tmp_path, **{"reward.rule": f'"{TESTS}/rules/nan_rule.py"', "reward.judges": "[]",
+                                                "train.max_steps": 2, "train.samples_to_log": 8}))
+    logged = samples(run)
+    failed = [s for s in logged if s["reward"] is None]
+    assert failed and all("not a finite number" in s["error"] for s in failed), [s["error"] for s in failed]
+    assert all(s["components"]["rule"] == 1.0 for s in logged if s["reward"] is not None)
+    table = rows(run)
+    assert sum(float(r["reward/failed"]) for r in table) >= len(failed)
+    assert all(r["grad_norm"] not in ("", "nan") for r in table if "grad_norm" in r)
+
+
+def test_judge_returning_none_is_a_counted_failure(tmp_path: Path) -> None:
+    judges = f'[{{name = "none", module = "{TESTS}/judges/none_judge.py", model = "tiny:qwen3:1", max_new_tokens = 4, ' \
+             'prompt = "prompt", fallback = 0.0}]'
+    run = app.main(tiny_overrides(tmp_path, **{"reward.judges": judges, "train.max_steps": 1, "train.samples_to_log": 8}))
+    [row] = rows(run)
+    logged = samples(run)
+    nones = [s for s in logged if s["judges"]["none"]["error"]]
+    assert nones and all("not a number" in s["judges"]["none"]["error"] for s in nones)
+    assert float(row["judge_none/parse_failures"]) == len(nones)  # counted, not a silent constant
+
+
+def test_a_later_row_without_the_rm_prompt_is_named(tmp_path: Path) -> None:
+    """Only row 0 used to be checked: 15 later rows without rm_prompt_1 silently got the fallback."""
+    from rewarding import load_records
+    from transformers import AutoTokenizer
+
+    table = pq.read_table(REPO / "examples" / "data" / "rider" / "train.parquet")
+    path = tmp_path / "holes.parquet"
+    pq.write_table(table.slice(0, 3).drop_columns(["rm_prompt_1"]).slice(2, 1), tmp_path / "b.parquet")
+    pq.write_table(table.slice(0, 2), tmp_path / "a.parquet")
+    tokenizer = AutoTokenizer.from_pretrained(app.resolve_model("tiny:qwen3"))
+    cfg = app.load_config(app.Config, app.DEFAULT_CONFIG)
+    with pytest.raises(UserError, match=r"b\.parquet: row 0: no rm_prompt_1 column, but 2 judges read"):
+        load_records([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")], tokenizer, cfg.data, 2)
+    assert len(load_records([str(tmp_path / "a.parquet")], tokenizer, cfg.data, 2)) == 2
+    del path
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("train.max_steps=0", r"train\.max_steps: expected int >= 1, got 0 \(from override train\.max_steps=0\)"),
+    ("reward.rule_weight=nan", r"reward\.rule_weight: must be a finite number"),
+    ("rollout.temperature=0", r"rollout\.temperature: expected float > 0\.0, got 0 \(from override"),
+    ("train.lr=-1", r"train\.lr: expected float > 0\.0, got -1"),
+    ("rollout.n=1", r"rollout\.n=1: .* needs rollout\.n >= 2"),
+])
+def test_refused_values_fail_before_any_model_loads(tmp_path: Path, override: str, message: str) -> None:
+    overrides = tiny_overrides(tmp_path)
+    if override.startswith("rollout.n"):
+        overrides += ["algo.adv_estimator=grpo"]
+    with pytest.raises(ConfigError, match=message):
+        app.main([*overrides, override])
+    assert not (tmp_path / "latest").exists()  # nothing was started
+
+
+def test_user_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(APP / "__main__.py"), "data.train_files=[\"/nope.parquet\"]",
+                           f"train.output_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == "rider-grm: error: data file not found: /nope.parquet " \
+                                                   "(data.train_files / data.val_files)"
+    assert "Traceback" not in done.stderr
+
+
+def test_resume_refuses_another_run_name(tmp_path: Path) -> None:
+    run = app.main(tiny_overrides(tmp_path, **{"train.max_steps": 1, "train.run_name": "a"}))
+    with pytest.raises(UserError, match=r"--resume continues run 'a', but train\.run_name='b'"):
+        app.main([*tiny_overrides(tmp_path, **{"train.max_steps": 2, "train.run_name": "b"}), "--resume", str(run)])
