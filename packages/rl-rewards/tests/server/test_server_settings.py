@@ -73,3 +73,39 @@ def test_reward_worker_base_is_accepted_and_the_log_says_it_is_ignored(tmp_path)
     assert notes[0].startswith("REWARD_WORKER_BASE=18899 is not needed and is ignored")
     assert "pipes, not ports" in notes[0]
     assert not any(e["level"] == "error" for e in log)
+
+
+def test_caprl_plus_plus_fidelity_variables(tmp_path):
+    env = {
+        "FORMAT_REWARD_VARIANT": "caprl-server", "FORMAT_MIN_BRACKETS": "4", "REWARD_ANSWER_PARSER": "caprl",
+        "REWARD_QA_PROMPT_FILE": "/prompts/caprl.txt", "REWARD_MEDIA_ROOT": f"{tmp_path}/a:{tmp_path}/b",
+    }
+    s = load_settings(environ=env)
+    assert (s.format_reward_variant, s.format_min_brackets, s.answer_parser) == ("caprl-server", 4, "caprl")
+    assert s.qa_prompt_file == "/prompts/caprl.txt"
+    assert s.media_roots == [f"{tmp_path}/a", f"{tmp_path}/b"]
+    defaults = load_settings(environ={})
+    assert (defaults.format_reward_variant, defaults.format_min_brackets, defaults.answer_parser) == ("readme", 3, "strict")
+    with pytest.raises(ValueError, match="format_reward_variant"):
+        load_settings(environ={"FORMAT_REWARD_VARIANT": "server"})
+    with pytest.raises(ValueError, match="answer_parser"):
+        load_settings(environ={"REWARD_ANSWER_PARSER": "loose"})
+
+
+def test_served_format_reward_follows_the_variant_settings():
+    from rl_rewards.samples import Sample
+    from rl_rewards.server.rewards import build_served, score_with
+
+    sample = [Sample(completion="[00:01] x")]
+    readme = build_served(load_settings(environ={}))
+    server = build_served(load_settings(environ={"FORMAT_REWARD_VARIANT": "caprl-server"}))
+    wide = build_served(load_settings(environ={"FORMAT_REWARD_VARIANT": "caprl-server", "FORMAT_MIN_BRACKETS": "1"}))
+    assert score_with(readme, "timestamp_format", sample)[0].score == 1.0
+    assert score_with(server, "timestamp_format", sample)[0].score == pytest.approx(0.70)
+    assert score_with(wide, "timestamp_format", sample)[0].score == 1.0
+
+
+def test_no_media_root_is_said_at_start():
+    (note,) = load_settings(environ={}).notes()
+    assert "no media root configured" in note and "REWARD_MEDIA_ROOT" in note
+    assert load_settings(environ={"REWARD_MEDIA_ROOT": "/data"}).notes() == []
