@@ -40,7 +40,8 @@ CaptionQA = tuple[str, list[QAItem]]
 
 
 class VLJudgeSample(msgspec.Struct, kw_only=True, frozen=True):
-    """One vl_judge sample. `video_path` must resolve inside the server's media roots."""
+    """One vl_judge sample. `video_path` must resolve inside the server's media roots; an empty
+    one means the sample has no video (the judge grades the caption text alone, as in CapRL++)."""
 
     caption: str
     video_path: str

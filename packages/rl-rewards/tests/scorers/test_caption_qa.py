@@ -318,7 +318,6 @@ def test_missing_template_file_names_the_setting(tiny_judge, tmp_path):
 
 def test_server_settings_reach_the_served_judge(tmp_path):
     from rl_models.tiny import build
-
     from rl_rewards.rules import first_capital_letter
     from rl_rewards.server.rewards import build_served
     from rl_rewards.server.settings import load_settings

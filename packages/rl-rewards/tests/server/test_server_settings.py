@@ -109,3 +109,19 @@ def test_no_media_root_is_said_at_start():
     (note,) = load_settings(environ={}).notes()
     assert "no media root configured" in note and "REWARD_MEDIA_ROOT" in note
     assert load_settings(environ={"REWARD_MEDIA_ROOT": "/data"}).notes() == []
+
+
+def test_server_without_media_root_says_so_and_refuses_media_per_sample(tmp_path):
+    with server_process(tmp_path, "no_media", ["--log-format", "json"]) as server:
+        samples = [{"completion": "[00:01] a", "metadata": {"image": "cat.png"}}, {"completion": "[00:01] b"}]
+        r = httpx.post(f"{server.url}/v1/score", json={"samples": samples}, timeout=30)
+        results = r.json()["results"]
+        assert "refused: the server has no --media-root" in results[0]["error"]
+        assert results[1]["score"] == 1.0 and results[1].get("error") is None
+    log = [json.loads(line) for line in (tmp_path / "no_media.log").read_text().splitlines() if line.startswith("{")]
+    notes = [e["message"] for e in log if "no media root configured" in e["message"]]
+    assert len(notes) == 1 and "REWARD_MEDIA_ROOT" in notes[0]
+    (tmp_path / "media").mkdir()
+    with server_process(tmp_path, "media", ["--log-format", "json"], env={"REWARD_MEDIA_ROOT": str(tmp_path / "media")}):
+        pass
+    assert "no media root configured" not in (tmp_path / "media.log").read_text()

@@ -300,8 +300,5 @@ async def _vl_judge(service: RewardService, req: wire.GetRewardRequest) -> wire.
             "no vl_judge configured: start the server with REWARD_MODEL=<VLM> and REWARD_SCORE_MODE=vl_judge",
             field="$.score_mode",
         )
-    prepared = [
-        _confined(Sample(completion=s.caption, metadata={"video": s.video_path}), settings.media_roots)
-        for s in req.samples
-    ]
+    prepared = [_confined(protocols.vl_judge_sample(s), settings.media_roots) for s in req.samples]
     return protocols.judge_response(await service.score(CAPRL_VL_JUDGE, prepared))

@@ -3,7 +3,8 @@
 CapRL qa: each `[caption, qa_list]` becomes `Sample(completion=caption, reference=qa_list)` for the
 `caption_qa` judge (qa_list as CapRL sends it: `[[question_text, answer_letter], ...]`); the video
 task adds `FORMAT_REWARD_WEIGHT * R_fmt` from `timestamp_format`. vl_judge: `Sample(completion=
-caption, metadata={"video": path})`. A sample that fails (bad QA list, path outside the media
+caption, metadata={"video": path})`, or no media at all when `video_path` is empty (CapRL++'s client
+sends "" for a sample without a video; the judge then sees the caption alone). A sample that fails (bad QA list, path outside the media
 roots, judge error) gets reward 0.0 and its message in `errors[i]`; the others are unaffected.
 """
 
@@ -27,6 +28,13 @@ def qa_sample(caption: str, qa: list[wire.QAItem]) -> Prepared:
         if len(letter.strip()) != 1 or not letter.strip().isalpha():
             return f"qa[{j}]: answer {letter!r} is not a single option letter"
     return Sample(completion=caption, reference=[[q, a.strip()] for q, a in qa])
+
+
+def vl_judge_sample(sample: wire.VLJudgeSample) -> Sample:
+    """CapRL vl_judge sample -> Sample; an empty (or blank) `video_path` means no media."""
+    if not sample.video_path.strip():
+        return Sample(completion=sample.caption)
+    return Sample(completion=sample.caption, metadata={"video": sample.video_path})
 
 
 def qa_texts(request: wire.GetRewardRequest) -> Iterator[tuple[str, str]]:

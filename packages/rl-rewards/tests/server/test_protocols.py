@@ -1,0 +1,28 @@
+"""Wire <-> sample translation of the server routes (pure functions, no server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl_rewards import wire
+from rl_rewards.samples import Sample
+from rl_rewards.server import protocols
+from rl_rewards.server.limits import confine_sample
+
+pytestmark = pytest.mark.no_torch
+
+
+def test_empty_video_path_means_no_media(tmp_path):
+    for path in ("", "  "):
+        sample = protocols.vl_judge_sample(wire.VLJudgeSample(caption="a dog", video_path=path))
+        assert sample == Sample(completion="a dog")
+        assert confine_sample(sample, []) == sample  # nothing to confine, even with no media root
+    named = protocols.vl_judge_sample(wire.VLJudgeSample(caption="a dog", video_path="clip.mp4"))
+    assert named.metadata == {"video": "clip.mp4"}
+    assert confine_sample(named, [str(tmp_path)]).metadata == {"video": str(tmp_path / "clip.mp4")}
+
+
+def test_without_a_media_root_a_named_video_is_that_samples_error():
+    named = protocols.vl_judge_sample(wire.VLJudgeSample(caption="a dog", video_path="clip.mp4"))
+    with pytest.raises(ValueError, match=r"metadata.video: media path 'clip.mp4' refused: the server has no --media-root"):
+        confine_sample(named, [])
