@@ -13,6 +13,7 @@ from rl_rewards.rules import (
     embedding_similarity_map,
     first_capital_letter,
     first_option_letter,
+    json_field,
     length_reward,
     ocr_similarity,
     timestamp_format,
@@ -282,3 +283,31 @@ def test_first_option_letter_custom_letters():
 def test_answer_parsers_strict_and_caprl(text, strict, caprl):
     assert ANSWER_PARSERS["strict"](text) == first_option_letter(text) == strict
     assert ANSWER_PARSERS["caprl"](text) == first_capital_letter(text) == caprl
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('{"Response": "hi", "Solution": "x"}', "hi"),
+        ('Assistant: \n{"Response": "hi"} trailing words', "hi"),
+        ('{"Response": "hi"', "hi"),  # no closing brace: VeRL-with-RMs appends one
+        ('a {"Response": "x {y}"} b', "x {y}"),  # first { to last }
+    ],
+)
+def test_json_field_reads_like_verl_with_rms(text, expected):
+    assert json_field(text, "Response") == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("plain text", "no JSON object"),
+        ('{"Response": hi}', "does not parse"),
+        ('{"Other": "hi"}', "no string field 'Response'"),
+        ('{"Response": null}', "no string field 'Response'"),
+        ("[1, 2] }", "no JSON object"),
+    ],
+)
+def test_json_field_malformed_is_a_value_error(text, message):
+    with pytest.raises(ValueError, match=message):
+        json_field(text, "Response")

@@ -7,6 +7,7 @@ that CapRL's QA reward needs, with CapRL's parser defect fixed.
 
 from __future__ import annotations
 
+import json
 import re
 from functools import lru_cache
 
@@ -168,6 +169,28 @@ def embedding_similarity_map(s: float) -> float:
     if s >= 0.85:
         return 1.0
     return 0.1 + 1.69811 * (10 ** (4 * (s - 0.9)) - 0.1)
+
+
+def json_field(text: str, field: str) -> str:
+    """The string value of `field` in the JSON object a completion ends with, as VeRL-with-RMs
+    reads it (its judges' `rm_preprocess` and its BGE reward, field `"Response"`).
+
+    The object is the text from the first `{` to the last `}`; a completion with a `{` but no
+    `}` is closed with one (as there: `'{"Response": "hi"'` reads as `hi`). ValueError (the
+    sample is "malformed") when there is no `{`, the text is not JSON, or `field` is missing or
+    not a string.
+    """
+    body = text.rsplit("}", 1)[0] + "}"
+    if "{" not in body:
+        raise ValueError(f"no JSON object in the completion (looking for field {field!r})")
+    body = "{" + body.split("{", 1)[1]
+    try:
+        value = json.loads(body.strip())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the completion's JSON object does not parse: {e}") from None
+    if not isinstance(value, dict) or not isinstance(value.get(field), str):
+        raise ValueError(f"the completion's JSON object has no string field {field!r}")
+    return value[field]
 
 
 def first_option_letter(text: str, letters: str = "ABCDEFGHI") -> str | None:

@@ -375,7 +375,6 @@ class CaptionQAScorer:
         template = load_prompt_template(prompt_template) if prompt_template is not None else None
         self.prompter = QAPrompter(tokenizer, task, chat_template, chat_template_kwargs, template)
         self.parse_answer = ANSWER_PARSERS[answer_parser]
-        self.component_keys = ("letter_mass",) if estimator == "exact" else ("parsed",)
         self.letter_ids = self.prompter.letter_ids()
         self.rng = random.Random(seed)
         self.seeded = seed is not None
