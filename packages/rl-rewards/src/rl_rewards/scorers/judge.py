@@ -10,6 +10,8 @@ its `"Response"` field (`rules.json_field`). Set `completion_field="Response"` t
 that field instead of the whole completion; a completion without it (malformed JSON) is not sent
 to the judge and scores `on_malformed` (0.0, as there; None makes it the sample's error). The
 `malformed` component says which samples those were (1.0) and is reported only with a field.
+Use it with modules that take plain text; VeRL-with-RMs' own modules extract the field inside
+`rm_preprocess` themselves (leave `completion_field` unset for them).
 """
 
 from __future__ import annotations
