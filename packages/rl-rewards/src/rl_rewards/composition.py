@@ -123,11 +123,7 @@ class Reward:
         self.parts = [_Part(name, c, scorers[name]) for name, c in spec.components.items()]
         self.inline = all(runs_inline(part.scorer) for part in self.parts)  # rules only
         self._weights = {name: c.weight for name, c in spec.components.items()}
-        self.keys: tuple[str, ...] = tuple(
-            key
-            for name, c in spec.components.items()
-            for key in (name, *(f"{name}.{sub}" for sub in scorer_component_keys(c.scorer, c.options)))
-        )
+        self.keys: tuple[str, ...] = spec_keys(spec)
         """Every component and declared sub-component key, in spec order: present in every result."""
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
@@ -220,6 +216,16 @@ class Reward:
             term = components[name].weight * values[name]
             total = total + term if components[name].op == "add" else total * term
         return total
+
+
+def spec_keys(spec: RewardSpec) -> tuple[str, ...]:
+    """The keys every result of `build_reward(spec)` carries: each component's name and its
+    scorer's declared sub-components (`"name.sub"`), in spec order; known without building."""
+    return tuple(
+        key
+        for name, c in spec.components.items()
+        for key in (name, *(f"{name}.{sub}" for sub in scorer_component_keys(c.scorer, c.options)))
+    )
 
 
 def build_reward(

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from rl_rewards import wire
+from rl_rewards.composition import reject_non_finite
 from rl_rewards.samples import Sample, ScoreResult
 
 Prepared = Sample | str
@@ -93,14 +94,12 @@ def openrlhf_samples(request: wire.OpenRLHFRequest) -> list[Sample]:
     return samples
 
 
-def openrlhf_response(results: Sequence[ScoreResult]) -> wire.OpenRLHFResponse:
+def openrlhf_response(results: Sequence[ScoreResult], keys: Sequence[str]) -> wire.OpenRLHFResponse:
+    """`keys`: the served reward's component keys (`served_keys`): every response carries
+    exactly `error` and those, whatever failed, so OpenRLHF's per-key lists stay aligned."""
     values = [value(r) for r in results]
-    names: list[str] = []
-    for r in results:
-        names += [k for k in r.components if k not in names]
-    extra = {name: [r.components.get(name, 0.0) for r in results] for name in names}
-    if any(r.error is not None for r in results):
-        extra["error"] = [0.0 if r.error is None else 1.0 for r in results]
+    extra = {"error": [0.0 if r.error is None else 1.0 for r in results]}
+    extra.update({key: [r.components.get(key, 0.0) for r in results] for key in keys})
     return wire.OpenRLHFResponse(rewards=values, scores=list(values), extra_logs=extra)
 
 
@@ -115,8 +114,10 @@ def sample_texts(samples: Sequence[Sample], prefix: str, longer_than: int = -1) 
 
 
 def merge(prepared: Sequence[Prepared], scored: Sequence[ScoreResult]) -> list[ScoreResult]:
-    """Put scored results back between the samples that failed before scoring."""
+    """Put scored results back between the samples that failed before scoring; a non-finite
+    score becomes that sample's error on every route (JSON has no NaN: it would be `null`)."""
+    scored = reject_non_finite(list(scored), "the reward")
     if len(scored) == len(prepared):  # none failed
-        return list(scored)
+        return scored
     it = iter(scored)
     return [ScoreResult.failed(p) if isinstance(p, str) else next(it) for p in prepared]

@@ -16,10 +16,11 @@ import importlib.util
 import logging
 from collections.abc import Mapping
 
-from rl_rewards.composition import build_reward, score_isolated
-from rl_rewards.registry import build_scorer
+from rl_rewards.composition import build_reward, score_isolated, spec_keys
+from rl_rewards.registry import build_scorer, scorer_component_keys
 from rl_rewards.samples import AsyncScorer, Sample, Scorer, ScoreResult
 from rl_rewards.server.settings import ServerSettings
+from rl_rewards.spec import spec_from_dict
 
 Served = Mapping[str, Scorer | AsyncScorer]
 log = logging.getLogger("rl_rewards.server")
@@ -94,6 +95,22 @@ def build_served(settings: ServerSettings) -> dict[str, Scorer | AsyncScorer]:
     if judge is not None and CAPRL_FORMAT not in served:
         served[CAPRL_FORMAT] = build_scorer(CAPRL_FORMAT, **_format_options(settings))
     return served
+
+
+def served_keys(settings: ServerSettings) -> dict[str, list[str]]:
+    """For each reward `reward_names` lists, the component keys every one of its results carries
+    (a composed reward: `spec_keys`; a bare scorer: its declared sub-components). Computed from
+    the settings alone, so the server process knows them without loading a judge; clients use
+    them to report the same keys for every sample (verl, OpenRLHF)."""
+    keys: dict[str, list[str]] = {}
+    for name in reward_names(settings):
+        if name in settings.rewards:
+            keys[name] = list(spec_keys(spec_from_dict(dict(settings.rewards[name]), source=f"rewards.{name}")))
+        elif name == CAPRL_QA:
+            keys[name] = list(scorer_component_keys("caption_qa", {"estimator": "sample", **settings.judge_options}))
+        else:
+            keys[name] = list(scorer_component_keys(name, {}))
+    return keys
 
 
 def score_with(served: Served, reward: str, samples: list[Sample]) -> list[ScoreResult]:
