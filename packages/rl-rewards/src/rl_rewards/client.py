@@ -256,25 +256,28 @@ class AsyncRewardClient:
 class RemoteScorer:
     """A served reward as a `Scorer` and `AsyncScorer`: what the TRL/verl/OpenRLHF adapters use
     when given a server URL. The async client is created per event loop call (httpx async
-    clients are bound to the loop that made them); the sync one on first use.
+    clients are bound to the loop that made them).
 
-    Picklable (only its settings travel): verl's remote reward manager ships the reward function
-    to Ray workers, and an open httpx client holds locks that cannot be pickled."""
+    Picklable (only its settings travel; the copy opens its own connection pool): verl's remote
+    reward manager ships the reward function to Ray workers, and an open httpx client holds
+    locks that cannot be pickled."""
 
     def __init__(self, url: str, reward: str = "", *, api_key: str | None = None, timeout: float = 180.0,
                  retry: RetryPolicy = RetryPolicy()) -> None:
         self.name = reward or "remote"
         self.url, self.reward = url, reward
         self._options: dict[str, Any] = {"api_key": api_key, "timeout": timeout, "retry": retry}
-        self._sync: RewardClient | None = None
         self._keys: tuple[str, ...] | None = None
+        self._sync = RewardClient(url, **self._options)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_sync": None}
+        return {k: v for k, v in self.__dict__.items() if k != "_sync"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._sync = RewardClient(self.url, **self._options)
 
     def _client(self) -> RewardClient:
-        if self._sync is None:
-            self._sync = RewardClient(self.url, **self._options)
         return self._sync
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
@@ -297,5 +300,4 @@ class RemoteScorer:
         return self._keys
 
     def close(self) -> None:
-        if self._sync is not None:
-            self._sync.close()
+        self._sync.close()
