@@ -13,10 +13,10 @@ import pickle
 import warnings
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+import numpy as np
 with warnings.catch_warnings():  # verl imports Ray's deprecated experimental state API
     warnings.simplefilter("ignore", DeprecationWarning)
     verl = pytest.importorskip("verl")
