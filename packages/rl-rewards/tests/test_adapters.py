@@ -92,7 +92,7 @@ def test_openrlhf_reward_func():
     import torch
 
     reward_func = as_openrlhf_reward_func(_reward(), error_score=-1.0)
-    # OpenRLHF --remote_rm_url reward_func.py: reward_func(queries, prompts, labels)
+    # OpenRLHF --reward.remote_url reward_func.py (was --remote_rm_url): reward_func(queries, prompts, labels)
     out = reward_func(
         ["<|user|>describe<|assistant|>[00:01] cat", "<|user|>describe<|assistant|>dog", "other [00:01]"],
         ["<|user|>describe<|assistant|>", "<|user|>describe<|assistant|>", "mismatched prompt"],

@@ -5,7 +5,7 @@ Routes (scoring routes require the bearer token when an API key is configured):
 | route | protocol |
 |---|---|
 | `POST /get_reward` | CapRL++ (qa and vl_judge), drop-in |
-| `POST /openrlhf/get_reward` | OpenRLHF remote reward model (`--remote_rm_url http://HOST:PORT/openrlhf/get_reward`) |
+| `POST /openrlhf/get_reward` | OpenRLHF remote reward model (`--reward.remote_url http://HOST:PORT/openrlhf/get_reward`; older OpenRLHF: `--remote_rm_url`) |
 | `POST /v1/score` | native: samples + reward name -> ScoreResults |
 | `GET /health` | 200 `{"ready": true, ...}` once every reward is loaded, else 503 |
 | `GET /metrics` | Prometheus text |
