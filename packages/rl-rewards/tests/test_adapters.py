@@ -170,6 +170,10 @@ scorer = "length"
 weight = 0.5
 options = { tokenizer = "whitespace", l1 = 2, l2 = 4 }
 gate = { component = "format", threshold = 1.0 }
+
+[rewards.broken.components.format]
+scorer = "timestamp_format"
+weight = nan
 """
 SERVED_KEYS = {"score", "failed", "format", "length", "length.n_tokens"}
 
@@ -216,3 +220,16 @@ def test_openrlhf_route_sends_the_same_keys_for_every_request(served):
     scored, gated = post("[00:01] cat"), post("no stamp")  # OpenRLHF: one query per request
     assert scored["extra_logs"] == {"error": [0.0], "format": [1.0], "length": [1.0], "length.n_tokens": [2.0]}
     assert gated["extra_logs"] == {"error": [0.0], "format": [0.0], "length": [0.0], "length.n_tokens": [0.0]}
+
+
+@pytest.mark.no_torch
+def test_a_non_finite_served_reward_is_a_failed_sample_not_a_null(served):
+    from rl_rewards.client import RewardClient
+    from rl_rewards.samples import Sample
+
+    with RewardClient(served.url) as client:
+        (result,) = client.score([Sample(completion="[00:01] cat")], reward="broken")
+    assert result.score is None and "the combined reward is nan" in result.error
+    verl = as_verl_compute_score(served.url, reward="broken", error_score=-1.0)
+    assert verl(data_source="d", solution_str="[00:01] cat", ground_truth=None) == {"score": -1.0, "failed": 1.0, "format": 1.0}
+    verl.scorer.close()

@@ -17,6 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import numpy as np
+
 with warnings.catch_warnings():  # verl imports Ray's deprecated experimental state API
     warnings.simplefilter("ignore", DeprecationWarning)
     verl = pytest.importorskip("verl")
