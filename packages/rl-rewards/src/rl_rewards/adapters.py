@@ -23,7 +23,6 @@ from typing import Any
 
 from rl_rewards.client import RemoteScorer
 from rl_rewards.composition import Reward, build_reward, reject_non_finite
-from rl_rewards.registry import scorer_component_keys
 from rl_rewards.samples import AsyncScorer, Sample, Scorer, ScoreResult
 from rl_rewards.spec import RewardSpec
 
@@ -42,13 +41,14 @@ def resolve_scorer(target: Target, reward: str = "") -> Scorer | AsyncScorer:
 
 
 def reward_keys(scorer: Scorer | AsyncScorer) -> tuple[str, ...]:
-    """The component keys every result of `scorer` carries: a composed reward's `keys`, a served
-    reward's keys (asked from the server once), or a registered scorer's declared sub-components."""
+    """The component keys every result of `scorer` carries: a composed reward's `keys` or a
+    served reward's keys (asked from the server once). A bare scorer reports none: its options,
+    which decide its keys, are not known here; wrap it in a spec to report its components."""
     if isinstance(scorer, Reward):
         return scorer.keys
     if isinstance(scorer, RemoteScorer):
         return scorer.keys()
-    return scorer_component_keys(scorer.name)
+    return ()
 
 
 def _is_remote(scorer: Scorer | AsyncScorer) -> bool:
