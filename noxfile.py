@@ -12,7 +12,9 @@ import nox
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "tests", "rewards_no_torch", "app_caption_rl", "app_rider_grm", "app_diffusion_grpo"]
+nox.options.sessions = [
+    "lint", "tests", "rewards_no_torch", "third_party", "app_caption_rl", "app_rider_grm", "app_diffusion_grpo",
+]
 
 # package -> extras its tests need (never vllm: it needs a GPU and is opt-in).
 PACKAGES: dict[str, list[str]] = {
@@ -62,6 +64,27 @@ def rewards_no_torch(session: nox.Session) -> None:
     _sync(session, "rl-rewards", [])
     session.run("python", "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)")
     _pytest(session, "rl-rewards", "no_torch")
+
+
+# verl and OpenRLHF pin transformers below the workspace's (verl 0.9.1: < 5.11; OpenRLHF also
+# needs flash-attn and deepspeed, which do not build on a CPU), so they cannot share uv.lock.
+# Their reward code needs none of that: they are installed without dependencies, plus the few
+# light modules their reward managers, reward loop and Experience code import.
+THIRD_PARTY_NO_DEPS = ["verl==0.9.1", "openrlhf==0.11.2"]
+THIRD_PARTY_IMPORTS = ["tensordict==0.15.3", "codetiming==1.4.0", "omegaconf==2.4.0", "orjson>=3.10",
+                       "pylatexenc==2.11", "aiohttp>=3.9"]
+
+
+@nox.session
+def third_party(session: nox.Session) -> None:
+    """rl-rewards' adapters inside the real TRL, verl and OpenRLHF code (tests/third_party)."""
+    args = ["uv", "sync", "--frozen", "--no-default-groups", "--package", "rl-rewards",
+            "--group", "test", "--group", "third-party", "--extra", "hf", "--extra", "ray"]
+    session.run_install(*args, env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location})
+    session.install("--no-deps", *THIRD_PARTY_NO_DEPS)
+    session.install(*THIRD_PARTY_IMPORTS)
+    session.run("python", "-m", "pytest", "packages/rl-rewards/tests/third_party", "-m", "third_party", "-q",
+                *session.posargs)
 
 
 @nox.session

@@ -11,11 +11,11 @@ accelerate launch --num_processes 8 --num_machines 1 apps/rider-grm/__main__.py 
   --config examples/rider-grm/verl-with-rms.toml \
   model.path="$MODEL_PATH" \
   data.train_files="$TRAIN_FILE" data.val_files="$TRAIN_FILE" \
-  reward.judges='[{name="rider", module="examples/rider-grm/reward_function/rider_reward.py", model="'"$RM1"'", weight=0.3, combine="add", temperature=0.7, gate=1.0},
-                  {name="consistency", module="examples/rider-grm/reward_function/consistency_reward.py", model="'"$RM2"'", weight=0.5, combine="add", temperature=0.7}]' \
+  reward.judges='[{name="rider", module="examples/rider-grm/reward_function/rating_judge.py", model="'"$RM1"'", weight=0.3, combine="add", temperature=0.7, gate=1.0},
+                  {name="consistency", module="examples/rider-grm/reward_function/no_contradiction_judge.py", model="'"$RM2"'", weight=0.5, combine="add", temperature=0.7}]' \
   train.batch_size=32 train.save_freq=30 train.epochs=15 2>&1 | tee rider_grm.log
 
 # The seed's parallel-list form works too (lists of unequal length are rejected at load):
-#   reward.judges='[]' reward.verl.reward_function=rider_reward.py,consistency_reward.py \
+#   reward.judges='[]' reward.verl.reward_function=examples/rider-grm/reward_function/rating_judge.py,examples/rider-grm/reward_function/no_contradiction_judge.py \
 #   reward.verl.model_path=$RM1,$RM2 reward.verl.reward_weight=0.3,0.5 \
 #   reward.verl.reward_combine_func=add,add reward.verl.temperature=0.7,0.7

@@ -40,7 +40,7 @@ def sample(uid: int, completion: str = "Paid every Tuesday.") -> Sample:
 
 def test_verl_with_rms_module_file_loads_unchanged(judge_path: Path) -> None:
     """A module written for VeRL-with-RMs (plain functions, no imports of ours) works as is."""
-    module = load_reward_module(str(MODULES / "rider_reward.py"))
+    module = load_reward_module(str(MODULES / "rating_judge.py"))
     tokenizer = AutoTokenizer.from_pretrained(judge_path)
     inputs = module.preprocess(["Rate the reply: {response}"], ["Paid on Tuesday."], tokenizer)
     assert len(inputs) == 1 and "Rate the reply: Paid on Tuesday." in inputs[0]
@@ -67,7 +67,7 @@ def test_swapped_judge_is_awake_only_while_scoring(judge_path: Path) -> None:
     policy.sleep()
     engine = RecordingEngine(HFEngine.from_pretrained(judge_path))
     engine.sleep()
-    scorer = JudgeScorer(engine, AutoTokenizer.from_pretrained(judge_path), str(MODULES / "consistency_reward.py"),
+    scorer = JudgeScorer(engine, AutoTokenizer.from_pretrained(judge_path), str(MODULES / "no_contradiction_judge.py"),
                          temperature=0.7, max_new_tokens=4)
     probe = StateProbe(scorer, {"judge": engine, "policy": policy})
     monitor = PhaseMonitor(torch.device("cpu"))
@@ -86,7 +86,7 @@ def test_swapped_judge_is_awake_only_while_scoring(judge_path: Path) -> None:
 
 def test_swapped_judge_sends_rm_prompt_of_its_index(judge_path: Path) -> None:
     engine = RecordingEngine(HFEngine.from_pretrained(judge_path))
-    scorer = JudgeScorer(engine, AutoTokenizer.from_pretrained(judge_path), str(MODULES / "rider_reward.py"),
+    scorer = JudgeScorer(engine, AutoTokenizer.from_pretrained(judge_path), str(MODULES / "rating_judge.py"),
                          temperature=0.0, max_new_tokens=2)
     seen: list[str] = []
     original = scorer.module.preprocess

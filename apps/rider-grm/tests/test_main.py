@@ -19,9 +19,9 @@ from rl_core.train import ConfigError
 from rl_rewards.rules import embedding_similarity_map
 
 JUDGES = (
-    f'[{{name = "score", module = "{REPO}/examples/rider-grm/reward_function/rider_reward.py", model = "tiny:qwen3:1", weight = 0.3, '
+    f'[{{name = "score", module = "{REPO}/examples/rider-grm/reward_function/rating_judge.py", model = "tiny:qwen3:1", weight = 0.3, '
     f'combine = "add", gate = 1.0, max_new_tokens = 4, fallback = 0.25}}, '
-    f'{{name = "consistency", module = "{REPO}/examples/rider-grm/reward_function/consistency_reward.py", model = "tiny:qwen3:2", '
+    f'{{name = "consistency", module = "{REPO}/examples/rider-grm/reward_function/no_contradiction_judge.py", model = "tiny:qwen3:2", '
     f'weight = 0.5, combine = "mul", max_new_tokens = 4, fallback = 0.5}}]'
 )
 

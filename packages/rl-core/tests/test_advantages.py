@@ -8,7 +8,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rl_core.advantages import compute_advantages, compute_gae, masked_whiten
+from rl_core.advantages import (
+    compute_advantages,
+    compute_gae,
+    group_ids_from_keys,
+    masked_whiten,
+    nonzero_advantage_indices,
+)
 
 ids = torch.tensor  # readability: group ids
 
@@ -455,3 +461,141 @@ def test_rloo_sums_to_zero_in_every_group(rows) -> None:
     ]
     for gid in g.unique():
         assert abs(float(adv[g == gid].sum())) < 1e-9
+
+
+# ------------------------------------------------- std / eps conventions of Flow-GRPO and VRL
+
+
+def test_grpo_population_std_with_flow_grpo_eps() -> None:
+    # rewards 1, 2, 3: mean 2, population std sqrt(2/3) = 0.81650 (np.std), + 1e-4 (Flow-GRPO
+    # stat_tracking.py: (r - mean) / (np.std(r) + 1e-4)) -> -1 / 0.81660 = -1.22459
+    adv = compute_advantages(
+        "grpo", rewards=torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), mask=full_mask(3, 1),
+        group_ids=ids([0, 0, 0]), std="population", eps=1e-4,
+    )
+    a = 1 / (math.sqrt(2 / 3) + 1e-4)
+    torch.testing.assert_close(adv[:, 0], torch.tensor([-a, 0.0, a], dtype=torch.float64))
+    assert abs(a - 1.22459) < 1e-5
+
+
+def test_grpo_clamp_eps_mode_is_vrl_max_std_eps() -> None:
+    # VRL (vrl/algorithms/advantages.py): (r - mean) / clamp(population std, min=eps).
+    # group 0: 1, 3 -> population std 1 -> -1, 1 (exactly; "add" would give 1 / (1 + eps))
+    # group 1: 0, 2e-9 -> std 1e-9 < eps = 1e-8 -> -1e-9 / 1e-8 = -0.1, 0.1
+    rewards = torch.tensor([1.0, 3.0, 0.0, 2e-9], dtype=torch.float64)
+    adv = compute_advantages(
+        "grpo", rewards=rewards, mask=full_mask(4, 1), group_ids=ids([0, 0, 1, 1]),
+        std="population", eps=1e-8, eps_mode="clamp",
+    )
+    torch.testing.assert_close(
+        adv[:, 0], torch.tensor([-1.0, 1.0, -0.1, 0.1], dtype=torch.float64), rtol=1e-9, atol=0
+    )
+
+
+def test_grpo_batch_scale_with_population_std() -> None:
+    # one std over the batch 0, 0, 2, 2: population std 1 (unbiased would be 1.1547)
+    # groups {0, 2} and {0, 2}: mean 1 -> -1, +1 divided by (1 + 1e-4)
+    adv = compute_advantages(
+        "grpo", rewards=torch.tensor([0.0, 2.0, 0.0, 2.0]), mask=full_mask(4, 1),
+        group_ids=ids([0, 0, 1, 1]), scale="batch", std="population", eps=1e-4,
+    )
+    torch.testing.assert_close(adv[:, 0], torch.tensor([-1.0, 1.0, -1.0, 1.0]) / (1 + 1e-4))
+
+
+def test_grpo_bad_std_or_eps_mode_names_the_choices() -> None:
+    kw = {"rewards": torch.ones(2), "mask": full_mask(2, 1), "group_ids": ids([0, 0])}
+    with pytest.raises(ValueError, match="'unbiased' or 'population', got 'pop'"):
+        compute_advantages("grpo", std="pop", **kw)
+    with pytest.raises(ValueError, match="'add' or 'clamp', got 'max'"):
+        compute_advantages("grpo", eps_mode="max", **kw)
+
+
+def flow_grpo_stat_tracker(prompts: list[str], rewards: list[float]) -> list[float]:
+    """Literal loop transcription of Flow-GRPO's PerPromptStatTracker.update (type='grpo',
+    global_std=False): per prompt text, (r - mean) / (population std + 1e-4)."""
+    out = [0.0] * len(rewards)
+    for prompt in dict.fromkeys(prompts):
+        members = [i for i, p in enumerate(prompts) if p == prompt]
+        vals = [rewards[i] for i in members]
+        mean = sum(vals) / len(vals)
+        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals)) + 1e-4
+        for i in members:
+            out[i] = (rewards[i] - mean) / std
+    return out
+
+
+def test_prompt_keyed_groups_reproduce_flow_grpo_stat_tracker() -> None:
+    # two sampler groups (ids 0 and 1) drew the same prompt "a cat": Flow-GRPO pools them
+    prompts = ["a cat", "a cat", "a dog", "a dog", "a cat", "a cat"]
+    rewards = [0.1, 0.5, 0.3, 0.3, 0.9, 0.2]
+    g = group_ids_from_keys(prompts)
+    assert g.tolist() == [0, 0, 1, 1, 0, 0]
+    adv = compute_advantages(
+        "grpo", rewards=torch.tensor(rewards, dtype=torch.float64), mask=full_mask(6, 1),
+        group_ids=g, std="population", eps=1e-4,
+    )
+    expected = torch.tensor(flow_grpo_stat_tracker(prompts, rewards), dtype=torch.float64)
+    torch.testing.assert_close(adv[:, 0], expected)
+    by_draw = compute_advantages(  # per sampler group: a different (and not Flow-GRPO's) answer
+        "grpo", rewards=torch.tensor(rewards, dtype=torch.float64), mask=full_mask(6, 1),
+        group_ids=ids([0, 0, 1, 1, 2, 2]), std="population", eps=1e-4,
+    )
+    assert not torch.allclose(by_draw, adv)
+
+
+def test_group_ids_from_keys_numbers_by_first_appearance() -> None:
+    ids_ = group_ids_from_keys([("p", 1), "b", ("p", 1), 3, "b"])
+    assert ids_.dtype == torch.int64
+    assert ids_.tolist() == [0, 1, 0, 2, 1]
+    assert group_ids_from_keys([]).tolist() == []
+
+
+# ------------------------------------------------------------- Flow-GRPO zero-advantage filter
+
+
+def flow_grpo_mask(advantages: torch.Tensor, num_batches: int) -> torch.Tensor:
+    """Literal transcription of Flow-GRPO train_sd3.py's filter (global torch RNG)."""
+    mask = advantages.abs().sum(dim=1) != 0
+    true_count = mask.sum()
+    if true_count % num_batches != 0:
+        false_indices = torch.where(~mask)[0]
+        num_to_change = num_batches - (true_count % num_batches)
+        if len(false_indices) >= num_to_change:
+            random_indices = torch.randperm(len(false_indices))[:num_to_change]
+            mask[false_indices[random_indices]] = True
+    return mask
+
+
+def test_nonzero_advantages_hand_worked() -> None:
+    adv = torch.tensor([0.0, 1.0, 0.0, -2.0, 0.0, 0.5])
+    # 3 non-zero, 3 batches: a multiple already, nothing put back
+    assert nonzero_advantage_indices(adv, num_batches=3).tolist() == [1, 3, 5]
+    # 3 non-zero, 2 batches: one of the zero samples 0, 2, 4 is put back
+    kept = nonzero_advantage_indices(adv, num_batches=2, generator=torch.Generator().manual_seed(0))
+    assert len(kept) == 4 and {1, 3, 5} < set(kept.tolist())
+    assert kept.tolist() == sorted(kept.tolist())
+    # 3 non-zero, 4 batches, only one zero sample needed and present
+    assert nonzero_advantage_indices(torch.tensor([1.0, 1.0, 1.0, 0.0]), num_batches=4).tolist() == [0, 1, 2, 3]
+
+
+def test_nonzero_advantages_edge_cases_as_flow_grpo() -> None:
+    # 3 non-zero, 5 batches: 2 zero samples needed, 1 present -> none put back, K = 3
+    assert nonzero_advantage_indices(torch.tensor([1.0, 1.0, 1.0, 0.0]), num_batches=5).tolist() == [0, 1, 2]
+    # every advantage zero: nothing to train
+    assert nonzero_advantage_indices(torch.zeros(4), num_batches=2).tolist() == []
+    # [N, T] advantages (one per denoising step): a sample is zero when all its steps are
+    adv = torch.tensor([[0.0, 0.0], [0.0, 1.0], [2.0, 2.0]])
+    assert nonzero_advantage_indices(adv, num_batches=2).tolist() == [1, 2]
+    with pytest.raises(ValueError, match="num_batches must be >= 1, got 0"):
+        nonzero_advantage_indices(adv, num_batches=0)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_nonzero_advantages_match_flow_grpo_with_the_same_rng_state(seed: int) -> None:
+    rng = torch.Generator().manual_seed(100 + seed)
+    adv = torch.randn(24, 3, generator=rng) * (torch.rand(24, 1, generator=rng) < 0.6)  # [24, 3]
+    torch.manual_seed(seed)
+    expected = torch.where(flow_grpo_mask(adv, num_batches=4))[0]
+    kept = nonzero_advantage_indices(adv, num_batches=4, generator=torch.Generator().manual_seed(seed))
+    assert kept.tolist() == expected.tolist()
+    assert len(kept) % 4 == 0

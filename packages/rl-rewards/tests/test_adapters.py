@@ -1,5 +1,5 @@
-"""Adapters, each called exactly the way its framework calls it (signatures from the TRL, verl and
-OpenRLHF docs; the frameworks themselves are too heavy to install here)."""
+"""Adapters, each called exactly the way its framework calls it. The frameworks' own loops run in
+`tests/third_party/` (nox session `third_party`); these pin the values by hand."""
 
 import asyncio
 import inspect
@@ -92,7 +92,7 @@ def test_openrlhf_reward_func():
     import torch
 
     reward_func = as_openrlhf_reward_func(_reward(), error_score=-1.0)
-    # OpenRLHF --remote_rm_url reward_func.py: reward_func(queries, prompts, labels)
+    # OpenRLHF --reward.remote_url reward_func.py (was --remote_rm_url): reward_func(queries, prompts, labels)
     out = reward_func(
         ["<|user|>describe<|assistant|>[00:01] cat", "<|user|>describe<|assistant|>dog", "other [00:01]"],
         ["<|user|>describe<|assistant|>", "<|user|>describe<|assistant|>", "mismatched prompt"],
@@ -101,5 +101,135 @@ def test_openrlhf_reward_func():
     assert isinstance(out["rewards"], torch.Tensor)
     assert out["rewards"].tolist() == [1.5, -1.0, 1.0]
     assert out["scores"].tolist() == out["rewards"].tolist()
-    assert out["extra_logs"]["failed"] == 1.0
-    assert out["extra_logs"]["fmt"] == pytest.approx(2 / 3)  # over the 3 samples (the failed one too)
+    logs = out["extra_logs"]
+    assert set(logs) == {"failed", "fmt", "ref"}  # every key, one value per query
+    assert logs["failed"].tolist() == [0.0, 1.0, 0.0]
+    assert logs["fmt"].tolist() == [1.0, 0.0, 1.0]  # the failed sample's components: 0.0
+    assert logs["ref"].tolist() == [1.0, 0.0, 0.0]  # "zzz" is not in the completion
+
+
+GATED = {  # a sub-component (len.n_tokens) behind a gate: gated-out samples must still carry it
+    "components": {
+        "fmt": {"scorer": "timestamp_format"},
+        "len": {"scorer": "length", "weight": 0.5, "options": {"tokenizer": "whitespace", "l1": 2, "l2": 4},
+                "gate": {"component": "fmt", "threshold": 1.0}},
+        "ref": {"scorer": "x"},
+    }
+}
+KEYS = {"score", "failed", "fmt", "len", "len.n_tokens", "ref"}
+
+
+@pytest.mark.no_torch
+def test_verl_same_keys_for_gated_out_and_failed_samples():
+    compute_score = as_verl_compute_score(build_reward(GATED, scorers={"ref": ReferenceMatch()}), error_score=-1.0)
+    rows = [("[00:01] cat", "cat"), ("no stamp cat", "cat"), ("[00:01] cat", "BAD")]
+    outs = [compute_score(data_source="d", solution_str=s, ground_truth=g, extra_info={}) for s, g in rows]
+    assert [set(o) for o in outs] == [KEYS] * 3
+    # hand-worked: 1.0 + 0.5 * 1.0 (2 words) + 1.0 | gated out: 0 + 0 + 1 | failed: error_score
+    assert outs[0] == {"score": 2.5, "failed": 0.0, "fmt": 1.0, "len": 1.0, "len.n_tokens": 2.0, "ref": 1.0}
+    assert outs[1] == {"score": 1.0, "failed": 0.0, "fmt": 0.0, "len": 0.0, "len.n_tokens": 0.0, "ref": 1.0}
+    assert outs[2] == {"score": -1.0, "failed": 1.0, "fmt": 1.0, "len": 1.0, "len.n_tokens": 2.0, "ref": 0.0}
+
+
+class NotANumber:
+    name = "nan"
+
+    def score(self, samples):
+        return [ScoreResult(score=float("nan") if s.completion == "nan" else 1.0) for s in samples]
+
+
+def test_a_non_finite_reward_is_a_failed_sample_on_every_adapter():
+    trl = as_trl_reward(NotANumber())
+    assert trl(prompts=["p", "p"], completions=["nan", "ok"]) == [None, 1.0]
+    verl = as_verl_compute_score(NotANumber(), error_score=-1.0)
+    assert verl(data_source="d", solution_str="nan", ground_truth=None) == {"score": -1.0, "failed": 1.0}
+    openrlhf = as_openrlhf_reward_func(NotANumber(), error_score=-1.0)
+    out = openrlhf(["nan", "ok"], ["", ""], [None, None])
+    assert out["rewards"].tolist() == [-1.0, 1.0] and out["extra_logs"]["failed"].tolist() == [1.0, 0.0]
+
+
+@pytest.mark.no_torch
+def test_trl_logs_components_through_log_metric():
+    logged: list[tuple[str, float]] = []
+    f = as_trl_reward(build_reward(GATED, scorers={"ref": ReferenceMatch()}), name="cap")
+    scores = f(prompts=["p"] * 3, completions=["[00:01] cat", "no stamp cat", "[00:01] cat"],
+               reference=["cat", "cat", "BAD"], trainer_state=TrainerState(),
+               log_extra=lambda column, values: None, log_metric=lambda key, value: logged.append((key, value)))
+    assert scores == [2.5, 1.0, None]
+    # means over the two samples that did not fail: fmt (1 + 0) / 2, len (1 + 0) / 2, n_tokens (2 + 0) / 2
+    assert logged == [("cap/failed", pytest.approx(1 / 3)), ("cap/fmt", 0.5), ("cap/len", 0.5),
+                      ("cap/len.n_tokens", 1.0), ("cap/ref", 1.0)]
+
+
+SERVED = """
+default_reward = "caption"
+[rewards.caption.components.format]
+scorer = "timestamp_format"
+[rewards.caption.components.length]
+scorer = "length"
+weight = 0.5
+options = { tokenizer = "whitespace", l1 = 2, l2 = 4 }
+gate = { component = "format", threshold = 1.0 }
+
+[rewards.broken.components.format]
+scorer = "timestamp_format"
+weight = nan
+"""
+SERVED_KEYS = {"score", "failed", "format", "length", "length.n_tokens"}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from rl_rewards.server.process import ServerProcess
+
+    tmp = tmp_path_factory.mktemp("served")
+    (tmp / "server.toml").write_text(SERVED)
+    with ServerProcess(["--config", str(tmp / "server.toml")], log_path=tmp / "server.log") as server:
+        yield server
+
+
+@pytest.mark.no_torch
+def test_verl_url_target_same_keys_and_picklable(served):
+    import pickle
+
+    compute_score = as_verl_compute_score(served.url, error_score=-1.0)
+    rows = [
+        ("[00:01] cat", {}),  # scored
+        ("no stamp", {}),  # length gated out on the server
+        ("[00:01] cat", {"image": "cat.png"}),  # the server has no media root: fails before scoring
+    ]
+    outs = [compute_score(data_source="d", solution_str=s, ground_truth=None, extra_info=e) for s, e in rows]
+    assert [set(o) for o in outs] == [SERVED_KEYS] * 3
+    assert outs[0] == {"score": 1.5, "failed": 0.0, "format": 1.0, "length": 1.0, "length.n_tokens": 2.0}
+    assert outs[1] == {"score": 0.0, "failed": 0.0, "format": 0.0, "length": 0.0, "length.n_tokens": 0.0}
+    assert outs[2] == {"score": -1.0, "failed": 1.0, "format": 0.0, "length": 0.0, "length.n_tokens": 0.0}
+    # verl's remote reward manager pickles the function for its Ray workers
+    clone = pickle.loads(pickle.dumps(compute_score))
+    assert clone(data_source="d", solution_str="[00:01] cat", ground_truth=None) == outs[0]
+    compute_score.scorer.close()
+    clone.scorer.close()
+
+
+@pytest.mark.no_torch
+def test_openrlhf_route_sends_the_same_keys_for_every_request(served):
+    import httpx
+
+    def post(query):
+        return httpx.post(f"{served.url}/openrlhf/get_reward", json={"query": [query]}, timeout=30).json()
+
+    scored, gated = post("[00:01] cat"), post("no stamp")  # OpenRLHF: one query per request
+    assert scored["extra_logs"] == {"error": [0.0], "format": [1.0], "length": [1.0], "length.n_tokens": [2.0]}
+    assert gated["extra_logs"] == {"error": [0.0], "format": [0.0], "length": [0.0], "length.n_tokens": [0.0]}
+
+
+@pytest.mark.no_torch
+def test_a_non_finite_served_reward_is_a_failed_sample_not_a_null(served):
+    from rl_rewards.client import RewardClient
+    from rl_rewards.samples import Sample
+
+    with RewardClient(served.url) as client:
+        (result,) = client.score([Sample(completion="[00:01] cat")], reward="broken")
+    assert result.score is None and "the combined reward is nan" in result.error
+    verl = as_verl_compute_score(served.url, reward="broken", error_score=-1.0)
+    assert verl(data_source="d", solution_str="[00:01] cat", ground_truth=None) == {"score": -1.0, "failed": 1.0, "format": 1.0}
+    verl.scorer.close()

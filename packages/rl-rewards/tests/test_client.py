@@ -20,6 +20,7 @@ from rl_rewards.client import (
     RetryPolicy,
     RewardClient,
     RewardRequestError,
+    RewardResponseError,
     RewardServerUnavailable,
 )
 from rl_rewards.samples import AsyncScorer, Sample, Scorer
@@ -145,3 +146,21 @@ def test_async_client_all_protocols(tmp_path: Path):
         remote.close()
     assert health.ready and scored[0].score == 1.0
     assert rlhf.rewards == [1.0] and empty == wire.GetRewardResponse(rewards=[])
+
+
+def test_a_response_that_breaks_the_protocol_is_the_clients_own_error(scripted):
+    # e.g. an old server that sent a NaN reward as JSON null
+    scripted.ok_body = json.dumps({"rewards": [None], "scores": [None], "extra_logs": {}}).encode()
+    with RewardClient(url(scripted), retry=FAST) as client, pytest.raises(RewardResponseError, match=r"rewards\[0\]"):
+        client.openrlhf(["q"])
+    assert scripted.calls == 1  # not retried: the same body would come back
+
+
+def test_remote_scorer_pickles_without_its_connection(scripted):
+    import pickle
+
+    scorer = RemoteScorer(url(scripted), "r", retry=FAST)
+    assert scorer.score([Sample(completion="x")])[0].score == 0.5  # the client (with its locks) exists now
+    copy = pickle.loads(pickle.dumps(scorer))
+    assert copy.score([Sample(completion="x")])[0].score == 0.5
+    assert scripted.calls == 2

@@ -1,6 +1,7 @@
 """Composition: sum/fold combine, gates evaluated before the gated scorer, per-sample errors."""
 
 import asyncio
+import copy
 from collections.abc import Sequence
 
 import pytest
@@ -208,3 +209,117 @@ def test_rule_only_rewards_run_inline_and_others_do_not():
     mixed = build_reward({"components": {"fmt": {"scorer": "timestamp_format"}, "other": {"scorer": "remote"}}},
                          scorers={"other": Remote()})
     assert not mixed.inline and not runs_inline(Remote())
+
+
+# ------------------------------------------------------------------ VeRL-with-RMs, exactly
+
+VERL_WITH_RMS = {  # its trainer: rule, then BGE (weight 0.5) and judges, all masked by rule == 1
+    "combine": "fold",
+    "components": {
+        "rule": {"scorer": "x"},
+        "bge": {"scorer": "x", "op": "add", "weight": 0.5,
+                "gate": {"component": "rule", "threshold": 1.0, "gated_out": "zero"}},
+        "helpful": {"scorer": "x", "op": "add", "weight": 0.3,
+                    "gate": {"component": "rule", "threshold": 1.0, "gated_out": "zero"}},
+        "safe": {"scorer": "x", "op": "mul", "weight": 2.0,
+                 "gate": {"component": "rule", "threshold": 1.0, "gated_out": "zero"}},
+    },
+}
+ROWS = [  # rule, bge, helpful, safe
+    {"r": 1.0, "b": 0.8, "a": 0.5, "s": 0.25},
+    {"r": 0.5, "b": 0.9, "a": 1.0, "s": 1.0},  # rule not passed: every other term masked
+    {"r": -1.0, "b": 0.9, "a": 1.0, "s": 1.0},
+    {"r": 1.0, "b": 0.1, "a": 1.0, "s": 0.5},
+]
+
+
+def verl_with_rms_total(r: float, b: float, a: float, s: float) -> float:
+    """VeRL-with-RMs ray_trainer.py's reward step restated for one sample: final = rule; each
+    later term is zeroed where rule != 1, then added (BGE, add judges) or multiplied (mul)."""
+    mask = 1.0 if r == 1 else 0.0
+    final = r + 0.5 * (b * mask)
+    final = final + 0.3 * (a * mask)
+    return final * 2.0 * (s * mask)
+
+
+def _lookups():
+    return {"rule": LookupScorer("r"), "bge": LookupScorer("b"), "helpful": LookupScorer("a"), "safe": LookupScorer("s")}
+
+
+def test_verl_with_rms_golden_table():
+    # hand-worked:  1: (1 + 0.5*0.8 + 0.3*0.5) * 2*0.25 = 1.55 * 0.5 = 0.775
+    #               2: rule 0.5 != 1 -> the mul judge counts as 0 -> 0.0     (skip would leave 0.5)
+    #               3: rule -1 -> 0.0                                         (skip would leave -1)
+    #               4: (1 + 0.05 + 0.3) * 2*0.5 = 1.35
+    golden = [0.775, 0.0, 0.0, 1.35]
+    scorers = _lookups()
+    results = build_reward(VERL_WITH_RMS, scorers=scorers).score(_samples(ROWS))
+    assert [r.score for r in results] == pytest.approx(golden)
+    assert golden == pytest.approx([verl_with_rms_total(**row) for row in ROWS])
+    # every judge and the BGE term masked by the rule: never called for samples 1 and 2
+    for name in ("bge", "helpful", "safe"):
+        assert scorers[name].seen == ["s0", "s3"]
+    assert results[1].components == {"rule": 0.5, "bge": 0.0, "helpful": 0.0, "safe": 0.0}
+
+
+def test_gated_out_skip_is_our_default_and_differs_only_for_mul():
+    spec = copy.deepcopy(VERL_WITH_RMS)
+    for name in ("bge", "helpful", "safe"):
+        del spec["components"][name]["gate"]["gated_out"]
+    results = build_reward(spec, scorers=_lookups()).score(_samples(ROWS))
+    assert [r.score for r in results] == pytest.approx([0.775, 0.5, -1.0, 1.35])
+
+
+def test_order_is_part_of_the_fold_bge_after_the_judges_is_another_formula():
+    # our old rider-grm layout: judges first, BGE added at the end and ungated
+    spec = {"combine": "fold", "components": {
+        "rule": {"scorer": "x"},
+        "helpful": {"scorer": "x", "op": "add", "weight": 0.3, "gate": {"component": "rule"}},
+        "safe": {"scorer": "x", "op": "mul", "weight": 2.0, "gate": {"component": "rule"}},
+        "bge": {"scorer": "x", "op": "add", "weight": 0.5},
+    }}
+    results = build_reward(spec, scorers=_lookups()).score(_samples(ROWS))
+    # 1: (1 + 0.15) * 0.5 + 0.4 = 0.975 (VeRL-with-RMs: 0.775); 2: 0.5 + 0.45 = 0.95
+    assert [r.score for r in results] == pytest.approx([0.975, 0.95, -1.0 + 0.45, 1.3 * 1.0 + 0.05])
+
+
+def test_every_result_carries_every_key_gated_out_and_failed_included():
+    spec = {"components": {
+        "fmt": {"scorer": "timestamp_format"},
+        "len": {"scorer": "length", "options": {"tokenizer": "whitespace", "l1": 2, "l2": 4},
+                "gate": {"component": "fmt", "threshold": 1.0}},
+    }}
+    reward = build_reward(spec)
+    assert reward.keys == ("fmt", "len", "len.n_tokens")
+    passed, gated = reward.score([Sample(completion="[00:01] x"), Sample(completion="no stamp here")])
+    assert passed.components == {"fmt": 1.0, "len": 1.0, "len.n_tokens": 2.0}
+    assert gated.components == {"fmt": 0.0, "len": 0.0, "len.n_tokens": 0.0}
+    failing = build_reward({"components": {"a": {"scorer": "x"}, "len": {"scorer": "length", "options": {"tokenizer": "whitespace"}}}},
+                           scorers={"a": ExplodingScorer()})
+    (bad,) = failing.score([Sample(completion="bad")])
+    assert bad.score is None and bad.components == {"a": 0.0, "len": 0.0, "len.n_tokens": 0.0}
+
+
+class ConstantScorer:
+    name = "constant"
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def score(self, samples):
+        return [ScoreResult(score=self.value) for _ in samples]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_score_is_that_samples_error(value):
+    reward = build_reward({"components": {"a": {"scorer": "x"}}}, scorers={"a": ConstantScorer(value)})
+    (result,) = reward.score([Sample(completion="c")])
+    assert result.score is None and "non-finite score" in result.error and "'constant'" in result.error
+
+
+def test_a_non_finite_total_is_that_samples_error():
+    spec = {"combine": "fold", "components": {"a": {"scorer": "x", "weight": 1e300},
+                                                "b": {"scorer": "x", "op": "mul", "weight": 1e300}}}
+    reward = build_reward(spec, scorers={"a": ConstantScorer(1e10), "b": ConstantScorer(1e10)})
+    (result,) = reward.score([Sample(completion="c")])
+    assert result.score is None and "the combined reward is inf" in result.error

@@ -8,9 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rl_rewards.rules import (
+    ANSWER_PARSERS,
     TIMESTAMP_PATTERN,
     embedding_similarity_map,
+    first_capital_letter,
     first_option_letter,
+    json_field,
     length_reward,
     ocr_similarity,
     timestamp_format,
@@ -106,6 +109,69 @@ def test_timestamp_format_reads_non_ascii_digits(text, expected):
     assert timestamp_format(text) == expected == _timestamp_format_reference(text)
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("no brackets at all", 0.0),
+        ("[00:01] x", 0.70),  # v = 1, coverage 1/3: 0.45/3 + 0.25 + 0.30 (README formula: 1.0)
+        ("[00:05] a [00:10] b", 0.85),  # coverage 2/3: 0.30 + 0.25 + 0.30
+        ("[00:05] a [00:10] b [00:15] c [00:20] d", 1.0),  # coverage saturates at 3
+        ("[00:10] a [00:05] b [00:20] c", 0.70),  # out of order: 0.45 + 0.25 + 0
+        ("[00:10] [00:99] [00:20]", 0.45 * (2 / 3) ** 2 + 0.55 * 2 / 3),  # v = coverage = 2/3
+        ("[00:75] seconds out of range", 0.0),  # no valid stamp
+        ("[00:30 - 00:10] a [00:40] b", 0.45 / 3 * 0.5 + 0.55 * 0.5),  # 1 of 2 valid
+        ("   ", 0.0),
+    ],
+)
+def test_timestamp_format_caprl_server_hand_worked(text, expected):
+    assert timestamp_format(text, variant="caprl-server") == pytest.approx(expected, abs=1e-12)
+
+
+def test_timestamp_format_caprl_server_min_brackets():
+    assert timestamp_format("[00:01] x", variant="caprl-server", min_brackets=1) == 1.0
+    assert timestamp_format("[00:01] x", variant="caprl-server", min_brackets=0) == 1.0  # max(0, 1)
+    assert timestamp_format("[00:01] [00:02]", variant="caprl-server", min_brackets=4) == pytest.approx(0.45 / 2 + 0.55)
+    assert timestamp_format("[00:01] x", min_brackets=1) == 1.0  # the README formula ignores it
+
+
+def test_timestamp_format_unknown_variant_names_the_choices():
+    with pytest.raises(ValueError, match=r"one of \('readme', 'caprl-server'\), got 'server'"):
+        timestamp_format("[00:01]", variant="server")
+
+
+def _caprl_server_reference(text: str, max_minute: int = 599, min_brackets: int = 3) -> float:
+    """CapRL++ serve_rm.py compute_format_reward, restated: per match (start, ok), then the
+    weighted validity, coverage and order terms, clamped to [0, 1]."""
+    if not text.strip():
+        return 0.0
+    matches = list(TIMESTAMP_PATTERN.finditer(text))
+    starts = []
+    for match in matches:
+        m1, s1, m2, s2 = match.groups()
+        if not 0 <= int(s1) <= 59 or int(m1) > max_minute:
+            continue
+        if m2 is not None and (not 0 <= int(s2) <= 59 or int(m2) > max_minute or 60 * int(m2) + int(s2) < 60 * int(m1) + int(s1)):
+            continue
+        starts.append(60 * int(m1) + int(s1))
+    if not matches or not starts:
+        return 0.0
+    v = len(starts) / max(len(matches), 1)
+    coverage = min(1.0, float(len(starts)) / float(max(min_brackets, 1)))
+    order = 1.0 if len(starts) < 2 or all(a <= b for a, b in pairwise(starts)) else 0.0
+    return float(max(0.0, min(1.0, 0.45 * coverage * v + 0.25 * v + 0.30 * order * v)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(_stamp | _stamp.map(lambda s: s.translate(_ARABIC_INDIC)), max_size=8).map("".join),
+    st.sampled_from([599, 10]),
+    st.sampled_from([3, 1, 0, 5]),
+)
+def test_timestamp_format_caprl_server_matches_the_reference(text, max_minute, min_brackets):
+    got = timestamp_format(text, max_minute, variant="caprl-server", min_brackets=min_brackets)
+    assert got == _caprl_server_reference(text, max_minute, min_brackets)
+
+
 _words = st.lists(
     st.sampled_from([" ", "  ", "\t", "\n", "\r", "\x0b", "\x0c", "\x1c", "\x1f", "\x85", "\xa0", "\u3000", "a", "bc", "é", "[0"]),
     max_size=24,
@@ -198,3 +264,50 @@ def test_first_option_letter(text, expected):
 def test_first_option_letter_custom_letters():
     assert first_option_letter(" J)", letters="ABCDEFGHIJ") == "J"
     assert first_option_letter(" C)", letters="AB") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "strict", "caprl"),
+    [
+        (" C", "C", "C"),
+        (" **C**", None, "C"),  # markdown bold: CapRL++ reads it, ours does not
+        (" C is correct", None, "C"),
+        ("Option C", None, "C"),  # "O" is not an option letter, so C is the first capital A-I
+        ("answer: C", None, "C"),
+        (" (B) because the caption says so", "B", "B"),
+        ("I think B", None, "I"),  # CapRL++ answers I: wrong whenever the gold is B
+        ("A dog is shown, so D", None, "A"),
+        (" the caption does not say", None, None),
+    ],
+)
+def test_answer_parsers_strict_and_caprl(text, strict, caprl):
+    assert ANSWER_PARSERS["strict"](text) == first_option_letter(text) == strict
+    assert ANSWER_PARSERS["caprl"](text) == first_capital_letter(text) == caprl
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('{"Response": "hi", "Solution": "x"}', "hi"),
+        ('Assistant: \n{"Response": "hi"} trailing words', "hi"),
+        ('{"Response": "hi"', "hi"),  # no closing brace: VeRL-with-RMs appends one
+        ('a {"Response": "x {y}"} b', "x {y}"),  # first { to last }
+    ],
+)
+def test_json_field_reads_like_verl_with_rms(text, expected):
+    assert json_field(text, "Response") == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("plain text", "no JSON object"),
+        ('{"Response": hi}', "does not parse"),
+        ('{"Other": "hi"}', "no string field 'Response'"),
+        ('{"Response": null}', "no string field 'Response'"),
+        ("[1, 2] }", "no JSON object"),
+    ],
+)
+def test_json_field_malformed_is_a_value_error(text, message):
+    with pytest.raises(ValueError, match=message):
+        json_field(text, "Response")

@@ -16,11 +16,16 @@ changing a string:
 The output is a `[B, T]` float tensor (float32, or float64 for float64 rewards). Group
 statistics are computed with `index_add_`, never a Python loop over groups; the tests compare
 every estimator with a loop reference.
+
+Two helpers reproduce Flow-GRPO's data handling around the estimator: `group_ids_from_keys`
+(group by prompt text, as its per-prompt stat tracker does) and `nonzero_advantage_indices`
+(its zero-advantage filter with the refill to equal batches).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Hashable, Sequence
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -32,7 +37,9 @@ __all__ = [
     "GAEOutput",
     "compute_advantages",
     "compute_gae",
+    "group_ids_from_keys",
     "masked_whiten",
+    "nonzero_advantage_indices",
 ]
 
 ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")
@@ -49,7 +56,8 @@ def compute_advantages(
 ) -> Tensor:
     """Advantages `[B, T]` from the estimator registered as `name` (see `ADVANTAGE_ESTIMATORS`).
 
-    `options` go to the estimator (`grpo`: `scale`, `eps`, `clip`; `reinforce_pp`: `gamma`;
+    `options` go to the estimator (`grpo`: `scale`, `eps`, `clip`, `std`, `eps_mode`;
+    `reinforce_pp`: `gamma`;
     `gae`: `gamma`, `lam`); an option the estimator does not take raises `TypeError`.
     """
     estimator = ADVANTAGE_ESTIMATORS[name]
@@ -139,11 +147,24 @@ def _group_mean(scores: Tensor, groups: _Groups) -> Tensor:
     return low + (total / groups.count)[groups.index]  # [B]
 
 
-def _group_std(scores: Tensor, mean: Tensor, groups: _Groups) -> Tensor:
-    """Unbiased std (`torch.std` default) of each sample's group, `[B]`; 0 for a group of one."""
+def _group_std(scores: Tensor, mean: Tensor, groups: _Groups, kind: str = "unbiased") -> Tensor:
+    """Std of each sample's group, `[B]`: `unbiased` (`torch.std` default, divides by n - 1) or
+    `population` (`np.std` default, divides by n); 0 for a group of one either way."""
     sq = torch.zeros_like(groups.count).index_add_(0, groups.index, (scores - mean) ** 2)  # [G]
-    var = sq / (groups.count - 1).clamp(min=1)  # [G]
+    dof = groups.count - 1 if kind == "unbiased" else groups.count  # [G]
+    var = sq / dof.clamp(min=1)  # [G]
     return var.sqrt()[groups.index]  # [B]
+
+
+STD_KINDS = ("unbiased", "population")
+EPS_MODES = ("add", "clamp")
+
+
+def _normalise(centered: Tensor, std: Tensor, eps: float, eps_mode: str) -> Tensor:
+    """`centered / (std + eps)` (`add`) or `centered / max(std, eps)` (`clamp`); shapes broadcast."""
+    if eps_mode == "add":
+        return centered / (std + eps)
+    return centered / std.clamp(min=eps)
 
 
 def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
@@ -163,6 +184,51 @@ def _broadcast(seq_adv: Tensor, mask: Tensor) -> Tensor:
     return seq_adv.unsqueeze(1) * mask.to(seq_adv.dtype)  # [B, T]
 
 
+def group_ids_from_keys(keys: Sequence[Hashable]) -> Tensor:
+    """Group ids `[B]` (int64) for samples identified by any hashable key, e.g. the prompt text.
+
+    Equal keys get equal ids, numbered in order of first appearance: `["a", "b", "a"]` ->
+    `[0, 1, 0]`. Use it to group the way Flow-GRPO's per-prompt stat tracker does — by prompt
+    text, so two groups sampled from the same prompt in one batch share one mean and std —
+    instead of by the sampler's group id (one id per draw of a prompt, our default).
+    """
+    ids: dict[Hashable, int] = {}
+    return torch.tensor([ids.setdefault(key, len(ids)) for key in keys], dtype=torch.int64)
+
+
+def nonzero_advantage_indices(
+    advantages: Tensor, *, num_batches: int, generator: torch.Generator | None = None
+) -> Tensor:
+    """Indices `[K]` (ascending) of the samples Flow-GRPO trains on after its zero-advantage filter.
+
+    `advantages` is `[N]` (one per sample) or `[N, ...]` (e.g. per denoising step; a sample is
+    zero when all its entries are). Flow-GRPO (`scripts/train_sd3.py`) keeps the samples with a
+    non-zero advantage; when their count is not a multiple of `num_batches` (its
+    `sample.num_batches_per_epoch`), it marks `num_batches - count % num_batches` zero-advantage
+    samples as kept again, chosen by `torch.randperm` over the zero ones, so the kept samples
+    reshape into `num_batches` equal training batches. Same generator state, same choice.
+
+    Edge cases, as there: when too few zero-advantage samples exist to reach the next multiple,
+    none are put back and K stays a non-multiple (Flow-GRPO then reshapes into uneven batches
+    or fails); when every advantage is zero, K = 0 (nothing to train this epoch). Check
+    `len(kept) % num_batches` before batching.
+    """
+    if num_batches < 1:
+        raise ValueError(f"num_batches must be >= 1, got {num_batches}")
+    if advantages.dim() == 0:
+        raise ValueError("advantages must be [N] or [N, ...], got a scalar")
+    flat = advantages.detach().abs().reshape(advantages.shape[0], -1)  # [N, M]
+    keep = flat.sum(dim=1) != 0  # [N]
+    remainder = int(keep.sum()) % num_batches
+    if remainder:
+        zeros = torch.where(~keep)[0]  # [Z]
+        missing = num_batches - remainder
+        if len(zeros) >= missing:
+            chosen = torch.randperm(len(zeros), generator=generator)[:missing]  # [missing]
+            keep[zeros[chosen]] = True
+    return torch.where(keep)[0]  # [K]
+
+
 # -------------------------------------------------------------------------- outcome estimators
 
 
@@ -176,24 +242,46 @@ def compute_grpo(
     scale: str = "group",
     eps: float = 1e-6,
     clip: float | None = None,
+    std: Literal["unbiased", "population"] = "unbiased",
+    eps_mode: Literal["add", "clamp"] = "add",
 ) -> Tensor:
     """GRPO (DeepSeekMath, Shao et al. 2024): `(r - group mean) / (std + eps)`.
 
     `scale` picks the std: `"group"` (per prompt, the GRPO paper and verl), `"batch"` (one std
     over the whole batch: Flow-GRPO's "global std", steadier when groups are small or nearly
-    constant) or `"none"` (no division, same as `dr_grpo`). The std is the unbiased sample std.
-    A group of one gets advantage 0. `clip` clamps advantages to `[-clip, clip]` (Flow-GRPO
-    uses 5.0; it also uses `eps=1e-4`).
+    constant) or `"none"` (no division, same as `dr_grpo`). A group of one gets advantage 0.
+    `clip` clamps advantages to `[-clip, clip]` (Flow-GRPO and VRL use 5.0).
+
+    How the std is taken and guarded, to reproduce a given system exactly:
+
+    - `std="unbiased"` (default; `torch.std`, verl) divides the squared deviations by n - 1;
+      `std="population"` divides by n (`np.std`: Flow-GRPO's stat tracker, VRL).
+    - `eps_mode="add"` (default) divides by `std + eps`; `eps_mode="clamp"` by `max(std, eps)`.
+
+    | system   | std          | eps    | eps_mode |
+    |----------|--------------|--------|----------|
+    | ours     | `unbiased`   | 1e-6   | `add`    |
+    | Flow-GRPO| `population` | 1e-4   | `add`    |
+    | VRL      | `population` | 1e-8   | `clamp`  |
+
+    With n samples per group, population/unbiased = sqrt((n - 1) / n) (0.935 for n = 8), so
+    advantages differ by that factor; pick the system's own settings when reproducing its
+    curves. Flow-GRPO groups by prompt *text*: pass `group_ids_from_keys(prompts)`.
     """
+    if std not in STD_KINDS:
+        raise ValueError(f"grpo option std must be 'unbiased' or 'population', got {std!r}")
+    if eps_mode not in EPS_MODES:
+        raise ValueError(f"grpo option eps_mode must be 'add' or 'clamp', got {eps_mode!r}")
     scores = _sequence_scores(rewards, mask)  # [B]
     groups = _groups(group_ids, scores.dtype)
     mean = _group_mean(scores, groups)  # [B]
     centered = scores - mean  # [B]
     if scale == "group":
-        adv = centered / (_group_std(scores, mean, groups) + eps)  # [B]
+        adv = _normalise(centered, _group_std(scores, mean, groups, std), eps, eps_mode)  # [B]
     elif scale == "batch":
-        std = scores.std() if scores.numel() > 1 else scores.new_zeros(())
-        adv = centered / (std + eps)  # [B]
+        correction = 1 if std == "unbiased" else 0
+        spread = scores.std(correction=correction) if scores.numel() > 1 else scores.new_zeros(())
+        adv = _normalise(centered, spread, eps, eps_mode)  # [B]
     elif scale == "none":
         adv = centered  # [B]
     else:

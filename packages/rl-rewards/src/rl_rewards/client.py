@@ -44,6 +44,15 @@ class RewardRequestError(RewardClientError):
         self.status, self.error, self.field, self.limit = status, body.error, body.field, body.limit
 
 
+class RewardResponseError(RewardClientError):
+    """The server answered 200 with a body that is not the protocol's response (e.g. a `null`
+    where a reward must be a number): a server bug or a mismatched server, not retried."""
+
+    def __init__(self, url: str, problem: str):
+        super().__init__(f"{url}: the response does not match the protocol: {problem}")
+        self.problem = problem
+
+
 class RewardServerUnavailable(RewardClientError):
     """Every attempt failed with a connection error, timeout, 5xx or 429."""
 
@@ -72,9 +81,13 @@ _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
 def _outcome(response: httpx.Response, kind: type[T]) -> T | str:
-    """Decoded body, or the failure text when the status is retryable; raises on other 4xx."""
+    """Decoded body, or the failure text when the status is retryable; raises on other 4xx and
+    on a 200 body that does not decode (`RewardResponseError`)."""
     if response.status_code == 200:
-        return wire.decode_json(response.content, kind)
+        try:
+            return wire.decode_json(response.content, kind)
+        except msgspec.MsgspecError as e:
+            raise RewardResponseError(str(response.request.url), str(e)) from None
     if response.status_code in _RETRY_STATUS or response.status_code >= 500:
         return f"HTTP {response.status_code}: {response.text[:500]}"
     try:
@@ -243,21 +256,48 @@ class AsyncRewardClient:
 class RemoteScorer:
     """A served reward as a `Scorer` and `AsyncScorer`: what the TRL/verl/OpenRLHF adapters use
     when given a server URL. The async client is created per event loop call (httpx async
-    clients are bound to the loop that made them)."""
+    clients are bound to the loop that made them).
+
+    Picklable (only its settings travel; the copy opens its own connection pool): verl's remote
+    reward manager ships the reward function to Ray workers, and an open httpx client holds
+    locks that cannot be pickled."""
 
     def __init__(self, url: str, reward: str = "", *, api_key: str | None = None, timeout: float = 180.0,
                  retry: RetryPolicy = RetryPolicy()) -> None:
         self.name = reward or "remote"
         self.url, self.reward = url, reward
         self._options: dict[str, Any] = {"api_key": api_key, "timeout": timeout, "retry": retry}
+        self._keys: tuple[str, ...] | None = None
         self._sync = RewardClient(url, **self._options)
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_sync"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._sync = RewardClient(self.url, **self._options)
+
+    def _client(self) -> RewardClient:
+        return self._sync
+
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
-        return self._sync.score(samples, self.reward)
+        return self._client().score(samples, self.reward)
 
     async def ascore(self, samples: Sequence[Sample]) -> list[ScoreResult]:
         async with AsyncRewardClient(self.url, **self._options) as client:
             return await client.score(samples, self.reward)
+
+    def keys(self) -> tuple[str, ...]:
+        """The component keys every result of the served reward carries (asked once from
+        `GET /health`, waiting up to the timeout for the server to be ready)."""
+        if self._keys is None:
+            health = self._client().wait_ready(timeout=self._options["timeout"])
+            name = self.reward or health.default_reward or health.rewards[0]
+            if name not in health.keys:
+                raise RewardRequestError(404, wire.ErrorResponse(
+                    error=f"the server does not serve reward {name!r}; served: {', '.join(health.rewards)}"), self.url)
+            self._keys = tuple(health.keys[name])
+        return self._keys
 
     def close(self) -> None:
         self._sync.close()

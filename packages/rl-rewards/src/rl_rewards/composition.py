@@ -2,7 +2,10 @@
 
 `build_reward(spec).score(samples)` returns one `ScoreResult` per sample whose `components` hold
 every component's unweighted value (a scorer's own sub-components appear as `"name.sub"`), and
-whose `score` is the combined total. A component failing for one sample fails only that sample
+whose `score` is the combined total. Every result, failed or gated-out ones included, carries
+every key of `Reward.keys` (0.0 where nothing was computed): trainers that log per-sample
+extras by key need the same keys on every sample. A non-finite score (NaN, inf) from a scorer
+or a non-finite total is that sample's error, never a reward. A component failing for one sample fails only that sample
 (or uses the component's `fallback`); a scorer that raises for a whole batch is retried one
 sample at a time, so one bad sample never takes the others down.
 """
@@ -11,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rl_rewards.registry import build_scorer
+from rl_rewards.registry import build_scorer, scorer_component_keys
 from rl_rewards.samples import AsyncScorer, Sample, Scorer, ScoreResult, runs_inline
 from rl_rewards.spec import Component, RewardSpec, load_spec, spec_from_dict
 
@@ -64,7 +68,20 @@ async def ascore_isolated(scorer: Scorer | AsyncScorer, samples: Sequence[Sample
 def _checked(scorer: Any, samples: Sequence[Sample], results: list[ScoreResult]) -> list[ScoreResult]:
     if len(results) != len(samples):
         raise RuntimeError(f"scorer {scorer.name!r} returned {len(results)} results for {len(samples)} samples")
-    return results
+    return reject_non_finite(results, f"scorer {scorer.name!r}")
+
+
+def reject_non_finite(results: list[ScoreResult], source: str) -> list[ScoreResult]:
+    """`results` with every NaN/infinite score turned into that sample's error (components
+    kept): a non-finite reward poisons group statistics and cannot be sent as JSON."""
+    isfinite = math.isfinite
+    if all(r.score is None or isfinite(r.score) for r in results):
+        return results
+    return [
+        r if r.score is None or isfinite(r.score)
+        else ScoreResult(score=None, components=r.components, error=f"{source} returned a non-finite score {r.score}")
+        for r in results
+    ]
 
 
 @dataclass
@@ -106,6 +123,8 @@ class Reward:
         self.parts = [_Part(name, c, scorers[name]) for name, c in spec.components.items()]
         self.inline = all(runs_inline(part.scorer) for part in self.parts)  # rules only
         self._weights = {name: c.weight for name, c in spec.components.items()}
+        self.keys: tuple[str, ...] = spec_keys(spec)
+        """Every component and declared sub-component key, in spec order: present in every result."""
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
         batch = _Batch(len(samples))
@@ -137,6 +156,8 @@ class Reward:
                 continue
             if gate is not None and batch.values[i][gate.component] < gate.threshold:
                 batch.values[i][part.name] = 0.0
+                if gate.gated_out == "zero":
+                    batch.scored[i].append(part.name)  # counts as 0.0: a `mul` zeroes the total
                 continue
             todo.append(i)
         return todo
@@ -168,14 +189,22 @@ class Reward:
             scored[i].append(name)
 
     def _results(self, batch: _Batch) -> list[ScoreResult]:
-        combine = self._combine
-        rows = zip(batch.values, batch.scored, batch.errors, batch.abstained, strict=True)
-        return [
-            ScoreResult(score=combine(values, scored), components=values)
-            if error is None and not abstained
-            else ScoreResult(score=None, components=values, error=error)
-            for values, scored, error, abstained in rows
-        ]
+        combine, keys, isfinite = self._combine, self.keys, math.isfinite
+        results = []
+        for values, scored, error, abstained in zip(batch.values, batch.scored, batch.errors, batch.abstained, strict=True):
+            if len(values) != len(keys):  # a key not scored (failed, gated out, skipped): report 0.0
+                for key in keys:
+                    values.setdefault(key, 0.0)
+            if error is not None or abstained:
+                results.append(ScoreResult(score=None, components=values, error=error))
+                continue
+            total = combine(values, scored)
+            if not isfinite(total):
+                error = f"the combined reward is {total} (components {values}); check the weights and scorers"
+                results.append(ScoreResult(score=None, components=values, error=error))
+                continue
+            results.append(ScoreResult(score=total, components=values))
+        return results
 
     def _combine(self, values: dict[str, float], scored: list[str]) -> float:
         if self.spec.combine == "sum":
@@ -187,6 +216,16 @@ class Reward:
             term = components[name].weight * values[name]
             total = total + term if components[name].op == "add" else total * term
         return total
+
+
+def spec_keys(spec: RewardSpec) -> tuple[str, ...]:
+    """The keys every result of `build_reward(spec)` carries: each component's name and its
+    scorer's declared sub-components (`"name.sub"`), in spec order; known without building."""
+    return tuple(
+        key
+        for name, c in spec.components.items()
+        for key in (name, *(f"{name}.{sub}" for sub in scorer_component_keys(c.scorer, c.options)))
+    )
 
 
 def build_reward(

@@ -16,6 +16,8 @@ from typing import Any
 from rl_rewards.samples import AsyncScorer, Scorer
 
 ScorerFactory = Callable[..., Scorer | AsyncScorer]
+ComponentKeys = tuple[str, ...] | Callable[..., tuple[str, ...]]
+"""The keys a scorer reports in `ScoreResult.components`: fixed, or a function of its options."""
 
 
 @dataclass(frozen=True)
@@ -33,16 +35,31 @@ class LazyFactory:
 
 
 SCORERS: dict[str, ScorerFactory] = {}
+COMPONENT_KEYS: dict[str, ComponentKeys] = {}
 
 
-def register_scorer(name: str, factory: ScorerFactory | str) -> None:
+def register_scorer(name: str, factory: ScorerFactory | str, *, component_keys: ComponentKeys = ()) -> None:
     """Register `factory` (a callable, or a lazy `"module:attribute"` path) under `name`.
+
+    `component_keys` names the sub-components the scorer reports on every scored sample (a tuple,
+    or a function of the scorer's options returning one). They are declared here, not read from
+    a built scorer, so a reward's full key list is known before anything is scored or loaded:
+    trainers that take their log keys from the first sample (verl, OpenRLHF, TRL across ranks)
+    then see the same keys for every sample, failed and gated-out ones included.
 
     Registering a name twice raises: pick a new name rather than silently replacing a scorer.
     """
     if name in SCORERS:
         raise ValueError(f"scorer {name!r} is already registered ({SCORERS[name]!r})")
     SCORERS[name] = LazyFactory(factory) if isinstance(factory, str) else factory
+    COMPONENT_KEYS[name] = component_keys
+
+
+def scorer_component_keys(name: str, options: dict[str, Any] | None = None) -> tuple[str, ...]:
+    """The sub-component keys scorer `name` reports when built with `options` (() when it
+    declares none or is not registered: a scorer handed to `build_reward` directly)."""
+    keys = COMPONENT_KEYS.get(name, ())
+    return keys(**(options or {})) if callable(keys) else keys
 
 
 def build_scorer(name: str, **options: Any) -> Scorer | AsyncScorer:
@@ -60,16 +77,31 @@ def build_scorer(name: str, **options: Any) -> Scorer | AsyncScorer:
     return target(**options)
 
 
-_BUILTIN = {
-    "timestamp_format": "rl_rewards.scorers.format:TimestampFormatScorer",
-    "length": "rl_rewards.scorers.length:LengthScorer",
-    "ocr": "rl_rewards.scorers.ocr:OcrScorer",
-    "clip_score": "rl_rewards.scorers.vision:ClipScorer",
-    "aesthetic": "rl_rewards.scorers.vision:AestheticScorer",
-    "embedding_similarity": "rl_rewards.scorers.embedding:EmbeddingSimilarityScorer",
-    "caption_qa": "rl_rewards.scorers.caption_qa:build_caption_qa",
-    "vl_judge": "rl_rewards.scorers.vl_judge:build_vl_judge",
-    "judge": "rl_rewards.scorers.judge:build_judge",
+def _caption_qa_keys(*, estimator: str = "exact", **_: Any) -> tuple[str, ...]:
+    return ("letter_mass",) if estimator == "exact" else ("parsed",)
+
+
+def _judge_keys(*, completion_field: str | None = None, **_: Any) -> tuple[str, ...]:
+    return ("malformed",) if completion_field is not None else ()
+
+
+def _embedding_keys(*, completion_field: str | None = None, reference_field: str | None = None, **_: Any) -> tuple[str, ...]:
+    fields = completion_field is not None or reference_field is not None
+    return ("cosine", "malformed") if fields else ("cosine",)
+
+
+_VL_JUDGE_KEYS = ("factuality", "temporal_alignment", "coverage", "hallucination_penalty", "parse_failed")
+
+_BUILTIN: dict[str, tuple[str, ComponentKeys]] = {
+    "timestamp_format": ("rl_rewards.scorers.format:TimestampFormatScorer", ()),
+    "length": ("rl_rewards.scorers.length:LengthScorer", ("n_tokens",)),
+    "ocr": ("rl_rewards.scorers.ocr:OcrScorer", ()),
+    "clip_score": ("rl_rewards.scorers.vision:ClipScorer", ()),
+    "aesthetic": ("rl_rewards.scorers.vision:AestheticScorer", ()),
+    "embedding_similarity": ("rl_rewards.scorers.embedding:EmbeddingSimilarityScorer", _embedding_keys),
+    "caption_qa": ("rl_rewards.scorers.caption_qa:build_caption_qa", _caption_qa_keys),
+    "vl_judge": ("rl_rewards.scorers.vl_judge:build_vl_judge", _VL_JUDGE_KEYS),
+    "judge": ("rl_rewards.scorers.judge:build_judge", _judge_keys),
 }
-for _name, _path in _BUILTIN.items():
-    register_scorer(_name, _path)
+for _name, (_path, _keys) in _BUILTIN.items():
+    register_scorer(_name, _path, component_keys=_keys)

@@ -7,6 +7,7 @@ that CapRL's QA reward needs, with CapRL's parser defect fixed.
 
 from __future__ import annotations
 
+import json
 import re
 from functools import lru_cache
 
@@ -23,13 +24,29 @@ _SECONDS = {f"{i:02d}": i for i in range(60)}
 _MINUTES = {f"{i:0{width}d}": i for width in (1, 2, 3) for i in range(10**width)}
 
 
-def timestamp_format(text: str, max_minute: int = 599) -> float:
-    """CapRL++'s video format reward R_fmt, exactly.
+TIMESTAMP_VARIANTS = ("readme", "caprl-server")
+
+
+def timestamp_format(
+    text: str, max_minute: int = 599, *, variant: str = "readme", min_brackets: int = 3
+) -> float:
+    """CapRL++'s video format reward R_fmt, exactly, in one of its two published forms.
 
     Every match of `TIMESTAMP_PATTERN` counts towards N_all. A match is valid when all its
     seconds are 0-59, all its minutes are <= `max_minute`, and (for a range) end >= start.
-    I_chrono = 1 iff there is at least one valid match and the valid start times never decrease
-    in text order. R_fmt = 0.5 * N_valid / max(N_all, 1) + 0.5 * I_chrono; 0 with no match.
+    "In order" means the valid start times never decrease in text order. 0 with no match.
+
+    - `variant="readme"` (default): the formula of the CapRL++ README,
+      R_fmt = 0.5 * N_valid / max(N_all, 1) + 0.5 * I_chrono, with I_chrono = 1 iff there is a
+      valid match and the valid starts are in order. One valid stamp scores 1.0.
+    - `variant="caprl-server"`: what CapRL++'s reward server (`serve_rm.py`,
+      `compute_format_reward`) actually computes and trains with: with v = N_valid / N_all,
+      coverage = min(1, N_valid / max(min_brackets, 1)) and order = 1 when the valid starts
+      are in order (or fewer than 2), R_fmt = 0.45 * coverage * v + 0.25 * v + 0.30 * order * v,
+      0 when no match is valid. It also rewards density: `"[00:01] x"` scores 0.70 there
+      (coverage 1/3), 1.0 under the README formula. Pick it to reproduce a CapRL++ run.
+      `min_brackets` (its `FORMAT_MIN_BRACKETS`, default 3) is the number of valid stamps at
+      which coverage saturates; it is ignored by the README formula.
 
     `[hh:mm:ss]` is not a match: the pattern needs `]` right after `mm:ss`, so `[01:02:03]`
     matches nowhere and counts neither as valid nor as invalid. A caption written only with
@@ -67,7 +84,22 @@ def timestamp_format(text: str, max_minute: int = 599) -> float:
             chrono = False
         last_start = start
         valid += 1
-    return 0.5 * valid / len(matches) + 0.5 * float(chrono and valid > 0)
+    if variant == "readme":
+        return 0.5 * valid / len(matches) + 0.5 * float(chrono and valid > 0)
+    if variant == "caprl-server":
+        return _caprl_server_format(valid, len(matches), chrono, min_brackets)
+    raise ValueError(f"timestamp_format: variant must be one of {TIMESTAMP_VARIANTS}, got {variant!r}")
+
+
+def _caprl_server_format(valid: int, total: int, chrono: bool, min_brackets: int) -> float:
+    """CapRL++ serve_rm.py's weighting, term for term (same float operations, same clamp)."""
+    if valid == 0:
+        return 0.0
+    validity = valid / max(total, 1)
+    coverage = min(1.0, float(valid) / float(max(min_brackets, 1)))
+    order = 1.0 if chrono else 0.0
+    fmt = 0.45 * coverage * validity + 0.25 * validity + 0.30 * order * validity
+    return float(max(0.0, min(1.0, fmt)))
 
 
 # ASCII characters `str.split()` splits on besides the space (`str.isspace`).
@@ -139,6 +171,28 @@ def embedding_similarity_map(s: float) -> float:
     return 0.1 + 1.69811 * (10 ** (4 * (s - 0.9)) - 0.1)
 
 
+def json_field(text: str, field: str) -> str:
+    """The string value of `field` in the JSON object a completion ends with, as VeRL-with-RMs
+    reads it (its judges' `rm_preprocess` and its BGE reward, field `"Response"`).
+
+    The object is the text from the first `{` to the last `}`; a completion with a `{` but no
+    `}` is closed with one (as there: `'{"Response": "hi"'` reads as `hi`). ValueError (the
+    sample is "malformed") when there is no `{`, the text is not JSON, or `field` is missing or
+    not a string.
+    """
+    body = text.rsplit("}", 1)[0] + "}"
+    if "{" not in body:
+        raise ValueError(f"no JSON object in the completion (looking for field {field!r})")
+    body = "{" + body.split("{", 1)[1]
+    try:
+        value = json.loads(body.strip())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the completion's JSON object does not parse: {e}") from None
+    if not isinstance(value, dict) or not isinstance(value.get(field), str):
+        raise ValueError(f"the completion's JSON object has no string field {field!r}")
+    return value[field]
+
+
 def first_option_letter(text: str, letters: str = "ABCDEFGHI") -> str | None:
     """The option letter a judge answered with, or None.
 
@@ -155,6 +209,28 @@ def first_option_letter(text: str, letters: str = "ABCDEFGHI") -> str | None:
         if match:
             return match.group(1)
     return None
+
+
+def first_capital_letter(text: str, letters: str = "ABCDEFGHI") -> str | None:
+    """CapRL++'s reading of a sampled judge answer (`parse_easy`): the first character of
+    `letters` anywhere in the text, or None.
+
+    Lenient where `first_option_letter` is strict — `" **C**"`, `" C is correct"`,
+    `"Option C"` and `"answer: C"` all read as C — and wrong where a capital starts a word:
+    `"I think B"` reads as I and `"A dog is shown"` as A.
+    """
+    match = _capital_pattern(letters).search(text)
+    return match.group(0) if match else None
+
+
+@lru_cache(maxsize=16)
+def _capital_pattern(letters: str) -> re.Pattern[str]:
+    return re.compile("[" + re.escape(letters) + "]")
+
+
+ANSWER_PARSERS = {"strict": first_option_letter, "caprl": first_capital_letter}
+"""How a sampled judge answer is read: `strict` (ours, `first_option_letter`) or `caprl`
+(CapRL++'s first capital, `first_capital_letter`)."""
 
 
 @lru_cache(maxsize=16)

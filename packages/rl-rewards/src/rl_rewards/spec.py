@@ -41,11 +41,21 @@ class Gate(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True
     """Score this component only for samples where `component` (declared earlier) is >= threshold.
 
     Checked before the gated scorer is called, so gated-out samples are never sent to it
-    (VeRL-with-RMs scores every sample and then discards the gated-out judge scores).
+    (VeRL-with-RMs scores every sample and then discards the gated-out judge scores). Its gate is
+    `rule == 1`; with rule rewards in [0, 1], as its rules are, `threshold = 1.0` is the same.
+
+    `gated_out` says what a gated-out component does to the total:
+
+    - `"skip"` (default): it is left out: `add` adds nothing, `mul` multiplies by nothing.
+    - `"zero"`: it counts with value 0.0, as in VeRL-with-RMs, whose trainer zeroes a masked judge
+      score and still applies its combine function: an `add` judge adds 0 (same as skip), a `mul`
+      judge makes the total 0 for that sample. Pick it to reproduce VeRL-with-RMs' `mul` judges;
+      keep `skip` when a failed rule should leave the rule's own (e.g. negative) score standing.
     """
 
     component: str
     threshold: float = 1.0
+    gated_out: Literal["skip", "zero"] = "skip"
 
 
 class Component(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -57,8 +67,9 @@ class Component(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
       always the unweighted one).
     - `op`: for `combine = "fold"` only: `add` (total += weight * value) or `mul`
       (total *= weight * value), as in VeRL-with-RMs' per-judge combine functions.
-    - `gate`: see `Gate`. A gated-out component is reported as 0.0 and left out of the total
-      (sum: adds nothing; fold: its op is skipped).
+    - `gate`: see `Gate`. A gated-out component is reported as 0.0 and, by default, left out of
+      the total (sum: adds nothing; fold: its op is skipped); `gate.gated_out = "zero"` counts it
+      as 0.0 instead (a `mul` then zeroes the total).
     - `fallback`: value used when this component fails for a sample; without it the failure
       becomes the sample's error (score None).
     """
@@ -77,6 +88,11 @@ class RewardSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     - `sum` (default): total = sum of weight * value over scored components.
     - `fold`: VeRL-with-RMs' left fold: total = weight_0 * value_0 of the first component (the
       rule reward), then each later component applies its `op` in order.
+
+    Components are scored, gated and folded in declaration order (TOML tables and dicts keep
+    it), so order is part of the formula under `fold`: a component declared before the judges
+    is added before a `mul` judge multiplies the total. VeRL-with-RMs adds its BGE term right
+    after the rule and before the judges: declare the embedding component second.
     """
 
     components: dict[str, Component]

@@ -40,7 +40,8 @@ CaptionQA = tuple[str, list[QAItem]]
 
 
 class VLJudgeSample(msgspec.Struct, kw_only=True, frozen=True):
-    """One vl_judge sample. `video_path` must resolve inside the server's media roots."""
+    """One vl_judge sample. `video_path` must resolve inside the server's media roots; an empty
+    one means the sample has no video (the judge grades the caption text alone, as in CapRL++)."""
 
     caption: str
     video_path: str
@@ -85,8 +86,10 @@ class OpenRLHFRequest(msgspec.Struct, kw_only=True):
 
 class OpenRLHFResponse(msgspec.Struct, kw_only=True):
     """`rewards` and `scores` are equal (OpenRLHF uses `rewards` for advantages and logs `scores`);
-    `extra_logs` maps each component name to per-sample values (failed samples: 0.0 and an
-    `error` entry of 1.0)."""
+    `extra_logs` maps `error` (1.0 for a failed sample, else 0.0) and each of the reward's
+    component keys to one value per sample — the same keys in every response, failed samples
+    included (0.0), since OpenRLHF sends one query per request and requires every sample of a
+    batch to carry every key."""
 
     rewards: list[float]
     scores: list[float]
@@ -122,6 +125,9 @@ class HealthResponse(msgspec.Struct, kw_only=True):
     workers: int = 0
     workers_alive: int = 0
     pid: int = 0  # the server process that answered (several share the port with --http-processes)
+    keys: dict[str, list[str]] = {}
+    """Per reward, the component keys every result carries (also for failed samples)."""
+    default_reward: str = ""
 
 
 class ErrorResponse(msgspec.Struct, kw_only=True, omit_defaults=True):

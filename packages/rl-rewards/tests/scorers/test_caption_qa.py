@@ -192,3 +192,140 @@ def test_batched_exact_equals_per_caption_scoring_and_a_too_long_caption_fails_a
         assert batched[i].error is None
         assert batched[i].score == pytest.approx(one_by_one[i].score, abs=1e-5)
         assert batched[i].components["letter_mass"] == pytest.approx(one_by_one[i].components["letter_mass"], rel=1e-4)
+
+
+# ----------------------------------------------------------- CapRL++ drop-in options
+
+
+CAPRL_STYLE = (  # CapRL++'s prompt shape: raw chat tokens, two positional fields, ends on the prefill
+    "<|im_start|>user\nAnswer strictly based on the caption.\n\n"
+    "Caption: <Caption Start> {} <Caption End>  \nQuestion: {}  <|im_end|>\n<|im_start|>assistant\nThe answer is"
+)
+NAMED = "[{task}] {caption}\nQ: {question}\n{options}\nThe answer is"
+
+
+def _template(tmp_path, text: str) -> str:
+    path = tmp_path / "prompt.txt"
+    path.write_text(text)
+    return str(path)
+
+
+class _ScriptedJudge:
+    """Reads each prompt it is sent (the real tiny tokenizer decodes it), finds the letter of the
+    option `right`, and answers it wrapped as `answer.format(letter)`: the parser is what decides."""
+
+    def __init__(self, tokenizer, right: str, answer: str):
+        self.tokenizer, self.right, self.answer, self.prompts = tokenizer, right, answer, []
+
+    def generate(self, prompts, params):
+        from rl_rollout.protocol import Generation
+
+        out = []
+        for i, ids in enumerate(prompts):
+            text = self.tokenizer.decode(ids)
+            self.prompts.append(text)
+            letter = next(line.split(")")[0][-1] for line in text.splitlines() if line.endswith(f") {self.right}"))
+            out.append(Generation(request_index=i, prompt_ids=ids, completion_ids=[], text=self.answer.format(letter),
+                                  logprobs=[], finish_reason="stop"))
+        return out
+
+
+@pytest.mark.parametrize(("answer", "strict", "caprl"), [
+    (" **{}**", 0.0, 1.0), (" {} is correct", 0.0, 1.0), ("Option {}", 0.0, 1.0), ("answer: {}", 0.0, 1.0),
+    (" {}", 1.0, 1.0),
+])
+def test_answer_parser_caprl_reads_what_strict_refuses(tiny_judge, answer, strict, caprl):
+    qa = [{"question": "Color?", "choices": ["red", "blue", "green"], "answer": "B"}]
+    sample = Sample(completion="A blue ball.", reference=qa)
+    for parser, expected in (("strict", strict), ("caprl", caprl)):
+        judge = _ScriptedJudge(tiny_judge.tokenizer, "blue", answer)
+        scorer = CaptionQAScorer(judge, tiny_judge.tokenizer, estimator="sample", qa_num=4, seed=1,
+                                 answer_parser=parser, chat_template=SHORT_TEMPLATE)
+        (result,) = scorer.score([sample])
+        assert result.score == expected, (parser, answer)
+        assert result.components["parsed"] == (1.0 if expected else 0.0)
+
+
+def test_answer_parser_is_checked():
+    with pytest.raises(ValueError, match=r"answer_parser must be one of \['caprl', 'strict'\], got 'loose'"):
+        CaptionQAScorer(None, None, answer_parser="loose")
+
+
+def test_caprl_style_template_renders_exactly(tiny_judge, tmp_path):
+    scorer = CaptionQAScorer(tiny_judge, tiny_judge.tokenizer, prompt_template=_template(tmp_path, CAPRL_STYLE))
+    text = f"Color?\n   - A) red\n   - B) blue\n   - C) {CANNOT_ANSWER}"
+    assert scorer.prompter.render("A blue ball.", text) == CAPRL_STYLE.format("A blue ball.", text)
+    assert tiny_judge.tokenizer.decode(scorer.prompter.ids("A blue ball.", text)) == CAPRL_STYLE.format("A blue ball.", text)
+    named = CaptionQAScorer(tiny_judge, tiny_judge.tokenizer, task="video", prompt_template=_template(tmp_path, NAMED))
+    assert named.prompter.render("cap", text) == (
+        f"[video] cap\nQ: Color?\n   - A) red\n   - B) blue\n   - C) {CANNOT_ANSWER}\nThe answer is")
+
+
+def test_exact_estimator_with_a_template_shares_the_prefix_and_matches_full_prompts(tiny_judge, tmp_path):
+    scorer = CaptionQAScorer(tiny_judge, tiny_judge.tokenizer, permutations=2, temperature=0.7,
+                             prompt_template=_template(tmp_path, CAPRL_STYLE))
+    qa = [{"question": "Color?", "choices": ["red", "blue"], "answer": "B"},
+          {"question": "Shape?", "choices": ["ball", "cube", "cone"], "answer": "A"}]
+    (questions,) = [parse_qa(qa)]
+    plan = scorer._plan("A blue ball.", questions)
+    caption_end = len(tiny_judge.tokenizer(CAPRL_STYLE.split("{}")[0] + "A blue ball.")["input_ids"])
+    assert len(plan.prefix) >= caption_end - 1  # the caption is in the shared prefix
+    (result,) = scorer.score([Sample(completion="A blue ball.", reference=qa)])
+    # by hand: every (question, shift) prompt in full, its letter softmax, mean per question, then mean
+    per_question = []
+    for q in questions:
+        n, probs = len(q.options), []
+        for k in range(2):
+            text, gold = question_text(q, [(j + k) % n for j in range(n)])
+            ids = tiny_judge.tokenizer(CAPRL_STYLE.format("A blue ball.", text), add_special_tokens=False)["input_ids"]
+            with torch.no_grad():
+                logits = tiny_judge.model(torch.tensor([ids])).logits[0, -1].double()  # [V]
+            letters = (logits / 0.7).log_softmax(-1)[scorer.letter_ids[: n + 1]]  # [n + 1]
+            probs.append(letters.softmax(-1)[gold].item())
+        per_question.append(sum(probs) / len(probs))
+    assert result.score == pytest.approx(sum(per_question) / 2, abs=1e-5)
+
+
+def test_sample_estimator_sends_the_rendered_template(tiny_judge, tmp_path):
+    judge = _ScriptedJudge(tiny_judge.tokenizer, "blue", " {}")
+    scorer = CaptionQAScorer(judge, tiny_judge.tokenizer, estimator="sample", qa_num=3, seed=0,
+                             prompt_template=_template(tmp_path, NAMED))
+    qa = [{"question": "Color?", "choices": ["red", "blue"], "answer": "B"}]
+    (result,) = scorer.score([Sample(completion="A blue ball.", reference=qa)])
+    assert result.score == 1.0
+    assert len(judge.prompts) == 3
+    for prompt in judge.prompts:
+        assert prompt.startswith("[image] A blue ball.\nQ: Color?\n   - A) ") and prompt.endswith(
+            f"   - C) {CANNOT_ANSWER}\nThe answer is")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("{caption} {question} {choices}", r"unknown field\(s\) \['choices'\]"),
+    ("{caption} {question}", "never shows the judge the question and its options"),
+    ("{question} {options}", "never shows the judge the caption"),
+    ("{} {} {}", "more than two positional fields"),
+    ("{caption {question}", "not a str.format template"),
+])
+def test_bad_templates_name_the_problem(tiny_judge, tmp_path, text, message):
+    with pytest.raises(ValueError, match=message):
+        CaptionQAScorer(tiny_judge, tiny_judge.tokenizer, prompt_template=_template(tmp_path, text))
+
+
+def test_missing_template_file_names_the_setting(tiny_judge, tmp_path):
+    with pytest.raises(FileNotFoundError, match="REWARD_QA_PROMPT_FILE"):
+        CaptionQAScorer(tiny_judge, tiny_judge.tokenizer, prompt_template=str(tmp_path / "nope.txt"))
+
+
+def test_server_settings_reach_the_served_judge(tmp_path):
+    from rl_models.tiny import build
+    from rl_rewards.rules import first_capital_letter
+    from rl_rewards.server.rewards import build_served
+    from rl_rewards.server.settings import load_settings
+
+    env = {"REWARD_MODEL": str(build("qwen3")), "REWARD_ANSWER_PARSER": "caprl",
+           "REWARD_QA_PROMPT_FILE": _template(tmp_path, CAPRL_STYLE)}
+    settings = load_settings(flags={"judge_options": {"engine_options": {"device": "cpu"}}}, environ=env)
+    judge = build_served(settings)["caption_qa"]
+    assert judge.parse_answer is first_capital_letter
+    assert judge.prompter.template == CAPRL_STYLE
+    assert judge.estimator == "sample"  # CapRL's own estimator on the drop-in server

@@ -34,3 +34,18 @@ def test_verl_with_rms_affine_and_mean_pooling(encoder_path):
     assert result.score == pytest.approx(0.7 * 1.0 + 0.3)
     with pytest.raises(ValueError, match="pooling"):
         build_scorer("embedding_similarity", model=encoder_path, pooling="max")
+
+
+def test_verl_with_rms_response_fields_and_malformed_json_scores_zero(encoder_path):
+    scorer = build_scorer("embedding_similarity", model=encoder_path, scale=0.7, offset=0.3,
+                          completion_field="Response", reference_field="Response")
+    target = '{"Response": "the cat sat on the mat", "Solution": "none"}'
+    results = scorer.score([
+        Sample(completion='{"Response": "the cat sat on the mat", "Solution": "other"}', reference=target),
+        Sample(completion="not json at all", reference=target),
+        Sample(completion='{"Response": "x"}', reference="not json"),
+    ])
+    assert results[0].score == pytest.approx(0.7 * 1.0 + 0.3)  # the fields match, the rest differs
+    assert results[0].components == {"cosine": pytest.approx(1.0, abs=1e-5), "malformed": 0.0}
+    assert [r.score for r in results[1:]] == [0.0, 0.0]  # VeRL-with-RMs: 0.0, not the 0.3 offset
+    assert [r.components["malformed"] for r in results[1:]] == [1.0, 1.0]

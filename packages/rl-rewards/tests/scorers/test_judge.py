@@ -73,3 +73,46 @@ def test_build_validates_module_before_loading_the_model(tmp_path):
     bad.write_text("def rm_preprocess(a, b, c):\n    return a\n")
     with pytest.raises(AttributeError, match=r"no_post.py' does not define rm_postprocess"):
         build_reward({"components": {"j": {"scorer": "judge", "options": {"module": str(bad), "model": "/nonexistent"}}}})
+
+
+ECHO = '''
+def rm_preprocess(text_prompts, text_responses, tgt_tokenizer):
+    return [f"grade: {r}" for r in text_responses]
+
+
+def rm_postprocess(results):
+    return [0.5 for _ in results]
+'''
+
+
+def test_completion_field_judges_the_response_field_and_malformed_json_scores_zero(tmp_path, tiny_path):
+    from rl_rewards.scorers.judge import JudgeScorer
+    from rl_rollout.hf import HFEngine
+
+    class Recording:
+        def __init__(self, engine):
+            self.engine, self.inputs = engine, []
+
+        def generate(self, requests, params):
+            self.inputs += requests
+            return self.engine.generate(requests, params)
+
+    path = tmp_path / "echo.py"
+    path.write_text(ECHO)
+    engine = Recording(HFEngine.from_pretrained(tiny_path, device="cpu"))
+    judge = JudgeScorer(engine, engine.engine.tokenizer, str(path), max_new_tokens=1, completion_field="Response")
+    completions = [
+        'Thinking... {"Response": "we will refund you", "Solution": "refund"}',  # judged: the field only
+        '{"Response": "sorry"',  # VeRL-with-RMs closes a missing final brace: judged as "sorry"
+        "no json here",  # malformed: 0.0, never sent to the judge
+        '{"Solution": "refund"}',  # no Response field: malformed
+        '{"Response": 3}',  # not a string: malformed
+    ]
+    results = judge.score([Sample(prompt="p", completion=c) for c in completions])
+    assert engine.inputs == ["grade: we will refund you", "grade: sorry"]
+    assert [r.score for r in results] == [0.5, 0.5, 0.0, 0.0, 0.0]
+    assert [r.components["malformed"] for r in results] == [0.0, 0.0, 1.0, 1.0, 1.0]
+    strict = JudgeScorer(engine, engine.engine.tokenizer, str(path), max_new_tokens=1, completion_field="Response",
+                         on_malformed=None)
+    (bad,) = strict.score([Sample(prompt="p", completion="no json here")])
+    assert bad.score is None and "no JSON object" in bad.error

@@ -54,7 +54,7 @@ def test_tiny_vl_judge_scores_media_and_fails_missing_media(tmp_path):
     from rl_models.tiny import build
     from rl_rollout.hf import HFEngine
 
-    engine = HFEngine.from_pretrained(build("qwen2_5_vl"), device="cpu")
+    engine = _Recording(HFEngine.from_pretrained(build("qwen2_5_vl"), device="cpu"))
     scorer = VLJudgeScorer(engine, max_frames=4, max_pixels=56 * 56, max_new_tokens=8)
     image = tmp_path / "red.png"
     Image.new("RGB", (56, 56), "red").save(image)
@@ -63,10 +63,25 @@ def test_tiny_vl_judge_scores_media_and_fails_missing_media(tmp_path):
         Sample(completion="A red square.", metadata={"image": str(image)}),
         Sample(completion="[00:00] dark [00:02] bright", metadata={"video": str(video)}),
         Sample(completion="x", metadata={"video": str(tmp_path / "missing.mp4")}),
-        Sample(completion="x", metadata={}),
+        Sample(completion="no media at all", metadata={}),
+        Sample(completion="an empty path", metadata={"video": ""}),  # CapRL++'s client: no video
     ])
-    for r in results[:2]:  # random weights do not write JSON: CapRL's 0, flagged
+    for r in [*results[:2], *results[3:]]:  # random weights do not write JSON: CapRL's 0, flagged
         assert r.error is None and r.score == 0.0 and r.components["parse_failed"] == 1.0
         assert set(r.components) == {*FULL, "parse_failed"}
     assert "missing.mp4" in results[2].error
-    assert "neither 'video' nor 'image'" in results[3].error
+    # the judge got the two media samples with their media, the two without as text alone
+    kinds = [[part["type"] for part in request[0]["content"]] for request in engine.requests]
+    assert kinds == [["image", "text"], ["video", "text"], ["text"], ["text"]]
+    assert "Caption:\nno media at all" in engine.requests[2][0]["content"][0]["text"]
+
+
+class _Recording:
+    """The real engine, keeping the requests it was sent."""
+
+    def __init__(self, engine):
+        self.engine, self.requests = engine, []
+
+    def generate(self, requests, params):
+        self.requests += requests
+        return self.engine.generate(requests, params)

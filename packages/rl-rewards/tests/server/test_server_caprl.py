@@ -223,3 +223,16 @@ def test_caprl_request_without_score_mode_is_read_by_its_shape(servers):
     r = get_reward(servers["vl_judge"], {"prompts": [[c, QA] for c in CAPTIONS], "query": [], "labels": []})
     assert r.status_code == 422, f"{r.status_code} {r.text}"
     assert "no judge configured" in r.json()["error"] and r.json()["field"] == "$.score_mode"
+
+
+def test_vl_judge_empty_video_path_is_judged_on_the_caption_alone(servers, vl_judge):
+    # CapRL++'s client sends video_path="" for a sample without a video: no media, not an error
+    captions = ["[00:00] red red red red red red", "[00:00] a blue square slides left"]
+    body = {"score_mode": "vl_judge", "samples": [{"caption": c, "video_path": ""} for c in captions]}
+    r = get_reward(servers["vl_judge"], body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert "errors" not in out
+    scorer = build_scorer("vl_judge", model=vl_judge, **VL_OPTIONS)
+    expected = [res.score for res in scorer.score([Sample(completion=c) for c in captions])]
+    assert out["rewards"] == expected == [ANSWER_SCORE, 0.0]  # the scripted judge read the caption

@@ -73,3 +73,55 @@ def test_reward_worker_base_is_accepted_and_the_log_says_it_is_ignored(tmp_path)
     assert notes[0].startswith("REWARD_WORKER_BASE=18899 is not needed and is ignored")
     assert "pipes, not ports" in notes[0]
     assert not any(e["level"] == "error" for e in log)
+
+
+def test_caprl_plus_plus_fidelity_variables(tmp_path):
+    env = {
+        "FORMAT_REWARD_VARIANT": "caprl-server", "FORMAT_MIN_BRACKETS": "4", "REWARD_ANSWER_PARSER": "caprl",
+        "REWARD_QA_PROMPT_FILE": "/prompts/caprl.txt", "REWARD_MEDIA_ROOT": f"{tmp_path}/a:{tmp_path}/b",
+    }
+    s = load_settings(environ=env)
+    assert (s.format_reward_variant, s.format_min_brackets, s.answer_parser) == ("caprl-server", 4, "caprl")
+    assert s.qa_prompt_file == "/prompts/caprl.txt"
+    assert s.media_roots == [f"{tmp_path}/a", f"{tmp_path}/b"]
+    defaults = load_settings(environ={})
+    assert (defaults.format_reward_variant, defaults.format_min_brackets, defaults.answer_parser) == ("readme", 3, "strict")
+    with pytest.raises(ValueError, match="format_reward_variant"):
+        load_settings(environ={"FORMAT_REWARD_VARIANT": "server"})
+    with pytest.raises(ValueError, match="answer_parser"):
+        load_settings(environ={"REWARD_ANSWER_PARSER": "loose"})
+
+
+def test_served_format_reward_follows_the_variant_settings():
+    from rl_rewards.samples import Sample
+    from rl_rewards.server.rewards import build_served, score_with
+
+    sample = [Sample(completion="[00:01] x")]
+    readme = build_served(load_settings(environ={}))
+    server = build_served(load_settings(environ={"FORMAT_REWARD_VARIANT": "caprl-server"}))
+    wide = build_served(load_settings(environ={"FORMAT_REWARD_VARIANT": "caprl-server", "FORMAT_MIN_BRACKETS": "1"}))
+    assert score_with(readme, "timestamp_format", sample)[0].score == 1.0
+    assert score_with(server, "timestamp_format", sample)[0].score == pytest.approx(0.70)
+    assert score_with(wide, "timestamp_format", sample)[0].score == 1.0
+
+
+def test_no_media_root_is_said_at_start():
+    (note,) = load_settings(environ={}).notes()
+    assert "no media root configured" in note and "REWARD_MEDIA_ROOT" in note
+    assert load_settings(environ={"REWARD_MEDIA_ROOT": "/data"}).notes() == []
+
+
+def test_server_without_media_root_says_so_and_refuses_media_per_sample(tmp_path):
+    with server_process(tmp_path, "no_media", ["--log-format", "json"]) as server:
+        samples = [{"completion": "[00:01] a", "metadata": {"image": "cat.png"}}, {"completion": "[00:01] b"}]
+        r = httpx.post(f"{server.url}/v1/score", json={"samples": samples}, timeout=30)
+        results = r.json()["results"]
+        assert "refused: the server has no --media-root" in results[0]["error"]
+        assert results[1]["score"] == 1.0 and results[1].get("error") is None
+    log = [json.loads(line) for line in (tmp_path / "no_media.log").read_text().splitlines() if line.startswith("{")]
+    notes = [e["message"] for e in log if "no media root configured" in e["message"]]
+    assert len(notes) == 1 and "REWARD_MEDIA_ROOT" in notes[0]
+    (tmp_path / "media").mkdir()
+    with server_process(tmp_path, "media", ["--log-format", "json"], env={"REWARD_MEDIA_ROOT": str(tmp_path / "media")}):
+        pass
+    assert "no media root configured" not in (tmp_path / "media.log").read_text()

@@ -26,10 +26,43 @@ Two estimators of the same quantity:
   K = number of options puts every option in every position once, cancelling position bias.
 - `sample`: CapRL-compatible. `qa_num` questions drawn with replacement, options shuffled,
   one prompt per draw, sampled at `temperature` (top_p 1) for up to `max_new_tokens` tokens;
-  the answer is `rl_rewards.rules.first_option_letter` of the output (CapRL's "first capital
-  in A-I", with its "I think" defect fixed). R_acc is a multiple of 1/qa_num, as in CapRL.
+  the answer is read by `answer_parser` (below). R_acc is a multiple of 1/qa_num, as in CapRL.
   Pick it to reproduce CapRL's reward distribution; pick `exact` for training (lower variance,
   and about qa_num times fewer prefills).
+
+Reading sampled answers (`answer_parser`, `sample` only): `strict` (default,
+`rules.first_option_letter`) counts a letter only as a standalone answer token; `caprl`
+(`rules.first_capital_letter`) reproduces CapRL++: the first capital A-I anywhere. They differ on
+`" **C**"`, `" C is correct"`, `"Option C"`, `"answer: C"` (strict: no answer, scores 0; caprl: C)
+and on `"I think B"` (strict: no answer; caprl: I, wrong). Use `caprl` to reproduce a CapRL++
+run's rewards, `strict` otherwise.
+
+The judge prompt (`prompt_template`): by default our prompt is rendered with the judge's chat
+template (system instructions, two few-shot examples, the caption and question, then
+"The answer is"). A template file replaces all of it: its text, formatted with Python
+`str.format` fields, is the judge's whole raw prompt (no chat template is applied; write the
+chat tokens into the file, as CapRL++'s prompts do) and must end where the judge writes its
+answer letter (e.g. "... The answer is"). Fields:
+
+- `{caption}`: the caption; `{question}`: the question alone; `{options}`: the option lines
+  (`   - A) red` ... `   - D) Can not answer based on the caption`), relabelled and with
+  "cannot answer" last; `{task}`: `image` or `video`.
+- Two positional `{}`: the caption, then the question followed by its option lines — how
+  CapRL++'s own prompts are written (`Caption: <Caption Start> {} <Caption End> ... Question: {}`),
+  so the prompt a CapRL++ run trained with loads unchanged once saved to a file.
+
+Literal braces are written `{{` and `}}`. Both estimators use the template; `exact` still shares
+the longest common token prefix of a caption's prompts (everything up to the first token that
+differs between its questions), so a template that puts the caption before the question keeps
+that saving.
+
+"Can not answer" (a known, kept difference): CapRL++ deletes an existing
+`E) Can not answer based on the caption` or `F) ...` line, appends it again always as `F`, and
+keeps the gold letter it was sent. When the gold answer was that line (`E`), the judge's correct
+choice is now written `F` while the gold stays `E` — that question can never be answered right
+(and with 4 options, E now names nothing). Here options are relabelled consistently: an existing
+"cannot answer" option is dropped, appended as the next letter after the real options, and the
+gold follows it.
 
 Both use temperature 0.6 by default, CapRL's sampling temperature, so `exact` estimates the
 expectation of CapRL's reward. `Sample.completion` is the caption; `Sample.reference` the QA
@@ -40,6 +73,8 @@ list, either CapRL data rows `[{"question", "choices", "answer"}, ...]` or CapRL
 from __future__ import annotations
 
 import random
+import re
+import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -47,7 +82,7 @@ from typing import Any, Literal
 import msgspec
 import torch
 
-from rl_rewards.rules import first_option_letter
+from rl_rewards.rules import ANSWER_PARSERS
 from rl_rewards.samples import Sample, ScoreResult
 from rl_rewards.scorers.engines import (
     BatchScoringEngine,
@@ -124,6 +159,52 @@ def question_text(question: Question, order: Sequence[int]) -> tuple[str, int]:
     return format_question_text(question.question, normalize_choices([Choice("A", t) for t in texts])), gold
 
 
+_OPTIONS_START = re.compile(r"\n   - [A-Z]\) ")  # where `format_question_text` starts the option lines
+TEMPLATE_FIELDS = ("caption", "question", "options", "task")
+
+
+def split_question_text(text: str) -> tuple[str, str]:
+    """(question, option lines) of a `question_text` (the inverse of `format_question_text`)."""
+    match = _OPTIONS_START.search(text)
+    if match is None:
+        return text, ""
+    return text[: match.start()], text[match.start() + 1 :]
+
+
+def load_prompt_template(path: str) -> str:
+    """Read and check a judge prompt template (fields: see the module docstring); the errors
+    name the file and the bad field."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            template = f.read()
+    except OSError as e:
+        raise FileNotFoundError(f"caption_qa: cannot read prompt_template {path!r} (REWARD_QA_PROMPT_FILE): {e}") from None
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        raise ValueError(f"caption_qa: prompt_template {path!r} is not a str.format template ({e}); "
+                         "write literal braces as {{ and }}") from None
+    positional = [f for f in fields if f == "" or f.isdigit()]
+    unknown = sorted({f for f in fields if f not in positional and f not in TEMPLATE_FIELDS})
+    if unknown:
+        raise ValueError(f"caption_qa: prompt_template {path!r} uses unknown field(s) {unknown}; valid fields: "
+                         f"{', '.join('{' + f + '}' for f in TEMPLATE_FIELDS)}, or two positional {{}} (caption, question)")
+    if len(positional) > 2 or any(f.isdigit() and int(f) > 1 for f in positional):
+        raise ValueError(f"caption_qa: prompt_template {path!r} has more than two positional fields; "
+                         "CapRL++'s prompts use two: the caption, then the question with its options")
+    has_caption = "caption" in fields or bool(positional)
+    has_question = len(positional) == 2 or {"question", "options"} <= set(fields)
+    if not (has_caption and has_question):
+        raise ValueError(f"caption_qa: prompt_template {path!r} never shows the judge the "
+                         f"{'caption' if not has_caption else 'question and its options'}; use {{caption}}, "
+                         "{question} and {options} (or CapRL++'s two positional {})")
+    try:
+        template.format("c", "q\n   - A) x", caption="c", question="q", options="   - A) x", task="image")
+    except (IndexError, KeyError, ValueError) as e:
+        raise ValueError(f"caption_qa: prompt_template {path!r} cannot be formatted: {e}") from None
+    return template
+
+
 _SYSTEM = {
     "image": (
         "You are given a caption of an image and a multiple-choice question about the image. Answer using only "
@@ -156,12 +237,14 @@ _FEW_SHOT = {
 
 @dataclass(frozen=True)
 class QAPrompter:
-    """Builds the judge's prompt token ids from its own chat template (or `chat_template`)."""
+    """Builds the judge's prompt token ids: our prompt through the judge's own chat template
+    (or `chat_template`), or a raw `template` (see the module docstring)."""
 
     tokenizer: Any
     task: Literal["image", "video"] = "image"
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    template: str | None = None
 
     def messages(self, caption: str, text: str) -> list[dict[str, str]]:
         shot_caption, shots = _FEW_SHOT[self.task]
@@ -173,24 +256,35 @@ class QAPrompter:
         messages.append({"role": "user", "content": _user(caption, text)})
         return messages
 
-    def ids(self, caption: str, text: str) -> list[int]:
+    def render(self, caption: str, text: str) -> str:
+        """The prompt text for a caption and a `question_text` (question + option lines)."""
+        if self.template is not None:
+            question, options = split_question_text(text)
+            return self.template.format(caption, text, caption=caption, question=question, options=options,
+                                        task=self.task)
         rendered = self.tokenizer.apply_chat_template(
             self.messages(caption, text), tokenize=False, add_generation_prompt=True,
             chat_template=self.chat_template, **(self.chat_template_kwargs or {}),
         )
-        return self.tokenizer(rendered + PREFILL, add_special_tokens=False)["input_ids"]
+        return rendered + PREFILL
+
+    def ids(self, caption: str, text: str) -> list[int]:
+        return self.tokenizer(self.render(caption, text), add_special_tokens=False)["input_ids"]
 
     def letter_ids(self) -> list[int]:
-        """Token id of " A", " B", ... as the judge would write it right after the prefill;
+        """Token id of " A", " B", ... as the judge would write it right after the prompt;
         checks that appending a letter never re-tokenizes the prompt."""
         base = self.ids("a caption", "a question\n   - A) yes")
         ids = []
         for letter in LETTERS:
             extended = self.tokenizer(self.tokenizer.decode(base) + " " + letter, add_special_tokens=False)["input_ids"]
             if extended[:-1] != base:
+                end = "the prompt template" if self.template is not None else repr(PREFILL)
                 raise ValueError(
-                    f"the judge tokenizer does not write ' {letter}' as one token after {PREFILL!r} "
+                    f"the judge tokenizer does not write ' {letter}' as one token after {end} "
                     f"(got {extended[len(base) - 1 :]}); caption_qa needs single-token option letters"
+                    + ("; end the template with the words before the letter, e.g. 'The answer is'"
+                       if self.template is not None else "")
                 )
             ids.append(extended[-1])
         return ids
@@ -244,6 +338,8 @@ class CaptionQAScorer:
     task: `image` | `video` prompt. temperature: both estimators (CapRL: 0.6).
     permutations (exact): K cyclic option shifts averaged. qa_num, max_new_tokens, seed
     (sample): draws per caption, decode length, RNG seed for draws/shuffles/sampling.
+    answer_parser (sample): `strict` | `caprl`. prompt_template: path of a judge prompt
+    template file (None: our prompt). See the module docstring for both.
     """
 
     name = "caption_qa"
@@ -262,7 +358,11 @@ class CaptionQAScorer:
         seed: int | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        answer_parser: Literal["strict", "caprl"] = "strict",
+        prompt_template: str | None = None,
     ) -> None:
+        if answer_parser not in ANSWER_PARSERS:
+            raise ValueError(f"caption_qa: answer_parser must be one of {sorted(ANSWER_PARSERS)}, got {answer_parser!r}")
         if estimator not in ("exact", "sample"):
             raise ValueError(f"caption_qa: estimator must be 'exact' or 'sample', got {estimator!r}")
         if task not in _SYSTEM:
@@ -272,7 +372,9 @@ class CaptionQAScorer:
                              f"{temperature}, {permutations}, {qa_num}")
         self.engine, self.estimator, self.temperature = engine, estimator, temperature
         self.permutations, self.qa_num, self.max_new_tokens = permutations, qa_num, max_new_tokens
-        self.prompter = QAPrompter(tokenizer, task, chat_template, chat_template_kwargs)
+        template = load_prompt_template(prompt_template) if prompt_template is not None else None
+        self.prompter = QAPrompter(tokenizer, task, chat_template, chat_template_kwargs, template)
+        self.parse_answer = ANSWER_PARSERS[answer_parser]
         self.letter_ids = self.prompter.letter_ids()
         self.rng = random.Random(seed)
         self.seeded = seed is not None
@@ -359,7 +461,7 @@ class CaptionQAScorer:
         correct: dict[int, list[float]] = {}
         parsed_letters: dict[int, list[float]] = {}
         for owner, gold, generation in zip(owners, golds, generations, strict=True):
-            letter = first_option_letter(generation.text, LETTERS)
+            letter = self.parse_answer(generation.text, LETTERS)
             correct.setdefault(owner, []).append(float(letter == gold))
             parsed_letters.setdefault(owner, []).append(float(letter is not None))
         return [
@@ -385,6 +487,8 @@ def build_caption_qa(
     seed: int | None = None,
     chat_template: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    answer_parser: Literal["strict", "caprl"] = "strict",
+    prompt_template: str | None = None,
 ) -> CaptionQAScorer:
     """`caption_qa` from a config: judge checkpoint `model` served by `engine` (`hf`, `vllm`,
     `openai`), tokenizer from `tokenizer` (default: `model`). Other options: `CaptionQAScorer`."""
@@ -392,5 +496,5 @@ def build_caption_qa(
         load_engine(model, engine, engine_options), load_tokenizer(tokenizer or model),
         estimator=estimator, task=task, temperature=temperature, permutations=permutations, qa_num=qa_num,
         max_new_tokens=max_new_tokens, seed=seed, chat_template=chat_template,
-        chat_template_kwargs=chat_template_kwargs,
+        chat_template_kwargs=chat_template_kwargs, answer_parser=answer_parser, prompt_template=prompt_template,
     )

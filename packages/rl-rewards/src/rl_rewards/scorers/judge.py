@@ -4,6 +4,14 @@ The module's `rm_preprocess(prompts, responses, judge_tokenizer)` builds the jud
 engine generates, and `rm_postprocess(outputs)` turns them into scores — the module is loaded
 unchanged (`rl_rewards.modules`). If `rm_postprocess` raises on a batch, it is called again one
 output at a time so only the unreadable outputs fail.
+
+`completion_field`: VeRL-with-RMs' policy answers with a JSON object and its judges grade only
+its `"Response"` field (`rules.json_field`). Set `completion_field="Response"` to send the judge
+that field instead of the whole completion; a completion without it (malformed JSON) is not sent
+to the judge and scores `on_malformed` (0.0, as there; None makes it the sample's error). The
+`malformed` component says which samples those were (1.0) and is reported only with a field.
+Use it with modules that take plain text; VeRL-with-RMs' own modules extract the field inside
+`rm_preprocess` themselves (leave `completion_field` unset for them).
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rl_rewards.modules import RewardModule, load_reward_module
+from rl_rewards.rules import json_field
 from rl_rewards.samples import Sample, ScoreResult
 from rl_rewards.scorers.engines import Engine, SamplingParams, load_engine, load_tokenizer
 
@@ -22,6 +31,7 @@ class JudgeScorer:
 
     temperature/top_p/max_new_tokens/seed: the judge's sampling (VeRL-with-RMs sets one
     temperature per judge; 0 = greedy, the default, for a deterministic judge).
+    completion_field/on_malformed: judge one JSON field of the completion (module docstring).
     """
 
     name = "judge"
@@ -36,15 +46,38 @@ class JudgeScorer:
         top_p: float = 1.0,
         max_new_tokens: int = 512,
         seed: int | None = None,
+        completion_field: str | None = None,
+        on_malformed: float | None = 0.0,
     ) -> None:
         self.engine, self.tokenizer = engine, tokenizer
+        self.completion_field, self.on_malformed = completion_field, on_malformed
         self.module = load_reward_module(module) if isinstance(module, str) else module
         self.params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
-        inputs = self.module.preprocess([s.prompt for s in samples], [s.completion for s in samples], self.tokenizer)
-        if len(inputs) != len(samples):
-            raise ValueError(f"{self.module.name}.rm_preprocess returned {len(inputs)} inputs for {len(samples)} samples")
+        if self.completion_field is None:
+            return self._judge([s.prompt for s in samples], [s.completion for s in samples])
+        results: list[ScoreResult | None] = [None] * len(samples)
+        keep, answers = [], []
+        for i, sample in enumerate(samples):
+            try:
+                answers.append(json_field(sample.completion, self.completion_field))
+                keep.append(i)
+            except ValueError as e:
+                results[i] = (
+                    ScoreResult.failed(f"{self.module.name}: {e}") if self.on_malformed is None
+                    else ScoreResult(score=self.on_malformed, components={"malformed": 1.0})
+                )
+        judged = self._judge([samples[i].prompt for i in keep], answers) if keep else []
+        for i, result in zip(keep, judged, strict=True):
+            result.components["malformed"] = 0.0
+            results[i] = result
+        return [r for r in results if r is not None]
+
+    def _judge(self, prompts: list[str], completions: list[str]) -> list[ScoreResult]:
+        inputs = self.module.preprocess(prompts, completions, self.tokenizer)
+        if len(inputs) != len(completions):
+            raise ValueError(f"{self.module.name}.rm_preprocess returned {len(inputs)} inputs for {len(completions)} samples")
         texts = [g.text for g in self.engine.generate(list(inputs), self.params)]
         try:
             scores: list[Any] = list(self.module.postprocess(texts))
@@ -80,10 +113,13 @@ def build_judge(
     top_p: float = 1.0,
     max_new_tokens: int = 512,
     seed: int | None = None,
+    completion_field: str | None = None,
+    on_malformed: float | None = 0.0,
 ) -> JudgeScorer:
     """`judge` from a config: the module is checked before the judge model is loaded."""
     reward_module = load_reward_module(module)
     return JudgeScorer(
         load_engine(model, engine, engine_options), load_tokenizer(tokenizer or model), reward_module,
         temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
+        completion_field=completion_field, on_malformed=on_malformed,
     )

@@ -6,8 +6,10 @@ Parsing: strip code fences, `json.loads`, else the text between the first `{` an
 each criterion clipped to [0, 1]. Unparseable output scores 0, as in CapRL++, and is flagged by the
 `parse_failed` component (also set when a criterion is missing or not a number; it then counts 0).
 Videos are decoded here (`rl_data.media.sample_video`: `fps`, capped at `max_frames` frames of at
-most `max_pixels` pixels each — CapRL++ had no cap). A missing media file fails that sample; it is
-never judged text-only.
+most `max_pixels` pixels each — CapRL++ had no cap). A sample with no media at all (no `video` or
+`image` key, or an empty path: CapRL++'s client sends `video_path=""` for such samples) is judged
+on its text alone, as CapRL++ does. A media file that is named but missing fails that sample
+(CapRL++ would silently judge it text-only).
 """
 
 from __future__ import annotations
@@ -85,16 +87,17 @@ class VLJudgeScorer:
         self.params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
 
     def _messages(self, sample: Sample) -> list[dict[str, Any]]:
-        if "video" in sample.metadata:
-            video = sample_video(sample.metadata["video"], fps=self.fps, max_frames=self.max_frames, max_pixels=self.max_pixels)
-            media, part = "video", {"type": "video", "video": video.frames}
-        elif "image" in sample.metadata:
-            image = sample.metadata["image"]
-            media, part = "image", {"type": "image", "image": image if not isinstance(image, str) else load_image(image)}
-        else:
-            raise ValueError(f"no media: Sample.metadata has neither 'video' nor 'image' (keys: {sorted(sample.metadata)})")
+        video, image = sample.metadata.get("video"), sample.metadata.get("image")
+        parts: list[dict[str, Any]] = []
+        if video:
+            frames = sample_video(video, fps=self.fps, max_frames=self.max_frames, max_pixels=self.max_pixels).frames
+            media, parts = "video", [{"type": "video", "video": frames}]
+        elif image is not None and image != "":
+            media, parts = "image", [{"type": "image", "image": image if not isinstance(image, str) else load_image(image)}]
+        else:  # no media: the caption alone, with the video wording of CapRL++'s text-only fallback
+            media = "video"
         text = PROMPT.format(media=media, caption=sample.completion)
-        return [{"role": "user", "content": [part, {"type": "text", "text": text}]}]
+        return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
         requests, keep, results = [], [], [None] * len(samples)

@@ -5,7 +5,7 @@ Routes (scoring routes require the bearer token when an API key is configured):
 | route | protocol |
 |---|---|
 | `POST /get_reward` | CapRL++ (qa and vl_judge), drop-in |
-| `POST /openrlhf/get_reward` | OpenRLHF remote reward model (`--remote_rm_url http://HOST:PORT/openrlhf/get_reward`) |
+| `POST /openrlhf/get_reward` | OpenRLHF remote reward model (`--reward.remote_url http://HOST:PORT/openrlhf/get_reward`; older OpenRLHF: `--remote_rm_url`) |
 | `POST /v1/score` | native: samples + reward name -> ScoreResults |
 | `GET /health` | 200 `{"ready": true, ...}` once every reward is loaded, else 503 |
 | `GET /metrics` | Prometheus text |
@@ -47,6 +47,7 @@ from rl_rewards.server.rewards import (
     CAPRL_VL_JUDGE,
     judge_name,
     reward_names,
+    served_keys,
 )
 from rl_rewards.server.settings import ServerSettings, from_json
 from rl_rewards.server.workers import SETTINGS_ENV, LocalPool, Pool, process_router
@@ -152,6 +153,7 @@ def decode(body: bytes, kind: type) -> object:
 
 def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
     service = RewardService(settings, pool)
+    keys = served_keys(settings)  # per reward, the component keys of every result
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -198,7 +200,7 @@ def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
         check_texts(((f"$.query[{i}]", q) for i, q in enumerate(req.query)), settings.limits)
         name = settings.openrlhf_reward or service.default
         results = await service.score(name, protocols.openrlhf_samples(req))
-        return wire.encode_json(protocols.openrlhf_response(results))
+        return wire.encode_json(protocols.openrlhf_response(results, keys.get(name, ())))
 
     async def native(request: Request) -> bytes:
         req = decode(await read_body(request, settings.limits), wire.ScoreRequest)
@@ -213,6 +215,7 @@ def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
         info = wire.HealthResponse(
             ready=service.ready(), rewards=service.names or reward_names(settings), score_mode=settings.score_mode,
             judge=judge_name(settings), workers=service.pool.size, workers_alive=service.pool.alive(), pid=os.getpid(),
+            keys=keys, default_reward=service.default or settings.default_reward,
         )
         return Response(wire.encode_json(info), status_code=200 if info.ready else 503, media_type=JSON)
 
@@ -300,8 +303,5 @@ async def _vl_judge(service: RewardService, req: wire.GetRewardRequest) -> wire.
             "no vl_judge configured: start the server with REWARD_MODEL=<VLM> and REWARD_SCORE_MODE=vl_judge",
             field="$.score_mode",
         )
-    prepared = [
-        _confined(Sample(completion=s.caption, metadata={"video": s.video_path}), settings.media_roots)
-        for s in req.samples
-    ]
+    prepared = [_confined(protocols.vl_judge_sample(s), settings.media_roots) for s in req.samples]
     return protocols.judge_response(await service.score(CAPRL_VL_JUDGE, prepared))

@@ -144,6 +144,8 @@ def serve_command(
     banner(settings)
     for note in ignored_settings(settings):  # one log line (the banner wraps it), json logs too
         logging.getLogger("rl_rewards.server").warning(note)
+    for note in settings.notes():
+        logging.getLogger("rl_rewards.server").info(note)
     run(settings)
 
 

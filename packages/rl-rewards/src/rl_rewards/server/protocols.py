@@ -3,7 +3,8 @@
 CapRL qa: each `[caption, qa_list]` becomes `Sample(completion=caption, reference=qa_list)` for the
 `caption_qa` judge (qa_list as CapRL sends it: `[[question_text, answer_letter], ...]`); the video
 task adds `FORMAT_REWARD_WEIGHT * R_fmt` from `timestamp_format`. vl_judge: `Sample(completion=
-caption, metadata={"video": path})`. A sample that fails (bad QA list, path outside the media
+caption, metadata={"video": path})`, or no media at all when `video_path` is empty (CapRL++'s client
+sends "" for a sample without a video; the judge then sees the caption alone). A sample that fails (bad QA list, path outside the media
 roots, judge error) gets reward 0.0 and its message in `errors[i]`; the others are unaffected.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from rl_rewards import wire
+from rl_rewards.composition import reject_non_finite
 from rl_rewards.samples import Sample, ScoreResult
 
 Prepared = Sample | str
@@ -27,6 +29,13 @@ def qa_sample(caption: str, qa: list[wire.QAItem]) -> Prepared:
         if len(letter.strip()) != 1 or not letter.strip().isalpha():
             return f"qa[{j}]: answer {letter!r} is not a single option letter"
     return Sample(completion=caption, reference=[[q, a.strip()] for q, a in qa])
+
+
+def vl_judge_sample(sample: wire.VLJudgeSample) -> Sample:
+    """CapRL vl_judge sample -> Sample; an empty (or blank) `video_path` means no media."""
+    if not sample.video_path.strip():
+        return Sample(completion=sample.caption)
+    return Sample(completion=sample.caption, metadata={"video": sample.video_path})
 
 
 def qa_texts(request: wire.GetRewardRequest) -> Iterator[tuple[str, str]]:
@@ -85,14 +94,12 @@ def openrlhf_samples(request: wire.OpenRLHFRequest) -> list[Sample]:
     return samples
 
 
-def openrlhf_response(results: Sequence[ScoreResult]) -> wire.OpenRLHFResponse:
+def openrlhf_response(results: Sequence[ScoreResult], keys: Sequence[str]) -> wire.OpenRLHFResponse:
+    """`keys`: the served reward's component keys (`served_keys`): every response carries
+    exactly `error` and those, whatever failed, so OpenRLHF's per-key lists stay aligned."""
     values = [value(r) for r in results]
-    names: list[str] = []
-    for r in results:
-        names += [k for k in r.components if k not in names]
-    extra = {name: [r.components.get(name, 0.0) for r in results] for name in names}
-    if any(r.error is not None for r in results):
-        extra["error"] = [0.0 if r.error is None else 1.0 for r in results]
+    extra = {"error": [0.0 if r.error is None else 1.0 for r in results]}
+    extra.update({key: [r.components.get(key, 0.0) for r in results] for key in keys})
     return wire.OpenRLHFResponse(rewards=values, scores=list(values), extra_logs=extra)
 
 
@@ -107,8 +114,10 @@ def sample_texts(samples: Sequence[Sample], prefix: str, longer_than: int = -1) 
 
 
 def merge(prepared: Sequence[Prepared], scored: Sequence[ScoreResult]) -> list[ScoreResult]:
-    """Put scored results back between the samples that failed before scoring."""
+    """Put scored results back between the samples that failed before scoring; a non-finite
+    score becomes that sample's error on every route (JSON has no NaN: it would be `null`)."""
+    scored = reject_non_finite(list(scored), "the reward")
     if len(scored) == len(prepared):  # none failed
-        return list(scored)
+        return scored
     it = iter(scored)
     return [ScoreResult.failed(p) if isinstance(p, str) else next(it) for p in prepared]

@@ -16,10 +16,11 @@ import importlib.util
 import logging
 from collections.abc import Mapping
 
-from rl_rewards.composition import build_reward, score_isolated
-from rl_rewards.registry import build_scorer
+from rl_rewards.composition import build_reward, score_isolated, spec_keys
+from rl_rewards.registry import build_scorer, scorer_component_keys
 from rl_rewards.samples import AsyncScorer, Sample, Scorer, ScoreResult
 from rl_rewards.server.settings import ServerSettings
+from rl_rewards.spec import spec_from_dict
 
 Served = Mapping[str, Scorer | AsyncScorer]
 log = logging.getLogger("rl_rewards.server")
@@ -53,11 +54,17 @@ def _default_rule_names() -> list[str]:
     return names
 
 
-def _build_default(name: str) -> Scorer | AsyncScorer | None:
+def _format_options(settings: ServerSettings) -> dict[str, object]:
+    return {"variant": settings.format_reward_variant, "min_brackets": settings.format_min_brackets}
+
+
+def _build_default(name: str, settings: ServerSettings) -> Scorer | AsyncScorer | None:
     """A default rule scorer; the optional OCR one is skipped (with a warning) when it cannot be
     built here, since nobody asked for it explicitly."""
     if name == "length":
         return build_scorer("length", tokenizer="whitespace")
+    if name == CAPRL_FORMAT:
+        return build_scorer(name, **_format_options(settings))
     if name != "ocr":
         return build_scorer(name)
     try:
@@ -74,19 +81,36 @@ def build_served(settings: ServerSettings) -> dict[str, Scorer | AsyncScorer]:
         served[name] = build_reward(dict(table))
     if not settings.rewards:
         for name in _default_rule_names():
-            scorer = _build_default(name)
+            scorer = _build_default(name, settings)
             if scorer is not None:
                 served[name] = scorer
     judge = judge_name(settings)
     if judge == CAPRL_QA and CAPRL_QA not in served:
         # CapRL's own estimator by default (drop-in); `--judge-option estimator=exact` for training
-        options = {"model": settings.model, "task": settings.task, "qa_num": settings.qa_num, "estimator": "sample"}
+        options = {"model": settings.model, "task": settings.task, "qa_num": settings.qa_num, "estimator": "sample",
+                   "answer_parser": settings.answer_parser, "prompt_template": settings.qa_prompt_file}
         served[CAPRL_QA] = build_scorer("caption_qa", **{**options, **settings.judge_options})
     elif judge == CAPRL_VL_JUDGE and CAPRL_VL_JUDGE not in served:
         served[CAPRL_VL_JUDGE] = build_scorer("vl_judge", model=settings.model, **settings.judge_options)
     if judge is not None and CAPRL_FORMAT not in served:
-        served[CAPRL_FORMAT] = build_scorer("timestamp_format")
+        served[CAPRL_FORMAT] = build_scorer(CAPRL_FORMAT, **_format_options(settings))
     return served
+
+
+def served_keys(settings: ServerSettings) -> dict[str, list[str]]:
+    """For each reward `reward_names` lists, the component keys every one of its results carries
+    (a composed reward: `spec_keys`; a bare scorer: its declared sub-components). Computed from
+    the settings alone, so the server process knows them without loading a judge; clients use
+    them to report the same keys for every sample (verl, OpenRLHF)."""
+    keys: dict[str, list[str]] = {}
+    for name in reward_names(settings):
+        if name in settings.rewards:
+            keys[name] = list(spec_keys(spec_from_dict(dict(settings.rewards[name]), source=f"rewards.{name}")))
+        elif name == CAPRL_QA:
+            keys[name] = list(scorer_component_keys("caption_qa", {"estimator": "sample", **settings.judge_options}))
+        else:
+            keys[name] = list(scorer_component_keys(name, {}))
+    return keys
 
 
 def score_with(served: Served, reward: str, samples: list[Sample]) -> list[ScoreResult]:

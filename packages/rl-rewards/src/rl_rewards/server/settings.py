@@ -12,6 +12,11 @@ The environment variables are those of the CapRL++ launch script, so its users k
 | `REWARD_TASK` | `task` | `video` adds `FORMAT_REWARD_WEIGHT`·R_fmt to qa rewards |
 | `REWARD_QA_NUM` | `qa_num` | questions drawn per caption (CapRL sampling mode) |
 | `FORMAT_REWARD_WEIGHT` | `format_reward_weight` | default 0.2 |
+| `FORMAT_REWARD_VARIANT` | `format_reward_variant` | `readme` (default: the CapRL++ README formula) or `caprl-server` (what CapRL++'s server computes); ours |
+| `FORMAT_MIN_BRACKETS` | `format_min_brackets` | default 3; stamps at which `caprl-server` coverage saturates |
+| `REWARD_ANSWER_PARSER` | `answer_parser` | sampled qa answers: `strict` (default) or `caprl` (first capital A-I anywhere); ours |
+| `REWARD_QA_PROMPT_FILE` | `qa_prompt_file` | judge prompt template file for qa (see `caption_qa`); ours |
+| `REWARD_MEDIA_ROOT` | `media_roots` | directories requests may read media from, `:`-separated (like `--media-root`); ours |
 | `CUDA_VISIBLE_DEVICES` | `cuda_visible_devices` | split into one contiguous group per worker |
 | `REWARD_API_KEY` | `api_key` | bearer token required on scoring routes |
 | `REWARD_HTTP_PROCESSES` | `http_processes` | server processes sharing the port (rule rewards; ours, not CapRL's) |
@@ -56,6 +61,13 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
     task: Literal["video", "image"] = "video"
     qa_num: int = 8
     format_reward_weight: float = 0.2
+    format_reward_variant: Literal["readme", "caprl-server"] = "readme"
+    """`timestamp_format` formula: the CapRL++ README's, or the one CapRL++'s server computes."""
+    format_min_brackets: int = 3
+    answer_parser: Literal["strict", "caprl"] = "strict"
+    """How the qa judge's sampled answers are read (`caption_qa`'s `answer_parser`)."""
+    qa_prompt_file: str | None = None
+    """A judge prompt template for qa (`caption_qa`'s `prompt_template`); None = ours."""
     judge_options: dict[str, Any] = {}
     worker_base_port: int | None = None  # CapRL's REWARD_WORKER_BASE: accepted, not needed, ignored
     workers: int = 0
@@ -88,6 +100,16 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
             )
         self.gpu_groups()
 
+    def notes(self) -> list[str]:
+        """What a user should know at startup about the settings in effect (logged once)."""
+        if self.media_roots:
+            return []
+        return [
+            "no media root configured (--media-root or REWARD_MEDIA_ROOT): a sample that names an image or "
+            "video file will fail with an error; samples without media (e.g. an empty video_path) are judged "
+            "on their text alone"
+        ]
+
     def gpu_groups(self) -> list[str | None]:
         """One `CUDA_VISIBLE_DEVICES` value per worker: the listed devices cut into `workers`
         contiguous groups (CapRL's one-worker-per-GPU-group layout); None = leave unset."""
@@ -103,7 +125,12 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
         return [",".join(devices[i * size : (i + 1) * size]) for i in range(self.workers)]
 
 
-_ENV: dict[str, tuple[str, type]] = {
+def _paths(raw: str) -> list[str]:
+    """`REWARD_MEDIA_ROOT`: one directory, or several separated by `:` (as in PATH)."""
+    return [part for part in raw.split(os.pathsep) if part.strip()]
+
+
+_ENV: dict[str, tuple[str, Any]] = {
     "REWARD_MODEL": ("model", str),
     "REWARD_PORT": ("port", int),
     "REWARD_WORKER_BASE": ("worker_base_port", int),
@@ -112,6 +139,11 @@ _ENV: dict[str, tuple[str, type]] = {
     "REWARD_TASK": ("task", str),
     "REWARD_QA_NUM": ("qa_num", int),
     "FORMAT_REWARD_WEIGHT": ("format_reward_weight", float),
+    "FORMAT_REWARD_VARIANT": ("format_reward_variant", str),
+    "FORMAT_MIN_BRACKETS": ("format_min_brackets", int),
+    "REWARD_ANSWER_PARSER": ("answer_parser", str),
+    "REWARD_QA_PROMPT_FILE": ("qa_prompt_file", str),
+    "REWARD_MEDIA_ROOT": ("media_roots", _paths),
     "CUDA_VISIBLE_DEVICES": ("cuda_visible_devices", str),
     "REWARD_API_KEY": ("api_key", str),
     "REWARD_HTTP_PROCESSES": ("http_processes", int),

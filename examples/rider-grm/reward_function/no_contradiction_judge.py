@@ -1,4 +1,6 @@
-"""VeRL-with-RMs-style consistency judge: "No" (no contradiction) scores 1, "Yes" scores 0."""
+"""A reward module in VeRL-with-RMs' format (rm_preprocess / rm_postprocess) with our own rule:
+the judge answers whether the reply contradicts the prompt; "No" (no contradiction) scores 1,
+"Yes" scores 0. Not VeRL-with-RMs' consistency_reward.py, whose judge fills a JSON rubric."""
 
 
 def rm_preprocess(text_prompts, text_responses, tgt_tokenizer):

@@ -1,5 +1,6 @@
-"""A reward module written the VeRL-with-RMs way (verl/workers/reward_function/rider_reward.py):
-the judge rates the reply 0-10, the score is that number / 10."""
+"""A reward module in VeRL-with-RMs' format (rm_preprocess / rm_postprocess) with our own rule:
+the judge rates the reply 0-10 and the score is that number / 10. Not VeRL-with-RMs'
+rider_reward.py, whose judge fills a JSON rubric of 0/1 dimensions."""
 
 import re
 
