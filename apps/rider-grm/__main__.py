@@ -79,6 +79,7 @@ from rl_core.train import (
     plot_reward_curve,
     resolve_resume,
     run_app,
+    sample_seed,
     save_checkpoint,
     seed_everything,
     set_rng_state,
@@ -115,14 +116,20 @@ class Parts:
     guard: NonFiniteGuard
 
 
-def generate(p: Parts, records: list[JudgeRecord], n: int, temperature: float) -> tuple[list[Generation], int]:
+def generate(p: Parts, records: list[JudgeRecord], n: int, temperature: float,
+             seeds: list[int] | None = None) -> tuple[list[Generation], int]:
     """Policy rollouts, then the policy goes to sleep if the swap plan says so. Returns the
-    generations and how many judge engines were awake during generation."""
+    generations and how many judge engines were awake during generation. `seeds`: one engine
+    call per prompt with its own seed (`rollout.per_prompt_seeds`)."""
     awake = sum(j.state() == "awake" for j in p.judges)
     params = SamplingParams(n=n, temperature=temperature, top_p=p.cfg.rollout.top_p, top_k=p.cfg.rollout.top_k,
                             max_new_tokens=p.cfg.data.max_response_length)
     with p.monitor("generate"):
-        gens = p.engine.generate([messages(r) for r in records], params)
+        if seeds is None:
+            gens = p.engine.generate([messages(r) for r in records], params)
+        else:
+            gens = [msgspec.structs.replace(g, request_index=i) for i, (r, seed) in enumerate(zip(records, seeds, strict=True))
+                    for g in p.engine.generate([messages(r)], msgspec.structs.replace(params, seed=seed))]
     if p.swap.plan.offload_policy:
         with p.monitor("offload_policy"):
             p.swap.offload()
@@ -146,10 +153,11 @@ def reference_logprobs(p: Parts, rollouts: list) -> list[torch.Tensor]:
             p.ref_offload.to_host()
 
 
-def train_step(p: Parts, step: int, records: list[JudgeRecord], first: bool) -> dict[str, float]:
+def train_step(p: Parts, step: int, indices: list[int], records: list[JudgeRecord], first: bool) -> dict[str, float]:
     cfg, acc = p.cfg, p.accelerator
     n = cfg.rollout.n
-    gens, judges_awake = generate(p, records, n, cfg.rollout.temperature)
+    seeds = [sample_seed(cfg.train.seed, step, i) for i in indices] if cfg.rollout.per_prompt_seeds else None
+    gens, judges_awake = generate(p, records, n, cfg.rollout.temperature, seeds)
     repeated = [r for r in records for _ in range(n)]
     samples = make_samples(repeated, gens, offset=acc.process_index * len(gens))
     with p.monitor("reward"):
@@ -305,10 +313,11 @@ def total_steps(cfg: Config, sampler: GroupSampler, world: int) -> int:
     return min(steps, cfg.train.max_steps) if cfg.train.max_steps is not None else steps
 
 
-def next_records(sampler: GroupSampler, train: list[JudgeRecord], prompts: int) -> list[JudgeRecord]:
-    """The next `prompts` prompts of this rank (one per group; the engine samples n each)."""
-    batch = next(iter(sampler.batches(prompts)))
-    return [train[i] for i in batch[:: sampler.n]]
+def next_records(sampler: GroupSampler, train: list[JudgeRecord], prompts: int) -> tuple[list[int], list[JudgeRecord]]:
+    """The next `prompts` prompts of this rank (one per group; the engine samples n each), and
+    their indices in the data."""
+    indices = next(iter(sampler.batches(prompts)))[:: sampler.n]
+    return indices, [train[i] for i in indices]
 
 
 def main(argv: list[str]) -> Path | None:
@@ -329,8 +338,8 @@ def main(argv: list[str]) -> Path | None:
     with TrainProgress(total, initial=step, show=("reward/mean",), accelerator=acc) as bar:
         while step < total:
             step += 1
-            records = next_records(sampler, train, cfg.train.batch_size // acc.num_processes)
-            metrics = train_step(p, step, records, first=step == start + 1)
+            indices, records = next_records(sampler, train, cfg.train.batch_size // acc.num_processes)
+            metrics = train_step(p, step, indices, records, first=step == start + 1)
             if step == total or (cfg.train.test_freq > 0 and step % cfg.train.test_freq == 0):
                 metrics |= validate(p, step, val)
             metrics |= p.monitor.pop()

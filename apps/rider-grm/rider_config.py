@@ -48,6 +48,10 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     val_temperature: NonNegativeFloat = 0.0  # 0 = greedy validation
     max_batch_size: Positive = 64  # rows decoded together by the hf engine
     compile: bool = False  # compile the decode step (CUDA graphs); off: weights move on sleep/wake
+    per_prompt_seeds: bool = False
+    """Sample each prompt's group with its own seed, drawn from (train.seed, step, row index):
+    the same rollouts whatever the process count or batch split (the 2-process = 1-process test
+    relies on it). Slower: one engine call per prompt instead of one per batch."""
 
 
 class JudgeConfig(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):

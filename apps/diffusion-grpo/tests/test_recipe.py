@@ -166,7 +166,7 @@ def test_aesthetic_and_clip_score_rewards_from_the_command_line(app, tmp_path: P
     assert run == (tmp_path / "latest").resolve()
     train, evals = _rows(run / "metrics.csv"), _rows(run / "eval_metrics.csv")
     row = next(r for r in train if r.get("reward/mean"))
-    assert not row.get("reward/ocr") and not row.get("reward/brightness") and row["reward/failed"] == "0"
+    assert not row.get("reward/ocr") and not row.get("reward/brightness") and float(row["reward/failed"]) == 0
     aesthetic, clip = float(row["reward/aesthetic"]), float(row["reward/clip_score"])
     assert float(row["reward/mean"]) == pytest.approx(aesthetic + 0.5 * clip, abs=1e-6)
     assert float(row["reward/std"]) > 0  # the random tiny heads still tell the images apart
