@@ -30,17 +30,15 @@ from typing import Any
 import msgspec
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
 from caption_config import Config, flat_config, parse_config
 from caption_metrics import response_metrics
 from caption_parts import (
     Dataset,
     LocalReward,
     RemoteReward,
-    RewardUnavailable,
     load_records,
-    make_sample,
 )
+from caption_phases import evaluate, sample_rows, score
 from caption_rollout import encode_records, placeholder_rows, take
 from caption_setup import (
     awake_engine,
@@ -73,7 +71,6 @@ from rl_core.train import (
 )
 from rl_data import GroupSampler, ReadStats
 from rl_models.logprobs import unwrap_peft
-from rl_rewards import ScoreResult
 from rl_rollout import SamplingParams
 from rl_rollout.training import (
     LossOptions,
@@ -209,21 +206,6 @@ def rollout(run: Run, step: int) -> tuple[list, list, list]:
     return records, encoded, generations
 
 
-def score(run: Run, records: list, generations: list) -> tuple[list[ScoreResult], str]:
-    """Rewards of every generation, or an error that skips the step on every process."""
-    samples = [make_sample(records[g.request_index], g.text) for g in generations]
-    try:
-        results, error = run.reward.score(samples), ""
-    except RewardUnavailable as e:
-        results, error = [], f"rank {run.acc.process_index}: {e}"
-    if not error and results and all(x.score is None for x in results):
-        error = f"rank {run.acc.process_index}: every sample failed to score; first error: {results[0].error}"
-    if not generations:
-        error = error or "no rollouts on some process (every prompt over rollout.max_prompt_length or a bad record?)"
-    failed = run.acc.reduce(torch.tensor([float(bool(error))], device=run.acc.device), "max").item() > 0
-    return results, error or ("another process failed to score" if failed else "")
-
-
 def step_once(run: Run, step: int) -> dict[str, Any]:
     cfg, acc, a = run.cfg, run.acc, run.cfg.algo
     with run.timer("generate"):
@@ -280,38 +262,7 @@ def sync_vllm(run: Run) -> None:
         push_weights(run.engine, run.model, version=run.weight_version)
 
 
-def sample_rows(records: list, generations: list, results: list[ScoreResult]) -> list[dict[str, Any]]:
-    samples = [make_sample(records[g.request_index], g.text) for g in generations]
-    return [{"prompt": s.prompt, "caption": s.completion, "reward": x.score, "components": x.components,
-             "error": x.error} for s, x in zip(samples, results, strict=True)]
-
-
 # ------------------------------------------------------------------------------ eval, main
-
-
-def evaluate(run: Run, step: int) -> dict[str, Any]:
-    """Greedy captions for the held-out records (sharded over processes), their reward and
-    components; the captions go to samples/eval-step-<step>.jsonl."""
-    acc = run.acc
-    mine = slice(acc.process_index, None, acc.num_processes)
-    records, _, messages, _ = encode_records(run, run.data.eval[mine], run.data.eval_where[mine])
-    with awake_engine(run) as engine:
-        generations = engine.generate(messages, SamplingParams(temperature=0.0,
-                                                               max_new_tokens=run.cfg.rollout.max_new_tokens))
-    samples = [make_sample(records[g.request_index], g.text) for g in generations]
-    try:
-        results = run.reward.score(samples)
-    except RewardUnavailable as e:
-        results = [ScoreResult.failed(str(e)) for _ in samples]
-    rows = gather_object(sample_rows(records, generations, results))
-    scores = [r["reward"] for r in rows if r["reward"] is not None]
-    out: dict[str, Any] = {"eval/reward/mean": sum(scores) / len(scores) if scores else math.nan,
-                           "eval/failed": float(len(rows) - len(scores))}
-    for name in sorted({k for r in rows for k in r["components"]}):
-        values = [r["components"][name] for r in rows if name in r["components"]]
-        out[f"eval/reward/{name}"] = sum(values) / len(values)
-    run.samples.write(f"eval-step-{step:06d}", step, rows)
-    return out
 
 
 def checkpoint(run: Run, step: int) -> None:

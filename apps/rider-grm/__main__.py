@@ -24,11 +24,8 @@ advantages, the update).
 
 from __future__ import annotations
 
-import json
 import math
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +38,9 @@ from policy_update import advantages, logprobs, to_rollouts, update
 from rewarding import (
     build_judges,
     check_served,
+    close_judges,
     compose_reward,
+    dry_run,
     load_records,
     make_samples,
     messages,
@@ -49,8 +48,6 @@ from rewarding import (
     sample_rows,
     score,
 )
-from rich.console import Console
-from rich.table import Table
 from rider_config import (
     DEFAULT_CONFIG,
     ENV,
@@ -60,6 +57,7 @@ from rider_config import (
     judge_name,
     resolve_model,
 )
+from rider_summary import print_summary
 from swapping import PinnedOffload, PolicySwap
 
 from rl_core.train import (
@@ -71,7 +69,7 @@ from rl_core.train import (
     UserError,
     check_finite_parameters,
     config_help,
-    get_rng_state,
+    isolated_rng,
     load_checkpoint,
     load_config,
     make_run_dir,
@@ -82,7 +80,6 @@ from rl_core.train import (
     sample_seed,
     save_checkpoint,
     seed_everything,
-    set_rng_state,
 )
 from rl_data import GroupSampler, JudgeRecord
 from rl_models.text import load_causal_lm
@@ -206,16 +203,6 @@ def validate(p: Parts, step: int, records: list[JudgeRecord]) -> dict[str, float
         return _validate(p, step, records)
 
 
-@contextmanager
-def isolated_rng() -> Iterator[None]:
-    """Run a block (validation, the start-up dry run) without moving the training RNG streams."""
-    state = get_rng_state()
-    try:
-        yield
-    finally:
-        set_rng_state(state)
-
-
 def _validate(p: Parts, step: int, records: list[JudgeRecord]) -> dict[str, float]:
     acc = p.accelerator
     shard = records[acc.process_index :: acc.num_processes]
@@ -281,28 +268,11 @@ def setup(cfg: Config, resume: str | None) -> tuple[Parts, GroupSampler, list[Ju
                   SampleLog(run_dir, main=acc.is_main_process, start_step=step),
                   NonFiniteGuard(cfg.train.max_nonfinite_steps))
     try:
-        dry_run(parts, val[0])
+        dry_run(parts.judges, val[0])
     except Exception:
         close_judges(parts.judges)
         raise
     return parts, sampler, train, val, step, logger
-
-
-def dry_run(p: Parts, record: JudgeRecord) -> None:
-    """Score one sample with every judge before training, so a judge module whose lists do not
-    match the batch fails now, naming the module and the function (not hours into a run), and a
-    served judge whose server is down or does not know its spec fails now too."""
-    answer = Generation(request_index=0, prompt_ids=[], completion_ids=[], text=str(record.ground_truth),
-                        logprobs=[], finish_reason="stop")
-    sample = make_samples([record], [answer], 0)[0]
-    with isolated_rng():
-        for judge in p.judges:
-            judge.check(sample)
-
-
-def close_judges(judges: list[Judge]) -> None:
-    for judge in judges:
-        judge.close()
 
 
 def total_steps(cfg: Config, sampler: GroupSampler, world: int) -> int:
@@ -359,41 +329,6 @@ def main(argv: list[str]) -> Path | None:
     if acc.is_main_process and cfg.train.print_summary:
         print_summary(p.run_dir)
     return p.run_dir
-
-
-def print_summary(run_dir: Path) -> None:
-    """The headline metrics per step and two sample generations with each judge's raw output."""
-    import csv
-
-    with (run_dir / "metrics.csv").open(encoding="utf-8") as f:
-        rows = list(csv.DictReader(f))
-    keys = [k for k in rows[0] if k.endswith(("_mean", "/mean", "parse_failures", "/scored"))
-            or (k.startswith("time/") and not k.endswith(("_wake", "_sleep")))]
-    table = Table(title=f"rider-grm: {run_dir / 'metrics.csv'}")
-    table.add_column("metric")
-    for row in rows:
-        table.add_column(f"step {row['step']}", justify="right")
-    for key in keys:
-        table.add_row(key, *[_short(row.get(key, "")) for row in rows])
-    console = Console()
-    console.print(table)
-    for split in ("train", "val"):
-        lines = (run_dir / "samples" / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()
-        sample = json.loads(lines[-1])
-        console.print(f"[bold]{split} step {sample['step']}[/] prompt: {sample['prompt']!r}")
-        console.print(f"  completion: {sample['completion'][:200]!r}  reward: {sample['reward']}")
-        for name, judge in sample["judges"].items():
-            raw = repr(judge["raw"][:120]) if judge["raw"] is not None else (
-                "(served: no text returned)" if judge["judged"] else "(gated out: never sent to the judge)")
-            console.print(f"  judge {name}: score={judge['score']} raw={raw}")
-    console.print(f"run directory: {run_dir}")
-
-
-def _short(value: str) -> str:
-    try:
-        return f"{float(value):.4g}"
-    except ValueError:
-        return value
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from rider_config import (
 from swapping import make_offload
 from transformers import AutoTokenizer
 
-from rl_core.train import ConfigError, UserError
+from rl_core.train import ConfigError, UserError, isolated_rng
 from rl_data import JudgeRecord, read_judge_records
 from rl_rewards.client import RemoteScorer
 from rl_rewards.composition import Reward, build_reward
@@ -202,3 +202,20 @@ def sample_rows(samples: list[Sample], results: list[ScoreResult], logs: dict[st
         rows.append({"prompt": sample.prompt, "completion": sample.completion, "reward": result.score,
                      "error": result.error, "components": result.components, "judges": judges})
     return rows
+
+
+def dry_run(judges: list[Judge], record: JudgeRecord) -> None:
+    """Score one sample with every judge before training, so a judge module whose lists do not
+    match the batch fails now, naming the module and the function (not hours into a run), and a
+    served judge whose server is down or does not know its spec fails now too."""
+    answer = Generation(request_index=0, prompt_ids=[], completion_ids=[], text=str(record.ground_truth),
+                        logprobs=[], finish_reason="stop")
+    sample = make_samples([record], [answer], 0)[0]
+    with isolated_rng():
+        for judge in judges:
+            judge.check(sample)
+
+
+def close_judges(judges: list[Judge]) -> None:
+    for judge in judges:
+        judge.close()

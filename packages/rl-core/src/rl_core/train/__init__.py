@@ -35,7 +35,13 @@ from rl_core.train.plots import plot_reward_curve
 from rl_core.train.progress import TrainProgress
 from rl_core.train.rundir import latest_run, make_run_dir
 from rl_core.train.samples import SampleLog
-from rl_core.train.seeding import get_rng_state, sample_seed, seed_everything, set_rng_state
+from rl_core.train.seeding import (
+    get_rng_state,
+    isolated_rng,
+    sample_seed,
+    seed_everything,
+    set_rng_state,
+)
 from rl_core.train.update import (
     NonFiniteError,
     NonFiniteGuard,
@@ -75,6 +81,7 @@ __all__ = [
     "gather_rows",
     "get_rng_state",
     "group_advantages",
+    "isolated_rng",
     "latest_checkpoint",
     "latest_run",
     "load_checkpoint",

@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -16,7 +18,7 @@ try:  # NumPy is optional for rl-core; its global RNG is seeded/saved when it is
 except ImportError:  # pragma: no cover - numpy comes with accelerate in rl-core[train]
     np = None
 
-__all__ = ["get_rng_state", "sample_seed", "seed_everything", "set_rng_state"]
+__all__ = ["get_rng_state", "isolated_rng", "sample_seed", "seed_everything", "set_rng_state"]
 
 
 def seed_everything(seed: int, *, rank: int = 0, deterministic: bool = False) -> int:
@@ -69,3 +71,15 @@ def sample_seed(*parts: int) -> int:
     before it, so a resumed or re-sharded run draws the same samples."""
     digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=7).digest()
     return int.from_bytes(digest, "little")
+
+
+@contextmanager
+def isolated_rng() -> Iterator[None]:
+    """Run a block (validation, a start-up dry run) without moving the training RNG streams, so
+    doing it or not never changes the training run (and a resumed run repeats an uninterrupted
+    one exactly)."""
+    state = get_rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)

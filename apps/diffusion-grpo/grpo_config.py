@@ -1,0 +1,146 @@
+"""diffusion-grpo's configuration: one msgspec Struct per TOML table (VRL's knobs, see the
+README's table), VRL's environment variables, and the checks between keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from rl_core.train import (
+    ConfigError,
+    NonNegative,
+    NonNegativeFloat,
+    Positive,
+    PositiveFloat,
+    UnitInterval,
+    config_help,
+    load_config,
+    parse_cli,
+)
+
+APP = Path(__file__).resolve().parent
+REPO = APP.parents[1]
+DEFAULT_CONFIG = APP / "configs" / "default.toml"
+
+
+class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
+    path: str = "stabilityai/stable-diffusion-3.5-medium"
+    """diffusers SD3/SD3.5 folder or hub id; `tiny:sd3` builds a tiny random pipeline."""
+    dtype: str = "bfloat16"  # transformer + VAE weights; step maths is always float32
+    text_encoder_dtype: str | None = None  # None = dtype
+    lora_rank: Positive = 32
+    lora_alpha: float = 64
+    lora_targets: list[str] | None = None  # None = rl_models' sd3 default (attention projections)
+
+
+class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
+    manifest: str = "examples/data/ocr/train.txt"  # OCR prompts, one per line (Flow-GRPO format)
+    eval_manifest: str = "examples/data/ocr/test.txt"
+
+
+class SamplingConfig(msgspec.Struct, kw_only=True, frozen=True):
+    resolution: Positive = 512  # square images
+    num_steps: Positive = 10  # training rollout steps
+    guidance_scale: NonNegativeFloat = 4.5
+    noise_level: PositiveFloat = 0.7  # SDE `a` (0.7 Flow-GRPO sde; 0.8 for cps)
+    kind: Literal["sde", "cps"] = "sde"
+    sde_window: list[int] | None = None
+    """[start, stop): stochastic steps (Flow-GRPO-Fast); other steps use the ODE. None = all."""
+    max_sequence_length: Positive = 128  # T5 tokens
+
+
+class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
+    n: Positive = 8  # images per prompt (group size)
+    groups_per_epoch: Positive = 8  # prompts per epoch, all processes together
+    sample_batch_size: Positive = 8  # images per sampling forward
+    workers: NonNegative = 0
+    """0 = sample in the trainer's engine; N = N Ray actors per trainer process (ray_rollout.py)."""
+    placement: Literal["split", "colocated"] = "split"
+    """VRL presets: `split` = actors on their own GPUs; `colocated` = on the trainer's, asleep during training."""
+    gpus_per_worker: float | None = None  # None: split 1, colocated 1/workers, 0 without CUDA
+    ray_address: str | None = None  # join this Ray cluster (env RAY_ADDRESS); None starts a local one
+
+
+class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
+    components: dict[str, float] = msgspec.field(default_factory=lambda: {"ocr": 1.0})
+    """scorer name -> weight (weighted sum); 0 disables one: `reward.components.aesthetic=1.0`."""
+    kwargs: dict[str, dict[str, Any]] = {}  # scorer name -> its build options
+    url: str | None = None  # a running `rl-rewards serve`; images go as PNG paths
+    server_reward: str = ""  # reward name on the server ("" = its default)
+
+
+class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
+    epochs: Positive = 100_000
+    lr: PositiveFloat = 3e-4
+    weight_decay: NonNegativeFloat = 1e-4
+    max_grad_norm: PositiveFloat = 1.0
+    clip_range: UnitInterval = 1e-4  # PPO ratio clip (SD3: 1e-4; log-probs are per-element means)
+    kl_beta: NonNegativeFloat = 0.04  # flow KL to the LoRA-disabled model; 0 skips the reference forward
+    adv_scale: Literal["batch", "group"] = "batch"  # std over the whole batch (Flow-GRPO global std)
+    adv_clip: PositiveFloat = 5.0
+    adv_eps: NonNegativeFloat = 1e-4
+    micro_batch_size: Positive = 8  # images per replay forward (= sample_batch_size keeps ratio bit-exact)
+    gradient_accumulation_steps: Positive = 4  # micro-batches per optimizer step
+    timestep_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.99  # train the stochastic steps k < int(S * fraction): 9 of 10
+    ema_decay: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.9
+    ema_interval: Positive = 8  # optimizer steps between EMA updates
+    ratio_tolerance: NonNegativeFloat = 1e-5
+    """Max |log ratio| on the first replay of an epoch; above it the run stops (rollout and replay
+    disagree). Raise it for bf16 with micro_batch_size != sample_batch_size."""
+    seed: int = 42
+    save_freq: Positive = 60  # epochs between checkpoints (and at the end)
+    keep_last: Positive = 2
+    output_dir: str = "runs/diffusion-grpo"
+    run_name: str | None = None
+    log_with: list[str] = []  # accelerate trackers: tensorboard, wandb, ...
+    max_nonfinite_steps: Positive = 3
+    """Consecutive optimizer steps with a non-finite loss or gradient (each skipped: LoRA,
+    optimizer and EMA untouched) after which the run stops with an error."""
+
+
+class EvalConfig(msgspec.Struct, kw_only=True, frozen=True):
+    every: int = 60  # epochs between evals (0 = never); also after the last epoch
+    max_prompts: Positive = 16
+    num_steps: Positive = 40  # deterministic ODE steps
+    guidance_scale: float = 4.5
+    seed: int = 20260504
+    use_ema: bool = True
+    batch_size: Positive = 8
+
+
+class Config(msgspec.Struct, kw_only=True, frozen=True):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+
+
+# VRL's deployment inputs stay environment variables (its README's table).
+ENV = {"VRL_OUTPUT_DIR": "train.output_dir", "REWARD_URL": "reward.url", "RAY_ADDRESS": "rollout.ray_address"}
+
+
+def parse_config(argv: list[str]) -> tuple[Config, str | None] | None:
+    """argv -> (config, resume spec); None after printing --help. No `--config`: the tiny default."""
+    cli = parse_cli(argv)
+    if cli.help:
+        print(config_help(Config, env=ENV, prog="diffusion-grpo", defaults=load_config(Config, DEFAULT_CONFIG),
+                          defaults_from="the embedded tiny default (configs/default.toml)"))
+        return None
+    cfg = load_config(Config, cli.config or DEFAULT_CONFIG, cli.overrides, env=ENV)
+    if cfg.rollout.n < 2:
+        raise ConfigError(f"rollout.n={cfg.rollout.n}: GRPO compares the images of one prompt with each other and "
+                          "needs rollout.n >= 2")
+    if int(cfg.sampling.num_steps * cfg.train.timestep_fraction) == 0:
+        raise ConfigError(f"train.timestep_fraction={cfg.train.timestep_fraction} x sampling.num_steps="
+                          f"{cfg.sampling.num_steps} trains no step (Flow-GRPO trains int(steps x fraction)); raise it")
+    return cfg, cli.resume
+
+
+def resolve_path(path: str) -> Path:
+    """A data path as given, else relative to the repository root (examples/...)."""
+    return Path(path) if Path(path).exists() else REPO / path

@@ -1,0 +1,81 @@
+"""diffusion-grpo's reward and eval phases: the weighted reward (in process or a reward
+server), scoring a batch of images, and the fixed-seed ODE eval with its contact sheet."""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from grpo_config import RewardConfig
+from grpo_parts import append_csv, contact_sheet, image_stats, plot_reward_curve, to_pil
+
+from rl_core.train import UserError
+from rl_data import OCRPrompt
+from rl_models import tiny
+from rl_rewards import Component, RewardSpec, Sample, build_reward
+from rl_rewards.client import RemoteScorer
+
+
+def build_reward_scorer(cfg: RewardConfig, *, tiny_clip: bool = False) -> Any:
+    """The weighted sum of `cfg.components`. `clip_score`/`aesthetic` without a `model` option get
+    CLIP ViT-L/14 (the LAION aesthetic head's backbone), or the tiny CLIP with a tiny SD3."""
+    if cfg.url is not None:
+        return RemoteScorer(cfg.url, cfg.server_reward)
+    clip = str(tiny.build("clip")) if tiny_clip else "openai/clip-vit-large-patch14"
+    components = {name: Component(scorer=name, weight=w, options=(
+        {"model": clip} if name in ("clip_score", "aesthetic") else {}) | cfg.kwargs.get(name, {}))
+        for name, w in cfg.components.items() if w != 0}
+    if not components:
+        raise UserError(f"reward.components {cfg.components} has no non-zero weight")
+    return build_reward(RewardSpec(components=components))
+
+
+def score(run: Any, images: list, records: list[OCRPrompt], image_dir: Path) -> tuple[torch.Tensor, dict[str, float]]:
+    """Rewards `[N]` (NaN where scoring failed) and mean per component (local scores)."""
+    metadata = [{"image": image} for image in images]
+    if run.cfg.reward.url is not None:  # a server reads files, not PIL objects
+        image_dir.mkdir(parents=True, exist_ok=True)
+        for i, image in enumerate(images):
+            image.save(image_dir / f"{run.acc.process_index}_{i}.png")
+            metadata[i] = {"image": str(image_dir / f"{run.acc.process_index}_{i}.png")}
+    samples = [Sample(completion="", prompt=r.prompt, reference=r.target, metadata=md)
+               for r, md in zip(records, metadata, strict=True)]
+    results = run.reward.score(samples)
+    rewards = torch.tensor([math.nan if r.score is None else r.score for r in results])  # [N]
+    parts: dict[str, list[float]] = {}
+    for r in results:
+        for key, value in r.components.items():
+            parts.setdefault(key, []).append(value)
+    return rewards, {f"reward/{k}": sum(v) / len(v) for k, v in parts.items()}
+
+
+@torch.no_grad()
+def evaluate(run: Any, epoch: int) -> dict[str, float]:
+    """Fixed prompts, deterministic ODE sampling, fixed seed, EMA weights (main process)."""
+    cfg, e = run.cfg, run.cfg.eval
+    out_dir = run.run_dir / f"eval_epoch_{epoch}"
+    images, records = [], run.eval_prompts
+    with run.ema.swapped() if e.use_ema else nullcontext():
+        for start in range(0, len(records), e.batch_size):
+            chunk = records[start:start + e.batch_size]
+            traj = run.engine.sample(
+                [r.prompt for r in chunk], num_steps=e.num_steps, guidance_scale=e.guidance_scale,
+                height=cfg.sampling.resolution, width=cfg.sampling.resolution, kind="ode",
+                seeds=[e.seed + start + i for i in range(len(chunk))],
+                max_sequence_length=cfg.sampling.max_sequence_length)
+            images += to_pil(traj.images)
+    rewards, parts = score(run, images, records, out_dir / "images")
+    for i, image in enumerate(images):
+        (out_dir / "images").mkdir(parents=True, exist_ok=True)
+        image.save(out_dir / "images" / f"{i:03d}.png")
+    captions = [f"{r.prompt} | reward {v:.3f}" for r, v in zip(records, rewards.tolist(), strict=True)]
+    contact_sheet(images, captions, out_dir / "contact_sheet.png")
+    ok = rewards[torch.isfinite(rewards)]
+    metrics = {"reward/mean": ok.mean().item() if ok.numel() else math.nan, **parts,
+               "reward/failed": int((~torch.isfinite(rewards)).sum()), **image_stats(images)}
+    append_csv(run.run_dir / "eval_metrics.csv", {"epoch": epoch, **metrics}, keep_upto=epoch - 1)
+    plot_reward_curve(run.run_dir)
+    return metrics
