@@ -24,7 +24,7 @@ def video(frames: int = 4) -> tuple[np.ndarray, VideoMetadata]:
 
 
 def naive_logprobs(model, batch: TokenBatch, temperature: float = 1.0, **forward) -> torch.Tensor:
-    """Full `[B, T, V]` logits -> log_softmax -> gather: the reference `token_logprobs` must equal."""
+    """Full `[B, T, V]` logits -> log_softmax -> gather: the reference `completion_logprobs` must equal."""
     with torch.no_grad():
         logits = model(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, **forward

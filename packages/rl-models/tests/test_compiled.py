@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rl_models.compiled import compile_decoder_layers, decoder_layers
-from rl_models.logprobs import TokenBatch, token_logprobs
+from rl_models.logprobs import TokenBatch, completion_logprobs
 from rl_models.lora import add_lora
 from rl_models.text import load_causal_lm
 from rl_models.vl import load_vl_model
@@ -26,7 +26,7 @@ def _text_batch(tokenizer) -> TokenBatch:
 
 def _logprobs_and_grads(model, batch):
     model.train()
-    logp = token_logprobs(model, batch)  # [B, C]
+    logp = completion_logprobs(model, batch)  # [B, C]
     (logp * torch.arange(1, logp.shape[0] + 1)[:, None]).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return logp.detach(), grads

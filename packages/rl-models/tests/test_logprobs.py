@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import image, naive_logprobs, video
 
-from rl_models.logprobs import TokenBatch, token_logprobs
+from rl_models.logprobs import TokenBatch, completion_logprobs
 from rl_models.text import load_causal_lm
 from rl_models.vl import load_vl_model
 
@@ -26,7 +26,7 @@ def test_text_equals_naive_full_softmax(qwen3_path, temperature):
     assert batch.attention_mask[1, 0] == 0  # left-padded prompt row
     positions = (batch.attention_mask.cumsum(-1) - 1).clamp_min(0)
     expected = naive_logprobs(model, batch, temperature, position_ids=positions)
-    got = token_logprobs(model, batch, temperature=temperature, chunk_size=3)
+    got = completion_logprobs(model, batch, temperature=temperature, chunk_size=3)
     assert got.shape == batch.completion_ids.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert (got[batch.completion_mask == 0] == 0).all()
@@ -46,12 +46,12 @@ def test_text_matches_generate_scores(qwen3_path):
     )
     logits = torch.stack(out.logits, dim=1)  # [B, 4, V]
     expected = torch.log_softmax(logits.float(), -1).gather(-1, completion[..., None])[..., 0]
-    torch.testing.assert_close(token_logprobs(model, batch), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(completion_logprobs(model, batch), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_gradient_flows(qwen3_path):
     model, tok = load_causal_lm(qwen3_path, dtype="float32")
-    token_logprobs(model, _text_batch(tok)).sum().backward()
+    completion_logprobs(model, _text_batch(tok)).sum().backward()
     assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
 
 
@@ -62,7 +62,7 @@ def test_vision_inputs_on_text_model_named(qwen3_path):
         batch.input_ids, batch.attention_mask, batch.prompt_length, image_grid_thw=torch.ones(1, 3)
     )
     with pytest.raises(ValueError, match=r"image_grid_thw.*text model"):
-        token_logprobs(model, bad)
+        completion_logprobs(model, bad)
 
 
 def test_bad_prompt_length_named():
@@ -101,9 +101,9 @@ def _vl_batch(processor, kind: str, swap: bool) -> TokenBatch:
 def test_vl_equals_naive_full_softmax(vl_paths, family, kind):
     model, processor = load_vl_model(vl_paths[family], dtype="float32")
     batch = _vl_batch(processor, kind, swap=False)
-    got = token_logprobs(model, batch, temperature=0.7, chunk_size=5)
+    got = completion_logprobs(model, batch, temperature=0.7, chunk_size=5)
     expected = naive_logprobs(model, batch, 0.7, **batch.vision_kwargs())
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     # The pixels matter: swapping the two rows' media changes the log-probs.
-    swapped = token_logprobs(model, _vl_batch(processor, kind, swap=True), temperature=0.7)
+    swapped = completion_logprobs(model, _vl_batch(processor, kind, swap=True), temperature=0.7)
     assert not torch.allclose(got, swapped)

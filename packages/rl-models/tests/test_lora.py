@@ -4,7 +4,7 @@ import pytest
 import torch
 from peft import PeftModel
 
-from rl_models.logprobs import TokenBatch, token_logprobs
+from rl_models.logprobs import TokenBatch, completion_logprobs
 from rl_models.lora import (
     add_lora,
     default_target_modules,
@@ -12,7 +12,7 @@ from rl_models.lora import (
     export_lora,
     merge_and_export,
     merged_named_weights,
-    reference_token_logprobs,
+    reference_completion_logprobs,
 )
 from rl_models.text import load_causal_lm
 from rl_models.vl import load_vl_model
@@ -29,41 +29,41 @@ def _batch(tok) -> TokenBatch:
 def test_fresh_lora_starts_equal_to_base(qwen3_path):
     model, tok = load_causal_lm(qwen3_path, dtype="float32")
     batch = _batch(tok)
-    base = token_logprobs(model, batch).detach()
+    base = completion_logprobs(model, batch).detach()
     peft_model = add_lora(model, r=4, alpha=8)
-    torch.testing.assert_close(token_logprobs(peft_model, batch), base)
+    torch.testing.assert_close(completion_logprobs(peft_model, batch), base)
 
 
 def test_lora_on_changes_off_equals_base(qwen3_path):
     model, tok = load_causal_lm(qwen3_path, dtype="float32")
     batch = _batch(tok)
-    base = token_logprobs(model, batch).detach()
+    base = completion_logprobs(model, batch).detach()
     peft_model = add_lora(model, r=4, alpha=8, init_lora_weights=False)
     trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_" in n for n in trainable)
     targeted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainable}
     assert targeted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    on = token_logprobs(peft_model, batch).detach()
+    on = completion_logprobs(peft_model, batch).detach()
     assert (on - base).abs().max() > 1e-3
-    torch.testing.assert_close(reference_token_logprobs(peft_model, batch), base)
+    torch.testing.assert_close(reference_completion_logprobs(peft_model, batch), base)
     with disabled_adapter(peft_model):
-        torch.testing.assert_close(token_logprobs(peft_model, batch), base)
-    torch.testing.assert_close(token_logprobs(peft_model, batch), on)  # re-enabled after
+        torch.testing.assert_close(completion_logprobs(peft_model, batch), base)
+    torch.testing.assert_close(completion_logprobs(peft_model, batch), on)  # re-enabled after
 
 
 def test_merge_and_export_round_trip(qwen3_path, tmp_path):
     model, tok = load_causal_lm(qwen3_path, dtype="float32")
     batch = _batch(tok)
     peft_model = add_lora(model, r=4, alpha=8, init_lora_weights=False)
-    on = token_logprobs(peft_model, batch).detach()
+    on = completion_logprobs(peft_model, batch).detach()
     merge_and_export(peft_model, tmp_path / "merged", processor=tok)
     merged, merged_tok = load_causal_lm(tmp_path / "merged", dtype="float32")
     assert not isinstance(merged, PeftModel)
     assert merged_tok.get_vocab() == tok.get_vocab()
-    torch.testing.assert_close(token_logprobs(merged, batch), on, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(completion_logprobs(merged, batch), on, rtol=1e-5, atol=1e-5)
     # The live model is unmerged again: disabling the adapter still gives the base.
     with disabled_adapter(peft_model):
-        off = token_logprobs(peft_model, batch)
+        off = completion_logprobs(peft_model, batch)
     assert (off - on).abs().max() > 1e-3
 
 
@@ -71,12 +71,12 @@ def test_export_lora_reloads_adapter(qwen3_path, tmp_path):
     model, tok = load_causal_lm(qwen3_path, dtype="float32")
     batch = _batch(tok)
     peft_model = add_lora(model, r=4, alpha=8, init_lora_weights=False)
-    on = token_logprobs(peft_model, batch).detach()
+    on = completion_logprobs(peft_model, batch).detach()
     export_lora(peft_model, tmp_path / "adapter")
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
     fresh, _ = load_causal_lm(qwen3_path, dtype="float32")
     reloaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter")
-    torch.testing.assert_close(token_logprobs(reloaded, batch), on)
+    torch.testing.assert_close(completion_logprobs(reloaded, batch), on)
 
 
 def test_vl_lora_targets_language_model_only(vl_paths):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import image, video
 
-from rl_models.logprobs import TokenBatch, token_logprobs
+from rl_models.logprobs import TokenBatch, completion_logprobs
 from rl_models.shared_media import share_identical_media
 from rl_models.vl import load_vl_model
 
@@ -53,7 +53,7 @@ def test_same_logprobs_and_gradients_with_fewer_patches(vl_paths, family, kind):
     results = []
     for model in (plain, shared):
         model.train()
-        logp = token_logprobs(model, batch, temperature=0.9)  # [5, C]
+        logp = completion_logprobs(model, batch, temperature=0.9)  # [5, C]
         (logp * torch.arange(1, 6)[:, None]).sum().backward()  # rows weighted differently
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None and "visual" in n}
         results.append((logp.detach(), grads))

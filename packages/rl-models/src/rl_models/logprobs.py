@@ -138,7 +138,7 @@ def final_hidden_states(model: torch.nn.Module, batch: TokenBatch) -> Tensor:
     return hidden
 
 
-def token_logprobs(
+def completion_logprobs(
     model: torch.nn.Module,
     batch: TokenBatch,
     *,
@@ -157,14 +157,14 @@ def token_logprobs(
     return logprobs * batch.completion_mask.to(logprobs.dtype)  # [B, C]
 
 
-def token_logprobs_and_entropy(
+def completion_logprobs_and_entropy(
     model: torch.nn.Module,
     batch: TokenBatch,
     *,
     temperature: float = 1.0,
     chunk_size: int = 1024,
 ) -> tuple[Tensor, Tensor]:
-    """`token_logprobs` plus the entropy `[B, C]` (float32, no gradient) of each completion
+    """`completion_logprobs` plus the entropy `[B, C]` (float32, no gradient) of each completion
     position's distribution, from the same forward: pick it when the entropy is logged during
     the update, so no separate pass over the LM head is needed. Both are 0 on padding."""
     scored, head = _scored_hidden(model, batch)  # [B, C, H], LM head

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 from transformers.utils import PushToHubMixin
 
-from rl_models.logprobs import TokenBatch, token_logprobs, unwrap_peft
+from rl_models.logprobs import TokenBatch, completion_logprobs, unwrap_peft
 
 _QWEN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Qwen-VL vision towers also have `*_proj` MLPs: restrict the match to the language model.
@@ -81,12 +81,12 @@ def disabled_adapter(model: PeftModel) -> Iterator[PeftModel]:
 
 
 @torch.no_grad()
-def reference_token_logprobs(
+def reference_completion_logprobs(
     model: PeftModel, batch: TokenBatch, *, temperature: float = 1.0, chunk_size: int = 1024
 ) -> Tensor:
-    """`token_logprobs` `[B, C]` of the reference policy: the LoRA model with adapters disabled."""
+    """`completion_logprobs` `[B, C]` of the reference policy: the LoRA model with adapters disabled."""
     with disabled_adapter(model):
-        return token_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size)
+        return completion_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size)
 
 
 def export_lora(model: PeftModel, out_dir: str | Path) -> Path:

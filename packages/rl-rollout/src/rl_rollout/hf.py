@@ -143,6 +143,7 @@ class HFEngine:
         self.max_context = int(model.config.get_text_config(decoder=True).max_position_embeddings)
         self.stop_token_ids = list(stop_token_ids) if stop_token_ids is not None else self._default_stop_ids()
         self.pad_id = self._pad_id()
+        self.weight_version = 0  # counts load_weights calls (or the version the caller gives)
         self.compile = self.device.type == "cuda" if compile is None else compile
         inner = self.model.model  # the decoder of a causal LM, or the multimodal model of a VL one
         self._text_decoder = inner.language_model if model.config.model_type in VL_MODEL_TYPES else inner
@@ -459,9 +460,10 @@ class HFEngine:
 
     # ------------------------------------------------------------------ weights and memory
     @torch.no_grad()
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None) -> None:
         """Copy new values into the model's parameters/buffers in place (names as in
-        `model.state_dict()`; tied weights may appear under either name)."""
+        `model.state_dict()`; tied weights may appear under either name); `version` (default:
+        the previous one + 1) is kept in `weight_version`."""
         if self.state == "closed":
             raise EngineAsleepError("HFEngine is closed")
         targets = dict(self.model.named_parameters(remove_duplicate=False))
@@ -474,6 +476,7 @@ class HFEngine:
             if target.shape != tensor.shape:
                 raise ValueError(f"load_weights: {name!r} has shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+        self.weight_version = self.weight_version + 1 if version is None else version
 
     def release_cache(self) -> None:
         """Give the KV cache's memory back now; the next `generate` takes it again. A trainer

@@ -85,13 +85,32 @@ class Engine(Protocol):
         The prefix is computed once per call and reused for every suffix."""
         ...
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None) -> None:
+        """Copy `(hf_name, tensor)` pairs into the served model in place; `version` (default: the
+        previous one + 1) is kept in `weight_version`, so a trainer can check which optimizer step
+        its rollouts were sampled with."""
+        ...
 
     def sleep(self) -> None: ...
 
     def wake(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ColocatedEngine(Engine, Protocol):
+    """An engine that decodes with the very module being trained (`hf`): nothing to sync, but
+    the trainer shares its memory and its padding.
+
+    `model` is that module (put in eval mode for decoding); `pad_id` the token completions are
+    padded with; `release_cache()` frees the KV cache before the update (the next `generate`
+    takes it again)."""
+
+    model: torch.nn.Module
+    pad_id: int
+
+    def release_cache(self) -> None: ...
 
 
 @runtime_checkable

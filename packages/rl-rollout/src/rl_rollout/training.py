@@ -24,7 +24,7 @@ from torch import Tensor
 from rl_core.kl import compute_kl
 from rl_core.losses import aggregate, compute_policy_loss
 from rl_core.train import NonFiniteGuard, ReplayCheck, UpdateStats, optimizer_step
-from rl_models.logprobs import TokenBatch, token_logprobs, token_logprobs_and_entropy
+from rl_models.logprobs import TokenBatch, completion_logprobs, completion_logprobs_and_entropy
 from rl_rollout.prompts import EncodedPrompt, pad_batch
 
 __all__ = ["LossOptions", "Policy", "Rollout", "collate", "pad_rows", "rollout_logprobs", "to_device", "token_update"]
@@ -70,7 +70,7 @@ def pad_rows(rows: Sequence[Tensor], width: int) -> Tensor:
 
 class Policy(torch.nn.Module):
     """The trained model behind one forward returning completion log-probs and entropies
-    `[B, C]` (`rl_models.token_logprobs_and_entropy`: hidden states, then the LM head in
+    `[B, C]` (`rl_models.completion_logprobs_and_entropy`: hidden states, then the LM head in
     chunks; the entropy carries no gradient). Hand this module to `accelerator.prepare`, so
     DDP wraps the whole log-prob computation and synchronizes its gradients."""
 
@@ -79,7 +79,7 @@ class Policy(torch.nn.Module):
         self.model = model
 
     def forward(self, batch: TokenBatch, temperature: float) -> tuple[Tensor, Tensor]:
-        return token_logprobs_and_entropy(self.model, batch, temperature=temperature)  # [B, C] x2
+        return completion_logprobs_and_entropy(self.model, batch, temperature=temperature)  # [B, C] x2
 
 
 @torch.no_grad()
@@ -92,7 +92,7 @@ def rollout_logprobs(model: torch.nn.Module, rollouts: Sequence[Rollout], *, mic
     for start in range(0, len(rollouts), micro_batch_size):
         chunk = rollouts[start : start + micro_batch_size]
         batch = to_device(collate(chunk, pad_id, placeholders), device)
-        logp = token_logprobs(model, batch, temperature=temperature)  # [b, C]
+        logp = completion_logprobs(model, batch, temperature=temperature)  # [b, C]
         out += [logp[i, : len(r.completion_ids)].float().cpu() for i, r in enumerate(chunk)]
     return out
 
