@@ -1,0 +1,143 @@
+"""caption-rl's failure rules (the shared ones, `rl_core.train`): refused values name the key and
+its source before anything loads, records that fail only when turned into model input are
+skipped and counted with file and line, a failed reward is left out and counted, a crash before
+the first checkpoint leaves no stray metrics or samples, and user errors end without a traceback."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import APP, DATA, REPO, tiny_overrides
+
+from rl_core.train import ConfigError, UserError
+from rl_rewards import ScoreResult, register_scorer
+from rl_rewards.registry import SCORERS
+
+
+def rows(run: Path) -> list[dict[str, str]]:
+    with (run / "metrics.csv").open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("rollout.temperature=nan", r"rollout\.temperature: expected float > 0\.0, got nan|rollout\.temperature: must be a finite"),
+    ("train.warmup_steps=-3", r"train\.warmup_steps: expected int >= 0, got -3 \(from override train\.warmup_steps=-3\)"),
+    ("rollout.n=1", r"rollout\.n=1: algo\.advantage='grpo' compares the captions .* needs rollout\.n >= 2"),
+    ("train.mini_batch_size=-1", r"train\.mini_batch_size: expected int >= 1, got -1"),
+    ("train.max_steps=-1", r"train\.max_steps: expected int >= 1, got -1"),
+    ("data.eval_size=-1", r"data\.eval_size: expected int >= 0, got -1"),
+    ("reward.length_l1=900", r"reward\.length_l1=900 must be below reward\.length_l2="),
+    ("train.lr=inf", r"train\.lr: must be a finite number, got inf \(from override train\.lr=inf\)"),
+])
+def test_refused_values_name_the_key_and_the_source(app, tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        app.main([*tiny_overrides(tmp_path), override])
+    assert not (tmp_path / "latest").exists()  # refused before anything started
+
+
+def test_eval_hold_out_of_every_record_names_the_knob(app, tmp_path):
+    with pytest.raises(UserError, match=r"data\.eval_size=64 would hold out all 3 training records"):
+        app.main([*tiny_overrides(tmp_path), f"data.train=[\"{DATA / 'caption_qa_videos.jsonl'}\"]",
+                  "data.eval_size=64"])
+
+
+def bad_records(tmp_path: Path) -> tuple[Path, dict[int, str]]:
+    """The example image rows (absolute paths) with three records that parse but cannot become
+    model input: an image that is not there, two <image> markers for one image, no user turn."""
+    lines = (DATA / "caption_qa_images.jsonl").read_text().splitlines()
+    rows_ = [json.loads(line) for line in lines]
+    for row in rows_:
+        path = row["image"]["path"] if isinstance(row["image"], dict) else row["image"]
+        row["image"] = str(DATA / path)
+    rows_[0]["image"] = str(tmp_path / "gone.png")
+    rows_[1]["prompt"] = "<image>\n<image>\nDescribe both."
+    rows_[2]["prompt"] = [{"role": "system", "content": "<image> Describe the image."}]
+    out = tmp_path / "bad.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows_))
+    return out, {1: "gone.png", 2: "more <image> markers than images", 3: "no user turn"}
+
+
+def test_records_that_fail_as_model_input_are_skipped_with_file_and_line(app, tmp_path, caplog):
+    from caption_rollout import encode_records
+
+    data, reasons = bad_records(tmp_path)
+    run = app.setup(app.parse_config([*tiny_overrides(tmp_path), f"data.train=[\"{data}\"]", "data.eval_size=0"])[0],
+                    None)
+    picked = list(range(6))
+    with caplog.at_level("WARNING", logger="rl_data"):
+        kept, encoded, _, positions = encode_records(run, [run.data.train[i] for i in picked],
+                                                     [run.data.train_where[i] for i in picked])
+    assert positions == [3, 4, 5] and len(kept) == len(encoded) == 3
+    assert run.bad_records.skipped == 3
+    for line, reason in reasons.items():
+        assert any(f"bad.jsonl: line {line}:" in r.getMessage() and reason in r.getMessage() for r in caplog.records), \
+            (line, [r.getMessage() for r in caplog.records])
+
+
+class FailsEveryThird:
+    """A reward that fails every third sample (a judge that times out, say)."""
+
+    name = "fails_every_third"
+
+    def score(self, samples):
+        return [ScoreResult.failed("judge timed out") if i % 3 == 0 else ScoreResult(score=float(len(s.completion) % 5))
+                for i, s in enumerate(samples)]
+
+
+if "fails_every_third" not in SCORERS:
+    register_scorer("fails_every_third", FailsEveryThird)
+
+
+def test_a_failed_reward_is_left_out_and_counted(app, tmp_path):
+    spec = tmp_path / "spec.toml"
+    spec.write_text('[components.r]\nscorer = "fails_every_third"\n')
+    run = app.main([*tiny_overrides(tmp_path, f"reward.spec={spec}"), "train.max_steps=1"])
+    [row] = rows(run)
+    assert float(row["reward/failed"]) == 3.0  # 8 samples: 0, 3, 6 fail
+    logged = [json.loads(line) for line in (run / "samples" / "train.jsonl").read_text().splitlines()]
+    assert logged[0]["reward"] is None and "judge timed out" in logged[0]["error"]
+    assert float(row["nonfinite/skipped_steps"]) == 0.0 and row["grad_norm"] not in ("", "nan")
+
+
+class CrashOnStep:
+    """A reward that kills the run on its second call (a crash after step 1 was logged, before
+    any checkpoint)."""
+
+    name = "crash_on_second_call"
+    calls = 0
+
+    def score(self, samples):
+        type(self).calls += 1
+        if type(self).calls == 2:
+            raise KeyboardInterrupt
+        return [ScoreResult(score=float(len(s.completion) % 3)) for s in samples]
+
+
+if "crash_on_second_call" not in SCORERS:
+    register_scorer("crash_on_second_call", CrashOnStep)
+
+
+def test_a_restart_after_a_crash_before_the_first_checkpoint_logs_each_step_once(app, tmp_path):
+    spec = tmp_path / "spec.toml"
+    spec.write_text('[components.r]\nscorer = "crash_on_second_call"\n')
+    overrides = [*tiny_overrides(tmp_path, f"reward.spec={spec}"), "train.max_steps=2", "train.run_name=same"]
+    with pytest.raises(KeyboardInterrupt):
+        app.main(overrides)
+    assert [r["step"] for r in rows(tmp_path / "same")] == ["1"]
+    app.main(overrides)  # the same run name again, no checkpoint to resume: starts over
+    assert [r["step"] for r in rows(tmp_path / "same")] == ["1", "2"]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "same" / "samples" / "train.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and steps.count(1) == 2  # samples_to_log=2 per step, not 4 for step 1
+
+
+def test_user_errors_are_one_line_with_exit_2(tmp_path):
+    done = subprocess.run([sys.executable, str(APP / "__main__.py"), *tiny_overrides(tmp_path),
+                           "data.train=[\"/nope.jsonl\"]"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == ("caption-rl: error: dataset file not found: /nope.jsonl "
+                                                    "(data.train / data.eval / DATASET)")
