@@ -27,20 +27,14 @@ from rl_rewards.client import RetryPolicy, RewardClient
 from rl_rollout.prompts import EncodedPrompt, encode_prompt
 
 _PLACEHOLDER = re.compile(r"<(image|video)>\n?")
-_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
-def resolve_model(path: str) -> str:
+def resolve_model(path: str, key: str = "model.path / CAPTION_MODEL") -> str:
     """`tiny:<family>` -> a tiny random checkpoint built (and cached) by `rl_models.tiny`;
-    anything else must be an existing folder or a hub id."""
-    if path.startswith("tiny:"):
-        from rl_models import tiny
+    anything else must be an existing folder or a hub id (`rl_models.tiny.resolve`)."""
+    from rl_models import tiny
 
-        return str(tiny.build(path.removeprefix("tiny:")))
-    if Path(path).exists() or _HUB_ID.fullmatch(path):
-        return path
-    raise UserError(f"model not found: {path!r} is neither a local folder, a hub id (org/name) nor "
-                            f"tiny:<family> (model.path / CAPTION_MODEL, reward.judge)")
+    return tiny.resolve(path, key=key)
 
 
 # ------------------------------------------------------------------------------------ data

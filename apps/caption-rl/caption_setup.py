@@ -68,7 +68,7 @@ def build_reward_backend(cfg: Config, policy_path: str) -> LocalReward | RemoteR
               "length_l2": r.length_l2, "length_weight": r.length_weight}
     if url is not None:
         return RemoteReward(url, retries=r.retries, timeout=r.timeout, **length)
-    judge = None if r.spec is not None else resolve_model(r.judge)
+    judge = None if r.spec is not None else resolve_model(r.judge, "reward.judge")
     return LocalReward(judge=judge, spec=r.spec, qa_estimator=r.qa_estimator, qa_num=r.qa_num,
                        format_weight=r.format_weight, seed=cfg.train.seed, **length)
 

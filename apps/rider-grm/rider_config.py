@@ -244,8 +244,6 @@ def resolve_path(path: str) -> str:
 
 
 def resolve_model(spec: str) -> str:
-    """`tiny:<family>[:seed]` -> a tiny random checkpoint folder (`rl_models.tiny`)."""
-    if not spec.startswith("tiny:"):
-        return resolve_path(spec)
-    family, _, seed = spec.removeprefix("tiny:").partition(":")
-    return str(tiny.build(family, seed=int(seed or 0)))
+    """`tiny:<family>[:seed]` -> a tiny random checkpoint folder; a relative folder is tried
+    against the working directory, then the repository root (`rl_models.tiny.resolve`)."""
+    return tiny.resolve(spec if spec.startswith("tiny:") else resolve_path(spec))

@@ -108,3 +108,20 @@ def test_qwen3_chat_template(qwen3_path):
         messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
     )
     assert no_think.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_resolve_is_the_one_parser_of_model_specs(tmp_path):
+    """`tiny:<family>[:seed]`, a folder, or a hub id; anything else is a user error naming the key."""
+    from rl_core.errors import UserError
+    from rl_models.tiny import build, resolve
+
+    assert resolve("tiny:qwen3") == str(build("qwen3"))
+    assert resolve("tiny:qwen3:1") == str(build("qwen3", seed=1)) != resolve("tiny:qwen3")
+    assert resolve(str(tmp_path)) == str(tmp_path)
+    assert resolve("Qwen/Qwen3-4B") == "Qwen/Qwen3-4B"
+    with pytest.raises(UserError, match=r"model not found: reward\.judge='/no/such' is no local folder"):
+        resolve("/no/such", key="reward.judge")
+    with pytest.raises(UserError, match=r"unknown tiny family 'nope'; valid: .*qwen3"):
+        resolve("tiny:nope")
+    with pytest.raises(UserError, match="must be a number"):
+        resolve("tiny:qwen3:x")

@@ -13,6 +13,7 @@ folder and renamed into place, so concurrent test processes never see half a che
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from rl_core.errors import UserError
 from rl_models import tiny_families, tiny_janus, tiny_sd3, tiny_vl
 
 Builder = Callable[[Path], None]
@@ -49,6 +51,28 @@ def cache_dir() -> Path:
     """Root of the tiny-checkpoint cache: `$RL_MODELS_CACHE` or `~/.cache/rl-models/tiny`."""
     root = os.environ.get("RL_MODELS_CACHE")
     return Path(root) if root else Path.home() / ".cache" / "rl-models" / "tiny"
+
+
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def resolve(spec: str, *, key: str = "model.path") -> str:
+    """A model spec as the apps take it -> something `from_pretrained` loads.
+
+    `tiny:<family>[:<seed>]` builds (or reuses) a tiny random checkpoint (`build`); a local
+    folder is used as is; `org/name` is a hub id. Anything else raises `UserError` naming `key`.
+    """
+    if spec.startswith("tiny:"):
+        family, _, seed = spec.removeprefix("tiny:").partition(":")
+        if family not in _BUILDERS:
+            raise UserError(f"{key}={spec!r}: unknown tiny family {family!r}; valid: {', '.join(families())}")
+        if not seed.isdigit() and seed:
+            raise UserError(f"{key}={spec!r}: the seed after tiny:{family}: must be a number")
+        return str(build(family, seed=int(seed or 0)))
+    if Path(spec).exists() or _HUB_ID.fullmatch(spec):
+        return spec
+    raise UserError(f"model not found: {key}={spec!r} is no local folder, no hub id (org/name) and no "
+                    f"tiny:<family> ({', '.join(families())})")
 
 
 def build(family: str, out_dir: str | Path | None = None, *, seed: int = 0) -> Path:

@@ -17,12 +17,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rl_core.errors import UserError
+
 __all__ = ["UserError", "run_app"]
-
-
-class UserError(Exception):
-    """Something the user fixes by changing the command, the config or the data; the message
-    names the cause and the knob (`data.train`, `rollout.temperature`, ...)."""
 
 
 def run_app(prog: str, main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> int:
