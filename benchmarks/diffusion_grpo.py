@@ -11,7 +11,7 @@ and given to both samplers, so encoders are outside every timing. 512x512, 10 st
 
 (a) Rollout, n=8 images of one prompt per call: plain `StableDiffusion3Pipeline(...)` with
     `prompt_embeds` given vs `DiffusionEngine.sample` (SDE steps, per-step log-probs, latents
-    kept), images/s, median of `--repeats` after a warm-up. REFERENCE.md §5's bar: the plain
+    kept), images/s, median of `--repeats` after a warm-up. docs/reference.md §5's bar: the plain
     pipeline's 5.0 images/s measured on an H200.
 (b) One Flow-GRPO epoch of the VRL recipe: 8 prompt groups x 8 images; reward = mean brightness
     in process (the OCR scorer runs on CPU and is not part of this GPU figure); GRPO advantages;
@@ -262,7 +262,7 @@ def main() -> None:
     ]
     notes = (f"SD3.5-Medium transformer + VAE at full shape, random weights, {dtype}; text encoders "
              "with the real widths (768/1280/4096) but one layer, outside the timings (embeddings "
-             f"given). 512x512, 10 steps, CFG 4.5, n=8. LoRA: {lora_kind}. REFERENCE.md §5 bar: plain "
+             f"given). 512x512, 10 steps, CFG 4.5, n=8. LoRA: {lora_kind}. docs/reference.md §5 bar: plain "
              "pipeline 5.0 images/s on an H200 (the issue's realistic ceiling: ~2-3 images/s).")
     if args.smoke:
         print(markdown_table(header, rows))

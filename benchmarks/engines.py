@@ -9,7 +9,7 @@
       - `HFEngine` (static cache, sampling at temperature 1 with per-token log-probs), compiled
         decode step (CUDA graphs) and eager,
       - transformers continuous batching `model.generate_batch(...)` (greedy), when it runs,
-    against the decode roofline of REFERENCE.md §5:
+    against the decode roofline of docs/reference.md §5:
       tokens/s <= B * bandwidth / (weight bytes + B * mean context * KV bytes per token).
     Goal: HFEngine >= 3x plain generate.
 (b) Scoring, 64 captions (~1,000 tokens) x 8 questions (~60 tokens), 6 candidates:
@@ -45,7 +45,7 @@ from rl_models import tiny
 from rl_rollout import SamplingParams
 from rl_rollout.hf import HFEngine
 
-BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # bytes/s, REFERENCE.md §5
+BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # bytes/s, docs/reference.md §5
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int) -
         rows.append(["transformers generate_batch", "failed", repr(exc)[:120], ""])
     bound = roofline(model, config, s, device)
     if bound is not None:
-        rows.append(["decode roofline (REFERENCE.md §5)", "", f"{bound:,.0f}", ""])
+        rows.append(["decode roofline (docs/reference.md §5)", "", f"{bound:,.0f}", ""])
     return rows
 
 

@@ -2,7 +2,7 @@
 
 CPU part (default): rule scoring (timestamp format + length counted in whitespace words, no
 model) through HTTP, 64 captions per request, 16 concurrent clients, for `--seconds` each.
-Baseline, measured in the same run, is built the way CapRL++'s reward service is (REFERENCE.md
+Baseline, measured in the same run, is built the way CapRL++'s reward service is (docs/reference.md
 §1): a master HTTP app whose synchronous handler decodes the JSON with `json`, cuts the batch
 into ceil(B/N) chunks (N = 1 worker) and posts each chunk to its worker over HTTP; the worker's
 synchronous handler serves one request at a time and scores in Python. Both run under uvicorn

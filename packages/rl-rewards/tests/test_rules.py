@@ -1,4 +1,4 @@
-"""Rule rewards against hand-worked cases (REFERENCE.md §1, §2, §3)."""
+"""Rule rewards against hand-worked cases (docs/reference.md §1, §2, §3)."""
 
 import math
 from itertools import pairwise
@@ -62,7 +62,7 @@ def test_timestamp_max_minute_option():
 
 
 def _timestamp_format_reference(text: str, max_minute: int = 599) -> float:
-    """REFERENCE.md §1 read literally: every match, its validity, the valid starts, then R_fmt."""
+    """docs/reference.md §1 read literally: every match, its validity, the valid starts, then R_fmt."""
     def seconds(m: str, s: str) -> int | None:
         return None if int(s) > 59 or int(m) > max_minute else 60 * int(m) + int(s)
 

@@ -1,6 +1,6 @@
 """Multiple-choice options: parse, normalize, relabel and format.
 
-CapRL (REFERENCE.md §1) stores options in several styles — ``"A. text"``, ``"A) text"``, bare
+CapRL (docs/reference.md §1) stores options in several styles — ``"A. text"``, ``"A) text"``, bare
 text — and its reward worker shuffles and relabels them A, B, … *without* stripping an existing
 label, so ``"A. cat"`` becomes ``"C) A. cat"`` and the model sees two contradicting letters (the
 "stale-letter" defect). Here a label is always split off first and the letter is re-assigned by

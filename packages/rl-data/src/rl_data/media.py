@@ -11,7 +11,7 @@ Videos: :func:`sample_video` returns a :class:`VideoFrames` whose ``frames`` is 
 Qwen3-VL writes ``<t seconds>`` before each temporal patch from ``frames_indices / fps``, and
 Qwen2.5-VL derives ``second_per_grid_ts`` from ``len(frames_indices) / total_num_frames * fps``;
 both are right only with the *source* fps and the *source* frame indices, which is what
-``metadata()`` holds. CapRL itself used ~2 fps and no frame cap (REFERENCE.md §1).
+``metadata()`` holds. CapRL itself used ~2 fps and no frame cap (docs/reference.md §1).
 """
 
 from __future__ import annotations

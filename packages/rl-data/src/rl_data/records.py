@@ -90,7 +90,7 @@ class QAItem(msgspec.Struct, frozen=True):
 
 
 class CaptionQARecord(msgspec.Struct, frozen=True, kw_only=True):
-    """A CapRL caption-QA row (REFERENCE.md §1): the captioning prompt, its media, and the QA list
+    """A CapRL caption-QA row (docs/reference.md §1): the captioning prompt, its media, and the QA list
     the reward model answers from the caption. ``prompt`` is always chat messages (a string
     prompt becomes one user turn)."""
 
@@ -108,7 +108,7 @@ class CaptionQARecord(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class JudgeRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """A verl-style row for generative-judge training (REFERENCE.md §3): ``rm_prompts[i]`` is the
+    """A verl-style row for generative-judge training (docs/reference.md §3): ``rm_prompts[i]`` is the
     ``rm_prompt_{i}`` template of judge i (``{response}`` placeholder; may be empty)."""
 
     prompt: list[ChatMessage]

@@ -28,7 +28,7 @@ DEFAULT_TARGET_MODULES: dict[str, list[str] | str] = {
     "qwen2": list(_QWEN_PROJ),
     "qwen2_5_vl": _QWEN_VL_TARGETS,
     "qwen3_vl": _QWEN_VL_TARGETS,
-    # Flow-GRPO's SD3 recipe (REFERENCE.md §2): joint-attention projections of both streams.
+    # Flow-GRPO's SD3 recipe (docs/reference.md §2): joint-attention projections of both streams.
     "sd3": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
     # Janus: LoRA on the language model only (the VQ and SigLIP towers stay frozen).
     "janus": r".*language_model.*\.(" + "|".join(_QWEN_PROJ) + r")",

@@ -1,6 +1,6 @@
 """Turn a reward (spec, scorer, or server URL) into the reward function a framework expects.
 
-Signatures follow each framework exactly (REFERENCE.md §4):
+Signatures follow each framework exactly (docs/reference.md §4):
 - TRL: `f(prompts, completions, completion_ids=None, **dataset_columns) -> list[float | None]`
   (None = abstain/failed; async when the reward is remote).
 - verl: `compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw) -> dict`

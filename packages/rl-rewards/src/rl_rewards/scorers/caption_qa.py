@@ -1,6 +1,6 @@
 """`caption_qa`: how well a text LLM answers multiple-choice questions from the caption alone.
 
-CapRL++ (REFERENCE.md §1) rewards a caption with the accuracy of a judge LLM that sees only the
+CapRL++ (docs/reference.md §1) rewards a caption with the accuracy of a judge LLM that sees only the
 caption. Each question's options are relabelled A, B, ... with "Can not answer based on the
 caption" always last; the judge's turn is pre-filled with "The answer is".
 

@@ -1,6 +1,6 @@
 """Image rewards on CLIP: `clip_score` (CLIPScore) and `aesthetic` (LAION aesthetic predictor).
 
-Flow-GRPO/VRL combine these with OCR as a weighted sum (REFERENCE.md §2). Both read the image
+Flow-GRPO/VRL combine these with OCR as a weighted sum (docs/reference.md §2). Both read the image
 from `Sample.metadata["image"]` (path or PIL image); a missing image fails that sample only.
 """
 

@@ -1,7 +1,7 @@
 """`vl_judge`: a VLM grades a caption against its image or video with CapRL++'s four-criterion JSON.
 
 The judge answers JSON with factuality, temporal_alignment, coverage and hallucination_penalty
-(1 = no hallucination) in [0, 1]; score = 0.30 F + 0.25 T + 0.25 C + 0.20 H (REFERENCE.md §1).
+(1 = no hallucination) in [0, 1]; score = 0.30 F + 0.25 T + 0.25 C + 0.20 H (docs/reference.md §1).
 Parsing: strip code fences, `json.loads`, else the text between the first `{` and the last `}`;
 each criterion clipped to [0, 1]. Unparseable output scores 0, as in CapRL++, and is flagged by the
 `parse_failed` component (also set when a criterion is missing or not a number; it then counts 0).
