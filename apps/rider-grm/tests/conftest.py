@@ -44,3 +44,17 @@ def tiny_overrides(out: Path, **extra: object) -> list[str]:
 @pytest.fixture(autouse=True)
 def _chdir_repo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests (opt-in: `nox -s gpu`) skip with the reason on a machine without CUDA,
+    instead of failing there."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

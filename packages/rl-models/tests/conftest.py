@@ -51,3 +51,17 @@ def sd3_path(_tiny_cache):
 @pytest.fixture(scope="session")
 def janus_path(_tiny_cache):
     return tiny.build("janus")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests (opt-in: `nox -s gpu`) skip with the reason on a machine without CUDA,
+    instead of failing there."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
