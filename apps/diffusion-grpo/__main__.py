@@ -2,18 +2,19 @@
 canonical recipe, `experiment/diffusion/sd3_5/online_grpo_ocr`).
 
     uv run apps/diffusion-grpo                                       # embedded tiny CPU default
-    uv run apps/diffusion-grpo --config examples/diffusion-grpo/sd3_5_ocr.toml
+    uv run apps/diffusion-grpo --config examples/diffusion-grpo/vrl.toml        # or flow_grpo.toml
     accelerate launch apps/diffusion-grpo/__main__.py --config FILE  # one process per GPU
     uv run apps/diffusion-grpo --resume                              # continue the latest run
     uv run apps/diffusion-grpo --help                                # every key and its default
 
 One epoch: sample `rollout.groups_per_epoch` prompts x `rollout.n` images with the SDE sampler
 (`rl_rollout.diffusion`, keeping latents and per-step log-probs) -> reward (in process or a
-reward server) -> GRPO advantages (global std, clip 5; zero-advantage samples dropped) -> replay
-the stored steps through the current model (CFG recomputed, unconditional branch detached) ->
+reward server) -> GRPO advantages (global std, clip 5; zero-advantage samples dropped, or refilled
+as Flow-GRPO does) -> replay the stored steps through the current model (CFG recomputed, unconditional branch detached) ->
 `ppo_clip` on the per-step log-probs + beta * flow KL to the LoRA-disabled model -> AdamW with
 gradient accumulation -> EMA of the LoRA weights -> log -> checkpoint -> eval (ODE, EMA weights,
-fixed seed, contact sheet). See README.md next to this file for the VRL knob mapping.
+fixed seed, contact sheet). See README.md next to this file for the VRL knob mapping and the
+presets reproducing Flow-GRPO and VRL (examples/diffusion-grpo/flow_grpo.toml, vrl.toml).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 from grpo_config import DEFAULT_CONFIG, Config, RewardConfig, parse_config, resolve_path
 from grpo_parts import (
     BrightnessScorer,
@@ -40,6 +42,7 @@ from grpo_phases import build_reward_scorer, evaluate, score
 from peft import PeftModel
 from ray_rollout import Chunk, RayRollout, sample_chunk, start_workers
 
+from rl_core.advantages import group_ids_from_keys, nonzero_advantage_indices
 from rl_core.flow import flow_kl
 from rl_core.losses import compute_policy_loss
 from rl_core.train import (
@@ -106,6 +109,11 @@ def setup(cfg: Config, resume: str | None) -> Run:
     if cfg.rollout.groups_per_epoch % acc.num_processes:
         raise UserError(f"rollout.groups_per_epoch={cfg.rollout.groups_per_epoch} must divide by "
                          f"the {acc.num_processes} processes")
+    images = cfg.rollout.groups_per_epoch // acc.num_processes * cfg.rollout.n  # per process
+    if t.zero_adv == "flow_grpo" and (images % t.micro_batch_size or images // t.micro_batch_size % t.gradient_accumulation_steps):
+        raise UserError(f"train.zero_adv='flow_grpo' trains equal batches: the {images} images per process must "
+                        f"divide into batches of train.micro_batch_size={t.micro_batch_size}, and their number into "
+                        f"optimizer steps of train.gradient_accumulation_steps={t.gradient_accumulation_steps}")
     ckpt = resolve_resume(resume, t.output_dir)
     run_dir = make_run_dir(t.output_dir, ckpt.parent.parent.name if ckpt else t.run_name,
                            config=cfg, accelerator=acc)
@@ -184,13 +192,17 @@ def collect(run: Run, epoch: int) -> Batch:
 # ------------------------------------------------------------------------------ advantages
 
 
-def advantages(run: Run, rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+def advantages(run: Run, rewards: torch.Tensor, group_ids: torch.Tensor,
+               prompts: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO advantages `[N]` of this process's samples over every process's groups
     (`rl_core.train.group_advantages`: failed samples and groups left with one sample get 0 and
-    are counted); Flow-GRPO's global std, eps and clip."""
+    are counted), normalised as `train.adv_*` say. `train.adv_group_by = "prompt"` groups by the
+    prompt text instead of `group_ids` (Flow-GRPO)."""
     t = run.cfg.train
-    out = group_advantages("grpo", rewards, group_ids, accelerator=run.acc,
-                           options={"scale": t.adv_scale, "eps": t.adv_eps, "clip": t.adv_clip})
+    if t.adv_group_by == "prompt":
+        group_ids = prompt_group_ids(prompts, run.acc)
+    options = {"scale": t.adv_scale, "eps": t.adv_eps, "clip": t.adv_clip, "std": t.adv_std, "eps_mode": t.adv_eps_mode}
+    out = group_advantages("grpo", rewards, group_ids, accelerator=run.acc, options=options)
     everything, _ = gather_rows(rewards, run.acc)  # [N * world]
     groups, _ = gather_rows(group_ids, run.acc)  # [N * world]
     stds = [everything[(groups == g) & torch.isfinite(everything)].std().item() for g in groups.unique()
@@ -198,21 +210,75 @@ def advantages(run: Run, rewards: torch.Tensor, group_ids: torch.Tensor) -> tupl
     return out.advantages, {**out.metrics, "reward/zero_std_group_fraction": sum(s == 0 for s in stds) / max(len(stds), 1)}
 
 
+def prompt_group_ids(prompts: list[str], acc: Accelerator) -> torch.Tensor:
+    """Group ids `[N]` of this process's samples, equal for equal prompt text on every process:
+    the prompts of all processes are gathered and numbered together (`group_ids_from_keys`)."""
+    parts = gather_object([prompts])  # one list per process, in rank order
+    start = sum(len(part) for part in parts[: acc.process_index])
+    return group_ids_from_keys([p for part in parts for p in part])[start:start + len(prompts)]
+
+
 # ----------------------------------------------------------------------------------- train
 
 
-def plan_micro_batches(run: Run, batch: Batch, adv: torch.Tensor) -> list[tuple[int, torch.Tensor, float]]:
-    """(trajectory index, rows, weight) per micro-batch: the kept (non-zero advantage) rows of each
-    trajectory in chunks. Every process plans the same number of micro-batches, so the optimizer
-    steps line up: short processes repeat their last one with weight 0."""
-    size, plan, offset = run.cfg.train.micro_batch_size, [], 0
-    for k, traj in enumerate(batch.trajectories):
-        rows = (adv[offset:offset + len(traj.prompts)] != 0).nonzero().flatten()  # [kept]
-        plan += [(k, chunk, 1.0) for chunk in rows.split(size)]
-        offset += len(traj.prompts)
+Micro = tuple[int, torch.Tensor, float]  # (trajectory index, its rows [b], loss weight)
+
+
+def plan_micro_batches(run: Run, sizes: list[int], adv: torch.Tensor, epoch: int) -> list[list[Micro]]:
+    """The epoch's optimizer steps, each a list of micro-batches of this process's trajectories
+    (`sizes`: images per trajectory). Every process plans the same number of steps. How
+    zero-advantage images are handled is `train.zero_adv`:
+
+    - `drop`: the kept (non-zero advantage) rows of each trajectory in chunks of
+      `micro_batch_size`, `gradient_accumulation_steps` chunks per step; a process with fewer
+      chunks repeats its last one with weight 0, so the steps line up.
+    - `flow_grpo`: `flow_grpo_steps`.
+    """
+    t = run.cfg.train
+    if t.zero_adv == "flow_grpo":
+        return flow_grpo_steps(run, sizes, adv, epoch)
+    plan = by_trajectory((adv != 0).nonzero().flatten(), sizes, t.micro_batch_size)
     count = run.acc.gather(torch.tensor([len(plan)], device=run.acc.device)).max().item()
     filler = (plan[-1][0], plan[-1][1], 0.0) if plan else (0, torch.tensor([0]), 0.0)
-    return plan + [filler] * (count - len(plan))
+    plan += [filler] * (count - len(plan))
+    accum = t.gradient_accumulation_steps
+    return [plan[start:start + accum] for start in range(0, len(plan), accum)]
+
+
+def flow_grpo_steps(run: Run, sizes: list[int], adv: torch.Tensor, epoch: int) -> list[list[Micro]]:
+    """Flow-GRPO's zero-advantage filter (`scripts/train_sd3.py`) over the global batch: keep the
+    non-zero advantages, put back randomly chosen zero ones until the kept count divides into
+    the B = images per process / micro_batch_size batches of the epoch
+    (`rl_core.advantages.nonzero_advantage_indices`), shuffle, cut into B equal batches and
+    train `gradient_accumulation_steps` batches per optimizer step. The random draws come from
+    a generator seeded with (train.seed, epoch): the same selection on every process, and on
+    resume. A process trains its own images of each batch (grouped by trajectory, at most
+    micro_batch_size per forward); every kept image, refilled ones included (advantage 0,
+    still under the KL term), weighs the same in the epoch."""
+    t, acc = run.cfg.train, run.acc
+    everything, own = gather_rows(adv, acc)  # [N * world]
+    num_batches = sum(sizes) // t.micro_batch_size
+    generator = torch.Generator().manual_seed(sample_seed(t.seed, epoch))
+    kept = nonzero_advantage_indices(everything.cpu(), num_batches=num_batches, generator=generator)  # [K]
+    shuffled = kept[torch.randperm(len(kept), generator=generator)]  # [K]
+    batches = shuffled.tensor_split(num_batches)
+    steps = []
+    for first in range(0, num_batches, t.gradient_accumulation_steps):
+        chosen = torch.cat(batches[first:first + t.gradient_accumulation_steps])  # [b] global indices
+        local = chosen[(chosen >= own.start) & (chosen < own.stop)].sort().values - own.start  # [b_r]
+        steps.append(by_trajectory(local, sizes, t.micro_batch_size))
+    return steps
+
+
+def by_trajectory(rows: torch.Tensor, sizes: list[int], size: int) -> list[Micro]:
+    """This process's sorted sample indices `[b]` -> micro-batches of at most `size` rows of one
+    trajectory each (a forward replays one trajectory); trajectories with no row get none."""
+    out, start = [], 0
+    for k, n in enumerate(sizes):
+        mine = rows[(rows >= start) & (rows < start + n)] - start  # [b_k]
+        out += [(k, chunk, 1.0) for chunk in mine.split(size) if len(chunk)]
+        start += n
+    return out
 
 
 def trained_steps(traj: Trajectory, fraction: float) -> list[int]:
@@ -225,10 +291,9 @@ def train_epoch(run: Run, batch: Batch, adv: torch.Tensor, epoch: int) -> dict[s
     each (micro-batch, trained timestep) pair is one forward/backward, and every (sample,
     timestep) weighs the same in the step, whatever the micro-batch split or process count."""
     acc, t = run.acc, run.cfg.train
-    plan = plan_micro_batches(run, batch, adv)
-    offsets = [0]
-    for traj in batch.trajectories:
-        offsets.append(offsets[-1] + len(traj.prompts))
+    sizes = [len(traj.prompts) for traj in batch.trajectories]
+    plan = plan_micro_batches(run, sizes, adv, epoch)
+    offsets = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     steps = trained_steps(batch.trajectories[0], t.timestep_fraction)
     stats, check = UpdateStats(), ReplayCheck()
 
@@ -259,16 +324,18 @@ def train_epoch(run: Run, batch: Batch, adv: torch.Tensor, epoch: int) -> dict[s
             run.first_ratio = metrics["replay/engine_diff_max"]
 
     run.model.train()
-    accum = t.gradient_accumulation_steps
-    for start in range(0, len(plan), accum):
-        window = [(k, rows, weight, step) for k, rows, weight in plan[start:start + accum] for step in steps]
+    filler = (0, torch.tensor([0]), 0.0, steps[0])  # for a process with no image in a step
+    for micro_batches in plan:
+        window = [(k, rows, weight, step) for k, rows, weight in micro_batches for step in steps]
         stepped = optimizer_step(acc, run.model, run.optimizer, window, loss_fn,
                                  units=lambda m: float(len(m[1])) * m[2], grad_clip=t.max_grad_norm,
-                                 guard=run.guard, stats=stats, before_step=first_check).stepped
+                                 guard=run.guard, stats=stats, before_step=first_check, filler=filler).stepped
         if stepped:
             run.optimizer_steps += 1
             run.ema.step(run.optimizer_steps)
-    return stats.reduce(acc)
+    trained = sum(len(rows) * weight for micro_batches in plan for _, rows, weight in micro_batches)
+    total = acc.reduce(torch.tensor(float(trained), device=acc.device), reduction="sum").item()
+    return {**stats.reduce(acc), "adv/trained_samples": total}
 
 
 # ------------------------------------------------------------------------------------ loop
@@ -335,7 +402,7 @@ def one_epoch(run: Run, epoch: int) -> dict[str, float]:
     images = [image for traj in batch.trajectories for image in to_pil(traj.images)]
     with run.timer("reward"):
         rewards, parts = score(run, images, batch.records, run.run_dir / "rollouts" / f"epoch_{epoch}")
-    adv, metrics = advantages(run, rewards, batch.group_ids)
+    adv, metrics = advantages(run, rewards, batch.group_ids, [r.prompt for r in batch.records])
     kept = run.acc.gather(torch.tensor([int((adv != 0).sum())], device=run.acc.device)).sum().item()
     train_metrics: dict[str, float] = {}
     if kept:  # an epoch where every group has equal rewards carries no signal: skip the update

@@ -80,7 +80,20 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
     kl_beta: NonNegativeFloat = 0.04  # flow KL to the LoRA-disabled model; 0 skips the reference forward
     adv_scale: Literal["batch", "group"] = "batch"  # std over the whole batch (Flow-GRPO global std)
     adv_clip: PositiveFloat = 5.0
-    adv_eps: NonNegativeFloat = 1e-4
+    adv_eps: PositiveFloat = 1e-4
+    adv_std: Literal["unbiased", "population"] = "unbiased"
+    """Std of the advantage denominator: divides by n - 1 (`torch.std`, ours) or by n (`np.std`:
+    Flow-GRPO and VRL; smaller by sqrt((n - 1) / n) for n samples)."""
+    adv_eps_mode: Literal["add", "clamp"] = "add"
+    """Denominator std + adv_eps (ours, Flow-GRPO: 1e-4) or max(std, adv_eps) (VRL: 1e-8)."""
+    adv_group_by: Literal["group", "prompt"] = "group"
+    """A sample's baseline: the mean of its group (the n images of one draw of a prompt; ours,
+    VRL) or of every image of the same prompt text in the epoch (Flow-GRPO's per-prompt stat
+    tracker: two groups of one prompt share a mean)."""
+    zero_adv: Literal["drop", "flow_grpo"] = "drop"
+    """Zero-advantage images: `drop` (ours, VRL) trains the rest of each sampled batch in chunks
+    of micro_batch_size; `flow_grpo` (Flow-GRPO) puts randomly chosen ones back until the kept
+    count divides into the epoch's batches, shuffles, and trains equal batches. See README."""
     micro_batch_size: Positive = 8  # images per replay forward (= sample_batch_size keeps ratio bit-exact)
     gradient_accumulation_steps: Positive = 4  # micro-batches per optimizer step
     timestep_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.99  # train the stochastic steps k < int(S * fraction): 9 of 10

@@ -2,7 +2,7 @@
 on a rule reward plus several generative judges plus an embedding-similarity reward.
 
     uv run apps/rider-grm                                    # embedded tiny CPU default
-    uv run apps/rider-grm --config examples/rider-grm/verl-with-rms.toml
+    uv run apps/rider-grm --config examples/rider-grm/verl-with-rms.toml   # the verl-with-rms preset
     accelerate launch apps/rider-grm/__main__.py --config FILE train.batch_size=128
     uv run apps/rider-grm --resume                            # continue the latest run
     uv run apps/rider-grm --help                              # every key, default, env var

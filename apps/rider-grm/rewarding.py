@@ -103,7 +103,8 @@ def build_judge(i: int, judge: JudgeConfig, device: torch.device, monitor: Phase
     engine = RecordingEngine(inner)
     tokenizer = judge.tokenizer or (judge.model if judge.engine == "openai" else resolve_model(judge.model))
     scorer = JudgeScorer(engine, AutoTokenizer.from_pretrained(resolve_path(tokenizer)), resolve_path(judge.module),
-                         temperature=judge.temperature, max_new_tokens=judge.max_new_tokens, seed=judge.seed)
+                         temperature=judge.temperature, max_new_tokens=judge.max_new_tokens, seed=judge.seed,
+                         completion_field=judge.completion_field, on_malformed=judge.on_malformed)
     swapped = SwappedJudge(judge_name(judge), i, scorer, engine, monitor, policy, use_rm_prompt=use_rm_prompt,
                            swap=sleep, offload=make_offload(engine, device))
     if sleep:
@@ -128,31 +129,49 @@ def build_judges(judges: list[JudgeConfig], device: torch.device, monitor: Phase
 
 
 def compose_reward(cfg: Config, judges: list[Judge], monitor: PhaseMonitor, device: torch.device) -> Reward:
-    """rule -> judges (add/mul, gated on the rule) -> similarity, as VeRL-with-RMs' left fold."""
+    """VeRL-with-RMs' left fold: the rule, then each judge in order (add/mul, each gated on the
+    rule where it has a gate), with the similarity term last or right after the rule
+    (`reward.embedding.position`)."""
     components: dict[str, Component] = {}
     scorers: dict[str, Any] = {}
     if cfg.reward.rule is not None:
         components["rule"] = Component(scorer="rule", weight=cfg.reward.rule_weight)
         scorers["rule"] = RuleScorer(load_function(resolve_path(cfg.reward.rule)), monitor)
-    for judge, jc in zip(judges, judge_configs(cfg.reward), strict=True):
-        gate = None
-        if jc.gate is not None:
-            if "rule" not in components:
-                raise ConfigError(f"judge {judge.name!r} has a gate but reward.rule is not set")
-            gate = Gate(component="rule", threshold=jc.gate)
-        components[judge.name] = Component(scorer="judge", weight=jc.weight, op=jc.combine, gate=gate,
-                                           fallback=jc.fallback)
-        scorers[judge.name] = judge
     emb = cfg.reward.embedding
-    if emb.model is not None:
-        components["similarity"] = Component(scorer="embedding_similarity", weight=emb.weight, op="add")
-        # VeRL-with-RMs adds weight * (0.7 * mapped similarity + 0.3)
-        inner = build_scorer("embedding_similarity", model=resolve_model(emb.model), scale=0.7, offset=0.3,
-                             device=str(device))
-        scorers["similarity"] = TimedScorer(inner, monitor, "similarity")
+    if emb.model is not None and emb.position == "after_rule":
+        _add_similarity(cfg, components, scorers, monitor, device)
+    for judge, jc in zip(judges, judge_configs(cfg.reward), strict=True):
+        # options name the sub-components the judge reports (`malformed` with a completion_field)
+        components[judge.name] = Component(scorer="judge", weight=jc.weight, op=jc.combine, fallback=jc.fallback,
+                                           gate=_rule_gate(components, jc.gate, jc.gated_out, f"judge {judge.name!r}"),
+                                           options={"completion_field": jc.completion_field})
+        scorers[judge.name] = judge
+    if emb.model is not None and emb.position == "last":
+        _add_similarity(cfg, components, scorers, monitor, device)
     if not components:
         raise ConfigError("no reward: set reward.rule, reward.judges or reward.embedding.model")
     return build_reward(RewardSpec(components=components, combine="fold"), scorers)
+
+
+def _rule_gate(components: dict[str, Component], threshold: float | None, gated_out: str, what: str) -> Gate | None:
+    if threshold is None:
+        return None
+    if "rule" not in components:
+        raise ConfigError(f"{what} has a gate but reward.rule is not set")
+    return Gate(component="rule", threshold=threshold, gated_out=gated_out)
+
+
+def _add_similarity(cfg: Config, components: dict[str, Component], scorers: dict[str, Any], monitor: PhaseMonitor,
+                    device: torch.device) -> None:
+    """total += weight * (0.7 * mapped similarity + 0.3), as VeRL-with-RMs adds its BGE term; a
+    gated-out sample adds nothing (VeRL-with-RMs adds weight * 0)."""
+    emb = cfg.reward.embedding
+    fields = {"completion_field": emb.completion_field, "reference_field": emb.reference_field}
+    components["similarity"] = Component(scorer="embedding_similarity", weight=emb.weight, op="add", options=fields,
+                                         gate=_rule_gate(components, emb.gate, "zero", "reward.embedding"))
+    inner = build_scorer("embedding_similarity", model=resolve_model(str(emb.model)), scale=0.7, offset=0.3,
+                         device=str(device), on_malformed=emb.on_malformed, **fields)
+    scorers["similarity"] = TimedScorer(inner, monitor, "similarity")
 
 
 # ----------------------------------------------------------------------------------- scoring

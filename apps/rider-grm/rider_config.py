@@ -76,8 +76,18 @@ class JudgeConfig(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True)
     spec: str | None = None  # engine = "server": the reward name configured on the server ([rewards.NAME])
     timeout_s: PositiveFloat = 600.0  # engine = "server": per-request timeout (judges generate: be generous)
     engine_options: dict[str, Any] = {}  # e.g. {gpu_memory_utilization = 0.8} for vllm
-    gate: float | None = None  # score only samples whose rule reward is >= gate
+    gate: float | None = None
+    """Score only samples whose rule reward is >= gate (checked before the judge is called).
+    VeRL-with-RMs gates every judge on rule == 1: `gate = 1.0` is the same for rules in [0, 1]."""
+    gated_out: Literal["skip", "zero"] = "skip"
+    """A gated-out sample's judge term: `skip` leaves the total as it is; `zero` folds a score of
+    0 (VeRL-with-RMs): the same for `add`, but a `mul` judge then makes the total 0."""
     fallback: float = 0.0  # score of a sample whose judge output does not parse
+    completion_field: str | None = None
+    """Judge only this field of the completion's JSON (VeRL-with-RMs: "Response"); a completion
+    without it is not sent to the judge and scores `on_malformed`. Only for modules that take
+    plain text: VeRL-with-RMs' own modules extract the field in rm_preprocess themselves."""
+    on_malformed: float = 0.0  # score of a completion without `completion_field` (VeRL-with-RMs: 0.0)
     tokenizer: str | None = None  # judge tokenizer for rm_preprocess (default: model)
     prompt: Literal["rm_prompt", "prompt"] = "rm_prompt"
     """text_prompts given to rm_preprocess: the row's rm_prompt_{i} (VeRL-with-RMs) or the
@@ -97,7 +107,14 @@ class VerlJudgeLists(msgspec.Struct, kw_only=True, frozen=True):
 
 class EmbeddingConfig(msgspec.Struct, kw_only=True, frozen=True):
     model: str | None = None  # BGE-style encoder (bge_sim.py); None = no similarity reward
-    weight: float = 1.0  # total += weight * (0.7 * mapped similarity + 0.3), REFERENCE.md §3
+    weight: float = 1.0  # total += weight * (0.7 * mapped similarity + 0.3)
+    position: Literal["last", "after_rule"] = "last"
+    """Where the term is folded in: after the judges (`last`) or right after the rule, before
+    the judges (`after_rule`, VeRL-with-RMs: a later `mul` judge scales it too)."""
+    gate: float | None = None  # add the term only where the rule reward is >= gate (VeRL-with-RMs: 1.0)
+    completion_field: str | None = None  # compare this JSON field of the completion (VeRL-with-RMs: "Response")
+    reference_field: str | None = None  # with this JSON field of the ground truth (VeRL-with-RMs: "Response")
+    on_malformed: float = 0.0  # the term when a field is missing or does not parse (VeRL-with-RMs: 0.0)
 
 
 class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -217,10 +234,15 @@ def check_judges(judges: list[JudgeConfig]) -> None:
     """Each judge has the fields its engine needs (fails at config load, naming the judge)."""
     for i, judge in enumerate(judges):
         where = f"reward.judges[{i}] (engine = {judge.engine!r})"
+        if judge.gated_out != "skip" and judge.gate is None:
+            raise ConfigError(f"{where} has gated_out = {judge.gated_out!r} but no gate: set gate (e.g. 1.0)")
         if judge.engine == "server":
             if not judge.url or not judge.spec:
                 raise ConfigError(f"{where} needs url (the rl-rewards serve address) and spec (a reward "
                                   "name configured on that server)")
+            if judge.completion_field is not None:
+                raise ConfigError(f"{where}: completion_field is applied by the server; set it in the judge "
+                                  "options of the server's reward spec instead")
             continue
         if not judge.module or not judge.model:
             raise ConfigError(f"{where} needs module (a VeRL-with-RMs reward module) and model")

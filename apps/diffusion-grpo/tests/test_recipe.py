@@ -126,7 +126,7 @@ def test_nan_loss_skips_the_step_and_three_in_a_row_stop(app, run) -> None:
 def test_first_replay_mismatch_stops_the_run(app, run) -> None:
     batch = app.collect(run, epoch=0)
     rewards = torch.arange(8, dtype=torch.float32)  # every group has spread: all rows kept
-    adv, _ = app.advantages(run, rewards, batch.group_ids)
+    adv, _ = app.advantages(run, rewards, batch.group_ids, [r.prompt for r in batch.records])
     stats = app.train_epoch(run, batch, adv, epoch=0)  # on-policy: passes, with a KL term
     assert run.first_ratio == 0.0 and stats["loss/kl"] >= 0 and run.optimizer_steps == 2
     traj = batch.trajectories[0]

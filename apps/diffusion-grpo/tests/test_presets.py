@@ -1,0 +1,130 @@
+"""The presets that reproduce Flow-GRPO and VRL (examples/diffusion-grpo/flow_grpo.toml,
+vrl.toml) against ours (the defaults): their files load, and on one hand-worked batch they give
+the advantages and train the images their systems would.
+
+The batch: 4 groups of 2 images, groups 0 and 2 drawn from the same prompt "p":
+
+    group   0      1      2          3
+    prompt  p      q      p          s
+    reward  0, 0   1, 1   0.75, 0.25 0, 1
+
+Over the batch, mean 0.5 and sum of squared deviations 1.625, so the unbiased std is
+sqrt(1.625 / 7) = 0.48181 and the population std sqrt(1.625 / 8) = 0.45069.
+
+- ours: baseline = group mean, (r - mean) / (unbiased std + 1e-4): groups 0 and 1 are 0,
+  group 2 +-0.25 / 0.48191 = +-0.51877, group 3 +-0.5 / 0.48191 = +-1.03753. Zero-advantage
+  images are dropped: images 4-7 are trained, one micro-batch of trajectory 1.
+- vrl: same baseline, (r - mean) / max(population std, 1e-8): +-0.25 / 0.45069 = +-0.55470,
+  +-1.10940; the same 4 images trained.
+- flow_grpo: baseline = mean over the prompt text: "p" pools groups 0 and 2 (0, 0, 0.75, 0.25:
+  mean 0.25), so group 0 gets -0.25 / (0.45069 + 1e-4) = -0.55458 and group 2 +0.5 -> +1.10915
+  and 0.25 -> 0; group 3 +-1.10915. Five images are non-zero (0, 1, 4, 6, 7); with 8 images in
+  batches of 4 there are 2 batches per epoch, so one zero-advantage image (of 2, 3, 5) is put
+  back, drawn with the (seed, epoch) generator: image 2. The 6 are shuffled and trained as two
+  equal batches of 3 (one optimizer step each, gradient_accumulation_steps = 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from conftest import tiny_overrides
+
+from rl_core.train import ConfigError, UserError, load_config
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "diffusion-grpo"
+REWARDS = torch.tensor([0, 0, 1, 1, 0.75, 0.25, 0, 1])
+GROUPS = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+PROMPTS = ["p", "p", "q", "q", "p", "p", "s", "s"]
+UNBIASED, POPULATION = (1.625 / 7) ** 0.5, (1.625 / 8) ** 0.5
+
+
+def _preset(app, name: str, *overrides: str):
+    path = app.DEFAULT_CONFIG if name == "ours" else EXAMPLES / f"{name}.toml"
+    return load_config(app.Config, path, list(overrides))
+
+
+@pytest.fixture(scope="module")
+def run(app, tmp_path_factory):
+    out = tmp_path_factory.mktemp("presets")
+    return app.setup(load_config(app.Config, app.DEFAULT_CONFIG, tiny_overrides(out)), resume=None)
+
+
+def test_preset_files_fix_their_systems_knobs(app) -> None:
+    knobs = ("adv_std", "adv_eps", "adv_eps_mode", "adv_scale", "adv_group_by", "zero_adv", "adv_clip")
+    got = {name: tuple(getattr(_preset(app, name).train, k) for k in knobs) for name in ("ours", "flow_grpo", "vrl")}
+    assert got == {
+        "ours": ("unbiased", 1e-4, "add", "batch", "group", "drop", 5.0),
+        "flow_grpo": ("population", 1e-4, "add", "batch", "prompt", "flow_grpo", 5.0),
+        "vrl": ("population", 1e-8, "clamp", "batch", "group", "drop", 5.0),
+    }
+    for name in ("flow_grpo", "vrl"):  # the full-size files pass the app's own checks, shared numbers
+        cfg, _ = app.parse_config(["--config", str(EXAMPLES / f"{name}.toml")])
+        assert (cfg.rollout.n, cfg.rollout.groups_per_epoch, cfg.train.micro_batch_size,
+                cfg.train.gradient_accumulation_steps) == (8, 8, 8, 4)
+        assert (cfg.train.lr, cfg.train.clip_range, cfg.train.kl_beta, cfg.train.timestep_fraction) == (3e-4, 1e-4, 0.04, 0.99)
+        assert (cfg.sampling.num_steps, cfg.sampling.guidance_scale, cfg.eval.num_steps) == (10, 4.5, 40)
+    flow, vrl = _preset(app, "flow_grpo"), _preset(app, "vrl")
+    assert (flow.eval.max_prompts, flow.eval.batch_size, flow.train.keep_last) == (1018, 16, 5)
+    assert (vrl.eval.max_prompts, vrl.eval.batch_size, vrl.train.output_dir) == (16, 8, "outputs/sd3_5_ocr_grpo")
+
+
+@pytest.mark.parametrize(("name", "advantages", "steps"), [
+    ("ours", [0, 0, 0, 0, 0.25 / (UNBIASED + 1e-4), -0.25 / (UNBIASED + 1e-4), -0.5 / (UNBIASED + 1e-4),
+              0.5 / (UNBIASED + 1e-4)],
+     [[(1, [0, 1, 2, 3])]]),
+    ("vrl", [0, 0, 0, 0, 0.25 / POPULATION, -0.25 / POPULATION, -0.5 / POPULATION, 0.5 / POPULATION],
+     [[(1, [0, 1, 2, 3])]]),
+    ("flow_grpo", [-0.25 / (POPULATION + 1e-4), -0.25 / (POPULATION + 1e-4), 0, 0, 0.5 / (POPULATION + 1e-4), 0,
+                   -0.5 / (POPULATION + 1e-4), 0.5 / (POPULATION + 1e-4)],
+     # images (0, 2, 6) then (1, 4, 7): trajectory 0 holds images 0-3, trajectory 1 images 4-7
+     [[(0, [0, 2]), (1, [2])], [(0, [1]), (1, [0, 3])]]),
+])
+def test_advantages_and_trained_images_per_preset(app, run, name: str, advantages: list[float], steps: list) -> None:
+    cfg = _preset(app, name, "train.micro_batch_size=4", "train.gradient_accumulation_steps=1")
+    preset_run = dataclasses.replace(run, cfg=cfg)
+    adv, _ = app.advantages(preset_run, REWARDS, GROUPS, PROMPTS)
+    torch.testing.assert_close(adv, torch.tensor(advantages), atol=1e-6, rtol=0)
+    assert [round(a, 5) for a in adv.tolist()[4:6]] == {"ours": [0.51877, -0.51877], "vrl": [0.5547, -0.5547],
+                                                      "flow_grpo": [1.10915, 0.0]}[name]
+    plan = app.plan_micro_batches(preset_run, [4, 4], adv, epoch=0)
+    assert [[(k, rows.tolist()) for k, rows, weight in step if weight] for step in plan] == steps
+    if name == "flow_grpo":  # every step trains the same number of images
+        assert [sum(len(rows) for _, rows, _ in step) for step in plan] == [3, 3]
+
+
+def test_flow_grpo_refill_trains_equal_steps_end_to_end(app, run) -> None:
+    """One epoch of the tiny model under the flow_grpo rule (2 prompts x 4 images): only images 0
+    and 3 have a non-zero advantage; 8 images in micro-batches of 2 make 4 batches, so 2 zero
+    ones are put back and two optimizer steps train 2 images each (the first replay on-policy).
+    Under `drop` the same rewards train the 2 images in one step."""
+    rewards = torch.tensor([0, 0.5, 0.5, 1, 1, 1, 1, 1])
+    for zero_adv, optimizer_steps, trained in (("flow_grpo", 2, 4), ("drop", 1, 2)):
+        cfg = msgspec.structs.replace(run.cfg, train=msgspec.structs.replace(
+            run.cfg.train, zero_adv=zero_adv, micro_batch_size=2, gradient_accumulation_steps=2))
+        preset_run = dataclasses.replace(run, cfg=cfg)
+        batch = app.collect(preset_run, epoch=0)
+        adv, _ = app.advantages(preset_run, rewards, batch.group_ids, [r.prompt for r in batch.records])
+        assert (adv != 0).nonzero().flatten().tolist() == [0, 3]
+        stats = app.train_epoch(preset_run, batch, adv, epoch=0)
+        assert (stats["optimizer_steps"], stats["adv/trained_samples"]) == (optimizer_steps, trained)
+        assert preset_run.first_ratio <= cfg.train.ratio_tolerance
+
+
+def test_flow_grpo_needs_batches_that_divide(app, tmp_path: Path) -> None:
+    cfg = load_config(app.Config, app.DEFAULT_CONFIG, tiny_overrides(
+        tmp_path, "train.zero_adv=flow_grpo", "train.micro_batch_size=3"))
+    with pytest.raises(UserError, match=r"train\.micro_batch_size=3"):
+        app.setup(cfg, resume=None)
+
+
+def test_timestep_fraction_that_trains_no_step_is_refused(app) -> None:
+    """Flow-GRPO trains range(int(steps x fraction)) steps: none for 4 x 0.2; refused, not run."""
+    with pytest.raises(ConfigError, match=r"train\.timestep_fraction=0\.2 x sampling\.num_steps=4 trains no step"):
+        app.parse_config(["sampling.num_steps=4", "train.timestep_fraction=0.2"])
+    cfg, _ = app.parse_config(["sampling.num_steps=4", "train.timestep_fraction=0.25"])
+    assert cfg.train.timestep_fraction == 0.25
