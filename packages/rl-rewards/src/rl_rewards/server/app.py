@@ -126,7 +126,9 @@ class RewardService:
         await self.pool.close()
 
     def check_served(self, name: str) -> None:
-        if not self.ready():
+        # loaded, not ready(): with every worker restarting at once the request waits for one
+        # (up to request_timeout_s) instead of a 503 it would have to retry
+        if not self.batchers:
             raise HTTPProblem(503, self.load_error or "the server is still loading its rewards; poll GET /health")
         if name not in self.batchers:
             raise HTTPProblem(
