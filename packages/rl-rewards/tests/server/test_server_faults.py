@@ -107,6 +107,24 @@ def test_stopped_worker_is_failed_over_marked_unhealthy_and_restarted(tmp_path):
     assert "marked unhealthy" in (tmp_path / "stopped.log").read_text()
 
 
+def test_no_request_outlives_the_request_timeout(tmp_path):
+    """The only worker SIGSTOPped: with nothing left to fail over to, a request is answered 503
+    (JSON, saying why) once --request-timeout has passed, instead of waiting for ever."""
+    args = ["--workers", "1", "--request-timeout", "1.5", "--restart-grace", "30"]
+    with server_process(tmp_path, "timeout", args) as server:
+        worker = children(server.proc.pid)[0]
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            r = httpx.post(f"{server.url}/v1/score", json=score_body(captions(1, 4)), timeout=CLIENT_TIMEOUT_S)
+            waited = time.monotonic() - started
+        finally:
+            resume(worker)
+    assert r.status_code == 503 and r.headers["content-type"] == "application/json"
+    assert "request_timeout_s=1.5" in r.json()["error"]
+    assert 1.5 <= waited < 3.5
+
+
 def _load_until_refused(url: str, stop_at: float, outcomes: list[str], keep_alive: bool) -> None:
     """Score in a loop until the server refuses a connection (it has stopped accepting) or
     `stop_at`, on one keep-alive client or on a new connection per request; one outcome per
