@@ -180,9 +180,8 @@ def json_error(status: int, error: str) -> Response:
     return Response(error_body(HTTPProblem(status, error)), status_code=status, media_type=JSON)
 
 
-async def _starlette_error(request: Request, exc: Exception) -> Response:
+async def _starlette_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's own 404/405 (unknown route, wrong method) as JSON, like every other error."""
-    assert isinstance(exc, HTTPException)
     return Response(error_body(HTTPProblem(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")),
                     status_code=exc.status_code, media_type=JSON, headers=exc.headers)
 

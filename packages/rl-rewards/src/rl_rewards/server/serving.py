@@ -295,6 +295,7 @@ def serve(app: Starlette, settings: ServerSettings, options: dict[str, Any], por
     config = uvicorn.Config(app, host=settings.host, port=port, http=protocol,
                             timeout_graceful_shutdown=settings.shutdown_timeout_s, **options)  # type: ignore[arg-type]
     grace = settings.shutdown_timeout_s
+    log.info("listening on http://%s:%d", settings.host, sock.getsockname()[1])
     server = DrainingServer(config, lambda: service.abort(
         f"the server shut down before this request was scored (shutdown_timeout_s={grace}); send it again"
     ))

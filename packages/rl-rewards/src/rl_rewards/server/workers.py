@@ -9,7 +9,9 @@ they are scored on the event loop as requests arrive.
 rl_rewards.server.workers`), one per GPU group of `CUDA_VISIBLE_DEVICES` or N CPU workers. Each
 batch goes to the worker with the fewest outstanding samples (CapRL's static chunking kept worker
 0 hot). When a worker dies, its in-flight chunks are retried on another worker and the dead one is
-restarted, so a crash loses no request. Router and worker speak length-prefixed msgpack
+restarted, so a crash loses no request. A worker that hangs instead (a stuck judge, a SIGSTOP)
+is caught by the chunk deadline (`PoolSettings`): marked unhealthy, its chunks retried elsewhere,
+killed after a grace period and restarted. Router and worker speak length-prefixed msgpack
 (`rl_rewards.wire.WorkRequest` / `WorkReply`) over the worker's stdin/stdout.
 """
 
