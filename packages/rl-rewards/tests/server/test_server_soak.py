@@ -22,7 +22,7 @@ from test_server_workers import captions, children
 
 from rl_rewards.rules import timestamp_format
 
-pytestmark = [pytest.mark.slow, pytest.mark.no_torch]
+pytestmark = pytest.mark.slow  # not no_torch: the rewards_no_torch session selects by that marker alone
 
 SOAK_S = float(os.environ.get("RL_REWARDS_SOAK_S", "600"))
 FAULT_PERIOD_S = SOAK_S / 10
