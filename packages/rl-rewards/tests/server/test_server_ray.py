@@ -7,16 +7,19 @@ restarted) and through a real `rl-rewards serve --ray` process joined to the sam
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 
 import httpx
 import pytest
 from conftest import assert_healthy, server_process
+from test_server_faults import alive
 
 from rl_rewards.rules import timestamp_format
 from rl_rewards.samples import Sample
 from rl_rewards.server.metrics import Metrics
-from rl_rewards.server.settings import ServerSettings
+from rl_rewards.server.settings import PoolSettings, ServerSettings
 
 ray = pytest.importorskip("ray")
 from rl_rewards.server.ray_pool import RayRouter  # noqa: E402
@@ -67,6 +70,47 @@ def test_ray_router_retries_a_chunk_of_a_killed_actor(cluster):
 
     assert all(asyncio.run(asyncio.wait_for(scenario(), ACTOR_WAIT_S)))
     assert metrics.worker_restarts._value.get() >= 1
+
+
+def test_ray_router_replaces_an_actor_that_stops_answering(cluster):
+    """Actor 0 SIGSTOPped (alive to Ray, silent to us): its chunks miss the 2 s deadline and are
+    retried on actor 1, every result is right, the router reports one healthy worker, kills the
+    stuck actor and starts a new one in its place."""
+    settings = ServerSettings(workers=2, ray=True, ray_address=cluster,
+                              pool=PoolSettings(chunk_deadline_s=2.0, restart_grace_s=0.5))
+    metrics = Metrics()
+
+    async def scenario() -> tuple[list[bool], int, int, int]:
+        router = RayRouter(settings, metrics)
+        await router.start()
+        stuck_pid = await router.actors()[0].pid.remote()
+        os.kill(stuck_pid, signal.SIGSTOP)
+        try:
+            batches = [texts(k) for k in range(8)]
+            results = await asyncio.gather(*(router.score("timestamp_format", [Sample(completion=t) for t in b])
+                                             for b in batches))
+            healthy_while_stuck = router.alive()
+            ok = [[r.score for r in res] == [timestamp_format(t) for t in b] for res, b in zip(results, batches, strict=True)]
+            while router.alive() < 2:  # the replacement actor has started
+                await asyncio.sleep(0.1)
+            new_pid = await router.actors()[0].pid.remote()
+            for _ in range(100):  # ray.kill ends the stopped process (SIGKILL from its raylet)
+                if not alive(stuck_pid):
+                    break
+                await asyncio.sleep(0.1)
+            assert not alive(stuck_pid), "the stuck actor's process was not killed"
+            again = await router.score("timestamp_format", [Sample(completion="[00:01] x")] * 4)
+            await router.close()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stuck_pid, signal.SIGCONT)
+        return [*ok, [r.score for r in again] == [1.0] * 4], healthy_while_stuck, stuck_pid, new_pid
+
+    ok, healthy_while_stuck, stuck_pid, new_pid = asyncio.run(asyncio.wait_for(scenario(), ACTOR_WAIT_S))
+    assert all(ok)
+    assert healthy_while_stuck == 1
+    assert new_pid != stuck_pid
+    assert metrics.deadline_misses._value.get() >= 1 and metrics.worker_restarts._value.get() >= 1
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,9 @@ Routes (scoring routes require the bearer token when an API key is configured):
 | `GET /metrics` | Prometheus text |
 
 Loading happens in the background after startup, so `/health` answers (503) while a judge loads.
+Every error body is JSON (`wire.ErrorResponse`): 4xx when the request can never succeed as sent
+(the client must not retry it), 5xx only for what a retry may fix (loading, a worker pool that
+gave up, shutdown, a bug here).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import msgspec
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -34,8 +38,10 @@ from rl_rewards.server import protocols
 from rl_rewards.server.batching import Batcher
 from rl_rewards.server.limits import (
     HTTPProblem,
+    check_api_key,
     check_auth,
     check_batch,
+    check_metadata,
     check_texts,
     confine_sample,
     read_body,
@@ -49,7 +55,7 @@ from rl_rewards.server.rewards import (
     reward_names,
     served_keys,
 )
-from rl_rewards.server.settings import ServerSettings, from_json
+from rl_rewards.server.settings import LimitSettings, ServerSettings, from_json
 from rl_rewards.server.workers import SETTINGS_ENV, LocalPool, Pool, process_router
 
 log = logging.getLogger("rl_rewards.server")
@@ -106,6 +112,12 @@ class RewardService:
             self.batchers[name] = batcher
         log.info("ready: rewards %s loaded in %.1fs", self.names, time.perf_counter() - started)
 
+    def abort(self, reason: str) -> None:
+        """Answer every request still waiting for a batch with 503 `reason` (the shutdown's
+        grace period is over); rule rewards scored inline never wait."""
+        for batcher in self.batchers.values():
+            batcher.abort(RuntimeError(reason))
+
     async def close(self) -> None:
         if self._loader is not None:
             self._loader.cancel()
@@ -115,7 +127,9 @@ class RewardService:
         await self.pool.close()
 
     def check_served(self, name: str) -> None:
-        if not self.ready():
+        # loaded, not ready(): with every worker restarting at once the request waits for one
+        # (up to request_timeout_s) instead of a 503 it would have to retry
+        if not self.batchers:
             raise HTTPProblem(503, self.load_error or "the server is still loading its rewards; poll GET /health")
         if name not in self.batchers:
             raise HTTPProblem(
@@ -137,23 +151,52 @@ class RewardService:
         try:
             scored = await self.batchers[name].score(samples)
         except RuntimeError as e:
-            raise HTTPProblem(503, f"scoring failed on every worker: {e}") from None
+            raise HTTPProblem(503, f"not scored: {e}") from None
         return protocols.merge(prepared, scored)
 
 
-def decode(body: bytes, kind: type) -> object:
-    """Decode a body into a wire Struct; 400 for malformed JSON, 422 naming the field otherwise."""
+def decode(body: bytes, kind: type, limits: LimitSettings) -> object:
+    """Decode a body into a wire Struct; 400 for malformed JSON (invalid UTF-8 included), 422
+    naming the field or the limit otherwise."""
     try:
         return wire.decode_json(body, kind)
     except msgspec.ValidationError as e:
         raise HTTPProblem(422, f"invalid request: {e}", field=wire.validation_path(e)) from None
     except msgspec.DecodeError as e:
         raise HTTPProblem(400, f"malformed JSON: {e}") from None
+    except UnicodeDecodeError as e:  # msgspec decodes strings with Python's codec
+        raise HTTPProblem(400, f"malformed JSON: a string is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except RecursionError:
+        raise HTTPProblem(
+            422, f"JSON nested too deep to decode; metadata may nest at most max_metadata_depth="
+            f"{limits.max_metadata_depth} levels", limit="max_metadata_depth",
+        ) from None
+
+
+def error_body(problem: HTTPProblem) -> bytes:
+    return wire.encode_json(wire.ErrorResponse(error=problem.error, field=problem.field, limit=problem.limit))
+
+
+def json_error(status: int, error: str) -> Response:
+    return Response(error_body(HTTPProblem(status, error)), status_code=status, media_type=JSON)
+
+
+async def _starlette_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own 404/405 (unknown route, wrong method) as JSON, like every other error."""
+    return Response(error_body(HTTPProblem(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")),
+                    status_code=exc.status_code, media_type=JSON, headers=exc.headers)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return json_error(500, f"internal error: {type(exc).__name__}; see the server log")
 
 
 def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
+    check_api_key(settings.api_key)
     service = RewardService(settings, pool)
     keys = served_keys(settings)  # per reward, the component keys of every result
+    service.metrics.show_limits(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -175,8 +218,13 @@ def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
                     check_auth(request, settings.api_key)
                 body, status = await handler(request), 200
             except HTTPProblem as p:
-                body, status = wire.encode_json(wire.ErrorResponse(error=p.error, field=p.field, limit=p.limit)), p.status
+                body, status = error_body(p), p.status
                 log.info("%s %s -> %d: %s", request.method, path, status, p.error)
+            except ClientDisconnect:  # gone before its body arrived (or cut off by body_timeout_s)
+                body, status = error_body(HTTPProblem(400, "the client disconnected before sending its body")), 400
+            except Exception as e:  # a bug here: still a JSON body, and the server keeps serving
+                log.exception("%s %s failed", request.method, path)
+                body, status = error_body(HTTPProblem(500, f"internal error: {type(e).__name__}; see the server log")), 500
             service.metrics.observe_request(path, status, time.perf_counter() - started)
             return Response(body, status_code=status, media_type=JSON)
 
@@ -184,14 +232,14 @@ def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
 
     async def get_reward(request: Request) -> bytes:
         body = await read_body(request, settings.limits)
-        req = decode(body, wire.GetRewardRequest)
+        req = decode(body, wire.GetRewardRequest, settings.limits)
         mode = req.score_mode or _shape_mode(req) or settings.score_mode
         if mode == "vl_judge":
             return wire.encode_json(await _vl_judge(service, req))
         return wire.encode_json(await _qa(service, req))
 
     async def openrlhf(request: Request) -> bytes:
-        req = decode(await read_body(request, settings.limits), wire.OpenRLHFRequest)
+        req = decode(await read_body(request, settings.limits), wire.OpenRLHFRequest, settings.limits)
         n = len(req.query)
         check_batch(n, "$.query", settings.limits)
         for field, values in (("$.prompts", req.prompts), ("$.labels", req.labels)):
@@ -203,9 +251,10 @@ def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
         return wire.encode_json(protocols.openrlhf_response(results, keys.get(name, ())))
 
     async def native(request: Request) -> bytes:
-        req = decode(await read_body(request, settings.limits), wire.ScoreRequest)
+        req = decode(await read_body(request, settings.limits), wire.ScoreRequest, settings.limits)
         check_batch(len(req.samples), "$.samples", settings.limits)
         check_texts(protocols.sample_texts(req.samples, "$.samples", settings.limits.max_text_chars), settings.limits)
+        check_metadata(req.samples, "$.samples", settings.limits)
         name = req.reward or service.default
         prepared = _confined_all(req.samples, settings.media_roots)
         results = await service.score(name, prepared)
@@ -220,6 +269,7 @@ def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
         return Response(wire.encode_json(info), status_code=200 if info.ready else 503, media_type=JSON)
 
     async def metrics(request: Request) -> Response:
+        service.metrics.workers_healthy.set(service.pool.alive())
         return Response(service.metrics.render(), media_type=CONTENT_TYPE)
 
     app = Starlette(
@@ -231,6 +281,7 @@ def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
             Route("/metrics", metrics, methods=["GET"]),
         ],
         lifespan=lifespan,
+        exception_handlers={HTTPException: _starlette_error, Exception: _server_error},
     )
     app.state.service = service
     return app

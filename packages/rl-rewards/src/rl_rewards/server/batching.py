@@ -48,7 +48,7 @@ class Batcher:
         self._metrics = metrics
         self._queue: deque[_Piece] = deque()
         self._arrived = asyncio.Event()
-        self._inflight: set[asyncio.Task[None]] = set()
+        self._inflight: dict[asyncio.Task[None], list[_Piece]] = {}
         self._loop_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -83,8 +83,11 @@ class Batcher:
             batch = await self._collect()
             self._metrics.queue_depth.labels(self.reward).set(self._queued_samples())
             task = asyncio.create_task(self._dispatch(batch))
-            self._inflight.add(task)
-            task.add_done_callback(self._inflight.discard)
+            self._inflight[task] = batch
+            task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._inflight.pop(task, None)
 
     async def _collect(self) -> list[_Piece]:
         """Take pieces until the batch is full by count or tokens, or the wait window closes."""
@@ -128,6 +131,17 @@ class Batcher:
             offset += len(piece.samples)
             if not piece.future.done():
                 piece.future.set_result(part)
+
+    def abort(self, error: Exception) -> None:
+        """Fail every queued and in-flight piece with `error` and stop the batches in flight
+        (shutdown after its grace period: the waiting requests are answered, not cut off)."""
+        pieces = list(self._queue) + [p for batch in self._inflight.values() for p in batch]
+        self._queue.clear()
+        for piece in pieces:
+            if not piece.future.done():
+                piece.future.set_exception(error)
+        for task in list(self._inflight):
+            task.cancel()
 
     async def close(self) -> None:
         """Wait for in-flight batches and queued pieces (graceful drain), then stop the loop."""

@@ -19,12 +19,13 @@ from typing import Annotated, Any
 
 import msgspec
 import typer
-import uvicorn
 from rich.console import Console
 from rich.table import Table
 
 from rl_rewards.server.http_processes import serve_processes
+from rl_rewards.server.limits import check_api_key
 from rl_rewards.server.rewards import reward_names
+from rl_rewards.server.serving import serve
 from rl_rewards.server.settings import ServerSettings, load_settings, to_json
 from rl_rewards.server.workers import SETTINGS_ENV
 
@@ -119,6 +120,15 @@ def serve_command(
     max_batch_size: Annotated[int | None, typer.Option(help="Most samples per scorer batch.")] = None,
     max_batch_tokens: Annotated[int | None, typer.Option(help="Token budget per scorer batch.")] = None,
     max_wait_ms: Annotated[float | None, typer.Option(help="Batching wait window.")] = None,
+    max_metadata_depth: Annotated[int | None, typer.Option(help="Deepest nesting of a sample's metadata (16).")] = None,
+    max_metadata_bytes: Annotated[int | None, typer.Option(help="Largest metadata of a sample, as JSON (64 KiB).")] = None,
+    header_timeout: Annotated[float | None, typer.Option(help="Seconds for a request's headers to arrive (10).")] = None,
+    body_timeout: Annotated[float | None, typer.Option(help="Seconds for a request's body to arrive after its headers (60).")] = None,
+    max_connections: Annotated[int | None, typer.Option(help="Open connections per server process (1024).")] = None,
+    request_timeout: Annotated[float | None, typer.Option(help="Seconds before a request not yet scored by the workers gets 503: your client's timeout (180).")] = None,
+    chunk_deadline: Annotated[float | None, typer.Option(help="Seconds a worker has to answer a chunk before it is marked unhealthy and restarted (request timeout / 3).")] = None,
+    restart_grace: Annotated[float | None, typer.Option(help="Seconds a worker being restarted has to exit before it is killed (5).")] = None,
+    shutdown_timeout: Annotated[float | None, typer.Option(help="Seconds SIGTERM waits for open requests before answering them 503 (30).")] = None,
     log_format: Annotated[str | None, typer.Option(help="text | json")] = None,
     log_level: Annotated[str | None, typer.Option(help="debug | info | warning")] = None,
 ) -> None:
@@ -132,12 +142,18 @@ def serve_command(
         "media_roots": [str(p) for p in media_root] if media_root else None,
         "default_reward": default_reward, "openrlhf_reward": openrlhf_reward,
         "log_format": log_format, "log_level": log_level,
-        "limits": {"max_body_bytes": max_body_bytes, "max_batch_samples": max_batch_samples, "max_text_chars": max_text_chars},
+        "limits": {"max_body_bytes": max_body_bytes, "max_batch_samples": max_batch_samples, "max_text_chars": max_text_chars,
+                   "max_metadata_depth": max_metadata_depth, "max_metadata_bytes": max_metadata_bytes,
+                   "header_timeout_s": header_timeout, "body_timeout_s": body_timeout, "max_connections": max_connections},
+        "pool": {"request_timeout_s": request_timeout, "chunk_deadline_s": chunk_deadline, "restart_grace_s": restart_grace},
+        "shutdown_timeout_s": shutdown_timeout,
         "batching": {"max_batch_size": max_batch_size, "max_batch_tokens": max_batch_tokens, "max_wait_ms": max_wait_ms},
     }
     try:
         settings = load_settings(config, flags)
         settings.check()
+        # a blank REWARD_API_KEY reads as unset in the settings: refuse it too, it was meant as a key
+        check_api_key(settings.api_key if settings.api_key is not None else os.environ.get("REWARD_API_KEY"))
     except (ValueError, OSError) as e:
         raise typer.BadParameter(str(e)) from None
     configure_logging(settings)
@@ -150,7 +166,8 @@ def serve_command(
 
 
 def run(settings: ServerSettings) -> None:
-    """Serve until SIGINT/SIGTERM; in-flight requests finish (up to `shutdown_timeout_s`).
+    """Serve until SIGINT/SIGTERM, then drain (`rl_rewards.server.serving`): stop accepting,
+    answer every open request (up to `shutdown_timeout_s`), exit 0.
 
     With `http_processes > 1`, that many server processes listen on the same port (see
     `serve_processes`); each builds the settings from the environment and its own rewards, and
@@ -158,13 +175,12 @@ def run(settings: ServerSettings) -> None:
     from rl_rewards.server.app import build_app
 
     started = time.perf_counter()
-    common = {"log_config": None, "access_log": False, "timeout_graceful_shutdown": int(settings.shutdown_timeout_s),
-              "lifespan": "on"}
+    common = {"log_config": None, "access_log": False, "lifespan": "on"}
     if settings.http_processes > 1:
         with tempfile.TemporaryDirectory(prefix="rl-rewards-metrics-") as metrics_dir:
             os.environ[SETTINGS_ENV] = to_json(settings).decode()
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
             serve_processes(settings.host, settings.port, settings.http_processes, common)
     else:
-        uvicorn.Server(uvicorn.Config(build_app(settings), host=settings.host, port=settings.port, **common)).run()
+        serve(build_app(settings), settings, common)
     logging.getLogger("rl_rewards.server").info("stopped after %.0fs", time.perf_counter() - started)

@@ -17,21 +17,19 @@ import socket
 import threading
 from typing import Any
 
-import uvicorn
+from rl_rewards.server.serving import listening_socket
 
 log = logging.getLogger("rl_rewards.server")
 
-APP_FACTORY = "rl_rewards.server.app:app_from_environment"
-
 
 def serve_processes(host: str, port: int, count: int, uvicorn_options: dict[str, Any]) -> None:
-    """Run `count` server processes of `APP_FACTORY` on `host:port` until SIGINT/SIGTERM.
+    """Run `count` server processes (`app_from_environment`) on `host:port` until SIGINT/SIGTERM.
 
     The settings reach the processes through the environment (the caller sets it). Port 0 is
     resolved once here, so every process listens on the same port."""
     if not hasattr(socket, "SO_REUSEPORT"):
         raise OSError("--http-processes needs SO_REUSEPORT (Linux, macOS, BSD); run one process instead")
-    holder = _reuseport_socket(host, port)  # bound, never listening: fixes the port for the processes
+    holder = listening_socket(host, port, reuse_port=True)  # bound, never listening: fixes the port for the processes
     port = holder.getsockname()[1]
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -61,21 +59,11 @@ def serve_processes(host: str, port: int, count: int, uvicorn_options: dict[str,
             signal.signal(sig, handler)
 
 
-def _reuseport_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 def _serve_one(host: str, port: int, uvicorn_options: dict[str, Any]) -> None:
-    """One server process: its own SO_REUSEPORT listening socket on the shared port."""
-    sock = _reuseport_socket(host, port)
-    config = uvicorn.Config(APP_FACTORY, factory=True, host=host, port=port, **uvicorn_options)
-    uvicorn.Server(config).run(sockets=[sock])
+    """One server process: its own SO_REUSEPORT listening socket on the shared port, its own
+    rewards, the same read deadlines, connection cap and drain as a single server."""
+    from rl_rewards.server.app import app_from_environment
+    from rl_rewards.server.serving import serve
+
+    app = app_from_environment()
+    serve(app, app.state.service.settings, uvicorn_options, port=port, reuse_port=True)

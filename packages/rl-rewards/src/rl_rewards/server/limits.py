@@ -15,6 +15,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from rl_rewards import wire
 from rl_rewards.samples import Sample
 from rl_rewards.server.settings import LimitSettings
 
@@ -28,6 +29,21 @@ class HTTPProblem(Exception):
         self.error = error
         self.field = field
         self.limit = limit
+
+
+def check_api_key(api_key: str | None) -> None:
+    """ValueError for a key that would not protect anything: empty or blank (an empty bearer
+    token would match it), or padded with whitespace (a bearer token cannot carry it)."""
+    if api_key is None:
+        return
+    if not api_key.strip():
+        raise ValueError(
+            "api_key is empty or blank, which would let any request in: set --api-key / REWARD_API_KEY to a "
+            "secret (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`), or unset it to serve "
+            "without auth"
+        )
+    if api_key != api_key.strip():
+        raise ValueError("api_key starts or ends with whitespace, which no bearer token can match: strip it")
 
 
 def check_auth(request: Request, api_key: str | None) -> None:
@@ -72,6 +88,39 @@ def check_texts(texts: Iterable[tuple[str, str]], limits: LimitSettings) -> None
                 422, f"{path} has {len(text)} characters, more than max_text_chars={limit}",
                 field=path, limit="max_text_chars",
             )
+
+
+def check_metadata(samples: Sequence[Sample], prefix: str, limits: LimitSettings) -> None:
+    """422 naming the sample when its `metadata` is larger than `max_metadata_bytes` as JSON or
+    nests deeper than `max_metadata_depth`."""
+    for i, sample in enumerate(samples):
+        if not sample.metadata:
+            continue
+        field = f"{prefix}[{i}].metadata"
+        size = len(wire.encode_json(sample.metadata))
+        if size > limits.max_metadata_bytes:
+            raise HTTPProblem(
+                422, f"{field} is {size} bytes as JSON, more than max_metadata_bytes={limits.max_metadata_bytes}; "
+                "send media as paths under a --media-root", field=field, limit="max_metadata_bytes",
+            )
+        if _depth(sample.metadata, limits.max_metadata_depth) > limits.max_metadata_depth:
+            raise HTTPProblem(
+                422, f"{field} nests deeper than max_metadata_depth={limits.max_metadata_depth}",
+                field=field, limit="max_metadata_depth",
+            )
+
+
+def _depth(value: Any, stop: int) -> int:
+    """Nesting depth of dicts/lists in `value` (a flat dict is 1), counted no further than `stop` + 1."""
+    if isinstance(value, dict):
+        children: Iterable[Any] = value.values()
+    elif isinstance(value, list):
+        children = value
+    else:
+        return 0
+    if stop < 0:
+        return 1
+    return 1 + max((_depth(c, stop - 1) for c in children), default=0)
 
 
 def resolve_media(path: str, roots: Sequence[str]) -> str:

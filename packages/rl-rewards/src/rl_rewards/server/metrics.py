@@ -5,7 +5,11 @@ Exposed at `GET /metrics` in the Prometheus text format:
 `rl_rewards_samples_total{reward}`, `rl_rewards_sample_errors_total{reward}`,
 `rl_rewards_batch_size{reward}`, `rl_rewards_queue_depth{reward}`,
 `rl_rewards_batch_seconds{reward}` (scoring latency per scorer batch),
-`rl_rewards_worker_restarts_total`, `rl_rewards_chunk_retries_total`.
+`rl_rewards_worker_restarts_total`, `rl_rewards_chunk_retries_total`;
+faults: `rl_rewards_workers_healthy`, `rl_rewards_chunk_deadline_misses_total` (a worker marked
+unhealthy), `rl_rewards_connections` (open now), `rl_rewards_connections_refused_total` (over
+`max_connections`), `rl_rewards_read_timeouts_total{phase}` (headers | body: slow clients cut
+off), and the limits in force as `rl_rewards_limit{limit}`.
 
 With several server processes (`--http-processes`), `PROMETHEUS_MULTIPROC_DIR` is set: every
 process writes its values there and `/metrics` adds them up, whichever process answers.
@@ -28,6 +32,7 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from rl_rewards.samples import Sample, ScoreResult
+from rl_rewards.server.settings import ServerSettings
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -49,10 +54,38 @@ class Metrics:
                                  multiprocess_mode="livesum")
         self.worker_restarts = Counter("rl_rewards_worker_restarts", "Worker processes restarted", registry=r)
         self.chunk_retries = Counter("rl_rewards_chunk_retries", "Chunks retried on another worker", registry=r)
+        self.deadline_misses = Counter(
+            "rl_rewards_chunk_deadline_misses", "Chunks a worker did not answer within the deadline", registry=r
+        )
+        self.workers_healthy = Gauge("rl_rewards_workers_healthy", "Workers taking chunks", registry=r,
+                                     multiprocess_mode="livesum")
+        self.connections = Gauge("rl_rewards_connections", "Open HTTP connections", registry=r,
+                                 multiprocess_mode="livesum")
+        self.connections_refused = Counter(
+            "rl_rewards_connections_refused", "Connections refused over max_connections", registry=r
+        )
+        self.read_timeouts = Counter(
+            "rl_rewards_read_timeouts", "Requests cut off for arriving too slowly", ["phase"], registry=r
+        )
+        self.limits = Gauge("rl_rewards_limit", "A limit in force (per server process)", ["limit"], registry=r,
+                            multiprocess_mode="max")
         # labelled children by label values: `.labels()` takes a lock and builds its key on every
         # call, and these are updated on every request
         self._request_children: dict[tuple[str, int], tuple[Any, Any]] = {}
         self._reward_children: dict[str, tuple[Any, Any, Any, Any]] = {}
+
+    def show_limits(self, settings: ServerSettings) -> None:
+        """Publish the fault limits in force, so a dashboard shows what a cut-off was measured against."""
+        limits, pool = settings.limits, settings.pool
+        shown = {
+            "header_timeout_s": limits.header_timeout_s, "body_timeout_s": limits.body_timeout_s,
+            "max_connections": limits.max_connections, "max_body_bytes": limits.max_body_bytes,
+            "max_metadata_depth": limits.max_metadata_depth, "max_metadata_bytes": limits.max_metadata_bytes,
+            "request_timeout_s": pool.request_timeout_s, "chunk_deadline_s": pool.chunk_deadline(),
+            "restart_grace_s": pool.restart_grace_s, "shutdown_timeout_s": settings.shutdown_timeout_s,
+        }
+        for name, value in shown.items():
+            self.limits.labels(name).set(value)
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         children = self._request_children.get((route, status))

@@ -1,5 +1,6 @@
 """`--ray`: workers as Ray actors (extra `rl-rewards[ray]`), behind the same `Router` as worker
-processes — least-loaded routing, a lost actor's chunk retried on another, the actor restarted.
+processes — least-loaded routing, the same chunk deadline, a lost or stuck actor's chunks retried
+on another, the actor replaced.
 
 Connects to `RAY_ADDRESS` / `--ray-address` when set, else starts a local Ray instance. Each
 actor asks Ray for `num_gpus = len(its CUDA group)` when `CUDA_VISIBLE_DEVICES` is split into
@@ -9,6 +10,7 @@ groups, so Ray places judges on GPU nodes; CPU workers ask for one CPU.
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 from rl_rewards import wire
@@ -34,6 +36,9 @@ class RewardActor:
     def rewards(self) -> list[str]:
         return list(self._served)
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def handle(self, request: bytes) -> bytes:
         from rl_rewards.server.workers import handle
 
@@ -41,6 +46,10 @@ class RewardActor:
 
 
 class RayWorker:
+    """One actor. Ray runs an actor's calls one at a time, so an actor that stops answering holds
+    every chunk sent to it: `abandon` fails them at once (the router retries them elsewhere) and
+    `stop` kills the actor (`ray.kill`: Ray has no gentler way to end a stuck actor)."""
+
     def __init__(self, index: int, settings: ServerSettings, num_gpus: float) -> None:
         self.index = index
         self.load = 0
@@ -49,10 +58,12 @@ class RayWorker:
         self._num_gpus = num_gpus
         self._actor: Any = None
         self._dead = False
+        self._abandoned: asyncio.Future[str] | None = None
 
     async def start(self) -> None:
         options: dict[str, Any] = {"num_gpus": self._num_gpus} if self._num_gpus else {"num_cpus": 1}
         actor_cls = ray.remote(**options)(RewardActor)
+        self._abandoned = asyncio.get_running_loop().create_future()
         self._actor = actor_cls.remote(to_json(self._settings))
         self.rewards = await self._actor.rewards.remote()
 
@@ -60,17 +71,29 @@ class RayWorker:
         return self._actor is not None and not self._dead
 
     async def call(self, chunk: wire.ScoreChunk) -> wire.WorkReply:
+        if not self.is_alive():
+            raise WorkerLost("actor is not running")
+        reply = asyncio.ensure_future(self._actor.handle.remote(wire.encode_msgpack(chunk)))
         try:
-            reply = await self._actor.handle.remote(wire.encode_msgpack(chunk))
+            done, _ = await asyncio.wait({reply, self._abandoned}, return_when=asyncio.FIRST_COMPLETED)
+            if reply not in done:
+                raise WorkerLost(self._abandoned.result())
+            return wire.decode_msgpack(reply.result(), wire.WorkReply)
         except RayActorError as e:
             self._dead = True
             raise WorkerLost(f"Ray actor lost: {e}") from None
-        return wire.decode_msgpack(reply, wire.WorkReply)
+        finally:
+            reply.cancel()  # given up on (abandoned, or the router's deadline): do not wait for it
 
-    async def stop(self) -> None:
+    def abandon(self, reason: str) -> None:
+        self._dead = True
+        if self._abandoned is not None and not self._abandoned.done():
+            self._abandoned.set_result(reason)
+
+    async def stop(self, grace: float = 0.0) -> None:
         if self._actor is not None:
+            self.abandon("the actor was stopped")
             ray.kill(self._actor)
-            self._dead = True
 
     @property
     def actor(self) -> Any:
@@ -83,7 +106,7 @@ class RayRouter(Router):
     def __init__(self, settings: ServerSettings, metrics: Metrics) -> None:
         groups = settings.gpu_groups() if settings.workers > 0 else [None]
         gpus = [float(len(g.split(","))) if g else 0.0 for g in groups]
-        super().__init__(lambda i: RayWorker(i, settings, gpus[i]), len(groups), metrics)
+        super().__init__(lambda i: RayWorker(i, settings, gpus[i]), len(groups), metrics, settings.pool)
         self._address = settings.ray_address
 
     async def start(self) -> None:

@@ -40,6 +40,18 @@ class LimitSettings(msgspec.Struct, kw_only=True, frozen=True):
     max_body_bytes: int = 32 * 1024 * 1024
     max_batch_samples: int = 4096
     max_text_chars: int = 200_000
+    max_metadata_depth: int = 16
+    """Deepest nesting of a sample's `metadata` (a dict inside a list is 2 levels); deeper: 422."""
+    max_metadata_bytes: int = 64 * 1024
+    """Largest `metadata` of one sample, as JSON; larger: 422. Media travel as paths, not bytes."""
+    header_timeout_s: float = 10.0
+    """From a connection's first byte (or its opening) to the end of a request's headers; a
+    client slower than that gets 408 and is disconnected (slowloris)."""
+    body_timeout_s: float = 60.0
+    """From the end of the headers to the end of the body: raise it for clients that send
+    `max_body_bytes` over a slow link."""
+    max_connections: int = 1024
+    """Open connections per server process; one more is answered 503 and closed."""
 
 
 class BatchSettings(msgspec.Struct, kw_only=True, frozen=True):
@@ -50,6 +62,26 @@ class BatchSettings(msgspec.Struct, kw_only=True, frozen=True):
     max_batch_size: int = 256
     max_batch_tokens: int = 262_144
     max_wait_ms: float = 2.0
+
+
+class PoolSettings(msgspec.Struct, kw_only=True, frozen=True):
+    """Deadlines of the worker pool (`--workers N`, `--ray`).
+
+    `request_timeout_s` is how long a client waits for a scoring answer (the rl_rewards client
+    and OpenRLHF wait 180 s): after it the server answers 503 rather than keep the request.
+    Each chunk sent to a worker must come back within `chunk_deadline_s` (default: the request
+    timeout split over `max_attempts`, so every retry still fits); a worker that misses it is
+    marked unhealthy, its chunks go to another worker, and it is restarted: asked to exit, and
+    killed if it has not after `restart_grace_s`. Set the deadline above the slowest batch a
+    judge scores, or a busy worker is taken for a hung one."""
+
+    request_timeout_s: float = 180.0
+    chunk_deadline_s: float | None = None
+    restart_grace_s: float = 5.0
+    max_attempts: int = 3
+
+    def chunk_deadline(self) -> float:
+        return self.chunk_deadline_s if self.chunk_deadline_s is not None else self.request_timeout_s / self.max_attempts
 
 
 class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
@@ -85,6 +117,7 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
     openrlhf_reward: str = ""
     limits: LimitSettings = LimitSettings()
     batching: BatchSettings = BatchSettings()
+    pool: PoolSettings = PoolSettings()
     log_format: Literal["text", "json"] = "text"
     log_level: str = "info"
     shutdown_timeout_s: float = 30.0

@@ -9,7 +9,9 @@ they are scored on the event loop as requests arrive.
 rl_rewards.server.workers`), one per GPU group of `CUDA_VISIBLE_DEVICES` or N CPU workers. Each
 batch goes to the worker with the fewest outstanding samples (CapRL's static chunking kept worker
 0 hot). When a worker dies, its in-flight chunks are retried on another worker and the dead one is
-restarted, so a crash loses no request. Router and worker speak length-prefixed msgpack
+restarted, so a crash loses no request. A worker that hangs instead (a stuck judge, a SIGSTOP)
+is caught by the chunk deadline (`PoolSettings`): marked unhealthy, its chunks retried elsewhere,
+killed after a grace period and restarted. Router and worker speak length-prefixed msgpack
 (`rl_rewards.wire.WorkRequest` / `WorkReply`) over the worker's stdin/stdout.
 """
 
@@ -29,7 +31,7 @@ from rl_rewards import wire
 from rl_rewards.samples import Sample, ScoreResult, runs_inline
 from rl_rewards.server.metrics import Metrics
 from rl_rewards.server.rewards import build_served, score_with
-from rl_rewards.server.settings import ServerSettings, from_json, to_json
+from rl_rewards.server.settings import PoolSettings, ServerSettings, from_json, to_json
 
 log = logging.getLogger("rl_rewards.server")
 _HEADER = struct.Struct(">I")
@@ -76,8 +78,18 @@ class LocalPool:
         self.inline = frozenset(name for name, scorer in self._served.items() if runs_inline(scorer))
 
     async def score(self, reward: str, samples: list[Sample]) -> list[ScoreResult]:
+        """The batch's results; RuntimeError (503) after `request_timeout_s`. A thread cannot be
+        restarted: a judge that can hang belongs in `--workers 1`, where a stuck worker is."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, score_with, self._served, reward, samples)
+        timeout = self._settings.pool.request_timeout_s
+        work = loop.run_in_executor(self._executor, score_with, self._served, reward, samples)
+        try:
+            return await asyncio.wait_for(work, timeout)
+        except TimeoutError:
+            raise RuntimeError(
+                f"reward {reward!r}: no result within request_timeout_s={timeout} from the in-process scorer "
+                "(run it with --workers 1 to have a stuck scorer restarted)"
+            ) from None
 
     def score_inline(self, reward: str, samples: list[Sample]) -> list[ScoreResult]:
         return score_with(self._served, reward, samples)
@@ -101,20 +113,29 @@ class WorkerHandle(Protocol):
 
     async def start(self) -> None: ...
     async def call(self, chunk: wire.ScoreChunk) -> wire.WorkReply: ...
-    async def stop(self) -> None: ...
+    def abandon(self, reason: str) -> None:
+        """Take no more chunks and fail the ones in flight with `WorkerLost` (they are retried)."""
+    async def stop(self, grace: float) -> None:
+        """Ask the worker to exit; kill it if it has not after `grace` seconds."""
     def is_alive(self) -> bool: ...
 
 
 class Router:
-    """Least-loaded routing with retry-on-another-worker and restart of dead workers."""
+    """Least-loaded routing with a deadline per chunk, retry on another worker, and restart of
+    dead or stuck workers.
+
+    A chunk not answered within `PoolSettings.chunk_deadline()` marks its worker unhealthy (it
+    leaves `alive()`, so `/health` and `rl_rewards_workers_healthy` drop), fails the worker's
+    other chunks so they are retried at once, and restarts it. A request gives up with
+    RuntimeError (the app answers 503) after `request_timeout_s` or `max_attempts` tries."""
 
     def __init__(
-        self, factory: Callable[[int], WorkerHandle], size: int, metrics: Metrics, max_attempts: int = 3
+        self, factory: Callable[[int], WorkerHandle], size: int, metrics: Metrics, pool: PoolSettings | None = None
     ) -> None:
         self.size = size
         self._factory = factory
         self._metrics = metrics
-        self._max_attempts = max_attempts
+        self._pool = pool or PoolSettings()
         self._workers: list[WorkerHandle] = [factory(i) for i in range(size)]
         self.rewards: list[str] = []
         self.inline: frozenset[str] = frozenset()  # the rewards live in the workers: all routed
@@ -129,41 +150,54 @@ class Router:
         self._started = True
 
     def alive(self) -> int:
+        """Workers that take chunks now (not dead, not stuck, not restarting)."""
         return sum(1 for w in self._workers if w.is_alive())
 
     def ready(self) -> bool:
         return self._started and self.alive() > 0
 
     async def score(self, reward: str, samples: list[Sample]) -> list[ScoreResult]:
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + self._pool.request_timeout_s
         errors: list[str] = []
         tried: set[int] = set()
-        for attempt in range(self._max_attempts):
-            worker = await self._pick(tried)
+        for attempt in range(self._pool.max_attempts):
+            worker = await self._pick(tried, give_up_at, errors)
             tried.add(worker.index)
             self._next_id += 1
             chunk = wire.ScoreChunk(id=self._next_id, reward=reward, samples=samples)
+            deadline = min(self._pool.chunk_deadline(), give_up_at - loop.time())
             worker.load += len(samples)
             try:
-                reply = await worker.call(chunk)
+                reply = await asyncio.wait_for(worker.call(chunk), deadline)
+            except TimeoutError:
+                errors.append(f"worker {worker.index}: no answer within {deadline:.1f} s (chunk_deadline_s)")
+                self._suspend(worker, deadline)
+                self._count_retry(attempt)
+                continue
             except WorkerLost as e:
                 errors.append(f"worker {worker.index}: {e}")
                 self._restart(worker)
-                if attempt + 1 < self._max_attempts:
-                    self._metrics.chunk_retries.inc()
+                self._count_retry(attempt)
                 continue
             finally:
                 worker.load -= len(samples)
             if reply.error is None:
                 return reply.results
             errors.append(f"worker {worker.index}: {reply.error}")
-        raise RuntimeError(f"reward {reward!r}: chunk failed on {self._max_attempts} attempts: {'; '.join(errors)}")
+        raise RuntimeError(f"reward {reward!r}: chunk failed on {len(errors)} attempts: {'; '.join(errors)}")
+
+    def _count_retry(self, attempt: int) -> None:
+        if attempt + 1 < self._pool.max_attempts:
+            self._metrics.chunk_retries.inc()
 
     def score_inline(self, reward: str, samples: list[Sample]) -> list[ScoreResult]:
         raise RuntimeError("a worker pool scores every reward in its workers; nothing is inline")
 
-    async def _pick(self, tried: set[int]) -> WorkerHandle:
+    async def _pick(self, tried: set[int], give_up_at: float, errors: list[str]) -> WorkerHandle:
         """The least-loaded live worker, preferring ones this chunk has not failed on; waits for
-        a restart when none is alive."""
+        a restart when none is alive, until `give_up_at` (then RuntimeError)."""
+        loop = asyncio.get_running_loop()
         while True:
             for w in self._workers:
                 if not w.is_alive():
@@ -173,7 +207,23 @@ class Router:
             if fresh:
                 return min(fresh, key=lambda w: w.load)
             self._changed.clear()
-            await self._changed.wait()
+            try:
+                await asyncio.wait_for(self._changed.wait(), give_up_at - loop.time())
+            except TimeoutError:
+                raise RuntimeError(
+                    f"no worker could take the chunk within request_timeout_s={self._pool.request_timeout_s}: "
+                    f"{'; '.join(errors) or 'every worker is restarting'}"
+                ) from None
+
+    def _suspend(self, worker: WorkerHandle, waited: float) -> None:
+        """A worker that missed a deadline: unhealthy now, its chunks retried, restarted."""
+        if worker.index in self._restarting or self._workers[worker.index] is not worker:
+            return
+        log.warning("worker %d sent no answer in %.1f s: marked unhealthy, its chunks go elsewhere; restarting it",
+                    worker.index, waited)
+        self._metrics.deadline_misses.inc()
+        worker.abandon(f"worker {worker.index} missed its chunk deadline ({waited:.1f} s) and is being restarted")
+        self._restart(worker)
 
     def _restart(self, worker: WorkerHandle) -> None:
         if worker.index in self._restarting or self._workers[worker.index] is not worker:
@@ -182,8 +232,8 @@ class Router:
 
     async def _do_restart(self, dead: WorkerHandle) -> None:
         try:
-            log.warning("worker %d died; restarting it", dead.index)
-            await dead.stop()
+            log.warning("worker %d is down; restarting it", dead.index)
+            await dead.stop(self._pool.restart_grace_s)
             fresh = self._factory(dead.index)
             await fresh.start()
             self._workers[dead.index] = fresh
@@ -200,7 +250,8 @@ class Router:
         for task in list(self._restarting.values()):
             with contextlib.suppress(Exception):
                 await task
-        await asyncio.gather(*(w.stop() for w in self._workers), return_exceptions=True)
+        grace = self._pool.restart_grace_s
+        await asyncio.gather(*(w.stop(grace) for w in self._workers), return_exceptions=True)
 
 
 class ProcessWorker:
@@ -247,6 +298,13 @@ class ProcessWorker:
         self._pending[chunk.id] = future
         payload = wire.encode_msgpack(chunk)
         try:
+            await self._send(payload)
+            return await future
+        finally:
+            self._pending.pop(chunk.id, None)  # answered, lost, or given up on (chunk deadline)
+
+    async def _send(self, payload: bytes) -> None:
+        try:
             async with self._write_lock:
                 if self._proc.stdin.is_closing():  # died since is_alive(): its reader has not noticed yet
                     raise BrokenPipeError("the worker's stdin is closed")
@@ -255,10 +313,8 @@ class ProcessWorker:
         # asyncio raises BrokenPipeError for a dead worker's pipe; uvloop raises RuntimeError
         # ("unable to perform operation on <WriteUnixTransport closed=True>")
         except (ConnectionError, BrokenPipeError, RuntimeError) as e:
-            self._pending.pop(chunk.id, None)
             self._mark_dead()
             raise WorkerLost(f"pipe closed ({e})") from None
-        return await future
 
     async def _read_frame(self) -> wire.WorkReply | None:
         try:
@@ -275,22 +331,28 @@ class ProcessWorker:
                 future.set_result(reply)
         self._mark_dead()
 
-    def _mark_dead(self) -> None:
+    def _mark_dead(self, reason: str | None = None) -> None:
         self._dead = True
         pending, self._pending = self._pending, {}
         for future in pending.values():
             if not future.done():
-                future.set_exception(WorkerLost(f"worker process {self.pid} exited"))
+                future.set_exception(WorkerLost(reason or f"worker process {self.pid} exited"))
 
-    async def stop(self) -> None:
+    def abandon(self, reason: str) -> None:
+        self._mark_dead(reason)
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """Close the worker's stdin (it exits after its current chunk); SIGKILL after `grace`
+        seconds (a hung or SIGSTOPped worker never reads its stdin again)."""
         if self._proc is None:
             return
         if self._proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError, ConnectionError, BrokenPipeError):
+            with contextlib.suppress(ProcessLookupError, ConnectionError, BrokenPipeError, RuntimeError):
                 self._proc.stdin.close()
             try:
-                await asyncio.wait_for(self._proc.wait(), 10)
+                await asyncio.wait_for(self._proc.wait(), grace)
             except TimeoutError:
+                log.warning("worker %d (pid %s) did not exit within %.1f s; killing it", self.index, self.pid, grace)
                 self._proc.kill()
                 await self._proc.wait()
         if self._reader is not None:
@@ -301,7 +363,7 @@ class ProcessWorker:
 
 def process_router(settings: ServerSettings, metrics: Metrics) -> Router:
     groups = settings.gpu_groups()
-    return Router(lambda i: ProcessWorker(i, settings, groups[i]), settings.workers, metrics)
+    return Router(lambda i: ProcessWorker(i, settings, groups[i]), settings.workers, metrics, settings.pool)
 
 
 # ----------------------------------------------------------------------------- worker process
