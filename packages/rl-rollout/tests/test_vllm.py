@@ -28,19 +28,23 @@ def test_vllm_engine_generate_score_sleep_and_load(qwen3_path: Path) -> None:
     from rl_rollout.hf import HFEngine
     from rl_rollout.vllm import VLLMEngine
 
-    engine = VLLMEngine(str(qwen3_path), dtype="float32", gpu_memory_utilization=0.3)
+    # bfloat16: in float32 vLLM 0.26 picks flex attention, which needs head_dim >= 16 (the tiny
+    # checkpoint has 8) and sized its block table at 47 GiB for a tiny model's KV block count
+    # enforce_eager: in this configuration vLLM's compile + CUDA-graph capture at start ran past 2 min
+    engine = VLLMEngine(str(qwen3_path), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=1024,
+                        enforce_eager=True)
     params = SamplingParams(n=2, temperature=0.7, max_new_tokens=8, seed=0)
     gens = engine.generate([[1, 2, 3], "hello"], params)
     assert [g.request_index for g in gens] == [0, 0, 1, 1]
-    ref = HFEngine.from_pretrained(qwen3_path, dtype=torch.float32, device="cuda")
+    ref = HFEngine.from_pretrained(qwen3_path, dtype=torch.bfloat16, device="cuda")
     for g in gens:
         ids = torch.tensor([g.prompt_ids + g.completion_ids], device="cuda")
         with torch.no_grad():
             lps = torch.log_softmax(ref.model(ids).logits[0].float() / 0.7, -1)[len(g.prompt_ids) - 1 : -1]
         expected = lps.gather(-1, torch.tensor(g.completion_ids, device="cuda")[:, None])[:, 0].cpu()
-        assert torch.allclose(torch.tensor(g.logprobs), expected, atol=1e-3)
+        assert torch.allclose(torch.tensor(g.logprobs), expected.float(), atol=5e-2)  # bf16 kernels differ
     scores = engine.score_next_tokens([5, 6, 7], [[8], [9, 10]], [11, 12])
-    assert torch.allclose(scores, ref.score_next_tokens([5, 6, 7], [[8], [9, 10]], [11, 12]), atol=1e-3)
+    assert torch.allclose(scores.float(), ref.score_next_tokens([5, 6, 7], [[8], [9, 10]], [11, 12]).float(), atol=5e-2)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
     before = engine.generate([[1, 2, 3]], greedy)
     engine.sleep()
