@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rl_core.train import UserError
 from rl_data import (
@@ -151,13 +151,16 @@ class LocalReward:
     prompt) + format_weight x `timestamp_format` (video rows) + length_weight x `length`.
     With `spec` (a RewardSpec TOML), that reward scores every row instead."""
 
-    def __init__(self, *, judge: str | None, spec: str | None, qa_estimator: str, qa_num: int, format_weight: float,
-                 length_tokenizer: str, length_l1: int, length_l2: int, length_weight: float, seed: int) -> None:
+    def __init__(self, *, judge: str | None, spec: str | None, qa_estimator: Literal["exact", "sample"],
+                 qa_num: int, format_weight: float, length_tokenizer: str, length_l1: int, length_l2: int,
+                 length_weight: float, seed: int) -> None:
         if spec is not None:
             if not Path(spec).is_file():
                 raise UserError(f"reward.spec file not found: {spec}")
             self.by_task = dict.fromkeys(("image", "video"), build_reward(spec))
             return
+        if judge is None:
+            raise ValueError("LocalReward needs judge= (a judge model path) when spec= is None")
         from rl_rewards.scorers.caption_qa import CaptionQAScorer
         from rl_rewards.scorers.engines import load_engine, load_tokenizer
 

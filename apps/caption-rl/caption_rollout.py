@@ -32,7 +32,10 @@ def encode_records(run: Any, records: list[CaptionQARecord], where: list[Locatio
     messages with decoded media, their positions in `records`). Skipped records are counted in
     `run.bad_records`, prompts over the length limit in `run.dropped_long`."""
     d, limit = run.cfg.data, run.cfg.rollout.max_prompt_length
-    kept, encoded, messages, positions = [], [], [], []
+    kept: list[CaptionQARecord] = []
+    encoded: list[EncodedPrompt] = []
+    messages: list[list[dict[str, Any]]] = []
+    positions: list[int] = []
     for position, (record, loc) in enumerate(zip(records, where, strict=True)):
         try:
             message = to_messages(record, fps=d.video_fps, max_frames=d.video_max_frames, max_pixels=d.max_pixels)

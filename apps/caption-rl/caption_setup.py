@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from accelerate import Accelerator
@@ -16,6 +16,7 @@ from accelerate.utils import DistributedType
 from caption_config import Config, ModelConfig
 from caption_parts import LocalReward, RemoteReward, resolve_model
 from peft import PeftModel
+from transformers import PreTrainedModel
 
 from rl_core.train import UserError
 from rl_models.compiled import compile_decoder_layers
@@ -47,6 +48,7 @@ def load_policy(cfg: ModelConfig, *, trainable: bool = True) -> tuple[torch.nn.M
     """The captioner with LoRA / gradient checkpointing / compiled layers as configured; with
     `trainable=False` a frozen copy of the initial policy (the full fine-tuning KL reference)."""
     path = resolve_model(cfg.path)
+    model: PreTrainedModel | PeftModel
     model, processor = load_vl_model(path, dtype=cfg.dtype)
     if cfg.share_media:
         share_identical_media(model)
@@ -61,11 +63,20 @@ def load_policy(cfg: ModelConfig, *, trainable: bool = True) -> tuple[torch.nn.M
     return model, processor, path
 
 
+class _LengthReward(TypedDict):
+    """The length-reward keywords LocalReward and RemoteReward share."""
+
+    length_tokenizer: str
+    length_l1: int
+    length_l2: int
+    length_weight: float
+
+
 def build_reward_backend(cfg: Config, policy_path: str) -> LocalReward | RemoteReward:
     r = cfg.reward
     url = r.url or (f"http://{r.host}:{r.port}/get_reward" if r.host else None)
-    length = {"length_tokenizer": r.length_tokenizer or policy_path, "length_l1": r.length_l1,
-              "length_l2": r.length_l2, "length_weight": r.length_weight}
+    length: _LengthReward = {"length_tokenizer": r.length_tokenizer or policy_path, "length_l1": r.length_l1,
+                             "length_l2": r.length_l2, "length_weight": r.length_weight}
     if url is not None:
         return RemoteReward(url, retries=r.retries, timeout=r.timeout, **length)
     judge = None if r.spec is not None else resolve_model(r.judge, "reward.judge")
@@ -116,5 +127,7 @@ def export(model: torch.nn.Module, processor: Any, out: Path) -> None:
         export_lora(model, out / "adapter")
         merge_and_export(model, out, processor=processor)
     else:
+        if not isinstance(model, PreTrainedModel):
+            raise TypeError(f"export needs the transformers model (or its PeftModel), got {type(model).__name__}")
         model.save_pretrained(out)
         processor.save_pretrained(out)

@@ -25,6 +25,7 @@ Two helpers reproduce Flow-GRPO's data handling around the estimator: `group_ids
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
@@ -117,7 +118,8 @@ def _token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
     return onehot.to(dtype) * rewards.to(dtype).unsqueeze(1)  # [B, T]
 
 
-class _Groups(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class _Groups:  # not a NamedTuple: `index` and `count` would shadow tuple's methods
     index: Tensor  # [B] contiguous group index 0..G-1
     count: Tensor  # [G] members per group (float)
 

@@ -22,9 +22,11 @@ softmax, so pass the rollout temperature here to score the distribution that was
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
-from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.autograd.function import once_differentiable
 
 __all__ = ["entropy", "token_logprobs", "token_logprobs_and_entropy_from_hidden", "token_logprobs_from_hidden"]
 
@@ -92,11 +94,15 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, temperature: float, dtype: tor
 
 
 class _LogprobsFromHidden(torch.autograd.Function):
-    """Chunked `log_softmax(hidden @ weight.T / temperature)` at the labels; see module docs."""
+    """Chunked `log_softmax(hidden @ weight.T / temperature)` at the labels; see module docs.
+
+    `ctx` is `Any`: it is the autograd node, which carries `saved_tensors`, `needs_input_grad`
+    and the attributes `forward` sets on it, none of which torch's `FunctionCtx` type declares.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: FunctionCtx,
+        ctx: Any,
         hidden: Tensor,  # [N, H]
         weight: Tensor,  # [V, H]
         labels: Tensor,  # [N]
@@ -124,7 +130,7 @@ class _LogprobsFromHidden(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, grad_out: Tensor, _grad_ent: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: Tensor, _grad_ent: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         hidden, weight, labels, logp = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -147,9 +153,9 @@ class _LogprobsFromHidden(torch.autograd.Function):
             # exact even when p_y rounds to 1.0 in bf16
             q.scatter_(1, labels[start:stop, None], torch.expm1(logp[start:stop, None]).to(q.dtype))
             row = neg_scale[start:stop, None]  # [c, 1]
-            if need_hidden:
+            if grad_hidden is not None:  # need_hidden
                 grad_hidden[start:stop] = (q @ weight).to(dtype) * row  # [c, H]
-            if need_weight:
+            if grad_weight is not None:  # need_weight
                 grad_weight.add_(q.t() @ (h.to(dtype) * row).to(weight.dtype))  # [V, H]
             del q
         if grad_weight is not None:

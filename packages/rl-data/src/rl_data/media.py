@@ -52,6 +52,9 @@ def load_image(
     """Decode an image from a path, raw bytes, ``{bytes, path}`` or :class:`ImageSource` into
     an RGB PIL image. Bytes win over the path when both are given; a relative path is joined to
     ``root``. Raises FileNotFoundError / ValueError naming the path or the source."""
+    data: bytes | None
+    path: str | Path | None
+    fp: io.BytesIO | Path
     if isinstance(source, ImageSource):
         data, path = source.bytes, source.path
     elif isinstance(source, Mapping):

@@ -67,13 +67,22 @@ class Rows(Protocol):
     (:class:`rl_data.hf.DatasetRows`). Iterating yields ``(number, raw)`` — the line or row number
     that errors name, and the raw row that :meth:`decode` turns into a dict."""
 
-    path: Path | None
-    source: str
-    split: str | None
-    unit: Literal["line", "row"]
-    arrow: bool  # rows come out of Arrow (parquet, datasets): tidy_arrow_row applies
-    shard: tuple[int, int]  # (rank, world_size) this source was cut to
-    num_rows: int | None  # rows one pass reads, where known without reading them (progress bars)
+    # Read-only members (properties), so that an implementation may narrow them: a file's
+    # `path` is never None, a dataset's `unit` is always "row".
+    @property
+    def path(self) -> Path | None: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def split(self) -> str | None: ...
+    @property
+    def unit(self) -> Literal["line", "row"]: ...
+    @property
+    def arrow(self) -> bool: ...  # rows come out of Arrow (parquet, datasets): tidy_arrow_row applies
+    @property
+    def shard(self) -> tuple[int, int]: ...  # (rank, world_size) this source was cut to
+    @property
+    def num_rows(self) -> int | None: ...  # rows one pass reads, where known without reading them (progress bars)
 
     def __iter__(self) -> Iterator[tuple[int, Any]]: ...
     def decode(self, raw: Any) -> Any: ...

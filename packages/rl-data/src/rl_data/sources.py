@@ -8,7 +8,7 @@ dataset id already in the local Hugging Face cache.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,8 @@ from rl_data.readers import (
 
 __all__ = ["open_source"]
 
-_READERS = {
+# the readers share the keyword arguments open_source passes (caption_qa adds media_root)
+_READERS: dict[str, Callable[..., Reader[Any]]] = {
     "caption_qa": read_caption_qa,
     "judge": read_judge_records,
     "prompts": read_prompts,

@@ -8,6 +8,7 @@ memory wall of naive RL log-prob code: 73.5 GiB extra at Qwen3-4B shape, docs/re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from peft import PeftModel
@@ -104,7 +105,8 @@ class TokenBatch:
 
 def unwrap_peft(model: torch.nn.Module) -> PreTrainedModel:
     """The transformers model inside a `PeftModel` (its LoRA layers stay active), else `model`."""
-    return model.get_base_model() if isinstance(model, PeftModel) else model
+    # callers pass a transformers model, bare or wrapped; peft types its base as a Module
+    return cast(PreTrainedModel, model.get_base_model() if isinstance(model, PeftModel) else model)
 
 
 def final_hidden_states(model: torch.nn.Module, batch: TokenBatch) -> Tensor:

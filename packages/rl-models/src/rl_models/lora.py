@@ -62,13 +62,18 @@ def add_lora(
     base model (`init_lora_weights=False` gives random B, for tests).
     """
     if target_modules is None:
-        target_modules = default_target_modules(family or model.config.model_type)
+        if family is None:
+            family = getattr(getattr(model, "config", None), "model_type", None)
+            if not isinstance(family, str):
+                raise ValueError(f"{type(model).__name__} has no config.model_type: pass family= "
+                                 f"(e.g. family='sd3')")
+        target_modules = default_target_modules(family)
     config = LoraConfig(
         r=r,
-        lora_alpha=alpha,
+        lora_alpha=alpha,  # type: ignore[arg-type]  # peft annotates int; the scale alpha / r takes a float
         lora_dropout=dropout,
         target_modules=target_modules,
-        init_lora_weights=init_lora_weights,
+        init_lora_weights=init_lora_weights,  # type: ignore[arg-type]  # peft checks the name
     )
     return get_peft_model(model, config)
 
@@ -92,7 +97,7 @@ def reference_completion_logprobs(
 def export_lora(model: PeftModel, out_dir: str | Path) -> Path:
     """Save the adapter only (`adapter_config.json` + `adapter_model.safetensors`)."""
     out = Path(out_dir)
-    model.save_pretrained(out)
+    model.save_pretrained(str(out))  # peft annotates the directory as str
     return out
 
 
@@ -119,7 +124,7 @@ def merge_and_export(
                 fresh = type(base)._from_config(base.config)
                 fresh.generation_config = base.generation_config
             else:  # diffusers ModelMixin
-                fresh = type(base).from_config(base.config)
+                fresh = type(base).from_config(base.config)  # type: ignore[attr-defined]  # ModelMixin's
         fresh.load_state_dict(merged, strict=True, assign=True)
         fresh.save_pretrained(out)
     finally:
@@ -148,5 +153,7 @@ def merged_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Te
                 name = f"{owner_name.removesuffix('.base_layer')}.{leaf}"
                 if leaf == "weight" and not owner.merged:
                     for adapter in owner.active_adapters:
-                        tensor = tensor + owner.get_delta_weight(adapter).to(tensor.dtype)  # [out, in]
+                        # every concrete LoRA layer (Linear, Conv, Embedding) defines it; LoraLayer does not
+                        delta = owner.get_delta_weight(adapter)  # type: ignore[attr-defined]
+                        tensor = tensor + delta.to(tensor.dtype)  # [out, in]
             yield name, tensor.detach()

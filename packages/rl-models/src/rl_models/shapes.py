@@ -9,7 +9,7 @@ CLIP-G 1280, T5 4096) with a single layer each, since benchmarks pass prompt emb
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -36,7 +36,7 @@ _QWEN3_TEXT = {"1.7b": (2048, 6144, 28, 16, 8), "4b": (2560, 9728, 36, 32, 8)}
 _QWEN3_VL_TEXT = {"2b": _QWEN3_TEXT["1.7b"], "4b": _QWEN3_TEXT["4b"]}
 
 
-def _qwen3_text(size: str, table: dict[str, tuple[int, ...]]) -> dict:
+def _qwen3_text(size: str, table: Mapping[str, tuple[int, int, int, int, int]]) -> dict:
     hidden, inter, layers, heads, kv = table[size]
     return {
         "vocab_size": QWEN_VOCAB,
@@ -57,7 +57,7 @@ def qwen3_config(size: str) -> Qwen3Config:
     return Qwen3Config(
         **_qwen3_text(size, _QWEN3_TEXT),
         max_position_embeddings=40960,
-        rope_theta=1_000_000.0,
+        rope_parameters={"rope_theta": 1_000_000.0, "rope_type": "default"},
         tie_word_embeddings=True,
     )
 
@@ -160,7 +160,7 @@ def _text_encoder(kind: str, width: int, tokenizer):
             eos_token_id=1,
         )
         return T5EncoderModel(config)
-    config = CLIPTextConfig(
+    clip_config = CLIPTextConfig(
         vocab_size=49408,
         hidden_size=width,
         intermediate_size=width,
@@ -172,7 +172,7 @@ def _text_encoder(kind: str, width: int, tokenizer):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    return CLIPTextModelWithProjection(config)
+    return CLIPTextModelWithProjection(clip_config)
 
 
 def _save_sd3(out: Path, *, config_only: bool, dtype, device) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -58,7 +58,8 @@ def _sharing_forward(original: Callable[..., Any]) -> Callable[..., Any]:
         starts = [sum(patches[:i]) for i in range(len(patches))]
         keep = torch.cat([torch.arange(starts[u], starts[u] + patches[u]) for u in unique]).to(hidden_states.device)
         out = original(hidden_states[keep], grid_thw[unique], **kwargs)
-        merged = [p // self.spatial_merge_size**2 for p in patches]  # output tokens per image
+        merge_size = cast(int, self.spatial_merge_size)  # an int attribute of the vision tower
+        merged = [p // merge_size**2 for p in patches]  # output tokens per image
         index = _expand_index(owners, unique, merged).to(hidden_states.device)  # [M] rows of the unique output
         out.pooler_output = out.pooler_output.index_select(0, index)  # [M, D_out]
         if out.get("deepstack_features") is not None:  # Qwen3-VL

@@ -21,7 +21,12 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from rl_models.tokenization import build_bert_tokenizer, build_clip_tokenizer, build_qwen_tokenizer
+from rl_models.tokenization import (
+    build_bert_tokenizer,
+    build_clip_tokenizer,
+    build_qwen_tokenizer,
+    token_id,
+)
 
 
 def round_vocab(n_tokens: int, multiple: int = 64) -> int:
@@ -50,9 +55,9 @@ def build_qwen3(out: Path) -> None:
         num_key_value_heads=2,
         head_dim=8,
         max_position_embeddings=4096,
-        rope_theta=1_000_000.0,
+        rope_parameters={"rope_theta": 1_000_000.0, "rope_type": "default"},
         tie_word_embeddings=True,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        bos_token_id=token_id(tokenizer, "<|endoftext|>"),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )

@@ -16,7 +16,7 @@ from transformers import (
 )
 
 from rl_models.tiny_families import round_vocab
-from rl_models.tokenization import build_qwen_tokenizer
+from rl_models.tokenization import build_qwen_tokenizer, token_id
 
 NUM_IMAGE_TOKENS = 16  # (32 / 8)^2
 JANUS_CHAT_TEMPLATE = (
@@ -95,7 +95,7 @@ def build_janus(out: Path) -> None:
             "image_token_embed_dim": 64,
             "num_hidden_layers": 2,
         },
-        image_token_id=tokenizer.convert_tokens_to_ids("<image_placeholder>"),
+        image_token_id=token_id(tokenizer, "<image_placeholder>"),
     )
     model = JanusForConditionalGeneration(config)
     model.generation_config = GenerationConfig(

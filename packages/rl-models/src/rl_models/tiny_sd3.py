@@ -47,7 +47,8 @@ def _t5_encoder(tokenizer) -> T5EncoderModel:
         feed_forward_proj="gated-gelu",
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        decoder_start_token_id=tokenizer.pad_token_id,
+        # an extra config key: transformers' config signatures list only the declared fields
+        decoder_start_token_id=tokenizer.pad_token_id,  # type: ignore[call-arg]
     )
     return T5EncoderModel(config)
 

@@ -7,6 +7,7 @@ the pixel budget so a test image or video frame becomes a handful of vision toke
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypedDict
 
 from transformers import (
     Qwen2_5_VLConfig,
@@ -37,7 +38,22 @@ _TEXT = {
 _MROPE_SECTION = [2, 3, 3]
 
 
-def vision_token_ids(tokenizer) -> dict[str, int]:
+class VisionTokenIds(TypedDict):
+    """The Qwen-VL config fields naming the vision tokens."""
+
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+
+
+class _SpecialIds(TypedDict):
+    bos_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+
+
+def vision_token_ids(tokenizer) -> VisionTokenIds:
     ids = tokenizer.convert_tokens_to_ids
     return {
         "image_token_id": ids("<|image_pad|>"),
@@ -47,7 +63,7 @@ def vision_token_ids(tokenizer) -> dict[str, int]:
     }
 
 
-def _special_ids(tokenizer) -> dict[str, int]:
+def _special_ids(tokenizer) -> _SpecialIds:
     return {
         "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         "eos_token_id": tokenizer.eos_token_id,
@@ -89,7 +105,8 @@ def build_qwen2_5_vl(out: Path) -> None:
         },
         tie_word_embeddings=False,
         **vision_token_ids(tokenizer),
-        **_special_ids(tokenizer),
+        # extra top-level keys the config keeps (its signature lists only the declared fields)
+        **_special_ids(tokenizer),  # type: ignore[misc]
     )
     model = Qwen2_5_VLForConditionalGeneration(config)
     model.generation_config = qwen_generation_config(tokenizer)

@@ -15,7 +15,13 @@ from collections import Counter
 from itertools import pairwise
 
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
-from transformers import BertTokenizer, CLIPTokenizer, Qwen2Tokenizer, T5Tokenizer
+from transformers import (
+    BertTokenizer,
+    CLIPTokenizer,
+    PreTrainedTokenizerBase,
+    Qwen2Tokenizer,
+    T5Tokenizer,
+)
 
 OPTION_LETTERS = "ABCDEFGHI"
 
@@ -170,10 +176,12 @@ def build_qwen_tokenizer(vocab_size: int = 768, *, model_max_length: int = 32768
     vocab, merges = train_qwen_bpe(vocab_size)
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
-        merges=merges,
+        # transformers annotates merges `list[str]` and unk_token `str`; the BPE model takes the
+        # (left, right) pairs as they are and Qwen has no unknown token
+        merges=merges,  # type: ignore[arg-type]
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        unk_token=None,
+        unk_token=None,  # type: ignore[arg-type]
         model_max_length=model_max_length,
         extra_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]),
         errors="replace",
@@ -183,6 +191,14 @@ def build_qwen_tokenizer(vocab_size: int = 768, *, model_max_length: int = 32768
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     _check_single_token_letters(tokenizer)
     return tokenizer
+
+
+def token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
+    """The id of the single token `token` (`convert_tokens_to_ids` is typed `int | list[int]`)."""
+    ids = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(ids, int):
+        raise TypeError(f"{type(tokenizer).__name__} maps token {token!r} to {ids!r}, not one id")
+    return ids
 
 
 def _check_single_token_letters(tokenizer: Qwen2Tokenizer) -> None:
@@ -206,7 +222,10 @@ def build_clip_tokenizer(vocab_size: int = 512, *, model_max_length: int = 77) -
     for special in ("<|startoftext|>", "<|endoftext|>"):
         vocab[special] = len(vocab)
     return CLIPTokenizer(
-        vocab=vocab, merges=merges, model_max_length=model_max_length, pad_token="<|endoftext|>"
+        vocab=vocab,
+        merges=merges,  # type: ignore[arg-type]  # (left, right) pairs, as in build_qwen_tokenizer
+        model_max_length=model_max_length,
+        pad_token="<|endoftext|>",
     )
 
 

@@ -19,7 +19,7 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import httpx
 import msgspec
@@ -104,9 +104,14 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return headers
 
 
-def _qa_request(prompts: Sequence[wire.CaptionQA], score_mode: str | None) -> wire.GetRewardRequest:
+_ScoreMode = Literal["qa", "vl_judge"]  # wire.GetRewardRequest.score_mode
+
+
+def _qa_request(prompts: Sequence[wire.CaptionQA], score_mode: _ScoreMode | None) -> wire.GetRewardRequest:
+    # tuple(item): a [question, letter] list (as parsed from JSON) becomes the wire's pair
     return wire.GetRewardRequest(
-        prompts=[(caption, [tuple(item) for item in qa]) for caption, qa in prompts], score_mode=score_mode
+        prompts=[(caption, [cast(wire.QAItem, tuple(item)) for item in qa]) for caption, qa in prompts],
+        score_mode=score_mode,
     )
 
 
@@ -155,7 +160,9 @@ class RewardClient:
         request = wire.ScoreRequest(samples=list(samples), reward=reward)
         return self._call("POST", "/v1/score", wire.ScoreResponse, request).results
 
-    def get_reward(self, prompts: Sequence[wire.CaptionQA], score_mode: str | None = None) -> wire.GetRewardResponse:
+    def get_reward(
+        self, prompts: Sequence[wire.CaptionQA], score_mode: _ScoreMode | None = None
+    ) -> wire.GetRewardResponse:
         """CapRL qa: `prompts` is `[(caption, [(question_text, answer_letter), ...]), ...]`."""
         return self._call("POST", "/get_reward", wire.GetRewardResponse, _qa_request(prompts, score_mode))
 
@@ -234,7 +241,7 @@ class AsyncRewardClient:
         return (await self._call("POST", "/v1/score", wire.ScoreResponse, request)).results
 
     async def get_reward(
-        self, prompts: Sequence[wire.CaptionQA], score_mode: str | None = None
+        self, prompts: Sequence[wire.CaptionQA], score_mode: _ScoreMode | None = None
     ) -> wire.GetRewardResponse:
         return await self._call("POST", "/get_reward", wire.GetRewardResponse, _qa_request(prompts, score_mode))
 

@@ -63,8 +63,10 @@ def timestamp_format(
     seconds_of, minutes_of = _SECONDS.get, _MINUTES.get
     for m1, s1, m2, s2 in matches:  # inlined checks: this runs for every caption the server scores
         second = seconds_of(s1)
-        if second is None and (second := int(s1)) > 59:
-            continue
+        if second is None:
+            second = int(s1)
+            if second > 59:
+                continue
         minute = minutes_of(m1)
         if minute is None:
             minute = int(m1)
@@ -73,8 +75,10 @@ def timestamp_format(
         start = 60 * minute + second
         if m2:
             second = seconds_of(s2)
-            if second is None and (second := int(s2)) > 59:
-                continue
+            if second is None:
+                second = int(s2)
+                if second > 59:
+                    continue
             minute = minutes_of(m2)
             if minute is None:
                 minute = int(m2)

@@ -1,6 +1,13 @@
 """rl-rollout: generation engines behind one protocol (`hf`, `openai`, `vllm`)."""
 
-from rl_rollout.protocol import ColocatedEngine, Engine, FinishReason, Generation, Prompt, SamplingParams
+from rl_rollout.protocol import (
+    ColocatedEngine,
+    Engine,
+    FinishReason,
+    Generation,
+    Prompt,
+    SamplingParams,
+)
 from rl_rollout.registry import build_engine, engine_names, register_engine
 
 __version__ = "0.1.0"

@@ -25,8 +25,10 @@ from torch import Tensor
 from rl_core.flow import SDEStep, sde_step
 from rl_models.diffusion import load_sd3
 
-try:
-    from diffusers import StableDiffusion3Pipeline
+try:  # the defining module: mypy reads `diffusers.StableDiffusion3Pipeline` as diffusers' dummy
+    from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
+        StableDiffusion3Pipeline,
+    )
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         'rl_rollout.diffusion needs diffusers: pip install "rl-rollout[diffusers]"'
@@ -119,6 +121,12 @@ class DiffusionEngine:
     def dtype(self) -> torch.dtype:
         return self.pipeline.transformer.dtype
 
+    @property
+    def _transformer_config(self) -> Any:
+        """The transformer's diffusers config (`in_channels`, `patch_size`); a LoRA `PeftModel`
+        forwards `.config` to its base, which `torch.nn.Module`'s typing cannot say."""
+        return self.transformer.config
+
     # -- conditioning -------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -126,8 +134,9 @@ class DiffusionEngine:
         """Encode prompts once (a group's n samples share them: index the result)."""
         embeds, _, pooled, _ = self.pipeline.encode_prompt(
             prompt=list(prompts),
-            prompt_2=None,
-            prompt_3=None,
+            # diffusers annotates these `str | list[str]`; None reuses `prompt` for CLIP-G and T5
+            prompt_2=None,  # type: ignore[arg-type]
+            prompt_3=None,  # type: ignore[arg-type]
             device=self.device,
             do_classifier_free_guidance=False,
             max_sequence_length=max_sequence_length,
@@ -222,7 +231,7 @@ class DiffusionEngine:
                 f"height and width must be multiples of {scale * 2} (VAE scale x patch size), "
                 f"got {height}x{width}"
             )
-        shape = (self.transformer.config.in_channels, height // scale, width // scale)
+        shape = (self._transformer_config.in_channels, height // scale, width // scale)
         noise = [torch.randn(shape, generator=g, dtype=torch.float32) for g in generators]
         return torch.stack(noise).to(self.device)  # [B, C, h, w]
 
@@ -259,9 +268,8 @@ class DiffusionEngine:
             conditioning = self.encode(prompts, max_sequence_length=max_sequence_length)
         generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
         latents = self.initial_noise(batch, height, width, generators)  # [B, C, h, w]
-        seq_len = (latents.shape[-2] // self.transformer.config.patch_size) * (
-            latents.shape[-1] // self.transformer.config.patch_size
-        )
+        patch = self._transformer_config.patch_size
+        seq_len = (latents.shape[-2] // patch) * (latents.shape[-1] // patch)
         sigmas = self.schedule(num_steps, seq_len)  # [S + 1]
         sde_steps = self._sde_mask(num_steps, kind, sde_window)  # [S]
         states, log_probs = [latents], []

@@ -32,6 +32,7 @@ from transformers import (
     ProcessorMixin,
     StaticCache,
 )
+from transformers.cache_utils import CacheLayerMixin
 
 from rl_models.vl import VL_MODEL_TYPES
 from rl_rollout.prompts import EncodedPrompt, PromptBatch, encode_prompt, pad_batch
@@ -132,7 +133,8 @@ class HFEngine:
         if max_batch_size < 1 or score_token_budget < 1:
             raise ValueError("max_batch_size and score_token_budget must be >= 1")
         self.device = torch.device(device) if device is not None else model.device
-        self.model = model.to(self.device).eval()
+        # PreTrainedModel.to is wrapped by a decorator whose signature mypy reads as (model, ...)
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         if isinstance(tokenizer_or_processor, ProcessorMixin):
             self.processor: ProcessorMixin | None = tokenizer_or_processor
             self.tokenizer = tokenizer_or_processor.tokenizer
@@ -498,7 +500,16 @@ class HFEngine:
         self._cache_released = True
 
     def _cache_tensors(self) -> list[torch.Tensor]:
-        return [t for layer in self._cache.layers if layer.is_initialized for t in (layer.keys, layer.values)]
+        """The key and value tensors of every initialised layer of the KV cache."""
+        if self._cache is None:
+            raise RuntimeError("the engine holds no KV cache (none allocated yet, or dropped)")
+        tensors: list[torch.Tensor] = []
+        for layer in self._cache.layers:
+            if not isinstance(layer, CacheLayerMixin):  # linear attention: conv/recurrent states
+                raise TypeError(f"{type(layer).__name__}: only key/value cache layers can be released")
+            if layer.is_initialized and layer.keys is not None and layer.values is not None:
+                tensors += [layer.keys, layer.values]
+        return tensors
 
     def sleep(self) -> None:
         """Release accelerator memory: weights go to CPU, the KV cache is dropped, and the CUDA

@@ -28,7 +28,7 @@ import httpx
 import msgspec
 import torch
 
-from rl_rollout.protocol import FinishReason, Generation, Prompt, SamplingParams
+from rl_rollout.protocol import FinishReason, Generation, Prompt, SamplingParams, is_token_ids
 
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -169,18 +169,18 @@ class OpenAIEngine:
     def _request(self, index: int, prompt: Prompt, params: SamplingParams, n: int, seed: int | None) -> list[Generation]:
         path, body = self._body(prompt, params, n, seed)
         raw = self._post(path, body, index)
-        prompt_ids = list(prompt) if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else []
+        prompt_ids = list(prompt) if is_token_ids(prompt) else []
         out = []
         if path == "/v1/completions":
             for c in sorted(msgspec.json.decode(raw, type=_CompletionResponse).choices, key=lambda c: c.index):
                 lp = c.logprobs or _CompletionLogprobs()
                 out.append(self._generation(index, prompt_ids, c.text, lp.tokens, [x or 0.0 for x in lp.token_logprobs], c.finish_reason, params))
         else:
-            for c in sorted(msgspec.json.decode(raw, type=_ChatResponse).choices, key=lambda c: c.index):
-                content = (c.logprobs.content if c.logprobs else None) or []
+            for chat in sorted(msgspec.json.decode(raw, type=_ChatResponse).choices, key=lambda c: c.index):
+                content = (chat.logprobs.content if chat.logprobs else None) or []
                 out.append(self._generation(
-                    index, prompt_ids, c.message.content or "", [t.token for t in content], [t.logprob for t in content],
-                    c.finish_reason, params,
+                    index, prompt_ids, chat.message.content or "", [t.token for t in content], [t.logprob for t in content],
+                    chat.finish_reason, params,
                 ))
         if len(out) != n:
             raise OpenAIServerError(
@@ -231,12 +231,13 @@ class OpenAIEngine:
         scores = []
         for c in choices:
             lps = c.logprobs.token_logprobs if c.logprobs else []
-            if len(choices) != len(prompts) or len(lps) <= len(sequence) or lps[len(sequence)] is None:
+            lp = lps[len(sequence)] if len(lps) > len(sequence) else None  # the candidate token's
+            if len(choices) != len(prompts) or lp is None:
                 raise OpenAIServerError(
                     f"suffix {index}: the server did not return echoed prompt log-probs; score_next_tokens needs "
                     "a server that supports echo+logprobs on /v1/completions (vLLM does)"
                 )
-            scores.append(float(lps[len(sequence)]))
+            scores.append(float(lp))
         return scores
 
     def score_next_tokens(

@@ -11,14 +11,14 @@ row order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
-from rl_rollout.protocol import Prompt
+from rl_rollout.protocol import Prompt, is_chat_messages, is_token_ids
 
 _MEDIA_TYPES = ("image", "video")
 
@@ -64,18 +64,21 @@ def encode_prompt(
         return EncodedPrompt(ids=tokenizer(prompt, add_special_tokens=False)["input_ids"])
     if not prompt:
         raise ValueError(f"request {index}: empty prompt")
-    if all(isinstance(tok, int) for tok in prompt):
+    if is_token_ids(prompt):
         return EncodedPrompt(ids=list(prompt))
-    if not all(isinstance(msg, dict) for msg in prompt):
+    if not is_chat_messages(prompt):
         raise TypeError(f"request {index}: a prompt is token ids, a string, or a list of chat messages")
+    # apply_chat_template is typed with every return of every flag: tokenize=True and
+    # return_dict=True give a BatchEncoding (tokenizer) or BatchFeature (processor)
     if not _has_media(prompt):
-        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+        ids = cast(Mapping[str, Any], tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, tokenize=True, return_dict=True))
         return EncodedPrompt(ids=list(ids["input_ids"]))
     if processor is None:
         raise ValueError(f"request {index}: holds images/videos but the engine has no processor (pass an AutoProcessor)")
-    encoded = processor.apply_chat_template(
+    encoded = cast(MutableMapping[str, Any], processor.apply_chat_template(
         prompt, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
-    )
+    ))
     ids = encoded.pop("input_ids")[0].tolist()
     encoded.pop("attention_mask", None)
     media = {key: torch.as_tensor(value) for key, value in encoded.items()}

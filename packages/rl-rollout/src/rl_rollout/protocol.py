@@ -8,7 +8,7 @@ pass flat keyword arguments.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypeGuard, runtime_checkable
 
 import msgspec
 import torch
@@ -17,6 +17,16 @@ import torch
 # message's content may hold {"type": "image", "image": ...} / {"type": "video", ...} parts).
 Prompt = list[int] | str | list[dict[str, Any]]
 FinishReason = Literal["stop", "length"]
+
+
+def is_token_ids(prompt: Prompt) -> TypeGuard[list[int]]:
+    """`prompt` is a list of token ids (an empty list counts: callers reject it where it matters)."""
+    return isinstance(prompt, list) and all(isinstance(tok, int) for tok in prompt)
+
+
+def is_chat_messages(prompt: Prompt) -> TypeGuard[list[dict[str, Any]]]:
+    """`prompt` is a list of chat messages (an empty list counts, as in `is_token_ids`)."""
+    return isinstance(prompt, list) and all(isinstance(msg, dict) for msg in prompt)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

@@ -57,7 +57,8 @@ def collate(rollouts: Sequence[Rollout], pad_id: int, placeholders: frozenset[in
 
 
 def to_device(batch: TokenBatch, device: torch.device) -> TokenBatch:
-    return replace(batch, **{k: v.to(device) for k, v in vars(batch).items() if isinstance(v, Tensor)})
+    moved: dict[str, Any] = {k: v.to(device) for k, v in vars(batch).items() if isinstance(v, Tensor)}
+    return replace(batch, **moved)
 
 
 def pad_rows(rows: Sequence[Tensor], width: int) -> Tensor:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoProcessor
 
-from rl_rollout.protocol import Generation, Prompt, SamplingParams
+from rl_rollout.protocol import Generation, Prompt, SamplingParams, is_chat_messages, is_token_ids
 
 try:
     import vllm
@@ -85,9 +85,9 @@ class VLLMEngine:
     def _prompt(self, prompt: Prompt, index: int) -> Any:
         if isinstance(prompt, str):
             return {"prompt": prompt}
-        if prompt and all(isinstance(t, int) for t in prompt):
+        if prompt and is_token_ids(prompt):
             return {"prompt_token_ids": list(prompt)}
-        if prompt and all(isinstance(m, dict) for m in prompt):
+        if prompt and is_chat_messages(prompt):
             media = _media(prompt)
             if not media:
                 ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)

@@ -372,7 +372,10 @@ def _field_docs(cls: type) -> dict[str, str]:
     comments = {tok.start[0]: tok.string.lstrip("#").strip()
                 for tok in tokenize.generate_tokens(io.StringIO(source).readline)
                 if tok.type == tokenize.COMMENT}
-    body = ast.parse(source).body[0].body
+    cls_node = ast.parse(source).body[0]
+    if not isinstance(cls_node, ast.ClassDef):  # getsource of a class is its class statement
+        return {}
+    body = cls_node.body
     docs = {}
     for node, nxt in zip(body, [*body[1:], None], strict=True):
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):

@@ -9,14 +9,14 @@ import os
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 try:  # NumPy is optional for rl-core; its global RNG is seeded/saved when it is installed
     import numpy as np
 except ImportError:  # pragma: no cover - numpy comes with accelerate in rl-core[train]
-    np = None
+    np = None  # type: ignore[assignment]  # every use checks `np is not None`
 
 __all__ = ["get_rng_state", "isolated_rng", "sample_seed", "seed_everything", "set_rng_state"]
 
@@ -46,7 +46,9 @@ def get_rng_state() -> dict[str, Any]:
     """Every global RNG state, in types `torch.load(weights_only=True)` accepts."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if np is not None:
-        kind, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+        # legacy=True gives the MT19937 tuple; numpy's stub returns `dict | tuple` for any flag
+        kind, key, pos, has_gauss, gauss = cast(
+            "tuple[str, np.ndarray, int, int, float]", np.random.get_state(legacy=True))
         state["numpy"] = (kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()

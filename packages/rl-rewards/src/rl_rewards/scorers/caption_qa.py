@@ -460,9 +460,9 @@ class CaptionQAScorer:
         generations = self.engine.generate(prompts, params) if prompts else []
         correct: dict[int, list[float]] = {}
         parsed_letters: dict[int, list[float]] = {}
-        for owner, gold, generation in zip(owners, golds, generations, strict=True):
+        for owner, gold_letter, generation in zip(owners, golds, generations, strict=True):
             letter = self.parse_answer(generation.text, LETTERS)
-            correct.setdefault(owner, []).append(float(letter == gold))
+            correct.setdefault(owner, []).append(float(letter == gold_letter))
             parsed_letters.setdefault(owner, []).append(float(letter is not None))
         return [
             p if isinstance(p, ScoreResult) else ScoreResult(

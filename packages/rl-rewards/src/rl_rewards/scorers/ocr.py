@@ -36,7 +36,9 @@ class OcrScorer:
 
     def recognize(self, image) -> str:
         output = self.engine(image)
-        return "".join(output.txts or ())
+        # rapidocr types the result of every stage combination; the default det+cls+rec
+        # pipeline returns a RapidOCROutput, which has `txts`
+        return "".join(output.txts or ())  # type: ignore[union-attr]
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
         return [self._one(sample) for sample in samples]

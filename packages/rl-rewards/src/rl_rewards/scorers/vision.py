@@ -106,7 +106,10 @@ class AestheticScorer(_ClipBase):
         super().__init__(model, device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            self.head = laion_head(self.clip.config.projection_dim)
+            dim = self.clip.config.projection_dim
+            if dim is None:
+                raise ValueError(f"{model}: its CLIP config has no projection_dim for the aesthetic head")
+            self.head = laion_head(dim)
         if head is not None:
             self.head.load_state_dict(_load_state_dict(head))
         self.head.to(self.device).eval()

@@ -100,7 +100,8 @@ class VLJudgeScorer:
         return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
-        requests, keep, results = [], [], [None] * len(samples)
+        requests, keep = [], []
+        results: list[ScoreResult | None] = [None] * len(samples)
         for i, sample in enumerate(samples):
             try:
                 requests.append(self._messages(sample))
@@ -111,7 +112,10 @@ class VLJudgeScorer:
         for i, generation in zip(keep, generations, strict=True):
             criteria, failed = parse_judgement(generation.text)
             results[i] = ScoreResult(score=judgement_score(criteria), components={**criteria, "parse_failed": float(failed)})
-        return results
+        scored = [r for r in results if r is not None]
+        if len(scored) != len(samples):  # every sample is scored or failed above
+            raise RuntimeError(f"vl_judge: {len(samples) - len(scored)} samples got no result")
+        return scored
 
 
 def build_vl_judge(
