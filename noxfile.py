@@ -14,16 +14,26 @@ Type checking outside nox, from the root venv (`uv sync`):
 
 from __future__ import annotations
 
+import configparser
+import email.parser
 import re
+import sys
+import tarfile
+import tempfile
+import time
 import tomllib
+import zipfile
 from pathlib import Path
 
 import nox
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = [
     "lint", "tests", "rewards_no_torch", "third_party", "app_caption_rl", "app_rider_grm", "app_diffusion_grpo",
+    "packaging",
 ]
 
 # package -> extras its tests need (never vllm: it needs a GPU and is opt-in).
@@ -176,3 +186,118 @@ def app_diffusion_grpo(session: nox.Session) -> None:
     """apps/diffusion-grpo: its default test suite in an env with only the app and what it declares."""
     _sync(session, "diffusion-grpo", [])
     session.run("python", "-m", "pytest", "apps/diffusion-grpo/tests", "-m", DEFAULT_MARKERS, "-q", *session.posargs)
+
+
+# --- packaging: each package as `pip install NAME` would give it once published ---------------
+
+# Packages whose wheel must install and run its README example without torch.
+NO_TORCH = {"rl-data", "rl-rewards"}
+# README examples that read the repository's examples/data: run with the repository root as the
+# working directory (still with the installed package: `python -I` keeps the checkout off sys.path).
+EXAMPLE_FROM_REPO_ROOT = {"rl-data"}
+
+
+def _wheel_file(wheel: Path, suffix: str) -> str:
+    with zipfile.ZipFile(wheel) as zf:
+        [name] = [n for n in zf.namelist() if n.endswith(f".dist-info/{suffix}")] or [""]
+        return zf.read(name).decode() if name else ""
+
+
+def _siblings(package: str, metadata: dict[str, email.message.Message]) -> list[str]:
+    """Workspace packages that `package` needs without extras, transitively (from wheel metadata)."""
+    found: list[str] = []
+    todo = [package]
+    while todo:
+        for line in metadata[todo.pop()].get_all("Requires-Dist") or []:
+            req = Requirement(line)
+            name = canonicalize_name(req.name)
+            if name in metadata and name not in found and (req.marker is None or req.marker.evaluate({"extra": ""})):
+                found.append(name)
+                todo.append(name)
+    return found
+
+
+def _first_python_block(readme: Path) -> str:
+    match = re.search(r"^```python\n(.*?)^```", readme.read_text(), re.M | re.S)
+    if match is None:
+        raise ValueError(f"{readme}: no ```python block")
+    return match.group(1)
+
+
+@nox.session
+def packaging(session: nox.Session) -> None:
+    """Build every package's wheel and sdist and install each wheel alone into a fresh venv.
+
+    Per package: `uv build --package NAME` (sdist, then the wheel from the sdist); a fresh venv
+    with the wheel, its declared third-party dependencies from PyPI (at uv.lock's versions, the
+    ones CI tests; the lock only constrains, it adds nothing) and the workspace packages it
+    declares from their own freshly built wheels, never from the checkout; no torch for
+    rl-data and rl-rewards; import it from a temp dir; run each console script with --help; run
+    the first ```python block of its README with the venv's `python -I`; LICENSE in wheel and
+    sdist; `twine check --strict` and `check-wheel-contents` on every artifact. One venv per
+    package: uv hard-links torch from its cache, so a torch venv costs about a second.
+    """
+    session.install("twine>=6.1", "check-wheel-contents>=0.6")
+    root = Path.cwd()
+    with tempfile.TemporaryDirectory(prefix="rl-packaging-") as tmp_name:
+        tmp = Path(tmp_name)
+        dist = tmp / "dist"
+        constraints = tmp / "constraints.txt"
+        session.run("uv", "export", "--frozen", "--quiet", "--no-hashes", "--all-packages", "--all-extras",
+                    "--no-emit-workspace", "--no-header", "--no-annotate", "-o", str(constraints),
+                    external=True, silent=True)
+        for package in PACKAGES:
+            session.run("uv", "build", "--quiet", "--package", package, "--out-dir", str(dist), external=True)
+        wheels = {p: next(dist.glob(f"{p.replace('-', '_')}-*.whl")) for p in PACKAGES}
+        sdists = {p: next(dist.glob(f"{p.replace('-', '_')}-*.tar.gz")) for p in PACKAGES}
+        metadata = {p: email.parser.Parser().parsestr(_wheel_file(w, "METADATA")) for p, w in wheels.items()}
+        artifacts = sorted(dist.glob("*.whl")) + sorted(dist.glob("*.tar.gz"))
+        if len(artifacts) != 2 * len(PACKAGES):
+            session.error(f"expected one wheel and one sdist per package, got {[a.name for a in artifacts]}")
+        session.run("twine", "check", "--strict", *map(str, artifacts))
+        session.run("check-wheel-contents", *map(str, wheels.values()))
+
+        for package in PACKAGES:
+            start = time.monotonic()
+            module = package.replace("-", "_")
+            work = tmp / package
+            work.mkdir()
+            venv = work / "venv"
+            python = str(venv / "bin" / "python")
+
+            if not _wheel_file(wheels[package], "licenses/LICENSE"):
+                session.error(f"{wheels[package].name}: no .dist-info/licenses/LICENSE")
+            with tarfile.open(sdists[package]) as tar:
+                if not any(n.endswith("/LICENSE") and n.count("/") == 1 for n in tar.getnames()):
+                    session.error(f"{sdists[package].name}: no LICENSE at its top level")
+
+            siblings = _siblings(package, metadata)
+            session.run("uv", "venv", "--quiet", "--python", sys.executable, str(venv), external=True)
+            with session.chdir(work):
+                session.run("uv", "pip", "install", "--quiet", "--python", python, "-c", str(constraints),
+                            str(wheels[package]), *(str(wheels[s]) for s in siblings), external=True)
+                installed = session.run(
+                    python, "-I", "-c",
+                    "import importlib.metadata as m; print(*sorted(d.metadata['Name'] for d in m.distributions()))",
+                    external=True, silent=True,
+                ).split()
+                ours = {canonicalize_name(n) for n in installed} & set(PACKAGES)
+                if ours != {package, *siblings}:
+                    session.error(f"{package}: workspace packages installed {sorted(ours)}, expected {[package, *siblings]}")
+                if package in NO_TORCH and "torch" in installed:
+                    session.error(f"{package}: torch was installed, but its wheel must work without it")
+                session.run(python, "-I", "-c",
+                            f"import sys, {module}; assert {module}.__file__.startswith(sys.prefix), {module}.__file__",
+                            external=True)
+                scripts = configparser.ConfigParser()
+                scripts.read_string(_wheel_file(wheels[package], "entry_points.txt"))
+                for script in scripts["console_scripts"] if scripts.has_section("console_scripts") else []:
+                    session.run(str(venv / "bin" / script), "--help", external=True, silent=True)
+
+            example = work / "readme_example.py"
+            example.write_text(_first_python_block(root / "packages" / package / "README.md"))
+            env = {"RL_MODELS_CACHE": str(work / "tiny-models"), "HF_HUB_OFFLINE": "1"}
+            with session.chdir(root if package in EXAMPLE_FROM_REPO_ROOT else work):
+                session.run(python, "-I", str(example), external=True, env=env)
+            session.log(f"{package}: wheel + {', '.join(siblings) or 'no workspace packages'} "
+                        f"checked in {time.monotonic() - start:.1f}s")
