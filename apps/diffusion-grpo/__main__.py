@@ -39,10 +39,11 @@ from grpo_parts import (
     trainable,
 )
 from grpo_phases import build_reward_scorer, evaluate, score
+from grpo_plan import plan_micro_batches, trained_steps
 from peft import PeftModel
 from ray_rollout import Chunk, RayRollout, sample_chunk, start_workers
 
-from rl_core.advantages import group_ids_from_keys, nonzero_advantage_indices
+from rl_core.advantages import group_ids_from_keys
 from rl_core.flow import flow_kl
 from rl_core.losses import compute_policy_loss
 from rl_core.train import (
@@ -99,6 +100,7 @@ class Run:
     workers: RayRollout | None = None  # Ray rollout actors (rollout.workers > 0)
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     guard: NonFiniteGuard = field(default_factory=NonFiniteGuard)
+    eval_log: MetricsLogger | None = None  # eval_metrics.csv (main process)
 
 
 def setup(cfg: Config, resume: str | None) -> Run:
@@ -119,7 +121,7 @@ def setup(cfg: Config, resume: str | None) -> Run:
                            config=cfg, accelerator=acc)
     seed_everything(t.seed, rank=acc.process_index)  # LoRA init; sampling noise is seeded per sample
     m = cfg.model
-    path = tiny.build(m.path.removeprefix("tiny:")) if m.path.startswith("tiny:") else m.path
+    path = tiny.resolve(m.path)
     engine = DiffusionEngine.from_pretrained(path, dtype=m.dtype, device=acc.device,
                                              text_encoder_dtype=m.text_encoder_dtype)
     engine.pipeline.transformer.requires_grad_(False)
@@ -177,7 +179,7 @@ def collect(run: Run, epoch: int) -> Batch:
     seeds = [sample_seed(cfg.train.seed, epoch, ((i // n) * world + rank) * n + i % n) for i in range(len(records))]
     chunks = [Chunk(tuple(r.prompt for r in records[start:start + size]), tuple(seeds[start:start + size]))
               for start in range(0, len(records), size)]
-    kwargs = {"num_steps": s.num_steps, "guidance_scale": s.guidance_scale, "height": s.resolution,
+    kwargs: dict[str, Any] = {"num_steps": s.num_steps, "guidance_scale": s.guidance_scale, "height": s.resolution,
               "width": s.resolution, "noise_level": s.noise_level, "kind": s.kind,
               "sde_window": tuple(s.sde_window) if s.sde_window else None, "max_sequence_length": s.max_sequence_length}
     if run.workers is None:
@@ -219,71 +221,6 @@ def prompt_group_ids(prompts: list[str], acc: Accelerator) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------- train
-
-
-Micro = tuple[int, torch.Tensor, float]  # (trajectory index, its rows [b], loss weight)
-
-
-def plan_micro_batches(run: Run, sizes: list[int], adv: torch.Tensor, epoch: int) -> list[list[Micro]]:
-    """The epoch's optimizer steps, each a list of micro-batches of this process's trajectories
-    (`sizes`: images per trajectory). Every process plans the same number of steps. How
-    zero-advantage images are handled is `train.zero_adv`:
-
-    - `drop`: the kept (non-zero advantage) rows of each trajectory in chunks of
-      `micro_batch_size`, `gradient_accumulation_steps` chunks per step; a process with fewer
-      chunks repeats its last one with weight 0, so the steps line up.
-    - `flow_grpo`: `flow_grpo_steps`.
-    """
-    t = run.cfg.train
-    if t.zero_adv == "flow_grpo":
-        return flow_grpo_steps(run, sizes, adv, epoch)
-    plan = by_trajectory((adv != 0).nonzero().flatten(), sizes, t.micro_batch_size)
-    count = run.acc.gather(torch.tensor([len(plan)], device=run.acc.device)).max().item()
-    filler = (plan[-1][0], plan[-1][1], 0.0) if plan else (0, torch.tensor([0]), 0.0)
-    plan += [filler] * (count - len(plan))
-    accum = t.gradient_accumulation_steps
-    return [plan[start:start + accum] for start in range(0, len(plan), accum)]
-
-
-def flow_grpo_steps(run: Run, sizes: list[int], adv: torch.Tensor, epoch: int) -> list[list[Micro]]:
-    """Flow-GRPO's zero-advantage filter (`scripts/train_sd3.py`) over the global batch: keep the
-    non-zero advantages, put back randomly chosen zero ones until the kept count divides into
-    the B = images per process / micro_batch_size batches of the epoch
-    (`rl_core.advantages.nonzero_advantage_indices`), shuffle, cut into B equal batches and
-    train `gradient_accumulation_steps` batches per optimizer step. The random draws come from
-    a generator seeded with (train.seed, epoch): the same selection on every process, and on
-    resume. A process trains its own images of each batch (grouped by trajectory, at most
-    micro_batch_size per forward); every kept image, refilled ones included (advantage 0,
-    still under the KL term), weighs the same in the epoch."""
-    t, acc = run.cfg.train, run.acc
-    everything, own = gather_rows(adv, acc)  # [N * world]
-    num_batches = sum(sizes) // t.micro_batch_size
-    generator = torch.Generator().manual_seed(sample_seed(t.seed, epoch))
-    kept = nonzero_advantage_indices(everything.cpu(), num_batches=num_batches, generator=generator)  # [K]
-    shuffled = kept[torch.randperm(len(kept), generator=generator)]  # [K]
-    batches = shuffled.tensor_split(num_batches)
-    steps = []
-    for first in range(0, num_batches, t.gradient_accumulation_steps):
-        chosen = torch.cat(batches[first:first + t.gradient_accumulation_steps])  # [b] global indices
-        local = chosen[(chosen >= own.start) & (chosen < own.stop)].sort().values - own.start  # [b_r]
-        steps.append(by_trajectory(local, sizes, t.micro_batch_size))
-    return steps
-
-
-def by_trajectory(rows: torch.Tensor, sizes: list[int], size: int) -> list[Micro]:
-    """This process's sorted sample indices `[b]` -> micro-batches of at most `size` rows of one
-    trajectory each (a forward replays one trajectory); trajectories with no row get none."""
-    out, start = [], 0
-    for k, n in enumerate(sizes):
-        mine = rows[(rows >= start) & (rows < start + n)] - start  # [b_k]
-        out += [(k, chunk, 1.0) for chunk in mine.split(size) if len(chunk)]
-        start += n
-    return out
-
-
-def trained_steps(traj: Trajectory, fraction: float) -> list[int]:
-    limit = max(1, int(traj.num_steps * fraction))
-    return [k for k in range(limit) if bool(traj.sde_steps[k])]
 
 
 def train_epoch(run: Run, batch: Batch, adv: torch.Tensor, epoch: int) -> dict[str, float]:
@@ -372,6 +309,9 @@ def train(cfg: Config, resume: str | None = None) -> Path:
 def run_epochs(run: Run) -> Path:
     cfg, acc, t = run.cfg, run.acc, run.cfg.train
     logger = MetricsLogger(run.run_dir, accelerator=acc, start_step=run.start_epoch)
+    # evals are logged at the epoch they precede: a resumed run re-evaluates its start epoch
+    if acc.is_main_process:  # evals run on the main process only
+        run.eval_log = MetricsLogger(run.run_dir, filename="eval_metrics.csv", start_step=run.start_epoch - 1)
     with TrainProgress(t.epochs, initial=run.start_epoch, accelerator=acc) as bar:
         for epoch in range(run.start_epoch, t.epochs):
             if cfg.eval.every and epoch % cfg.eval.every == 0 and acc.is_main_process:

@@ -4,10 +4,8 @@ per-sample seeds, image statistics, the brightness scorer, contact sheets and th
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import math
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +16,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
 
+from rl_core.train import plot_reward_curve as plot_curves
 from rl_rewards import Sample, ScoreResult
 from rl_rewards.scorers.media import load_image
 
@@ -166,51 +165,11 @@ def _wrap(text: str, width: int) -> list[str]:
     return [*lines, line] if line else lines
 
 
-# ----------------------------------------------------------------------------- csv + plots
+# ----------------------------------------------------------------------------- plots
 
-
-def append_csv(path: Path, row: Mapping[str, Any], *, keep_upto: int | None = None) -> None:
-    """Append `row` to `path` (header = the union of keys). `keep_upto` first drops rows whose
-    `epoch` is above it (an interrupted run's rows after the checkpoint we resume from)."""
-    rows: list[dict[str, Any]] = []
-    if path.exists():
-        with path.open(newline="", encoding="utf-8") as f:
-            rows = list(csv.DictReader(f))
-    if keep_upto is not None:
-        rows = [r for r in rows if int(r["epoch"]) <= keep_upto]
-    rows.append(dict(row))
-    columns = list(dict.fromkeys(key for r in rows for key in r))
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, path)
-
-
-def read_column(path: Path, x: str, y: str) -> tuple[list[float], list[float]]:
-    if not path.exists():
-        return [], []
-    with path.open(newline="", encoding="utf-8") as f:
-        pairs = [(float(r[x]), float(r[y])) for r in csv.DictReader(f) if r.get(y) not in (None, "")]
-    return [p[0] for p in pairs], [p[1] for p in pairs]
+CURVES = (("metrics.csv", "reward/mean", "train (SDE)"), ("eval_metrics.csv", "reward/mean", "eval (ODE, EMA)"))
 
 
 def plot_reward_curve(run_dir: Path) -> Path:
     """`reward_curve.png`: training reward mean per epoch and the eval reward."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(*read_column(run_dir / "metrics.csv", "step", "reward/mean"), label="train (SDE)")
-    ax.plot(*read_column(run_dir / "eval_metrics.csv", "epoch", "reward/mean"), "o-", label="eval (ODE, EMA)")
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("reward")
-    ax.legend()
-    fig.tight_layout()
-    out = run_dir / "reward_curve.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return plot_curves(run_dir, curves=CURVES, xlabel="epoch")

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 from grpo_config import RewardConfig
-from grpo_parts import append_csv, contact_sheet, image_stats, plot_reward_curve, to_pil
+from grpo_parts import contact_sheet, image_stats, plot_reward_curve, to_pil
 
 from rl_core.train import UserError
 from rl_data import OCRPrompt
@@ -76,6 +76,7 @@ def evaluate(run: Any, epoch: int) -> dict[str, float]:
     ok = rewards[torch.isfinite(rewards)]
     metrics = {"reward/mean": ok.mean().item() if ok.numel() else math.nan, **parts,
                "reward/failed": int((~torch.isfinite(rewards)).sum()), **image_stats(images)}
-    append_csv(run.run_dir / "eval_metrics.csv", {"epoch": epoch, **metrics}, keep_upto=epoch - 1)
+    if run.eval_log is not None:
+        run.eval_log.log(epoch, {"epoch": epoch, **metrics})
     plot_reward_curve(run.run_dir)
     return metrics

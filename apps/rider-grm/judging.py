@@ -1,7 +1,7 @@
 """The reward side of rider-grm: the rule reward, the generative judges swapped on and off the
 accelerator one at a time, the embedding-similarity reward, and their composition.
 
-VeRL-with-RMs (REFERENCE.md §3) keeps each judge's weights off the GPU and loads them into its
+VeRL-with-RMs (docs/reference.md §3) keeps each judge's weights off the GPU and loads them into its
 inference engine only while it scores. Here every judge is a `Scorer` wrapped in
 `SwappedJudge`, which wakes the judge's engine, scores, and puts it back to sleep, timing each
 part and recording the judge's raw outputs and parse failures. The composition
@@ -31,6 +31,7 @@ from rl_rewards.client import RemoteScorer, RewardClient, RewardClientError
 from rl_rewards.samples import Sample, Scorer, ScoreResult
 from rl_rewards.scorers.judge import JudgeScorer
 from rl_rollout import Engine, Generation, Prompt, SamplingParams
+from rl_rollout.hf import HFEngine
 
 # ------------------------------------------------------------------------------ monitoring
 
@@ -140,7 +141,9 @@ class RuleScorer:
 
 class RecordingEngine:
     """An `Engine` that forwards everything to `inner` and keeps the texts it generated since
-    `reset()`, so the judge's raw outputs can be logged next to its scores."""
+    `reset()`, so the judge's raw outputs can be logged next to its scores. `state` is the inner
+    engine's ("awake"/"asleep"/"closed" for an `HFEngine`, "remote" for engines with no local
+    state)."""
 
     def __init__(self, inner: Engine) -> None:
         self.inner = inner
@@ -158,8 +161,8 @@ class RecordingEngine:
                           candidates: Sequence[int], *, temperature: float = 1.0) -> torch.Tensor:
         return self.inner.score_next_tokens(shared_prefix, suffixes, candidates, temperature=temperature)
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.inner.load_weights(named_tensors)
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None) -> None:
+        self.inner.load_weights(named_tensors, version=version)
 
     def sleep(self) -> None:
         self.inner.sleep()
@@ -174,7 +177,7 @@ class RecordingEngine:
 def engine_state(engine: Engine) -> str:
     """"awake"/"asleep"/"closed" for an HF engine; "remote" for engines with no local state."""
     inner = engine.inner if isinstance(engine, RecordingEngine) else engine
-    return inner.state if type(inner).__name__ == "HFEngine" else "remote"
+    return inner.state if isinstance(inner, HFEngine) else "remote"
 
 
 @dataclass

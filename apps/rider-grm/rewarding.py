@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from accelerate.utils import gather_object
@@ -39,7 +39,7 @@ from rl_data import JudgeRecord, read_judge_records
 from rl_rewards.client import RemoteScorer
 from rl_rewards.composition import Reward, build_reward
 from rl_rewards.registry import build_scorer
-from rl_rewards.samples import Sample, ScoreResult
+from rl_rewards.samples import Sample, Scorer, ScoreResult
 from rl_rewards.scorers.judge import JudgeScorer
 from rl_rewards.spec import Component, Gate, RewardSpec
 from rl_rollout import Engine, Generation, build_engine
@@ -92,8 +92,8 @@ def build_judge(i: int, judge: JudgeConfig, device: torch.device, monitor: Phase
     after loading when `sleep` (so only one model is on the accelerator)."""
     use_rm_prompt = judge.prompt == "rm_prompt"
     if judge.engine == "server":
-        scorer = RemoteScorer(str(judge.url), str(judge.spec), timeout=judge.timeout_s)
-        return ServedJudge(judge_name(judge), i, scorer, monitor, use_rm_prompt=use_rm_prompt)
+        remote = RemoteScorer(str(judge.url), str(judge.spec), timeout=judge.timeout_s)
+        return ServedJudge(judge_name(judge), i, remote, monitor, use_rm_prompt=use_rm_prompt)
     if judge.engine == "hf":
         inner: Engine = HFEngine.from_pretrained(resolve_model(judge.model), device=device, **judge.engine_options)
     elif judge.engine == "openai":
@@ -153,7 +153,8 @@ def compose_reward(cfg: Config, judges: list[Judge], monitor: PhaseMonitor, devi
     return build_reward(RewardSpec(components=components, combine="fold"), scorers)
 
 
-def _rule_gate(components: dict[str, Component], threshold: float | None, gated_out: str, what: str) -> Gate | None:
+def _rule_gate(components: dict[str, Component], threshold: float | None, gated_out: Literal["skip", "zero"],
+               what: str) -> Gate | None:
     if threshold is None:
         return None
     if "rule" not in components:
@@ -171,6 +172,8 @@ def _add_similarity(cfg: Config, components: dict[str, Component], scorers: dict
                                          gate=_rule_gate(components, emb.gate, "zero", "reward.embedding"))
     inner = build_scorer("embedding_similarity", model=resolve_model(str(emb.model)), scale=0.7, offset=0.3,
                          device=str(device), on_malformed=emb.on_malformed, **fields)
+    if not isinstance(inner, Scorer):  # embedding_similarity scores synchronously
+        raise TypeError(f"embedding_similarity built a {type(inner).__name__}, not a synchronous Scorer")
     scorers["similarity"] = TimedScorer(inner, monitor, "similarity")
 
 

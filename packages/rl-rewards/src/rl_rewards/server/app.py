@@ -24,6 +24,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import msgspec
 from starlette.applications import Starlette
@@ -59,6 +60,7 @@ from rl_rewards.server.settings import LimitSettings, ServerSettings, from_json
 from rl_rewards.server.workers import SETTINGS_ENV, LocalPool, Pool, process_router
 
 log = logging.getLogger("rl_rewards.server")
+W = TypeVar("W", bound=msgspec.Struct)
 JSON = "application/json"
 
 
@@ -155,7 +157,7 @@ class RewardService:
         return protocols.merge(prepared, scored)
 
 
-def decode(body: bytes, kind: type, limits: LimitSettings) -> object:
+def decode(body: bytes, kind: type[W], limits: LimitSettings) -> W:
     """Decode a body into a wire Struct; 400 for malformed JSON (invalid UTF-8 included), 422
     naming the field or the limit otherwise."""
     try:
@@ -281,7 +283,7 @@ def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
             Route("/metrics", metrics, methods=["GET"]),
         ],
         lifespan=lifespan,
-        exception_handlers={HTTPException: _starlette_error, Exception: _server_error},
+        exception_handlers={HTTPException: _starlette_error, Exception: _server_error},  # type: ignore[dict-item]  # starlette types handlers by Exception only
     )
     app.state.service = service
     return app

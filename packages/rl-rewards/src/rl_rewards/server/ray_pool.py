@@ -77,6 +77,7 @@ class RayWorker:
         try:
             done, _ = await asyncio.wait({reply, self._abandoned}, return_when=asyncio.FIRST_COMPLETED)
             if reply not in done:
+                assert self._abandoned is not None  # set in start(), before any chunk is sent
                 raise WorkerLost(self._abandoned.result())
             return wire.decode_msgpack(reply.result(), wire.WorkReply)
         except RayActorError as e:
@@ -115,7 +116,7 @@ class RayRouter(Router):
         await super().start()
 
     def actors(self) -> list[Any]:
-        return [w.actor for w in self._workers]
+        return [w.actor for w in self._workers if isinstance(w, RayWorker)]  # every worker here is one
 
 
 def ray_router(settings: ServerSettings, metrics: Metrics) -> RayRouter:

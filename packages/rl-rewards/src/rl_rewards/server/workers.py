@@ -73,16 +73,17 @@ class LocalPool:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._served = await loop.run_in_executor(self._executor, build_served, self._settings)
-        self.rewards = list(self._served)
-        self.inline = frozenset(name for name, scorer in self._served.items() if runs_inline(scorer))
+        served = await loop.run_in_executor(self._executor, build_served, self._settings)
+        self._served = served
+        self.rewards = list(served)
+        self.inline = frozenset(name for name, scorer in served.items() if runs_inline(scorer))
 
     async def score(self, reward: str, samples: list[Sample]) -> list[ScoreResult]:
         """The batch's results; RuntimeError (503) after `request_timeout_s`. A thread cannot be
         restarted: a judge that can hang belongs in `--workers 1`, where a stuck worker is."""
         loop = asyncio.get_running_loop()
         timeout = self._settings.pool.request_timeout_s
-        work = loop.run_in_executor(self._executor, score_with, self._served, reward, samples)
+        work = loop.run_in_executor(self._executor, score_with, self._scorers(), reward, samples)
         try:
             return await asyncio.wait_for(work, timeout)
         except TimeoutError:
@@ -92,7 +93,12 @@ class LocalPool:
             ) from None
 
     def score_inline(self, reward: str, samples: list[Sample]) -> list[ScoreResult]:
-        return score_with(self._served, reward, samples)
+        return score_with(self._scorers(), reward, samples)
+
+    def _scorers(self) -> dict:
+        if self._served is None:
+            raise RuntimeError("the in-process pool was not started")
+        return self._served
 
     async def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -303,13 +309,20 @@ class ProcessWorker:
         finally:
             self._pending.pop(chunk.id, None)  # answered, lost, or given up on (chunk deadline)
 
+    def _pipes(self) -> tuple[asyncio.StreamWriter, asyncio.StreamReader]:
+        """The started worker's stdin and stdout (both are pipes: see `start`)."""
+        if self._proc is None or self._proc.stdin is None or self._proc.stdout is None:
+            raise WorkerLost("the worker process was not started")
+        return self._proc.stdin, self._proc.stdout
+
     async def _send(self, payload: bytes) -> None:
         try:
             async with self._write_lock:
-                if self._proc.stdin.is_closing():  # died since is_alive(): its reader has not noticed yet
+                stdin = self._pipes()[0]
+                if stdin.is_closing():  # died since is_alive(): its reader has not noticed yet
                     raise BrokenPipeError("the worker's stdin is closed")
-                self._proc.stdin.write(_HEADER.pack(len(payload)) + payload)
-                await self._proc.stdin.drain()
+                stdin.write(_HEADER.pack(len(payload)) + payload)
+                await stdin.drain()
         # asyncio raises BrokenPipeError for a dead worker's pipe; uvloop raises RuntimeError
         # ("unable to perform operation on <WriteUnixTransport closed=True>")
         except (ConnectionError, BrokenPipeError, RuntimeError) as e:
@@ -318,8 +331,9 @@ class ProcessWorker:
 
     async def _read_frame(self) -> wire.WorkReply | None:
         try:
-            header = await self._proc.stdout.readexactly(_HEADER.size)
-            body = await self._proc.stdout.readexactly(_HEADER.unpack(header)[0])
+            stdout = self._pipes()[1]
+            header = await stdout.readexactly(_HEADER.size)
+            body = await stdout.readexactly(_HEADER.unpack(header)[0])
         except (asyncio.IncompleteReadError, ConnectionError):
             return None
         return wire.decode_msgpack(body, wire.WorkReply)
@@ -348,7 +362,7 @@ class ProcessWorker:
             return
         if self._proc.returncode is None:
             with contextlib.suppress(ProcessLookupError, ConnectionError, BrokenPipeError, RuntimeError):
-                self._proc.stdin.close()
+                self._pipes()[0].close()
             try:
                 await asyncio.wait_for(self._proc.wait(), grace)
             except TimeoutError:
