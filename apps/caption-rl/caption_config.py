@@ -95,6 +95,16 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     qa_estimator: Literal["exact", "sample"] = "exact"  # see rl_rewards.scorers.caption_qa
     qa_num: Positive = 8  # questions drawn per caption (estimator=sample)
     format_weight: NonNegativeFloat = 0.2  # x timestamp-format reward, video rows
+    format_variant: Literal["readme", "caprl-server"] = "readme"
+    """Timestamp-format formula: `readme` (CapRL++'s published formula; "[00:01] x" scores 1.0)
+    or `caprl-server` (what CapRL++'s reward server computes; 0.70 for the same caption)."""
+    format_min_brackets: Positive = 3  # caprl-server: stamps at which its coverage term saturates
+    answer_parser: Literal["strict", "caprl"] = "strict"
+    """Sampled judge answers (qa_estimator = sample): `strict` (ours) or `caprl` (the first capital
+    A-I anywhere in the answer, as CapRL++)."""
+    qa_prompt_file: str | None = None
+    """Judge prompt template file (placeholders {caption} {question} {options} {task}, or CapRL++'s
+    two `{}`): point it at the prompt you trained with. None: our prompt."""
     length_tokenizer: str | None = None  # default: the caption model's tokenizer
     length_l1: NonNegative = 2048
     length_l2: Positive = 3072
@@ -177,6 +187,10 @@ ENV = {
     "REWARD_LENGTH_WEIGHT": "reward.length_weight",
     "FORMAT_REWARD_WEIGHT": "reward.format_weight",
     "REWARD_QA_NUM": "reward.qa_num",
+    "FORMAT_REWARD_VARIANT": "reward.format_variant",
+    "FORMAT_MIN_BRACKETS": "reward.format_min_brackets",
+    "REWARD_ANSWER_PARSER": "reward.answer_parser",
+    "REWARD_QA_PROMPT_FILE": "reward.qa_prompt_file",
     "RUN_NAME": "train.run_name",
 }
 

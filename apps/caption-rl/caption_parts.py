@@ -149,11 +149,13 @@ class RewardUnavailable(RuntimeError):
 class LocalReward:
     """CapRL++'s reward in process: `caption_qa` (one shared judge engine, an image and a video
     prompt) + format_weight x `timestamp_format` (video rows) + length_weight x `length`.
-    With `spec` (a RewardSpec TOML), that reward scores every row instead."""
+    With `spec` (a RewardSpec TOML), that reward scores every row instead. `format_variant`,
+    `answer_parser` and `qa_prompt_file` pick CapRL++'s server formulas (see the README)."""
 
     def __init__(self, *, judge: str | None, spec: str | None, qa_estimator: Literal["exact", "sample"],
                  qa_num: int, format_weight: float, length_tokenizer: str, length_l1: int, length_l2: int,
-                 length_weight: float, seed: int) -> None:
+                 length_weight: float, seed: int, format_variant: str = "readme", format_min_brackets: int = 3,
+                 answer_parser: Literal["strict", "caprl"] = "strict", qa_prompt_file: str | None = None) -> None:
         if spec is not None:
             if not Path(spec).is_file():
                 raise UserError(f"reward.spec file not found: {spec}")
@@ -171,8 +173,10 @@ class LocalReward:
         for task in ("image", "video"):
             components: dict[str, Any] = {"qa": {"scorer": "caption_qa"}, "length": length}
             if task == "video":
-                components["format"] = {"scorer": "timestamp_format", "weight": format_weight}
-            qa = CaptionQAScorer(engine, tokenizer, task=task, estimator=qa_estimator, qa_num=qa_num, seed=seed)
+                components["format"] = {"scorer": "timestamp_format", "weight": format_weight, "options": {
+                    "variant": format_variant, "min_brackets": format_min_brackets}}
+            qa = CaptionQAScorer(engine, tokenizer, task=task, estimator=qa_estimator, qa_num=qa_num, seed=seed,
+                                 answer_parser=answer_parser, prompt_template=qa_prompt_file)
             self.by_task[task] = build_reward({"components": components}, scorers={"qa": qa})
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:

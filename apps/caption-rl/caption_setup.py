@@ -81,7 +81,9 @@ def build_reward_backend(cfg: Config, policy_path: str) -> LocalReward | RemoteR
         return RemoteReward(url, retries=r.retries, timeout=r.timeout, **length)
     judge = None if r.spec is not None else resolve_model(r.judge, "reward.judge")
     return LocalReward(judge=judge, spec=r.spec, qa_estimator=r.qa_estimator, qa_num=r.qa_num,
-                       format_weight=r.format_weight, seed=cfg.train.seed, **length)
+                       format_weight=r.format_weight, seed=cfg.train.seed, format_variant=r.format_variant,
+                       format_min_brackets=r.format_min_brackets, answer_parser=r.answer_parser,
+                       qa_prompt_file=r.qa_prompt_file, **length)
 
 
 @contextmanager

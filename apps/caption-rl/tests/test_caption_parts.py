@@ -140,3 +140,18 @@ def test_collate_media_rows_follow_their_prompts():
     batch = collate([Rollout(p, [1, 2], [0.0, 0.0], valid=True) for p in prompts], pad_id=0)
     assert batch.image_grid_thw.shape == (2, 3)
     assert batch.pixel_values.shape[0] == int(torch.prod(batch.image_grid_thw, dim=1).sum())
+
+
+def test_caprl_server_format_formula_in_process():
+    """`reward.format_variant = "caprl-server"`: the formula CapRL++'s server computes ("[00:01] x":
+    0.45 * 1/3 + 0.25 + 0.30 = 0.70) instead of the README's (1.0)."""
+    data = load_records([str(VIDEOS)], [], eval_size=0, task="auto", seed=0)
+    sample = make_sample(data.train[0], "[00:01] x")
+    scores = {}
+    for variant in ("readme", "caprl-server"):
+        reward = LocalReward(judge=str(tiny.build("qwen3")), spec=None, qa_estimator="sample", qa_num=2,
+                             format_weight=0.2, length_tokenizer="whitespace", length_l1=8, length_l2=24,
+                             length_weight=0.2, seed=0, format_variant=variant, answer_parser="caprl")
+        [result] = reward.score([sample])
+        scores[variant] = result.components["format"]
+    assert scores == {"readme": 1.0, "caprl-server": pytest.approx(0.70)}
