@@ -27,23 +27,28 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
 from grpo_config import DEFAULT_CONFIG, Config, RewardConfig, parse_config, resolve_path
 from grpo_parts import (
     BrightnessScorer,
     LoraEMA,
-    LoraState,
     image_stats,
     plot_reward_curve,
     to_pil,
     trainable,
 )
-from grpo_phases import build_reward_scorer, evaluate, score
+from grpo_phases import (
+    build_reward_scorer,
+    checkpoint_state,
+    evaluate,
+    export_adapters,
+    prompt_group_ids,
+    save,
+    score,
+)
 from grpo_plan import plan_micro_batches, trained_steps
 from peft import PeftModel
 from ray_rollout import Chunk, RayRollout, sample_chunk, start_workers
 
-from rl_core.advantages import group_ids_from_keys
 from rl_core.flow import flow_kl
 from rl_core.losses import compute_policy_loss
 from rl_core.train import (
@@ -54,7 +59,6 @@ from rl_core.train import (
     TrainProgress,
     UpdateStats,
     UserError,
-    check_finite_parameters,
     gather_rows,
     group_advantages,
     load_checkpoint,
@@ -63,12 +67,11 @@ from rl_core.train import (
     resolve_resume,
     run_app,
     sample_seed,
-    save_checkpoint,
     seed_everything,
 )
 from rl_data import GroupSampler, OCRPrompt, read_ocr_prompts
 from rl_models import tiny
-from rl_models.lora import add_lora, export_lora
+from rl_models.lora import add_lora
 from rl_rewards import SCORERS, register_scorer
 from rl_rollout.diffusion import DiffusionEngine, Trajectory
 
@@ -148,13 +151,6 @@ def setup(cfg: Config, resume: str | None) -> Run:
     return run
 
 
-def checkpoint_state(run: Run) -> dict[str, Any]:
-    # Saved by the main process without the accelerator: `accelerator.save_state` would write the
-    # whole transformer (GBs); the LoRA, optimizer, EMA and sampler are all the state there is.
-    return {"lora": LoraState(run.peft), "optimizer": run.optimizer, "ema": run.ema,
-            "sampler": run.sampler, "optimizer_steps": run.optimizer_steps}
-
-
 # ------------------------------------------------------------------------------- collect
 
 
@@ -210,14 +206,6 @@ def advantages(run: Run, rewards: torch.Tensor, group_ids: torch.Tensor,
     stds = [everything[(groups == g) & torch.isfinite(everything)].std().item() for g in groups.unique()
             if ((groups == g) & torch.isfinite(everything)).sum() > 1]
     return out.advantages, {**out.metrics, "reward/zero_std_group_fraction": sum(s == 0 for s in stds) / max(len(stds), 1)}
-
-
-def prompt_group_ids(prompts: list[str], acc: Accelerator) -> torch.Tensor:
-    """Group ids `[N]` of this process's samples, equal for equal prompt text on every process:
-    the prompts of all processes are gathered and numbered together (`group_ids_from_keys`)."""
-    parts = gather_object([prompts])  # one list per process, in rank order
-    start = sum(len(part) for part in parts[: acc.process_index])
-    return group_ids_from_keys([p for part in parts for p in part])[start:start + len(prompts)]
 
 
 # ----------------------------------------------------------------------------------- train
@@ -276,24 +264,6 @@ def train_epoch(run: Run, batch: Batch, adv: torch.Tensor, epoch: int) -> dict[s
 
 
 # ------------------------------------------------------------------------------------ loop
-
-
-def save(run: Run, epoch: int) -> Path:
-    """Trainer state (`checkpoint-<epoch>`, resumable) + the LoRA in PEFT format, raw and EMA."""
-    root = run.run_dir / "checkpoints"
-    ckpt = root / f"checkpoint-{epoch}"
-    check_finite_parameters(run.peft, f"checkpoint at epoch {epoch}")
-    if run.acc.is_main_process:  # the adapters are written before the checkpoint is published
-        ckpt = save_checkpoint(root, epoch, state=checkpoint_state(run), keep_last=run.cfg.train.keep_last,
-                               write_files=lambda folder: export_adapters(run, folder))
-    run.acc.wait_for_everyone()
-    return ckpt
-
-
-def export_adapters(run: Run, out: Path) -> None:
-    export_lora(run.peft, out / "lora")
-    with run.ema.swapped():
-        export_lora(run.peft, out / "lora_ema")
 
 
 def train(cfg: Config, resume: str | None = None) -> Path:

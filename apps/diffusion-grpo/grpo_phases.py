@@ -1,4 +1,4 @@
-"""diffusion-grpo's reward and eval phases: the weighted reward (in process or a reward
+"""diffusion-grpo's reward, checkpoint and eval phases: the weighted reward (in process or a reward
 server), scoring a batch of images, and the fixed-seed ODE eval with its contact sheet."""
 
 from __future__ import annotations
@@ -9,12 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object
 from grpo_config import RewardConfig
-from grpo_parts import contact_sheet, image_stats, plot_reward_curve, to_pil
+from grpo_parts import LoraState, contact_sheet, image_stats, plot_reward_curve, to_pil
 
-from rl_core.train import UserError
+from rl_core.advantages import group_ids_from_keys
+from rl_core.train import UserError, check_finite_parameters, save_checkpoint
 from rl_data import OCRPrompt
 from rl_models import tiny
+from rl_models.lora import export_lora
 from rl_rewards import Component, RewardSpec, Sample, build_reward
 from rl_rewards.client import RemoteScorer
 
@@ -80,3 +83,36 @@ def evaluate(run: Any, epoch: int) -> dict[str, float]:
         run.eval_log.log(epoch, {"epoch": epoch, **metrics})
     plot_reward_curve(run.run_dir)
     return metrics
+
+
+def prompt_group_ids(prompts: list[str], acc: Any) -> torch.Tensor:
+    """Group ids `[N]` of this process's samples, equal for equal prompt text on every process:
+    the prompts of all processes are gathered and numbered together (`group_ids_from_keys`)."""
+    parts = gather_object([prompts])  # one list per process, in rank order
+    start = sum(len(part) for part in parts[: acc.process_index])
+    return group_ids_from_keys([p for part in parts for p in part])[start:start + len(prompts)]
+
+
+def checkpoint_state(run: Any) -> dict[str, Any]:
+    # Saved by the main process without the accelerator: `accelerator.save_state` would write the
+    # whole transformer (GBs); the LoRA, optimizer, EMA and sampler are all the state there is.
+    return {"lora": LoraState(run.peft), "optimizer": run.optimizer, "ema": run.ema,
+            "sampler": run.sampler, "optimizer_steps": run.optimizer_steps}
+
+
+def save(run: Any, epoch: int) -> Path:
+    """Trainer state (`checkpoint-<epoch>`, resumable) + the LoRA in PEFT format, raw and EMA."""
+    root = run.run_dir / "checkpoints"
+    ckpt = root / f"checkpoint-{epoch}"
+    check_finite_parameters(run.peft, f"checkpoint at epoch {epoch}")
+    if run.acc.is_main_process:  # the adapters are written before the checkpoint is published
+        ckpt = save_checkpoint(root, epoch, state=checkpoint_state(run), keep_last=run.cfg.train.keep_last,
+                               write_files=lambda folder: export_adapters(run, folder))
+    run.acc.wait_for_everyone()
+    return ckpt
+
+
+def export_adapters(run: Any, out: Path) -> None:
+    export_lora(run.peft, out / "lora")
+    with run.ema.swapped():
+        export_lora(run.peft, out / "lora_ema")
