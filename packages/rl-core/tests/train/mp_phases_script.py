@@ -29,3 +29,5 @@ optimizer_step(acc, model, optimizer, [(m, result.advantages[[rows.index(i) for 
                guard=NonFiniteGuard(), stats=stats)
 torch.save({"adv": result.advantages, "metrics": result.metrics, "stats": stats.reduce(acc),
             "weight": acc.unwrap_model(model).weight.detach().clone()}, Path(sys.argv[1]) / f"result-{rank}.pt")
+acc.wait_for_everyone()
+torch.distributed.destroy_process_group()  # a gloo group left to interpreter exit can abort ("terminate called ...")
