@@ -66,7 +66,8 @@ def load_records(
             try:
                 reader = open_source(file, kind="caption_qa", on_error="skip")
             except FileNotFoundError as e:
-                raise UserError(f"dataset file not found: {file} (data.train / data.eval / DATASET): {e}") from None
+                detail = "" if str(e).startswith("data file not found") else f": {e}"  # why a dir / Hub id failed
+                raise UserError(f"dataset file not found: {file} (data.train / data.eval / DATASET){detail}") from None
             except ValueError as e:  # an unsupported file type, a dataset with several splits
                 raise UserError(f"{e} (data.train / data.eval / DATASET)") from None
             for where, r in reader.located():
