@@ -19,7 +19,7 @@ from rl_data import (
     Location,
     format_question_text,
     load_image,
-    read_caption_qa,
+    open_source,
     sample_video,
 )
 from rl_rewards import Sample, ScoreResult, build_reward
@@ -52,20 +52,28 @@ class Dataset:
 def load_records(
     train_files: Sequence[str], eval_files: Sequence[str], *, eval_size: int, task: str, seed: int
 ) -> Dataset:
-    """Read every file (bad records skipped and counted, with file and line in the log), keep the
-    rows of `task`, and hold out `eval_size` train records when no eval file is given."""
+    """Read every source — a JSONL/parquet file, a `save_to_disk` directory or a Hub id in the
+    local cache (bad records skipped and counted, with file and line or dataset and row in the
+    log) — keep the rows of `task`, and hold out `eval_size` train records when no eval source is given."""
     if not train_files:
-        raise UserError("data.train is empty: name at least one CapRL caption-QA file (or set DATASET)")
+        raise UserError("data.train is empty: name at least one CapRL caption-QA file or dataset (or set DATASET)")
     skipped = 0
 
     def read(files: Sequence[str]) -> list[tuple[Location, CaptionQARecord]]:
         nonlocal skipped
         out = []
         for file in files:
-            if not Path(file).is_file():
-                raise UserError(f"dataset file not found: {file} (data.train / data.eval / DATASET)")
-            reader = read_caption_qa(file, on_error="skip")
-            out += [(where, r) for where, r in reader.located() if task == "auto" or r.kind == task]
+            try:
+                reader = open_source(file, kind="caption_qa", on_error="skip")
+            except FileNotFoundError as e:
+                detail = "" if str(e).startswith("data file not found") else f": {e}"  # why a dir / Hub id failed
+                raise UserError(f"dataset file not found: {file} (data.train / data.eval / DATASET){detail}") from None
+            except ValueError as e:  # an unsupported file type, a dataset with several splits
+                raise UserError(f"{e} (data.train / data.eval / DATASET)") from None
+            for where, r in reader.located():
+                if task == "auto" or r.kind == task:
+                    # a Hub id has no path: name it, so errors found later (media) still say where
+                    out.append((where if where.path is not None else where._replace(path=Path(file)), r))
             skipped += reader.skipped
         return out
 

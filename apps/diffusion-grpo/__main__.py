@@ -69,7 +69,7 @@ from rl_core.train import (
     sample_seed,
     seed_everything,
 )
-from rl_data import GroupSampler, OCRPrompt, read_ocr_prompts
+from rl_data import GroupSampler, OCRPrompt, open_source
 from rl_models import tiny
 from rl_models.lora import add_lora
 from rl_rewards import SCORERS, register_scorer
@@ -106,6 +106,16 @@ class Run:
     eval_log: MetricsLogger | None = None  # eval_metrics.csv (main process)
 
 
+def read_prompts(source: str, key: str) -> list[OCRPrompt]:
+    """The OCR prompts of a manifest file, a save_to_disk directory or a Hub id in the local cache
+    (a `prompt` or `text` column)."""
+    try:
+        reader = open_source(resolve_path(source), kind="ocr")
+    except (FileNotFoundError, ValueError) as e:  # missing; not a dataset dir; several splits
+        raise UserError(f"{key}: {e}") from None
+    return list(reader)
+
+
 def setup(cfg: Config, resume: str | None) -> Run:
     t = cfg.train
     # cpu=True without CUDA: `accelerate launch --multi_gpu --num_processes N` then gives N gloo
@@ -132,8 +142,8 @@ def setup(cfg: Config, resume: str | None) -> Run:
                     target_modules=m.lora_targets)
     optimizer = torch.optim.AdamW(trainable(peft).values(), lr=t.lr, weight_decay=t.weight_decay)
     model, optimizer = acc.prepare(peft, optimizer)
-    prompts = list(read_ocr_prompts(resolve_path(cfg.data.manifest)))
-    eval_prompts = list(read_ocr_prompts(resolve_path(cfg.data.eval_manifest)))[: cfg.eval.max_prompts]
+    prompts = read_prompts(cfg.data.manifest, "data.manifest")
+    eval_prompts = read_prompts(cfg.data.eval_manifest, "data.eval_manifest")[: cfg.eval.max_prompts]
     sampler = GroupSampler(len(prompts), cfg.rollout.n, seed=t.seed, rank=acc.process_index,
                            world_size=acc.num_processes)
     run = Run(cfg, acc, run_dir, engine, model, peft, optimizer,

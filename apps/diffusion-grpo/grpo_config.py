@@ -36,7 +36,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
-    manifest: str = "examples/data/ocr/train.txt"  # OCR prompts, one per line (Flow-GRPO format)
+    manifest: str = "examples/data/ocr/train.txt"  # OCR prompts, one per line (Flow-GRPO format), or a
+    # save_to_disk directory / cached Hub id with a `prompt` (or `text`) column
     eval_manifest: str = "examples/data/ocr/test.txt"
 
 
@@ -154,6 +155,7 @@ def parse_config(argv: list[str]) -> tuple[Config, str | None] | None:
     return cfg, cli.resume
 
 
-def resolve_path(path: str) -> Path:
-    """A data path as given, else relative to the repository root (examples/...)."""
-    return Path(path) if Path(path).exists() else REPO / path
+def resolve_path(path: str) -> str:
+    """A data path as given, else relative to the repository root (examples/...); a name that is
+    neither (a Hub dataset id) stays as given."""
+    return path if Path(path).exists() or not (REPO / path).exists() else str(REPO / path)

@@ -5,7 +5,6 @@ reward metrics, and the sample generations written with each judge's raw output.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -35,7 +34,7 @@ from swapping import make_offload
 from transformers import AutoTokenizer
 
 from rl_core.train import ConfigError, UserError, isolated_rng
-from rl_data import JudgeRecord, read_judge_records
+from rl_data import JudgeRecord, open_source
 from rl_rewards.client import RemoteScorer
 from rl_rewards.composition import Reward, build_reward
 from rl_rewards.registry import build_scorer
@@ -58,18 +57,24 @@ def load_records(files: list[str], tokenizer: Any, data: DataConfig, rm_prompts:
     (a row without one would silently get the judge's fallback)."""
     records = []
     for file in files:
-        if not Path(resolve_path(file)).is_file():
-            raise UserError(f"data file not found: {file} (data.train_files / data.val_files)")
-        for where, record in read_judge_records(resolve_path(file)).located():
+        try:  # a parquet/JSONL file, a save_to_disk directory, or a Hub id in the local cache
+            reader = open_source(resolve_path(file), kind="judge")
+        except FileNotFoundError as e:
+            detail = "" if str(e).startswith("data file not found") else f": {e}"  # why a dir / Hub id failed
+            raise UserError(f"data file not found: {file} (data.train_files / data.val_files){detail}") from None
+        except ValueError as e:  # an unsupported file type, a dataset with several splits
+            raise UserError(f"{e} (data.train_files / data.val_files)") from None
+        for where, record in reader.located():
+            at = f"{where.path or file}: {where.unit} {where.line}"  # a Hub id has no path: name it
             if len(record.rm_prompts) < rm_prompts:
-                raise UserError(f"{where.path}: {where.unit} {where.line}: no rm_prompt_{len(record.rm_prompts)} "
+                raise UserError(f"{at}: no rm_prompt_{len(record.rm_prompts)} "
                                 f"column, but {rm_prompts} judges read rm_prompt_0..{rm_prompts - 1}")
             ids = tokenizer.apply_chat_template(messages(record), add_generation_prompt=True, tokenize=True,
                                                 return_dict=True)["input_ids"]
             if len(ids) <= data.max_prompt_length:
                 records.append(record)
             elif not data.filter_overlong_prompts:
-                raise UserError(f"{where.path}: {where.unit} {where.line}: prompt has {len(ids)} tokens > "
+                raise UserError(f"{at}: prompt has {len(ids)} tokens > "
                                 f"data.max_prompt_length={data.max_prompt_length}")
     if not records:
         raise UserError(f"no usable rows in {files} (all over data.max_prompt_length?)")

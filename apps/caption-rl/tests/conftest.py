@@ -16,6 +16,7 @@ from rl_models import tiny
 from rl_rewards.client import RewardClient
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read when `datasets` is first imported (in a test)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 APP = Path(__file__).resolve().parents[1]

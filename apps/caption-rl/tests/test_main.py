@@ -328,3 +328,30 @@ def test_fsdp_launch_on_cpu_is_refused_with_the_reason(tmp_path):
     assert result.returncode != 0
     assert "asks for FSDP, but accelerate enables it only on GPUs" in result.stderr
     assert not (tmp_path / "latest").exists()  # stopped before any run directory
+
+
+def test_trains_from_a_save_to_disk_directory_and_names_its_bad_rows(app, tmp_path, caplog):
+    """data.train names a `datasets` save_to_disk directory: its good rows train; a row with a bad
+    answer is skipped when read, one whose image is missing when encoded, both named by dataset
+    and row."""
+    import datasets
+
+    examples = [json.loads(line) for line in (DATA / "caption_qa_images.jsonl").read_text().splitlines()[:4]]
+    for row in examples:  # one Arrow type per column: absolute image paths, chat-message prompts
+        row["image"] = str(DATA / (row["image"]["path"] if isinstance(row["image"], dict) else row["image"]))
+        if isinstance(row["prompt"], str):
+            row["prompt"] = [{"role": "user", "content": row["prompt"]}]
+        del row["extra_info"]
+    examples[1]["reward_model"]["ground_truth"][0]["answer"] = "E"
+    examples[2]["image"] = str(tmp_path / "missing.png")
+    folder = tmp_path / "caption_ds"
+    datasets.Dataset.from_list(examples).save_to_disk(str(folder))
+    with caplog.at_level("WARNING", logger="rl_data"):
+        run = app.main(tiny_overrides(tmp_path, f"data.train=[\"{folder}\"]",
+                                      f"data.eval=[\"{DATA / 'caption_qa_videos.jsonl'}\"]",
+                                      "train.batch_size=3", "train.max_steps=1"))
+    table = rows(run)
+    assert [r["step"] for r in table] == ["1"]
+    assert float(table[0]["data/skipped_records"]) == 2  # the bad answer (read) and the missing image (encoded)
+    assert f"{folder}: row 1: field `reward_model.ground_truth[0].answer`: answer 'E'" in caplog.text
+    assert f"{folder}: row 2: " in caplog.text and "missing.png" in caplog.text

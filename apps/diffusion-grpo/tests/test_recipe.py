@@ -171,3 +171,21 @@ def test_aesthetic_and_clip_score_rewards_from_the_command_line(app, tmp_path: P
     assert float(row["reward/mean"]) == pytest.approx(aesthetic + 0.5 * clip, abs=1e-6)
     assert float(row["reward/std"]) > 0  # the random tiny heads still tell the images apart
     assert [r["epoch"] for r in evals] == ["0", "1"] and all(r["reward/clip_score"] != "" for r in evals)
+
+
+def test_trains_from_a_save_to_disk_directory(app, tmp_path: Path) -> None:
+    """data.manifest / data.eval_manifest name a `datasets` save_to_disk directory whose
+    `prompt` column holds manifest lines; one epoch trains on exactly those prompts."""
+    import datasets
+
+    lines = (Path(__file__).resolve().parents[3] / "examples/data/ocr/train.txt").read_text().splitlines()[:4]
+    folder = tmp_path / "ocr_ds"
+    datasets.Dataset.from_dict({"prompt": lines}).save_to_disk(str(folder))
+    run = app.setup(_config(app, tmp_path / "out", f"data.manifest={folder}", f"data.eval_manifest={folder}",
+                            "train.epochs=1"), resume=None)
+    assert [p.prompt for p in run.prompts] == [p.prompt for p in run.eval_prompts] == lines
+    assert run.prompts[0].target == lines[0].split('"')[1]
+    out = app.run_epochs(run)
+    assert [r["step"] for r in _rows(out / "metrics.csv") if r.get("reward/mean")] == ["1"]
+    with pytest.raises(UserError, match=r"data\.manifest: .*no-such-manifest\.txt"):
+        app.read_prompts(str(tmp_path / "no-such-manifest.txt"), "data.manifest")

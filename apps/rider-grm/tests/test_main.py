@@ -255,3 +255,22 @@ def test_full_size_example_config_loads() -> None:
     assert (cfg.rollout.n, cfg.train.lr, cfg.train.batch_size, cfg.train.save_freq) == (4, 1e-6, 32, 30)
     for judge in judges:
         assert (REPO / judge.module).is_file()
+
+
+def test_trains_from_a_save_to_disk_directory(tmp_path: Path) -> None:
+    """data.train_files / data.val_files name a `datasets` save_to_disk directory of judge rows."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    rows = datasets.Dataset.from_list(pq.read_table(REPO / "examples/data/rider/train.parquet").slice(0, 2).to_pylist())
+    folder = tmp_path / "rider_ds"
+    rows.save_to_disk(str(folder))
+    run = app.main(tiny_overrides(tmp_path / "out", **{
+        "data.train_files": f'["{folder}"]', "data.val_files": f'["{folder}"]',
+        "reward.judges": "[]", "reward.embedding.model": "null", "reward.rule": f'"{TESTS}/rules/letter_rule.py"',
+        "train.max_steps": 1, "train.samples_to_log": 100,
+    }))
+    assert [r["step"] for r in read_metrics(run)] == ["1"]
+    questions = {row["prompt"][-1]["content"] for row in rows}
+    logged = read_samples(run)  # train and val samples: the two rows' questions, nothing else
+    assert len(questions) == 2 and {s["prompt"] for s in logged} == questions
