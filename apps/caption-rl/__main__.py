@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +32,12 @@ from accelerate import Accelerator
 from caption_config import Config, flat_config, parse_config
 from caption_metrics import response_metrics
 from caption_parts import (
-    Dataset,
-    LocalReward,
-    RemoteReward,
     load_records,
 )
 from caption_phases import evaluate, sample_rows, score
 from caption_rollout import encode_records, placeholder_rows, take
 from caption_setup import (
+    Run,
     awake_engine,
     build_reward_backend,
     check_sharding,
@@ -54,7 +51,6 @@ from rl_core.train import (
     MetricsLogger,
     NonFiniteGuard,
     OptimizerOffload,
-    PhaseTimer,
     SampleLog,
     TrainProgress,
     UserError,
@@ -69,7 +65,7 @@ from rl_core.train import (
     save_checkpoint,
     seed_everything,
 )
-from rl_data import GroupSampler, ReadStats
+from rl_data import GroupSampler
 from rl_models.logprobs import unwrap_peft
 from rl_rollout import SamplingParams
 from rl_rollout.training import (
@@ -82,46 +78,6 @@ from rl_rollout.training import (
 )
 
 # ------------------------------------------------------------------------------------- setup
-
-
-@dataclass
-class Run:
-    """Everything the loop touches, built once by `setup`."""
-
-    cfg: Config
-    acc: Accelerator
-    run_dir: Path
-    policy: torch.nn.Module  # `Policy` (model -> completion log-probs), prepared: DDP-wrapped
-    processor: Any
-    engine: Any  # rollout.engine: HFEngine over the training modules, or a colocated VLLMEngine
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    reward: LocalReward | RemoteReward
-    sampler: GroupSampler
-    data: Dataset
-    prompts_per_rank: int
-    total_steps: int
-    start_step: int
-    reference: torch.nn.Module | None  # frozen initial policy (full fine-tuning with a KL term)
-    samples: SampleLog
-    timer: PhaseTimer = field(default_factory=PhaseTimer)
-    guard: NonFiniteGuard = field(default_factory=NonFiniteGuard)
-    bad_records: ReadStats = field(default_factory=ReadStats)  # records that failed to become model input
-    placeholders: frozenset[int] = frozenset()
-    pad_id: int = 0
-    dropped_long: int = 0  # prompts over rollout.max_prompt_length, this process
-    weight_version: int = 0  # optimizer steps pushed into a vllm engine
-    optimizer_offload: OptimizerOffload | None = None
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.acc.unwrap_model(self.policy).model
-
-    @property
-    def on_policy(self) -> bool:
-        """Each rollout batch makes exactly one optimizer step: old log-probs = the update's own."""
-        t = self.cfg.train
-        return self.cfg.algo.ppo_epochs == 1 and (t.mini_batch_size or t.batch_size) == t.batch_size
 
 
 def setup(cfg: Config, resume: str | None) -> Run:

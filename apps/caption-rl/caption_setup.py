@@ -1,4 +1,4 @@
-"""caption-rl's setup pieces: the policy (LoRA, compiled layers, shared media), the reward
+"""caption-rl's setup pieces: the `Run` every phase takes, the policy (LoRA, compiled layers, shared media), the reward
 backend, the sharding check, the engine's turn on the accelerator, the KL reference and the
 export."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -14,11 +15,12 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from caption_config import Config, ModelConfig
-from caption_parts import LocalReward, RemoteReward, resolve_model
+from caption_parts import Dataset, LocalReward, RemoteReward, resolve_model
 from peft import PeftModel
 from transformers import PreTrainedModel
 
-from rl_core.train import UserError
+from rl_core.train import NonFiniteGuard, OptimizerOffload, PhaseTimer, SampleLog, UserError
+from rl_data import GroupSampler, ReadStats
 from rl_models.compiled import compile_decoder_layers
 from rl_models.lora import add_lora, disabled_adapter, export_lora, merge_and_export
 from rl_models.shared_media import share_identical_media
@@ -133,3 +135,43 @@ def export(model: torch.nn.Module, processor: Any, out: Path) -> None:
             raise TypeError(f"export needs the transformers model (or its PeftModel), got {type(model).__name__}")
         model.save_pretrained(out)
         processor.save_pretrained(out)
+
+
+@dataclass
+class Run:
+    """Everything the loop touches, built once by `setup`."""
+
+    cfg: Config
+    acc: Accelerator
+    run_dir: Path
+    policy: torch.nn.Module  # `Policy` (model -> completion log-probs), prepared: DDP-wrapped
+    processor: Any
+    engine: Any  # rollout.engine: HFEngine over the training modules, or a colocated VLLMEngine
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    reward: LocalReward | RemoteReward
+    sampler: GroupSampler
+    data: Dataset
+    prompts_per_rank: int
+    total_steps: int
+    start_step: int
+    reference: torch.nn.Module | None  # frozen initial policy (full fine-tuning with a KL term)
+    samples: SampleLog
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+    guard: NonFiniteGuard = field(default_factory=NonFiniteGuard)
+    bad_records: ReadStats = field(default_factory=ReadStats)  # records that failed to become model input
+    placeholders: frozenset[int] = frozenset()
+    pad_id: int = 0
+    dropped_long: int = 0  # prompts over rollout.max_prompt_length, this process
+    weight_version: int = 0  # optimizer steps pushed into a vllm engine
+    optimizer_offload: OptimizerOffload | None = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.acc.unwrap_model(self.policy).model
+
+    @property
+    def on_policy(self) -> bool:
+        """Each rollout batch makes exactly one optimizer step: old log-probs = the update's own."""
+        t = self.cfg.train
+        return self.cfg.algo.ppo_epochs == 1 and (t.mini_batch_size or t.batch_size) == t.batch_size

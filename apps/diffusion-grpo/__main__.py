@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from grpo_config import DEFAULT_CONFIG, Config, RewardConfig, parse_config, resolve_path
+from grpo_config import DEFAULT_CONFIG, Config, RewardConfig, parse_config
 from grpo_parts import (
     BrightnessScorer,
     LoraEMA,
@@ -46,15 +45,14 @@ from grpo_phases import (
     score,
 )
 from grpo_plan import plan_micro_batches, trained_steps
-from peft import PeftModel
-from ray_rollout import Chunk, RayRollout, sample_chunk, start_workers
+from grpo_run import Batch, Run, read_prompts
+from ray_rollout import Chunk, sample_chunk, start_workers
 
 from rl_core.flow import flow_kl
 from rl_core.losses import compute_policy_loss
 from rl_core.train import (
     MetricsLogger,
     NonFiniteGuard,
-    PhaseTimer,
     ReplayCheck,
     TrainProgress,
     UpdateStats,
@@ -69,11 +67,11 @@ from rl_core.train import (
     sample_seed,
     seed_everything,
 )
-from rl_data import GroupSampler, OCRPrompt, open_source
+from rl_data import GroupSampler
 from rl_models import tiny
 from rl_models.lora import add_lora
 from rl_rewards import SCORERS, register_scorer
-from rl_rollout.diffusion import DiffusionEngine, Trajectory
+from rl_rollout.diffusion import DiffusionEngine
 
 __all__ = ["DEFAULT_CONFIG", "Config", "RewardConfig", "build_reward_scorer", "main", "train"]  # tests use these too
 if "brightness" not in SCORERS:  # the app module is imported once per process, tests included
@@ -81,39 +79,6 @@ if "brightness" not in SCORERS:  # the app module is imported once per process, 
 
 
 # ------------------------------------------------------------------------------------- setup
-
-
-@dataclass
-class Run:
-    cfg: Config
-    acc: Accelerator
-    run_dir: Path
-    engine: DiffusionEngine
-    model: torch.nn.Module  # the peft transformer, prepared (DDP-wrapped with several processes)
-    peft: PeftModel
-    optimizer: torch.optim.Optimizer
-    ema: LoraEMA
-    reward: Any  # a rl_rewards Scorer (composed in process, or RemoteScorer)
-    prompts: list[OCRPrompt]
-    eval_prompts: list[OCRPrompt]
-    sampler: GroupSampler
-    start_epoch: int
-    optimizer_steps: int = 0
-    first_ratio: float = math.nan  # max |log ratio| on this epoch's first replay (diagnostic)
-    workers: RayRollout | None = None  # Ray rollout actors (rollout.workers > 0)
-    timer: PhaseTimer = field(default_factory=PhaseTimer)
-    guard: NonFiniteGuard = field(default_factory=NonFiniteGuard)
-    eval_log: MetricsLogger | None = None  # eval_metrics.csv (main process)
-
-
-def read_prompts(source: str, key: str) -> list[OCRPrompt]:
-    """The OCR prompts of a manifest file, a save_to_disk directory or a Hub id in the local cache
-    (a `prompt` or `text` column)."""
-    try:
-        reader = open_source(resolve_path(source), kind="ocr")
-    except (FileNotFoundError, ValueError) as e:  # missing; not a dataset dir; several splits
-        raise UserError(f"{key}: {e}") from None
-    return list(reader)
 
 
 def setup(cfg: Config, resume: str | None) -> Run:
@@ -162,15 +127,6 @@ def setup(cfg: Config, resume: str | None) -> Run:
 
 
 # ------------------------------------------------------------------------------- collect
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One epoch's rollouts on this process: trajectories of `sample_batch_size` images each."""
-
-    trajectories: list[Trajectory]
-    records: list[OCRPrompt]  # one per image, in trajectory order
-    group_ids: torch.Tensor  # [N] global group index
 
 
 def collect(run: Run, epoch: int) -> Batch:

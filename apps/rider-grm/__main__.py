@@ -10,30 +10,22 @@ on a rule reward plus several generative judges plus an embedding-similarity rew
 One step: group sampler -> generate with the policy (the `hf` engine wraps the training model)
 -> put the policy engine (and the optimizer state) to sleep -> rule reward -> each judge woken
 in turn, scores the samples its gate lets through, goes back to sleep -> embedding similarity
--> fold the components -> advantages -> log-prob replay with the policy and the reference (the
-engine's log-probs must match on the first step) -> clipped policy-gradient update with the k3
-KL loss -> checkpoint -> validate -> log. With `reward.swap = "always"` only one model's weights
-are on the accelerator while the judges score; "auto" drops the swaps the GPU does not need.
-See README.md next to this file for the seed's launch line translated.
-
-The parts live next to this file: `rider_config` (config), `rewarding` (rows, judges, the
-reward fold, reward metrics, sample rows), `judging` (phase monitor, rule, in-process and
-served judges), `swapping` (pinned offload, the swap plan), `policy_update` (replay,
-advantages, the update).
+-> fold the components -> advantages -> log-prob replay -> clipped policy-gradient update with
+the k3 KL loss (`policy_update`, on `rl_core.train` / `rl_rollout.training`) -> validate -> log
+-> checkpoint. Beside this file: `rider_config`, `rewarding` (rows, judges, the fold),
+`judging`, `swapping` (the swap plan), `rider_summary`. See README.md next to this file.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import torch
 from accelerate import Accelerator
-from judging import Judge, PhaseMonitor, SwappedJudge
+from judging import PhaseMonitor, SwappedJudge
 from policy_update import advantages, logprobs, to_rollouts, update
 from rewarding import (
     build_judges,
@@ -57,6 +49,7 @@ from rider_config import (
     judge_name,
     resolve_model,
 )
+from rider_parts import Parts
 from rider_summary import print_summary
 from swapping import PinnedOffload, PolicySwap
 
@@ -83,7 +76,6 @@ from rl_core.train import (
 )
 from rl_data import GroupSampler, JudgeRecord
 from rl_models.text import load_causal_lm
-from rl_rewards.composition import Reward
 from rl_rollout import Generation, SamplingParams
 from rl_rollout.hf import HFEngine
 from rl_rollout.training import Policy
@@ -91,26 +83,6 @@ from rl_rollout.training import Policy
 __all__ = ["Config", "judge_configs", "judge_name", "load_config", "main"]
 
 # ----------------------------------------------------------------------------------- one step
-
-
-@dataclass
-class Parts:
-    """Everything the loop touches, built once in `main`."""
-
-    cfg: Config
-    accelerator: Accelerator
-    model: Any
-    ref: Any
-    optimizer: Any
-    engine: HFEngine
-    judges: list[Judge]
-    reward: Reward
-    monitor: PhaseMonitor
-    swap: PolicySwap
-    ref_offload: PinnedOffload | None  # the reference's weights between uses (CUDA, model.ref_offload)
-    run_dir: Path
-    samples: SampleLog
-    guard: NonFiniteGuard
 
 
 def generate(p: Parts, records: list[JudgeRecord], n: int, temperature: float,
