@@ -31,11 +31,9 @@ import torch
 from accelerate import Accelerator
 from caption_config import Config, flat_config, parse_config
 from caption_metrics import response_metrics
-from caption_parts import (
-    load_records,
-)
+from caption_parts import load_records, placeholder_ids
 from caption_phases import evaluate, sample_rows, score
-from caption_rollout import encode_records, placeholder_rows, take
+from caption_rollout import encode_records, take
 from caption_setup import (
     Run,
     awake_engine,
@@ -130,7 +128,7 @@ def setup(cfg: Config, resume: str | None) -> Run:
     run = Run(cfg, acc, run_dir, policy, processor, engine, optimizer, scheduler, reward, sampler, data, per_rank,
               total, start, reference, SampleLog(run_dir, main=acc.is_main_process, start_step=start),
               guard=NonFiniteGuard(t.max_nonfinite_steps), pad_id=pad_id,
-              placeholders=placeholder_rows(unwrap_peft(model).config),
+              placeholders=placeholder_ids(unwrap_peft(model).config),
               optimizer_offload=OptimizerOffload(optimizer, acc.device) if offload and acc.device.type == "cuda" else None)
     if r.engine == "vllm":  # the checkpoint it loaded may be older than the policy (--resume)
         push_weights(engine, run.model, version=run.weight_version)

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from caption_parts import placeholder_ids, to_messages
+from caption_parts import to_messages
 
 from rl_data import CaptionQARecord, GroupSampler, Location, RecordError
 from rl_rollout.prompts import EncodedPrompt, encode_prompt
-
-placeholder_rows = placeholder_ids
 
 
 def take(sampler: GroupSampler, count: int) -> list[int]:
