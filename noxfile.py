@@ -169,9 +169,13 @@ def slow(session: nox.Session) -> None:
 
 @nox.session
 def vllm(session: nox.Session) -> None:
-    """Opt-in: tests marked `vllm` (needs vLLM and a GPU; installs rl-rollout[vllm])."""
-    _sync(session, "rl-rollout", ["vllm"])
-    _pytest(session, "rl-rollout", "vllm")
+    """Opt-in: tests marked `vllm` in every package and app (needs a GPU): the engine itself, the
+    judges of rl-rewards serve, caption-rl's colocated rollouts, rider-grm's judges. One
+    environment with the whole workspace and rl-rollout[vllm]; `.ci/marked_tests.py vllm` runs
+    the same tests with an existing Python (a GPU machine with vLLM from the wheel set)."""
+    env = {"UV_PROJECT_ENVIRONMENT": session.virtualenv.location}
+    session.run_install("uv", "sync", "--frozen", "--all-packages", "--all-extras", env=env)
+    session.run("python", ".ci/marked_tests.py", "vllm", *session.posargs)
 
 
 @nox.session

@@ -13,6 +13,13 @@ GPU memory, no download; the tiny trained Qwen tokenizer, whose " A".." I" are s
 Both run once untimed first (CUDA graph capture / compile for the decode step, allocator
 warm-up), then timed. Goal: exact >= 8x the captions/s of sample.
 
+With vLLM importable on a GPU (`--engines hf,vllm`, the default there), the same judge weights are
+saved and served by a `VLLMEngine` too (prefix caching on, as CapRL++ runs it), and both
+estimators run on it: `sample` on vLLM *is* CapRL++'s reward setup, so every row's ratio is also
+given against it. `exact` on vLLM sends one request per caption+question (the caption prefix is
+cached across its questions) decoding one token restricted to the option letters.
+Goals: exact (vLLM) >= 2x sample (vLLM); exact (hf) >= 2x sample (vLLM).
+
     python benchmarks/caption_qa.py            # GPU, appends to RESULTS.md
     python benchmarks/caption_qa.py --smoke    # tiny judge on CPU, seconds, prints only
 """
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,6 +61,18 @@ def make_samples(tokenizer, n_captions: int, caption_tokens: int, n_questions: i
         ]
         samples.append(Sample(completion=caption, reference=qa))
     return samples
+
+
+def vllm_judge(engine, tmp: Path):
+    """The hf judge's weights and tokenizer saved to `tmp` and loaded by a `VLLMEngine` (bf16)."""
+    import os
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from rl_rollout.vllm import VLLMEngine
+
+    engine.model.save_pretrained(tmp)
+    engine.tokenizer.save_pretrained(tmp)
+    return VLLMEngine(str(tmp), dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=4096, seed=0)
 
 
 def load_judge(smoke: bool, device: str):
@@ -94,46 +114,64 @@ def main() -> None:
     parser.add_argument("--caption-tokens", type=int, default=800)
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--qa-num", type=int, default=8)
+    parser.add_argument("--engines", default=None, help="hf or hf,vllm (default: hf,vllm where vLLM and a GPU are there)")
     args = parser.parse_args()
     if args.smoke:
         args.captions, args.caption_tokens, args.questions, args.qa_num = 4, 60, 3, 3
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
+    if args.engines is None:
+        import importlib.util
+
+        args.engines = "hf,vllm" if device == "cuda" and importlib.util.find_spec("vllm") else "hf"
 
     from rl_rewards.scorers.caption_qa import CaptionQAScorer
 
     engine, tokenizer = load_judge(args.smoke, device)
     samples = make_samples(tokenizer, args.captions, args.caption_tokens, args.questions)
-    exact = CaptionQAScorer(engine, tokenizer, estimator="exact")
-    sample = CaptionQAScorer(engine, tokenizer, estimator="sample", qa_num=args.qa_num, max_new_tokens=10, seed=0)
-    warm = samples[: max(2, len(samples) // 8)]
-    exact.score(warm)
-    sample.score(warm)
-    t_exact, r_exact = timed(exact, samples, device)
-    t_sample, r_sample = timed(sample, samples, device)
-    failed = [r.error for r in r_exact + r_sample if r.error is not None]
-    if failed:
-        raise SystemExit(f"{len(failed)} samples failed, first: {failed[0]}")
-
-    prompt_tokens = len(exact.prompter.ids(samples[0].completion, "q"))
-    rate_exact, rate_sample = len(samples) / t_exact, len(samples) / t_sample
-    header = ["estimator", "judge calls", "seconds", "captions/s", "vs sample"]
-    rows = [
-        ["sample (CapRL: qa_num draws, 10 sampled tokens)", f"generate x{len(samples) * args.qa_num}",
-         f"{t_sample:.2f}", f"{rate_sample:.2f}", "1.00x"],
-        ["exact (shared-prefix letter probabilities)", f"score_next_tokens x{len(samples)}",
-         f"{t_exact:.2f}", f"{rate_exact:.2f}", f"{rate_exact / rate_sample:.2f}x"],
-    ]
+    engines = {"hf": engine}
+    tmp = tempfile.TemporaryDirectory()
+    if "vllm" in args.engines.split(","):
+        engines["vllm"] = vllm_judge(engine, Path(tmp.name))
+    times: dict[tuple[str, str], float] = {}
+    for name, judge in engines.items():
+        exact = CaptionQAScorer(judge, tokenizer, estimator="exact")
+        sample = CaptionQAScorer(judge, tokenizer, estimator="sample", qa_num=args.qa_num, max_new_tokens=10, seed=0)
+        warm = samples[: max(2, len(samples) // 8)]
+        exact.score(warm)
+        sample.score(warm)
+        times[name, "exact"], r_exact = timed(exact, samples, device)
+        times[name, "sample"], r_sample = timed(sample, samples, device)
+        failed = [r.error for r in r_exact + r_sample if r.error is not None]
+        if failed:
+            raise SystemExit(f"{name}: {len(failed)} samples failed, first: {failed[0]}")
+        if name == "vllm":
+            hf_exact = CaptionQAScorer(engine, tokenizer, estimator="exact").score(samples[:8])
+            drift = max(abs(a.score - b.score) for a, b in zip(hf_exact, r_exact[:8], strict=True))
+    prompt_tokens = len(CaptionQAScorer(engine, tokenizer).prompter.ids(samples[0].completion, "q"))
+    base = ("vllm", "sample") if "vllm" in engines else ("hf", "sample")
+    rate = {key: len(samples) / secs for key, secs in times.items()}
+    header = ["estimator", "engine", "judge calls", "seconds", "captions/s", f"vs sample ({base[0]})"]
+    label = {"sample": "sample (CapRL: qa_num draws, 10 sampled tokens)", "exact": "exact (letter probabilities)"}
+    calls = {"sample": f"generate x{len(samples) * args.qa_num}", "exact": f"{len(samples) * args.questions} prefix+question scorings"}
+    rows = [[label[est] + (" = CapRL++'s setup" if (name, est) == ("vllm", "sample") else ""), name, calls[est],
+             f"{times[name, est]:.2f}", f"{rate[name, est]:.2f}", f"{rate[name, est] / rate[base]:.2f}x"]
+            for name in engines for est in ("sample", "exact")]
     notes = (
         f"{len(samples)} captions x {args.questions} questions (4 options + cannot-answer), caption "
         f"{args.caption_tokens} tokens, full judge prompt ~{prompt_tokens} tokens; qa_num={args.qa_num}; "
         f"judge: {'tiny qwen3 (smoke)' if args.smoke else 'Qwen3-4B shape, random bf16 weights'}; "
-        "one HFEngine (max_batch_size 256) for both. Goal: exact >= 8x."
+        "hf: one HFEngine (max_batch_size 256); vllm: the same weights in a VLLMEngine (prefix caching, "
+        "gpu_memory_utilization 0.5), in the same process. Goals: exact (vLLM) >= 2x and exact (hf) >= 2x "
+        "CapRL++'s setup (sample on vLLM)."
     )
+    if "vllm" in engines:
+        notes += f" exact on vLLM vs on hf, first 8 captions: max |reward difference| {drift:.4f} (bf16 kernels)."
     if args.smoke:
         print(markdown_table(header, rows))
         print(notes)
     else:
-        append_results("caption_qa: exact vs CapRL-style sample", header, rows, notes)
+        append_results("caption_qa: exact vs CapRL-style sample, on hf and on vLLM", header, rows, notes)
+    tmp.cleanup()
 
 
 if __name__ == "__main__":

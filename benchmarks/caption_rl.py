@@ -2,6 +2,13 @@
 
     uv run --package caption-rl python benchmarks/caption_rl.py            # one H100/H200
     uv run --package caption-rl python benchmarks/caption_rl.py --smoke    # tiny, CPU, ~1 minute
+    python benchmarks/caption_rl.py --vllm     # both on vLLM: rollout.engine=vllm vs TRL's colocate mode
+
+`--vllm`: caption-rl's colocated vLLM engine (asleep during the update, LoRA-merged or full
+weights pushed after every optimizer step) against TRL's fast path, `use_vllm=True,
+vllm_mode="colocate"` with sleep mode, both with `gpu_memory_utilization` `VLLM_MEMORY` and
+`max_model_len` `VLLM_MAX_LEN`. vLLM allocates outside torch's caching allocator, so the peak
+reported there is the device's (total - free, sampled every 20 ms), not torch's.
 
 Both trainers get the same checkpoint, the same 32 images x n=8 captions of 256 tokens per
 step, the same in-process rule reward (timestamp format + length:
@@ -95,6 +102,31 @@ WARMUP = 2
 FULL, SMOKE = (32, 8, 256, 16), (4, 2, 16, 4)
 
 
+VLLM_MEMORY, VLLM_MAX_LEN = 0.3, 2048
+
+
+class DevicePeak:
+    """Peak GPU memory in use on the device (total - free), sampled by a thread: counts what
+    vLLM allocates outside torch's caching allocator."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak, self.stop = 0, threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        if torch.cuda.is_available():
+            self.thread.start()
+
+    def _poll(self) -> None:
+        while not self.stop.wait(0.02):
+            free, total = torch.cuda.mem_get_info()
+            self.peak = max(self.peak, total - free)
+
+    def gib(self) -> float:
+        self.stop.set()
+        return self.peak / 2**30 if torch.cuda.is_available() else float("nan")
+
+
 def run_caption_rl(policy: Path, out: Path, *, smoke: bool, steps: int, overrides: list[str]) -> dict[str, float]:
     """The app's own loop (`apps/caption-rl`), figures from its metrics.csv; `overrides` are extra
     `key=value` settings of the app (`--set`)."""
@@ -122,6 +154,11 @@ def run_caption_rl(policy: Path, out: Path, *, smoke: bool, steps: int, override
         figures[f"steps/{phase}"] = [round(float(r[f"time/{phase}"]), 1) for r in every]
     figures["peak_gib"] = _peak_gib()
     return figures
+
+
+def vllm_overrides() -> list[str]:
+    return ["rollout.engine=vllm", f"rollout.gpu_memory_utilization={VLLM_MEMORY}",
+            f"rollout.engine_options.max_model_len={VLLM_MAX_LEN}"]
 
 
 def _load_app():
@@ -154,7 +191,7 @@ def trl_rows(prompts: int) -> list[dict]:
     return rows
 
 
-def run_trl(policy: Path, out: Path, *, smoke: bool, steps: int) -> dict[str, float]:
+def run_trl(policy: Path, out: Path, *, smoke: bool, steps: int, vllm: bool = False) -> dict[str, float]:
     """`trl.GRPOTrainer` with the app's data, group size, lengths, micro-batch, loss and reward:
     one optimizer step per RL step (gradient accumulation over the whole generation batch)."""
     try:
@@ -173,7 +210,9 @@ def run_trl(policy: Path, out: Path, *, smoke: bool, steps: int) -> dict[str, fl
         num_generations=n, max_completion_length=tokens, max_steps=steps, learning_rate=1e-5, bf16=False,
         gradient_checkpointing=True, temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, epsilon_high=0.28,
         loss_type="dapo", num_iterations=1, logging_steps=1, report_to="none", save_strategy="no",
-        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, seed=0)
+        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, seed=0,
+        **({"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": VLLM_MEMORY,
+            "vllm_enable_sleep_mode": True, "vllm_max_model_length": VLLM_MAX_LEN} if vllm else {}))
     model = AutoModelForImageTextToText.from_pretrained(policy, dtype=torch.bfloat16)
     trainer = trl.GRPOTrainer(model=model, reward_funcs=as_trl_reward(build_reward(APP / "configs" / "rule_reward.toml")),
                               args=args, train_dataset=datasets.Dataset.from_list(trl_rows(prompts * steps)),
@@ -199,11 +238,12 @@ def run_trl(policy: Path, out: Path, *, smoke: bool, steps: int) -> dict[str, fl
             "peak_gib": _peak_gib()}
 
 
-def run_side(side: str, smoke: bool, steps: int, policy: Path, out: Path, overrides: list[str]) -> dict:
+def run_side(side: str, smoke: bool, steps: int, policy: Path, out: Path, overrides: list[str], vllm: bool) -> dict:
     """One trainer in a fresh process; its figures come back as JSON."""
     result = out / f"{side}.json"
     cmd = [sys.executable, __file__, "--side", side, "--policy", str(policy), "--result", str(result),
-           "--steps", str(steps), *(["--smoke"] if smoke else []), *(f"--set={o}" for o in overrides)]
+           "--steps", str(steps), *(["--smoke"] if smoke else []), *(["--vllm"] if vllm else []),
+           *(f"--set={o}" for o in overrides)]
     subprocess.run(cmd, check=True)
     return json.loads(result.read_text())
 
@@ -214,6 +254,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps (first is warm-up)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="extra caption-rl setting, e.g. --set rollout.compile_mode=reduce-overhead (repeatable)")
+    parser.add_argument("--vllm", action="store_true", help="both trainers roll out with a colocated vLLM (GPU)")
     parser.add_argument("--side", choices=("caption-rl", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--policy", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -221,10 +262,13 @@ def main() -> None:
     steps = args.steps or (WARMUP + 1 if args.smoke else WARMUP + 5)
     if args.side is not None:  # a child process: one trainer
         out = args.result.parent / f"{args.side}-run"
+        device = DevicePeak()
         if args.side == "caption-rl":
-            figures = run_caption_rl(args.policy, out, smoke=args.smoke, steps=steps, overrides=args.overrides)
+            overrides = (vllm_overrides() if args.vllm else []) + args.overrides
+            figures = run_caption_rl(args.policy, out, smoke=args.smoke, steps=steps, overrides=overrides)
         else:
-            figures = run_trl(args.policy, out, smoke=args.smoke, steps=steps)
+            figures = run_trl(args.policy, out, smoke=args.smoke, steps=steps, vllm=args.vllm)
+        figures["device_peak_gib"] = device.gib()
         args.result.write_text(json.dumps(figures))
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -232,12 +276,14 @@ def main() -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the children measure their own peaks; this process keeps no weights
-        ours = run_side("caption-rl", args.smoke, steps, policy, Path(tmp), args.overrides)
-        theirs = run_side("trl", args.smoke, steps, policy, Path(tmp), [])
-    report(ours, theirs, smoke=args.smoke)
+        ours = run_side("caption-rl", args.smoke, steps, policy, Path(tmp), args.overrides, args.vllm)
+        theirs = run_side("trl", args.smoke, steps, policy, Path(tmp), [], args.vllm)
+    report(ours, theirs, smoke=args.smoke, vllm=args.vllm)
 
 
-def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool) -> None:
+def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool, vllm: bool = False) -> None:
+    if vllm:  # vLLM's memory is outside torch's allocator: compare what the device had in use
+        ours, theirs = {**ours, "peak_gib": ours["device_peak_gib"]}, {**theirs, "peak_gib": theirs["device_peak_gib"]}
     header = ["trainer", "tokens/s", "s/step", "generate s", "reward s", "logprob s", "update s", "caption tokens",
               "peak GiB"]
     table = [["caption-rl", f"{ours['throughput/tokens_per_s']:.0f}", f"{ours['time/step']:.2f}",
@@ -253,7 +299,11 @@ def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool) -> 
     notes = ("Policy: random weights at Qwen3-VL-2B shape (vocab 151,936), bf16, full fine-tuning with gradient "
              "checkpointing; 32 images x 8 captions x 256 tokens per step, rule reward, one optimizer step per RL "
              f"step, micro-batches of 16; mean over the steps after the first {WARMUP} (warm-up) of each trainer. TRL {theirs['trl_version']} "
-             "GRPOTrainer (transformers generate, no vLLM) on the same checkpoint, images, group size, lengths, loss "
+             + ("GRPOTrainer with use_vllm=True, vllm_mode='colocate', sleep mode (caption-rl: rollout.engine=vllm), both "
+                f"with gpu_memory_utilization {VLLM_MEMORY} and max_model_len {VLLM_MAX_LEN}; peak GiB is the device's "
+                "(total - free, sampled every 20 ms), since vLLM allocates outside torch,"
+                if vllm else "GRPOTrainer (transformers generate, no vLLM)")
+             + " on the same checkpoint, images, group size, lengths, loss "
              "(dapo token-mean, clip 0.2/0.28, beta 0) and reward, each trainer in its own process. tokens/s is "
              "verl's: (prompt + response tokens) / step seconds / GPUs; TRL's from its num_tokens log. Goal: "
              ">= 1.5x TRL's throughput at no more peak memory.")
@@ -270,6 +320,7 @@ def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool) -> 
         return
     from benchmarks.results import append_results
 
-    append_results("caption-rl vs TRL GRPOTrainer: RL step throughput at Qwen3-VL-2B shape", header, table, notes)
+    title = "caption-rl vs TRL GRPOTrainer" + (", both rolling out on vLLM (TRL colocate)" if vllm else "")
+    append_results(f"{title}: RL step throughput at Qwen3-VL-2B shape", header, table, notes)
 if __name__ == "__main__":
     main()

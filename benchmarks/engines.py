@@ -3,15 +3,17 @@
     python benchmarks/engines.py            # GPU: random weights at Qwen3-4B shape, bf16
     python benchmarks/engines.py --smoke    # CPU, tiny shape, seconds, no RESULTS.md
 
-(a) Generation, 64 prompts x 256 tokens in, 512 out (no EOS: the model's generation config has
+(a) Generation, 64 prompts x 256 tokens in, 256 out (no EOS: the model's generation config has
     none, so every row runs to length). Tokens/s of
       - plain `model.generate(...)` with default settings (dynamic cache, greedy),
       - `HFEngine` (static cache, sampling at temperature 1 with per-token log-probs), compiled
         decode step (CUDA graphs) and eager,
       - transformers continuous batching `model.generate_batch(...)` (greedy), when it runs,
+      - vLLM (where it imports, on a GPU): the same weights saved and loaded by `vllm.LLM`
+        (CUDA graphs, prefix caching, T=1 with per-token log-probs, `ignore_eos`), the peer,
     against the decode roofline of docs/reference.md §5:
       tokens/s <= B * bandwidth / (weight bytes + B * mean context * KV bytes per token).
-    Goal: HFEngine >= 3x plain generate.
+    Goals: HFEngine >= 3x plain generate; HFEngine >= 0.75x vLLM.
 (b) Scoring, 64 captions (~1,000 tokens) x 8 questions (~60 tokens), 6 candidates:
     one forward per full prompt (512 left-padded prompts in batches of 32, `logits_to_keep=1`) vs
       - `HFEngine.score_next_tokens`, one call per caption (packed: prefix + its 8 questions in one
@@ -28,6 +30,8 @@ Timings: median of `--repeats` runs after a warm-up run, with `torch.cuda.synchr
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import statistics
 import sys
 import time
@@ -60,7 +64,7 @@ class Sizes:
     candidates: int
 
 
-FULL = Sizes(batch=64, prompt=256, new=512, captions=64, caption_len=1000, questions=8, question_len=60, candidates=6)
+FULL = Sizes(batch=64, prompt=256, new=256, captions=64, caption_len=1000, questions=8, question_len=60, candidates=6)
 SMOKE = Sizes(batch=4, prompt=16, new=16, captions=2, caption_len=40, questions=3, question_len=6, candidates=6)
 
 
@@ -141,10 +145,43 @@ def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int) -
         rows.append(["transformers generate_batch (continuous batching)", f"{secs:.2f}", f"{tokens / secs:,.0f}", f"{plain_s / secs:.2f}x"])
     except Exception as exc:
         rows.append(["transformers generate_batch", "failed", repr(exc)[:120], ""])
+    if device.type == "cuda" and importlib.util.find_spec("vllm") is not None:
+        try:
+            secs = bench_vllm(model, tokenizer, prompts, s, repeats)
+            rows.append([f"vLLM {importlib.metadata.version('vllm')} (LLM.generate, CUDA graphs, T=1, log-probs)",
+                         f"{secs:.2f}", f"{tokens / secs:,.0f}", f"{plain_s / secs:.2f}x"])
+        except Exception as exc:
+            rows.append(["vLLM", "failed", repr(exc)[:160], ""])
     bound = roofline(model, config, s, device)
     if bound is not None:
         rows.append(["decode roofline (docs/reference.md §5)", "", f"{bound:,.0f}", ""])
     return rows
+
+
+def bench_vllm(model, tokenizer, prompts: torch.Tensor, s: Sizes, repeats: int) -> float:
+    """The same weights through `vllm.LLM` in this process: median seconds for the batch."""
+    import os
+    import tempfile
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        llm = vllm.LLM(model=tmp, dtype="bfloat16", gpu_memory_utilization=0.45, max_model_len=s.prompt + s.new + 16,
+                       max_num_seqs=s.batch, seed=0, logprobs_mode="processed_logprobs")
+    requests = [{"prompt_token_ids": row} for row in prompts.tolist()]
+    params = vllm.SamplingParams(temperature=1.0, max_tokens=s.new, ignore_eos=True, logprobs=0, seed=0)
+    outputs: list = []
+
+    def run() -> None:
+        outputs[:] = llm.generate(requests, params, use_tqdm=False)
+
+    secs = timed(run, torch.device("cuda"), repeats)
+    assert all(len(o.outputs[0].token_ids) == s.new for o in outputs)
+    torch.cuda.empty_cache()
+    return secs
 
 
 def baseline_scores(model, prompts: list[list[int]], candidates: list[int], device, batch: int) -> torch.Tensor:

@@ -65,7 +65,7 @@ from rl_core.train import (
 )
 from rl_data import GroupSampler
 from rl_models.logprobs import unwrap_peft
-from rl_rollout import SamplingParams
+from rl_rollout import SamplingParams, resolve_engine_kind
 from rl_rollout.training import (
     LossOptions,
     Policy,
@@ -102,9 +102,12 @@ def setup(cfg: Config, resume: str | None) -> Run:
                                   weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (t.warmup_steps + 1)))
     policy, optimizer, scheduler = acc.prepare(Policy(model), optimizer, scheduler)
-    engine = build_engine(r.engine, acc.unwrap_model(policy).model, processor, path=policy_path, dtype=cfg.model.dtype,
+    engine_kind, why = resolve_engine_kind(r.engine)
+    acc.print(f"rollout engine: {why}")
+    engine = build_engine(engine_kind, acc.unwrap_model(policy).model, processor, path=policy_path, dtype=cfg.model.dtype,
                           max_batch_size=r.max_batch_size, compile_mode=r.compile_mode,
-                          gpu_memory_utilization=r.gpu_memory_utilization, rank=acc.process_index, world_size=world)
+                          gpu_memory_utilization=r.gpu_memory_utilization, rank=acc.process_index, world_size=world,
+                          engine_options=r.engine_options)
     sampler = GroupSampler(len(data.train), r.n, seed=t.seed, rank=acc.process_index, world_size=world)
     start = 0
     if ckpt is not None:
@@ -124,13 +127,14 @@ def setup(cfg: Config, resume: str | None) -> Run:
         reference = load_policy(cfg.model, trainable=False)[0].to(acc.device)
     pad_id = processor.tokenizer.pad_token_id
     pad_id = processor.tokenizer.eos_token_id if pad_id is None else pad_id
-    offload = r.offload_optimizer == "always" or (r.offload_optimizer == "auto" and r.engine == "hf")
+    offload = r.offload_optimizer == "always" or (r.offload_optimizer == "auto" and engine_kind == "hf")
     run = Run(cfg, acc, run_dir, policy, processor, engine, optimizer, scheduler, reward, sampler, data, per_rank,
               total, start, reference, SampleLog(run_dir, main=acc.is_main_process, start_step=start),
               guard=NonFiniteGuard(t.max_nonfinite_steps), pad_id=pad_id,
               placeholders=placeholder_ids(unwrap_peft(model).config),
               optimizer_offload=OptimizerOffload(optimizer, acc.device) if offload and acc.device.type == "cuda" else None)
-    if r.engine == "vllm":  # the checkpoint it loaded may be older than the policy (--resume)
+    run.engine_kind = engine_kind
+    if engine_kind == "vllm":  # the checkpoint it loaded may be older than the policy (--resume)
         push_weights(engine, run.model, version=run.weight_version)
     return run
 
@@ -162,6 +166,7 @@ def rollout(run: Run, step: int) -> tuple[list, list, list]:
 
 def step_once(run: Run, step: int) -> dict[str, Any]:
     cfg, acc, a = run.cfg, run.acc, run.cfg.algo
+    version = run.weight_version  # optimizer steps the vllm engine's weights hold (hf: always current)
     with run.timer("generate"):
         records, encoded, generations = rollout(run, step)
     with run.timer("reward"):
@@ -204,14 +209,14 @@ def step_once(run: Run, step: int) -> dict[str, Any]:
     run.samples.write("train", step, [
         {"prompt": s["prompt"], "caption": s["caption"], "reward": s["reward"], "components": s["components"],
          "error": s["error"]} for s in sample_rows(records, generations, results)[: cfg.train.samples_to_log]])
-    return {"skipped": 0, **adv.metrics, **response_metrics(acc, generations, results), **stats, **update,
+    return {"skipped": 0, "rollout/weight_version": float(version), **adv.metrics, **response_metrics(acc, generations, results), **stats, **update,
             **{k: v for k, v in zip(("response/placeholder_rows", "rollout/dropped_long"), acc.reduce(torch.tensor(
                 [float(sum(placeholder)), float(run.dropped_long)], device=acc.device), "sum").tolist(), strict=True)}}
 
 
 def sync_vllm(run: Run) -> None:
     """A colocated vLLM engine samples the next rollouts from the updated policy."""
-    if run.cfg.rollout.engine == "vllm":
+    if run.engine_kind == "vllm":
         run.weight_version += 1
         push_weights(run.engine, run.model, version=run.weight_version)
 

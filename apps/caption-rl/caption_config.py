@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -59,10 +59,15 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
-    engine: Literal["hf", "vllm"] = "hf"
-    """hf: the training model decodes (no copy, no sync); vllm: a colocated vLLM engine per GPU,
-    weights pushed after every optimizer step (faster decoding, one more copy of the weights)."""
+    engine: Literal["auto", "hf", "vllm"] = "auto"
+    """hf: the training model decodes (no copy, no sync; exact log-probs, the only choice on a
+    CPU); vllm: a colocated vLLM engine per GPU, asleep during the update, weights pushed after
+    every optimizer step (faster decoding, one more copy of the weights); auto: vllm on a CUDA
+    machine where vLLM imports, else hf (the run's first lines say which)."""
     gpu_memory_utilization: UnitInterval = 0.3  # vllm: GPU memory fraction for its weights + KV cache
+    engine_options: dict[str, Any] = {}
+    """vllm: more `vllm.LLM` arguments, e.g. {enforce_eager = true} (no compile or CUDA graphs:
+    starts in seconds, decodes slower) or {max_model_len = 8192}."""
     n: Positive = 8  # captions sampled per prompt (group size)
     temperature: PositiveFloat = 1.0
     top_p: UnitInterval = 1.0

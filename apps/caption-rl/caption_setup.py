@@ -95,7 +95,7 @@ def awake_engine(run: Any) -> Iterator[Any]:
     offload_optimizer`, `rollout.release_cache`), so decoding and training take turns with the
     same memory; a colocated vLLM engine woken for the rollout and put back to sleep (weights to
     CPU, KV cache freed) so the trainer has the GPU memory."""
-    if run.cfg.rollout.engine == "hf":
+    if run.engine_kind == "hf":
         run.engine.model.eval()
         if run.optimizer_offload is not None:
             run.optimizer_offload.to_host()
@@ -164,6 +164,7 @@ class Run:
     pad_id: int = 0
     dropped_long: int = 0  # prompts over rollout.max_prompt_length, this process
     weight_version: int = 0  # optimizer steps pushed into a vllm engine
+    engine_kind: str = "hf"  # rollout.engine resolved: "hf" | "vllm"
     optimizer_offload: OptimizerOffload | None = None
 
     @property

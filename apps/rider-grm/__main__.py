@@ -214,7 +214,7 @@ def setup(cfg: Config, resume: str | None) -> tuple[Parts, GroupSampler, list[Ju
                       max_batch_size=cfg.rollout.max_batch_size)
     monitor = PhaseMonitor(acc.device)
     # with no judge in this process (none, or all served) there is nothing to make room for
-    mode = cfg.reward.swap if any(j.engine in ("hf", "vllm") for j in judge_cfgs) else "never"
+    mode = cfg.reward.swap if any(j.engine in ("auto", "hf", "vllm") for j in judge_cfgs) else "never"
     swap = PolicySwap(engine, optimizer, acc.device, mode=mode, offload_optimizer=cfg.model.optimizer_offload,
                       memory_fraction=cfg.reward.swap_memory_fraction)
     judges = build_judges(judge_cfgs, acc.device, monitor, engine, len(train[0].rm_prompts),

@@ -175,9 +175,13 @@ class RecordingEngine:
 
 
 def engine_state(engine: Engine) -> str:
-    """"awake"/"asleep"/"closed" for an HF engine; "remote" for engines with no local state."""
+    """"awake"/"asleep"/"closed" for an engine in this process (`hf`, `vllm`: a vLLM engine whose
+    weights alone are awake counts as asleep); "remote" for engines with no local state."""
     inner = engine.inner if isinstance(engine, RecordingEngine) else engine
-    return inner.state if isinstance(inner, HFEngine) else "remote"
+    state = getattr(inner, "state", None) if isinstance(inner, HFEngine) or hasattr(inner, "llm") else None
+    if state is None:
+        return "remote"
+    return "asleep" if state == "weights" else str(state)
 
 
 @dataclass

@@ -41,7 +41,7 @@ from rl_rewards.registry import build_scorer
 from rl_rewards.samples import Sample, Scorer, ScoreResult
 from rl_rewards.scorers.judge import JudgeScorer
 from rl_rewards.spec import Component, Gate, RewardSpec
-from rl_rollout import Engine, Generation, build_engine
+from rl_rollout import Engine, Generation, build_engine, resolve_engine_kind
 from rl_rollout.hf import HFEngine
 
 # ----------------------------------------------------------------------------------- rows
@@ -99,9 +99,13 @@ def build_judge(i: int, judge: JudgeConfig, device: torch.device, monitor: Phase
     if judge.engine == "server":
         remote = RemoteScorer(str(judge.url), str(judge.spec), timeout=judge.timeout_s)
         return ServedJudge(judge_name(judge), i, remote, monitor, use_rm_prompt=use_rm_prompt)
-    if judge.engine == "hf":
+    kind = judge.engine
+    if kind == "auto":
+        kind, why = resolve_engine_kind(kind)
+        print(f"judge {judge_name(judge)}: engine {why}")
+    if kind == "hf":
         inner: Engine = HFEngine.from_pretrained(resolve_model(judge.model), device=device, **judge.engine_options)
-    elif judge.engine == "openai":
+    elif kind == "openai":
         inner = build_engine("openai", base_url=judge.url, model=judge.model, **judge.engine_options)
     else:
         inner = build_engine("vllm", model=resolve_model(judge.model), **judge.engine_options)

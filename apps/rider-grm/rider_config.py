@@ -68,8 +68,10 @@ class JudgeConfig(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True)
     temperature: NonNegativeFloat = 0.7
     max_new_tokens: Positive = 512
     seed: int | None = None  # judge sampling seed per call (None: drawn from the run's RNG, reproducible too)
-    engine: Literal["hf", "vllm", "openai", "server"] = "hf"
-    """hf: in process, swapped on and off the GPU; vllm: in process; openai: an OpenAI-compatible
+    engine: Literal["auto", "hf", "vllm", "openai", "server"] = "auto"
+    """hf: in process, swapped on and off the GPU; vllm: a vLLM engine of its own (one per judge),
+    asleep (weights in host memory, KV cache freed) whenever it is not scoring; auto: vllm on a
+    CUDA machine where vLLM imports, else hf (logged at start); openai: an OpenAI-compatible
     generation server at `url` (the module runs here); server: an `rl-rewards serve` reward server
     at `url` scoring with its reward named `spec` (module, model and sampling live on the server)."""
     url: str | None = None  # server URL (engine = "openai" or "server")

@@ -1,4 +1,4 @@
-"""`vllm` engine: opt-in (`-m vllm`), needs vLLM and a GPU; untested on the CPU dev machine."""
+"""`vllm` engine on a real vLLM: opt-in (`-m vllm`, `nox -s vllm`), needs vLLM and a GPU."""
 
 from __future__ import annotations
 
@@ -43,13 +43,30 @@ def test_vllm_engine_generate_score_sleep_and_load(qwen3_path: Path) -> None:
             lps = torch.log_softmax(ref.model(ids).logits[0].float() / 0.7, -1)[len(g.prompt_ids) - 1 : -1]
         expected = lps.gather(-1, torch.tensor(g.completion_ids, device="cuda")[:, None])[:, 0].cpu()
         assert torch.allclose(torch.tensor(g.logprobs), expected.float(), atol=5e-2)  # bf16 kernels differ
-    scores = engine.score_next_tokens([5, 6, 7], [[8], [9, 10]], [11, 12])
-    assert torch.allclose(scores.float(), ref.score_next_tokens([5, 6, 7], [[8], [9, 10]], [11, 12]).float(), atol=5e-2)
+    # scoring: candidate log-probs renormalized over the candidates, so compare distributions
+    items = [([5, 6, 7], [[8], [9, 10], [9, 11, 12]]), ([20, 21], [[22]])]
+    for temperature in (1.0, 0.6):
+        tables = engine.score_next_tokens_batch(items, [11, 12, 13], temperature=temperature)
+        assert [t.shape for t in tables] == [(3, 3), (1, 3)]
+        for (prefix, suffixes), table in zip(items, tables, strict=True):
+            expected = ref.score_next_tokens(prefix, suffixes, [11, 12, 13], temperature=temperature)
+            assert torch.allclose(table.exp().sum(-1), torch.ones(len(suffixes)), atol=1e-4)
+            assert torch.allclose(table.softmax(-1), expected.float().softmax(-1), atol=2e-2)
+    single = engine.score_next_tokens([5, 6, 7], [[8], [9, 10]], [11, 12])
+    assert torch.allclose(single.softmax(-1), ref.score_next_tokens([5, 6, 7], [[8], [9, 10]], [11, 12]).float().softmax(-1),
+                          atol=2e-2)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
     before = engine.generate([[1, 2, 3]], greedy)
     engine.sleep()
     engine.wake()
     assert engine.generate([[1, 2, 3]], greedy) == before
-    engine.load_weights((name, torch.zeros_like(t)) for name, t in ref.model.state_dict().items() if name.endswith("norm.weight"))
-    assert engine.generate([[1, 2, 3]], greedy) != before
+    engine.sleep()  # the RL pattern: push while asleep (only the weights wake), then wake the KV cache
+    engine.load_weights(((name, torch.zeros_like(t)) for name, t in ref.model.state_dict().items()
+                         if name.endswith("norm.weight")), version=7)
+    assert engine.state == "weights" and engine.weight_version == 7
+    engine.wake()
+    after = engine.generate([[1, 2, 3]], greedy)[0]
+    assert after.completion_ids != before[0].completion_ids
+    vocab = ref.model.config.vocab_size  # zero final norm: every logit 0, a uniform distribution
+    assert all(abs(lp + torch.log(torch.tensor(float(vocab))).item()) < 1e-3 for lp in after.logprobs), after.logprobs
     engine.close()

@@ -8,7 +8,7 @@ from rl_rollout.protocol import (
     Prompt,
     SamplingParams,
 )
-from rl_rollout.registry import build_engine, engine_names, register_engine
+from rl_rollout.registry import build_engine, engine_names, register_engine, resolve_engine_kind
 
 __version__ = "0.1.0"
 
@@ -22,4 +22,5 @@ __all__ = [
     "build_engine",
     "engine_names",
     "register_engine",
+    "resolve_engine_kind",
 ]

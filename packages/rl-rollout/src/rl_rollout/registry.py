@@ -26,6 +26,23 @@ def engine_names() -> list[str]:
     return sorted(_ENGINES)
 
 
+def resolve_engine_kind(kind: str) -> tuple[str, str]:
+    """`(engine, why)` for a configured engine kind: `auto` picks `vllm` when a CUDA GPU is
+    visible and vLLM imports, else `hf`; any other kind is returned as given. Apps log `why`, so
+    a run says which engine it rolls out with."""
+    if kind != "auto":
+        return kind, f"{kind} (as configured)"
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return "hf", "hf (auto: no CUDA device, vLLM needs one)"
+    if importlib.util.find_spec("vllm") is None:
+        return "hf", 'hf (auto: vLLM is not installed; pip install "rl-rollout[vllm]" for it)'
+    return "vllm", "vllm (auto: CUDA device and vLLM found)"
+
+
 def build_engine(name: str, **kwargs: Any) -> Engine:
     """Build the engine registered as `name` with keyword arguments.
 

@@ -1,7 +1,7 @@
 """`vllm` engine: a thin adapter of `vllm.LLM` to the `Engine` protocol (extra `rl-rollout[vllm]`).
 
-UNTESTED HERE: written against the vLLM >= 0.10 (V1 engine) API as documented, on a machine
-with no GPU; its tests carry the `vllm` marker and skip without vLLM.
+Run on an H100 with vLLM 0.26.0 (the opt-in `vllm` test session: generate with log-probs,
+scoring, sleep/wake, weight pushes, and the apps' colocated rollouts).
 
 - Sampling: `vllm.SamplingParams(n, temperature, top_p, top_k (-1 = off), max_tokens, stop,
   seed, logprobs=0)`; the engine is built with `logprobs_mode="processed_logprobs"`, so
@@ -20,8 +20,14 @@ with no GPU; its tests carry the `vllm` marker and skip without vLLM.
 - Images/videos: chat messages holding PIL images / frame arrays are rendered with the model's
   processor chat template and passed as `multi_modal_data`; vLLM expands the placeholders with
   the same Hugging Face processor, so the prompt ids match the `hf` engine's.
-- Scoring: `prompt_logprobs=0` over `prefix + suffix + [candidate]`; prefix caching computes the
-  shared prefix once. Prompt log-probs are raw, so only `temperature=1.0`.
+- Scoring (`score_next_tokens(_batch)`): one request per `prefix + suffix`, decoding one token
+  with sampling restricted to the candidates (`allowed_token_ids`) and their log-probs returned
+  (`logprobs=len(candidates)`), so the prefix cache computes each shared prefix once and there
+  is one forward position per suffix, not a prompt per candidate. The returned log-probs are
+  **renormalized over the candidates** (vLLM masks the other tokens before its processed
+  log-probs): they differ from `hf`'s full-vocabulary log-probs by a constant per row, so any
+  comparison among candidates (softmax over options, as caption QA's `exact` does) is the same,
+  but the candidates' total probability mass reads 1.
 """
 
 from __future__ import annotations
@@ -118,14 +124,36 @@ class VLLMEngine:
     def score_next_tokens(
         self, shared_prefix: list[int], suffixes: Sequence[list[int]], candidates: Sequence[int], *, temperature: float = 1.0
     ) -> torch.Tensor:
-        if temperature != 1.0:
-            raise ValueError(f"VLLMEngine scores with raw prompt log-probs; temperature must be 1.0, got {temperature}")
-        if len(suffixes) == 0:
-            return torch.empty(0, len(candidates))
-        prompts = [{"prompt_token_ids": [*shared_prefix, *s, c]} for s in suffixes for c in candidates]
-        outputs = self.llm.generate(prompts, vllm.SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-        scores = [out.prompt_logprobs[-1][out.prompt_token_ids[-1]].logprob for out in outputs]
-        return torch.tensor(scores, dtype=torch.float32).view(len(suffixes), len(candidates))
+        """`[len(suffixes), len(candidates)]` candidate log-probs after `shared_prefix + suffix`,
+        renormalized over the candidates (see the module docstring)."""
+        return self.score_next_tokens_batch([(shared_prefix, suffixes)], candidates, temperature=temperature)[0]
+
+    def score_next_tokens_batch(
+        self, items: Sequence[tuple[list[int], Sequence[list[int]]]], candidates: Sequence[int], *,
+        temperature: float = 1.0,
+    ) -> list[torch.Tensor]:
+        """Every `(prefix, suffixes)` item in one `LLM.generate` call (the prefix cache shares
+        each prefix across its suffixes): one `[len(suffixes), len(candidates)]` table per item."""
+        if temperature <= 0:
+            raise ValueError(f"scoring needs temperature > 0, got {temperature}")
+        candidates = list(candidates)
+        if len(set(candidates)) != len(candidates) or not candidates:
+            raise ValueError(f"candidates must be distinct token ids, got {candidates}")
+        prompts = [{"prompt_token_ids": [*prefix, *s]} for prefix, suffixes in items for s in suffixes]
+        if not prompts:
+            return [torch.empty(0, len(candidates)) for _ in items]
+        params = vllm.SamplingParams(max_tokens=1, temperature=temperature, allowed_token_ids=candidates,
+                                     logprobs=len(candidates), seed=0)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        rows = []
+        for index, out in enumerate(outputs):
+            step = out.outputs[0].logprobs[0]  # {token id: Logprob}, the candidates (and the sampled one)
+            missing = [c for c in candidates if c not in step]
+            if missing:
+                raise RuntimeError(f"scoring request {index}: vLLM returned no log-prob for candidates {missing}")
+            rows.append([step[c].logprob for c in candidates])
+        table = torch.tensor(rows, dtype=torch.float32)  # [sum of suffixes, C]
+        return list(table.split([len(s) for _, s in items]))
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None) -> None:
         """Copy `(hf_name, tensor)` pairs into the running model in place; `version` (default:

@@ -7,27 +7,34 @@ judge served elsewhere), built through `rl_rollout.build_engine`.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 try:
     from transformers import AutoTokenizer
 
-    from rl_rollout import Engine, SamplingParams, build_engine
+    from rl_rollout import Engine, SamplingParams, build_engine, resolve_engine_kind
     from rl_rollout.protocol import BatchScoringEngine
 except ImportError as e:
     raise ImportError(f'model-backed judges need rl-rollout and transformers: pip install "rl-rewards[hf]" ({e})') from e
+
+log = logging.getLogger("rl_rewards.judges")
 
 __all__ = ["BatchScoringEngine", "Engine", "SamplingParams", "load_engine", "load_tokenizer"]
 
 
 def load_engine(model: str, engine: str = "hf", engine_options: dict[str, Any] | None = None) -> Engine:
-    """`rl_rollout.build_engine(engine, ...)` for checkpoint `model`.
+    """`rl_rollout.build_engine(engine, ...)` for checkpoint `model`; `auto` is vllm on a CUDA
+    machine where vLLM imports, else hf (logged).
 
     `hf` loads the checkpoint in-process (`path=model`); other engines get `model=model` (the
     vLLM checkpoint, or the served model name of an OpenAI-compatible server, whose `base_url`
     goes in `engine_options`).
     """
     options = dict(engine_options or {})
+    if engine == "auto":
+        engine, why = resolve_engine_kind(engine)
+        log.info("judge %s: engine %s", model, why)
     if engine == "hf":
         return build_engine("hf", path=model, **options)
     return build_engine(engine, model=model, **options)

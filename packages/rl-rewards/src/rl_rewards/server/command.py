@@ -101,6 +101,7 @@ def serve_command(
     host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default 18889, env REWARD_PORT).")] = None,
     model: Annotated[str | None, typer.Option(help="Judge checkpoint (env REWARD_MODEL).")] = None,
+    engine: Annotated[str | None, typer.Option(help="Judge engine: auto (vLLM on a CUDA machine where it imports, else hf) | hf | vllm (env REWARD_ENGINE).")] = None,
     score_mode: Annotated[str | None, typer.Option(help="qa | vl_judge (env REWARD_SCORE_MODE).")] = None,
     task: Annotated[str | None, typer.Option(help="video | image (env REWARD_TASK).")] = None,
     qa_num: Annotated[int | None, typer.Option(help="Questions per caption (env REWARD_QA_NUM).")] = None,
@@ -134,7 +135,7 @@ def serve_command(
 ) -> None:
     """Serve rewards over HTTP: CapRL's /get_reward, OpenRLHF's remote RM, native /v1/score."""
     flags = {
-        "host": host, "port": port, "model": model, "score_mode": score_mode, "task": task,
+        "host": host, "port": port, "model": model, "engine": engine, "score_mode": score_mode, "task": task,
         "qa_num": qa_num, "format_reward_weight": format_reward_weight,
         "judge_options": _parse_options(judge_option), "workers": workers, "ray": ray,
         "http_processes": http_processes,

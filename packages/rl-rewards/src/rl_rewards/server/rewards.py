@@ -87,11 +87,11 @@ def build_served(settings: ServerSettings) -> dict[str, Scorer | AsyncScorer]:
     judge = judge_name(settings)
     if judge == CAPRL_QA and CAPRL_QA not in served:
         # CapRL's own estimator by default (drop-in); `--judge-option estimator=exact` for training
-        options = {"model": settings.model, "task": settings.task, "qa_num": settings.qa_num, "estimator": "sample",
+        options = {"model": settings.model, "engine": settings.engine, "task": settings.task, "qa_num": settings.qa_num, "estimator": "sample",
                    "answer_parser": settings.answer_parser, "prompt_template": settings.qa_prompt_file}
         served[CAPRL_QA] = build_scorer("caption_qa", **{**options, **settings.judge_options})
     elif judge == CAPRL_VL_JUDGE and CAPRL_VL_JUDGE not in served:
-        served[CAPRL_VL_JUDGE] = build_scorer("vl_judge", model=settings.model, **settings.judge_options)
+        served[CAPRL_VL_JUDGE] = build_scorer("vl_judge", **{"model": settings.model, "engine": settings.engine, **settings.judge_options})
     if judge is not None and CAPRL_FORMAT not in served:
         served[CAPRL_FORMAT] = build_scorer(CAPRL_FORMAT, **_format_options(settings))
     return served

@@ -5,6 +5,7 @@ The environment variables are those of the CapRL++ launch script, so its users k
 | variable | field | note |
 |---|---|---|
 | `REWARD_MODEL` | `model` | judge checkpoint for `score_mode` (qa: text LLM, vl_judge: VLM) |
+| `REWARD_ENGINE` | `engine` | judge engine: `auto` (default: vLLM on a CUDA machine where it imports, else hf), `hf`, `vllm`; ours |
 | `REWARD_PORT` | `port` | default 18889 |
 | `REWARD_WORKER_BASE` | `worker_base_port` | not needed, ignored (a startup warning says so): workers use pipes, no ports |
 | `REWARD_NUM_WORKERS` | `workers` | worker processes (0 = score in the server process) |
@@ -89,6 +90,11 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
     port: int = 18889
     api_key: str | None = None
     model: str | None = None
+    engine: Literal["auto", "hf", "vllm"] = "auto"
+    """The judge's engine: `vllm` (prefix-cached, the CapRL++ setup), `hf` (in-process
+    transformers; exact scoring packs each caption's questions into one forward), or `auto`:
+    vllm on a CUDA machine where vLLM imports, else hf. `--judge-option engine_options={...}`
+    passes more arguments to it (e.g. gpu_memory_utilization)."""
     score_mode: Literal["qa", "vl_judge"] = "qa"
     task: Literal["video", "image"] = "video"
     qa_num: int = 8
@@ -165,6 +171,7 @@ def _paths(raw: str) -> list[str]:
 
 _ENV: dict[str, tuple[str, Any]] = {
     "REWARD_MODEL": ("model", str),
+    "REWARD_ENGINE": ("engine", str),
     "REWARD_PORT": ("port", int),
     "REWARD_WORKER_BASE": ("worker_base_port", int),
     "REWARD_NUM_WORKERS": ("workers", int),
