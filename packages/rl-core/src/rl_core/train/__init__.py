@@ -1,6 +1,6 @@
 """Training plumbing every app needs once (install with `pip install "rl-core[train]"`):
 config loading, run directories, metric and sample logs, progress, atomic checkpoints, seeding,
-pinned-buffer offloading of weights or optimizer state, and the training phases the apps share:
+pinned-buffer offloading of weights or optimizer state, FSDP2 sharding (`sharding`), and the training phases the apps share:
 group advantages over processes (`groups`), the accumulated optimizer step with its non-finite
 guard and first-replay check (`update`), and the `main()` contract with user errors (`app`).
 
@@ -35,6 +35,17 @@ from rl_core.train.plots import plot_reward_curve
 from rl_core.train.progress import TrainProgress
 from rl_core.train.rundir import latest_run, make_run_dir
 from rl_core.train.samples import SampleLog
+from rl_core.train.sharding import (
+    SHARDINGS,
+    FullWeights,
+    ShardedState,
+    accelerator_kwargs,
+    full_state_dict,
+    is_sharded,
+    prepare_policy,
+    shard_model,
+    sharded_state,
+)
 from rl_core.train.seeding import (
     get_rng_state,
     isolated_rng,
@@ -54,6 +65,15 @@ from rl_core.train.update import (
 
 __all__ = [
     "GROUP_ESTIMATORS",
+    "SHARDINGS",
+    "FullWeights",
+    "ShardedState",
+    "accelerator_kwargs",
+    "full_state_dict",
+    "is_sharded",
+    "prepare_policy",
+    "shard_model",
+    "sharded_state",
     "CliArgs",
     "ConfigError",
     "GroupAdvantages",
