@@ -1,5 +1,5 @@
 """Run by test_train_sharding.py under `accelerate launch --multi_gpu --num_processes 2` (CPU, gloo):
-FSDP2 (`prepare_policy(sharding="fsdp2")`) over 2 processes holding 3 and 5 of the 8 sequences.
+FSDP2 (`prepare_policy(ShardingPlan("fsdp2"))`) over 2 processes holding 3 and 5 of the 8 sequences.
 
 Writes `result.pt` (rank 0): the reduced update stats, the gradient norms, the full weights after
 two optimizer steps (`full_state_dict`) and those gathered by `FullWeights`; and checks on every
@@ -20,6 +20,7 @@ from rl_core.train import (
     full_state_dict,
     is_sharded,
     load_checkpoint,
+    ShardingPlan,
     prepare_policy,
     save_checkpoint,
     sharded_state,
@@ -31,7 +32,7 @@ rows = [0, 1, 2] if acc.process_index == 0 else [3, 4, 5, 6, 7]
 model = make_model()
 full = FullWeights(model)
 optimizer, scheduler = make_optimizer(model)
-model, optimizer, scheduler = prepare_policy(acc, model, optimizer, scheduler, sharding="fsdp2")
+model, optimizer, scheduler = prepare_policy(acc, model, optimizer, scheduler, ShardingPlan("fsdp2"))
 assert is_sharded(model) and len(model.head.weight.to_local()) < len(model.head.weight), "not sharded"
 stats, norms = train(acc, model, optimizer, scheduler, rows, 1)
 save_checkpoint(out / "checkpoints", 1, state=sharded_state(model, optimizer), accelerator=acc)
@@ -47,6 +48,6 @@ for n, p in model.named_parameters():
     assert torch.equal(p.to_local(), after[n]), f"resumed step differs at {n}"
 if acc.is_main_process:
     torch.save({"stats": stats2, "norms": norms + norms2, "weights": weights, "gathered": gathered,
-                "gather_seconds": full.seconds}, out / "result.pt")
+                "gather_seconds": full.pop_metrics()["time/weight_gather"]}, out / "result.pt")
 acc.wait_for_everyone()
 torch.distributed.destroy_process_group()

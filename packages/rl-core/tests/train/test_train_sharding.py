@@ -15,7 +15,7 @@ import torch
 from accelerate import Accelerator
 from sharding_case import checksum, make_model, make_optimizer, train
 
-from rl_core.train import prepare_policy, shard_model
+from rl_core.train import ShardingPlan, prepare_policy, shard_model
 from rl_core.train.sharding import layer_modules
 
 SCRIPT = Path(__file__).with_name("mp_sharding_script.py")
@@ -36,7 +36,7 @@ def _one_process() -> tuple[dict[str, float], list[float], dict[str, torch.Tenso
     acc = Accelerator(cpu=True)
     model = make_model()
     optimizer, scheduler = make_optimizer(model)
-    model, optimizer, scheduler = prepare_policy(acc, model, optimizer, scheduler, sharding="none")
+    model, optimizer, scheduler = prepare_policy(acc, model, optimizer, scheduler, ShardingPlan())
     _, norms = train(acc, model, optimizer, scheduler, list(range(8)), 1)
     stats, norms2 = train(acc, model, optimizer, scheduler, list(range(8)), 1)
     return stats, norms + norms2, {n: p.detach().clone() for n, p in acc.unwrap_model(model).state_dict().items()}

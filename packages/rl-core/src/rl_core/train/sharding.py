@@ -7,9 +7,9 @@ GPU. `torch.distributed.fsdp.fully_shard` (FSDP2, per-parameter DTensor sharding
 recipe) splits weights, gradients and optimizer state over the processes, so each GPU holds 1/N
 of them plus one decoder layer unsharded at a time.
 
-    policy, optimizer, scheduler = prepare_policy(acc, Policy(model), optimizer, scheduler,
-                                                  sharding="fsdp2", cpu_offload=False, ...)
+    plan = resolve_sharding(acc, "fsdp2", cpu_offload=False, ...)
     full = FullWeights(model)                 # before prepare_policy: an empty copy of `model`
+    policy, optimizer, scheduler = prepare_policy(acc, Policy(model), optimizer, scheduler, plan)
     with full.gathered() as weights:          # per rollout: every rank gets the whole model
         engine.generate(...)                  # the hf engine decodes from `weights`
     save_checkpoint(..., state={"sampler": s, **sharded_state(policy, optimizer)})
@@ -40,7 +40,8 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -53,8 +54,10 @@ __all__ = [
     "SHARDINGS",
     "FullWeights",
     "ShardedState",
+    "ShardingPlan",
     "accelerator_kwargs",
     "full_state_dict",
+    "gathered",
     "is_sharded",
     "layer_modules",
     "prepare_policy",
@@ -126,23 +129,39 @@ def shard_model(root: torch.nn.Module, *, mixed_precision: MixedPrecision = "non
     return root
 
 
-def resolve_sharding(accelerator: Any, sharding: Sharding, *, cpu_offload: bool,
-                     activation_checkpointing: bool) -> tuple[Sharding, bool, bool]:
+@dataclass(frozen=True)
+class ShardingPlan:
+    """How the policy is spread over the processes (see the module doc for when to pick what)."""
+
+    kind: Sharding = "none"
+    mixed_precision: MixedPrecision = "none"
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
+
+    @property
+    def sharded(self) -> bool:
+        return self.kind == "fsdp2"
+
+
+def resolve_sharding(accelerator: Any, kind: Sharding, *, mixed_precision: MixedPrecision = "none",
+                     cpu_offload: bool = False, activation_checkpointing: bool = False) -> ShardingPlan:
     """The app's `train.sharding` settings merged with an `accelerate launch` FSDP config: such a
     launch turns `fsdp2` on and adds its parameter offload and activation checkpointing. An
     FSDP1 config is refused (its flat-parameter wrapping is not what runs here)."""
     from accelerate.utils import DistributedType
 
-    if sharding not in SHARDINGS:
-        raise ValueError(f"sharding={sharding!r}: choose one of {SHARDINGS}")
+    if kind not in SHARDINGS:
+        raise ValueError(f"train.sharding={kind!r}: choose one of {SHARDINGS}")
+    if mixed_precision not in ("none", "bf16"):
+        raise ValueError(f"train.fsdp_mixed_precision={mixed_precision!r}: choose 'none' or 'bf16'")
     plugin = accelerator.state.fsdp_plugin if accelerator.distributed_type == DistributedType.FSDP else None
     if plugin is None:
-        return sharding, cpu_offload, activation_checkpointing
+        return ShardingPlan(kind, mixed_precision, cpu_offload, activation_checkpointing)
     if plugin.fsdp_version != 2:
         raise ValueError(f"the accelerate config asks for FSDP version {plugin.fsdp_version}: set fsdp_version: 2 "
                          "(FSDP2, fully_shard) or launch with the DDP config and train.sharding='fsdp2'")
-    return "fsdp2", cpu_offload or isinstance(plugin.cpu_offload, CPUOffloadPolicy), (
-        activation_checkpointing or bool(plugin.activation_checkpointing))
+    return ShardingPlan("fsdp2", mixed_precision, cpu_offload or isinstance(plugin.cpu_offload, CPUOffloadPolicy),
+                        activation_checkpointing or bool(plugin.activation_checkpointing))
 
 
 def accelerator_kwargs(*, sharding: Sharding, cpu_offload: bool) -> dict[str, Any]:
@@ -155,27 +174,24 @@ def accelerator_kwargs(*, sharding: Sharding, cpu_offload: bool) -> dict[str, An
     return {}
 
 
-def prepare_policy(accelerator: Any, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *,
-                   sharding: Sharding = "none", mixed_precision: MixedPrecision = "none", cpu_offload: bool = False,
-                   activation_checkpointing: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+def prepare_policy(accelerator: Any, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                   plan: ShardingPlan) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     """What `accelerator.prepare(policy, optimizer, scheduler)` is for an unsharded policy (DDP);
-    with `sharding="fsdp2"` the policy is sharded by `shard_model`, the optimizer (built over the
+    for a sharded plan the policy is sharded by `shard_model`, the optimizer (built over the
     unsharded parameters, still without state) is pointed at the shards by parameter name, and
     only the scheduler goes through Accelerate (it steps as it does under DDP). A `None`
     scheduler is allowed."""
-    sharding, cpu_offload, activation_checkpointing = resolve_sharding(
-        accelerator, sharding, cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing)
-    if sharding == "none":
+    if not plan.sharded:
         if scheduler is None:
             return (*accelerator.prepare(policy, optimizer), None)
         return accelerator.prepare(policy, optimizer, scheduler)
     if optimizer.state:
         raise ValueError("prepare_policy needs a fresh optimizer (its state would not follow the parameters)")
     names = {id(p): n for n, p in policy.named_parameters()}
-    if not cpu_offload:
+    if not plan.cpu_offload:
         policy.to(accelerator.device)
-    shard_model(policy, mixed_precision=mixed_precision, cpu_offload=cpu_offload,
-                activation_checkpointing=activation_checkpointing)
+    shard_model(policy, mixed_precision=plan.mixed_precision, cpu_offload=plan.cpu_offload,
+                activation_checkpointing=plan.activation_checkpointing)
     sharded = dict(policy.named_parameters())
     for group in optimizer.param_groups:
         group["params"] = [sharded[names[id(p)]] for p in group["params"]]
@@ -192,8 +208,8 @@ class FullWeights:
 
     `gathered()` all-gathers the current weights into the copy on every process (in the copy's
     dtypes: bf16 rollout weights from fp32 master weights) and empties it again on exit, so the
-    update has that memory back. `seconds` is the last gather's wall time (log it as
-    `time/weight_gather`)."""
+    update has that memory back. `pop_metrics()` returns the gathers' wall time since the last
+    call as `time/weight_gather`."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         memo: dict[int, Any] = {
@@ -201,7 +217,11 @@ class FullWeights:
             for p in model.parameters()}
         self.model = copy.deepcopy(model, memo)
         self.source = model
-        self.seconds = 0.0
+        self.seconds = 0.0  # gather time not yet popped
+
+    def pop_metrics(self) -> dict[str, float]:
+        out, self.seconds = {"time/weight_gather": self.seconds}, 0.0
+        return out
 
     @contextmanager
     def gathered(self) -> Iterator[torch.nn.Module]:
@@ -212,12 +232,18 @@ class FullWeights:
                 full = p.full_tensor() if isinstance(p, DTensor) else p  # [*shape]
                 target = params[name]
                 target.data = full.detach().to(target.device, target.dtype)
-        self.seconds = time.perf_counter() - start
+        self.seconds += time.perf_counter() - start
         try:
             yield self.model
         finally:
             for p in self.model.parameters():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def gathered(full: FullWeights | None, model: torch.nn.Module) -> Any:
+    """`full.gathered()` for a sharded policy, else a context yielding `model` itself (an
+    unsharded policy is decoded from directly)."""
+    return full.gathered() if full is not None else nullcontext(model)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
