@@ -15,7 +15,7 @@ import torch
 from accelerate import Accelerator
 from sharding_case import checksum, make_model, make_optimizer, train
 
-from rl_core.train import ShardingPlan, prepare_policy, shard_model
+from rl_core.train import ShardingPlan, UserError, prepare_policy, shard_model
 from rl_core.train.sharding import layer_modules
 
 SCRIPT = Path(__file__).with_name("mp_sharding_script.py")
@@ -78,5 +78,5 @@ def test_layers_are_the_no_split_blocks_outermost_first():
 
 
 def test_sharding_without_a_process_group_says_how_to_launch():
-    with pytest.raises(RuntimeError, match="accelerate launch"):
+    with pytest.raises(UserError, match="accelerate launch"):
         shard_model(make_model())

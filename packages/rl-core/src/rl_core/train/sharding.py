@@ -26,10 +26,10 @@ Choose `sharding`:
   reduction. `activation_checkpointing` recomputes each decoder layer's activations in backward.
 
 FSDP2 runs on CUDA (NCCL) and on CPU (gloo, used by the tests). Accelerate turns its own FSDP
-plugin on only on GPUs/accelerators, so the sharding here is done with `fully_shard` directly
-on every device, one code path: an `accelerate launch` with an FSDP config (`fsdp_version: 2`)
-turns `fsdp2` on and contributes its `fsdp_offload_params`, `fsdp_activation_checkpointing`
-and `fsdp_reshard_after_forward`; Accelerate still launches the processes, sets the device and
+plugin on only on GPUs/accelerators (on a CPU it silently runs plain data parallelism), so the
+sharding here is done with `fully_shard` directly on every device, one code path: an
+`accelerate launch` with an FSDP config (`fsdp_version: 2`) turns `fsdp2` on, on a GPU or a
+CPU, and contributes its `fsdp_offload_params` and `fsdp_activation_checkpointing`; Accelerate still launches the processes, sets the device and
 steps the scheduler. The optimizer of a sharded policy is not registered with Accelerate
 (its `save_state` would write rank 0's shards only): `sharded_state` saves it, with the
 weights, through `torch.distributed.checkpoint` (DCP), every rank its own shards.
@@ -38,6 +38,7 @@ weights, through `torch.distributed.checkpoint` (DCP), every rank its own shards
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -48,6 +49,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from rl_core.train.app import UserError
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 __all__ = [
@@ -104,7 +107,8 @@ def shard_model(root: torch.nn.Module, *, mixed_precision: MixedPrecision = "non
     or let `prepare_policy` move it over. `reshard_after_forward=False` keeps each layer gathered
     from forward to backward (faster, ~ZeRO-2 memory)."""
     if not dist.is_initialized():
-        raise RuntimeError("FSDP2 needs a process group: start the app with `accelerate launch` (one process is fine)")
+        raise UserError("train.sharding='fsdp2' needs a process group: start the app with `accelerate launch` "
+                        "(one process is fine)")
     layers = layer_modules(root)  # before any wrapping: fully_shard changes the classes' names
     if activation_checkpointing:
         from torch.distributed._composable import checkpoint
@@ -151,17 +155,28 @@ def resolve_sharding(accelerator: Any, kind: Sharding, *, mixed_precision: Mixed
     from accelerate.utils import DistributedType
 
     if kind not in SHARDINGS:
-        raise ValueError(f"train.sharding={kind!r}: choose one of {SHARDINGS}")
+        raise UserError(f"train.sharding={kind!r}: choose one of {SHARDINGS}")
     if mixed_precision not in ("none", "bf16"):
-        raise ValueError(f"train.fsdp_mixed_precision={mixed_precision!r}: choose 'none' or 'bf16'")
-    plugin = accelerator.state.fsdp_plugin if accelerator.distributed_type == DistributedType.FSDP else None
-    if plugin is None:
+        raise UserError(f"train.fsdp_mixed_precision={mixed_precision!r}: choose 'none' or 'bf16'")
+    if accelerator.distributed_type == DistributedType.FSDP:
+        plugin = accelerator.state.fsdp_plugin
+        version, offload = plugin.fsdp_version, isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+        checkpointing = bool(plugin.activation_checkpointing)
+    elif os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        # an FSDP launch config on a machine where Accelerate does not turn FSDP on (a CPU): its
+        # launcher's environment still says what was asked for, and fully_shard runs on gloo
+        if os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true":
+            raise UserError("the accelerate FSDP config sets fsdp_cpu_ram_efficient_loading: true, which makes "
+                            "transformers load empty weights on every process but the first: set it to false")
+        version = int(os.environ.get("FSDP_VERSION", "1"))
+        offload = os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
+        checkpointing = os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true"
+    else:
         return ShardingPlan(kind, mixed_precision, cpu_offload, activation_checkpointing)
-    if plugin.fsdp_version != 2:
-        raise ValueError(f"the accelerate config asks for FSDP version {plugin.fsdp_version}: set fsdp_version: 2 "
+    if version != 2:
+        raise UserError(f"the accelerate config asks for FSDP version {version}: set fsdp_version: 2 "
                          "(FSDP2, fully_shard) or launch with the DDP config and train.sharding='fsdp2'")
-    return ShardingPlan("fsdp2", mixed_precision, cpu_offload or isinstance(plugin.cpu_offload, CPUOffloadPolicy),
-                        activation_checkpointing or bool(plugin.activation_checkpointing))
+    return ShardingPlan("fsdp2", mixed_precision, cpu_offload or offload, activation_checkpointing or checkpointing)
 
 
 def accelerator_kwargs(*, sharding: Sharding, cpu_offload: bool) -> dict[str, Any]:
