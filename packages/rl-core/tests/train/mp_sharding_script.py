@@ -27,13 +27,13 @@ from rl_core.train import (
 )
 
 out = Path(sys.argv[1])
-acc = Accelerator(cpu=True)
-rows = [0, 1, 2] if acc.process_index == 0 else [3, 4, 5, 6, 7]
+acc = Accelerator(cpu=not torch.cuda.is_available())  # the gpu test launches one CUDA process
+rows = list(range(8)) if acc.num_processes == 1 else [0, 1, 2] if acc.process_index == 0 else [3, 4, 5, 6, 7]
 model = make_model()
 full = FullWeights(model)
 optimizer, scheduler = make_optimizer(model)
 model, optimizer, scheduler = prepare_policy(acc, model, optimizer, scheduler, ShardingPlan("fsdp2"))
-assert is_sharded(model) and len(model.head.weight.to_local()) < len(model.head.weight), "not sharded"
+assert is_sharded(model) and (acc.num_processes == 1 or len(model.head.weight.to_local()) < len(model.head.weight))
 stats, norms = train(acc, model, optimizer, scheduler, rows, 1)
 save_checkpoint(out / "checkpoints", 1, state=sharded_state(model, optimizer), accelerator=acc)
 stats2, norms2 = train(acc, model, optimizer, scheduler, rows, 1)
@@ -47,6 +47,7 @@ train(acc, model, optimizer, scheduler, rows, 1)
 for n, p in model.named_parameters():
     assert torch.equal(p.to_local(), after[n]), f"resumed step differs at {n}"
 if acc.is_main_process:
+    gathered = {n: w.cpu() for n, w in gathered.items()}
     torch.save({"stats": stats2, "norms": norms + norms2, "weights": weights, "gathered": gathered,
                 "gather_seconds": full.pop_metrics()["time/weight_gather"]}, out / "result.pt")
 acc.wait_for_everyone()

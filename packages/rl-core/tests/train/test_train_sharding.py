@@ -80,3 +80,39 @@ def test_layers_are_the_no_split_blocks_outermost_first():
 def test_sharding_without_a_process_group_says_how_to_launch():
     with pytest.raises(UserError, match="accelerate launch"):
         shard_model(make_model())
+
+
+FSDP2_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+num_machines: 1
+num_processes: 1
+machine_rank: 0
+mixed_precision: 'no'
+dynamo_config: {}
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_reshard_after_forward: true
+  fsdp_cpu_ram_efficient_loading: false
+  fsdp_offload_params: false
+"""
+
+
+@pytest.mark.gpu
+def test_fsdp2_world_size_one_on_a_gpu_through_accelerates_plugin_equals_the_unsharded_update(tmp_path: Path):
+    """`accelerate launch` with an FSDP2 config on one GPU: Accelerate's FSDP plugin is on
+    (distributed type FSDP), `prepare_policy` shards with its settings; the update equals the
+    unsharded CPU one (pinned), and the sharded checkpoint resumes bit-identically (in the script)."""
+    config = tmp_path / "fsdp2.yaml"
+    config.write_text(FSDP2_CONFIG)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPT.parent), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+         "--main_process_port", str(_free_port()), str(SCRIPT), str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    got = torch.load(tmp_path / "result.pt", weights_only=True)
+    assert got["stats"]["loss/policy"] == pytest.approx(PINNED_LOSS, abs=1e-5)
+    assert got["norms"] == pytest.approx(PINNED_NORMS, abs=1e-4)
+    assert checksum(got["weights"]) == pytest.approx(PINNED_CHECKSUM, abs=1e-2)
