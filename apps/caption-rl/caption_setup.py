@@ -18,7 +18,15 @@ from caption_parts import Dataset, LocalReward, RemoteReward, resolve_model
 from peft import PeftModel
 from transformers import PreTrainedModel
 
-from rl_core.train import FullWeights, NonFiniteGuard, OptimizerOffload, PhaseTimer, SampleLog, UserError, gathered
+from rl_core.train import (
+    FullWeights,
+    NonFiniteGuard,
+    OptimizerOffload,
+    PhaseTimer,
+    SampleLog,
+    UserError,
+    gathered,
+)
 from rl_data import GroupSampler, ReadStats
 from rl_models.compiled import compile_decoder_layers
 from rl_models.lora import add_lora, disabled_adapter, export_lora, merge_and_export

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
+from typing import cast
 
 import msgspec
 import torch
@@ -52,6 +53,7 @@ from rider_config import (
 from rider_parts import Parts
 from rider_summary import print_summary
 from swapping import PinnedOffload, PolicySwap
+from transformers import PreTrainedModel
 
 from rl_core.train import (
     ConfigError,
@@ -61,8 +63,8 @@ from rl_core.train import (
     SampleLog,
     TrainProgress,
     UserError,
-    check_finite_parameters,
     accelerator_kwargs,
+    check_finite_parameters,
     config_help,
     gathered,
     isolated_rng,
@@ -221,7 +223,7 @@ def setup(cfg: Config, resume: str | None) -> tuple[Parts, GroupSampler, list[Ju
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     full = FullWeights(model) if plan.sharded else None  # the engine's copy, filled per rollout
     policy, optimizer, _ = prepare_policy(acc, Policy(model), optimizer, None, plan)
-    engine = HFEngine(full.model if full is not None else acc.unwrap_model(policy).model, tokenizer, device=acc.device,
+    engine = HFEngine(cast(PreTrainedModel, full.model) if full is not None else acc.unwrap_model(policy).model, tokenizer, device=acc.device,
                       compile=cfg.rollout.compile, max_batch_size=cfg.rollout.max_batch_size)
     monitor = PhaseMonitor(acc.device)
     # with no judge in this process (none, or all served) there is nothing to make room for

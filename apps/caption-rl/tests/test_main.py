@@ -342,3 +342,15 @@ def test_trains_from_a_save_to_disk_directory_and_names_its_bad_rows(app, tmp_pa
     assert float(table[0]["data/skipped_records"]) == 2  # the bad answer (read) and the missing image (encoded)
     assert f"{folder}: row 1: field `reward_model.ground_truth[0].answer`: answer 'E'" in caplog.text
     assert f"{folder}: row 2: " in caplog.text and "missing.png" in caplog.text
+
+
+@pytest.mark.parametrize("config", sorted(REPO.glob("examples/*/accelerate/*.yaml")), ids=lambda p: f"{p.parent.parent.name}/{p.name}")
+def test_every_example_accelerate_config_loads(config):
+    """Each app's accelerate configs parse with accelerate's own loader (the FSDP2 ones launch for
+    real in the fsdp2 case above)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    loaded = load_config_from_file(str(config))
+    assert loaded.distributed_type.value in ("MULTI_GPU", "FSDP", "DEEPSPEED")
+    if loaded.distributed_type.value == "FSDP":
+        assert loaded.fsdp_config["fsdp_version"] == 2 and not loaded.fsdp_config["fsdp_cpu_ram_efficient_loading"]

@@ -17,10 +17,10 @@ from sharding_case import make_model, make_optimizer, train
 
 from rl_core.train import (
     FullWeights,
+    ShardingPlan,
     full_state_dict,
     is_sharded,
     load_checkpoint,
-    ShardingPlan,
     prepare_policy,
     save_checkpoint,
     sharded_state,

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from rl_core.train import NonFiniteGuard, UpdateStats, optimizer_step
@@ -24,7 +26,7 @@ class Block(torch.nn.Module):
 class Toy(torch.nn.Module):
     """Embedding -> 2 blocks -> head; `_no_split_modules` names the blocks, as transformers does."""
 
-    _no_split_modules = ["Block"]
+    _no_split_modules: ClassVar[list[str]] = ["Block"]
 
     def __init__(self) -> None:
         super().__init__()

@@ -16,7 +16,6 @@ the copies' separate gradients add up to. Images are matched by grid and pixel v
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
 from typing import Any, cast
 
 import torch

@@ -35,6 +35,13 @@ from rl_core.train.plots import plot_reward_curve
 from rl_core.train.progress import TrainProgress
 from rl_core.train.rundir import latest_run, make_run_dir
 from rl_core.train.samples import SampleLog
+from rl_core.train.seeding import (
+    get_rng_state,
+    isolated_rng,
+    sample_seed,
+    seed_everything,
+    set_rng_state,
+)
 from rl_core.train.sharding import (
     SHARDINGS,
     FullWeights,
@@ -49,13 +56,6 @@ from rl_core.train.sharding import (
     shard_model,
     sharded_state,
 )
-from rl_core.train.seeding import (
-    get_rng_state,
-    isolated_rng,
-    sample_seed,
-    seed_everything,
-    set_rng_state,
-)
 from rl_core.train.update import (
     NonFiniteError,
     NonFiniteGuard,
@@ -69,19 +69,9 @@ from rl_core.train.update import (
 __all__ = [
     "GROUP_ESTIMATORS",
     "SHARDINGS",
-    "FullWeights",
-    "ShardedState",
-    "ShardingPlan",
-    "accelerator_kwargs",
-    "full_state_dict",
-    "gathered",
-    "is_sharded",
-    "prepare_policy",
-    "resolve_sharding",
-    "shard_model",
-    "sharded_state",
     "CliArgs",
     "ConfigError",
+    "FullWeights",
     "GroupAdvantages",
     "MetricsLogger",
     "NonFiniteError",
@@ -95,18 +85,24 @@ __all__ = [
     "PositiveFloat",
     "ReplayCheck",
     "SampleLog",
+    "ShardedState",
+    "ShardingPlan",
     "Stateful",
     "StepStats",
     "TrainProgress",
     "UnitInterval",
     "UpdateStats",
     "UserError",
+    "accelerator_kwargs",
     "check_finite_parameters",
     "config_help",
     "dump_config",
+    "full_state_dict",
     "gather_rows",
+    "gathered",
     "get_rng_state",
     "group_advantages",
+    "is_sharded",
     "isolated_rng",
     "latest_checkpoint",
     "latest_run",
@@ -116,10 +112,14 @@ __all__ = [
     "optimizer_step",
     "parse_cli",
     "plot_reward_curve",
+    "prepare_policy",
     "resolve_resume",
+    "resolve_sharding",
     "run_app",
     "sample_seed",
     "save_checkpoint",
     "seed_everything",
     "set_rng_state",
+    "shard_model",
+    "sharded_state",
 ]

@@ -44,14 +44,14 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from rl_core.train.app import UserError
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 __all__ = [
     "SHARDINGS",
@@ -70,6 +70,7 @@ __all__ = [
 ]
 
 SHARDINGS = ("none", "fsdp2")
+Opt = TypeVar("Opt", bound=torch.optim.Optimizer)
 Sharding = Literal["none", "fsdp2"]
 MixedPrecision = Literal["none", "bf16"]
 
@@ -189,8 +190,8 @@ def accelerator_kwargs(*, sharding: Sharding, cpu_offload: bool) -> dict[str, An
     return {}
 
 
-def prepare_policy(accelerator: Any, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                   plan: ShardingPlan) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+def prepare_policy(accelerator: Any, policy: torch.nn.Module, optimizer: Opt, scheduler: Any,
+                   plan: ShardingPlan) -> tuple[torch.nn.Module, Opt, Any]:
     """What `accelerator.prepare(policy, optimizer, scheduler)` is for an unsharded policy (DDP);
     for a sharded plan the policy is sharded by `shard_model`, the optimizer (built over the
     unsharded parameters, still without state) is pointed at the shards by parameter name, and
@@ -266,7 +267,8 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     call it on every process. For the plain export (`save_pretrained` of an unsharded copy)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
 class ShardedState:
