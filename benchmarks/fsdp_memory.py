@@ -53,6 +53,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU: checks the script runs")
     parser.add_argument("--no-offload", action="store_true", help="keep the shards on the GPU")
+    parser.add_argument("--mixed-precision", choices=("bf16", "none"), default="bf16",
+                        help="bf16: fp32 master weights + fp32 Adam (16 B/param; ~130 GB of host memory with "
+                             "offload); none: bf16 weights, gradients and Adam moments (8 B/param)")
     parser.add_argument("--seq", type=int, default=1024, help="tokens per sequence (prompt 256 + completion)")
     parser.add_argument("--batch", type=int, default=2, help="sequences per micro-batch")
     args = parser.parse_args()
@@ -65,7 +68,7 @@ def main() -> None:
     else:
         config = qwen3_config("8b")
     acc = Accelerator(cpu=not cuda, **accelerator_kwargs(sharding="fsdp2", cpu_offload=offload))
-    plan = resolve_sharding(acc, "fsdp2", mixed_precision="bf16", cpu_offload=offload, activation_checkpointing=True)
+    plan = resolve_sharding(acc, "fsdp2", mixed_precision=args.mixed_precision, cpu_offload=offload, activation_checkpointing=True)
     model = build(config)
     params = sum(p.numel() for p in model.parameters())
     full = FullWeights(model)
@@ -98,10 +101,11 @@ def main() -> None:
         peak_gather = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         held = sum(p.numel() * p.element_size() for p in copy.parameters()) / 2**30
     world = acc.num_processes
+    per_param = 16 if args.mixed_precision == "bf16" else 8  # weights + gradients + 2 Adam moments (+ bf16 copy)
     row = [f"Qwen3-{'tiny' if args.tiny else '8B'} ({params / 1e9:.2f}B)", world,
-           "shards+Adam on host" if offload else "on GPU", f"{params * 16 / 2**30:.0f}",
+           "shards+Adam on host" if offload else "on GPU", f"{params * per_param / 2**30:.0f}",
            f"{peak_update:.1f}", f"{times[-1]:.2f}", f"{gather:.2f}", f"{held:.1f}", f"{peak_gather:.1f}"]
-    header = ["policy", "GPUs", "FSDP2 shards", "unsharded need, GiB (16 B/param)", "peak GPU GiB, update",
+    header = ["policy", "GPUs", "FSDP2 shards", "unsharded need, GiB (weights+grads+Adam)", "peak GPU GiB, update",
               "step s", "gather s", "gathered GiB", "peak GPU GiB, gather"]
     if acc.is_main_process:
         if args.tiny:
@@ -110,7 +114,7 @@ def main() -> None:
             from results import append_results
 
             append_results("FSDP2 memory per GPU (benchmarks/fsdp_memory.py)", header, [row],
-                           notes=f"fp32 master weights + AdamW, bf16 compute, activation checkpointing, batch "
+                           notes=f"mixed precision {args.mixed_precision} ({per_param} B/param unsharded) + AdamW, activation checkpointing, batch "
                                  f"{args.batch} x {args.seq} tokens, one optimizer step (the second, with "
                                  "optimizer state); gather = FullWeights.gathered() of the bf16 weights for the "
                                  "rollout engine.")
