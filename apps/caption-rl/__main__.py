@@ -46,22 +46,28 @@ from caption_setup import (
 from caption_sync import build_engine, push_weights
 
 from rl_core.train import (
+    FullWeights,
     MetricsLogger,
     NonFiniteGuard,
     OptimizerOffload,
     SampleLog,
     TrainProgress,
     UserError,
+    accelerator_kwargs,
     check_finite_parameters,
+    gathered,
     group_advantages,
     load_checkpoint,
     make_run_dir,
     plot_reward_curve,
+    prepare_policy,
     resolve_resume,
+    resolve_sharding,
     run_app,
     sample_seed,
     save_checkpoint,
     seed_everything,
+    sharded_state,
 )
 from rl_data import GroupSampler
 from rl_models.logprobs import unwrap_peft
@@ -81,8 +87,11 @@ from rl_rollout.training import (
 def setup(cfg: Config, resume: str | None) -> Run:
     t, r = cfg.train, cfg.rollout
     # cpu=True without CUDA: `accelerate launch --multi_gpu --num_processes N` then gives N gloo processes
-    acc = Accelerator(cpu=not torch.cuda.is_available(), log_with=list(t.log_with) or None)
+    acc = Accelerator(cpu=not torch.cuda.is_available(), log_with=list(t.log_with) or None,
+                      **accelerator_kwargs(sharding=t.sharding, cpu_offload=t.fsdp_cpu_offload))
     check_sharding(acc)
+    plan = resolve_sharding(acc, t.sharding, mixed_precision=t.fsdp_mixed_precision, cpu_offload=t.fsdp_cpu_offload,
+                            activation_checkpointing=t.fsdp_activation_checkpointing)
     world, mini = acc.num_processes, t.mini_batch_size or t.batch_size
     if t.batch_size % world or t.batch_size % mini:
         raise UserError(f"train.batch_size={t.batch_size} must divide by the {world} processes and by "
@@ -101,17 +110,20 @@ def setup(cfg: Config, resume: str | None) -> Run:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.lr,
                                   weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (t.warmup_steps + 1)))
-    policy, optimizer, scheduler = acc.prepare(Policy(model), optimizer, scheduler)
+    full = FullWeights(model) if plan.sharded else None  # the engine's (and export's) copy, filled when used
+    policy, optimizer, scheduler = prepare_policy(acc, Policy(model), optimizer, scheduler, plan)
     engine_kind, why = resolve_engine_kind(r.engine)
     acc.print(f"rollout engine: {why}")
-    engine = build_engine(engine_kind, acc.unwrap_model(policy).model, processor, path=policy_path, dtype=cfg.model.dtype,
+    engine = build_engine(engine_kind, full.model if full is not None else acc.unwrap_model(policy).model, processor,
+                          path=policy_path, dtype=cfg.model.dtype,
                           max_batch_size=r.max_batch_size, compile_mode=r.compile_mode,
                           gpu_memory_utilization=r.gpu_memory_utilization, rank=acc.process_index, world_size=world,
                           engine_options=r.engine_options)
     sampler = GroupSampler(len(data.train), r.n, seed=t.seed, rank=acc.process_index, world_size=world)
     start = 0
     if ckpt is not None:
-        start = load_checkpoint(ckpt, state={"sampler": sampler}, accelerator=acc)["step"]
+        start = load_checkpoint(ckpt, state={"sampler": sampler, **sharded_state(policy, optimizer)},
+                                accelerator=acc)["step"]
         acc.print(f"resumed from {ckpt} at step {start}")
     per_rank = t.batch_size // world
     total = t.epochs * math.ceil(sampler.prompts_per_rank / per_rank)
@@ -127,15 +139,16 @@ def setup(cfg: Config, resume: str | None) -> Run:
         reference = load_policy(cfg.model, trainable=False)[0].to(acc.device)
     pad_id = processor.tokenizer.pad_token_id
     pad_id = processor.tokenizer.eos_token_id if pad_id is None else pad_id
-    offload = r.offload_optimizer == "always" or (r.offload_optimizer == "auto" and engine_kind == "hf")
+    offload = (r.offload_optimizer == "always" or (r.offload_optimizer == "auto" and engine_kind == "hf")) and not plan.sharded
     run = Run(cfg, acc, run_dir, policy, processor, engine, optimizer, scheduler, reward, sampler, data, per_rank,
               total, start, reference, SampleLog(run_dir, main=acc.is_main_process, start_step=start),
               guard=NonFiniteGuard(t.max_nonfinite_steps), pad_id=pad_id,
               placeholders=placeholder_ids(unwrap_peft(model).config),
-              optimizer_offload=OptimizerOffload(optimizer, acc.device) if offload and acc.device.type == "cuda" else None)
+              optimizer_offload=OptimizerOffload(optimizer, acc.device) if offload and acc.device.type == "cuda" else None,
+              full=full)
     run.engine_kind = engine_kind
     if engine_kind == "vllm":  # the checkpoint it loaded may be older than the policy (--resume)
-        push_weights(engine, run.model, version=run.weight_version)
+        sync_vllm(run, bump=False)
     return run
 
 
@@ -188,7 +201,8 @@ def step_once(run: Run, step: int) -> dict[str, Any]:
                    pad_id=run.pad_id, device=acc.device, placeholders=run.placeholders)
     stats: dict[str, float] = {}
     with run.timer("logprob"):
-        old = None if a.old_logprobs == "auto" and run.on_policy else rollout_logprobs(run.model, rollouts, **options)
+        old = None if a.old_logprobs == "auto" and run.on_policy else rollout_logprobs(
+            acc.unwrap_model(run.policy), rollouts, **options)  # through the Policy: a sharded one gathers in its forward
         if old is not None:
             stats = engine_check(rollouts, old).verify(acc, tolerance if first else math.inf, "first replay")
         ref = None
@@ -214,11 +228,13 @@ def step_once(run: Run, step: int) -> dict[str, Any]:
                 [float(sum(placeholder)), float(run.dropped_long)], device=acc.device), "sum").tolist(), strict=True)}}
 
 
-def sync_vllm(run: Run) -> None:
-    """A colocated vLLM engine samples the next rollouts from the updated policy."""
+def sync_vllm(run: Run, bump: bool = True) -> None:
+    """A colocated vLLM engine samples the next rollouts from the updated policy (a sharded
+    policy's full weights gathered for the push and freed after)."""
     if run.engine_kind == "vllm":
-        run.weight_version += 1
-        push_weights(run.engine, run.model, version=run.weight_version)
+        run.weight_version += bump
+        with gathered(run.full, run.model) as model:
+            push_weights(run.engine, model, version=run.weight_version)
 
 
 # ------------------------------------------------------------------------------ eval, main
@@ -226,7 +242,8 @@ def sync_vllm(run: Run) -> None:
 
 def checkpoint(run: Run, step: int) -> None:
     check_finite_parameters(run.model, f"checkpoint at step {step}")
-    save_checkpoint(run.run_dir / "checkpoints", step, state={"sampler": run.sampler}, accelerator=run.acc,
+    save_checkpoint(run.run_dir / "checkpoints", step,
+                    state={"sampler": run.sampler, **sharded_state(run.policy, run.optimizer)}, accelerator=run.acc,
                     keep_last=run.cfg.train.keep_last)
 
 
@@ -242,7 +259,7 @@ def train(cfg: Config, resume: str | None = None) -> Path:
             began = time.perf_counter()
             metrics = step_once(run, step)
             seconds = time.perf_counter() - began
-            metrics.update(run.timer.pop())
+            metrics.update(run.timer.pop() | (run.full.pop_metrics() if run.full is not None else {}))
             tokens = metrics.pop("tokens", 0.0)
             metrics.update({"time/step": seconds, "throughput/tokens_per_s": tokens / (seconds * acc.num_processes),
                             "lr": run.scheduler.get_last_lr()[0], "world_size": acc.num_processes,
@@ -261,8 +278,9 @@ def train(cfg: Config, resume: str | None = None) -> Path:
     acc.wait_for_everyone()
     if t.export:
         check_finite_parameters(run.model, "export")
-        if acc.is_main_process:
-            export(run.model, run.processor, run.run_dir / "export")
+        with gathered(run.full, run.model) as model:  # a sharded policy: its full weights, on every process
+            if acc.is_main_process:
+                export(model, run.processor, run.run_dir / "export")
     acc.end_training()
     d = run.run_dir
     acc.print(f"\ncaption-rl finished: {run.total_steps} steps ({run.data.skipped} malformed/QA-less records skipped)\n"

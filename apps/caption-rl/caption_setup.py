@@ -4,7 +4,6 @@ export."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -19,7 +18,15 @@ from caption_parts import Dataset, LocalReward, RemoteReward, resolve_model
 from peft import PeftModel
 from transformers import PreTrainedModel
 
-from rl_core.train import NonFiniteGuard, OptimizerOffload, PhaseTimer, SampleLog, UserError
+from rl_core.train import (
+    FullWeights,
+    NonFiniteGuard,
+    OptimizerOffload,
+    PhaseTimer,
+    SampleLog,
+    UserError,
+    gathered,
+)
 from rl_data import GroupSampler, ReadStats
 from rl_models.compiled import compile_decoder_layers
 from rl_models.lora import add_lora, disabled_adapter, export_lora, merge_and_export
@@ -28,22 +35,14 @@ from rl_models.vl import load_vl_model
 
 
 def check_sharding(acc: Accelerator) -> None:
-    """Refuse launches whose weight sharding the recipe cannot serve, instead of running something else.
-
-    The rollout engine (`hf`) and the log-prob replay read the policy's weights outside the
-    wrapped module's forward, where FSDP and ZeRO-3 keep them sharded: use DDP or ZeRO-1/2.
-    Accelerate turns FSDP on only on GPUs/accelerators; on a CPU machine it silently falls back
-    to plain data parallelism, which is refused here too so a sharded launch never runs unsharded.
-    """
-    asked_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    zero3 = acc.distributed_type == DistributedType.DEEPSPEED and acc.state.deepspeed_plugin.zero_stage == 3
-    if asked_fsdp and acc.distributed_type != DistributedType.FSDP:
-        raise UserError(f"the accelerate config asks for FSDP, but accelerate enables it only on GPUs/accelerators: "
-                        f"this {acc.distributed_type.value} run would not shard anything. Launch with --multi_gpu (DDP).")
-    if acc.distributed_type == DistributedType.FSDP or zero3:
-        raise UserError("caption-rl does not run with sharded weights (FSDP, DeepSpeed ZeRO-3): the rollout engine and "
-                        "the log-prob replay read the full weights outside the wrapped forward. Use DDP or ZeRO-1/2 "
-                        "(examples/caption-rl/accelerate/).")
+    """Refuse DeepSpeed ZeRO-3, whose sharded weights the rollout engine and the log-prob replay
+    cannot read. Sharded weights go through FSDP2 instead (`train.sharding = "fsdp2"`, or an
+    accelerate FSDP config with fsdp_version: 2): the engine decodes from gathered full weights
+    and the replay runs through the sharded policy's forward (`rl_core.train.sharding`)."""
+    if acc.distributed_type == DistributedType.DEEPSPEED and acc.state.deepspeed_plugin.zero_stage == 3:
+        raise UserError("caption-rl does not run with DeepSpeed ZeRO-3: the rollout engine and the log-prob replay "
+                        "read the full weights outside the wrapped forward. Use FSDP2 (train.sharding=\"fsdp2\" or "
+                        "examples/caption-rl/accelerate/fsdp2_1node.yaml), DDP or ZeRO-1/2.")
 
 
 def load_policy(cfg: ModelConfig, *, trainable: bool = True) -> tuple[torch.nn.Module, Any, str]:
@@ -100,7 +99,8 @@ def awake_engine(run: Any) -> Iterator[Any]:
         if run.optimizer_offload is not None:
             run.optimizer_offload.to_host()
         try:
-            yield run.engine
+            with gathered(run.full, run.engine.model):  # a sharded policy's full weights, this rollout only
+                yield run.engine
         finally:
             if run.cfg.rollout.release_cache:
                 run.engine.release_cache()
@@ -116,13 +116,13 @@ def awake_engine(run: Any) -> Iterator[Any]:
 
 @contextmanager
 def reference_model(run: Any) -> Iterator[torch.nn.Module]:
-    """The KL reference: the same model with its LoRA adapter disabled (no second copy of the
-    weights), or a frozen copy of the initial policy for full fine-tuning."""
+    """The KL reference: the trained `Policy` with its LoRA adapter disabled (no second copy of
+    the weights; sharded or not), or a frozen copy of the initial policy for full fine-tuning."""
     if run.reference is not None:
         yield run.reference
         return
-    with disabled_adapter(run.model) as model:
-        yield model
+    with disabled_adapter(run.model):
+        yield run.acc.unwrap_model(run.policy)
 
 
 def export(model: torch.nn.Module, processor: Any, out: Path) -> None:
@@ -166,6 +166,7 @@ class Run:
     weight_version: int = 0  # optimizer steps pushed into a vllm engine
     engine_kind: str = "hf"  # rollout.engine resolved: "hf" | "vllm"
     optimizer_offload: OptimizerOffload | None = None
+    full: FullWeights | None = None  # a sharded policy's full weights for the engine and export (train.sharding)
 
     @property
     def model(self) -> torch.nn.Module:

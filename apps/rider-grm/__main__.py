@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
+from typing import cast
 
 import msgspec
 import torch
@@ -52,27 +53,34 @@ from rider_config import (
 from rider_parts import Parts
 from rider_summary import print_summary
 from swapping import PinnedOffload, PolicySwap
+from transformers import PreTrainedModel
 
 from rl_core.train import (
     ConfigError,
+    FullWeights,
     MetricsLogger,
     NonFiniteGuard,
     SampleLog,
     TrainProgress,
     UserError,
+    accelerator_kwargs,
     check_finite_parameters,
     config_help,
+    gathered,
     isolated_rng,
     load_checkpoint,
     load_config,
     make_run_dir,
     parse_cli,
     plot_reward_curve,
+    prepare_policy,
     resolve_resume,
+    resolve_sharding,
     run_app,
     sample_seed,
     save_checkpoint,
     seed_everything,
+    sharded_state,
 )
 from rl_data import GroupSampler, JudgeRecord
 from rl_models.text import load_causal_lm
@@ -93,7 +101,7 @@ def generate(p: Parts, records: list[JudgeRecord], n: int, temperature: float,
     awake = sum(j.state() == "awake" for j in p.judges)
     params = SamplingParams(n=n, temperature=temperature, top_p=p.cfg.rollout.top_p, top_k=p.cfg.rollout.top_k,
                             max_new_tokens=p.cfg.data.max_response_length)
-    with p.monitor("generate"):
+    with p.monitor("generate"), gathered(p.full, p.engine.model):  # a sharded policy's full weights, this rollout only
         if seeds is None:
             gens = p.engine.generate([messages(r) for r in records], params)
         else:
@@ -135,8 +143,8 @@ def train_step(p: Parts, step: int, indices: list[int], records: list[JudgeRecor
     scores = torch.tensor([math.nan if r.score is None else r.score for r in results])  # [B] NaN: failed
     everything = to_rollouts(gens, torch.ones(len(gens), dtype=torch.bool))
     model = acc.unwrap_model(p.model).model
-    with p.monitor("old_logp"):
-        old = logprobs(model, everything, cfg, p.engine.pad_id, acc.device)
+    with p.monitor("old_logp"):  # through the Policy: a sharded one gathers its weights in its forward
+        old = logprobs(acc.unwrap_model(p.model), everything, cfg, p.engine.pad_id, acc.device)
     ref = None
     if cfg.algo.use_kl_loss or cfg.algo.kl_in_reward:
         with p.monitor("ref_logp"):
@@ -192,7 +200,11 @@ def _validate(p: Parts, step: int, records: list[JudgeRecord]) -> dict[str, floa
 
 
 def setup(cfg: Config, resume: str | None) -> tuple[Parts, GroupSampler, list[JudgeRecord], list[JudgeRecord], int, MetricsLogger]:
-    acc = Accelerator(cpu=not torch.cuda.is_available(), log_with=cfg.train.log_with or None)
+    t = cfg.train
+    acc = Accelerator(cpu=not torch.cuda.is_available(), log_with=t.log_with or None,
+                      **accelerator_kwargs(sharding=t.sharding, cpu_offload=t.fsdp_cpu_offload))
+    plan = resolve_sharding(acc, t.sharding, mixed_precision=t.fsdp_mixed_precision, cpu_offload=t.fsdp_cpu_offload,
+                            activation_checkpointing=t.fsdp_activation_checkpointing)
     seed_everything(cfg.train.seed, rank=acc.process_index)
     policy_path = resolve_model(cfg.model.path)
     model, tokenizer = load_causal_lm(policy_path, dtype=cfg.model.dtype)
@@ -209,12 +221,14 @@ def setup(cfg: Config, resume: str | None) -> tuple[Parts, GroupSampler, list[Ju
     train = load_records(cfg.data.train_files, tokenizer, cfg.data, reads)
     val = load_records(cfg.data.val_files or cfg.data.train_files, tokenizer, cfg.data, reads)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    policy, optimizer = acc.prepare(Policy(model), optimizer)
-    engine = HFEngine(acc.unwrap_model(policy).model, tokenizer, device=acc.device, compile=cfg.rollout.compile,
-                      max_batch_size=cfg.rollout.max_batch_size)
+    full = FullWeights(model) if plan.sharded else None  # the engine's copy, filled per rollout
+    policy, optimizer, _ = prepare_policy(acc, Policy(model), optimizer, None, plan)
+    engine = HFEngine(cast(PreTrainedModel, full.model) if full is not None else acc.unwrap_model(policy).model, tokenizer, device=acc.device,
+                      compile=cfg.rollout.compile, max_batch_size=cfg.rollout.max_batch_size)
     monitor = PhaseMonitor(acc.device)
     # with no judge in this process (none, or all served) there is nothing to make room for
-    mode = cfg.reward.swap if any(j.engine in ("auto", "hf", "vllm") for j in judge_cfgs) else "never"
+    # (a sharded policy stays where it is: its shards are 1/N of it; train.fsdp_cpu_offload keeps them on the host)
+    mode = cfg.reward.swap if any(j.engine in ("auto", "hf", "vllm") for j in judge_cfgs) and not plan.sharded else "never"
     swap = PolicySwap(engine, optimizer, acc.device, mode=mode, offload_optimizer=cfg.model.optimizer_offload,
                       memory_fraction=cfg.reward.swap_memory_fraction)
     judges = build_judges(judge_cfgs, acc.device, monitor, engine, len(train[0].rm_prompts),
@@ -232,13 +246,14 @@ def setup(cfg: Config, resume: str | None) -> tuple[Parts, GroupSampler, list[Ju
     run_dir = make_run_dir(cfg.train.output_dir, name, config=cfg, accelerator=acc)
     step = 0
     if ckpt is not None:
-        step = load_checkpoint(ckpt, state={"sampler": sampler}, accelerator=acc)["step"]
+        step = load_checkpoint(ckpt, state={"sampler": sampler, **sharded_state(policy, optimizer)},
+                               accelerator=acc)["step"]
     if cfg.train.log_with:
         acc.init_trackers("rider-grm", config=msgspec.to_builtins(cfg))
     logger = MetricsLogger(run_dir, accelerator=acc, start_step=step)
     parts = Parts(cfg, acc, policy, ref, optimizer, engine, judges, reward, monitor, swap, ref_offload, run_dir,
                   SampleLog(run_dir, main=acc.is_main_process, start_step=step),
-                  NonFiniteGuard(cfg.train.max_nonfinite_steps))
+                  NonFiniteGuard(cfg.train.max_nonfinite_steps), full)
     try:
         dry_run(parts.judges, val[0])
     except Exception:
@@ -284,14 +299,15 @@ def main(argv: list[str]) -> Path | None:
             metrics = train_step(p, step, indices, records, first=step == start + 1)
             if step == total or (cfg.train.test_freq > 0 and step % cfg.train.test_freq == 0):
                 metrics |= validate(p, step, val)
-            metrics |= p.monitor.pop()
+            metrics |= p.monitor.pop() | (p.full.pop_metrics() if p.full is not None else {})
             plan_swaps(p, metrics)
             metrics["world_size"] = acc.num_processes
             logger.log(step, metrics)  # logged before the checkpoint: a resume never loses a logged step
             bar.update(step, metrics)
             if step % cfg.train.save_freq == 0 or step == total:
                 check_finite_parameters(acc.unwrap_model(p.model), f"checkpoint at step {step}")
-                save_checkpoint(p.run_dir / "checkpoints", step, state={"sampler": sampler}, accelerator=acc,
+                save_checkpoint(p.run_dir / "checkpoints", step,
+                                state={"sampler": sampler, **sharded_state(p.model, p.optimizer)}, accelerator=acc,
                                 keep_last=cfg.train.keep_last)
             if acc.is_main_process:
                 plot_reward_curve(p.run_dir, curves=(("metrics.csv", "reward/mean", "train"),

@@ -11,7 +11,7 @@ from judging import Judge, PhaseMonitor
 from rider_config import Config
 from swapping import PinnedOffload, PolicySwap
 
-from rl_core.train import NonFiniteGuard, SampleLog
+from rl_core.train import FullWeights, NonFiniteGuard, SampleLog
 from rl_rewards.composition import Reward
 from rl_rollout.hf import HFEngine
 
@@ -34,3 +34,4 @@ class Parts:
     run_dir: Path
     samples: SampleLog
     guard: NonFiniteGuard
+    full: FullWeights | None = None  # the rollout's copy of a sharded policy (train.sharding = "fsdp2")

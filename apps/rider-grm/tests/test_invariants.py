@@ -28,7 +28,15 @@ def rows(run: Path) -> list[dict[str, str]]:
 
 
 def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(run / "checkpoints" / f"checkpoint-{step}" / "model.safetensors")
+    """The policy's weights in a checkpoint: Accelerate's file, or (train.sharding=fsdp2) the
+    `torch.distributed.checkpoint` shards of every process put together."""
+    folder = run / "checkpoints" / f"checkpoint-{step}"
+    if not (folder / "sharded").is_dir():
+        return load_file(folder / "model.safetensors")
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(folder / "sharded", run / "sharded.pt")
+    return torch.load(run / "sharded.pt", weights_only=True)["model"]
 
 
 def one_step(tmp_path: Path, name: str, **extra: object) -> list[str]:
@@ -43,12 +51,15 @@ def one_step(tmp_path: Path, name: str, **extra: object) -> list[str]:
 PINNED = {"reward/mean": 1.055692, "actor/grad_norm": 0.73106, "actor/entropy": 6.45467}
 
 
-def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sharding", ["none", "fsdp2"])
+def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path, sharding: str) -> None:
+    """DDP, or FSDP2 (`train.sharding=fsdp2`: weights, gradients and Adam state sharded over the
+    2 gloo processes, the rollout decoding from gathered full weights) = 1 unsharded process."""
     single = app.main(one_step(tmp_path, "one"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(APP / "__main__.py"),
-           *one_step(tmp_path, "two")]
+           *one_step(tmp_path, "two", **{"train.sharding": f'"{sharding}"'})]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     [a], [b] = rows(single), rows(tmp_path / "two")
@@ -61,8 +72,11 @@ def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path) ->
     wa, wb = weights(single, 1), weights(tmp_path / "two", 1)
     start = load_file(Path(tiny.build("qwen3")) / "model.safetensors")
     assert max((wa[f"model.{k}"] - v).abs().max().item() for k, v in start.items()) > 1e-4  # the step moved them
+    assert set(wa) <= set(wb)  # (the sharded state also names the tied lm_head, which safetensors drops)
     for name in wa:
         torch.testing.assert_close(wb[name], wa[name], atol=5e-6, rtol=0, msg=name)
+    if sharding == "fsdp2":
+        assert float(b["time/weight_gather"]) > 0
 
 
 def test_gradient_accumulation_equals_one_micro_batch(tmp_path: Path) -> None:

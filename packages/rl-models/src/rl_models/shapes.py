@@ -32,7 +32,7 @@ from rl_models.tokenization import build_clip_tokenizer, build_qwen_tokenizer, b
 
 QWEN_VOCAB = 151936
 # size -> (hidden, intermediate, layers, heads, kv heads); head_dim 128 throughout.
-_QWEN3_TEXT = {"1.7b": (2048, 6144, 28, 16, 8), "4b": (2560, 9728, 36, 32, 8)}
+_QWEN3_TEXT = {"1.7b": (2048, 6144, 28, 16, 8), "4b": (2560, 9728, 36, 32, 8), "8b": (4096, 12288, 36, 32, 8)}
 _QWEN3_VL_TEXT = {"2b": _QWEN3_TEXT["1.7b"], "4b": _QWEN3_TEXT["4b"]}
 
 
@@ -53,12 +53,12 @@ def _qwen3_text(size: str, table: Mapping[str, tuple[int, int, int, int, int]]) 
 
 
 def qwen3_config(size: str) -> Qwen3Config:
-    """Qwen3-1.7B / Qwen3-4B (tied embeddings, rope theta 1e6, 40960 positions)."""
+    """Qwen3-1.7B / Qwen3-4B (tied embeddings) / Qwen3-8B (untied), rope theta 1e6, 40960 positions."""
     return Qwen3Config(
         **_qwen3_text(size, _QWEN3_TEXT),
         max_position_embeddings=40960,
         rope_parameters={"rope_theta": 1_000_000.0, "rope_type": "default"},
-        tie_word_embeddings=True,
+        tie_word_embeddings=size != "8b",
     )
 
 

@@ -16,7 +16,6 @@ the copies' separate gradients add up to. Images are matched by grid and pixel v
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -34,8 +33,7 @@ def share_identical_media(model: torch.nn.Module) -> torch.nn.Module:
     """
     visual = _vision_tower(model)
     if not getattr(visual, _MARK, False):
-        original = visual.forward
-        visual.forward = types.MethodType(_sharing_forward(original), visual)
+        visual.forward = types.MethodType(_sharing_forward, visual)
         setattr(visual, _MARK, True)
     return model
 
@@ -47,29 +45,29 @@ def _vision_tower(model: torch.nn.Module) -> torch.nn.Module:
     raise ValueError(f"{type(model).__name__} has no Qwen-VL vision tower (a `visual` module with spatial_merge_size)")
 
 
-def _sharing_forward(original: Callable[..., Any]) -> Callable[..., Any]:
-    def forward(self: torch.nn.Module, hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
-        # hidden_states: [P, D] patches of every image, image after image; grid_thw: [N, 3]
-        owners = _owners(hidden_states, grid_thw)
-        if owners is None or kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
-            return original(hidden_states, grid_thw, **kwargs)
-        unique = sorted(set(owners))
-        patches = grid_thw.prod(-1).tolist()  # patches per image
-        starts = [sum(patches[:i]) for i in range(len(patches))]
-        keep = torch.cat([torch.arange(starts[u], starts[u] + patches[u]) for u in unique]).to(hidden_states.device)
-        out = original(hidden_states[keep], grid_thw[unique], **kwargs)
-        merge_size = cast(int, self.spatial_merge_size)  # an int attribute of the vision tower
-        merged = [p // merge_size**2 for p in patches]  # output tokens per image
-        index = _expand_index(owners, unique, merged).to(hidden_states.device)  # [M] rows of the unique output
-        out.pooler_output = out.pooler_output.index_select(0, index)  # [M, D_out]
-        if out.get("deepstack_features") is not None:  # Qwen3-VL
-            out.deepstack_features = [f.index_select(0, index) for f in out.deepstack_features]
-        # patch-level states are not per-image contiguous in Qwen2.5-VL (window order) and no
-        # caller reads them: drop them rather than hand back the unique images' states
-        out.last_hidden_state = None
-        return out
-
-    return forward
+def _sharing_forward(self: torch.nn.Module, hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
+    """The tower's own forward on the unique images only. It is looked up on the class, not
+    captured, so a deep copy of the model (`rl_core.train.FullWeights`) runs its own tower."""
+    original = type(self).forward.__get__(self)
+    # hidden_states: [P, D] patches of every image, image after image; grid_thw: [N, 3]
+    owners = _owners(hidden_states, grid_thw)
+    if owners is None or kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
+        return original(hidden_states, grid_thw, **kwargs)
+    unique = sorted(set(owners))
+    patches = grid_thw.prod(-1).tolist()  # patches per image
+    starts = [sum(patches[:i]) for i in range(len(patches))]
+    keep = torch.cat([torch.arange(starts[u], starts[u] + patches[u]) for u in unique]).to(hidden_states.device)
+    out = original(hidden_states[keep], grid_thw[unique], **kwargs)
+    merge_size = cast(int, self.spatial_merge_size)  # an int attribute of the vision tower
+    merged = [p // merge_size**2 for p in patches]  # output tokens per image
+    index = _expand_index(owners, unique, merged).to(hidden_states.device)  # [M] rows of the unique output
+    out.pooler_output = out.pooler_output.index_select(0, index)  # [M, D_out]
+    if out.get("deepstack_features") is not None:  # Qwen3-VL
+        out.deepstack_features = [f.index_select(0, index) for f in out.deepstack_features]
+    # patch-level states are not per-image contiguous in Qwen2.5-VL (window order) and no
+    # caller reads them: drop them rather than hand back the unique images' states
+    out.last_hidden_state = None
+    return out
 
 
 def _owners(hidden_states: Tensor, grid_thw: Tensor) -> list[int] | None:

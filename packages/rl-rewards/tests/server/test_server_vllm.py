@@ -35,7 +35,7 @@ def test_qa_judge_served_on_vllm(tmp_path):
     judge = str(tiny.build("qwen3"))
     args = ["--judge-option", "estimator=exact", "--judge-option", f"engine_options={json.dumps(VLLM_OPTIONS)}"]
     env = {"REWARD_MODEL": judge, "REWARD_ENGINE": "vllm", "REWARD_TASK": "image"}
-    with server_process(tmp_path, "vllm-judge", args, env, ready_timeout=400) as proc:
+    with server_process(tmp_path, "vllm-judge", args, env, ready_timeout=240) as proc:
         body = {"prompts": [[c, QA] for c in CAPTIONS], "query": [], "labels": []}
         response = httpx.post(f"{proc.url}/get_reward", json=body, timeout=300)
         assert response.status_code == 200, response.text

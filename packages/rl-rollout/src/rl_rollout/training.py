@@ -72,14 +72,19 @@ def pad_rows(rows: Sequence[Tensor], width: int) -> Tensor:
 class Policy(torch.nn.Module):
     """The trained model behind one forward returning completion log-probs and entropies
     `[B, C]` (`rl_models.completion_logprobs_and_entropy`: hidden states, then the LM head in
-    chunks; the entropy carries no gradient). Hand this module to `accelerator.prepare`, so
-    DDP wraps the whole log-prob computation and synchronizes its gradients."""
+    chunks; the entropy carries no gradient). Hand this module to `accelerator.prepare` (or
+    `rl_core.train.prepare_policy`), so DDP wraps the whole log-prob computation and synchronizes
+    its gradients, or FSDP2 shards it with this module as the root unit: the LM head weight read
+    outside the model's own forward is then gathered by the root's forward. `entropy=False`
+    computes log-probs only (`rollout_logprobs`; the entropy comes back as None)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, batch: TokenBatch, temperature: float) -> tuple[Tensor, Tensor]:
+    def forward(self, batch: TokenBatch, temperature: float, entropy: bool = True) -> tuple[Tensor, Tensor | None]:
+        if not entropy:
+            return completion_logprobs(self.model, batch, temperature=temperature), None  # [B, C]
         return completion_logprobs_and_entropy(self.model, batch, temperature=temperature)  # [B, C] x2
 
 
@@ -88,12 +93,16 @@ def rollout_logprobs(model: torch.nn.Module, rollouts: Sequence[Rollout], *, mic
                      temperature: float, pad_id: int, device: torch.device,
                      placeholders: frozenset[int] = frozenset()) -> list[Tensor]:
     """No-grad log-probs of each rollout's completion under `model` (a list of `[C_i]`, CPU):
-    PPO's old log-probs, or the KL reference's."""
+    PPO's old log-probs, or the KL reference's. `model` is a transformers model, or the trained
+    `Policy` (required when it is sharded: its forward gathers the weights)."""
     out: list[Tensor] = []
     for start in range(0, len(rollouts), micro_batch_size):
         chunk = rollouts[start : start + micro_batch_size]
         batch = to_device(collate(chunk, pad_id, placeholders), device)
-        logp = completion_logprobs(model, batch, temperature=temperature)  # [b, C]
+        if isinstance(model, Policy):
+            logp = model(batch, temperature, entropy=False)[0]  # [b, C]
+        else:
+            logp = completion_logprobs(model, batch, temperature=temperature)  # [b, C]
         out += [logp[i, : len(r.completion_ids)].float().cpu() for i, r in enumerate(chunk)]
     return out
 

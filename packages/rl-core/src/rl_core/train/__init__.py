@@ -1,6 +1,6 @@
 """Training plumbing every app needs once (install with `pip install "rl-core[train]"`):
 config loading, run directories, metric and sample logs, progress, atomic checkpoints, seeding,
-pinned-buffer offloading of weights or optimizer state, and the training phases the apps share:
+pinned-buffer offloading of weights or optimizer state, FSDP2 sharding (`sharding`), and the training phases the apps share:
 group advantages over processes (`groups`), the accumulated optimizer step with its non-finite
 guard and first-replay check (`update`), and the `main()` contract with user errors (`app`).
 
@@ -42,6 +42,20 @@ from rl_core.train.seeding import (
     seed_everything,
     set_rng_state,
 )
+from rl_core.train.sharding import (
+    SHARDINGS,
+    FullWeights,
+    ShardedState,
+    ShardingPlan,
+    accelerator_kwargs,
+    full_state_dict,
+    gathered,
+    is_sharded,
+    prepare_policy,
+    resolve_sharding,
+    shard_model,
+    sharded_state,
+)
 from rl_core.train.update import (
     NonFiniteError,
     NonFiniteGuard,
@@ -54,8 +68,10 @@ from rl_core.train.update import (
 
 __all__ = [
     "GROUP_ESTIMATORS",
+    "SHARDINGS",
     "CliArgs",
     "ConfigError",
+    "FullWeights",
     "GroupAdvantages",
     "MetricsLogger",
     "NonFiniteError",
@@ -69,18 +85,24 @@ __all__ = [
     "PositiveFloat",
     "ReplayCheck",
     "SampleLog",
+    "ShardedState",
+    "ShardingPlan",
     "Stateful",
     "StepStats",
     "TrainProgress",
     "UnitInterval",
     "UpdateStats",
     "UserError",
+    "accelerator_kwargs",
     "check_finite_parameters",
     "config_help",
     "dump_config",
+    "full_state_dict",
     "gather_rows",
+    "gathered",
     "get_rng_state",
     "group_advantages",
+    "is_sharded",
     "isolated_rng",
     "latest_checkpoint",
     "latest_run",
@@ -90,10 +112,14 @@ __all__ = [
     "optimizer_step",
     "parse_cli",
     "plot_reward_curve",
+    "prepare_policy",
     "resolve_resume",
+    "resolve_sharding",
     "run_app",
     "sample_seed",
     "save_checkpoint",
     "seed_everything",
     "set_rng_state",
+    "shard_model",
+    "sharded_state",
 ]

@@ -13,6 +13,9 @@ the complete new checkpoint or none, and the previous checkpoint untouched. A ch
   RNG state of every process. Then put only objects that were NOT passed to
   `accelerator.prepare` (a sampler, an EMA, ...) into `state`; they are saved by the main process.
 
+A `rl_core.train.sharding.ShardedState` value (a sharded policy and its optimizer) is saved by
+every process into `<name>/` through `torch.distributed.checkpoint`, each rank its own shards.
+
 Without an accelerator a single process is assumed.
 """
 
@@ -30,6 +33,7 @@ import torch
 
 from rl_core.train.rundir import latest_run
 from rl_core.train.seeding import get_rng_state, set_rng_state
+from rl_core.train.sharding import ShardedState
 
 __all__ = ["Stateful", "latest_checkpoint", "load_checkpoint", "resolve_resume", "save_checkpoint"]
 
@@ -119,11 +123,12 @@ def save_checkpoint(
     if accelerator is not None and accelerator.project_configuration.automatic_checkpoint_naming:
         raise ValueError("save_checkpoint names checkpoints itself: create the Accelerator "
                          "without ProjectConfiguration(automatic_checkpoint_naming=True)")
+    sharded = {k: v for k, v in state.items() if isinstance(v, ShardedState)}
     stateful = {k: v for k, v in state.items() if isinstance(v, Stateful)}
-    extras = {k: v for k, v in state.items() if k not in stateful}
+    extras = {k: v for k, v in state.items() if k not in stateful and k not in sharded}
     try:
-        meta = msgspec.json.encode({"step": step, "format": _format(accelerator),
-                                    "stateful": sorted(stateful), "extras": extras})
+        meta = msgspec.json.encode({"step": step, "format": _format(accelerator), "stateful": sorted(stateful),
+                                    "sharded": sorted(sharded), "extras": extras})
     except TypeError as e:
         raise TypeError(f"checkpoint state values must be Stateful or JSON-able: {e}") from e
     root = Path(root)
@@ -139,6 +144,8 @@ def save_checkpoint(
         accelerator.save_state(str(tmp))
     else:
         torch.save(get_rng_state(), tmp / "rng.pt")
+    for name, parts in sharded.items():
+        parts.save(tmp / name)
     if main:
         for name, obj in stateful.items():
             torch.save(obj.state_dict(), tmp / f"{name}.pt")
@@ -185,11 +192,15 @@ def load_checkpoint(
         raise ValueError(f"{path} was saved {'with' if meta['format'] == 'accelerate' else 'without'}"
                          " an accelerator; load it the same way")
     wanted = {k: v for k, v in (state or {}).items() if isinstance(v, Stateful)}
-    missing = sorted(set(wanted) - set(meta["stateful"]))
+    shards = {k: v for k, v in (state or {}).items() if isinstance(v, ShardedState)}
+    held = [*meta["stateful"], *meta.get("sharded", [])]
+    missing = sorted(set(wanted) - set(meta["stateful"]) | set(shards) - set(meta.get("sharded", [])))
     if missing:
-        raise KeyError(f"{path} has no state for {missing}; it holds {meta['stateful']}")
+        raise KeyError(f"{path} has no state for {missing}; it holds {held}")
     if accelerator is not None:
         accelerator.load_state(str(path))
+    for name, parts in shards.items():
+        parts.load(path / name)
     for name, obj in wanted.items():
         obj.load_state_dict(torch.load(path / f"{name}.pt", map_location="cpu", weights_only=True))
     if accelerator is None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = [
     "NonFiniteError",
@@ -79,9 +80,11 @@ class NonFiniteGuard:
 
 def check_finite_parameters(model: torch.nn.Module, what: str) -> None:
     """Raise `NonFiniteError` if any trainable parameter of `model` holds NaN/inf (before a
-    checkpoint or an export, which must never hold non-finite weights)."""
+    checkpoint or an export, which must never hold non-finite weights). A sharded parameter is
+    checked on each process's own shard (the process that holds the NaN raises)."""
     for name, p in model.named_parameters():
-        if p.requires_grad and not bool(torch.isfinite(p.detach()).all()):
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if p.requires_grad and not bool(torch.isfinite(local.detach()).all()):
             raise NonFiniteError(f"parameter {name} is not finite: {what} refused")
 
 
