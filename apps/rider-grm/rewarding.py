@@ -5,6 +5,7 @@ reward metrics, and the sample generations written with each judge's raw output.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Literal
 
 import torch
@@ -108,6 +109,9 @@ def build_judge(i: int, judge: JudgeConfig, device: torch.device, monitor: Phase
     elif kind == "openai":
         inner = build_engine("openai", base_url=judge.url, model=judge.model, **judge.engine_options)
     else:
+        # each judge's engine core in its own process (several vLLM engines cannot share one), started
+        # by spawn: the trainer has initialised CUDA, which a forked child cannot use
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         inner = build_engine("vllm", model=resolve_model(judge.model), **judge.engine_options)
     engine = RecordingEngine(inner)
     tokenizer = judge.tokenizer or (judge.model if judge.engine == "openai" else resolve_model(judge.model))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,13 +23,14 @@ def test_import_without_vllm_names_the_extra() -> None:
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM or not torch.cuda.is_available(), reason="needs vLLM and a GPU")
-def test_vllm_engine_generate_score_sleep_and_load(qwen3_path: Path) -> None:
+def test_vllm_engine_generate_score_sleep_and_load() -> None:
+    from rl_models import tiny
     from rl_rollout.hf import HFEngine
     from rl_rollout.vllm import VLLMEngine
 
-    # bfloat16: in float32 vLLM 0.26 picks flex attention, which needs head_dim >= 16 (the tiny
-    # checkpoint has 8) and sized its block table at 47 GiB for a tiny model's KV block count
-    # enforce_eager: in this configuration vLLM's compile + CUDA-graph capture at start ran past 2 min
+    # qwen3_vllm: 64-wide heads (vLLM 0.26's FlashAttention hung at start on tiny qwen3's 8-wide
+    # ones, and its flex attention refuses them); enforce_eager: starts in seconds
+    qwen3_path = tiny.build("qwen3_vllm")
     engine = VLLMEngine(str(qwen3_path), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=1024,
                         enforce_eager=True)
     params = SamplingParams(n=2, temperature=0.7, max_new_tokens=8, seed=0)

@@ -110,6 +110,7 @@ def _run_builder(builder: Builder, out: Path, seed: int) -> None:
 
 
 register_family("qwen3", "v2", tiny_families.build_qwen3)
+register_family("qwen3_vllm", "v1", tiny_families.build_qwen3_vllm)
 register_family("embedding", "v1", tiny_families.build_embedding)
 register_family("clip", "v1", tiny_families.build_clip)
 register_family("qwen2_5_vl", "v1", tiny_vl.build_qwen2_5_vl)

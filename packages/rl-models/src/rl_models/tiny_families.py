@@ -43,7 +43,7 @@ def qwen_generation_config(tokenizer) -> GenerationConfig:
     )
 
 
-def build_qwen3(out: Path) -> None:
+def build_qwen3(out: Path, *, head_dim: int = 8) -> None:
     """Qwen3 text model (tied embeddings, q/k norms, GQA), `Qwen2Tokenizer` + chat template."""
     tokenizer = build_qwen_tokenizer()
     config = Qwen3Config(
@@ -53,7 +53,7 @@ def build_qwen3(out: Path) -> None:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=8,
+        head_dim=head_dim,
         max_position_embeddings=4096,
         rope_parameters={"rope_theta": 1_000_000.0, "rope_type": "default"},
         tie_word_embeddings=True,
@@ -65,6 +65,12 @@ def build_qwen3(out: Path) -> None:
     model.generation_config = qwen_generation_config(tokenizer)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def build_qwen3_vllm(out: Path) -> None:
+    """`build_qwen3` with 64-wide attention heads, a size vLLM's attention kernels take (its
+    FlashAttention and flex-attention backends refuse or hang on the 8-wide heads of `qwen3`)."""
+    build_qwen3(out, head_dim=64)
 
 
 def build_embedding(out: Path) -> None:

@@ -28,11 +28,11 @@ QA = [["What colour is the circle?\n   - A) red\n   - B) blue\n   - C) green", "
       ["Is it moving?\n   - A) yes\n   - B) no", "B"]]
 CAPTIONS = ["a red circle that fades", "a dog runs across the street", "nothing to see"]
 VLLM_OPTIONS = {"gpu_memory_utilization": 0.25, "enforce_eager": True, "max_model_len": 2048, "dtype": "bfloat16"}
-# bfloat16: in float32 vLLM picks flex attention, which needs head_dim >= 16 (the tiny judge has 8)
+# qwen3_vllm: the tiny judge with 64-wide heads, which vLLM's attention kernels take
 
 
 def test_qa_judge_served_on_vllm(tmp_path):
-    judge = str(tiny.build("qwen3"))
+    judge = str(tiny.build("qwen3_vllm"))
     args = ["--judge-option", "estimator=exact", "--judge-option", f"engine_options={json.dumps(VLLM_OPTIONS)}"]
     env = {"REWARD_MODEL": judge, "REWARD_ENGINE": "vllm", "REWARD_TASK": "image"}
     with server_process(tmp_path, "vllm-judge", args, env, ready_timeout=240) as proc:
