@@ -40,6 +40,6 @@ def test_weight_sync_with_real_vllm(app, tmp_path, tuning):
         assert float(row["replay/engine_diff_mean"]) < 1e-2, row  # trainer vs vLLM kernels (passed at this bound on an H100)
 
 
-def test_auto_picks_vllm_and_says_so(app, tmp_path, capsys):
+def test_auto_picks_vllm_and_says_so(app, tmp_path, capfd):
     app.main(tiny_overrides(tmp_path, *FAST, "data.eval_size=0", "train.max_steps=1"))
-    assert "rollout engine: vllm (auto: CUDA device and vLLM found)" in capsys.readouterr().out
+    assert "rollout engine: vllm (auto: CUDA device and vLLM found)" in capfd.readouterr().out
