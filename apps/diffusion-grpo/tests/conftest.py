@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -39,3 +40,15 @@ def tiny_overrides(out: Path, *extra: str) -> list[str]:
         "reward.components={brightness=1.0}", "eval.every=0", f"train.output_dir={out}",
         *extra,
     ]
+
+
+def flat(tree, prefix=""):
+    """Nested state -> {path: exact values} (tensors as lists: equality means bit-equality)."""
+    if isinstance(tree, dict):
+        out = {}
+        for key, value in sorted(tree.items(), key=lambda kv: str(kv[0])):
+            out.update(flat(value, f"{prefix}{key}."))
+        return out
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree.float().flatten().tolist()}
+    return {prefix: tree}
