@@ -16,7 +16,13 @@ from grpo_sharding import whole_weights
 from peft import PeftModel
 
 from rl_core.advantages import group_ids_from_keys
-from rl_core.train import UserError, check_finite_parameters, load_checkpoint, save_checkpoint, sharded_state
+from rl_core.train import (
+    UserError,
+    check_finite_parameters,
+    load_checkpoint,
+    save_checkpoint,
+    sharded_state,
+)
 from rl_data import OCRPrompt
 from rl_models import tiny
 from rl_models.lora import export_lora

@@ -25,7 +25,7 @@ where each phase of the recipe gets whole weights from.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from accelerate import Accelerator
@@ -35,10 +35,11 @@ from peft import PeftModel
 from rl_core.train import FullWeights, gathered, prepare_policy, resolve_sharding
 from rl_rollout.diffusion import DiffusionEngine
 
+Opt = TypeVar("Opt", bound=torch.optim.Optimizer)
+
 
 def prepare_transformer(acc: Accelerator, t: TrainConfig, engine: DiffusionEngine, peft: PeftModel,
-                        optimizer: torch.optim.Optimizer) -> tuple[torch.nn.Module, torch.optim.Optimizer,
-                                                                   FullWeights | None]:
+                        optimizer: Opt) -> tuple[torch.nn.Module, Opt, FullWeights | None]:
     """`acc.prepare(peft, optimizer)` (DDP) for `train.sharding = "none"`; for FSDP2 the sharded
     `peft` (in place), its optimizer, and the unsharded copy the engine now samples from (its
     weights are there only inside `whole_weights`)."""
@@ -47,7 +48,7 @@ def prepare_transformer(acc: Accelerator, t: TrainConfig, engine: DiffusionEngin
     full = FullWeights(peft) if plan.sharded else None  # before sharding: a copy of the unsharded structure
     model, optimizer, _ = prepare_policy(acc, peft, optimizer, None, plan)
     if full is not None:
-        engine.pipeline.transformer = full.model.get_base_model()  # the LoRA-injected transformer of the copy
+        engine.pipeline.transformer = cast(PeftModel, full.model).get_base_model()  # the copy's LoRA-injected transformer
     return model, optimizer, full
 
 
