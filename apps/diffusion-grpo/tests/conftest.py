@@ -52,3 +52,21 @@ def flat(tree, prefix=""):
     if isinstance(tree, torch.Tensor):
         return {prefix: tree.float().flatten().tolist()}
     return {prefix: tree}
+
+
+def in_process_group(app, cfg, resume: str | None = None) -> Path:
+    """`app.train` in a gloo group of this one process: FSDP2 with world size 1, in process (the
+    app's `end_training` destroys the group, so each run gets its own)."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        return app.train(cfg, resume)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -10,15 +10,13 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from conftest import APP, flat, tiny_overrides
+from conftest import APP, flat, in_process_group, tiny_overrides
 from safetensors.torch import load_file
 
 from rl_core.train import load_config
@@ -94,20 +92,6 @@ def test_gradient_accumulation_equals_one_micro_batch(app, tmp_path: Path) -> No
     wa, wb = lora(big), lora(small)
     for k in wa:  # replays of 2 rows vs 8 rows round differently on the CPU: float tolerance
         torch.testing.assert_close(wb[k], wa[k], atol=2e-6, rtol=0, msg=k)
-
-
-def in_process_group(app, cfg, resume: str | None = None) -> Path:
-    """`app.train` in a gloo group of this one process: FSDP2 with world size 1, in process (the
-    app's `end_training` destroys the group, so each run gets its own)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        return app.train(cfg, resume)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def test_resume_from_a_sharded_checkpoint_equals_uninterrupted_run(app, tmp_path: Path) -> None:
