@@ -37,15 +37,16 @@ from grpo_parts import (
 )
 from grpo_phases import (
     build_reward_scorer,
-    checkpoint_state,
     evaluate,
     export_adapters,
+    load,
     prompt_group_ids,
     save,
     score,
 )
 from grpo_plan import plan_micro_batches, trained_steps
 from grpo_run import Batch, Run, read_prompts
+from grpo_sharding import gather_metrics, prepare_transformer, whole_weights
 from ray_rollout import Chunk, sample_chunk, start_workers
 
 from rl_core.flow import flow_kl
@@ -57,9 +58,9 @@ from rl_core.train import (
     TrainProgress,
     UpdateStats,
     UserError,
+    accelerator_kwargs,
     gather_rows,
     group_advantages,
-    load_checkpoint,
     make_run_dir,
     optimizer_step,
     resolve_resume,
@@ -85,7 +86,8 @@ def setup(cfg: Config, resume: str | None) -> Run:
     t = cfg.train
     # cpu=True without CUDA: `accelerate launch --multi_gpu --num_processes N` then gives N gloo
     # processes on a CPU machine (its `--cpu` flag alone starts one process unless MPI is set up)
-    acc = Accelerator(cpu=not torch.cuda.is_available(), log_with=list(t.log_with) or None)
+    acc = Accelerator(cpu=not torch.cuda.is_available(), log_with=list(t.log_with) or None,
+                      **accelerator_kwargs(sharding=t.sharding, cpu_offload=t.fsdp_cpu_offload))
     if cfg.rollout.groups_per_epoch % acc.num_processes:
         raise UserError(f"rollout.groups_per_epoch={cfg.rollout.groups_per_epoch} must divide by "
                          f"the {acc.num_processes} processes")
@@ -97,7 +99,9 @@ def setup(cfg: Config, resume: str | None) -> Run:
     ckpt = resolve_resume(resume, t.output_dir)
     run_dir = make_run_dir(t.output_dir, ckpt.parent.parent.name if ckpt else t.run_name,
                            config=cfg, accelerator=acc)
-    seed_everything(t.seed, rank=acc.process_index)  # LoRA init; sampling noise is seeded per sample
+    # the LoRA init, the same on every process: FSDP2 shards each process's own copy (DDP would
+    # broadcast rank 0's); sampling noise is seeded per sample
+    seed_everything(t.seed)
     m = cfg.model
     path = tiny.resolve(m.path)
     engine = DiffusionEngine.from_pretrained(path, dtype=m.dtype, device=acc.device,
@@ -106,7 +110,7 @@ def setup(cfg: Config, resume: str | None) -> Run:
     peft = add_lora(engine.pipeline.transformer, family="sd3", r=m.lora_rank, alpha=m.lora_alpha,
                     target_modules=m.lora_targets)
     optimizer = torch.optim.AdamW(trainable(peft).values(), lr=t.lr, weight_decay=t.weight_decay)
-    model, optimizer = acc.prepare(peft, optimizer)
+    model, optimizer, full = prepare_transformer(acc, t, engine, peft, optimizer)  # DDP, or FSDP2 (grpo_sharding.py)
     prompts = read_prompts(cfg.data.manifest, "data.manifest")
     eval_prompts = read_prompts(cfg.data.eval_manifest, "data.eval_manifest")[: cfg.eval.max_prompts]
     sampler = GroupSampler(len(prompts), cfg.rollout.n, seed=t.seed, rank=acc.process_index,
@@ -114,9 +118,9 @@ def setup(cfg: Config, resume: str | None) -> Run:
     run = Run(cfg, acc, run_dir, engine, model, peft, optimizer,
               LoraEMA(trainable(peft), decay=t.ema_decay, interval=t.ema_interval),
               build_reward_scorer(cfg.reward, tiny_clip=m.path.startswith("tiny:")), prompts, eval_prompts, sampler, start_epoch=0,
-              guard=NonFiniteGuard(t.max_nonfinite_steps))
+              guard=NonFiniteGuard(t.max_nonfinite_steps), full=full)
     if ckpt is not None:
-        meta = load_checkpoint(ckpt, state=checkpoint_state(run))
+        meta = load(run, ckpt)
         run.start_epoch, run.optimizer_steps = meta["step"], meta["optimizer_steps"]
         acc.print(f"resumed from {ckpt} at epoch {run.start_epoch}")
     if cfg.rollout.workers:
@@ -144,11 +148,12 @@ def collect(run: Run, epoch: int) -> Batch:
     kwargs: dict[str, Any] = {"num_steps": s.num_steps, "guidance_scale": s.guidance_scale, "height": s.resolution,
               "width": s.resolution, "noise_level": s.noise_level, "kind": s.kind,
               "sde_window": tuple(s.sde_window) if s.sde_window else None, "max_sequence_length": s.max_sequence_length}
-    if run.workers is None:
-        trajectories = [sample_chunk(run.engine, chunk, **kwargs) for chunk in chunks]
-    else:  # the workers' LoRA is synced to this version first, and each trajectory checked against it
-        trajectories = run.workers.collect(chunks, version=run.optimizer_steps, transformer=run.engine.transformer,
-                                           device=acc.device, **kwargs)
+    with whole_weights(run):  # a sharded policy's weights gathered into the engine's copy
+        if run.workers is None:
+            trajectories = [sample_chunk(run.engine, chunk, **kwargs) for chunk in chunks]
+        else:  # the workers' LoRA is synced to this version first, and each trajectory checked against it
+            trajectories = run.workers.collect(chunks, version=run.optimizer_steps, transformer=run.engine.transformer,
+                                               device=acc.device, **kwargs)
     group_ids = torch.arange(len(records)) // n + acc.process_index * groups  # [N]
     return Batch(trajectories, records, group_ids)
 
@@ -250,9 +255,10 @@ def run_epochs(run: Run) -> Path:
         run.eval_log = MetricsLogger(run.run_dir, filename="eval_metrics.csv", start_step=run.start_epoch - 1)
     with TrainProgress(t.epochs, initial=run.start_epoch, accelerator=acc) as bar:
         for epoch in range(run.start_epoch, t.epochs):
-            if cfg.eval.every and epoch % cfg.eval.every == 0 and acc.is_main_process:
-                with run.timer("eval"):
-                    logger.log(epoch, {f"eval/{k}": v for k, v in evaluate(run, epoch).items()})
+            if cfg.eval.every and epoch % cfg.eval.every == 0:
+                with run.timer("eval"), whole_weights(run) as model:  # every process: a sharded policy gathers
+                    if acc.is_main_process:  # evals run on the main process only
+                        logger.log(epoch, {f"eval/{k}": v for k, v in evaluate(run, model, epoch).items()})
             acc.wait_for_everyone()
             metrics = one_epoch(run, epoch)
             logger.log(epoch + 1, metrics)
@@ -260,11 +266,12 @@ def run_epochs(run: Run) -> Path:
             if (epoch + 1) % t.save_freq == 0 or epoch + 1 == t.epochs:
                 with run.timer("checkpoint"):
                     save(run, epoch + 1)
-    if cfg.eval.every and acc.is_main_process:
-        evaluate(run, t.epochs)
-    if acc.is_main_process:
-        export_adapters(run, run.run_dir / "checkpoint-final")
-        plot_reward_curve(run.run_dir)
+    with whole_weights(run) as model:
+        if cfg.eval.every and acc.is_main_process:
+            evaluate(run, model, t.epochs)
+        if acc.is_main_process:
+            export_adapters(run, model, run.run_dir / "checkpoint-final")
+            plot_reward_curve(run.run_dir)
     acc.wait_for_everyone()
     acc.end_training()
     return run.run_dir
@@ -286,7 +293,7 @@ def one_epoch(run: Run, epoch: int) -> dict[str, float]:
             train_metrics = train_epoch(run, batch, adv, epoch)
     times = run.timer.pop()
     num_images = len(images) * run.acc.num_processes
-    return {**metrics, **parts, **train_metrics, **times, "optimizer_steps": run.optimizer_steps,
+    return {**metrics, **parts, **train_metrics, **times, **gather_metrics(run), "optimizer_steps": run.optimizer_steps,
             "diag/first_replay_max_abs_log_ratio": run.first_ratio,
             "images_per_s": num_images / times["time/rollout"], "epoch": epoch, "world_size": run.acc.num_processes,
             "rollout/weight_version": version,

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from rl_core.train import plot_reward_curve as plot_curves
 from rl_rewards import Sample, ScoreResult
@@ -51,39 +52,56 @@ class LoraState:
                 p.copy_(state[name])
 
 
+def whole(p: Tensor) -> Tensor:
+    """A parameter's whole value: a sharded one (FSDP2's DTensor) all-gathered, which is a
+    collective (every process calls it), else `p` itself."""
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
 class LoraEMA:
     """EMA of the LoRA weights, Flow-GRPO's `EMAModuleWrapper`: every `interval` optimizer steps,
     `ema = decay * ema + (1 - decay) * weights` (0.9 every 8 steps in the SD3 recipe). The EMA
-    weights are used for eval and exported next to the raw ones."""
+    weights are used for eval and exported next to the raw ones.
+
+    The EMA is whole (fp32) on every process, also for sharded LoRA weights (`train.sharding =
+    "fsdp2"`: each update gathers them; a LoRA is small): its state is the same on every process,
+    saved by the main one and loaded by all, and it is applied to a sharded policy's gathered
+    copy (`swapped(copy)`), bit for bit what an unsharded run has."""
 
     def __init__(self, params: Mapping[str, torch.nn.Parameter], *, decay: float, interval: int) -> None:
         if not 0 <= decay < 1 or interval < 1:
             raise ValueError(f"need 0 <= ema decay < 1 and interval >= 1, got {decay}, {interval}")
         self.params, self.decay, self.interval = dict(params), decay, interval
-        self.shadow = {name: p.detach().float().clone() for name, p in self.params.items()}
+        self.shadow = {name: whole(p.detach()).float().clone() for name, p in self.params.items()}
         self.updates = 0
 
     @torch.no_grad()
     def step(self, optimizer_step: int) -> None:
-        """Call after optimizer step number `optimizer_step` (1-based)."""
+        """Call after optimizer step number `optimizer_step` (1-based), on every process."""
         if optimizer_step % self.interval:
             return
         for name, p in self.params.items():
-            self.shadow[name].lerp_(p.detach().float(), 1 - self.decay)
+            self.shadow[name].lerp_(whole(p.detach()).float(), 1 - self.decay)
         self.updates += 1
 
     @contextmanager
-    def swapped(self) -> Iterator[None]:
-        """Run the model with the EMA weights inside the block; the raw weights come back after."""
-        saved = {name: p.detach().clone() for name, p in self.params.items()}
+    def swapped(self, model: torch.nn.Module) -> Iterator[None]:
+        """Run `model` with the EMA weights inside the block; the raw weights come back after.
+        `model` is the trained PeftModel, or a sharded policy's gathered copy (`FullWeights`,
+        the same parameter names)."""
+        params = {name: p for name, p in model.named_parameters() if name in self.shadow}
+        if len(params) != len(self.shadow):
+            missing = sorted(set(self.shadow) - set(params))
+            raise KeyError(f"{type(model).__name__} lacks the LoRA weights {missing[:3]} (+{len(missing)})")
+        saved = {name: p.detach().clone() for name, p in params.items()}
         with torch.no_grad():
-            for name, p in self.params.items():
+            for name, p in params.items():
                 p.copy_(self.shadow[name])
         try:
             yield
         finally:
             with torch.no_grad():
-                for name, p in self.params.items():
+                for name, p in params.items():
                     p.copy_(saved[name])
 
     def state_dict(self) -> dict[str, Any]:

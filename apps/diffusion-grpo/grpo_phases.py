@@ -12,9 +12,17 @@ import torch
 from accelerate.utils import gather_object
 from grpo_config import RewardConfig
 from grpo_parts import LoraState, contact_sheet, image_stats, plot_reward_curve, to_pil
+from grpo_sharding import whole_weights
+from peft import PeftModel
 
 from rl_core.advantages import group_ids_from_keys
-from rl_core.train import UserError, check_finite_parameters, save_checkpoint
+from rl_core.train import (
+    UserError,
+    check_finite_parameters,
+    load_checkpoint,
+    save_checkpoint,
+    sharded_state,
+)
 from rl_data import OCRPrompt
 from rl_models import tiny
 from rl_models.lora import export_lora
@@ -56,12 +64,13 @@ def score(run: Any, images: list, records: list[OCRPrompt], image_dir: Path) -> 
 
 
 @torch.no_grad()
-def evaluate(run: Any, epoch: int) -> dict[str, float]:
-    """Fixed prompts, deterministic ODE sampling, fixed seed, EMA weights (main process)."""
+def evaluate(run: Any, model: torch.nn.Module, epoch: int) -> dict[str, float]:
+    """Fixed prompts, deterministic ODE sampling, fixed seed, EMA weights (main process), from
+    `model`, the PeftModel the engine samples from (`grpo_sharding.whole_weights`)."""
     cfg, e = run.cfg, run.cfg.eval
     out_dir = run.run_dir / f"eval_epoch_{epoch}"
     images, records = [], run.eval_prompts
-    with run.ema.swapped() if e.use_ema else nullcontext():
+    with run.ema.swapped(model) if e.use_ema else nullcontext():
         for start in range(0, len(records), e.batch_size):
             chunk = records[start:start + e.batch_size]
             traj = run.engine.sample(
@@ -94,25 +103,39 @@ def prompt_group_ids(prompts: list[str], acc: Any) -> torch.Tensor:
 
 
 def checkpoint_state(run: Any) -> dict[str, Any]:
-    # Saved by the main process without the accelerator: `accelerator.save_state` would write the
-    # whole transformer (GBs); the LoRA, optimizer, EMA and sampler are all the state there is.
-    return {"lora": LoraState(run.peft), "optimizer": run.optimizer, "ema": run.ema,
-            "sampler": run.sampler, "optimizer_steps": run.optimizer_steps}
+    # Without the accelerator for an unsharded policy: `accelerator.save_state` would write the
+    # whole transformer (GBs); the LoRA, optimizer, EMA and sampler are all the state there is. A
+    # sharded one saves its LoRA and optimizer shards on every process (DCP, frozen base left out).
+    state = {"ema": run.ema, "sampler": run.sampler, "optimizer_steps": run.optimizer_steps}
+    if run.full is None:
+        return {"lora": LoraState(run.peft), "optimizer": run.optimizer, **state}
+    return {**state, **sharded_state(run.peft, run.optimizer, trainable_only=True)}
 
 
 def save(run: Any, epoch: int) -> Path:
-    """Trainer state (`checkpoint-<epoch>`, resumable) + the LoRA in PEFT format, raw and EMA."""
+    """Trainer state (`checkpoint-<epoch>`, resumable) + the LoRA in PEFT format, raw and EMA
+    (written from whole weights: a sharded policy's are gathered on every process)."""
     root = run.run_dir / "checkpoints"
     ckpt = root / f"checkpoint-{epoch}"
     check_finite_parameters(run.peft, f"checkpoint at epoch {epoch}")
-    if run.acc.is_main_process:  # the adapters are written before the checkpoint is published
-        ckpt = save_checkpoint(root, epoch, state=checkpoint_state(run), keep_last=run.cfg.train.keep_last,
-                               write_files=lambda folder: export_adapters(run, folder))
+    sharded = run.full is not None
+    with whole_weights(run) as model:
+        if sharded or run.acc.is_main_process:  # the adapters are written before the checkpoint is published
+            ckpt = save_checkpoint(root, epoch, state=checkpoint_state(run), keep_last=run.cfg.train.keep_last,
+                                   accelerator=run.acc if sharded else None,
+                                   write_files=lambda folder: export_adapters(run, model, folder))
     run.acc.wait_for_everyone()
     return ckpt
 
 
-def export_adapters(run: Any, out: Path) -> None:
-    export_lora(run.peft, out / "lora")
-    with run.ema.swapped():
-        export_lora(run.peft, out / "lora_ema")
+def load(run: Any, ckpt: Path) -> dict[str, Any]:
+    """Restore what `save` wrote, on every process; returns its metadata."""
+    return load_checkpoint(ckpt, state=checkpoint_state(run), accelerator=run.acc if run.full is not None else None)
+
+
+def export_adapters(run: Any, model: PeftModel, out: Path) -> None:
+    """`model`'s LoRA in PEFT format (`lora/`) and its EMA (`lora_ema/`); `model` holds whole
+    weights (`grpo_sharding.whole_weights`)."""
+    export_lora(model, out / "lora")
+    with run.ema.swapped(model):
+        export_lora(model, out / "lora_ema")

@@ -15,7 +15,7 @@ from grpo_parts import LoraEMA
 from peft import PeftModel
 from ray_rollout import RayRollout
 
-from rl_core.train import MetricsLogger, NonFiniteGuard, PhaseTimer, UserError
+from rl_core.train import FullWeights, MetricsLogger, NonFiniteGuard, PhaseTimer, UserError
 from rl_data import GroupSampler, OCRPrompt, open_source
 from rl_rollout.diffusion import DiffusionEngine, Trajectory
 
@@ -26,7 +26,7 @@ class Run:
     acc: Accelerator
     run_dir: Path
     engine: DiffusionEngine
-    model: torch.nn.Module  # the peft transformer, prepared (DDP-wrapped with several processes)
+    model: torch.nn.Module  # the peft transformer, prepared (DDP-wrapped with several processes, or sharded)
     peft: PeftModel
     optimizer: torch.optim.Optimizer
     ema: LoraEMA
@@ -41,6 +41,7 @@ class Run:
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     guard: NonFiniteGuard = field(default_factory=NonFiniteGuard)
     eval_log: MetricsLogger | None = None  # eval_metrics.csv (main process)
+    full: FullWeights | None = None  # a sharded transformer's whole copy, the engine's (train.sharding, grpo_sharding.py)
 
 
 @dataclass(frozen=True)

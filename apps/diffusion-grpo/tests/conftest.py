@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -39,3 +40,33 @@ def tiny_overrides(out: Path, *extra: str) -> list[str]:
         "reward.components={brightness=1.0}", "eval.every=0", f"train.output_dir={out}",
         *extra,
     ]
+
+
+def flat(tree, prefix=""):
+    """Nested state -> {path: exact values} (tensors as lists: equality means bit-equality)."""
+    if isinstance(tree, dict):
+        out = {}
+        for key, value in sorted(tree.items(), key=lambda kv: str(kv[0])):
+            out.update(flat(value, f"{prefix}{key}."))
+        return out
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree.float().flatten().tolist()}
+    return {prefix: tree}
+
+
+def in_process_group(app, cfg, resume: str | None = None) -> Path:
+    """`app.train` in a gloo group of this one process: FSDP2 with world size 1, in process (the
+    app's `end_training` destroys the group, so each run gets its own)."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        return app.train(cfg, resume)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """Rollout on Ray actors (`rollout.workers=2`, a real local Ray cluster on 2 CPUs): the run trains
 end to end, the workers' LoRA follows the trainer's by version, the first replay of every
 epoch reproduces the workers' log-probs (ratio 1), and the run equals the in-process one (to
-float32 rounding)."""
+float32 rounding); with an FSDP2-sharded trainer the workers get its gathered LoRA."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import in_process_group, tiny_overrides
 
 from rl_core.train import load_config
 
@@ -53,3 +53,15 @@ def test_ray_workers_train_like_the_in_process_engine(app, ray_cluster, tmp_path
         assert a.keys() == b.keys(), ckpt
         for k in a:  # seen up to 6.6e-6; one Adam step of a different trajectory moves an element ~lr = 3e-4
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=3e-5, msg=lambda m, ckpt=ckpt, k=k: f"{ckpt} {k}: {m}")
+
+
+def test_ray_workers_sample_with_a_sharded_trainers_lora(app, ray_cluster, tmp_path: Path) -> None:
+    """train.sharding=fsdp2 (one process): the workers are sent the LoRA gathered from the shards,
+    so each epoch's first replay through the sharded model reproduces their log-probs exactly."""
+    overrides = tiny_overrides(tmp_path, "train.epochs=2", "train.save_freq=1", "rollout.workers=2",
+                               "rollout.placement=colocated", 'train.sharding="fsdp2"')
+    rows = _rows(in_process_group(app, load_config(app.Config, app.DEFAULT_CONFIG, overrides)))
+    assert [r["optimizer_steps"] for r in rows] == ["2", "4"]
+    assert [r["rollout/weight_version"] for r in rows] == ["0", "2"]
+    assert all(float(r["diag/first_replay_max_abs_log_ratio"]) == 0.0 for r in rows)
+    assert all(float(r["time/weight_gather"]) > 0 for r in rows)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import flat, tiny_overrides
 from PIL import Image
 
 from rl_core.train import ConfigError, UserError, load_config
@@ -79,21 +79,9 @@ def test_resume_equals_uninterrupted_run(app, full_run: Path, tmp_path: Path) ->
     a, b = full_run / "checkpoints" / "checkpoint-2", resumed / "checkpoints" / "checkpoint-2"
     for name in ("lora.pt", "ema.pt", "optimizer.pt"):
         sa, sb = torch.load(a / name, weights_only=True), torch.load(b / name, weights_only=True)
-        assert json.dumps(_flat(sa)) == json.dumps(_flat(sb)), name
+        assert json.dumps(flat(sa)) == json.dumps(flat(sb)), name
     steps = [int(r["step"]) for r in _rows(resumed / "metrics.csv") if r.get("reward/mean")]
     assert steps == [1, 2]  # one row per epoch, as if uninterrupted
-
-
-def _flat(tree, prefix=""):
-    """Nested state -> {path: exact values} (tensors as lists: equality means bit-equality)."""
-    if isinstance(tree, dict):
-        out = {}
-        for key, value in sorted(tree.items(), key=lambda kv: str(kv[0])):
-            out.update(_flat(value, f"{prefix}{key}."))
-        return out
-    if isinstance(tree, torch.Tensor):
-        return {prefix: tree.float().flatten().tolist()}
-    return {prefix: tree}
 
 
 @pytest.fixture(scope="module")

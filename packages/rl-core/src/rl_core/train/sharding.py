@@ -274,15 +274,26 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 class ShardedState:
     """A sharded model and its optimizer, saved and loaded by every process through
     `torch.distributed.checkpoint` (each rank writes and reads its own shards; `save_checkpoint`
-    and `load_checkpoint` call `save`/`load` for state values of this type)."""
+    and `load_checkpoint` call `save`/`load` for state values of this type).
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
+    `trainable_only=True` leaves the frozen parameters out (a LoRA over a frozen base: the base
+    is loaded from the model path again on resume, and is not rewritten at every checkpoint)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 trainable_only: bool = False) -> None:
+        self.model, self.optimizer, self.trainable_only = model, optimizer, trainable_only
+
+    def _options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        # strict=False: the frozen parameters are absent on purpose (`dcp.load` still refuses a
+        # checkpoint that lacks a trainable one)
+        return StateDictOptions(ignore_frozen_params=self.trainable_only, strict=not self.trainable_only)
 
     def _state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model, optim = get_state_dict(self.model, self.optimizer)
+        model, optim = get_state_dict(self.model, self.optimizer, options=self._options())
         return {"model": model, "optim": optim}
 
     def save(self, folder: Path) -> None:
@@ -296,10 +307,12 @@ class ShardedState:
 
         state = self._state()
         dcp.load(state, checkpoint_id=str(folder))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=self._options())
 
 
-def sharded_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Mapping[str, ShardedState]:
+def sharded_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                  trainable_only: bool = False) -> Mapping[str, ShardedState]:
     """`{"sharded": ShardedState(policy, optimizer)}` for a sharded policy, else `{}` (Accelerate's
     `save_state` holds an unsharded one): spread it into `save_checkpoint`'s `state`."""
-    return {"sharded": ShardedState(policy, optimizer)} if is_sharded(policy) else {}
+    return {"sharded": ShardedState(policy, optimizer, trainable_only=trainable_only)} if is_sharded(policy) else {}
