@@ -100,7 +100,7 @@ def build_judge(i: int, judge: JudgeConfig, device: torch.device, monitor: Phase
     if judge.engine == "server":
         remote = RemoteScorer(str(judge.url), str(judge.spec), timeout=judge.timeout_s)
         return ServedJudge(judge_name(judge), i, remote, monitor, use_rm_prompt=use_rm_prompt)
-    kind = judge.engine
+    kind: str = judge.engine
     if kind == "auto":
         kind, why = resolve_engine_kind(kind)
         print(f"judge {judge_name(judge)}: engine {why}")
