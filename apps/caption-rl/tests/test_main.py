@@ -355,3 +355,13 @@ def test_trains_from_a_save_to_disk_directory_and_names_its_bad_rows(app, tmp_pa
     assert float(table[0]["data/skipped_records"]) == 2  # the bad answer (read) and the missing image (encoded)
     assert f"{folder}: row 1: field `reward_model.ground_truth[0].answer`: answer 'E'" in caplog.text
     assert f"{folder}: row 2: " in caplog.text and "missing.png" in caplog.text
+
+
+def test_max_steps_beyond_the_epochs_says_which_setting_ended_the_run(app, tmp_path, capsys):
+    """`train.max_steps=20` on a dataset that `train.epochs` exhausts sooner: the run stops when
+    the epochs end, and its closing line says so (the README's override example)."""
+    run = app.main(tiny_overrides(tmp_path, f"data.train=[\"{mixed_dataset(tmp_path)}\"]", "data.eval_size=0",
+                                  "train.batch_size=3", "train.epochs=1", "train.max_steps=20"))
+    assert [r["step"] for r in rows(run)] == ["1"]
+    out = capsys.readouterr().out
+    assert "caption-rl finished: 1 steps; train.epochs=1 ended the run before train.max_steps=20" in out
