@@ -101,7 +101,7 @@ try:
         parse_question_text,
     )
 except ImportError as e:  # pragma: no cover - the [hf] extra installs rl-data
-    raise ImportError(f'caption_qa needs rl-data: pip install "rl-rewards[hf]" ({e})') from e
+    raise ImportError(f'caption_qa needs rl-data: pip install "rl-rewards[hf]"; in a clone of the repository: uv sync --all-packages --extra hf ({e})') from e
 
 CANNOT_ANSWER = "Can not answer based on the caption"
 PREFILL = "The answer is"

@@ -24,7 +24,7 @@ try:
     from rl_models.encoders import compute_text_embeddings, load_embedding_model
     from rl_models.loading import default_device
 except ImportError as e:
-    raise ImportError(f'embedding_similarity needs torch, transformers and rl-models: pip install "rl-rewards[hf]" ({e})') from e
+    raise ImportError(f'embedding_similarity needs torch, transformers and rl-models: pip install "rl-rewards[hf]"; in a clone of the repository: uv sync --all-packages --extra hf ({e})') from e
 
 
 class EmbeddingSimilarityScorer:

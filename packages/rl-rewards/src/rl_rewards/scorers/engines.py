@@ -15,7 +15,7 @@ try:
     from rl_rollout import Engine, SamplingParams, build_engine
     from rl_rollout.protocol import BatchScoringEngine
 except ImportError as e:
-    raise ImportError(f'model-backed judges need rl-rollout and transformers: pip install "rl-rewards[hf]" ({e})') from e
+    raise ImportError(f'model-backed judges need rl-rollout and transformers: pip install "rl-rewards[hf]"; in a clone of the repository: uv sync --all-packages --extra hf ({e})') from e
 
 __all__ = ["BatchScoringEngine", "Engine", "SamplingParams", "load_engine", "load_tokenizer"]
 

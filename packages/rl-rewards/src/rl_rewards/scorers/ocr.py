@@ -15,7 +15,7 @@ from rl_rewards.scorers.media import load_image
 try:
     from rapidocr import RapidOCR
 except ImportError as e:
-    raise ImportError(f'the ocr scorer needs rapidocr: pip install "rl-rewards[ocr]" ({e})') from e
+    raise ImportError(f'the ocr scorer needs rapidocr: pip install "rl-rewards[ocr]"; in a clone of the repository: uv sync --all-packages --extra ocr ({e})') from e
 
 
 def quoted_target(prompt: str) -> str | None:

@@ -18,7 +18,7 @@ try:
     from rl_models.encoders import load_clip
     from rl_models.loading import default_device
 except ImportError as e:
-    raise ImportError(f'clip_score/aesthetic need torch, transformers and rl-models: pip install "rl-rewards[vision]" ({e})') from e
+    raise ImportError(f'clip_score/aesthetic need torch, transformers and rl-models: pip install "rl-rewards[vision]"; in a clone of the repository: uv sync --all-packages --extra vision ({e})') from e
 
 
 def score_images(samples: Sequence[Sample], values: Callable[[Sequence[Sample], list], list[float]]) -> list[ScoreResult]:
