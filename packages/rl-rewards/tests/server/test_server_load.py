@@ -4,12 +4,13 @@ documented keys `error`, `field` and `limit`."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import time
 
+import httpx
 import pytest
 from conftest import server_process
-from starlette.testclient import TestClient
 
 from rl_rewards.server.app import build_app
 from rl_rewards.server.settings import ServerSettings
@@ -43,35 +44,51 @@ class UnloadablePool(LocalPool):
         raise FileNotFoundError("judge folder /models/x: no such folder")
 
 
+async def _in_process(app, requests):
+    """Run the app's lifespan (background loading) and answer `requests(client)` in process."""
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        return await requests(client)
+
+
 def test_health_and_scoring_routes_carry_the_load_error():
     settings = ServerSettings()
-    with TestClient(build_app(settings, pool=UnloadablePool(settings))) as client:
-        deadline = time.monotonic() + 10
-        while (health := client.get("/health")).json()["error"] is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        reason = "loading the rewards failed: FileNotFoundError: judge folder /models/x: no such folder"
-        assert health.status_code == 503
-        assert health.json()["ready"] is False and health.json()["error"] == reason
-        scored = client.post("/v1/score", json={"samples": [{"completion": "[00:01] a"}]})
-        assert scored.status_code == 503
-        assert scored.json() == {"error": reason, "field": None, "limit": None}
+
+    async def requests(client):
+        for _ in range(1000):
+            health = await client.get("/health")
+            if health.json()["error"] is not None:
+                break
+            await asyncio.sleep(0.01)
+        return health, await client.post("/v1/score", json={"samples": [{"completion": "[00:01] a"}]})
+
+    health, scored = asyncio.run(_in_process(build_app(settings, pool=UnloadablePool(settings)), requests))
+    reason = "loading the rewards failed: FileNotFoundError: judge folder /models/x: no such folder"
+    assert health.status_code == 503
+    assert health.json()["ready"] is False and health.json()["error"] == reason
+    assert scored.status_code == 503
+    assert scored.json() == {"error": reason, "field": None, "limit": None}
 
 
 def test_every_error_body_has_error_field_and_limit():
     """The documented error shape, also where a key does not apply (null): a 422 naming a field,
     a 413 naming a limit, starlette's own 404 and 405, a 400 for malformed JSON."""
     settings = ServerSettings()
-    with TestClient(build_app(settings)) as client:
-        while client.get("/health").status_code != 200:
-            time.sleep(0.01)
-        no_judge = client.post("/get_reward", json={"prompts": [["a caption", [["Q?\n   - A) x", "A"]]]]})
-        too_big = client.post("/v1/score", content=b"x" * (settings.limits.max_body_bytes + 1))
-        answers = {
-            422: no_judge, 413: too_big, 404: client.get("/nowhere"), 405: client.get("/v1/score"),
-            400: client.post("/v1/score", content=b"{not json"),
+
+    async def requests(client):
+        while (await client.get("/health")).status_code != 200:
+            await asyncio.sleep(0.01)
+        return {
+            422: await client.post("/get_reward", json={"prompts": [["a caption", [["Q?\n   - A) x", "A"]]]]}),
+            413: await client.post("/v1/score", content=b"x" * (settings.limits.max_body_bytes + 1)),
+            404: await client.get("/nowhere"),
+            405: await client.get("/v1/score"),
+            400: await client.post("/v1/score", content=b"{not json"),
         }
-        for status, response in answers.items():
-            assert response.status_code == status, (status, response.text)
-            assert set(response.json()) == {"error", "field", "limit"}, (status, response.json())
-        assert no_judge.json()["field"] == "$.score_mode" and no_judge.json()["limit"] is None
-        assert too_big.json()["limit"] == "max_body_bytes" and too_big.json()["field"] is None
+
+    answers = asyncio.run(_in_process(build_app(settings), requests))
+    for status, response in answers.items():
+        assert response.status_code == status, (status, response.text)
+        assert set(response.json()) == {"error", "field", "limit"}, (status, response.json())
+    assert answers[422].json()["field"] == "$.score_mode" and answers[422].json()["limit"] is None
+    assert answers[413].json()["limit"] == "max_body_bytes" and answers[413].json()["field"] is None
