@@ -11,7 +11,8 @@ also says it in words):
   until stopped. It is started in the background, must answer 200 on `health` within 120 s, and
   keeps running for the blocks after it in the same file (then it is stopped with SIGTERM).
 - `<!--pytest-codeblocks:cont-->`: the block continues the previous one (one script).
-- `<!--pytest-codeblocks:expected-output-->`: the next block is the previous one's exact stdout.
+- `<!--pytest-codeblocks:expected-output-->`: the next block is the previous one's exact stdout
+  (`expected-output-ignore-whitespace`: the same, whitespace aside).
 
 How blocks run (cwd: the copy's root, where every README's commands are meant to run):
 
@@ -26,8 +27,8 @@ How blocks run (cwd: the copy's root, where every README's commands are meant to
   read uv's workspace sources either).
 
 The copy holds the tracked files (and new, not ignored ones) of the working tree, committed in a
-fresh git repository, so the last test can check that the blocks left no untracked file behind
-(what they write is covered by .gitignore).
+fresh git repository, so the last test can check that the blocks changed no tracked file and
+left no untracked one behind (what they write is covered by .gitignore).
 """
 
 from __future__ import annotations
@@ -232,8 +233,9 @@ def test_block(item: Block, clone: Path, user_env: dict[str, str], servers: Serv
         assert got == want, f"{item.id}: stdout differs from the documented output"
 
 
-def test_blocks_leave_no_untracked_file(clone: Path) -> None:
-    """What the documented commands write (runs, tiny checkpoints, dist/) is covered by .gitignore."""
+def test_blocks_leave_the_clone_clean(clone: Path) -> None:
+    """No tracked file changed (examples/data/generate.py rewrites its files byte for byte), and
+    what the documented commands write (runs, tiny checkpoints, dist/) is covered by .gitignore."""
     status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=clone,
                             check=True, capture_output=True, text=True).stdout
-    assert status == "", f"files left that .gitignore does not cover:\n{status}"
+    assert status == "", f"files changed, or left behind and not covered by .gitignore:\n{status}"
