@@ -5,6 +5,7 @@ its declared dependencies (so an undeclared import fails), plus lint and opt-in 
     uv run nox -s lint         # ruff + mypy (see `lint` for how the apps are type-checked)
     uv run nox -s "tests(rl-core)"
     uv run nox -s gpu          # opt-in: tests marked gpu (needs CUDA)
+    uv run nox -s docs         # every README command and snippet, run in a fresh copy
 
 Type checking outside nox, from the root venv (`uv sync`):
 
@@ -33,7 +34,7 @@ nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = [
     "lint", "tests", "rewards_no_torch", "third_party", "app_caption_rl", "app_rider_grm", "app_diffusion_grpo",
-    "packaging",
+    "packaging", "docs",
 ]
 
 # package -> extras its tests need (never vllm: it needs a GPU and is opt-in).
@@ -55,9 +56,9 @@ def _sync(session: nox.Session, package: str, extras: list[str]) -> None:
     session.run_install(*args, env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location})
 
 
-def _pytest(session: nox.Session, package: str, markers: str) -> None:
+def _pytest(session: nox.Session, package: str, markers: str, *args: str) -> None:
     session.run(
-        "python", "-m", "pytest", f"packages/{package}/tests", "-m", markers, "-q",
+        "python", "-m", "pytest", f"packages/{package}/tests", "-m", markers, "-q", *args,
         *session.posargs,
         success_codes=[0, 5] if markers != DEFAULT_MARKERS else [0],
     )
@@ -157,7 +158,11 @@ def _marker_session(session: nox.Session, marker: str) -> None:
 
 @nox.session
 def gpu(session: nox.Session) -> None:
-    """Opt-in: tests marked `gpu` (needs CUDA)."""
+    """Opt-in: tests marked `gpu` (needs CUDA); skipped, saying so, on a machine without one."""
+    _sync(session, "rl-core", PACKAGES["rl-core"])
+    cuda = session.run("python", "-c", "import torch; print(torch.cuda.is_available())", silent=True)
+    if not isinstance(cuda, str) or cuda.strip() != "True":
+        session.skip("the gpu tests need a CUDA GPU, and torch.cuda.is_available() is False on this machine")
     _marker_session(session, "gpu")
 
 
@@ -190,6 +195,19 @@ def app_diffusion_grpo(session: nox.Session) -> None:
     """apps/diffusion-grpo: its default test suite in an env with only the app and what it declares."""
     _sync(session, "diffusion-grpo", [])
     session.run("python", "-m", "pytest", "apps/diffusion-grpo/tests", "-m", DEFAULT_MARKERS, "-q", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Every `bash` and `python` block of every tracked Markdown file (the READMEs, examples/,
+    docs/), run as written, in order, from the root of a fresh copy of the repository, as a new
+    user would: no environment active, the copy's own `.venv` made by its first `uv run`. Blocks
+    marked as needing a GPU, a Hub download or placeholder paths are skipped (docs/test_docs.py
+    has the convention). The session's own venv holds only pytest and pytest-codeblocks."""
+    env = {"UV_PROJECT_ENVIRONMENT": session.virtualenv.location}
+    session.run_install("uv", "sync", "--frozen", "--only-group", "docs", env=env)
+    session.run("python", "-m", "pytest", "docs/test_docs.py", "-q", "-p", "no:cacheprovider", "--durations=15",
+                *session.posargs)
 
 
 # --- packaging: each package as `pip install NAME` would give it once published ---------------

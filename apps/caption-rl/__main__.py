@@ -283,7 +283,10 @@ def train(cfg: Config, resume: str | None = None) -> Path:
                 export(model, run.processor, run.run_dir / "export")
     acc.end_training()
     d = run.run_dir
-    acc.print(f"\ncaption-rl finished: {run.total_steps} steps ({run.data.skipped} malformed/QA-less records skipped)\n"
+    capped = (f"; train.epochs={t.epochs} ended the run before train.max_steps={t.max_steps}"
+              if t.max_steps is not None and t.max_steps > run.total_steps else "")
+    acc.print(f"\ncaption-rl finished: {run.total_steps} steps{capped} "
+              f"({run.data.skipped} malformed/QA-less records skipped)\n"
               f"  run directory   {d}\n  metrics         {d / 'metrics.csv'}\n  reward curve    {d / 'reward_curve.png'}\n"
               f"  sample captions {d / 'samples'}\n  checkpoints     {d / 'checkpoints'}\n"
               f"  exported model  {d / 'export' if t.export else '(train.export = false)'}")

@@ -97,6 +97,7 @@ def build_judge(i: int, judge: JudgeConfig, device: torch.device, monitor: Phase
     """One judge: served (`engine = "server"`), or an engine + scorer here, put to sleep right
     after loading when `sleep` (so only one model is on the accelerator)."""
     use_rm_prompt = judge.prompt == "rm_prompt"
+    key = f"reward.judges[{i}].model"
     if judge.engine == "server":
         remote = RemoteScorer(str(judge.url), str(judge.spec), timeout=judge.timeout_s)
         return ServedJudge(judge_name(judge), i, remote, monitor, use_rm_prompt=use_rm_prompt)
@@ -105,16 +106,16 @@ def build_judge(i: int, judge: JudgeConfig, device: torch.device, monitor: Phase
         kind, why = resolve_engine_kind(kind)
         print(f"judge {judge_name(judge)}: engine {why}")
     if kind == "hf":
-        inner: Engine = HFEngine.from_pretrained(resolve_model(judge.model), device=device, **judge.engine_options)
+        inner: Engine = HFEngine.from_pretrained(resolve_model(judge.model, key), device=device, **judge.engine_options)
     elif kind == "openai":
         inner = build_engine("openai", base_url=judge.url, model=judge.model, **judge.engine_options)
     else:
         # each judge's engine core in its own process (several vLLM engines cannot share one), started
         # by spawn: the trainer has initialised CUDA, which a forked child cannot use
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        inner = build_engine("vllm", model=resolve_model(judge.model), **judge.engine_options)
+        inner = build_engine("vllm", model=resolve_model(judge.model, key), **judge.engine_options)
     engine = RecordingEngine(inner)
-    tokenizer = judge.tokenizer or (judge.model if judge.engine == "openai" else resolve_model(judge.model))
+    tokenizer = judge.tokenizer or (judge.model if judge.engine == "openai" else resolve_model(judge.model, key))
     scorer = JudgeScorer(engine, AutoTokenizer.from_pretrained(resolve_path(tokenizer)), resolve_path(judge.module),
                          temperature=judge.temperature, max_new_tokens=judge.max_new_tokens, seed=judge.seed,
                          completion_field=judge.completion_field, on_malformed=judge.on_malformed)
@@ -183,7 +184,7 @@ def _add_similarity(cfg: Config, components: dict[str, Component], scorers: dict
     fields = {"completion_field": emb.completion_field, "reference_field": emb.reference_field}
     components["similarity"] = Component(scorer="embedding_similarity", weight=emb.weight, op="add", options=fields,
                                          gate=_rule_gate(components, emb.gate, "zero", "reward.embedding"))
-    inner = build_scorer("embedding_similarity", model=resolve_model(str(emb.model)), scale=0.7, offset=0.3,
+    inner = build_scorer("embedding_similarity", model=resolve_model(str(emb.model), "reward.embedding.model"), scale=0.7, offset=0.3,
                          device=str(device), on_malformed=emb.on_malformed, **fields)
     if not isinstance(inner, Scorer):  # embedding_similarity scores synchronously
         raise TypeError(f"embedding_similarity built a {type(inner).__name__}, not a synchronous Scorer")

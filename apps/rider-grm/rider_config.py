@@ -281,7 +281,8 @@ def resolve_path(path: str) -> str:
     return str(REPO_ROOT / path)
 
 
-def resolve_model(spec: str) -> str:
+def resolve_model(spec: str, key: str = "model.path") -> str:
     """`tiny:<family>[:seed]` -> a tiny random checkpoint folder; a relative folder is tried
-    against the working directory, then the repository root (`rl_models.tiny.resolve`)."""
-    return tiny.resolve(spec if spec.startswith("tiny:") else resolve_path(spec))
+    against the working directory, then the repository root (`rl_models.tiny.resolve`; a missing
+    one is a user error naming `key`)."""
+    return tiny.resolve(spec if spec.startswith("tiny:") else resolve_path(spec), key=key)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The seed's single-node script as a rider-grm launch (8 GPUs, one node).
+# The seed's single-node script as a rider-grm launch (8 GPUs, one node); run it from the root of a clone.
 set -euo pipefail
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 MODEL_PATH=${MODEL_PATH:-/models/longcat-18b-kefu-sft}
@@ -7,7 +7,7 @@ TRAIN_FILE=${TRAIN_FILE:-/data/rider_v4/train_2.parquet}
 RM1=${REWARD_MODEL_PATH1:-$MODEL_PATH}
 RM2=${REWARD_MODEL_PATH2:-$MODEL_PATH}
 
-accelerate launch --num_processes 8 --num_machines 1 apps/rider-grm/__main__.py \
+uv run accelerate launch --num_processes 8 --num_machines 1 apps/rider-grm/__main__.py \
   --config examples/rider-grm/verl-with-rms.toml \
   model.path="$MODEL_PATH" \
   data.train_files="$TRAIN_FILE" data.val_files="$TRAIN_FILE" \

@@ -354,3 +354,13 @@ def test_every_example_accelerate_config_loads(config):
     assert loaded.distributed_type.value in ("MULTI_GPU", "FSDP", "DEEPSPEED")
     if loaded.distributed_type.value == "FSDP":
         assert loaded.fsdp_config["fsdp_version"] == 2 and not loaded.fsdp_config["fsdp_cpu_ram_efficient_loading"]
+
+
+def test_max_steps_beyond_the_epochs_says_which_setting_ended_the_run(app, tmp_path, capsys):
+    """`train.max_steps=20` on a dataset that `train.epochs` exhausts sooner: the run stops when
+    the epochs end, and its closing line says so (the README's override example)."""
+    run = app.main(tiny_overrides(tmp_path, f"data.train=[\"{mixed_dataset(tmp_path)}\"]", "data.eval_size=0",
+                                  "train.batch_size=3", "train.epochs=1", "train.max_steps=20"))
+    assert [r["step"] for r in rows(run)] == ["1"]
+    out = capsys.readouterr().out
+    assert "caption-rl finished: 1 steps; train.epochs=1 ended the run before train.max_steps=20" in out

@@ -49,6 +49,15 @@ def test_judge_returning_none_is_a_counted_failure(tmp_path: Path) -> None:
     assert float(row["judge_none/parse_failures"]) == len(nones)  # counted, not a silent constant
 
 
+def test_a_missing_judge_folder_is_named_by_its_key_and_path(tmp_path: Path) -> None:
+    """A judge whose model folder does not exist: one user error naming the judge's key and the
+    path tried (it read as a malformed hub id before: "Repo id must be in the form ...")."""
+    judges = f'[{{name = "absent", module = "rl_rewards.judges.yes_no", model = "{tmp_path / "no-judge"}"}}]'
+    with pytest.raises(UserError, match=rf"reward\.judges\[0\]\.model='{tmp_path / 'no-judge'}' is no local folder "
+                       rf"\(no such path: {tmp_path / 'no-judge'}\)"):
+        app.main(tiny_overrides(tmp_path, **{"reward.judges": judges, "train.max_steps": 1}))
+
+
 def test_a_later_row_without_the_rm_prompt_is_named(tmp_path: Path) -> None:
     """Only row 0 used to be checked: 15 later rows without rm_prompt_1 silently got the fallback."""
     from rewarding import load_records

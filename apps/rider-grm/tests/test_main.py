@@ -274,3 +274,12 @@ def test_trains_from_a_save_to_disk_directory(tmp_path: Path) -> None:
     questions = {row["prompt"][-1]["content"] for row in rows}
     logged = read_samples(run)  # train and val samples: the two rows' questions, nothing else
     assert len(questions) == 2 and {s["prompt"] for s in logged} == questions
+
+
+def test_help_lists_the_keys_of_each_judge_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--help` shows the `[[reward.judges]]` sub-keys (module, model, gate, ...), not just the list."""
+    assert app.main(["--help"]) is None
+    keys = {line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  reward.")}
+    for sub in ("module", "model", "weight", "combine", "gate", "gated_out", "engine", "url", "spec",
+                "completion_field", "prompt"):
+        assert f"reward.judges[i].{sub}" in keys, sub

@@ -44,7 +44,8 @@ except ImportError as exc:
 """
     root = Path(__file__).resolve().parents[3]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
-    assert out.stdout.strip() == 'reading Hugging Face datasets needs the `datasets` extra: pip install "rl-data[datasets]"'
+    assert out.stdout.strip() == ('reading Hugging Face datasets needs the `datasets` extra: pip install "rl-data[datasets]"; '
+                                  'in a clone of the repository: uv sync --all-packages --extra datasets')
 
 
 def test_no_module_imports_datasets_until_a_dataset_is_read():

@@ -110,16 +110,26 @@ def test_qwen3_chat_template(qwen3_path):
     assert no_think.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-def test_resolve_is_the_one_parser_of_model_specs(tmp_path):
-    """`tiny:<family>[:seed]`, a folder, or a hub id; anything else is a user error naming the key."""
+def test_resolve_is_the_one_parser_of_model_specs(tmp_path, monkeypatch):
+    """`tiny:<family>[:seed]`, a folder, or a hub id; anything else is a user error naming the key
+    and what was tried. Offline, a hub id must be in the local cache."""
+    from huggingface_hub import constants
+
     from rl_core.errors import UserError
     from rl_models.tiny import build, resolve
 
     assert resolve("tiny:qwen3") == str(build("qwen3"))
     assert resolve("tiny:qwen3:1") == str(build("qwen3", seed=1)) != resolve("tiny:qwen3")
     assert resolve(str(tmp_path)) == str(tmp_path)
-    assert resolve("Qwen/Qwen3-4B") == "Qwen/Qwen3-4B"
-    with pytest.raises(UserError, match=r"model not found: reward\.judge='/no/such' is no local folder"):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    assert resolve("Qwen/Qwen3-4B") == "Qwen/Qwen3-4B"  # online: from_pretrained downloads it
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(UserError, match=r"model not found: reward\.judge='Qwen/Qwen3-4B' is no local folder \(no "
+                       r"such path: .*Qwen/Qwen3-4B\), and as a hub id it is not in the local Hugging Face cache"):
+        resolve("Qwen/Qwen3-4B", key="reward.judge")
+    with pytest.raises(UserError, match=r"model not found: reward\.judge='/no/such' is no local folder \(no such "
+                       r"path: /no/such\)"):
         resolve("/no/such", key="reward.judge")
     with pytest.raises(UserError, match=r"unknown tiny family 'nope'; valid: .*qwen3"):
         resolve("tiny:nope")

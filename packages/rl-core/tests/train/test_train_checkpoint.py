@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from rl_core.errors import UserError
 from rl_core.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -199,6 +200,28 @@ def test_bad_state_and_load_errors(tmp_path: Path) -> None:
         load_checkpoint(path, state={"optimizer": torch.optim.SGD([torch.zeros(1)], lr=1)})
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         load_checkpoint(tmp_path)
+
+
+class Sampler(DataPosition):
+    """A cursor that, like rl_data's GroupSampler, refuses a state saved with another size."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {**super().state_dict(), "size": self.size}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["size"] != self.size:
+            raise ValueError(f"sampler state has size={state['size']} but this sampler has size={self.size}")
+        super().load_state_dict(state)
+
+
+def test_state_saved_with_other_settings_is_a_user_error_naming_the_run_config(tmp_path: Path) -> None:
+    """A resume with settings a saved state refuses is one line naming the state, the reason and
+    the run's config.toml (apps print it and exit 2), not a traceback from inside the state."""
+    run = make_run_dir(tmp_path, "run")
+    path = save_checkpoint(run / "checkpoints", 3, state={"sampler": Sampler(8)})
+    message = rf"cannot resume from .*checkpoint-3: sampler: .*size=8 but .* size=4 \(the run's settings are in {run / 'config.toml'}; pass it with --config\)"
+    with pytest.raises(UserError, match=message):
+        load_checkpoint(path, state={"sampler": Sampler(4)})
 
 
 def test_resolve_resume(tmp_path: Path) -> None:

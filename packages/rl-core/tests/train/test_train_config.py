@@ -33,6 +33,11 @@ class EvalConfig(msgspec.Struct, kw_only=True, frozen=True):
     seeds: list[int] = msgspec.field(default_factory=list)
 
 
+class JudgeConfig(msgspec.Struct, kw_only=True, frozen=True):
+    module: str
+    weight: float = 1.0  # scales this judge's score
+
+
 class Config(msgspec.Struct, kw_only=True, frozen=True):
     name: str = "run"
     steps: int = 100
@@ -43,6 +48,7 @@ class Config(msgspec.Struct, kw_only=True, frozen=True):
     weights: dict[str, float] = msgspec.field(default_factory=lambda: {"qa": 1.0})
     optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
     eval: EvalConfig | None = None
+    judges: list[JudgeConfig] = msgspec.field(default_factory=list)
 
 
 ENV = {"TEST_RL_LR": "optim.lr", "TEST_RL_STEPS": "steps", "TEST_RL_WARMUP": "optim.warmup"}
@@ -205,7 +211,10 @@ def test_config_help_lists_every_key_with_type_default_doc_env() -> None:
     assert text.startswith("usage: my-app [--config FILE] [--resume [PATH]] [key=value ...]")
     lines = {line.split()[0]: line for line in text.split("keys:\n", 1)[1].splitlines()}
     assert set(lines) == {"name", "steps", "estimator", "bf16", "seed", "tags", "optim.lr",
-                          "weights", "optim.betas", "optim.warmup", "eval.every", "eval.seeds"}
+                          "weights", "optim.betas", "optim.warmup", "eval.every", "eval.seeds",
+                          "judges", "judges[i].module", "judges[i].weight"}
+    assert "str = (required)" in lines["judges[i].module"]  # the keys of each [[judges]] table
+    assert "float = 1.0" in lines["judges[i].weight"] and "scales this judge's score" in lines["judges[i].weight"]
     assert "float > 0 = 1e-05" in lines["optim.lr"]
     assert "AdamW learning rate  [env TEST_RL_LR]" in lines["optim.lr"]
     assert "linear warmup steps" in lines["optim.warmup"]  # trailing comment

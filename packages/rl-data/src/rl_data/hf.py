@@ -34,7 +34,7 @@ __all__ = [
     "shard_by_rank",
 ]
 
-INSTALL = 'pip install "rl-data[datasets]"'
+INSTALL = 'pip install "rl-data[datasets]"; in a clone of the repository: uv sync --all-packages --extra datasets'
 
 
 def require_datasets() -> ModuleType:

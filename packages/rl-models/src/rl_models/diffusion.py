@@ -15,7 +15,7 @@ import torch
 
 from rl_models.loading import resolve_dtype
 
-INSTALL_HINT = 'pip install "rl-models[diffusers]"'
+INSTALL_HINT = 'pip install "rl-models[diffusers]"; in a clone of the repository: uv sync --all-packages --extra diffusers'
 
 
 def require_diffusers() -> ModuleType:

@@ -60,7 +60,8 @@ def resolve(spec: str, *, key: str = "model.path") -> str:
     """A model spec as the apps take it -> something `from_pretrained` loads.
 
     `tiny:<family>[:<seed>]` builds (or reuses) a tiny random checkpoint (`build`); a local
-    folder is used as is; `org/name` is a hub id. Anything else raises `UserError` naming `key`.
+    folder is used as is; `org/name` is a hub id (with `HF_HUB_OFFLINE` set, it must be in the
+    local Hugging Face cache). Anything else raises `UserError` naming `key` and what was tried.
     """
     if spec.startswith("tiny:"):
         family, _, seed = spec.removeprefix("tiny:").partition(":")
@@ -69,10 +70,29 @@ def resolve(spec: str, *, key: str = "model.path") -> str:
         if not seed.isdigit() and seed:
             raise UserError(f"{key}={spec!r}: the seed after tiny:{family}: must be a number")
         return str(build(family, seed=int(seed or 0)))
-    if Path(spec).exists() or _HUB_ID.fullmatch(spec):
+    if Path(spec).exists():
         return spec
-    raise UserError(f"model not found: {key}={spec!r} is no local folder, no hub id (org/name) and no "
-                    f"tiny:<family> ({', '.join(families())})")
+    if _HUB_ID.fullmatch(spec):
+        _check_cached_when_offline(spec, key)
+        return spec
+    raise UserError(f"model not found: {key}={spec!r} is no local folder (no such path: {Path(spec).absolute()}), "
+                    f"no hub id (org/name) and no tiny:<family> ({', '.join(families())})")
+
+
+def _check_cached_when_offline(repo_id: str, key: str) -> None:
+    """Offline, a hub id loads only from the local cache: say so now, naming both places tried,
+    rather than let `from_pretrained` fail later with a message about the network."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    if not constants.HF_HUB_OFFLINE:
+        return
+    try:
+        snapshot_download(repo_id, local_files_only=True)
+    except LocalEntryNotFoundError:
+        raise UserError(f"model not found: {key}={repo_id!r} is no local folder (no such path: "
+                        f"{Path(repo_id).absolute()}), and as a hub id it is not in the local Hugging Face "
+                        "cache (HF_HUB_OFFLINE is set, so nothing is downloaded)") from None
 
 
 def build(family: str, out_dir: str | Path | None = None, *, seed: int = 0) -> Path:

@@ -128,11 +128,15 @@ class HealthResponse(msgspec.Struct, kw_only=True):
     keys: dict[str, list[str]] = {}
     """Per reward, the component keys every result carries (also for failed samples)."""
     default_reward: str = ""
+    error: str | None = None
+    """Why the rewards could not be loaded (what was tried); null while loading and once ready.
+    `rl-rewards serve` exits with status 1 right after such a failure."""
 
 
-class ErrorResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Every 4xx/5xx body. `field` is the JSON path of the offending value (`$.prompts[0][1]`);
-    `limit` names the limit that was exceeded (`max_body_bytes`)."""
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    """Every 4xx/5xx body, always with all three keys. `field` is the JSON path of the offending
+    value (`$.prompts[0][1]`), `limit` names the limit that was exceeded (`max_body_bytes`); each
+    is null when the error is not about one (a 503 while loading, an unknown route)."""
 
     error: str
     field: str | None = None

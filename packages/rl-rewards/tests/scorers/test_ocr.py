@@ -1,5 +1,7 @@
 """`ocr` scorer: rapidocr reads text rendered with PIL (offline models from the wheel)."""
 
+import logging
+
 import pytest
 
 pytest.importorskip("rapidocr")  # the [ocr] extra; skipped in the torch-free session
@@ -43,3 +45,21 @@ def test_reads_rendered_text(scorer, tmp_path):
     assert results[2].score == 1.0
     assert results[3].error is not None and "missing.png" in results[3].error
     assert results[4].error is not None and "no target text" in results[4].error
+
+
+def test_an_image_without_text_scores_0_without_rapidocrs_empty_warning(scorer, tmp_path):
+    """rapidocr warns "The text detection result is empty" for each image without text (39
+    lines in the diffusion-grpo default run); that warning is dropped, rapidocr's others pass."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    rapidocr_log = logging.getLogger("RapidOCR")
+    rapidocr_log.addHandler(handler)
+    try:
+        Image.new("RGB", (64, 64), "white").save(tmp_path / "blank.png")
+        [result] = scorer.score([Sample(prompt='"OPEN"', completion="", metadata={"image": str(tmp_path / "blank.png")})])
+        rapidocr_log.warning("model file corrupt")
+    finally:
+        rapidocr_log.removeHandler(handler)
+    assert result.score == 0.0
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == ["model file corrupt"]

@@ -31,7 +31,7 @@ try:  # the defining module: mypy reads `diffusers.StableDiffusion3Pipeline` as 
     )
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        'rl_rollout.diffusion needs diffusers: pip install "rl-rollout[diffusers]"'
+        'rl_rollout.diffusion needs diffusers: pip install "rl-rollout[diffusers]"; in a clone of the repository: uv sync --all-packages --extra diffusers'
     ) from error
 
 __all__ = ["DiffusionEngine", "PromptEmbeddings", "Trajectory"]

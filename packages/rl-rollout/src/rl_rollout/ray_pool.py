@@ -45,7 +45,7 @@ __all__ = [
     "ship_module",
 ]
 
-INSTALL = 'rl_rollout.ray_pool needs Ray: pip install "rl-rollout[ray]"'
+INSTALL = 'rl_rollout.ray_pool needs Ray: pip install "rl-rollout[ray]"; in a clone of the repository: uv sync --all-packages --extra ray'
 
 
 def _ray() -> ModuleType:

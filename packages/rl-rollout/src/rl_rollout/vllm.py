@@ -43,7 +43,7 @@ from rl_rollout.protocol import Generation, Prompt, SamplingParams, is_chat_mess
 try:
     import vllm
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError('VLLMEngine needs vLLM: pip install "rl-rollout[vllm]"') from exc
+    raise ImportError('VLLMEngine needs vLLM: pip install "rl-rollout[vllm]"; in a clone of the repository: uv sync --all-packages --extra vllm') from exc
 
 
 def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:

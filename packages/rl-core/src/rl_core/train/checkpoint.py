@@ -31,6 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 import torch
 
+from rl_core.errors import UserError
 from rl_core.train.rundir import latest_run
 from rl_core.train.seeding import get_rng_state, set_rng_state
 from rl_core.train.sharding import ShardedState
@@ -202,7 +203,11 @@ def load_checkpoint(
     for name, parts in shards.items():
         parts.load(path / name)
     for name, obj in wanted.items():
-        obj.load_state_dict(torch.load(path / f"{name}.pt", map_location="cpu", weights_only=True))
+        try:
+            obj.load_state_dict(torch.load(path / f"{name}.pt", map_location="cpu", weights_only=True))
+        except ValueError as e:  # a state saved with other settings (a sampler's n, batch size, ...)
+            raise UserError(f"cannot resume from {path}: {name}: {e} (the run's settings are in "
+                            f"{path.parent.parent / 'config.toml'}; pass it with --config)") from e
     if accelerator is None:
         set_rng_state(torch.load(path / "rng.pt", weights_only=True))
     return {"step": meta["step"], **meta["extras"]}

@@ -410,7 +410,18 @@ def _help_rows(cls: type[msgspec.Struct], prefix: str = "", values: Any = None) 
                      if isinstance(m, msgspec.Meta) and m.description]
         rows.append((key, f"{_type_name(info.type)} = {default}",
                      described[0] if described else docs.get(info.name, "")))
+        item = _list_item_struct(info.type)
+        if item is not None:  # a list of tables (`[[reward.judges]]`): the keys each entry takes
+            rows += _help_rows(item, key + "[i].")
     return rows
+
+
+def _list_item_struct(tp: Any) -> type[msgspec.Struct] | None:
+    """`S` for a `list[S]` field (also optional or annotated) whose items are Structs."""
+    for member in _members(tp):
+        if get_origin(member) is list:
+            return _struct_of(get_args(member)[0])
+    return None
 
 
 def config_help(cls: type[msgspec.Struct], *, env: Mapping[str, str] | None = None,

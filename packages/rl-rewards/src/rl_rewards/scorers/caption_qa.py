@@ -80,7 +80,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
-import torch
+
+try:
+    import torch
+except ImportError as e:  # the base install: without this, the server's error named no extra
+    raise ImportError(f'caption_qa needs torch: pip install "rl-rewards[hf]"; in a clone of the repository: uv sync --all-packages --extra hf ({e})') from e
 
 from rl_rewards.rules import ANSWER_PARSERS
 from rl_rewards.samples import Sample, ScoreResult
@@ -101,7 +105,7 @@ try:
         parse_question_text,
     )
 except ImportError as e:  # pragma: no cover - the [hf] extra installs rl-data
-    raise ImportError(f'caption_qa needs rl-data: pip install "rl-rewards[hf]" ({e})') from e
+    raise ImportError(f'caption_qa needs rl-data: pip install "rl-rewards[hf]"; in a clone of the repository: uv sync --all-packages --extra hf ({e})') from e
 
 CANNOT_ANSWER = "Can not answer based on the caption"
 PREFILL = "The answer is"

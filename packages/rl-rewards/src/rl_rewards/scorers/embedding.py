@@ -23,8 +23,9 @@ from rl_rewards.samples import Sample, ScoreResult
 try:
     from rl_models.encoders import compute_text_embeddings, load_embedding_model
     from rl_models.loading import default_device
+    from rl_models.tiny import resolve
 except ImportError as e:
-    raise ImportError(f'embedding_similarity needs torch, transformers and rl-models: pip install "rl-rewards[hf]" ({e})') from e
+    raise ImportError(f'embedding_similarity needs torch, transformers and rl-models: pip install "rl-rewards[hf]"; in a clone of the repository: uv sync --all-packages --extra hf ({e})') from e
 
 
 class EmbeddingSimilarityScorer:
@@ -40,7 +41,7 @@ class EmbeddingSimilarityScorer:
     ) -> None:
         if pooling not in ("cls", "mean"):
             raise ValueError(f"embedding_similarity: pooling must be 'cls' or 'mean', got {pooling!r}")
-        self.encoder = load_embedding_model(model, device=device or default_device())
+        self.encoder = load_embedding_model(resolve(model, key="model"), device=device or default_device())
         self.pooling, self.scale, self.offset, self.max_length = pooling, scale, offset, max_length
         self.completion_field, self.reference_field, self.on_malformed = completion_field, reference_field, on_malformed
         self.fields = completion_field is not None or reference_field is not None

@@ -13,10 +13,11 @@ from typing import Any
 try:
     from transformers import AutoTokenizer
 
+    from rl_models.tiny import resolve
     from rl_rollout import Engine, SamplingParams, build_engine, resolve_engine_kind
     from rl_rollout.protocol import BatchScoringEngine
 except ImportError as e:
-    raise ImportError(f'model-backed judges need rl-rollout and transformers: pip install "rl-rewards[hf]" ({e})') from e
+    raise ImportError(f'model-backed judges need rl-rollout and transformers: pip install "rl-rewards[hf]"; in a clone of the repository: uv sync --all-packages --extra hf ({e})') from e
 
 log = logging.getLogger("rl_rewards.judges")
 
@@ -29,17 +30,20 @@ def load_engine(model: str, engine: str = "hf", engine_options: dict[str, Any] |
 
     `hf` loads the checkpoint in-process (`path=model`); other engines get `model=model` (the
     vLLM checkpoint, or the served model name of an OpenAI-compatible server, whose `base_url`
-    goes in `engine_options`).
+    goes in `engine_options`). A checkpoint is a local folder, a hub id or `tiny:<family>`
+    (`rl_models.tiny.resolve`: a missing folder is an error naming it, not a hub lookup).
     """
     options = dict(engine_options or {})
     if engine == "auto":
         engine, why = resolve_engine_kind(engine)
         log.info("judge %s: engine %s", model, why)
     if engine == "hf":
-        return build_engine("hf", path=model, **options)
+        return build_engine("hf", path=resolve(model, key="model"), **options)
+    if engine == "vllm":
+        return build_engine(engine, model=resolve(model, key="model"), **options)
     return build_engine(engine, model=model, **options)
 
 
 def load_tokenizer(path: str) -> Any:
     """The judge's tokenizer (prompts are built from its own chat template)."""
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(resolve(path, key="tokenizer"))

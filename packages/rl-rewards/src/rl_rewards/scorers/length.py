@@ -20,7 +20,7 @@ def load_token_counter(tokenizer: str) -> Callable[[list[str]], list[int]]:
         from transformers import AutoTokenizer
     except ImportError as e:
         raise ImportError(
-            f'the length scorer needs transformers to load tokenizer {tokenizer!r}: pip install "rl-rewards[hf]" '
+            f'the length scorer needs transformers to load tokenizer {tokenizer!r}: pip install "rl-rewards[hf]"; in a clone of the repository: uv sync --all-packages --extra hf '
             f'(or use tokenizer = "{WHITESPACE}")'
         ) from e
     tok = AutoTokenizer.from_pretrained(tokenizer)

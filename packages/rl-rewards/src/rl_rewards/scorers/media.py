@@ -8,7 +8,7 @@ from typing import Any
 try:
     from PIL import Image
 except ImportError as e:
-    raise ImportError(f'image scorers need pillow: pip install "rl-rewards[ocr]" or "rl-rewards[vision]" ({e})') from e
+    raise ImportError(f'image scorers need pillow: pip install "rl-rewards[ocr]" or "rl-rewards[vision]"; in a clone of the repository: uv sync --all-packages --extra ocr or --extra vision ({e})') from e
 
 
 def load_image(metadata: dict[str, Any]) -> Image.Image:

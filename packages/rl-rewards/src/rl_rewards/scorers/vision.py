@@ -17,8 +17,9 @@ try:
 
     from rl_models.encoders import load_clip
     from rl_models.loading import default_device
+    from rl_models.tiny import resolve
 except ImportError as e:
-    raise ImportError(f'clip_score/aesthetic need torch, transformers and rl-models: pip install "rl-rewards[vision]" ({e})') from e
+    raise ImportError(f'clip_score/aesthetic need torch, transformers and rl-models: pip install "rl-rewards[vision]"; in a clone of the repository: uv sync --all-packages --extra vision ({e})') from e
 
 
 def score_images(samples: Sequence[Sample], values: Callable[[Sequence[Sample], list], list[float]]) -> list[ScoreResult]:
@@ -37,7 +38,7 @@ def score_images(samples: Sequence[Sample], values: Callable[[Sequence[Sample], 
 
 class _ClipBase:
     def __init__(self, model: str, device: str | None) -> None:
-        self.clip, self.processor = load_clip(model, device=device or default_device())
+        self.clip, self.processor = load_clip(resolve(model, key="model"), device=device or default_device())
         self.device = self.clip.device
 
     @torch.no_grad()

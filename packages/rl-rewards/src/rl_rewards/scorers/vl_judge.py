@@ -25,7 +25,7 @@ from rl_rewards.scorers.engines import Engine, SamplingParams, load_engine
 try:
     from rl_data.media import load_image, sample_video
 except ImportError as e:  # pragma: no cover - the [hf] extra installs rl-data
-    raise ImportError(f'vl_judge needs rl-data: pip install "rl-rewards[hf]" ({e})') from e
+    raise ImportError(f'vl_judge needs rl-data: pip install "rl-rewards[hf]"; in a clone of the repository: uv sync --all-packages --extra hf ({e})') from e
 
 WEIGHTS = {"factuality": 0.30, "temporal_alignment": 0.25, "coverage": 0.25, "hallucination_penalty": 0.20}
 

@@ -7,10 +7,11 @@ Routes (scoring routes require the bearer token when an API key is configured):
 | `POST /get_reward` | CapRL++ (qa and vl_judge), drop-in |
 | `POST /openrlhf/get_reward` | OpenRLHF remote reward model (`--reward.remote_url http://HOST:PORT/openrlhf/get_reward`; older OpenRLHF: `--remote_rm_url`) |
 | `POST /v1/score` | native: samples + reward name -> ScoreResults |
-| `GET /health` | 200 `{"ready": true, ...}` once every reward is loaded, else 503 |
+| `GET /health` | 200 `{"ready": true, ...}` once every reward is loaded, else 503 (`error`: why loading failed) |
 | `GET /metrics` | Prometheus text |
 
 Loading happens in the background after startup, so `/health` answers (503) while a judge loads.
+A load that fails sets `error` in `/health` and calls `on_load_failure` (`serve` then exits 1).
 Every error body is JSON (`wire.ErrorResponse`): 4xx when the request can never succeed as sent
 (the client must not retry it), 5xx only for what a retry may fix (loading, a worker pool that
 gave up, shutdown, a bug here).
@@ -85,6 +86,8 @@ class RewardService:
         self.default = settings.default_reward
         self.batchers: dict[str, Batcher] = {}
         self.load_error: str | None = None
+        self.on_load_failure: Callable[[], None] | None = None
+        """Called once loading failed (`serve` stops the server then, to exit with status 1)."""
         self._loader: asyncio.Task[None] | None = None
 
     def ready(self) -> bool:
@@ -103,8 +106,11 @@ class RewardService:
         try:
             await self.pool.start()
         except Exception as e:
-            self.load_error = f"{type(e).__name__}: {e}"
-            log.exception("loading the rewards failed; /health stays 503")
+            self.load_error = f"loading the rewards failed: {type(e).__name__}: {e}"
+            log.debug("loading the rewards failed", exc_info=True)
+            log.error("%s", self.load_error)
+            if self.on_load_failure is not None:
+                self.on_load_failure()
             return
         self.names = self.pool.rewards
         self.default = self.settings.default_reward or self.names[0]
@@ -266,7 +272,7 @@ def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
         info = wire.HealthResponse(
             ready=service.ready(), rewards=service.names or reward_names(settings), score_mode=settings.score_mode,
             judge=judge_name(settings), workers=service.pool.size, workers_alive=service.pool.alive(), pid=os.getpid(),
-            keys=keys, default_reward=service.default or settings.default_reward,
+            keys=keys, default_reward=service.default or settings.default_reward, error=service.load_error,
         )
         return Response(wire.encode_json(info), status_code=200 if info.ready else 503, media_type=JSON)
 

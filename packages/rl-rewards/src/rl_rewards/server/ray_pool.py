@@ -22,7 +22,7 @@ try:
     import ray
     from ray.exceptions import RayActorError
 except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError('--ray needs Ray: pip install "rl-rewards[ray]"') from e
+    raise ImportError('--ray needs Ray: pip install "rl-rewards[ray]"; in a clone of the repository: uv sync --all-packages --extra ray') from e
 
 
 class RewardActor:

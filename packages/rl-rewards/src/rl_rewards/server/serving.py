@@ -299,4 +299,7 @@ def serve(app: Starlette, settings: ServerSettings, options: dict[str, Any], por
     server = DrainingServer(config, lambda: service.abort(
         f"the server shut down before this request was scored (shutdown_timeout_s={grace}); send it again"
     ))
+    service.on_load_failure = lambda: setattr(server, "should_exit", True)
     server.run(sockets=[sock])
+    if service.load_error is not None:  # stopped because the rewards could not be loaded
+        raise SystemExit(f"rl-rewards serve: error: {service.load_error}")
