@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import janus_phases
 import torch
 from accelerate import Accelerator
 from grpo_config import DEFAULT_CONFIG, Config, RewardConfig, parse_config
@@ -45,7 +46,7 @@ from grpo_phases import (
     score,
 )
 from grpo_plan import plan_micro_batches, trained_steps
-from grpo_run import Batch, Run, read_prompts
+from grpo_run import Batch, Run, epoch_samples, read_prompts
 from ray_rollout import Chunk, sample_chunk, start_workers
 
 from rl_core.flow import flow_kl
@@ -64,7 +65,6 @@ from rl_core.train import (
     optimizer_step,
     resolve_resume,
     run_app,
-    sample_seed,
     seed_everything,
 )
 from rl_data import GroupSampler
@@ -100,13 +100,17 @@ def setup(cfg: Config, resume: str | None) -> Run:
     seed_everything(t.seed, rank=acc.process_index)  # LoRA init; sampling noise is seeded per sample
     m = cfg.model
     path = tiny.resolve(m.path)
-    engine = DiffusionEngine.from_pretrained(path, dtype=m.dtype, device=acc.device,
-                                             text_encoder_dtype=m.text_encoder_dtype)
-    engine.pipeline.transformer.requires_grad_(False)
-    peft = add_lora(engine.pipeline.transformer, family="sd3", r=m.lora_rank, alpha=m.lora_alpha,
-                    target_modules=m.lora_targets)
+    wrapped: torch.nn.Module
+    if m.family == "janus":
+        engine, peft, wrapped = janus_phases.build(cfg, path, acc.device)
+    else:
+        engine = DiffusionEngine.from_pretrained(path, dtype=m.dtype, device=acc.device,
+                                                 text_encoder_dtype=m.text_encoder_dtype)
+        engine.pipeline.transformer.requires_grad_(False)
+        wrapped = peft = add_lora(engine.pipeline.transformer, family="sd3", r=m.lora_rank, alpha=m.lora_alpha,
+                                  target_modules=m.lora_targets)
     optimizer = torch.optim.AdamW(trainable(peft).values(), lr=t.lr, weight_decay=t.weight_decay)
-    model, optimizer = acc.prepare(peft, optimizer)
+    model, optimizer = acc.prepare(wrapped, optimizer)
     prompts = read_prompts(cfg.data.manifest, "data.manifest")
     eval_prompts = read_prompts(cfg.data.eval_manifest, "data.eval_manifest")[: cfg.eval.max_prompts]
     sampler = GroupSampler(len(prompts), cfg.rollout.n, seed=t.seed, rank=acc.process_index,
@@ -130,15 +134,11 @@ def setup(cfg: Config, resume: str | None) -> Run:
 
 
 def collect(run: Run, epoch: int) -> Batch:
+    if run.cfg.model.family == "janus":
+        return janus_phases.collect(run, epoch)
     cfg, acc = run.cfg, run.acc
-    n, s, size = cfg.rollout.n, cfg.sampling, cfg.rollout.sample_batch_size
-    groups = cfg.rollout.groups_per_epoch // acc.num_processes
-    indices = [next(iter(run.sampler)) for _ in range(groups * n)]  # n copies of each prompt
-    records = [run.prompts[i] for i in indices]
-    # a sample's noise depends on its group's place in the epoch's prompt order (group g of rank r
-    # is the (g * world + r)-th prompt) and its index in the group: not on the process count
-    world, rank = acc.num_processes, acc.process_index
-    seeds = [sample_seed(cfg.train.seed, epoch, ((i // n) * world + rank) * n + i % n) for i in range(len(records))]
+    s, size = cfg.sampling, cfg.rollout.sample_batch_size
+    records, seeds, group_ids = epoch_samples(run, epoch)
     chunks = [Chunk(tuple(r.prompt for r in records[start:start + size]), tuple(seeds[start:start + size]))
               for start in range(0, len(records), size)]
     kwargs: dict[str, Any] = {"num_steps": s.num_steps, "guidance_scale": s.guidance_scale, "height": s.resolution,
@@ -149,7 +149,6 @@ def collect(run: Run, epoch: int) -> Batch:
     else:  # the workers' LoRA is synced to this version first, and each trajectory checked against it
         trajectories = run.workers.collect(chunks, version=run.optimizer_steps, transformer=run.engine.transformer,
                                            device=acc.device, **kwargs)
-    group_ids = torch.arange(len(records)) // n + acc.process_index * groups  # [N]
     return Batch(trajectories, records, group_ids)
 
 
@@ -180,7 +179,10 @@ def advantages(run: Run, rewards: torch.Tensor, group_ids: torch.Tensor,
 def train_epoch(run: Run, batch: Batch, adv: torch.Tensor, epoch: int) -> dict[str, float]:
     """`gradient_accumulation_steps` micro-batches per optimizer step (`rl_core.train.optimizer_step`):
     each (micro-batch, trained timestep) pair is one forward/backward, and every (sample,
-    timestep) weighs the same in the step, whatever the micro-batch split or process count."""
+    timestep) weighs the same in the step, whatever the micro-batch split or process count.
+    The janus family trains image tokens instead (`janus_phases.train_epoch`)."""
+    if run.cfg.model.family == "janus":
+        return janus_phases.train_epoch(run, batch, adv, epoch)
     acc, t = run.acc, run.cfg.train
     sizes = [len(traj.prompts) for traj in batch.trajectories]
     plan = plan_micro_batches(run, sizes, adv, epoch)
