@@ -44,11 +44,13 @@ def test_janus_image_generation_decodes_pixels(janus_path):
     assert pixels.shape[0] == 1 and 32 in pixels.shape and torch.isfinite(pixels).all()
 
 
-def test_janus_lora_targets_language_model(janus_path):
+def test_janus_lora_targets_language_model_and_generation_head(janus_path):
     model, _ = load_janus(janus_path, dtype="float32")
     peft_model = add_lora(model, r=2, alpha=4)
     names = [n for n, _ in peft_model.named_parameters() if ".lora_A" in n]
-    assert names and all("language_model" in n for n in names)
+    assert names and all("language_model" in n or "generation_head.proj_out" in n for n in names)
+    assert any("generation_head.proj_out" in n for n in names)
+    assert not any(tower in n for n in names for tower in ("vision_model", "vqmodel", "vision_head", "aligner"))
 
 
 # ---------------------------------------------------------------------- image-token log-probs
@@ -103,7 +105,7 @@ def test_image_token_logprobs_equal_naive_and_their_gradient(janus_path, use_cfg
     expected = torch.autograd.grad((want * weights).sum(), lora)
     assert all(g.abs().sum() > 0 for g in expected)
     for g, e in zip(grads, expected, strict=True):
-        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4 * float(e.abs().max()))  # float32 rounding
 
 
 def test_cfg_changes_the_logprobs_and_disabled_adapter_is_the_base(janus_path):

@@ -159,6 +159,9 @@ def image_head(model: torch.nn.Module) -> Tensor:
     """The generation head's last layer as one `[V, D + 1]` matrix (weight | bias), to be applied
     to features with a column of ones appended (`with_bias_column`)."""
     last = janus_causal_lm(model).model.generation_head.vision_head
+    if not isinstance(last, torch.nn.Linear):
+        raise ValueError(f"generation_head.vision_head is {type(last).__name__}, not nn.Linear: exclude it from "
+                         "LoRA target_modules (the chunked log-probs read its weight directly)")
     return torch.cat([last.weight, last.bias[:, None]], dim=1)  # [V, D + 1]
 
 
