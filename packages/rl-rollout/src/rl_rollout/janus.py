@@ -186,8 +186,12 @@ class JanusEngine:
             logprobs.append(lp)
         batch = ImageTokenBatch(encoded.prompt_ids, encoded.prompt_mask, torch.cat(tokens), encoded.uncond_ids)
         log_probs = torch.cat(logprobs)  # [B, N]
-        if self.logprobs == "rescore":
-            log_probs = self.replay(batch, guidance_scale=guidance_scale, temperature=temperature)
+        if self.logprobs == "rescore":  # in the decode chunks: a trainer replays the same row groups
+            log_probs = torch.cat([
+                self.replay(batch.index(slice(start, start + self.max_batch_size)), guidance_scale=guidance_scale,
+                            temperature=temperature)
+                for start in range(0, len(prompts), self.max_batch_size)
+            ])  # [B, N]
         return ImageRollout(
             prompts=tuple(prompts), tokens=batch, log_probs=log_probs.float(), images=self.decode(batch.image_ids),
             seeds=tuple(seeds), guidance_scale=guidance_scale, temperature=temperature,
