@@ -15,6 +15,8 @@ as Flow-GRPO does) -> replay the stored steps through the current model (CFG rec
 gradient accumulation -> EMA of the LoRA weights -> log -> checkpoint -> eval (ODE, EMA weights,
 fixed seed, contact sheet). See README.md next to this file for the VRL knob mapping and the
 presets reproducing Flow-GRPO and VRL (examples/diffusion-grpo/flow_grpo.toml, vrl.toml).
+`model.family = "janus"` trains Janus-Pro image tokens on the same loop instead: its rollout and
+update phases are janus_phases.py (configs/janus_tiny.toml, examples/diffusion-grpo/janus_pro_*.toml).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ from rl_models import tiny
 from rl_models.lora import add_lora
 from rl_rewards import SCORERS, register_scorer
 from rl_rollout.diffusion import DiffusionEngine
+from rl_rollout.janus import JanusEngine
 
 __all__ = ["DEFAULT_CONFIG", "Config", "RewardConfig", "build_reward_scorer", "main", "train"]  # tests use these too
 if "brightness" not in SCORERS:  # the app module is imported once per process, tests included
@@ -101,14 +104,16 @@ def setup(cfg: Config, resume: str | None) -> Run:
     m = cfg.model
     path = tiny.resolve(m.path)
     wrapped: torch.nn.Module
+    engine: DiffusionEngine | JanusEngine
     if m.family == "janus":
         engine, peft, wrapped = janus_phases.build(cfg, path, acc.device)
     else:
-        engine = DiffusionEngine.from_pretrained(path, dtype=m.dtype, device=acc.device,
-                                                 text_encoder_dtype=m.text_encoder_dtype)
-        engine.pipeline.transformer.requires_grad_(False)
-        wrapped = peft = add_lora(engine.pipeline.transformer, family="sd3", r=m.lora_rank, alpha=m.lora_alpha,
+        sd3 = DiffusionEngine.from_pretrained(path, dtype=m.dtype, device=acc.device,
+                                              text_encoder_dtype=m.text_encoder_dtype)
+        sd3.pipeline.transformer.requires_grad_(False)
+        wrapped = peft = add_lora(sd3.pipeline.transformer, family="sd3", r=m.lora_rank, alpha=m.lora_alpha,
                                   target_modules=m.lora_targets)
+        engine = sd3
     optimizer = torch.optim.AdamW(trainable(peft).values(), lr=t.lr, weight_decay=t.weight_decay)
     model, optimizer = acc.prepare(wrapped, optimizer)
     prompts = read_prompts(cfg.data.manifest, "data.manifest")

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 from peft import PeftModel
 from torch import Tensor
-from transformers import JanusForConditionalGeneration, JanusProcessor
+from transformers import JanusForConditionalGeneration, JanusProcessor, JanusVQVAEConfig
 
 from rl_core.logprobs import token_logprobs_from_hidden
 from rl_models.loading import pretrained_kwargs
@@ -74,7 +74,8 @@ def unconditional_prompt_ids(model: torch.nn.Module, prompt_ids: Tensor) -> Tens
     by the pad token, as transformers' image `generate()` and the Janus repository do (the
     attention mask stays the conditional prompt's). Ids come from the generation config."""
     config = janus_causal_lm(model).generation_config
-    keep = (prompt_ids == config.bos_token_id) | (prompt_ids == config.generation_kwargs["boi_token_id"])  # [B, P]
+    boi = config.generation_kwargs["boi_token_id"]  # type: ignore[attr-defined]  # Janus' own generation config key
+    keep = (prompt_ids == config.bos_token_id) | (prompt_ids == boi)  # [B, P]
     return torch.where(keep, prompt_ids, torch.full_like(prompt_ids, config.pad_token_id))  # [B, P]
 
 
@@ -85,7 +86,7 @@ def num_image_tokens(model: torch.nn.Module) -> int:
 
 def image_size(model: torch.nn.Module) -> int:
     """Side in pixels of a generated image: VQ code grid x the decoder's upsampling factor."""
-    vq = janus_causal_lm(model).config.vq_config
+    vq = cast(JanusVQVAEConfig, janus_causal_lm(model).config.vq_config)  # a dict only before __init__
     return int(vq.num_patches) * 2 ** (len(vq.channel_multiplier) - 1)
 
 

@@ -29,7 +29,12 @@ from rl_models.diffusion import require_diffusers
 from rl_models.loading import resolve_dtype
 from rl_models.tiny_janus import JANUS_CHAT_TEMPLATE, build_janus_tokenizer
 from rl_models.tiny_vl import qwen3_vl_processor, vision_token_ids
-from rl_models.tokenization import build_clip_tokenizer, build_qwen_tokenizer, build_t5_tokenizer
+from rl_models.tokenization import (
+    build_clip_tokenizer,
+    build_qwen_tokenizer,
+    build_t5_tokenizer,
+    token_id,
+)
 
 QWEN_VOCAB = 151936
 # size -> (hidden, intermediate, layers, heads, kv heads); head_dim 128 throughout.
@@ -228,7 +233,7 @@ def janus_pro_config(size: str):
         vq_config={"embed_dim": 8, "num_embeddings": 16384, "latent_channels": 256, "base_channels": 128,
                    "channel_multiplier": [1, 1, 2, 2, 4], "num_res_blocks": 2, "projection_dim": hidden,
                    "image_token_embed_dim": hidden, "num_hidden_layers": 2},
-        image_token_id=tokenizer.convert_tokens_to_ids("<image_placeholder>"),
+        image_token_id=token_id(tokenizer, "<image_placeholder>"),
         tie_word_embeddings=False,  # DeepSeek-LLM's output head is its own matrix
     )
 

@@ -140,8 +140,9 @@ class JanusEngine:
         """Chat template + `<begin_of_image>`, left-padded, with the unconditional rows; the image
         tokens are an empty `[B, 0]` placeholder."""
         texts = [
-            self.processor.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": p}]}],
-                                               add_generation_prompt=True)
+            self.processor.apply_chat_template(
+                [{"role": "user", "content": [{"type": "text", "text": p}]}],  # type: ignore[arg-type]  # typed parts, as the template takes them
+                add_generation_prompt=True)
             for p in prompts
         ]
         inputs = self.processor(text=texts, generation_mode="image", return_tensors="pt", padding=True)
@@ -287,11 +288,11 @@ class JanusEngine:
         """Weights to CPU and the cache dropped (no-op for the weights on a CPU engine)."""
         self.release_cache()
         if self.device.type != "cpu":
-            janus_causal_lm(self.model).to("cpu")
+            janus_causal_lm(self.model).to("cpu")  # type: ignore[arg-type]  # see HFEngine
         self._asleep = True
 
     def wake(self) -> None:
-        janus_causal_lm(self.model).to(self.device)
+        janus_causal_lm(self.model).to(self.device)  # type: ignore[arg-type]  # see HFEngine
         self._asleep = False
 
     @property
