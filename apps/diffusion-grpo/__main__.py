@@ -273,6 +273,13 @@ def run_epochs(run: Run) -> Path:
         export_adapters(run, run.run_dir / "checkpoint-final")
         plot_reward_curve(run.run_dir)
     acc.wait_for_everyone()
+    # Drop the DDP wrapper while the process group is still registered: if its Reducer held the
+    # group's last reference after end_training(), the gloo group's destructor would join its
+    # worker threads holding the GIL, and a worker still freeing a finished collective's Python
+    # tensors waits for the GIL: a deadlock seen once in the 2-process test (torch 2.13, gloo)
+    run.model = run.peft
+    acc.free_memory()  # the accelerator's own reference to the wrapper
+    acc.wait_for_everyone()
     acc.end_training()
     return run.run_dir
 
