@@ -15,6 +15,8 @@ as Flow-GRPO does) -> replay the stored steps through the current model (CFG rec
 gradient accumulation -> EMA of the LoRA weights -> log -> checkpoint -> eval (ODE, EMA weights,
 fixed seed, contact sheet). See README.md next to this file for the VRL knob mapping and the
 presets reproducing Flow-GRPO and VRL (examples/diffusion-grpo/flow_grpo.toml, vrl.toml).
+`model.family = "janus"` trains Janus-Pro image tokens on the same loop instead: its rollout and
+update phases are janus_phases.py (configs/janus_tiny.toml, examples/diffusion-grpo/janus_pro_*.toml).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import janus_phases
 import torch
 from accelerate import Accelerator
 from grpo_config import DEFAULT_CONFIG, Config, RewardConfig, parse_config
@@ -45,7 +48,7 @@ from grpo_phases import (
     score,
 )
 from grpo_plan import plan_micro_batches, trained_steps
-from grpo_run import Batch, Run, read_prompts
+from grpo_run import Batch, Run, epoch_samples, read_prompts
 from grpo_sharding import gather_metrics, prepare_transformer, whole_weights
 from ray_rollout import Chunk, sample_chunk, start_workers
 
@@ -65,7 +68,6 @@ from rl_core.train import (
     optimizer_step,
     resolve_resume,
     run_app,
-    sample_seed,
     seed_everything,
 )
 from rl_data import GroupSampler
@@ -73,6 +75,7 @@ from rl_models import tiny
 from rl_models.lora import add_lora
 from rl_rewards import SCORERS, register_scorer
 from rl_rollout.diffusion import DiffusionEngine
+from rl_rollout.janus import JanusEngine
 
 __all__ = ["DEFAULT_CONFIG", "Config", "RewardConfig", "build_reward_scorer", "main", "train"]  # tests use these too
 if "brightness" not in SCORERS:  # the app module is imported once per process, tests included
@@ -104,13 +107,26 @@ def setup(cfg: Config, resume: str | None) -> Run:
     seed_everything(t.seed)
     m = cfg.model
     path = tiny.resolve(m.path)
-    engine = DiffusionEngine.from_pretrained(path, dtype=m.dtype, device=acc.device,
-                                             text_encoder_dtype=m.text_encoder_dtype)
-    engine.pipeline.transformer.requires_grad_(False)
-    peft = add_lora(engine.pipeline.transformer, family="sd3", r=m.lora_rank, alpha=m.lora_alpha,
-                    target_modules=m.lora_targets)
+    wrapped: torch.nn.Module
+    engine: DiffusionEngine | JanusEngine
+    if m.family == "janus":
+        engine, peft, wrapped = janus_phases.build(cfg, path, acc.device)
+    else:
+        sd3 = DiffusionEngine.from_pretrained(path, dtype=m.dtype, device=acc.device,
+                                              text_encoder_dtype=m.text_encoder_dtype)
+        sd3.pipeline.transformer.requires_grad_(False)
+        wrapped = peft = add_lora(sd3.pipeline.transformer, family="sd3", r=m.lora_rank, alpha=m.lora_alpha,
+                                  target_modules=m.lora_targets)
+        engine = sd3
     optimizer = torch.optim.AdamW(trainable(peft).values(), lr=t.lr, weight_decay=t.weight_decay)
-    model, optimizer, full = prepare_transformer(acc, t, engine, peft, optimizer)  # DDP, or FSDP2 (grpo_sharding.py)
+    if m.family == "janus":
+        if t.sharding != "none":
+            raise UserError(f"train.sharding={t.sharding!r} shards the SD3 transformer; model.family='janus' "
+                            "trains with DDP (FSDP2 for Janus is not done): set train.sharding='none'")
+        model, optimizer = acc.prepare(wrapped, optimizer)
+        full: FullWeights | None = None
+    else:
+        model, optimizer, full = prepare_transformer(acc, t, engine, peft, optimizer)  # DDP, or FSDP2 (grpo_sharding.py)
     prompts = read_prompts(cfg.data.manifest, "data.manifest")
     eval_prompts = read_prompts(cfg.data.eval_manifest, "data.eval_manifest")[: cfg.eval.max_prompts]
     sampler = GroupSampler(len(prompts), cfg.rollout.n, seed=t.seed, rank=acc.process_index,
@@ -134,15 +150,11 @@ def setup(cfg: Config, resume: str | None) -> Run:
 
 
 def collect(run: Run, epoch: int) -> Batch:
+    if run.cfg.model.family == "janus":
+        return janus_phases.collect(run, epoch)
     cfg, acc = run.cfg, run.acc
-    n, s, size = cfg.rollout.n, cfg.sampling, cfg.rollout.sample_batch_size
-    groups = cfg.rollout.groups_per_epoch // acc.num_processes
-    indices = [next(iter(run.sampler)) for _ in range(groups * n)]  # n copies of each prompt
-    records = [run.prompts[i] for i in indices]
-    # a sample's noise depends on its group's place in the epoch's prompt order (group g of rank r
-    # is the (g * world + r)-th prompt) and its index in the group: not on the process count
-    world, rank = acc.num_processes, acc.process_index
-    seeds = [sample_seed(cfg.train.seed, epoch, ((i // n) * world + rank) * n + i % n) for i in range(len(records))]
+    s, size = cfg.sampling, cfg.rollout.sample_batch_size
+    records, seeds, group_ids = epoch_samples(run, epoch)
     chunks = [Chunk(tuple(r.prompt for r in records[start:start + size]), tuple(seeds[start:start + size]))
               for start in range(0, len(records), size)]
     kwargs: dict[str, Any] = {"num_steps": s.num_steps, "guidance_scale": s.guidance_scale, "height": s.resolution,
@@ -185,7 +197,10 @@ def advantages(run: Run, rewards: torch.Tensor, group_ids: torch.Tensor,
 def train_epoch(run: Run, batch: Batch, adv: torch.Tensor, epoch: int) -> dict[str, float]:
     """`gradient_accumulation_steps` micro-batches per optimizer step (`rl_core.train.optimizer_step`):
     each (micro-batch, trained timestep) pair is one forward/backward, and every (sample,
-    timestep) weighs the same in the step, whatever the micro-batch split or process count."""
+    timestep) weighs the same in the step, whatever the micro-batch split or process count.
+    The janus family trains image tokens instead (`janus_phases.train_epoch`)."""
+    if run.cfg.model.family == "janus":
+        return janus_phases.train_epoch(run, batch, adv, epoch)
     acc, t = run.acc, run.cfg.train
     sizes = [len(traj.prompts) for traj in batch.trajectories]
     plan = plan_micro_batches(run, sizes, adv, epoch)
@@ -272,6 +287,13 @@ def run_epochs(run: Run) -> Path:
         if acc.is_main_process:
             export_adapters(run, model, run.run_dir / "checkpoint-final")
             plot_reward_curve(run.run_dir)
+    acc.wait_for_everyone()
+    # Drop the DDP wrapper while the process group is still registered: if its Reducer held the
+    # group's last reference after end_training(), the gloo group's destructor would join its
+    # worker threads holding the GIL, and a worker still freeing a finished collective's Python
+    # tensors waits for the GIL: a deadlock seen once in the 2-process test (torch 2.13, gloo)
+    run.model = run.peft
+    acc.free_memory()  # the accelerator's own reference to the wrapper
     acc.wait_for_everyone()
     acc.end_training()
     return run.run_dir

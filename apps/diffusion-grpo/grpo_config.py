@@ -26,13 +26,19 @@ DEFAULT_CONFIG = APP / "configs" / "default.toml"
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
+    family: Literal["sd3", "janus"] = "sd3"
+    """`sd3`: Flow-GRPO on an SD3/SD3.5 pipeline (SDE sampling, per-step log-probs). `janus`:
+    token-level GRPO on Janus / Janus-Pro image tokens (CFG sampling, per-token log-probs; VRL's
+    autoregressive trainer); its own knobs are the [janus] table."""
     path: str = "stabilityai/stable-diffusion-3.5-medium"
-    """diffusers SD3/SD3.5 folder or hub id; `tiny:sd3` builds a tiny random pipeline."""
-    dtype: str = "bfloat16"  # transformer + VAE weights; step maths is always float32
+    """diffusers SD3/SD3.5 folder or hub id (`tiny:sd3` builds a tiny random pipeline); with
+    family `janus` a transformers Janus checkpoint (deepseek-community/Janus-Pro-7B, `tiny:janus`)."""
+    dtype: str = "bfloat16"  # transformer + VAE weights (Janus: all weights); step maths is always float32
     text_encoder_dtype: str | None = None  # None = dtype
     lora_rank: Positive = 32
     lora_alpha: float = 64
-    lora_targets: list[str] | None = None  # None = rl_models' sd3 default (attention projections)
+    lora_targets: list[str] | None = None  # None = rl_models' default: sd3 attention projections;
+    # janus: the language model's q/k/v/o and MLP projections (VQ, SigLIP and generation head frozen)
 
 
 class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -77,8 +83,8 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
     lr: PositiveFloat = 3e-4
     weight_decay: NonNegativeFloat = 1e-4
     max_grad_norm: PositiveFloat = 1.0
-    clip_range: UnitInterval = 1e-4  # PPO ratio clip (SD3: 1e-4; log-probs are per-element means)
-    kl_beta: NonNegativeFloat = 0.04  # flow KL to the LoRA-disabled model; 0 skips the reference forward
+    clip_range: UnitInterval = 1e-4  # PPO ratio clip (SD3: 1e-4; log-probs are per-element means; janus: per token, 0.2)
+    kl_beta: NonNegativeFloat = 0.04  # flow KL (janus: per-token janus.kl) to the LoRA-disabled model; 0 skips the reference forward
     adv_scale: Literal["batch", "group"] = "batch"  # std over the whole batch (Flow-GRPO global std)
     adv_clip: PositiveFloat = 5.0
     adv_eps: PositiveFloat = 1e-4
@@ -133,11 +139,30 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
 class EvalConfig(msgspec.Struct, kw_only=True, frozen=True):
     every: int = 60  # epochs between evals (0 = never); also after the last epoch
     max_prompts: Positive = 16
-    num_steps: Positive = 40  # deterministic ODE steps
+    num_steps: Positive = 40  # deterministic ODE steps (sd3; janus samples its tokens at the fixed seed)
     guidance_scale: float = 4.5
     seed: int = 20260504
     use_ema: bool = True
     batch_size: Positive = 8
+
+
+class JanusConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Knobs of the `janus` family only (sampling.guidance_scale is the CFG weight, 5 in Janus-Pro;
+    sampling.resolution must be the checkpoint's image size, 384 for Janus-Pro)."""
+
+    temperature: PositiveFloat = 1.0  # image-token sampling temperature (Janus-Pro: 1)
+    loss_logits: Literal["cfg", "cond"] = "cfg"
+    """Log-probs in the loss: `cfg` scores each token under the guided distribution it was drawn
+    from (importance ratio 1 on the first replay; gradients reach both CFG rows); `cond` under the
+    conditional logits alone (one forward of B rows, half the update cost; old log-probs are then
+    recomputed with the conditional logits before the update, and the first-replay check is off)."""
+    kl: Literal["k1", "k2", "k3"] = "k3"  # per-token KL estimator to the LoRA-disabled model (x train.kl_beta)
+    logprobs: Literal["rescore", "decode"] = "rescore"
+    """Rollout log-probs: `rescore` recomputes them teacher-forced (first replay bit-exact with
+    micro_batch_size = sample_batch_size); `decode` keeps the KV-cached decode loop's (no extra
+    forward; set train.ratio_tolerance ~1e-4 in float32, ~5e-2 in bf16)."""
+    compile: bool | None = None  # compile the decode step (None: on CUDA)
+    gradient_checkpointing: bool = False  # recompute the language model's activations in the update
 
 
 class Config(msgspec.Struct, kw_only=True, frozen=True):
@@ -148,6 +173,7 @@ class Config(msgspec.Struct, kw_only=True, frozen=True):
     reward: RewardConfig = RewardConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    janus: JanusConfig = JanusConfig()
 
 
 # VRL's deployment inputs stay environment variables (its README's table).
@@ -165,7 +191,10 @@ def parse_config(argv: list[str]) -> tuple[Config, str | None] | None:
     if cfg.rollout.n < 2:
         raise ConfigError(f"rollout.n={cfg.rollout.n}: GRPO compares the images of one prompt with each other and "
                           "needs rollout.n >= 2")
-    if int(cfg.sampling.num_steps * cfg.train.timestep_fraction) == 0:
+    if cfg.model.family == "janus" and cfg.rollout.workers:
+        raise ConfigError(f"rollout.workers={cfg.rollout.workers}: Ray rollout workers serve the sd3 family only; "
+                          "set rollout.workers=0 for model.family='janus'")
+    if cfg.model.family == "sd3" and int(cfg.sampling.num_steps * cfg.train.timestep_fraction) == 0:
         raise ConfigError(f"train.timestep_fraction={cfg.train.timestep_fraction} x sampling.num_steps="
                           f"{cfg.sampling.num_steps} trains no step (Flow-GRPO trains int(steps x fraction)); raise it")
     return cfg, cli.resume

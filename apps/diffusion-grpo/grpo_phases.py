@@ -8,6 +8,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import janus_phases
 import torch
 from accelerate.utils import gather_object
 from grpo_config import RewardConfig
@@ -65,20 +66,24 @@ def score(run: Any, images: list, records: list[OCRPrompt], image_dir: Path) -> 
 
 @torch.no_grad()
 def evaluate(run: Any, model: torch.nn.Module, epoch: int) -> dict[str, float]:
-    """Fixed prompts, deterministic ODE sampling, fixed seed, EMA weights (main process), from
-    `model`, the PeftModel the engine samples from (`grpo_sharding.whole_weights`)."""
+    """Fixed prompts, deterministic ODE sampling (janus: token sampling at fixed seeds), fixed
+    seed, EMA weights (main process), from `model`, the PeftModel the engine samples from
+    (`grpo_sharding.whole_weights`)."""
     cfg, e = run.cfg, run.cfg.eval
     out_dir = run.run_dir / f"eval_epoch_{epoch}"
     images, records = [], run.eval_prompts
     with run.ema.swapped(model) if e.use_ema else nullcontext():
         for start in range(0, len(records), e.batch_size):
             chunk = records[start:start + e.batch_size]
-            traj = run.engine.sample(
-                [r.prompt for r in chunk], num_steps=e.num_steps, guidance_scale=e.guidance_scale,
-                height=cfg.sampling.resolution, width=cfg.sampling.resolution, kind="ode",
-                seeds=[e.seed + start + i for i in range(len(chunk))],
-                max_sequence_length=cfg.sampling.max_sequence_length)
-            images += to_pil(traj.images)
+            prompts, seeds = [r.prompt for r in chunk], [e.seed + start + i for i in range(len(chunk))]
+            if cfg.model.family == "janus":
+                pixels = janus_phases.sample_images(run, prompts, seeds)
+            else:
+                pixels = run.engine.sample(
+                    prompts, num_steps=e.num_steps, guidance_scale=e.guidance_scale,
+                    height=cfg.sampling.resolution, width=cfg.sampling.resolution, kind="ode", seeds=seeds,
+                    max_sequence_length=cfg.sampling.max_sequence_length).images
+            images += to_pil(pixels)
     rewards, parts = score(run, images, records, out_dir / "images")
     for i, image in enumerate(images):
         (out_dir / "images").mkdir(parents=True, exist_ok=True)

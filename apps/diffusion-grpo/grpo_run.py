@@ -15,9 +15,8 @@ from grpo_parts import LoraEMA
 from peft import PeftModel
 from ray_rollout import RayRollout
 
-from rl_core.train import FullWeights, MetricsLogger, NonFiniteGuard, PhaseTimer, UserError
+from rl_core.train import FullWeights, MetricsLogger, NonFiniteGuard, PhaseTimer, UserError, sample_seed
 from rl_data import GroupSampler, OCRPrompt, open_source
-from rl_rollout.diffusion import DiffusionEngine, Trajectory
 
 
 @dataclass
@@ -25,8 +24,8 @@ class Run:
     cfg: Config
     acc: Accelerator
     run_dir: Path
-    engine: DiffusionEngine
-    model: torch.nn.Module  # the peft transformer, prepared (DDP-wrapped with several processes, or sharded)
+    engine: Any  # DiffusionEngine (model.family "sd3") or rl_rollout.janus.JanusEngine ("janus")
+    model: torch.nn.Module  # prepared: the peft transformer (sd3; DDP-wrapped with several processes, or sharded), a JanusImagePolicy (janus)
     peft: PeftModel
     optimizer: torch.optim.Optimizer
     ema: LoraEMA
@@ -46,9 +45,10 @@ class Run:
 
 @dataclass(frozen=True)
 class Batch:
-    """One epoch's rollouts on this process: trajectories of `sample_batch_size` images each."""
+    """One epoch's rollouts on this process: trajectories of `sample_batch_size` images each
+    (`Trajectory` for sd3, `rl_rollout.janus.ImageRollout` for janus)."""
 
-    trajectories: list[Trajectory]
+    trajectories: list[Any]
     records: list[OCRPrompt]  # one per image, in trajectory order
     group_ids: torch.Tensor  # [N] global group index
 
@@ -61,3 +61,16 @@ def read_prompts(source: str, key: str) -> list[OCRPrompt]:
     except (FileNotFoundError, ValueError) as e:  # missing; not a dataset dir; several splits
         raise UserError(f"{key}: {e}") from None
     return list(reader)
+
+
+def epoch_samples(run: Run, epoch: int) -> tuple[list[OCRPrompt], list[int], torch.Tensor]:
+    """This process's records for the epoch (n copies of each of its prompts), one seed per
+    sample and the global group ids `[N]`. A sample's seed depends on its group's place in the
+    epoch's prompt order (group g of rank r is the (g * world + r)-th prompt) and its index in the
+    group: not on the process count."""
+    cfg, acc = run.cfg, run.acc
+    n, groups = cfg.rollout.n, cfg.rollout.groups_per_epoch // acc.num_processes
+    records = [run.prompts[next(iter(run.sampler))] for _ in range(groups * n)]
+    world, rank = acc.num_processes, acc.process_index
+    seeds = [sample_seed(cfg.train.seed, epoch, ((i // n) * world + rank) * n + i % n) for i in range(len(records))]
+    return records, seeds, torch.arange(len(records)) // n + rank * groups

@@ -30,11 +30,24 @@ def app():
     return _load_app()
 
 
-def tiny_overrides(out: Path, *extra: str) -> list[str]:
-    """The smallest useful run: 32x32 images, 4 steps, 2 prompts x 4 images per epoch, the
-    brightness reward (cheap, and the random tiny model's images differ in it), no eval."""
+# model.family -> the config its tiny runs start from
+CONFIGS = {"sd3": APP / "configs" / "default.toml", "janus": APP / "configs" / "janus_tiny.toml"}
+
+
+def tiny_config(app, family: str, out: Path, *extra: str):
+    """`tiny_overrides` applied to the family's tiny config."""
+    from rl_core.train import load_config
+
+    return load_config(app.Config, CONFIGS[family], tiny_overrides(out, *extra, family=family))
+
+
+def tiny_overrides(out: Path, *extra: str, family: str = "sd3") -> list[str]:
+    """The smallest useful run: 32x32 images (sd3: 4 steps; janus: 16 tokens), 2 prompts x 4
+    images per epoch, the brightness reward (cheap, and the random tiny models' images differ in
+    it), no eval."""
+    sd3 = ["sampling.resolution=32", "sampling.num_steps=4", "sampling.max_sequence_length=8"]
     return [
-        "sampling.resolution=32", "sampling.num_steps=4", "sampling.max_sequence_length=8",
+        *(sd3 if family == "sd3" else []),
         "rollout.n=4", "rollout.groups_per_epoch=2", "rollout.sample_batch_size=4",
         "train.micro_batch_size=4", "train.gradient_accumulation_steps=1", "train.ema_interval=1",
         "reward.components={brightness=1.0}", "eval.every=0", f"train.output_dir={out}",

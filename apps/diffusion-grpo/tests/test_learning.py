@@ -13,7 +13,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from conftest import tiny_overrides
+import torch
+from conftest import tiny_config, tiny_overrides
 
 from rl_core.train import load_config
 
@@ -29,3 +30,27 @@ def test_brightness_reward_rises(app, tmp_path: Path) -> None:
     assert len(rewards) == 12
     early, late = sum(rewards[:2]) / 2, sum(rewards[-3:]) / 3
     assert late - early >= 0.003, f"brightness did not rise: {rewards}"
+
+
+def test_janus_policy_learns_a_token_reward(app, tmp_path: Path) -> None:
+    """Janus: the share of image tokens from the lower half of the codebook rises from ~0.5 to
+    >= 0.7 within 8 epochs (32 images of 16 tokens each; the per-epoch standard error at 0.5 is
+    0.022, so the margin is 9 standard errors). Measured: 0.475 -> 0.98.
+
+    The reward reads the tokens, not the pixels: the tiny random VQ decoder's GroupNorms
+    normalise global statistics away, so brightness or a colour channel of its images does not
+    depend on the codes (a linear fit on code counts over 3,000 random images explains none of
+    their variance), and no image reward is learnable on the tiny model. The loop is the
+    recipe's (`collect` -> `advantages` -> `train_epoch`), the reward function swapped."""
+    run = app.setup(tiny_config(app, "janus", tmp_path, "rollout.n=8", "rollout.groups_per_epoch=4",
+                                "rollout.sample_batch_size=8", "train.micro_batch_size=8", "train.lr=0.1",
+                                "train.kl_beta=0"), resume=None)
+    shares = []
+    for epoch in range(8):
+        batch = app.collect(run, epoch)
+        ids = torch.cat([r.tokens.image_ids for r in batch.trajectories])  # [32, 16]
+        rewards = (ids < 32).float().mean(-1)  # [32]
+        adv, _ = app.advantages(run, rewards, batch.group_ids, [r.prompt for r in batch.records])
+        app.train_epoch(run, batch, adv, epoch)
+        shares.append(float(rewards.mean()))
+    assert shares[0] < 0.55 and sum(shares[-2:]) / 2 >= 0.7, f"token share did not rise: {shares}"

@@ -128,3 +128,21 @@ def test_timestep_fraction_that_trains_no_step_is_refused(app) -> None:
         app.parse_config(["sampling.num_steps=4", "train.timestep_fraction=0.2"])
     cfg, _ = app.parse_config(["sampling.num_steps=4", "train.timestep_fraction=0.25"])
     assert cfg.train.timestep_fraction == 0.25
+
+
+@pytest.mark.parametrize(("name", "hub_id"), [("janus_pro_1b", "deepseek-community/Janus-Pro-1B"),
+                                               ("janus_pro_7b", "deepseek-community/Janus-Pro-7B")])
+def test_janus_pro_presets_use_the_paper_sampling(app, name: str, hub_id: str) -> None:
+    """Janus-Pro's generation script: CFG weight 5, temperature 1, 384x384, parallel_size 16."""
+    cfg, _ = app.parse_config(["--config", str(EXAMPLES / f"{name}.toml")])
+    assert (cfg.model.family, cfg.model.path) == ("janus", hub_id)
+    assert (cfg.sampling.guidance_scale, cfg.janus.temperature, cfg.sampling.resolution, cfg.rollout.n) == (5.0, 1.0, 384, 16)
+    with pytest.raises(ConfigError, match=r"rollout\.workers"):
+        app.parse_config(["--config", str(EXAMPLES / f"{name}.toml"), "rollout.workers=2"])
+
+
+def test_janus_resolution_must_be_the_checkpoints(app, tmp_path: Path) -> None:
+    from conftest import tiny_config
+
+    with pytest.raises(UserError, match=r"sampling\.resolution=64: .* 32x32 .* sampling\.resolution=32"):
+        app.setup(tiny_config(app, "janus", tmp_path, "sampling.resolution=64"), resume=None)

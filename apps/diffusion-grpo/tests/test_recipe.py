@@ -1,5 +1,6 @@
-"""The recipe end to end on tiny SD3: training changes every LoRA weight, writes VRL's outputs,
-resumes exactly, guards against NaN gradients and rollout/replay mismatches."""
+"""The recipe end to end on tiny SD3 and tiny Janus (model.family, one parametrised suite):
+training changes every LoRA weight, writes VRL's outputs, resumes exactly, guards against NaN
+gradients and rollout/replay mismatches."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import flat, tiny_overrides
+from conftest import flat, tiny_config, tiny_overrides
 from PIL import Image
 
 from rl_core.train import ConfigError, UserError, load_config
@@ -28,25 +29,33 @@ def _lora(ckpt: Path) -> dict[str, torch.Tensor]:
     return torch.load(ckpt / "lora.pt", weights_only=True)
 
 
+@pytest.fixture(scope="module", params=["sd3", "janus"])
+def family(request) -> str:
+    """model.family: each test below that takes `full_run` or `run` runs once per family."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def full_run(app, tmp_path_factory) -> Path:
-    """2 epochs, a checkpoint after each, eval at epochs 0 and 2 (2 prompts, 4 ODE steps)."""
-    out = tmp_path_factory.mktemp("full")
-    cfg = _config(app, out, "train.epochs=2", "train.save_freq=1", "train.keep_last=3",
-                  "eval.every=100", "eval.max_prompts=2", "eval.num_steps=4")
+def full_run(app, family: str, tmp_path_factory) -> Path:
+    """2 epochs, a checkpoint after each, eval at epochs 0 and 2 (2 prompts; sd3: 4 ODE steps)."""
+    out = tmp_path_factory.mktemp(f"full-{family}")
+    cfg = tiny_config(app, family, out, "train.epochs=2", "train.save_freq=1", "train.keep_last=3",
+                      "eval.every=100", "eval.max_prompts=2", "eval.num_steps=4")
     return app.train(cfg)
 
 
-# The last MMDiT block is `context_pre_only`: its text-token queries (add_q_proj) reach no output,
-# so that adapter's B gets no gradient and stays 0 (its A still moves by weight decay).
-DEAD = "transformer_blocks.1.attn.add_q_proj.lora_B"
+# sd3: the last MMDiT block is `context_pre_only`: its text-token queries (add_q_proj) reach no
+# output, so that adapter's B gets no gradient and stays 0 (its A still moves by weight decay).
+# janus: every adapter of the language model reaches the image-token head.
+DEAD = {"sd3": ["transformer_blocks.1.attn.add_q_proj.lora_B"], "janus": []}
 
 
-def test_every_lora_parameter_changes(app, full_run: Path) -> None:
+def test_every_lora_parameter_changes(app, family: str, full_run: Path) -> None:
     first, last = _lora(full_run / "checkpoints" / "checkpoint-1"), _lora(full_run / "checkpoints" / "checkpoint-2")
     assert len(last) > 0 and all(".lora_" in name for name in last)
     unchanged = [name for name in last if torch.equal(first[name], last[name])]
-    assert [DEAD in name for name in unchanged] == [True], f"unchanged between epochs 1 and 2: {unchanged[:5]}"
+    assert [[d for d in DEAD[family] if d in name] for name in unchanged] == [[d] for d in DEAD[family]], \
+        f"unchanged between epochs 1 and 2: {unchanged[:5]}"
     ema = torch.load(full_run / "checkpoints" / "checkpoint-2" / "ema.pt", weights_only=True)
     assert ema["updates"] > 0 and any(not torch.equal(ema["shadow"][k], last[k]) for k in last)
 
@@ -72,9 +81,9 @@ def test_outputs_match_vrl(full_run: Path) -> None:
         assert config["r"] == 8 and (full_run / folder / "adapter_model.safetensors").is_file()
 
 
-def test_resume_equals_uninterrupted_run(app, full_run: Path, tmp_path: Path) -> None:
-    first = app.train(_config(app, tmp_path, "train.epochs=1", "train.save_freq=1"))
-    resumed = app.train(_config(app, tmp_path, "train.epochs=2", "train.save_freq=1"), resume="latest")
+def test_resume_equals_uninterrupted_run(app, family: str, full_run: Path, tmp_path: Path) -> None:
+    first = app.train(tiny_config(app, family, tmp_path, "train.epochs=1", "train.save_freq=1"))
+    resumed = app.train(tiny_config(app, family, tmp_path, "train.epochs=2", "train.save_freq=1"), resume="latest")
     assert resumed == first
     a, b = full_run / "checkpoints" / "checkpoint-2", resumed / "checkpoints" / "checkpoint-2"
     for name in ("lora.pt", "ema.pt", "optimizer.pt"):
@@ -85,9 +94,9 @@ def test_resume_equals_uninterrupted_run(app, full_run: Path, tmp_path: Path) ->
 
 
 @pytest.fixture(scope="module")
-def run(app, tmp_path_factory):
-    out = tmp_path_factory.mktemp("run")
-    return app.setup(_config(app, out, "train.kl_beta=0.04"), resume=None)
+def run(app, family: str, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"run-{family}")
+    return app.setup(tiny_config(app, family, out, "train.kl_beta=0.04"), resume=None)
 
 
 def test_nan_loss_skips_the_step_and_three_in_a_row_stop(app, run) -> None:

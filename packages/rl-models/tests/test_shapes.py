@@ -51,6 +51,20 @@ def test_sd3_5_medium_config_only(tmp_path):
     assert transformer.config.joint_attention_dim == 4096
 
 
+@pytest.mark.parametrize(("size", "billions"), [("pro-1b", 2.077), ("pro-7b", 7.408)])
+def test_janus_pro_config_only(tmp_path, size, billions):
+    """Janus-Pro-1B/7B: the published 2.09B/7.42B less ~12.6M of SigLIP's attention-pooling head,
+    which transformers' Janus does not build (it is unused)."""
+    from transformers import AutoProcessor, JanusForConditionalGeneration
+
+    out = build_shape("janus", size, tmp_path, config_only=True)
+    with torch.device("meta"):
+        model = JanusForConditionalGeneration(AutoConfig.from_pretrained(out))
+    assert _meta_params(model) / 1e9 == pytest.approx(billions, abs=1e-3)
+    assert model.config.vq_config.num_patches ** 2 == model.config.vision_config.num_image_tokens == 576
+    assert AutoProcessor.from_pretrained(out).num_image_tokens == 576
+
+
 def test_unknown_shape_lists_valid(tmp_path):
     with pytest.raises(KeyError, match=r"unknown shape 'qwen3' '70b'; valid: .*qwen3 4b"):
         build_shape("qwen3", "70b", tmp_path)

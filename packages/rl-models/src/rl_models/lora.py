@@ -30,8 +30,12 @@ DEFAULT_TARGET_MODULES: dict[str, list[str] | str] = {
     "qwen3_vl": _QWEN_VL_TARGETS,
     # Flow-GRPO's SD3 recipe (docs/reference.md §2): joint-attention projections of both streams.
     "sd3": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
-    # Janus: LoRA on the language model only (the VQ and SigLIP towers stay frozen).
-    "janus": r".*language_model.*\.(" + "|".join(_QWEN_PROJ) + r")",
+    # Janus: LoRA on the language model and the image-generation head's first layer (`proj_out`;
+    # its last layer is read as a raw matrix by the chunked image-token log-probs, so it stays
+    # out); the VQ and SigLIP towers stay frozen. The head matters when its weights are small:
+    # the language model's output is RMS-normalised, so through a frozen head LoRA can move the
+    # image-token logits only as far as the head's norm allows (~0.1 on the tiny random model).
+    "janus": r".*(language_model.*\.(" + "|".join(_QWEN_PROJ) + r")|generation_head\.proj_out)",
 }
 
 

@@ -27,8 +27,14 @@ from transformers import (
 
 from rl_models.diffusion import require_diffusers
 from rl_models.loading import resolve_dtype
+from rl_models.tiny_janus import JANUS_CHAT_TEMPLATE, build_janus_tokenizer
 from rl_models.tiny_vl import qwen3_vl_processor, vision_token_ids
-from rl_models.tokenization import build_clip_tokenizer, build_qwen_tokenizer, build_t5_tokenizer
+from rl_models.tokenization import (
+    build_clip_tokenizer,
+    build_qwen_tokenizer,
+    build_t5_tokenizer,
+    token_id,
+)
 
 QWEN_VOCAB = 151936
 # size -> (hidden, intermediate, layers, heads, kv heads); head_dim 128 throughout.
@@ -204,6 +210,60 @@ def _save_sd3(out: Path, *, config_only: bool, dtype, device) -> None:
     pipeline.save_pretrained(out)
 
 
+# Janus-Pro language models (DeepSeek-LLM): size -> (hidden, intermediate, layers, heads); MHA.
+_JANUS_PRO_TEXT = {"pro-1b": (2048, 5632, 24, 16), "pro-7b": (4096, 11008, 30, 32)}
+
+
+def janus_pro_config(size: str):
+    """Janus-Pro-1B/7B as published: Llama-style language model (vocab 102,400, 16,384
+    positions), SigLIP-L/16 at 384 px for understanding, the 16,384-code VQ tokenizer (24 x 24
+    codes of 16 px), and the generation aligner/head at the language model's width."""
+    from transformers import JanusConfig
+
+    hidden, inter, layers, heads = _JANUS_PRO_TEXT[size]
+    tokenizer = build_janus_tokenizer()
+    return JanusConfig(
+        text_config={"model_type": "llama", "vocab_size": 102400, "hidden_size": hidden, "intermediate_size": inter,
+                     "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads,
+                     "max_position_embeddings": 16384, "rms_norm_eps": 1e-6, "bos_token_id": tokenizer.bos_token_id,
+                     "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id},
+        vision_config={"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 384,
+                       "patch_size": 16, "mlp_ratio": 4.0, "projection_dim": hidden, "depth": 2,
+                       "num_image_tokens": 576},
+        vq_config={"embed_dim": 8, "num_embeddings": 16384, "latent_channels": 256, "base_channels": 128,
+                   "channel_multiplier": [1, 1, 2, 2, 4], "num_res_blocks": 2, "projection_dim": hidden,
+                   "image_token_embed_dim": hidden, "num_hidden_layers": 2},
+        image_token_id=token_id(tokenizer, "<image_placeholder>"),
+        tie_word_embeddings=False,  # DeepSeek-LLM's output head is its own matrix
+    )
+
+
+def _save_janus(size: str, out: Path, *, config_only: bool, dtype, device) -> None:
+    from transformers import (
+        GenerationConfig,
+        JanusForConditionalGeneration,
+        JanusImageProcessor,
+        JanusProcessor,
+    )
+
+    config = janus_pro_config(size)
+    tokenizer = build_janus_tokenizer()
+    special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+               "pad_token_id": tokenizer.pad_token_id}
+    generation = GenerationConfig(**special, generation_kwargs={"boi_token_id": tokenizer.boi_token_id,
+                                                                "num_image_tokens": 576})
+    if config_only:
+        config.save_pretrained(out)
+        generation.save_pretrained(out)
+    else:
+        with torch.device(device):
+            model = JanusForConditionalGeneration._from_config(config, dtype=dtype)
+        model.generation_config = generation
+        model.save_pretrained(out)
+    JanusProcessor(image_processor=JanusImageProcessor(size={"height": 384, "width": 384}), tokenizer=tokenizer,
+                   num_image_tokens=576, chat_template=JANUS_CHAT_TEMPLATE).save_pretrained(out)
+
+
 Builder = Callable[..., None]
 SHAPES: dict[tuple[str, str], Builder] = {
     ("qwen3", "1.7b"): lambda out, **kw: _save_transformers(
@@ -219,6 +279,8 @@ SHAPES: dict[tuple[str, str], Builder] = {
         qwen3_vl_config("4b"), Qwen3VLForConditionalGeneration, out, **kw
     ),
     ("sd3", "3.5-medium"): _save_sd3,
+    ("janus", "pro-1b"): lambda out, **kw: _save_janus("pro-1b", out, **kw),
+    ("janus", "pro-7b"): lambda out, **kw: _save_janus("pro-7b", out, **kw),
 }
 
 

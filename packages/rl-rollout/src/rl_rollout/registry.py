@@ -48,6 +48,7 @@ def build_engine(name: str, **kwargs: Any) -> Engine:
 
     `hf`: `path=` (checkpoint, via `HFEngine.from_pretrained`) or `model=` + `tokenizer_or_processor=`.
     `openai`: `base_url=`, `model=`, ... (`OpenAIEngine`). `vllm`: `model=` path, ... (`VLLMEngine`).
+    `janus`: `path=` (Janus checkpoint) or `model=` + `processor=` (`rl_rollout.janus.JanusEngine`).
     """
     if name not in _ENGINES:
         raise KeyError(f"unknown engine {name!r}; valid: {', '.join(engine_names())}")
@@ -68,6 +69,15 @@ def _build_openai(**kwargs: Any) -> Engine:
     return OpenAIEngine(**kwargs)
 
 
+def _build_janus(**kwargs: Any) -> Engine:
+    from rl_rollout.janus import JanusEngine
+
+    # the image engine samples through `JanusEngine.sample` (images, not `Generation`s), as the
+    # diffusion engine does; the registry's Engine type is the text protocol
+    engine: Any = JanusEngine.from_pretrained(kwargs.pop("path"), **kwargs) if "path" in kwargs else JanusEngine(**kwargs)
+    return engine
+
+
 def _build_vllm(**kwargs: Any) -> Engine:
     from rl_rollout.vllm import VLLMEngine
 
@@ -75,5 +85,6 @@ def _build_vllm(**kwargs: Any) -> Engine:
 
 
 register_engine("hf", _build_hf)
+register_engine("janus", _build_janus)
 register_engine("openai", _build_openai)
 register_engine("vllm", _build_vllm)
