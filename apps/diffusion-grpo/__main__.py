@@ -55,6 +55,7 @@ from ray_rollout import Chunk, sample_chunk, start_workers
 from rl_core.flow import flow_kl
 from rl_core.losses import compute_policy_loss
 from rl_core.train import (
+    FullWeights,
     MetricsLogger,
     NonFiniteGuard,
     ReplayCheck,
@@ -126,6 +127,7 @@ def setup(cfg: Config, resume: str | None) -> Run:
         model, optimizer = acc.prepare(wrapped, optimizer)
         full: FullWeights | None = None
     else:
+        assert isinstance(engine, DiffusionEngine)
         model, optimizer, full = prepare_transformer(acc, t, engine, peft, optimizer)  # DDP, or FSDP2 (grpo_sharding.py)
     prompts = read_prompts(cfg.data.manifest, "data.manifest")
     eval_prompts = read_prompts(cfg.data.eval_manifest, "data.eval_manifest")[: cfg.eval.max_prompts]
@@ -166,7 +168,6 @@ def collect(run: Run, epoch: int) -> Batch:
         else:  # the workers' LoRA is synced to this version first, and each trajectory checked against it
             trajectories = run.workers.collect(chunks, version=run.optimizer_steps, transformer=run.engine.transformer,
                                                device=acc.device, **kwargs)
-    group_ids = torch.arange(len(records)) // n + acc.process_index * groups  # [N]
     return Batch(trajectories, records, group_ids)
 
 

@@ -15,7 +15,14 @@ from grpo_parts import LoraEMA
 from peft import PeftModel
 from ray_rollout import RayRollout
 
-from rl_core.train import FullWeights, MetricsLogger, NonFiniteGuard, PhaseTimer, UserError, sample_seed
+from rl_core.train import (
+    FullWeights,
+    MetricsLogger,
+    NonFiniteGuard,
+    PhaseTimer,
+    UserError,
+    sample_seed,
+)
 from rl_data import GroupSampler, OCRPrompt, open_source
 
 
