@@ -22,6 +22,7 @@ def _digest(folder: Path) -> dict[str, str]:
 def test_every_family_of_the_issue_is_registered():
     assert set(tiny.families()) == {
         "qwen3",
+        "qwen3_vllm",
         "qwen2_5_vl",
         "qwen3_vl",
         "sd3",
