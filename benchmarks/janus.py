@@ -42,7 +42,11 @@ from results import RESULTS, append_results, markdown_table  # noqa: E402
 
 from rl_core.kl import compute_kl  # noqa: E402
 from rl_core.losses import aggregate, compute_policy_loss  # noqa: E402
-from rl_models.janus import JanusImagePolicy, reference_image_token_logprobs  # noqa: E402
+from rl_models.janus import (  # noqa: E402
+    JanusImagePolicy,
+    generate_image_tokens,
+    reference_image_token_logprobs,
+)
 from rl_models.lora import add_lora  # noqa: E402
 from rl_rollout.janus import JanusEngine  # noqa: E402
 
@@ -100,8 +104,8 @@ def reference_rollout(model, processor, texts: list[str], n: int, chunk: int) ->
         batch = [processor.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": t}]}],
                                                add_generation_prompt=True) for t in texts[start:start + per_call]]
         inputs = processor(text=batch, generation_mode="image", return_tensors="pt", padding=True).to(model.device)
-        tokens = model.generate(**inputs, generation_mode="image", do_sample=True, guidance_scale=5.0,
-                                num_return_sequences=n)  # [b * n, N]
+        tokens = generate_image_tokens(model, **inputs, do_sample=True, guidance_scale=5.0,
+                                       num_return_sequences=n)  # [b * n, N]
         pixels = model.decode_image_tokens(tokens)  # [b * n, H, W, 3]
         images += pixels.shape[0]
     return images

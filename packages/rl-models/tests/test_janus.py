@@ -7,6 +7,7 @@ from transformers.generation.logits_process import ClassifierFreeGuidanceLogitsP
 
 from rl_models.janus import (
     ImageTokenBatch,
+    generate_image_tokens,
     image_size,
     image_token_logprobs,
     load_janus,
@@ -35,9 +36,7 @@ def test_janus_image_generation_decodes_pixels(janus_path):
         text=['a sign that says "open"'], generation_mode="image", return_tensors="pt"
     )
     torch.manual_seed(0)
-    tokens = model.generate(
-        **inputs, generation_mode="image", do_sample=True, guidance_scale=5.0
-    )  # [1, 16]
+    tokens = generate_image_tokens(model, **inputs, do_sample=True, guidance_scale=5.0)  # [1, 16]
     assert tokens.shape == (1, 16)
     assert tokens.min() >= 0 and tokens.max() < model.config.vq_config.num_embeddings
     pixels = model.decode_image_tokens(tokens)

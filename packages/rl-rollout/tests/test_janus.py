@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rl_models import tiny
-from rl_models.janus import JanusImagePolicy, load_janus
+from rl_models.janus import JanusImagePolicy, generate_image_tokens, load_janus
 from rl_models.lora import add_lora
 from rl_rollout import build_engine
 from rl_rollout.janus import JanusEngine, draw
@@ -80,7 +80,7 @@ def test_greedy_limit_matches_transformers_generate() -> None:
     text = engine.processor.apply_chat_template(
         [{"role": "user", "content": [{"type": "text", "text": prompt}]}], add_generation_prompt=True)
     inputs = engine.processor(text=[text], generation_mode="image", return_tensors="pt")
-    reference = engine.model.generate(**inputs, generation_mode="image", do_sample=False, guidance_scale=5.0)  # [1, 16]
+    reference = generate_image_tokens(engine.model, **inputs, do_sample=False, guidance_scale=5.0)  # [1, 16]
     ours = engine.sample([prompt], guidance_scale=5.0, temperature=1e-4, seeds=[0])
     assert torch.equal(ours.tokens.prompt_ids.cpu(), inputs["input_ids"])
     assert torch.equal(ours.tokens.image_ids.cpu(), reference)

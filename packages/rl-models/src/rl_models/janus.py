@@ -18,6 +18,7 @@ so `image_token_logprobs` never holds `[B, N, V]` logits, with or without gradie
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, cast
@@ -59,6 +60,27 @@ def load_janus(
     )
     model.eval()
     return JanusModel(model, JanusProcessor.from_pretrained(str(path_or_id)))
+
+
+def generate_image_tokens(model: JanusForConditionalGeneration, **kwargs: object) -> Tensor:
+    """transformers' own image sampler, `model.generate(**kwargs, generation_mode="image")` ->
+    image-token ids `[B, N]` (the reference our `janus` engine is checked against). Works across
+    transformers >= 5.17: the 5.17 Janus `generate` leaves out `_prepare_static_cache`'s
+    `prefill_chunk_size` argument (a TypeError there), so it is filled in from the generation
+    config for this call."""
+    prepare = type(model)._prepare_static_cache
+    if "prefill_chunk_size" not in inspect.signature(prepare).parameters:
+        return cast(Tensor, model.generate(**kwargs, generation_mode="image"))  # type: ignore[arg-type]
+
+    def with_chunk_size(*args: object, **kw: object) -> object:
+        kw.setdefault("prefill_chunk_size", getattr(model.generation_config, "prefill_chunk_size", None))
+        return prepare(model, *args, **kw)  # type: ignore[arg-type]
+
+    model._prepare_static_cache = with_chunk_size  # type: ignore[method-assign]  # this call only
+    try:
+        return cast(Tensor, model.generate(**kwargs, generation_mode="image"))  # type: ignore[arg-type]
+    finally:
+        del model._prepare_static_cache
 
 
 def janus_causal_lm(model: torch.nn.Module) -> JanusForConditionalGeneration:
