@@ -7,13 +7,15 @@ on a rule reward plus several generative judges plus an embedding-similarity rew
     uv run apps/rider-grm --resume                            # continue the latest run
     uv run apps/rider-grm --help                              # every key, default, env var
 
-One step: group sampler -> generate with the policy (the `hf` engine wraps the training model)
--> put the policy engine (and the optimizer state) to sleep -> rule reward -> each judge woken
-in turn, scores the samples its gate lets through, goes back to sleep -> embedding similarity
--> fold the components -> advantages -> log-prob replay -> clipped policy-gradient update with
-the k3 KL loss (`policy_update`, on `rl_core.train` / `rl_rollout.training`) -> validate -> log
--> checkpoint. Beside this file: `rider_config`, `rewarding` (rows, judges, the fold),
-`judging`, `swapping` (the swap plan), `rider_summary`. See README.md next to this file.
+One step: group sampler -> generate with the policy (`rollout.engine`: the `hf` engine wraps
+the training model; a colocated vLLM engine is woken for it and sleeps again) -> put the policy
+(and the optimizer state) to sleep -> rule reward -> each judge woken in turn, scores the
+samples its gate lets through, goes back to sleep -> embedding similarity -> fold the
+components -> advantages -> log-prob replay -> clipped policy-gradient update with the k3 KL
+loss (`policy_update`, on `rl_core.train` / `rl_rollout.training`; a vLLM engine gets the
+weights after every optimizer step) -> validate -> log -> checkpoint. Beside this file:
+`rider_config`, `policy_engine` (hf or vLLM), `rewarding` (rows, judges, the fold), `judging`,
+`swapping` (the swap plan), `rider_summary`. See README.md next to this file.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import msgspec
+import policy_engine
 import torch
 from accelerate import Accelerator
-from judging import PhaseMonitor, SwappedJudge
+from judging import Judge, PhaseMonitor, SwappedJudge
 from policy_update import advantages, logprobs, to_rollouts, update
 from rewarding import (
     build_judges,
@@ -45,6 +48,7 @@ from rider_config import (
     DEFAULT_CONFIG,
     ENV,
     Config,
+    JudgeConfig,
     check_config,
     judge_configs,
     judge_name,
@@ -52,7 +56,7 @@ from rider_config import (
 )
 from rider_parts import Parts
 from rider_summary import print_summary
-from swapping import PinnedOffload, PolicySwap
+from swapping import PinnedOffload, PolicySwap, initial_plan
 from transformers import PreTrainedModel
 
 from rl_core.train import (
@@ -66,7 +70,6 @@ from rl_core.train import (
     accelerator_kwargs,
     check_finite_parameters,
     config_help,
-    gathered,
     isolated_rng,
     load_checkpoint,
     load_config,
@@ -85,7 +88,6 @@ from rl_core.train import (
 from rl_data import GroupSampler, JudgeRecord
 from rl_models.text import load_causal_lm
 from rl_rollout import Generation, SamplingParams
-from rl_rollout.hf import HFEngine
 from rl_rollout.training import Policy
 
 __all__ = ["Config", "judge_configs", "judge_name", "load_config", "main"]
@@ -101,12 +103,12 @@ def generate(p: Parts, records: list[JudgeRecord], n: int, temperature: float,
     awake = sum(j.state() == "awake" for j in p.judges)
     params = SamplingParams(n=n, temperature=temperature, top_p=p.cfg.rollout.top_p, top_k=p.cfg.rollout.top_k,
                             max_new_tokens=p.cfg.data.max_response_length)
-    with p.monitor("generate"), gathered(p.full, p.engine.model):  # a sharded policy's full weights, this rollout only
+    with p.monitor("generate"), policy_engine.awake(p) as engine:
         if seeds is None:
-            gens = p.engine.generate([messages(r) for r in records], params)
+            gens = engine.generate([messages(r) for r in records], params)
         else:
             gens = [msgspec.structs.replace(g, request_index=i) for i, (r, seed) in enumerate(zip(records, seeds, strict=True))
-                    for g in p.engine.generate([messages(r)], msgspec.structs.replace(params, seed=seed))]
+                    for g in engine.generate([messages(r)], msgspec.structs.replace(params, seed=seed))]
     if p.swap.plan.offload_policy:
         with p.monitor("offload_policy"):
             p.swap.offload()
@@ -124,7 +126,7 @@ def reference_logprobs(p: Parts, rollouts: list) -> list[torch.Tensor]:
     if p.ref_offload is not None:
         p.ref_offload.to_device()
     try:
-        return logprobs(p.ref, rollouts, p.cfg, p.engine.pad_id, p.accelerator.device)
+        return logprobs(p.ref, rollouts, p.cfg, p.pad_id, p.accelerator.device)
     finally:
         if p.ref_offload is not None:
             p.ref_offload.to_host()
@@ -134,6 +136,7 @@ def train_step(p: Parts, step: int, indices: list[int], records: list[JudgeRecor
     cfg, acc = p.cfg, p.accelerator
     n = cfg.rollout.n
     seeds = [sample_seed(cfg.train.seed, step, i) for i in indices] if cfg.rollout.per_prompt_seeds else None
+    version = p.weight_version  # optimizer steps in the weights this rollout samples from (vllm)
     gens, judges_awake = generate(p, records, n, cfg.rollout.temperature, seeds)
     repeated = [r for r in records for _ in range(n)]
     samples = make_samples(repeated, gens, offset=acc.process_index * len(gens))
@@ -144,7 +147,7 @@ def train_step(p: Parts, step: int, indices: list[int], records: list[JudgeRecor
     everything = to_rollouts(gens, torch.ones(len(gens), dtype=torch.bool))
     model = acc.unwrap_model(p.model).model
     with p.monitor("old_logp"):  # through the Policy: a sharded one gathers its weights in its forward
-        old = logprobs(acc.unwrap_model(p.model), everything, cfg, p.engine.pad_id, acc.device)
+        old = logprobs(acc.unwrap_model(p.model), everything, cfg, p.pad_id, acc.device)
     ref = None
     if cfg.algo.use_kl_loss or cfg.algo.kl_in_reward:
         with p.monitor("ref_logp"):
@@ -153,8 +156,10 @@ def train_step(p: Parts, step: int, indices: list[int], records: list[JudgeRecor
         adv = advantages(cfg, acc, gens, scores, old, ref)
     with p.monitor("update"):
         actor = update(cfg, acc, p.model, p.optimizer, to_rollouts(gens, adv.valid), adv.advantages, old, ref,
-                       p.guard, p.engine.pad_id, first=first, model_dtype=next(model.parameters()).dtype)
+                       p.guard, p.pad_id, first=first, model_dtype=next(model.parameters()).dtype,
+                       after_step=lambda: policy_engine.push(p))
     metrics = adv.metrics | reward_metrics(results, logs, "") | actor  # the reward/* of the scores themselves
+    metrics["rollout/weight_version"] = float(version)
     lengths = acc.gather(torch.tensor([float(len(g.completion_ids)) for g in gens], device=acc.device))  # [W*B]
     metrics |= {"response_length/mean": lengths.mean().item(),
                 "check/judges_awake_during_generate": acc.reduce(torch.tensor(judges_awake, device=acc.device),
@@ -205,6 +210,8 @@ def setup(cfg: Config, resume: str | None) -> tuple[Parts, GroupSampler, list[Ju
                       **accelerator_kwargs(sharding=t.sharding, cpu_offload=t.fsdp_cpu_offload))
     plan = resolve_sharding(acc, t.sharding, mixed_precision=t.fsdp_mixed_precision, cpu_offload=t.fsdp_cpu_offload,
                             activation_checkpointing=t.fsdp_activation_checkpointing)
+    engine_kind, why = policy_engine.resolve(cfg.rollout.engine)  # before anything loads
+    acc.print(f"rollout engine: {why}")
     seed_everything(cfg.train.seed, rank=acc.process_index)
     policy_path = resolve_model(cfg.model.path)
     model, tokenizer = load_causal_lm(policy_path, dtype=cfg.model.dtype)
@@ -221,20 +228,11 @@ def setup(cfg: Config, resume: str | None) -> tuple[Parts, GroupSampler, list[Ju
     train = load_records(cfg.data.train_files, tokenizer, cfg.data, reads)
     val = load_records(cfg.data.val_files or cfg.data.train_files, tokenizer, cfg.data, reads)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    full = FullWeights(model) if plan.sharded else None  # the engine's copy, filled per rollout
+    full = FullWeights(model) if plan.sharded else None  # the engine's copy, filled per rollout (hf) or push (vllm)
     policy, optimizer, _ = prepare_policy(acc, Policy(model), optimizer, None, plan)
-    engine = HFEngine(cast(PreTrainedModel, full.model) if full is not None else acc.unwrap_model(policy).model, tokenizer, device=acc.device,
-                      compile=cfg.rollout.compile, max_batch_size=cfg.rollout.max_batch_size)
     monitor = PhaseMonitor(acc.device)
-    # with no judge in this process (none, or all served) there is nothing to make room for
-    # (a sharded policy stays where it is: its shards are 1/N of it; train.fsdp_cpu_offload keeps them on the host)
-    mode = cfg.reward.swap if any(j.engine in ("auto", "hf", "vllm") for j in judge_cfgs) and not plan.sharded else "never"
-    swap = PolicySwap(engine, optimizer, acc.device, mode=mode, offload_optimizer=cfg.model.optimizer_offload,
-                      memory_fraction=cfg.reward.swap_memory_fraction)
-    judges = build_judges(judge_cfgs, acc.device, monitor, engine, len(train[0].rm_prompts),
-                          sleep=swap.plan.sleep_judges)
-    if any(isinstance(j, SwappedJudge) and j.offload is None for j in judges):
-        swap.pending = False  # a vLLM judge's memory cannot be measured: keep the fixed plan
+    engine, judges, swap = build_engines(cfg, acc, engine_kind, policy, full, tokenizer, optimizer, policy_path,
+                                         judge_cfgs, len(train[0].rm_prompts), monitor, sharded=plan.sharded)
     reward = compose_reward(cfg, judges, monitor, acc.device)
     sampler = GroupSampler(len(train), cfg.rollout.n, seed=cfg.train.seed, rank=acc.process_index,
                            world_size=acc.num_processes)
@@ -253,13 +251,42 @@ def setup(cfg: Config, resume: str | None) -> tuple[Parts, GroupSampler, list[Ju
     logger = MetricsLogger(run_dir, accelerator=acc, start_step=step)
     parts = Parts(cfg, acc, policy, ref, optimizer, engine, judges, reward, monitor, swap, ref_offload, run_dir,
                   SampleLog(run_dir, main=acc.is_main_process, start_step=step),
-                  NonFiniteGuard(cfg.train.max_nonfinite_steps), full)
+                  NonFiniteGuard(cfg.train.max_nonfinite_steps), full, engine_kind=engine_kind,
+                  pad_id=policy_engine.pad_id(engine, tokenizer))
     try:
+        if engine_kind == "vllm":  # the weights it loaded may be older than the policy's (--resume)
+            with policy_engine.awake(parts):
+                policy_engine.push(parts, bump=False)
         dry_run(parts.judges, val[0])
     except Exception:
         close_judges(parts.judges)
         raise
     return parts, sampler, train, val, step, logger
+
+
+def build_engines(cfg: Config, acc: Accelerator, engine_kind: str, policy: torch.nn.Module, full: FullWeights | None,
+                  tokenizer: Any, optimizer: torch.optim.Optimizer, policy_path: str, judge_cfgs: list[JudgeConfig],
+                  n_rm_prompts: int, monitor: PhaseMonitor, *, sharded: bool) -> tuple[Any, list[Judge], PolicySwap]:
+    """The judges, then the policy's rollout engine (`policy_engine`), then the swap plan that
+    takes them on and off the accelerator. The judges come first: a vLLM engine core started in
+    this process (the policy's) fixes vLLM's environment for every engine built after it
+    (`judging.vllm_engine_core`)."""
+    # with no judge in this process (none, or all served) there is nothing to make room for
+    # (a sharded policy stays where it is: its shards are 1/N of it; train.fsdp_cpu_offload keeps them on the host)
+    mode = cfg.reward.swap if any(j.engine in ("auto", "hf", "vllm") for j in judge_cfgs) and not sharded else "never"
+    judges = build_judges(judge_cfgs, acc.device, monitor, None, n_rm_prompts, sleep=initial_plan(mode).sleep_judges)
+    trained = acc.unwrap_model(policy).model
+    engine = policy_engine.build(engine_kind, cast(PreTrainedModel, full.model if full is not None else trained),
+                                 tokenizer, cfg, path=policy_path, device=acc.device, rank=acc.process_index,
+                                 world_size=acc.num_processes)
+    for judge in judges:
+        if isinstance(judge, SwappedJudge):
+            judge.policy = engine  # counts the judge's calls with the policy's engine awake
+    swap = PolicySwap(engine, engine.model if engine_kind == "hf" else trained, optimizer, acc.device, mode=mode,
+                      offload_optimizer=cfg.model.optimizer_offload, memory_fraction=cfg.reward.swap_memory_fraction)
+    if any(isinstance(j, SwappedJudge) and j.offload is None for j in judges):
+        swap.pending = False  # a vLLM judge's memory cannot be measured: keep the fixed plan
+    return engine, judges, swap
 
 
 def total_steps(cfg: Config, sampler: GroupSampler, world: int) -> int:

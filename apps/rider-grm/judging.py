@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -172,6 +173,28 @@ class RecordingEngine:
 
     def close(self) -> None:
         self.inner.close()
+
+
+@contextmanager
+def vllm_engine_core(in_process: bool) -> Iterator[None]:
+    """Build a vLLM engine inside this block with its engine core in this process (`in_process`:
+    the colocated policy engine, whose weight pushes then pass tensors by reference) or in a
+    process of its own (a judge: two engine cores cannot share one process).
+
+    vLLM reads `VLLM_ENABLE_V1_MULTIPROCESSING` when an engine is built, and an engine core
+    built in this process freezes vLLM's view of the environment (`vllm.envs.enable_envs_cache`
+    at the end of its start-up): so every judge is built before the policy's engine, and the
+    variable is set here for each build and put back after it."""
+    name = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    before = os.environ.get(name)
+    os.environ[name] = "0" if in_process else "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 def engine_state(engine: Engine) -> str:

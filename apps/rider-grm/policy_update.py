@@ -6,6 +6,7 @@ reward is left out and gets advantage 0), and the update (`rl_rollout.training.t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,9 +49,13 @@ def advantages(cfg: Config, acc: Any, gens: list[Generation], scores: torch.Tens
 
 def update(cfg: Config, acc: Any, policy: Any, optimizer: Any, rollouts: list[Rollout], adv: torch.Tensor,
            old: list[torch.Tensor], ref: list[torch.Tensor] | None, guard: NonFiniteGuard, pad_id: int, *,
-           first: bool, model_dtype: torch.dtype) -> dict[str, float]:
+           first: bool, model_dtype: torch.dtype, after_step: Callable[[], None] | None = None) -> dict[str, float]:
     """Clipped PG + KL-loss minibatch updates (`train.mini_batch_size` prompts each), after the
-    engine-vs-trainer check of the old log-probs (the first step raises on a mismatch)."""
+    engine-vs-trainer check of the old log-probs: the rollout engine's sampling log-probs (hf or
+    vLLM) against the trainer's replay, within `algo.replay_tolerance` (default 1e-3 for a
+    float32 policy, 5e-2 for 16-bit kernels); the first step raises on a mismatch, every step
+    reports it (`replay/engine_diff_mean`). `after_step` runs after each optimizer step (the
+    vLLM weight push)."""
     a, t = cfg.algo, cfg.train
     tolerance = a.replay_tolerance if a.replay_tolerance is not None else (
         1e-3 if model_dtype == torch.float32 else 5e-2)
@@ -61,5 +66,6 @@ def update(cfg: Config, acc: Any, policy: Any, optimizer: Any, rollouts: list[Ro
                             a.kl_loss_coef if a.use_kl_loss else 0.0, cfg.rollout.temperature,
                             norm_length=cfg.data.max_response_length),
         old=old, ref=ref if a.use_kl_loss else None, num_minibatches=max(1, t.batch_size // t.mini_batch_size),
-        micro_batch_size=t.micro_batch_size, ppo_epochs=1, grad_clip=t.grad_clip, guard=guard, pad_id=pad_id)
+        micro_batch_size=t.micro_batch_size, ppo_epochs=1, grad_clip=t.grad_clip, guard=guard, pad_id=pad_id,
+        after_step=after_step)
     return {**replay, **{f"actor/{k}": v for k, v in out.items()}}

@@ -21,6 +21,7 @@ from judging import (
     TimedScorer,
     check_server,
     load_function,
+    vllm_engine_core,
 )
 from rider_config import (
     Config,
@@ -113,7 +114,8 @@ def build_judge(i: int, judge: JudgeConfig, device: torch.device, monitor: Phase
         # each judge's engine core in its own process (several vLLM engines cannot share one), started
         # by spawn: the trainer has initialised CUDA, which a forked child cannot use
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        inner = build_engine("vllm", model=resolve_model(judge.model, key), **judge.engine_options)
+        with vllm_engine_core(in_process=False):
+            inner = build_engine("vllm", model=resolve_model(judge.model, key), **judge.engine_options)
     engine = RecordingEngine(inner)
     tokenizer = judge.tokenizer or (judge.model if judge.engine == "openai" else resolve_model(judge.model, key))
     scorer = JudgeScorer(engine, AutoTokenizer.from_pretrained(resolve_path(tokenizer)), resolve_path(judge.module),

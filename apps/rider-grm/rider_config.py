@@ -41,13 +41,27 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
+    engine: Literal["auto", "hf", "vllm"] = "auto"
+    """Who samples the policy's responses. hf: the training model decodes (no second copy of the
+    weights, nothing to sync, exact log-probs; the only choice on a CPU). vllm: a colocated vLLM
+    engine per GPU (`rl_rollout.colocated`), awake only while it generates (train and val
+    rollouts) and asleep while the judges score and the policy trains, the policy's weights
+    pushed into it after every optimizer step (faster decoding; one more copy of the weights,
+    in host memory while it sleeps; needs a GPU and `pip install "rl-rollout[vllm]"`).
+    auto: vllm on a CUDA machine where vLLM imports, else hf (the run's first lines say which,
+    and why)."""
+    gpu_memory_utilization: UnitInterval = 0.3  # vllm: GPU memory fraction for its weights + KV cache while awake
+    engine_options: dict[str, Any] = {}
+    """vllm: more `vllm.LLM` arguments, e.g. {enforce_eager = true} (no compile or CUDA graphs:
+    starts in seconds, decodes slower). max_model_len defaults to data.max_prompt_length +
+    data.max_response_length (verl's choice), not the model's full context."""
     n: Positive = 4  # responses per prompt (actor_rollout_ref.rollout.n)
     temperature: PositiveFloat = 0.8
     top_p: UnitInterval = 1.0
     top_k: NonNegative = 0
     val_temperature: NonNegativeFloat = 0.0  # 0 = greedy validation
-    max_batch_size: Positive = 64  # rows decoded together by the hf engine
-    compile: bool = False  # compile the decode step (CUDA graphs); off: weights move on sleep/wake
+    max_batch_size: Positive = 64  # rows decoded together (hf engine; vllm: its max_num_seqs)
+    compile: bool = False  # hf: compile the decode step (CUDA graphs); off: weights move on sleep/wake
     per_prompt_seeds: bool = False
     """Sample each prompt's group with its own seed, drawn from (train.seed, step, row index):
     the same rollouts whatever the process count or batch split (the 2-process = 1-process test
@@ -126,7 +140,10 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     never: the policy and every judge stay resident (fastest when all of them fit).
     auto: step 1 runs as `always` and measures each phase's peak memory; from step 2 on, the
     fastest plan whose measured needs fit in `swap_memory_fraction` of the GPU (everything
-    resident, or the policy resident and judges swapped, or `always`). On CPU: `always`.
+    resident, or the policy resident and judges swapped, or `always`). On CPU, or with a vLLM
+    judge or policy engine (vLLM manages its memory itself, unseen by the measurement): `always`.
+    A vLLM policy engine sleeps after every generation whatever the plan; `always` then moves
+    the training model and the optimizer state off the GPU while the judges score.
     With no judge in this process (none, or all served) the policy never sleeps."""
     swap_memory_fraction: UnitInterval = 0.9  # share of the GPU's memory `auto` may plan to use
     rule: str | None = None  # "pkg.mod:compute_score" or "file.py:compute_score"

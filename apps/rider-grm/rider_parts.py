@@ -13,7 +13,6 @@ from swapping import PinnedOffload, PolicySwap
 
 from rl_core.train import FullWeights, NonFiniteGuard, SampleLog
 from rl_rewards.composition import Reward
-from rl_rollout.hf import HFEngine
 
 
 @dataclass
@@ -25,7 +24,7 @@ class Parts:
     model: Any
     ref: Any
     optimizer: Any
-    engine: HFEngine
+    engine: Any  # rollout.engine: HFEngine over the training model, or a colocated VLLMEngine
     judges: list[Judge]
     reward: Reward
     monitor: PhaseMonitor
@@ -35,3 +34,6 @@ class Parts:
     samples: SampleLog
     guard: NonFiniteGuard
     full: FullWeights | None = None  # the rollout's copy of a sharded policy (train.sharding = "fsdp2")
+    engine_kind: str = "hf"  # rollout.engine resolved: "hf" | "vllm"
+    weight_version: int = 0  # optimizer steps pushed into a vllm engine (hf: always 0, nothing to push)
+    pad_id: int = 0  # padding of the replay batches (the policy tokenizer's pad token)

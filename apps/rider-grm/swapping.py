@@ -25,7 +25,7 @@ import torch
 
 from rl_core.train.offload import OptimizerOffload, PinnedOffload
 
-__all__ = ["PLANS", "OptimizerOffload", "PinnedOffload", "PolicySwap", "SwapPlan", "compute_swap_plan"]
+__all__ = ["PLANS", "OptimizerOffload", "PinnedOffload", "PolicySwap", "SwapPlan", "compute_swap_plan", "initial_plan"]
 
 PlanName = Literal["always", "judges", "never"]
 
@@ -46,6 +46,11 @@ PLANS: dict[PlanName, SwapPlan] = {
     "judges": SwapPlan("judges", offload_policy=False, sleep_judges=True),
     "never": SwapPlan("never", offload_policy=False, sleep_judges=False),
 }
+
+
+def initial_plan(mode: Literal["auto", "always", "never"]) -> SwapPlan:
+    """The plan a run starts with: `auto` runs as `always` until a step has been measured."""
+    return PLANS["always" if mode == "auto" else mode]
 
 
 def compute_swap_plan(policy_peak: float, policy_resident: float, judge_weights: Sequence[float],
@@ -111,34 +116,55 @@ def wake_engine(engine: Any, offload: PinnedOffload | None) -> None:
 
 
 class PolicySwap:
-    """The policy engine (which wraps the training model) and its optimizer state, put to sleep
-    before the judges score and woken after, as the current plan says.
+    """The policy's weights and optimizer state, put to sleep before the judges score and woken
+    after, as the current plan says.
 
     mode "always"/"never" fix the plan; "auto" starts as "always" and `decide()` switches to the
     fastest plan that fits once a step has measured every in-process judge (CUDA only).
+
+    What sleeps depends on the rollout engine (`rollout.engine`). `hf`: the engine wraps the
+    training model, so the swap moves that model's weights (pinned host buffers) and puts the
+    engine to sleep (its KV cache freed). `vllm`: the engine is not the swap's to move. It is
+    woken for each generation and put back to sleep right after it (vLLM's sleep: its copy of
+    the weights to host memory, its KV cache freed), so it is asleep whenever a judge scores,
+    whatever the plan; waking it here would only take its KV cache back while the policy
+    trains. What the policy still holds on the GPU then is the training model (weights in torch)
+    and the optimizer state, so `offload_policy` moves those, as for `hf`: with `always` a judge
+    scores with nothing of the policy on the GPU, with either engine. `auto` keeps `always`
+    with a vLLM engine: vLLM maps and unmaps its memory itself (sleep mode), outside the torch
+    allocator statistics the plan is computed from (as with a vLLM judge).
+
+    `model` is the training model (for `hf`, the engine's own model).
     """
 
-    def __init__(self, engine: Any, optimizer: torch.optim.Optimizer, device: torch.device, *,
+    def __init__(self, engine: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, *,
                  mode: Literal["auto", "always", "never"], offload_optimizer: bool, memory_fraction: float) -> None:
-        self.engine, self.device = engine, torch.device(device)
-        self.weights = make_offload(engine, self.device)
+        self.device = torch.device(device)
         cuda = self.device.type == "cuda"
+        self.engine = engine if engine_model(engine) is model else None  # hf: sleeps with the swap
+        self.weights = PinnedOffload(model, self.device) if self.device.type != "cpu" else None
         self.optimizer = OptimizerOffload(optimizer, self.device) if offload_optimizer and cuda else None
-        self.pending = mode == "auto" and cuda
-        self.plan = PLANS["always" if mode == "auto" else mode]
+        self.pending = mode == "auto" and cuda and self.engine is not None
+        self.plan = initial_plan(mode)
         self.memory_fraction = memory_fraction
 
     def offload(self) -> None:
         if not self.plan.offload_policy:
             return
-        sleep_engine(self.engine, self.weights)
+        if self.weights is not None:
+            self.weights.to_host()
+        if self.engine is not None:
+            self.engine.sleep()
         if self.optimizer is not None:
             self.optimizer.to_host()
 
     def wake(self) -> None:
         if not self.plan.offload_policy:
             return
-        wake_engine(self.engine, self.weights)
+        if self.weights is not None:
+            self.weights.to_device()
+        if self.engine is not None:
+            self.engine.wake()
         if self.optimizer is not None:
             self.optimizer.to_device()
 

@@ -31,6 +31,19 @@ def _load_app():
 app = _load_app()
 
 
+# Two judges on vLLM engines of their own (opt-in `vllm` tests). tiny:qwen3_vllm: tiny checkpoints with
+# 64-wide heads, which vLLM's attention kernels take (it hangs on tiny:qwen3's 8-wide ones); enforce_eager:
+# they start in seconds instead of compiling and capturing CUDA graphs
+VLLM_OPTIONS = '{gpu_memory_utilization = 0.15, enforce_eager = true, dtype = "bfloat16", max_model_len = 2048}'
+VLLM_JUDGES = (
+    f'[{{name = "score", module = "{REPO}/examples/rider-grm/reward_function/rating_judge.py", model = "tiny:qwen3_vllm:1", '
+    f'weight = 0.3, combine = "add", max_new_tokens = 4, fallback = 0.25, engine = "vllm", engine_options = {VLLM_OPTIONS}}}, '
+    f'{{name = "consistency", module = "{REPO}/examples/rider-grm/reward_function/no_contradiction_judge.py", '
+    f'model = "tiny:qwen3_vllm:2", weight = 0.5, combine = "mul", max_new_tokens = 4, fallback = 0.5, engine = "vllm", '
+    f'engine_options = {VLLM_OPTIONS}}}]'
+)
+
+
 def tiny_overrides(out: Path, **extra: object) -> list[str]:
     """The embedded default, smaller still (CPU tests), writing under `out`."""
     base = {

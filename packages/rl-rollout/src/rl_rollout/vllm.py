@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoProcessor
 
+from rl_rollout.prompts import encode_prompt
 from rl_rollout.protocol import Generation, Prompt, SamplingParams, is_chat_messages, is_token_ids
 
 try:
@@ -95,9 +96,8 @@ class VLLMEngine:
             return {"prompt_token_ids": list(prompt)}
         if prompt and is_chat_messages(prompt):
             media = _media(prompt)
-            if not media:
-                ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-                return {"prompt_token_ids": list(ids)}
+            if not media:  # the hf engine's encoding (transformers 5 returns a BatchEncoding, not ids)
+                return {"prompt_token_ids": encode_prompt(prompt, self.tokenizer, None, index).ids}
             if self.processor is None:
                 raise ValueError(f"request {index}: holds images/videos but the model has no vision_config")
             text = self.processor.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
