@@ -212,7 +212,8 @@ def run_trl(policy: Path, out: Path, *, smoke: bool, steps: int, vllm: bool = Fa
         loss_type="dapo", num_iterations=1, logging_steps=1, report_to="none", save_strategy="no",
         use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, seed=0,
         **({"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": VLLM_MEMORY,
-            "vllm_enable_sleep_mode": True, "vllm_max_model_length": VLLM_MAX_LEN} if vllm else {}))
+            "vllm_enable_sleep_mode": True, "vllm_max_model_length": VLLM_MAX_LEN,
+            "generation_kwargs": {"logit_bias": placeholder_bias(policy)}} if vllm else {}))
     model = AutoModelForImageTextToText.from_pretrained(policy, dtype=torch.bfloat16)
     trainer = trl.GRPOTrainer(model=model, reward_funcs=as_trl_reward(build_reward(APP / "configs" / "rule_reward.toml")),
                               args=args, train_dataset=datasets.Dataset.from_list(trl_rows(prompts * steps)),
@@ -236,6 +237,18 @@ def run_trl(policy: Path, out: Path, *, smoke: bool, steps: int, vllm: bool = Fa
             "time/step": statistics.fmean(times[WARMUP:]), "steps/step": [round(t, 1) for t in times],
             "response/length_mean": statistics.fmean(float(e["completions/mean_length"]) for e in logs[WARMUP:]),
             "peak_gib": _peak_gib()}
+
+
+def placeholder_bias(policy: Path) -> dict[int, float]:
+    """vLLM `logit_bias` that keeps TRL from sampling the image/video placeholder tokens: a random
+    policy samples one now and then, and TRL's training forward then fails on more image tokens
+    than image features (transformers' Qwen3-VL check). caption-rl leaves such rows out of the
+    update instead (`response/placeholder_rows`)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(policy)
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return {int(getattr(config, name)): -100.0 for name in names}
 
 
 def run_side(side: str, smoke: bool, steps: int, policy: Path, out: Path, overrides: list[str], vllm: bool) -> dict:
@@ -270,6 +283,7 @@ def main() -> None:
             figures = run_trl(args.policy, out, smoke=args.smoke, steps=steps, vllm=args.vllm)
         figures["device_peak_gib"] = device.gib()
         args.result.write_text(json.dumps(figures))
+        print(f"{args.side} figures: {json.dumps(figures)}")  # in the log too, if the other side fails
         return
     with tempfile.TemporaryDirectory() as tmp:
         policy = build_policy(Path(tmp) / "policy", args.smoke)
