@@ -1,8 +1,9 @@
 """diffusion-grpo throughput at SD3.5-Medium shape: rollout engine vs plain diffusers, one epoch.
 
     PYTHONPATH=packages/rl-core/src:packages/rl-models/src:packages/rl-rollout/src \
-        python benchmarks/diffusion_grpo.py            # one H100/H200, < 5 minutes
-    python benchmarks/diffusion_grpo.py --smoke        # tiny SD3, CPU, no RESULTS.md
+        python benchmarks/diffusion_grpo.py            # one H100/H200, < 8 minutes with compiling
+    python benchmarks/diffusion_grpo.py --smoke        # tiny SD3, CPU, no RESULTS.md (~3 min on 2
+                                                       # cores: inductor compiles on the CPU too)
 
 Model: SD3.5-Medium's transformer (MMDiT-X, 2.5B) and VAE with random weights at full shape, bf16
 (`rl_models.shapes.build_shape("sd3", "3.5-medium")`); its text encoders have the real embedding
@@ -11,14 +12,21 @@ and given to both samplers, so encoders are outside every timing. 512x512, 10 st
 
 (a) Rollout, n=8 images of one prompt per call: plain `StableDiffusion3Pipeline(...)` with
     `prompt_embeds` given vs `DiffusionEngine.sample` (SDE steps, per-step log-probs, latents
-    kept), images/s, median of `--repeats` after a warm-up. docs/reference.md §5's bar: the plain
-    pipeline's 5.0 images/s measured on an H200.
+    kept), eager and with its transformer blocks compiled (`compile=True`, regional
+    torch.compile), each as images/s (median of `--repeats` after a warm-up) and as a ratio to
+    the plain pipeline of the same run. The first compiled call (compiling + one sample) is
+    reported apart, as are the largest differences of compiled vs eager images and log-probs
+    (same seeds). docs/reference.md §5's bar: the plain pipeline's 5.0 images/s on an H200.
 (b) One Flow-GRPO epoch of the VRL recipe: 8 prompt groups x 8 images; reward = mean brightness
     in process (the OCR scorer runs on CPU and is not part of this GPU figure); GRPO advantages;
     replay of the first 9 steps through LoRA r=32/alpha=64 on the attention projections (peft
     when installed, else an equivalent in-script LoRA, stated in the output), ppo_clip (1e-4) +
     0.04 flow KL against the LoRA-disabled model, AdamW, 2 optimizer steps. Seconds per phase,
-    peak GPU memory, and the first replay's max |log ratio| (0 when micro-batch = sample batch).
+    peak GPU memory, and the first replay's max |log ratio| (0 eagerly when micro-batch = sample
+    batch; compiled sampling and replay graphs may round differently). Rollout and replay run the
+    compiled blocks; compiling their LoRA graphs (no-grad sampling, replay with grad and its
+    backward, the LoRA-off reference) is a timed warm-up before the epoch. `--eager-epoch` also
+    times the epoch eagerly, first (about 1.5 more minutes on an H200).
 
 Needs only torch, diffusers, transformers (+ the workspace sources on PYTHONPATH); peft optional.
 """
@@ -69,17 +77,23 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of `repeats` calls after one warm-up call."""
+def seconds(fn: Callable[[], object]) -> tuple[float, object]:
+    """Seconds of one call, device work included, and its result."""
+    _sync()
+    start = time.perf_counter()
+    out = fn()
+    _sync()
+    return time.perf_counter() - start, out
+
+
+def timed(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
+    """Median seconds of `repeats` calls after one warm-up call, and the last result."""
     fn()
-    times = []
+    times, out = [], None
     for _ in range(repeats):
-        _sync()
-        start = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        elapsed, out = seconds(fn)
+        times.append(elapsed)
+    return statistics.median(times), out
 
 
 # ----------------------------------------------------------------------------------- LoRA
@@ -163,7 +177,7 @@ def run_epoch(engine, conditioning, args, reference) -> dict[str, float]:
                              scale="batch", eps=1e-4, clip=5.0)[:, 0]  # [N]
     train_steps = list(range(int(args.steps * 0.99)))
     accum = len(trajs) * math.ceil(args.n / args.micro) // 2  # two optimizer steps per epoch
-    worst = 0.0
+    worst = torch.zeros((), device=trajs[0].log_probs.device)  # on the device: no sync per replay
 
     def train() -> None:
         nonlocal worst
@@ -174,7 +188,7 @@ def run_epoch(engine, conditioning, args, reference) -> dict[str, float]:
                     out = engine.replay(traj, step, rows=rows)
                     old = traj.log_probs[rows, step]  # [b]
                     if micro < accum:
-                        worst = max(worst, (out.log_prob.detach() - old).abs().max().item())
+                        worst = torch.maximum(worst, (out.log_prob.detach() - old).abs().max())
                     policy, _ = compute_policy_loss(
                         "ppo_clip", logp=out.log_prob[:, None], old_logp=old[:, None],
                         advantages=adv[k * args.n + rows].to(old.device)[:, None],
@@ -190,8 +204,48 @@ def run_epoch(engine, conditioning, args, reference) -> dict[str, float]:
                     optimizer.zero_grad(set_to_none=True)
 
     phase("train", train)
-    phases["first_replay_max_abs_log_ratio"] = worst
+    phases["first_replay_max_abs_log_ratio"] = float(worst)
     return phases
+
+
+def compile_warmup(engine, conditioning, args, reference) -> float:
+    """Seconds to compile the LoRA graphs the epoch runs: one group's rollout, then one replay
+    (grad, backward) and its LoRA-off reference; the gradients are dropped."""
+
+    def warm() -> None:
+        traj = engine.sample(["warm-up"] * args.n, conditioning=conditioning.index([0] * args.n),
+                             num_steps=args.steps, guidance_scale=4.5, height=args.size, width=args.size,
+                             seeds=list(range(args.n)))
+        chunks = torch.arange(args.n).split(args.micro)
+        for rows in {len(c): c for c in chunks}.values():  # each micro-batch size: one graph each
+            out = engine.replay(traj, 0, rows=rows)
+            with torch.no_grad(), reference():
+                engine.replay(traj, 0, rows=rows)
+            out.log_prob.sum().backward()
+        engine.transformer.zero_grad(set_to_none=True)
+
+    return seconds(warm)[0]
+
+
+def epoch_rows(label: str, epoch: dict[str, float], images: int, micro: int, peak: float) -> list[list[str]]:
+    return [
+        [f"epoch {label}: rollout s ({images} images)", f"{epoch['rollout']:.1f}"],
+        [f"epoch {label}: rollout images/s", f"{images / epoch['rollout']:.2f}"],
+        [f"epoch {label}: reward s (brightness, in process)", f"{epoch['reward']:.2f}"],
+        [f"epoch {label}: train s (replay 9 steps + ref + backward, micro {micro}, 2 updates)", f"{epoch['train']:.1f}"],
+        [f"epoch {label}: total s", f"{sum(epoch[k] for k in ('rollout', 'reward', 'train')):.1f}"],
+        [f"epoch {label}: peak GPU memory GiB", f"{peak:.1f}"],
+        [f"epoch {label}: first replay max |log ratio|", f"{epoch['first_replay_max_abs_log_ratio']:.3g}"],
+    ]
+
+
+def timed_epoch(engine, conditioning, args, reference) -> tuple[dict[str, float], float]:
+    """`run_epoch` and its peak GPU memory (GiB; nan on CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    epoch = run_epoch(engine, conditioning, args, reference)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    return epoch, peak
 
 
 # ----------------------------------------------------------------------------------- main
@@ -209,9 +263,10 @@ def build_pipeline_dir(smoke: bool, tmp: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny SD3 on CPU, seconds, no RESULTS.md")
+    parser.add_argument("--smoke", action="store_true", help="tiny SD3 on CPU, minutes, no RESULTS.md")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--micro", type=int, default=8, help="images per replay forward")
+    parser.add_argument("--eager-epoch", action="store_true", help="also time part (b) eagerly, before the compiled epoch")
     args = parser.parse_args()
     args.n, args.groups, args.steps = 8, (2 if args.smoke else 8), 10
     args.size = 32 if args.smoke else 512
@@ -221,7 +276,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         path = build_pipeline_dir(args.smoke, Path(tmp))
-        engine = diffusion.DiffusionEngine.from_pretrained(path, dtype=dtype, device=device)
+        engine = diffusion.DiffusionEngine.from_pretrained(path, dtype=dtype, device=device, compile=False)
         build_s = time.perf_counter() - start
     pipe = engine.pipeline
     conditioning = engine.encode(["a storefront sign that reads \"OPEN\""], max_sequence_length=128)
@@ -238,37 +293,59 @@ def main() -> None:
         return engine.sample(["p"] * n, conditioning=conditioning.index([0] * n), num_steps=args.steps,
                              guidance_scale=4.5, height=args.size, width=args.size, seeds=list(range(n)))
 
+    def progress(what: str) -> None:
+        print(f"[{time.perf_counter() - start:6.0f} s] {what}", flush=True)
+
     with torch.no_grad():
-        plain_s, ours_s = timed(plain, args.repeats), timed(ours, args.repeats)
+        progress("built; (a) plain pipeline")
+        plain_s, _ = timed(plain, args.repeats)  # before anything is compiled: the pipeline shares the transformer
+        progress("(a) engine, eager")
+        eager_s, eager = timed(ours, args.repeats)
+        progress("(a) engine, compiling the transformer blocks")
+        engine.compile = True
+        first_s, _ = seconds(ours)
+        progress("(a) engine, compiled")
+        compiled_s, compiled = timed(ours, args.repeats)
     lora_kind, reference = add_lora(engine.transformer, r=32, alpha=64)
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    epoch = run_epoch(engine, conditioning, args, reference)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     images = args.groups * n
-    header = ["measure", "value"]
     rows = [
         ["plain StableDiffusion3Pipeline, images/s (n=8, embeds given)", f"{n / plain_s:.2f}"],
-        ["DiffusionEngine.sample (SDE + log-probs), images/s", f"{n / ours_s:.2f}"],
-        ["engine / plain", f"{plain_s / ours_s:.2f}x"],
-        [f"epoch: rollout s ({images} images)", f"{epoch['rollout']:.1f}"],
-        ["epoch: rollout images/s", f"{images / epoch['rollout']:.2f}"],
-        ["epoch: reward s (brightness, in process)", f"{epoch['reward']:.2f}"],
-        [f"epoch: train s (replay 9 steps + ref + backward, micro {args.micro}, 2 updates)", f"{epoch['train']:.1f}"],
-        ["epoch: total s", f"{sum(epoch[k] for k in ('rollout', 'reward', 'train')):.1f}"],
-        ["peak GPU memory GiB (epoch)", f"{peak:.1f}"],
-        ["first replay max |log ratio|", f"{epoch['first_replay_max_abs_log_ratio']:.3g}"],
-        ["pipeline build + load s", f"{build_s:.0f}"],
+        ["DiffusionEngine.sample eager (SDE + log-probs), images/s", f"{n / eager_s:.2f}"],
+        ["engine eager / plain", f"{plain_s / eager_s:.2f}x"],
+        ["DiffusionEngine.sample compiled blocks, images/s", f"{n / compiled_s:.2f}"],
+        ["engine compiled / plain", f"{plain_s / compiled_s:.2f}x"],
+        ["compile warm-up: first compiled call s (compiling + 1 sample)", f"{first_s:.1f}"],
+        ["compiled vs eager: max |image diff| (same seeds)", f"{(compiled.images - eager.images).abs().max():.3g}"],
+        ["compiled vs eager: max |log-prob diff|", f"{(compiled.log_probs - eager.log_probs).abs().max():.3g}"],
     ]
+    if args.eager_epoch:
+        progress("(b) epoch, eager")
+        engine.compile = False
+        epoch, peak = timed_epoch(engine, conditioning, args, reference)
+        rows += epoch_rows("eager", epoch, images, args.micro, peak)
+        engine.compile = True
+    progress("(b) compiling the LoRA graphs")
+    warm_s = compile_warmup(engine, conditioning, args, reference)
+    progress("(b) epoch, compiled")
+    epoch, peak = timed_epoch(engine, conditioning, args, reference)
+    rows += [["epoch compiled: compile warm-up s (LoRA rollout, replay + backward, reference)", f"{warm_s:.1f}"]]
+    rows += epoch_rows("compiled", epoch, images, args.micro, peak)
+    rows += [["pipeline build + load s", f"{build_s:.0f}"],
+             ["benchmark wall s (build to end, compiling included)", f"{time.perf_counter() - start:.0f}"]]
+    if engine.compile is False:  # a compile failure turned it off (the engine warned)
+        rows += [["NOTE", "compilation failed: the compiled rows ran eagerly"]]
     notes = (f"SD3.5-Medium transformer + VAE at full shape, random weights, {dtype}; text encoders "
              "with the real widths (768/1280/4096) but one layer, outside the timings (embeddings "
-             f"given). 512x512, 10 steps, CFG 4.5, n=8. LoRA: {lora_kind}. docs/reference.md §5 bar: plain "
-             "pipeline 5.0 images/s on an H200 (the issue's realistic ceiling: ~2-3 images/s).")
+             f"given). 512x512, 10 steps, CFG 4.5, n=8. LoRA: {lora_kind}. Compiled: each transformer "
+             "block through torch.compile(fullgraph=True, dynamic=False), inductor default mode, no CUDA "
+             "graphs. docs/reference.md §5 bar: plain pipeline 5.0 images/s on an H200 (the issue's realistic "
+             "ceiling: ~2-3 images/s).")
+    header = ["measure", "value"]
     if args.smoke:
         print(markdown_table(header, rows))
         print(notes)
     else:
-        append_results("diffusion-grpo: rollout engine vs diffusers, one Flow-GRPO epoch (SD3.5-M shape)",
+        append_results("diffusion-grpo: rollout engine (eager, compiled) vs diffusers, one Flow-GRPO epoch (SD3.5-M shape)",
                        header, rows, notes)
 
 

@@ -71,7 +71,8 @@ def build_lora_engine(path: str, *, dtype: str, text_encoder_dtype: str | None, 
     """A worker's engine: the pipeline on the GPU Ray gave the actor (else CPU) with the
     trainer's LoRA layout; its weights arrive by `load_lora` before the first rollout."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = DiffusionEngine.from_pretrained(path, dtype=dtype, device=device, text_encoder_dtype=text_encoder_dtype)
+    engine = DiffusionEngine.from_pretrained(path, dtype=dtype, device=device, text_encoder_dtype=text_encoder_dtype,
+                                             compile=False)  # eager, as the trainer's engine (__main__.py)
     engine.transformer.requires_grad_(False)
     add_lora(engine.transformer, family="sd3", r=lora_rank, alpha=lora_alpha, target_modules=lora_targets)
     return engine

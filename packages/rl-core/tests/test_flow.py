@@ -1,11 +1,12 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
-from rl_core.flow import flow_kl, sde_step
+from rl_core.flow import flow_kl, host_randn, sde_step
 from rl_core.losses import compute_policy_loss
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)  # 0.918939
@@ -188,6 +189,35 @@ def test_generators_reproduce_samples_and_one_per_sample_works() -> None:
     assert torch.equal(per_sample[:1], first_alone) and not torch.equal(
         per_sample[0], per_sample[1]
     )
+
+
+def test_host_randn_draws_what_randn_draws_from_each_generator() -> None:
+    # the engine's noise: one CPU generator per sample, drawn in place (pinned memory on CUDA)
+    gens = [torch.Generator().manual_seed(3), torch.Generator().manual_seed(4)]
+    rows = host_randn((2, 3, 5), gens, torch.device("cpu"))
+    assert torch.equal(rows[0], torch.randn(3, 5, generator=torch.Generator().manual_seed(3)))
+    assert torch.equal(rows[1], torch.randn(3, 5, generator=torch.Generator().manual_seed(4)))
+    # each generator advanced as by randn: the next draw equals randn's second draw
+    reference = torch.Generator().manual_seed(3)
+    torch.randn(3, 5, generator=reference)
+    assert torch.equal(torch.randn(4, generator=gens[0]), torch.randn(4, generator=reference))
+    whole = host_randn((2, 3), torch.Generator().manual_seed(7), torch.device("cpu"))
+    assert torch.equal(whole, torch.randn(2, 3, generator=torch.Generator().manual_seed(7)))
+
+
+def test_python_and_tensor_sigmas_give_the_same_bits() -> None:
+    # python numbers are filled on the device and checked on the host (no synchronisation);
+    # the maths is the float32 of tensors either way
+    kw = {"velocity": torch.randn(2, 6), "latents": torch.randn(2, 6), "next_latents": torch.randn(2, 6)}
+    floats = sde_step(**kw, sigma=0.7, sigma_next=0.6)
+    tensors = sde_step(**kw, sigma=torch.tensor(0.7), sigma_next=torch.tensor([0.6, 0.6]))
+    pairs = zip((floats.log_prob, floats.mean, floats.std), (tensors.log_prob, tensors.mean, tensors.std), strict=True)
+    for a, b in pairs:
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=re.escape("got sigma=[0.5, 0.5] sigma_next=[0.4000000059604645, 0.5]")):
+        sde_step(**kw, sigma=0.5, sigma_next=torch.tensor([0.4, 0.5]))
+    with pytest.raises(ValueError, match=re.escape("got sigma=[0.5] sigma_next=[0.5]")):
+        sde_step(**kw, sigma=0.5, sigma_next=0.5)
 
 
 def test_zero_noise_is_the_deterministic_euler_step_with_zero_log_prob() -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from peft import PeftModel
 
 from rl_models import tiny
+from rl_models.lora import add_lora
 from rl_rollout.diffusion import DiffusionEngine
 
 PROMPTS = ['a sign that says "hello"', 'a poster reading "rl"']
@@ -96,3 +98,111 @@ def test_bad_arguments_are_named(engine: DiffusionEngine) -> None:
         _sample(engine, seeds=[1])
     with pytest.raises(ValueError, match="kind"):
         _sample(engine, kind="ddim")
+
+
+# -- compiled transformer blocks (inductor on CPU here; CUDA in the benchmark) -------------------
+
+
+def _lora_engine(compile: bool) -> tuple[DiffusionEngine, PeftModel]:
+    """A private engine with random-B peft LoRA (the trainer's setup), added before any forward."""
+    torch.manual_seed(0)
+    engine = DiffusionEngine.from_pretrained(str(tiny.build("sd3")), dtype=torch.float32, compile=compile)
+    engine.transformer.requires_grad_(False)
+    return engine, add_lora(engine.transformer, family="sd3", r=4, alpha=8, init_lora_weights=False)
+
+
+def _assert_same_sample(a: object, b: object, atol: float) -> None:
+    for name in ("latents", "log_probs", "images"):
+        torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=0, atol=atol, msg=name)
+
+
+def test_compiled_blocks_sample_what_eager_does_and_see_in_place_updates() -> None:
+    """With LoRA, compiled sampling equals eager sampling within float32 rounding; a second call
+    and an in-place LoRA update (an optimizer step, a weight push) compile nothing new and the
+    update reaches the compiled graph; another batch size would compile a new graph."""
+    engine, peft = _lora_engine(compile=True)
+    compiled = _sample(engine)  # compiles the 2 tiny blocks (dual-attention, last): ~25 s
+    engine.compile = False  # restores the blocks' eager forward
+    _assert_same_sample(compiled, _sample(engine), atol=1e-5)
+    engine.compile = True
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.mul_(3.0)  # in place, as optimizer.step() and load_state_dict do
+    with torch.compiler.set_stance("fail_on_recompile"):
+        updated = _sample(engine)
+        with pytest.raises(RuntimeError, match="Detected recompile"):  # the compiled blocks ran
+            engine.sample(PROMPTS[:1], num_steps=1, height=SIZE, width=SIZE, seeds=[1])
+    assert not torch.allclose(updated.latents[:, -1], compiled.latents[:, -1], atol=1e-3)
+    engine.compile = False
+    _assert_same_sample(updated, _sample(engine), atol=1e-5)
+
+
+def test_failed_compilation_warns_and_samples_eagerly() -> None:
+    """A block that cannot compile as one graph (a data-dependent branch) falls back to eager."""
+
+    class Branching(torch.nn.Module):  # the same values, behind a branch dynamo cannot trace
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> object:
+            return self.inner(x, *args, **kwargs) if bool(x.isfinite().all()) else None
+
+    engine = DiffusionEngine.from_pretrained(str(tiny.build("sd3")), dtype=torch.float32, compile=False)
+    expected = _sample(engine)
+    block = engine.pipeline.transformer.transformer_blocks[0]
+    block.norm1 = Branching(block.norm1)
+    engine.compile = True
+    with pytest.warns(RuntimeWarning, match="running eagerly from now on"):
+        got = _sample(engine)
+    assert engine.compile is False
+    _assert_same_sample(got, expected, atol=0)
+
+
+@pytest.mark.slow
+# dynamo reads `.grad` of non-leaf tensors while tracing with grad and hides the warning through
+# `warnings.showwarning`, which filterwarnings=error pre-empts
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_compiled_replay_matches_the_compiled_rollout_and_eager_gradients() -> None:
+    """Replay with gradients through the compiled blocks, via the peft model as the trainer does:
+    ratio 1 on the first replay (float32, inductor on CPU), the LoRA-off reference compiles too,
+    and the LoRA gradients equal eager ones within float32 rounding. ~90 s on 2 cores."""
+    engine, peft = _lora_engine(compile=True)
+    traj = _sample(engine)
+    out = engine.replay(traj, 1, model=peft)
+    torch.testing.assert_close(out.log_prob, traj.log_probs[:, 1], rtol=0, atol=1e-6)
+    with torch.no_grad(), peft.disable_adapter():
+        ref = engine.replay(traj, 1, model=peft)
+    out.log_prob.sum().backward()
+    with torch.compiler.set_stance("fail_on_recompile"), pytest.raises(RuntimeError, match="Detected recompile"):
+        engine.replay(traj, 1, rows=torch.tensor([0]), model=peft)  # the compiled blocks ran
+    compiled = {n: p.grad.clone() for n, p in peft.named_parameters() if p.grad is not None}
+    assert compiled and all("lora_" in n for n in compiled)
+    engine.compile = False
+    peft.zero_grad(set_to_none=True)
+    engine.replay(traj, 1, model=peft).log_prob.sum().backward()
+    for name, p in peft.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(compiled[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad(), peft.disable_adapter():
+        torch.testing.assert_close(ref.mean, engine.replay(traj, 1, model=peft).mean, rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compile", [False, True])
+def test_sampling_never_waits_for_the_gpu(compile: bool) -> None:
+    """After a warm-up call (compiling, caching the unconditional embeddings), a whole `sample`
+    (denoise loop, SDE steps with log-probs, VAE decode) makes no synchronising CUDA call."""
+    engine = DiffusionEngine.from_pretrained(str(tiny.build("sd3")), dtype=torch.float32, device="cuda",
+                                             compile=compile)
+    conditioning = engine.encode(PROMPTS)
+    _sample(engine, conditioning=conditioning)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        traj = _sample(engine, conditioning=conditioning)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert traj.latents.is_cuda and bool(torch.isfinite(traj.log_probs).all())

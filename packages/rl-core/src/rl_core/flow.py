@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["SDEStep", "flow_kl", "sde_step"]
+__all__ = ["SDEStep", "flow_kl", "host_randn", "sde_step"]
 
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -60,6 +60,9 @@ class SDEStep:
 
 def _per_sample(value: float | Tensor, batch: int, device: torch.device, name: str) -> Tensor:
     """A python number, 0-dim or `[B]` tensor as a float32 `[B]` tensor."""
+    if isinstance(value, (int, float)):
+        # a fill on the device, not a host-to-device copy (which waits for the device)
+        return torch.full((batch,), value, dtype=torch.float32, device=device)
     out = torch.as_tensor(value, dtype=torch.float32, device=device)
     if out.dim() == 0:
         return out.expand(batch)
@@ -75,21 +78,40 @@ def _noise(
     device: torch.device,
     generator: torch.Generator | list[torch.Generator] | None,
 ) -> Tensor:
-    """Standard normal noise `shape` in float32; one generator per sample when given a list."""
+    """Standard normal noise `shape` in float32; one generator per sample when given a list.
+
+    Noise from CPU generators goes through `host_randn`: the CPU draws it while the GPU still runs
+    the step's forward, and the copy does not wait for the GPU."""
     if generator is None:
         return torch.randn(shape, device=device, dtype=torch.float32)
     if isinstance(generator, list):
         if len(generator) != shape[0]:
             raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]}")
-        return torch.stack(
-            [
-                torch.randn(shape[1:], generator=g, device=g.device, dtype=torch.float32)
-                for g in generator
-            ]
-        ).to(device)
-    return torch.randn(shape, generator=generator, device=generator.device, dtype=torch.float32).to(
-        device
-    )
+        if all(g.device.type == "cpu" for g in generator):
+            return host_randn(shape, generator, device)
+        rows = [torch.randn(shape[1:], generator=g, device=g.device, dtype=torch.float32) for g in generator]
+        return torch.stack(rows).to(device)
+    if generator.device.type == "cpu":
+        return host_randn(shape, generator, device)
+    return torch.randn(shape, generator=generator, device=generator.device, dtype=torch.float32).to(device)
+
+
+def host_randn(
+    shape: torch.Size | tuple[int, ...],
+    generator: torch.Generator | list[torch.Generator],
+    device: torch.device,
+) -> Tensor:
+    """Float32 normal noise `shape` from CPU generator(s) (a list: one per row, `shape[0]` of
+    them) on `device`, equal to `torch.randn(shape, generator=g)` (per row with a list). For CUDA
+    it is drawn into pinned memory and copied asynchronously (the caching host allocator keeps the
+    buffer until the copy is done): a pageable copy would wait for the GPU's queued work."""
+    out = torch.empty(shape, dtype=torch.float32, pin_memory=device.type == "cuda")
+    if isinstance(generator, list):
+        for row, g in zip(out, generator, strict=True):  # row: a view of out
+            torch.randn(row.shape, generator=g, out=row)
+    else:
+        torch.randn(shape, generator=generator, out=out)
+    return out.to(device, non_blocking=device.type == "cuda")
 
 
 def _sde_mean_std(
@@ -148,10 +170,15 @@ def sde_step(
     batch, device = latents.shape[0], latents.device
     sig = _per_sample(sigma, batch, device, "sigma")  # [B]
     sig_next = _per_sample(sigma_next, batch, device, "sigma_next")  # [B]
-    if bool(((sig <= 0) | (sig > 1) | (sig_next < 0) | (sig_next >= sig)).any()):
+    # python numbers are checked on the host (as the float32 the maths uses); tensors where they
+    # are, which for accelerator tensors waits for the device
+    host = isinstance(sigma, (int, float)) and isinstance(sigma_next, (int, float))
+    checked = torch.tensor([[sigma], [sigma_next]], dtype=torch.float32) if host else torch.stack([sig, sig_next])
+    s, s_next = checked[0], checked[1]  # [1] or [B]
+    if bool(((s <= 0) | (s > 1) | (s_next < 0) | (s_next >= s)).any()):
         raise ValueError(
-            f"need 0 <= sigma_next < sigma <= 1 (sampling runs from 1 to 0), got sigma={sig.tolist()} "
-            f"sigma_next={sig_next.tolist()}"
+            f"need 0 <= sigma_next < sigma <= 1 (sampling runs from 1 to 0), got sigma={s.tolist()} "
+            f"sigma_next={s_next.tolist()}"
         )
     view = (batch,) + (1,) * (latents.dim() - 1)
     x, v = latents.float(), velocity.float()  # [B, ...]
