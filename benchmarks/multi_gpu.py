@@ -1,15 +1,17 @@
 """Issue 22's multi-GPU runs on one 2-GPU machine: each app launched as a user launches it.
 
-    python benchmarks/multi_gpu.py                       # 2 GPUs, all three apps (~7 min), appends to RESULTS.md
-    python benchmarks/multi_gpu.py --only caption        # one app: caption | rider | diffusion (repeatable)
-    python benchmarks/multi_gpu.py --out /tmp/results.md # append there instead
+    python benchmarks/multi_gpu.py                       # 2 GPUs, all three apps, ~7 min: appends to RESULTS.md
+    python benchmarks/multi_gpu.py --only caption        # one app (repeatable): caption ~3 min, rider ~2 min,
+                                                         #   diffusion ~2.5 min (estimates: never run on GPUs)
+    python benchmarks/multi_gpu.py --out DIR/RESULTS.md --logs DIR/logs   # append there; keep each run's log
     python benchmarks/multi_gpu.py --cpu                 # same pipeline, tiny models, 2 gloo processes; prints only
 
 (`uv run python ...` or the workspace venv's python: the children run with the same interpreter.)
 
-Every run is a child process, `python -m accelerate.commands.launch --num_processes N
-[--config_file examples/<app>/accelerate/<ddp|fsdp2>.yaml] apps/<app>/__main__.py key=value ...`,
-with PYTHONPATH = the app folder + packages/*/src, its figures read back from the run's
+Every run is a child process started as a user starts the app: `python apps/<app>/__main__.py
+key=value ...` on one GPU, `python -m accelerate.commands.launch --config_file
+examples/<app>/accelerate/<ddp|fsdp2>.yaml --num_processes 2 apps/<app>/__main__.py key=value ...`
+on two, with PYTHONPATH = the app folder + packages/*/src; figures are read back from the run's
 metrics.csv. The checkpoints are random-weight, built once per part into a temp dir with the
 single-GPU benchmarks' builders (no download). Parts, in order:
 
@@ -32,6 +34,8 @@ time limit; it changes the step time equally for 1 and 2 GPUs but makes rollout,
 no communication, a larger share. NVLink multicast stays off in every child (NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1). A failing run prints its log's
 tail and leaves a `failed` row; each part's table is printed and appended as soon as it is done.
+Run directories go to /dev/shm when it has room (the apps write and fsync a full checkpoint at
+their last step); each run's checkpoints are deleted when it ends.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import csv
 import gc
 import math
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -57,6 +62,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every model here is local; a GPU machine may have no network
 
 from benchmarks.results import append_results, markdown_table  # noqa: E402
 
@@ -90,7 +96,9 @@ class Launch:
 @dataclass
 class Bench:
     cpu: bool
-    root: Path  # temp dir: checkpoints, run dirs, logs
+    root: Path  # temp dir: the random-weight checkpoints
+    runs: Path  # run directories (their checkpoints deleted after each run)
+    logs: Path  # each run's output and metrics.csv
     deadline: float  # time.monotonic() after which no run starts
     failures: list[str] = field(default_factory=list)
 
@@ -110,7 +118,7 @@ def child_env(bench: Bench, run: Launch) -> dict[str, str]:
     paths = [str(REPO / "apps" / run.app), *(str(REPO / "packages" / p / "src") for p in PACKAGES)]
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env |= {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
-            "TORCH_COMPILE_DISABLE": "1", **NO_MULTICAST}
+            "RAY_USAGE_STATS_ENABLED": "0", "TORCH_COMPILE_DISABLE": "1", **NO_MULTICAST}
     env["CUDA_VISIBLE_DEVICES"] = "" if bench.cpu else run.gpus
     if bench.cpu:
         env["OMP_NUM_THREADS"] = "1"
@@ -118,14 +126,17 @@ def child_env(bench: Bench, run: Launch) -> dict[str, str]:
 
 
 def command(run: Launch, output_dir: Path) -> list[str]:
-    how = ["--num_machines", "1", "--mixed_precision", "no"]
-    if run.accelerate_config:
-        how = ["--config_file", str(REPO / "examples" / run.app / "accelerate" / run.accelerate_config)]
-    if run.procs > 1:
-        how += ["--main_process_port", str(free_port())]
-    return [sys.executable, "-m", "accelerate.commands.launch", *how, "--num_processes", str(run.procs),
-            "--dynamo_backend", "no", str(REPO / "apps" / run.app / "__main__.py"),
-            f'train.output_dir="{output_dir}"', f'train.run_name="{run.name}"', *run.overrides]
+    """One process: `python apps/<app>/__main__.py ...` (the apps' one-GPU command); more: `accelerate
+    launch` with the app's example config (which also keeps a machine's default accelerate config out)."""
+    script = [str(REPO / "apps" / run.app / "__main__.py"), f'train.output_dir="{output_dir}"',
+              f'train.run_name="{run.name}"', *run.overrides]
+    if run.procs == 1:
+        return [sys.executable, *script]
+    if run.accelerate_config is None:
+        raise ValueError(f"{run.app} {run.name}: {run.procs} processes need an accelerate config file")
+    config = REPO / "examples" / run.app / "accelerate" / run.accelerate_config
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
+            str(run.procs), "--main_process_port", str(free_port()), "--dynamo_backend", "no", *script]
 
 
 def launch(bench: Bench, run: Launch) -> Path:
@@ -133,8 +144,8 @@ def launch(bench: Bench, run: Launch) -> Path:
     left_s = bench.deadline - time.monotonic()
     if left_s < 30:
         raise RunFailed(f"not started: the script's {BUDGET_S:.0f} s budget is spent (run it with --only)")
-    output_dir = bench.root / "runs" / run.app
-    log = bench.root / "logs" / f"{run.app}-{run.name}.log"
+    output_dir = bench.runs / run.app
+    log = bench.logs / f"{run.app}-{run.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
     with log.open("wb") as out:
@@ -149,11 +160,14 @@ def launch(bench: Bench, run: Launch) -> Path:
     print(f"  {run.app} {run.name}: {'exit ' + str(code) if code is not None else 'stopped at the budget'}"
           f" after {seconds:.0f} s", flush=True)
     if code != 0:
-        tail = log.read_text(errors="replace")[-3000:]
+        tail = log.read_text(errors="replace")[-2500:]
         print(f"--- {log.name} (tail) ---\n{tail}\n---", flush=True)
-        why = "ran past the budget" if code is None else f"exit {code}"
-        raise RunFailed(f"{why}: {last_error_line(tail)}")
-    return output_dir / run.name
+        raise RunFailed(f"stopped at the script's {BUDGET_S:.0f} s budget (run it with --only)" if code is None
+                        else f"exit {code}: {last_error_line(tail)}")
+    run_dir = output_dir / run.name
+    shutil.copy(run_dir / "metrics.csv", bench.logs / f"{run.app}-{run.name}.metrics.csv")
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # GBs of weights + Adam state, never read here
+    return run_dir
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -206,11 +220,19 @@ def mean_of(rows: list[dict[str, str]], per_row: Callable[[dict[str, str]], floa
 
 
 def efficiency(two_gpu_per_s: float, one_gpu_per_s: float) -> str:
-    return f"{two_gpu_per_s / (2 * one_gpu_per_s):.2f}"
+    """Scaling efficiency: 2-GPU throughput / (2 x 1-GPU throughput); "-" without a 1-GPU figure."""
+    return fmt(two_gpu_per_s / (2 * one_gpu_per_s))
 
 
-def fmt(x: float, digits: int = 2) -> str:
-    return "-" if math.isnan(x) else f"{x:.{digits}f}"
+def fmt(x: float, digits: int | None = None) -> str:
+    """`digits` decimals; by default whole numbers and figures >= 100 with none, small ones in e-notation."""
+    if math.isnan(x):
+        return "-"
+    if digits is None:
+        digits = 0 if x == int(x) or abs(x) >= 100 else 2
+        if 0 < abs(x) < 0.01:
+            return f"{x:.1e}"
+    return f"{x:.{digits}f}"
 
 
 @dataclass
@@ -219,6 +241,44 @@ class Table:
     header: list[str]
     rows: list[list[str]]
     notes: str
+
+
+Row = dict[str, str]  # one line of a run's metrics.csv
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """How one app's throughput runs become a table: every column is a per-step figure, averaged
+    over the steps after the warm-up."""
+
+    runs: dict[str, tuple[int, Launch]]  # label -> (GPUs, run); the 1-GPU baseline first
+    unit: str  # the throughput column, e.g. "tokens/s (all GPUs)"
+    per_s: Callable[[Row, int], float]  # (metrics row, GPUs) -> throughput of that step
+    step_s: Callable[[Row], float]  # seconds of that step (listed in the notes, warm-up included)
+    columns: dict[str, Callable[[Row, int], float]]  # more figures, e.g. seconds per phase
+
+
+def scaling_table(bench: Bench, spec: Scaling) -> tuple[list[str], list[list[str]], str]:
+    """Launch every run; returns (header, rows, seconds per step of each run)."""
+    header = ["run", "GPUs", *spec.columns, spec.unit, "scaling efficiency"]
+    rows, steps, baseline = [], [], math.nan
+    for label, (gpus, run) in spec.runs.items():
+        run_dir = try_launch(bench, run)
+        if run_dir is None:
+            rows.append([label, str(gpus), *["failed"] * (len(header) - 2)])
+            continue
+        table = metric_rows(run_dir)
+        per_s = mean_of(table, lambda r, g=gpus: spec.per_s(r, g))
+        baseline = per_s if gpus == 1 else baseline
+        cells = [fmt(mean_of(table, lambda r, f=f, g=gpus: f(r, g))) for f in spec.columns.values()]
+        rows.append([label, str(gpus), *cells, fmt(per_s), "baseline" if gpus == 1 else efficiency(per_s, baseline)])
+        steps.append(f"{label}: {[round(spec.step_s(r), 2) for r in table]}")
+    return header, rows, "; ".join(steps)
+
+
+def phase_s(*phases: str) -> Callable[[Row], float]:
+    """Seconds of a step spent in `phases` (their time/* metrics; a phase a step did not run counts 0)."""
+    return lambda r: sum(value(r, f"time/{p}") if r.get(f"time/{p}") else 0.0 for p in phases)
 
 
 # ------------------------------------------------------------------------------ caption-rl
@@ -250,22 +310,15 @@ def caption_equality(bench: Bench) -> Table:
     metric_tol, weight_tol = (2e-5, 5e-6) if bench.cpu else (1e-4, 1e-5)
     start = load_file(policy / "model.safetensors")
     reference = next(iter(dirs.values()))
-    header = ["run", "reward/mean", "loss/policy", "grad_norm", "max abs Δ metrics vs 1 process",
-              "max abs Δ weights vs 1 process", "max abs (w - w0): the step moved them", f"equal (≤ {metric_tol:g} / {weight_tol:g})"]
+    header = ["run", "loss/policy", "grad_norm", "abs Δ loss/policy", "abs Δ grad_norm",
+              f"max abs Δ, {len(EQUAL_KEYS)} metrics", "max abs Δ weights", "max abs (w - w0): the step moved them",
+              f"equal (metrics ≤ {metric_tol:g}, weights ≤ {weight_tol:g})"]
     rows = []
     for label, run_dir in dirs.items():
         if run_dir is None or reference is None:
-            rows.append([label, *["failed" if run_dir is None else "-"] * 7])
-            continue
-        [a], [b] = metric_rows(reference), metric_rows(run_dir)
-        w_a, w_b = load_file(reference / "export" / "model.safetensors"), load_file(run_dir / "export" / "model.safetensors")
-        d_metrics = max(abs(value(a, k) - value(b, k)) for k in EQUAL_KEYS)
-        d_weights = max((w_a[k] - w_b[k]).abs().max().item() for k in w_a)
-        moved = max((w_b[k] - start[k]).abs().max().item() for k in w_b if k in start)
-        same = d_metrics <= metric_tol and d_weights <= weight_tol and w_a.keys() == w_b.keys()
-        rows.append([label, fmt(value(b, "reward/mean"), 6), fmt(value(b, "loss/policy"), 6),
-                     fmt(value(b, "grad_norm"), 6), f"{d_metrics:.2e}", f"{d_weights:.2e}", f"{moved:.2e}",
-                     "yes" if same else "**no**"])
+            rows.append([label, *["failed" if run_dir is None else "-"] * 8])
+        else:
+            rows.append([label, *compare_step(reference, run_dir, start, metric_tol, weight_tol)])
     notes = (f"caption-rl, one full RL step, tiny Qwen2.5-VL (rl_models.tiny), float32, TF32 off "
              "(NVIDIA_TF32_OVERRIDE=0), hf engine, rollouts seeded per prompt (rollout.per_prompt_seeds), rule "
              "reward (apps/caption-rl/tests/rule_reward.toml), 4 prompts x 4 captions of 8 tokens, micro-batches of "
@@ -277,13 +330,30 @@ def caption_equality(bench: Bench) -> Table:
     return Table("caption-rl on 2 GPUs = 1 GPU with twice the batch (one RL step)", header, rows, notes)
 
 
+def compare_step(reference: Path, run_dir: Path, start: dict[str, torch.Tensor], metric_tol: float,
+                 weight_tol: float) -> list[str]:
+    """Table cells: `run_dir`'s one-step metrics and exported weights against `reference`'s."""
+    from safetensors.torch import load_file
+
+    [a], [b] = metric_rows(reference), metric_rows(run_dir)
+    w_a, w_b = (load_file(d / "export" / "model.safetensors") for d in (reference, run_dir))
+    d_loss, d_grad = (abs(value(a, k) - value(b, k)) for k in ("loss/policy", "grad_norm"))
+    d_metrics = max(abs(value(a, k) - value(b, k)) for k in EQUAL_KEYS)
+    d_weights = max((w_a[k] - w_b[k]).abs().max().item() for k in w_a) if w_a.keys() == w_b.keys() else math.inf
+    moved = max((w_b[k] - start[k]).abs().max().item() for k in w_b if k in start)
+    # the CPU test's bar for "the step moved the weights": an Adam step moves each by ~lr = 1e-4
+    same = d_metrics <= metric_tol and d_weights <= weight_tol and moved > 5e-5
+    return [f"{value(b, 'loss/policy'):.3e}", fmt(value(b, "grad_norm"), 6), f"{d_loss:.1e}", f"{d_grad:.1e}",
+            f"{d_metrics:.1e}", f"{d_weights:.1e}", f"{moved:.1e}", "yes" if same else "**no**"]
+
+
 def caption_throughput(bench: Bench) -> Table:
     """1 GPU vs DDP / FSDP2 on 2 GPUs, the same prompts per GPU, Qwen3-VL-2B shape."""
     from benchmarks.caption_rl import MAX_PIXELS, build_policy
 
     policy = build_policy(bench.root / "caption-policy", smoke=bench.cpu)
     release_gpu()
-    prompts, n, tokens, micro, steps = (2, 2, 8, 4, 2) if bench.cpu else (8, 4, 64, 16, 4)
+    prompts, n, tokens, micro, steps = (2, 2, 8, 4, 2) if bench.cpu else (8, 4, 64, 16, 3)
 
     def overrides(world: int) -> list[str]:
         return [f'model.path="{policy}"', f'model.dtype="{"float32" if bench.cpu else "bfloat16"}"',
@@ -295,29 +365,20 @@ def caption_throughput(bench: Bench) -> Table:
                 f"train.micro_batch_size={micro}", f"train.max_steps={steps}", "train.epochs=100",
                 "train.eval_freq=0", "train.save_freq=1000000", "train.export=false", "algo.replay_tolerance=0.5"]
 
-    runs = {"1 GPU": Launch("caption-rl", "speed-1gpu", overrides(1))}
+    runs = {"1 GPU": (1, Launch("caption-rl", "speed-1gpu", overrides(1)))}
     for kind, config in CAPTION_CONFIGS.items():
-        runs[f"{kind}, 2 GPUs"] = Launch("caption-rl", f"speed-{kind.lower()}", overrides(2), procs=2,
-                                         accelerate_config=config, gpus="0,1")
-    results = {label: try_launch(bench, run) for label, run in runs.items()}
-    header = ["run", "captions/step (all GPUs)", "s/step", "generate s", "update s", "weight gather s",
-              "captions/s", "tokens/s (all GPUs)", "scaling efficiency"]
-    rows, per_step, base = [], [], math.nan
-    for label, run_dir in results.items():
-        world = 1 if label == "1 GPU" else 2
-        if run_dir is None:
-            rows.append([label, str(prompts * n * world), *["failed"] * 7])
-            continue
-        table = metric_rows(run_dir)
-        captions_per_s = mean_of(table, lambda r, w=world: prompts * n * w / value(r, "time/step"))
-        tokens_per_s = mean_of(table, lambda r: value(r, "throughput/tokens_per_s") * value(r, "world_size"))
-        base = tokens_per_s if world == 1 else base
-        gather = mean_of(table, lambda r: value(r, "time/weight_gather")) if "time/weight_gather" in table[0] else 0.0
-        rows.append([label, str(prompts * n * world), fmt(mean_of(table, lambda r: value(r, "time/step"))),
-                     fmt(mean_of(table, lambda r: value(r, "time/generate"))),
-                     fmt(mean_of(table, lambda r: value(r, "time/update"))), fmt(gather), fmt(captions_per_s, 1),
-                     f"{tokens_per_s:.0f}", "1 GPU" if world == 1 else efficiency(tokens_per_s, base)])
-        per_step.append(f"{label} {[round(value(r, 'time/step'), 2) for r in table]}")
+        runs[f"{kind}, 2 GPUs"] = (2, Launch("caption-rl", f"speed-{kind.lower()}", overrides(2), procs=2,
+                                             accelerate_config=config, gpus="0,1"))
+    captions = prompts * n  # per GPU per step
+    header, rows, per_step = scaling_table(bench, Scaling(
+        runs, "tokens/s (all GPUs)", per_s=lambda r, _: value(r, "throughput/tokens_per_s") * value(r, "world_size"),
+        step_s=phase_s("step"), columns={
+            "captions/step (all GPUs)": lambda _, gpus: captions * gpus,
+            "s/step": lambda r, _: value(r, "time/step"),
+            "generate s": lambda r, _: value(r, "time/generate"),
+            "update s": lambda r, _: value(r, "time/update"),
+            "weight gather s": lambda r, _: value(r, "time/weight_gather"),
+            "captions/s": lambda r, gpus: captions * gpus / value(r, "time/step")}))
     shape = "the caption benchmark's smoke Qwen3-VL" if bench.cpu else "Qwen3-VL-2B shape (vocab 151,936)"
     notes = (f"caption-rl, random weights at {shape}, {'float32' if bench.cpu else 'bf16'}, full fine-tuning "
              f"with gradient checkpointing, hf engine (decode not compiled), {prompts} images x {n} captions x "
@@ -326,7 +387,7 @@ def caption_throughput(bench: Bench) -> Table:
              "seconds, all GPUs (the app's throughput/tokens_per_s x world size). Scaling efficiency: 2-GPU "
              "tokens/s / (2 x 1-GPU tokens/s); the 1-GPU run is unsharded for both. Launch: "
              "examples/caption-rl/accelerate/{ddp,fsdp2_1node}.yaml with --num_processes 2. Seconds per step, "
-             "warm-up included: " + "; ".join(per_step) + ".")
+             f"warm-up included: {per_step}.")
     return Table("caption-rl on 2 GPUs: DDP and FSDP2 scaling", header, rows, notes)
 
 
@@ -361,32 +422,18 @@ def rider_throughput(bench: Bench) -> Table:
                 "train.print_summary=false", "train.val_before_train=false", "algo.replay_tolerance=0.5",
                 "rollout.max_batch_size=64"]
 
-    runs = {"1 GPU": Launch("rider-grm", "speed-1gpu", overrides(1)),
-            "DDP, 2 GPUs": Launch("rider-grm", "speed-ddp", overrides(2), procs=2,
-                                  accelerate_config="ddp_1node.yaml", gpus="0,1")}
-    results = {label: try_launch(bench, run) for label, run in runs.items()}
-
-    def step_s(r: dict[str, str]) -> float:
-        return sum(value(r, f"time/{p}") if r.get(f"time/{p}") else 0.0 for p in PHASES)
-
-    header = ["run", "responses/step (all GPUs)", "s/step", "generate s", "reward s (judges + swaps)", "swap s",
-              "update s", "responses/s", "scaling efficiency"]
-    rows, per_step, base = [], [], math.nan
-    for label, run_dir in results.items():
-        world = 1 if label == "1 GPU" else 2
-        if run_dir is None:
-            rows.append([label, str(prompts * n * world), *["failed"] * 7])
-            continue
-        table = metric_rows(run_dir)
-        per_s = mean_of(table, lambda r, w=world: prompts * n * w / step_s(r))
-        base = per_s if world == 1 else base
-        swap = mean_of(table, lambda r: swap_seconds({k: float(v) for k, v in r.items() if v and k.startswith("time/")}))
-        rows.append([label, str(prompts * n * world), fmt(mean_of(table, step_s)),
-                     fmt(mean_of(table, lambda r: value(r, "time/generate"))),
-                     fmt(mean_of(table, lambda r: value(r, "time/reward"))), fmt(swap),
-                     fmt(mean_of(table, lambda r: value(r, "time/update"))), fmt(per_s, 2),
-                     "1 GPU" if world == 1 else efficiency(per_s, base)])
-        per_step.append(f"{label} {[round(step_s(r), 2) for r in table]}")
+    runs = {"1 GPU": (1, Launch("rider-grm", "speed-1gpu", overrides(1))),
+            "DDP, 2 GPUs": (2, Launch("rider-grm", "speed-ddp", overrides(2), procs=2,
+                                      accelerate_config="ddp_1node.yaml", gpus="0,1"))}
+    step_s, responses = phase_s(*PHASES), prompts * n  # per GPU per step
+    header, rows, per_step = scaling_table(bench, Scaling(
+        runs, "responses/s (all GPUs)", per_s=lambda r, gpus: responses * gpus / step_s(r), step_s=step_s, columns={
+            "responses/step (all GPUs)": lambda _, gpus: responses * gpus,
+            "s/step": lambda r, _: step_s(r),
+            "generate s": lambda r, _: value(r, "time/generate"),
+            "reward s (judges + swaps)": lambda r, _: value(r, "time/reward"),
+            "swap s": lambda r, _: swap_seconds({k: float(v) for k, v in r.items() if k.startswith("time/") and v}),
+            "update s": lambda r, _: value(r, "time/update")}))
     shapes = "tiny smoke shapes" if bench.cpu else "policy at Qwen3-1.7B shape, judges at Qwen3-0.6B shape"
     notes = (f"rider-grm, random weights ({shapes}), {'float32' if bench.cpu else 'bf16'}; two judges "
              f"(rl_rewards.judges.rubric / yes_no, {judge_tokens[0]}/{judge_tokens[1]} new tokens, hf engines, not "
@@ -396,7 +443,7 @@ def rider_throughput(bench: Bench) -> Table:
              f"step, KL loss to the reference; {steps} steps, mean after the first {WARMUP}. s/step sums the "
              f"phases {', '.join(PHASES)} (the last step's validation is outside it). Scaling efficiency: 2-GPU "
              "responses/s / (2 x 1-GPU responses/s). 2 GPUs: examples/rider-grm/accelerate/ddp_1node.yaml, "
-             "--num_processes 2. Seconds per step, warm-up included: " + "; ".join(per_step) + ".")
+             f"--num_processes 2. Seconds per step, warm-up included: {per_step}.")
     return Table("rider-grm on 2 GPUs, judges swapped: DDP scaling", header, rows, notes)
 
 
@@ -413,39 +460,25 @@ def diffusion_throughput(bench: Bench) -> Table:
         size, sampling_steps, text_tokens, n, groups, epochs = 32, 4, 8, 4, 2, 2
         model = [f'model.path="{pipeline}"', 'model.dtype="float32"']
     else:
-        size, sampling_steps, text_tokens, n, groups, epochs = 512, 10, 128, 8, 2, 3
+        size, sampling_steps, text_tokens, n, groups, epochs = 512, 10, 128, 8, 1, 3
         model = [f'model.path="{pipeline}"', 'model.dtype="bfloat16"', "model.lora_rank=32", "model.lora_alpha=64"]
     common = [*model, f"sampling.resolution={size}", f"sampling.num_steps={sampling_steps}",
               f"sampling.max_sequence_length={text_tokens}", f"rollout.n={n}", f"rollout.groups_per_epoch={groups}",
               f"rollout.sample_batch_size={n}", f"train.micro_batch_size={n}", "train.gradient_accumulation_steps=1",
               "reward.components={brightness=1.0}", "eval.every=0", f"train.epochs={epochs}", "train.save_freq=1000",
               "train.ratio_tolerance=0.01"]
-    runs = {"(a) 1 GPU, rollout in process": Launch("diffusion-grpo", "speed-colocated", common),
-            "(b) trainer GPU 0 + Ray rollout worker GPU 1 (split)": Launch(
+    runs = {"(a) 1 GPU, rollout in process": (1, Launch("diffusion-grpo", "speed-colocated", common)),
+            "(b) trainer GPU 0 + Ray rollout worker GPU 1 (split)": (2, Launch(
                 "diffusion-grpo", "speed-split", [*common, "rollout.workers=1", 'rollout.placement="split"'],
-                gpus="0,1")}
-    results = {label: try_launch(bench, run) for label, run in runs.items()}
-    images = n * groups
-
-    def epoch_s(r: dict[str, str]) -> float:
-        return sum(value(r, f"time/{phase}") if r.get(f"time/{phase}") else 0.0 for phase in ("rollout", "reward", "train"))
-
-    header = ["run", "GPUs", "images/epoch", "rollout s", "train s", "epoch s", "images/s (epoch)",
-              "first replay max abs log ratio", "scaling efficiency (2 GPUs vs 2 x (a))"]
-    rows, per_epoch, base = [], [], math.nan
-    for label, run_dir in results.items():
-        gpus = 1 if label.startswith("(a)") else 2
-        if run_dir is None:
-            rows.append([label, str(gpus), str(images), *["failed"] * 6])
-            continue
-        table = metric_rows(run_dir)
-        per_s = mean_of(table, lambda r: images / epoch_s(r))
-        base = per_s if gpus == 1 else base
-        rows.append([label, str(gpus), str(images), fmt(mean_of(table, lambda r: value(r, "time/rollout"))),
-                     fmt(mean_of(table, lambda r: value(r, "time/train"))), fmt(mean_of(table, epoch_s)),
-                     fmt(per_s, 2), f"{max(value(r, 'diag/first_replay_max_abs_log_ratio') for r in table):.2g}",
-                     "-" if gpus == 1 else efficiency(per_s, base)])
-        per_epoch.append(f"{label[:3]} {[round(epoch_s(r), 2) for r in table]}")
+                gpus="0,1"))}
+    epoch_s, images = phase_s("rollout", "reward", "train"), n * groups  # per epoch
+    header, rows, per_epoch = scaling_table(bench, Scaling(
+        runs, "images/s", per_s=lambda r, _: images / epoch_s(r), step_s=epoch_s, columns={
+            "images/epoch": lambda *_: images,
+            "rollout s": lambda r, _: value(r, "time/rollout"),
+            "train s": lambda r, _: value(r, "time/train"),
+            "epoch s": lambda r, _: epoch_s(r),
+            "first replay max abs log ratio": lambda r, _: value(r, "diag/first_replay_max_abs_log_ratio")}))
     shape = "tiny SD3 (rl_models.tiny)" if bench.cpu else "SD3.5-Medium shape (rl_models.shapes), LoRA r32/alpha 64"
     notes = (f"diffusion-grpo (Flow-GRPO), random weights, {shape}, {'float32' if bench.cpu else 'bf16'}; "
              f"{groups} prompts x {n} images per epoch at {size}x{size}, {sampling_steps} SDE steps, CFG 4.5, "
@@ -453,7 +486,7 @@ def diffusion_throughput(bench: Bench) -> Table:
              f"of {n}; {epochs} epochs, mean after the first {WARMUP}. epoch s = rollout + reward + train (the "
              "rollout includes pushing the LoRA to the worker); (b)'s rollout and training still alternate "
              "(no overlap), so its gain is only what running the rollout elsewhere saves. Scaling efficiency: "
-             "(b) images/s / (2 x (a) images/s). Seconds per epoch, warm-up included: " + "; ".join(per_epoch) + ".")
+             f"(b) images/s / (2 x (a) images/s), both GPUs counted. Seconds per epoch, warm-up included: {per_epoch}.")
     return Table("diffusion-grpo: trainer + Ray rollout worker on 2 GPUs (VRL split preset)", header, rows, notes)
 
 
@@ -486,17 +519,30 @@ def report(bench: Bench, table: Table, out: Path) -> None:
         append_results(table.title, table.header, table.rows, notes, path=out)
 
 
+def runs_parent() -> str | None:
+    """/dev/shm when it has room: the apps write (and fsync) a full checkpoint at their last step,
+    ~13 GB for the 2B policy with Adam state, which on a slow disk would cost more than the run.
+    None: the system temp dir."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and shutil.disk_usage(shm).free > 64 * 2**30 else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", action="append", choices=list(PARTS), help="run only this app's part (repeatable)")
     parser.add_argument("--cpu", action="store_true", help="tiny models, 2 gloo processes on the CPU; prints only")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS.md", help="results file to append to")
+    parser.add_argument("--logs", type=Path, help="keep each run's output and metrics.csv here (default: deleted)")
     args = parser.parse_args()
     if not args.cpu and torch.cuda.device_count() < 2:
         raise SystemExit(f"needs 2 GPUs, sees {torch.cuda.device_count()}; --cpu runs the tiny pipeline on the CPU")
     began = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="multi_gpu-") as tmp:
-        bench = Bench(cpu=args.cpu, root=Path(tmp), deadline=began + BUDGET_S)
+    with tempfile.TemporaryDirectory(prefix="multi_gpu-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="multi_gpu-runs-", dir=runs_parent()) as runs:
+        logs = args.logs or Path(tmp) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        bench = Bench(cpu=args.cpu, root=Path(tmp), runs=Path(runs), logs=logs, deadline=began + BUDGET_S)
+        print(f"run directories in {runs}, logs in {logs}", flush=True)
         for part in args.only or list(PARTS):
             for measure in PARTS[part]:
                 print(f"[{time.monotonic() - began:.0f} s] {measure.__name__}", flush=True)
