@@ -61,12 +61,13 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+PACKAGES = ("rl-core", "rl-models", "rl-rollout", "rl-data", "rl-rewards")
+# this tree's sources, here and in every child, whatever the environment has installed
+sys.path[:0] = [str(REPO), *(str(REPO / "packages" / p / "src") for p in PACKAGES)]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every model here is local; a GPU machine may have no network
 
 from benchmarks.results import append_results, markdown_table  # noqa: E402
 
-PACKAGES = ("rl-core", "rl-models", "rl-rollout", "rl-data", "rl-rewards")
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 WARMUP = 1  # steps (epochs) left out of every mean: allocator growth, first optimizer state
 BUDGET_S = 540.0  # the whole script: later runs are refused, not started, past it (device limit 600 s)
@@ -302,7 +303,7 @@ def caption_equality(bench: Bench) -> Table:
             f'reward.spec="{CAPTION_APP / "tests" / "rule_reward.toml"}"', "train.batch_size=4",
             "train.micro_batch_size=3", "train.max_steps=1", "train.eval_freq=0", "train.save_freq=100"]
     exact = {"NVIDIA_TF32_OVERRIDE": "0"}  # cuBLAS / cuDNN: no TF32 in float32 matmuls and convolutions
-    runs = {"1 process x 4 prompts": Launch("caption-rl", "equal-one", step, env=exact)}
+    runs = {"1 process x 4 prompts (reference)": Launch("caption-rl", "equal-one", step, env=exact)}
     for kind, config in CAPTION_CONFIGS.items():
         runs[f"{kind}, 2 processes x 2 prompts"] = Launch("caption-rl", f"equal-{kind.lower()}", step, procs=2,
                                                           accelerate_config=config, gpus="0,1", env=exact)
@@ -510,13 +511,12 @@ PARTS: dict[str, list[Callable[[Bench], Table]]] = {
 def report(bench: Bench, table: Table, out: Path) -> None:
     failures, bench.failures = bench.failures, []
     notes = table.notes + ("" if not failures else " Failed: " + " | ".join(failures) + ".")
-    if not bench.cpu:
-        notes += f" {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}."
     if bench.cpu:
         print(f"\n## {table.title} (--cpu: not appended)\n\n{markdown_table(table.header, table.rows)}\n\n{notes}\n",
               flush=True)
-    else:
-        append_results(table.title, table.header, table.rows, notes, path=out)
+        return
+    notes += f" {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}."
+    append_results(table.title, table.header, table.rows, notes, path=out)
 
 
 def runs_parent() -> str | None:
