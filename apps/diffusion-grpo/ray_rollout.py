@@ -67,12 +67,12 @@ def lora_params(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 
 def build_lora_engine(path: str, *, dtype: str, text_encoder_dtype: str | None, lora_rank: int,
-                      lora_alpha: float, lora_targets: list[str] | None) -> DiffusionEngine:
+                      lora_alpha: float, lora_targets: list[str] | None, compile: bool = False) -> DiffusionEngine:
     """A worker's engine: the pipeline on the GPU Ray gave the actor (else CPU) with the
     trainer's LoRA layout; its weights arrive by `load_lora` before the first rollout."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = DiffusionEngine.from_pretrained(path, dtype=dtype, device=device, text_encoder_dtype=text_encoder_dtype,
-                                             compile=False)  # eager, as the trainer's engine (__main__.py)
+                                             compile=compile)  # model.compile, as the trainer's engine
     engine.transformer.requires_grad_(False)
     add_lora(engine.transformer, family="sd3", r=lora_rank, alpha=lora_alpha, target_modules=lora_targets)
     return engine
@@ -146,6 +146,7 @@ def start_workers(rollout: Any, model: Any, path: str, acc: Any) -> RayRollout:
     ship_module(sys.modules[__name__])  # workers cannot import the app folder: send this module by value
     spec = EngineSpec(factory=build_lora_engine, load_weights=load_lora, kwargs={
         "path": path, "dtype": model.dtype, "text_encoder_dtype": model.text_encoder_dtype,
-        "lora_rank": model.lora_rank, "lora_alpha": model.lora_alpha, "lora_targets": model.lora_targets})
+        "lora_rank": model.lora_rank, "lora_alpha": model.lora_alpha, "lora_targets": model.lora_targets,
+        "compile": model.compile})
     pool = RolloutPool(spec, rollout.workers, num_cpus=1.0, num_gpus=gpus, address=address)
     return RayRollout(pool, rollout.placement, owns)
