@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import os
 import sys
@@ -71,3 +72,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def read_metrics(run: Path) -> list[dict[str, str]]:
+    with (run / "metrics.csv").open() as f:
+        return list(csv.DictReader(f))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import APP, REPO, TESTS, app, tiny_overrides
+from conftest import APP, REPO, TESTS, app, read_metrics, tiny_overrides
 from safetensors.torch import load_file
 
 from rl_core.train import ConfigError
@@ -25,10 +24,6 @@ JUDGES = (
     f'weight = 0.5, combine = "mul", max_new_tokens = 4, fallback = 0.5}}]'
 )
 
-
-def read_metrics(run: Path) -> list[dict[str, str]]:
-    with (run / "metrics.csv").open() as f:
-        return list(csv.DictReader(f))
 
 
 def read_samples(run: Path) -> list[dict]:

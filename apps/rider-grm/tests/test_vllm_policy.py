@@ -5,13 +5,12 @@ Run one test per process (`.ci/marked_tests.py vllm`): vLLM keeps process-wide s
 
 from __future__ import annotations
 
-import csv
 import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, VLLM_JUDGES, app, tiny_overrides
+from conftest import REPO, VLLM_JUDGES, app, read_metrics, tiny_overrides
 
 pytestmark = [
     pytest.mark.vllm,
@@ -32,10 +31,6 @@ HF_JUDGES = (
     f'model = "tiny:qwen3:2", weight = 0.5, combine = "mul", max_new_tokens = 4, fallback = 0.5, engine = "hf"}}]'
 )
 
-
-def read_metrics(run: Path) -> list[dict[str, str]]:
-    with (run / "metrics.csv").open() as f:
-        return list(csv.DictReader(f))
 
 
 def test_weight_sync_with_real_vllm(tmp_path: Path) -> None:
