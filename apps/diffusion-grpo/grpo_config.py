@@ -14,6 +14,7 @@ from rl_core.train import (
     NonNegativeFloat,
     Positive,
     PositiveFloat,
+    ShardingFields,
     UnitInterval,
     config_help,
     load_config,
@@ -86,7 +87,7 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     server_reward: str = ""  # reward name on the server ("" = its default)
 
 
-class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
+class TrainConfig(ShardingFields, kw_only=True, frozen=True):
     epochs: Positive = 100_000
     lr: PositiveFloat = 3e-4
     weight_decay: NonNegativeFloat = 1e-4
@@ -122,26 +123,10 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
     keep_last: Positive = 2
     output_dir: str = "runs/diffusion-grpo"
     run_name: str | None = None
-    log_with: list[str] = []  # accelerate trackers: tensorboard, wandb, ...
+    log_with: list[str] = msgspec.field(default_factory=list)  # accelerate trackers: tensorboard, wandb, ...
     max_nonfinite_steps: Positive = 3
     """Consecutive optimizer steps with a non-finite loss or gradient (each skipped: LoRA,
     optimizer and EMA untouched) after which the run stops with an error."""
-    sharding: Literal["none", "fsdp2"] = "none"
-    """`none`: DDP, every GPU holds the whole transformer, its LoRA and their optimizer state
-    (fastest while that fits). `fsdp2`: the transformer (base weights and LoRA), gradients and
-    optimizer state sharded over the processes (`torch.distributed.fsdp.fully_shard`, one unit per
-    transformer block + the root; `rl_core.train.sharding`), for a transformer that does not fit
-    one GPU next to the rollout's activations; the rollout, eval and export gather the full
-    weights (`time/weight_gather`). Also turned on by an `accelerate launch` FSDP config
-    (fsdp_version: 2). See grpo_sharding.py."""
-    fsdp_cpu_offload: bool = False
-    """fsdp2: keep the weight shards and optimizer state in host memory (optimizer steps on the
-    CPU): slower; for when even 1/N of the transformer does not fit."""
-    fsdp_mixed_precision: Literal["none", "bf16"] = "none"
-    """fsdp2: `bf16` keeps fp32 master weights, computes in bf16 and reduces gradients in fp32
-    (load the model in float32 or bfloat16); `none` trains in the loaded dtype."""
-    fsdp_activation_checkpointing: bool = False
-    """fsdp2: recompute each transformer block's activations in backward (less memory, ~1/3 more compute)."""
 
 
 class EvalConfig(msgspec.Struct, kw_only=True, frozen=True):

@@ -15,6 +15,7 @@ from rl_core.train import (
     NonNegativeFloat,
     Positive,
     PositiveFloat,
+    ShardingFields,
     UnitInterval,
 )
 from rl_models import tiny
@@ -169,7 +170,7 @@ class AlgoConfig(msgspec.Struct, kw_only=True, frozen=True):
     replay_tolerance: NonNegativeFloat | None = None  # engine vs trainer |dlogp| (None: 1e-3 fp32, 5e-2 16-bit)
 
 
-class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
+class TrainConfig(ShardingFields, kw_only=True, frozen=True):
     batch_size: Positive = 32  # prompts per step, all processes (data.train_batch_size)
     mini_batch_size: Positive = 8  # prompts per optimizer step (ppo_mini_batch_size)
     micro_batch_size: Positive = 4  # sequences per forward/backward (log_prob_micro_batch_size)
@@ -186,25 +187,11 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
     run_name: str | None = None
     seed: NonNegative = 0
     samples_to_log: NonNegative = 4  # generations (with each judge's raw output) written per step
-    log_with: list[str] = []  # accelerate trackers (trainer.logger)
+    log_with: list[str] = msgspec.field(default_factory=list)  # accelerate trackers (trainer.logger)
     print_summary: bool = True
     max_nonfinite_steps: Positive = 3
     """Consecutive optimizer steps with a non-finite loss or gradient (each skipped, weights
     untouched) after which the run stops with an error."""
-    sharding: Literal["none", "fsdp2"] = "none"
-    """`none`: DDP, every GPU holds the whole policy and its optimizer state (fastest while that
-    fits). `fsdp2`: weights, gradients and optimizer state sharded over the processes
-    (`torch.distributed.fsdp.fully_shard`, `rl_core.train.sharding`), for a policy that with Adam
-    (~16 bytes/parameter) does not fit one GPU; the rollout gathers the full weights each step
-    (`time/weight_gather`). Also turned on by an `accelerate launch` FSDP config (fsdp_version: 2)."""
-    fsdp_cpu_offload: bool = False
-    """fsdp2: keep the weight shards and optimizer state in host memory (optimizer steps on the
-    CPU): slower; for when even 1/N of the policy with Adam does not fit."""
-    fsdp_mixed_precision: Literal["none", "bf16"] = "none"
-    """fsdp2: `bf16` keeps fp32 master weights, computes in bf16 and reduces gradients in fp32
-    (load the model in float32 or bfloat16); `none` trains in the loaded dtype."""
-    fsdp_activation_checkpointing: bool = False
-    """fsdp2: recompute each decoder layer's activations in backward (less memory, ~1/3 more compute)."""
 
 
 class Config(msgspec.Struct, kw_only=True, frozen=True):

@@ -76,11 +76,11 @@ def generate_image_tokens(model: JanusForConditionalGeneration, **kwargs: object
         kw.setdefault("prefill_chunk_size", getattr(model.generation_config, "prefill_chunk_size", None))
         return prepare(model, *args, **kw)  # type: ignore[arg-type]
 
-    model._prepare_static_cache = with_chunk_size  # type: ignore[method-assign]  # this call only
+    vars(model)["_prepare_static_cache"] = with_chunk_size  # shadows the method, for this call only
     try:
         return cast(Tensor, model.generate(**kwargs, generation_mode="image"))  # type: ignore[arg-type]
     finally:
-        del model._prepare_static_cache
+        vars(model).pop("_prepare_static_cache", None)
 
 
 def janus_causal_lm(model: torch.nn.Module) -> JanusForConditionalGeneration:

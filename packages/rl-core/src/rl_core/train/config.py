@@ -364,7 +364,17 @@ def parse_cli(argv: Sequence[str]) -> CliArgs:
 
 
 def _field_docs(cls: type) -> dict[str, str]:
-    """Field name -> its attribute docstring or trailing `# comment` in the class source."""
+    """Field name -> its attribute docstring or trailing `# comment` in the source of `cls` or of
+    the Struct it inherits the field from (the nearest definition wins)."""
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if base is not msgspec.Struct and isinstance(base, type) and issubclass(base, msgspec.Struct):
+            docs |= _own_field_docs(base)
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
+    """Field name -> its attribute docstring or trailing `# comment` in the class's own source."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):  # defined in a REPL or exec'd string: no source to read
