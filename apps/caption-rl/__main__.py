@@ -92,6 +92,8 @@ def setup(cfg: Config, resume: str | None) -> Run:
     check_sharding(acc)
     plan = resolve_sharding(acc, t.sharding, mixed_precision=t.fsdp_mixed_precision, cpu_offload=t.fsdp_cpu_offload,
                             activation_checkpointing=t.fsdp_activation_checkpointing)
+    engine_kind, why = resolve_engine_kind(r.engine, key="rollout.engine")  # before anything loads
+    acc.print(f"rollout engine: {why}")
     world, mini = acc.num_processes, t.mini_batch_size or t.batch_size
     if t.batch_size % world or t.batch_size % mini:
         raise UserError(f"train.batch_size={t.batch_size} must divide by the {world} processes and by "
@@ -112,8 +114,6 @@ def setup(cfg: Config, resume: str | None) -> Run:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (t.warmup_steps + 1)))
     full = FullWeights(model) if plan.sharded else None  # the engine's (and export's) copy, filled when used
     policy, optimizer, scheduler = prepare_policy(acc, Policy(model), optimizer, scheduler, plan)
-    engine_kind, why = resolve_engine_kind(r.engine)
-    acc.print(f"rollout engine: {why}")
     engine = build_engine(engine_kind, full.model if full is not None else acc.unwrap_model(policy).model, processor,
                           path=policy_path, dtype=cfg.model.dtype,
                           max_batch_size=r.max_batch_size, compile_mode=r.compile_mode,

@@ -87,7 +87,7 @@ from rl_core.train import (
 )
 from rl_data import GroupSampler, JudgeRecord
 from rl_models.text import load_causal_lm
-from rl_rollout import Generation, SamplingParams
+from rl_rollout import Generation, SamplingParams, resolve_engine_kind
 from rl_rollout.training import Policy
 
 __all__ = ["Config", "judge_configs", "judge_name", "load_config", "main"]
@@ -210,7 +210,7 @@ def setup(cfg: Config, resume: str | None) -> tuple[Parts, GroupSampler, list[Ju
                       **accelerator_kwargs(sharding=t.sharding, cpu_offload=t.fsdp_cpu_offload))
     plan = resolve_sharding(acc, t.sharding, mixed_precision=t.fsdp_mixed_precision, cpu_offload=t.fsdp_cpu_offload,
                             activation_checkpointing=t.fsdp_activation_checkpointing)
-    engine_kind, why = policy_engine.resolve(cfg.rollout.engine)  # before anything loads
+    engine_kind, why = resolve_engine_kind(cfg.rollout.engine, key="rollout.engine")  # before anything loads
     acc.print(f"rollout engine: {why}")
     seed_everything(cfg.train.seed, rank=acc.process_index)
     policy_path = resolve_model(cfg.model.path)

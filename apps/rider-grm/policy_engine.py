@@ -10,12 +10,11 @@ policy's weights are pushed into it after every optimizer step (`push_weights`: 
 names, a LoRA adapter would be merged; rider-grm trains the full model) and once at start-up,
 since a resumed checkpoint is newer than the weights the engine loaded. `rollout/weight_version`
 is the number of optimizer steps pushed. `auto` picks `vllm` on a CUDA machine where vLLM
-imports, else `hf`.
+imports, else `hf` (`rl_rollout.resolve_engine_kind`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -26,25 +25,11 @@ from rider_config import Config
 from rider_parts import Parts
 from transformers import PreTrainedModel
 
-from rl_core.train import UserError, gathered, isolated_rng, sample_seed
-from rl_rollout import resolve_engine_kind
+from rl_core.train import gathered, isolated_rng, sample_seed
 from rl_rollout.colocated import colocated_vllm, push_weights
 from rl_rollout.hf import HFEngine
 
-__all__ = ["awake", "build", "pad_id", "push", "resolve"]
-
-
-def resolve(kind: str) -> tuple[str, str]:
-    """`(engine, why)` for `rollout.engine` (`rl_rollout.resolve_engine_kind`); `vllm` asked for
-    where it cannot run is an error naming the key and what is missing."""
-    engine, why = resolve_engine_kind(kind)
-    if engine == "vllm" and not torch.cuda.is_available():
-        raise UserError('rollout.engine = "vllm" needs a CUDA GPU, and torch sees none on this machine: '
-                        'use rollout.engine = "hf" (or "auto", which picks hf here)')
-    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise UserError('rollout.engine = "vllm" needs vLLM, which is not installed: pip install "rl-rollout[vllm]" '
-                        '(in a clone: uv sync --all-packages --extra vllm), or use rollout.engine = "hf"')
-    return engine, why
+__all__ = ["awake", "build", "pad_id", "push"]
 
 
 def build(kind: str, model: PreTrainedModel, tokenizer: Any, cfg: Config, *, path: str, device: torch.device,

@@ -102,9 +102,8 @@ def build_judge(i: int, judge: JudgeConfig, device: torch.device, monitor: Phase
     if judge.engine == "server":
         remote = RemoteScorer(str(judge.url), str(judge.spec), timeout=judge.timeout_s)
         return ServedJudge(judge_name(judge), i, remote, monitor, use_rm_prompt=use_rm_prompt)
-    kind: str = judge.engine
-    if kind == "auto":
-        kind, why = resolve_engine_kind(kind)
+    kind, why = resolve_engine_kind(judge.engine, key=f"reward.judges[{i}].engine")
+    if judge.engine == "auto":
         print(f"judge {judge_name(judge)}: engine {why}")
     if kind == "hf":
         inner: Engine = HFEngine.from_pretrained(resolve_model(judge.model, key), device=device, **judge.engine_options)

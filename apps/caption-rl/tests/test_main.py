@@ -85,6 +85,13 @@ def test_missing_model_and_dataset_are_clear_errors(app, tmp_path):
         app.main(tiny_overrides(tmp_path, f"model.path={tmp_path / 'no-such-model'}"))
 
 
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without CUDA does")
+def test_vllm_without_cuda_stops_before_loading(app, tmp_path):
+    with pytest.raises(UserError, match=r'^rollout\.engine = "vllm" needs a CUDA GPU'):
+        app.main(tiny_overrides(tmp_path, "rollout.engine=vllm"))
+    assert not list(tmp_path.iterdir())  # no run directory, nothing loaded or written
+
 def test_end_to_end_images_and_a_video_with_the_qa_judge(app, tmp_path):
     """The CapRL++ reward in process (tiny Qwen3 judge): every trainable tensor changes, every
     metric column is written, and every output exists."""

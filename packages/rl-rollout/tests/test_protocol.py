@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+import torch
 
-from rl_rollout import Engine, SamplingParams
+from rl_core.errors import UserError
+from rl_rollout import Engine, SamplingParams, resolve_engine_kind
 from rl_rollout.hf import HFEngine
 
 
@@ -29,3 +31,13 @@ def test_bad_sampling_values_name_the_field(field: str, value: float, message: s
 
 def test_hf_engine_satisfies_protocol(qwen3_engine: HFEngine) -> None:
     assert isinstance(qwen3_engine, Engine)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without CUDA does")
+def test_engine_kind_without_cuda() -> None:
+    """`auto` falls back to hf and says why; `vllm` asked for here is a user error naming the
+    setting; other kinds pass through."""
+    assert resolve_engine_kind("auto") == ("hf", "hf (auto: no CUDA device, vLLM needs one)")
+    assert resolve_engine_kind("hf", key="rollout.engine") == ("hf", "hf (as configured)")
+    with pytest.raises(UserError, match=r'^rollout\.engine = "vllm" needs a CUDA GPU'):
+        resolve_engine_kind("vllm", key="rollout.engine")

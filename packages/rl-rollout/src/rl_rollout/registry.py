@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from rl_core.errors import UserError
 from rl_rollout.protocol import Engine
 
 EngineBuilder = Callable[..., Engine]
@@ -26,21 +27,29 @@ def engine_names() -> list[str]:
     return sorted(_ENGINES)
 
 
-def resolve_engine_kind(kind: str) -> tuple[str, str]:
+def resolve_engine_kind(kind: str, *, key: str = "engine") -> tuple[str, str]:
     """`(engine, why)` for a configured engine kind: `auto` picks `vllm` when a CUDA GPU is
     visible and vLLM imports, else `hf`; any other kind is returned as given. Apps log `why`, so
-    a run says which engine it rolls out with."""
-    if kind != "auto":
-        return kind, f"{kind} (as configured)"
+    a run says which engine it rolls out with. `vllm` asked for where it cannot run (no CUDA
+    device, vLLM not installed) raises `rl_core.errors.UserError` naming the setting `key`
+    (e.g. `rollout.engine`), before anything is loaded."""
     import importlib.util
 
     import torch
 
+    if kind not in ("auto", "vllm"):
+        return kind, f"{kind} (as configured)"
     if not torch.cuda.is_available():
+        if kind == "vllm":
+            raise UserError(f'{key} = "vllm" needs a CUDA GPU, and torch sees none on this machine: '
+                            f'use {key} = "hf" (or "auto", which picks hf here)')
         return "hf", "hf (auto: no CUDA device, vLLM needs one)"
     if importlib.util.find_spec("vllm") is None:
+        if kind == "vllm":
+            raise UserError(f'{key} = "vllm" needs vLLM, which is not installed: pip install "rl-rollout[vllm]" '
+                            f'(in a clone: uv sync --all-packages --extra vllm), or use {key} = "hf"')
         return "hf", 'hf (auto: vLLM is not installed; pip install "rl-rollout[vllm]" for it)'
-    return "vllm", "vllm (auto: CUDA device and vLLM found)"
+    return "vllm", "vllm (as configured)" if kind == "vllm" else "vllm (auto: CUDA device and vLLM found)"
 
 
 def build_engine(name: str, **kwargs: Any) -> Engine:
