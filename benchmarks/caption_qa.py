@@ -99,6 +99,25 @@ def load_judge(smoke: bool, device: str):
     return HFEngine(model, tokenizer, device=device, max_batch_size=128), tokenizer
 
 
+class count_decoder_tokens:
+    """Counts the tokens each forward feeds the judge's decoder (padding included), until removed."""
+
+    def __init__(self, engine) -> None:
+        self.tokens = 0
+        self.hook = engine.model.get_decoder().register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, _module, _args, kwargs) -> None:
+        self.tokens += kwargs["input_ids"].numel()
+
+    def remove(self) -> None:
+        self.hook.remove()
+
+
+def non_embedding_params(model) -> int:
+    embed = model.get_input_embeddings().weight
+    return sum(p.numel() for p in model.parameters() if p is not embed)
+
+
 def timed(scorer, samples, device: str) -> tuple[float, list]:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -116,6 +135,8 @@ def main() -> None:
     parser.add_argument("--caption-tokens", type=int, default=800)
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--qa-num", type=int, default=8)
+    parser.add_argument("--hf-sample", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time CapRL-style sampling on the hf engine (~2 minutes on an H100)")
     parser.add_argument("--engines", default=None, help="hf or hf,vllm (default: hf,vllm where vLLM and a GPU are there)")
     args = parser.parse_args()
     if args.smoke:
@@ -135,17 +156,29 @@ def main() -> None:
     if "vllm" in args.engines.split(","):  # first, then asleep: the hf runs' buffers then have the GPU
         engines = {"vllm": vllm_judge(engine, Path(tmp.name)), "hf": engine}
     times: dict[tuple[str, str], float] = {}
+    tflops: dict[str, float] = {}
     exact_scores: dict[str, list[float]] = {}
     for name, judge in engines.items():
         exact = CaptionQAScorer(judge, tokenizer, estimator="exact")
         sample = CaptionQAScorer(judge, tokenizer, estimator="sample", qa_num=args.qa_num, max_new_tokens=10, seed=0)
         warm = samples[: max(2, len(samples) // 8)]
+        run_sample = name == "vllm" or args.hf_sample
         exact.score(warm)
-        sample.score(warm)
+        if run_sample:
+            sample.score(warm)
+        fed = count_decoder_tokens(judge) if name == "hf" else None
         times[name, "exact"], r_exact = timed(exact, samples, device)
         print(f"{name} exact: {times[name, 'exact']:.2f} s for {len(samples)} captions", flush=True)
-        times[name, "sample"], r_sample = timed(sample, samples, device)
-        print(f"{name} sample: {times[name, 'sample']:.2f} s for {len(samples)} captions", flush=True)
+        if fed is not None:
+            fed.remove()
+            flops = 2 * non_embedding_params(judge.model) * fed.tokens
+            tflops[name] = flops / times[name, "exact"] / 1e12
+            print(f"hf exact: {fed.tokens} tokens through the judge ({fed.tokens / len(samples):.0f} per caption), "
+                  f"{tflops[name]:.0f} TFLOP/s (2 x non-embedding parameters x tokens)", flush=True)
+        r_sample = []
+        if run_sample:
+            times[name, "sample"], r_sample = timed(sample, samples, device)
+            print(f"{name} sample: {times[name, 'sample']:.2f} s for {len(samples)} captions", flush=True)
         failed = [r.error for r in r_exact + r_sample if r.error is not None]
         if failed:
             raise SystemExit(f"{name}: {len(failed)} samples failed, first: {failed[0]}")
@@ -156,14 +189,14 @@ def main() -> None:
     drift = (max(abs(a - b) for a, b in zip(exact_scores["hf"], exact_scores["vllm"], strict=True))
              if "vllm" in engines else 0.0)
     prompt_tokens = len(CaptionQAScorer(engine, tokenizer).prompter.ids(samples[0].completion, "q"))
-    base = ("vllm", "sample") if "vllm" in engines else ("hf", "sample")
+    base = next(key for key in [("vllm", "sample"), ("hf", "sample"), ("hf", "exact")] if key in times)
     rate = {key: len(samples) / secs for key, secs in times.items()}
-    header = ["estimator", "engine", "judge calls", "seconds", "captions/s", f"vs sample ({base[0]})"]
+    header = ["estimator", "engine", "judge calls", "seconds", "captions/s", f"vs {base[1]} ({base[0]})"]
     label = {"sample": "sample (CapRL: qa_num draws, 10 sampled tokens)", "exact": "exact (letter probabilities)"}
     calls = {"sample": f"generate x{len(samples) * args.qa_num}", "exact": f"{len(samples) * args.questions} prefix+question scorings"}
     rows = [[label[est] + (" = CapRL++'s setup" if (name, est) == ("vllm", "sample") else ""), name, calls[est],
              f"{times[name, est]:.2f}", f"{rate[name, est]:.2f}", f"{rate[name, est] / rate[base]:.2f}x"]
-            for name in engines for est in ("sample", "exact")]
+            for name in engines for est in ("sample", "exact") if (name, est) in times]
     notes = (
         f"{len(samples)} captions x {args.questions} questions (4 options + cannot-answer), caption "
         f"{args.caption_tokens} tokens, full judge prompt ~{prompt_tokens} tokens; qa_num={args.qa_num}; "
@@ -172,6 +205,9 @@ def main() -> None:
         "gpu_memory_utilization 0.45, run first, then put to sleep), in the same process. Goals: exact (vLLM) >= 2x and exact (hf) >= 2x "
         "CapRL++'s setup (sample on vLLM)."
     )
+    if "hf" in tflops:
+        notes += (f" hf exact ({engine.score_attention} attention, score_token_budget {engine.score_token_budget}): "
+                  f"{tflops['hf']:.0f} TFLOP/s achieved (2 x non-embedding parameters x tokens fed to the judge).")
     if "vllm" in engines:
         notes += f" exact on vLLM vs on hf, every caption: max |reward difference| {drift:.4f} (bf16 kernels)."
     if args.smoke:

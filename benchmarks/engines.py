@@ -113,39 +113,74 @@ def roofline(model: torch.nn.Module, config: Qwen3Config, s: Sizes, device: torc
     return s.batch * bandwidth / (weight_bytes + s.batch * context * kv_per_token)
 
 
-def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int) -> list[list[object]]:
+def decode_profile(engine: HFEngine, prompts: list[list[int]], params: SamplingParams, steps: int) -> str:
+    """Where a decode step's time goes: one profiled `generate` of `steps` tokens (after the
+    timed runs, so graphs are captured), GPU kernel time per step by kernel name (top 12) and
+    the host's wall time per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    short = SamplingParams(temperature=params.temperature, max_new_tokens=steps, seed=0)
+    engine.generate(prompts, short)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        engine.generate(prompts, short)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.self_device_time_total for e in kernels)
+    lines = [f"profile of one generate of {len(prompts)} rows x {steps} tokens (prefill included): wall "
+             f"{wall * 1e3:.1f} ms, GPU kernels {gpu_us / 1e3:.1f} ms, i.e. {wall * 1e3 / steps:.2f} ms wall and "
+             f"{gpu_us / 1e3 / steps:.2f} ms of kernels per token step; top kernels (ms per step, calls per step):"]
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]:
+        lines.append(f"  {e.self_device_time_total / 1e3 / steps:7.3f} ms  {e.count / steps:6.1f}  {e.key[:110]}")
+    return "\n".join(lines)
+
+
+def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int, methods: set[str],
+                     notes: list[str]) -> list[list[object]]:
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, len(tokenizer), (s.batch, s.prompt), generator=gen)  # [B, T]
     tokens = s.batch * s.new
     rows: list[list[object]] = []
+    plain_s = float("nan")
 
     def plain(new: int = s.new) -> None:
         out = model.generate(input_ids=prompts.to(device), attention_mask=torch.ones_like(prompts, device=device),
                              max_new_tokens=new)
         assert out.shape[1] == s.prompt + new  # no EOS in the generation config: full length
 
-    plain_s = timed(plain, device, repeats, warmup=lambda: plain(8))
-    rows.append(["plain generate (dynamic cache, greedy)", f"{plain_s:.2f}", f"{tokens / plain_s:,.0f}", "1.00x"])
+    if "plain" in methods:
+        plain_s = timed(plain, device, repeats, warmup=lambda: plain(8))
+        rows.append(["plain generate (dynamic cache, greedy)", f"{plain_s:.2f}", f"{tokens / plain_s:,.0f}", "1.00x"])
     params = SamplingParams(temperature=1.0, max_new_tokens=s.new, seed=0)
     short_params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=0)
-    for compile_ in ([True, False] if device.type == "cuda" else [False]):
+    # (compiled, grouped decode attention): the engine as shipped, then the model's own sdpa
+    # attention (KV heads repeated to the query heads) for comparison, then eager
+    variants = [(True, True), (True, False), (False, True)] if device.type == "cuda" else [(False, True)]
+    for compile_, grouped in variants if "hf" in methods else []:
         engine = HFEngine(model, tokenizer, device=device, max_batch_size=s.batch, compile=compile_, stop_token_ids=[])
+        engine._grouped_decode = grouped
         try:
             # the compiled step is specialised to the cache shape, so it warms up at full length
             warm = None if compile_ else (lambda e=engine: e.generate(prompts.tolist(), short_params))
             secs = timed(lambda e=engine: e.generate(prompts.tolist(), params), device, repeats, warmup=warm)
-            label = f"HFEngine static cache, {'compiled' if compile_ else 'eager'} (T=1, log-probs)"
+            attention = "grouped decode attention" if grouped else "model's sdpa decode attention (repeat_kv)"
+            label = f"HFEngine static cache, {'compiled' if compile_ else 'eager'}, {attention} (T=1, log-probs)"
             rows.append([label, f"{secs:.2f}", f"{tokens / secs:,.0f}", f"{plain_s / secs:.2f}x"])
+            if compile_ and device.type == "cuda":
+                notes.append(f"{label}: " + decode_profile(engine, prompts.tolist(), params, steps=64))
         except Exception as exc:  # report, keep benchmarking the rest
-            rows.append([f"HFEngine compile={compile_}", "failed", repr(exc)[:120], ""])
+            rows.append([f"HFEngine compile={compile_} grouped={grouped}", "failed", repr(exc)[:120], ""])
         engine.close()
-    try:
-        config_cb = GenerationConfig(max_new_tokens=s.new, do_sample=False, eos_token_id=None, pad_token_id=0)
-        secs = timed(lambda: model.generate_batch(inputs=prompts.tolist(), generation_config=config_cb), device, repeats)
-        rows.append(["transformers generate_batch (continuous batching)", f"{secs:.2f}", f"{tokens / secs:,.0f}", f"{plain_s / secs:.2f}x"])
-    except Exception as exc:
-        rows.append(["transformers generate_batch", "failed", repr(exc)[:120], ""])
-    if device.type == "cuda" and importlib.util.find_spec("vllm") is not None:
+    if "batch" in methods:
+        try:
+            config_cb = GenerationConfig(max_new_tokens=s.new, do_sample=False, eos_token_id=None, pad_token_id=0)
+            secs = timed(lambda: model.generate_batch(inputs=prompts.tolist(), generation_config=config_cb), device, repeats)
+            rows.append(["transformers generate_batch (continuous batching)", f"{secs:.2f}", f"{tokens / secs:,.0f}", f"{plain_s / secs:.2f}x"])
+        except Exception as exc:
+            rows.append(["transformers generate_batch", "failed", repr(exc)[:120], ""])
+    if "vllm" in methods and device.type == "cuda" and importlib.util.find_spec("vllm") is not None:
         try:
             secs = bench_vllm(model, tokenizer, prompts, s, repeats)
             rows.append([f"vLLM {importlib.metadata.version('vllm')} (LLM.generate, CUDA graphs, T=1, log-probs)",
@@ -155,6 +190,10 @@ def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int) -
     bound = roofline(model, config, s, device)
     if bound is not None:
         rows.append(["decode roofline (docs/reference.md §5)", "", f"{bound:,.0f}", ""])
+    peer = next((float(str(r[2]).replace(",", "")) for r in rows if str(r[0]).startswith("vLLM") and r[1] != "failed"), None)
+    for r in rows:  # the ratio that matters: to vLLM measured in this run
+        rate = str(r[2]).replace(",", "")
+        r.append(f"{float(rate) / peer:.2f}x" if peer and r[1] not in ("", "failed") else "")
     return rows
 
 
@@ -253,15 +292,19 @@ def bench_scoring(model, tokenizer, s: Sizes, device, repeats: int, budgets: lis
     def per_caption() -> None:
         out["per_caption"] = torch.cat([engine.score_next_tokens(c, q, candidates) for c, q in items])
 
-    row("score_next_tokens, one call per caption (packed, batch 1)", timed(per_caption, device, repeats), out["per_caption"])
-    for budget in budgets:
-        engine.score_token_budget = budget
+    row(f"score_next_tokens, one call per caption ({engine.score_attention})", timed(per_caption, device, repeats),
+        out["per_caption"])
+    for attention in ["flex", "mask"] if device.type == "cuda" else ["mask", "flex"]:
+        engine.score_attention = attention
+        for budget in budgets:
+            engine.score_token_budget = budget
 
-        def batched() -> None:
-            out["batched"] = torch.cat(engine.score_next_tokens_batch(items, candidates))
+            def batched() -> None:
+                out["batched"] = torch.cat(engine.score_next_tokens_batch(items, candidates))
 
-        secs = timed(batched, device, repeats)
-        row(f"score_next_tokens_batch, all captions, packed, {budget:,} tokens/forward", secs, out["batched"])
+            secs = timed(batched, device, repeats)
+            how = ("flex_attention, rows end to end" if attention == "flex" else "dense 4-D mask, rows padded side by side")
+            row(f"score_next_tokens_batch, all captions, {how}, {budget:,} tokens/forward", secs, out["batched"])
     engine.close()
     return rows
 
@@ -271,6 +314,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shape on CPU; no RESULTS.md")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--only", choices=["generation", "scoring"], default=None, help="run one part only")
+    parser.add_argument("--methods", default="plain,hf,batch,vllm",
+                        help="generation rows to run, comma-separated: plain, hf (the engine variants), batch, vllm")
     args = parser.parse_args()
     sizes = SMOKE if args.smoke else FULL
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -283,9 +328,10 @@ def main() -> None:
     tables = []
     if args.only in (None, "generation"):
         title = f"rl-rollout engines: generation, {sizes.batch} prompts x {sizes.prompt} in, {sizes.new} out ({shape})"
-        header = ["method", "seconds", "tokens/s", "vs plain generate"]
-        rows = bench_generation(model, tokenizer, config, sizes, device, repeats)
-        tables.append((title, header, rows, "Goal: HFEngine >= 3x plain generate."))
+        header = ["method", "seconds", "tokens/s", "vs plain generate", "vs vLLM"]
+        notes: list[str] = []
+        rows = bench_generation(model, tokenizer, config, sizes, device, repeats, set(args.methods.split(",")), notes)
+        tables.append((title, header, rows, "\n\n".join(["Goals: HFEngine >= 3x plain generate, >= 0.75x vLLM.", *notes])))
     if args.only in (None, "scoring"):
         title = (f"rl-rollout engines: scoring, {sizes.captions} captions x ~{sizes.caption_len} tokens x "
                  f"{sizes.questions} questions x ~{sizes.question_len} tokens, {sizes.candidates} candidates ({shape})")

@@ -10,7 +10,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rl_rollout.hf import HFEngine, PackedRow, compute_packing_plan
+from rl_rollout.hf import (
+    HFEngine,
+    PackedRow,
+    compute_packing_plan,
+    pack_rows_flat,
+    shared_prefix_len,
+)
 from rl_rollout.protocol import BatchScoringEngine, Engine
 
 CANDIDATES = [200, 201, 202, 7, 639]
@@ -51,14 +57,53 @@ def assert_close(got: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
         assert torch.allclose(a, b, atol=1e-4), (i, (a - b).abs().max())
 
 
+# a system prompt every item starts with (the flex path runs it once per forward), one item
+# whose prefix is only that plus one token, and one empty suffix right after it
+SYSTEM = random_ids(21, 20)
+SHARED_ITEMS: list[tuple[list[int], list[list[int]]]] = [
+    (SYSTEM + random_ids(9, 21), [random_ids(4, 22), random_ids(2, 23)]),
+    (SYSTEM + random_ids(1, 24), [[], random_ids(5, 25)]),
+    (SYSTEM + random_ids(14, 26), [random_ids(1, 27), random_ids(8, 28), random_ids(3, 29)]),
+    (SYSTEM[:12] + random_ids(6, 30), [random_ids(3, 31)]),  # shares only 12 tokens with the rest
+]
+
+
+@pytest.mark.parametrize("attention", ["mask", "flex"])
 @pytest.mark.parametrize("budget", [16384, 40, 1])
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
-def test_batch_equals_full_sequence_scoring(qwen3_engine: HFEngine, budget: int, temperature: float) -> None:
+def test_batch_equals_full_sequence_scoring(qwen3_engine: HFEngine, budget: int, temperature: float, attention: str) -> None:
     """Budget 40 splits item 0 and 3 over several rows and forwards; budget 1 gives every
-    suffix its own row and forward."""
-    engine = HFEngine(qwen3_engine.model, qwen3_engine.tokenizer, score_token_budget=budget)
-    got = engine.score_next_tokens_batch(ITEMS, CANDIDATES, temperature=temperature)
-    assert_close(got, reference(engine.model, ITEMS, temperature))
+    suffix its own row and forward. flex runs uncompiled on the CPU (same masks and packing)."""
+    engine = HFEngine(qwen3_engine.model, qwen3_engine.tokenizer, score_token_budget=budget, score_attention=attention)
+    for items in (ITEMS, SHARED_ITEMS):
+        got = engine.score_next_tokens_batch(items, CANDIDATES, temperature=temperature)
+        assert_close(got, reference(engine.model, items, temperature))
+
+
+def test_flex_runs_the_shared_prefix_once_per_forward(qwen3_engine: HFEngine) -> None:
+    """The 12 tokens all four SHARED_ITEMS start with lead the packed sequence once; each item
+    then adds only its own prefix and suffixes, laid end to end (no padding between rows)."""
+    engine = HFEngine(qwen3_engine.model, qwen3_engine.tokenizer, score_attention="flex")
+    inputs: list[list[int]] = []
+    hook = engine.model.get_decoder().register_forward_pre_hook(
+        lambda _m, _a, kw: inputs.append(kw["input_ids"][0].tolist()), with_kwargs=True)
+    try:
+        engine.score_next_tokens_batch(SHARED_ITEMS, CANDIDATES)
+    finally:
+        hook.remove()
+    assert len(inputs) == 1 and len(inputs[0]) == 128  # one forward, padded to the smallest length
+    own = sum(len(p) - 12 + sum(map(len, ss)) for p, ss in SHARED_ITEMS)
+    assert inputs[0][:12] == SYSTEM[:12]
+    assert inputs[0][12 + own:] == [engine.pad_id] * (128 - 12 - own)
+    assert inputs[0].count(SYSTEM[0]) == SYSTEM[:12].count(SYSTEM[0])  # the shared part is not repeated
+
+
+def test_pack_rows_flat_and_the_shared_prefix() -> None:
+    rows = [PackedRow(0, (0,), 7), PackedRow(1, (0,), 5), PackedRow(2, (0, 1), 4), PackedRow(3, (0,), 12)]
+    assert pack_rows_flat(rows, 12) == [[rows[3]], [rows[0], rows[1]], [rows[2]]]  # 12 | 7+5 | 4
+    assert shared_prefix_len([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 3, 4, 7]]) == 3
+    assert shared_prefix_len([[1, 2, 3], [1, 2, 3, 4]]) == 2  # each prefix keeps one token of its own
+    assert shared_prefix_len([[5], [5]]) == 0 and shared_prefix_len([]) == 0
 
 
 def test_eager_attention_takes_the_additive_mask(qwen3_path: Path) -> None:

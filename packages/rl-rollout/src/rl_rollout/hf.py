@@ -16,6 +16,7 @@ from the model's own `get_rope_index`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,13 @@ from transformers import (
 from transformers.cache_utils import CacheLayerMixin
 
 from rl_models.vl import VL_MODEL_TYPES
+from rl_rollout.attention import (
+    FLEX_BLOCK,
+    GROUPED_DECODE,
+    PACKED_FLEX,
+    PackedBlockMasks,
+    attention_implementation,
+)
 from rl_rollout.prompts import EncodedPrompt, PromptBatch, encode_prompt, pad_batch
 from rl_rollout.protocol import Generation, Prompt, SamplingParams
 from rl_rollout.sampling import compute_logprobs, sample_next_tokens
@@ -97,6 +105,47 @@ def compute_packing_plan(
     return forwards
 
 
+def pack_rows_flat(rows: Sequence[PackedRow], token_budget: int) -> list[list[PackedRow]]:
+    """Group rows into forwards whose rows, laid end to end in one sequence, take at most
+    `token_budget` tokens (first fit, longest row first; a row longer than the budget gets a
+    forward of its own). For the flex path, where rows share one sequence and pad only its end."""
+    forwards: list[list[PackedRow]] = []
+    used: list[int] = []
+    for row in sorted(rows, key=lambda r: -r.length):
+        slot = next((i for i, n in enumerate(used) if n + row.length <= token_budget), None)
+        if slot is None:
+            forwards.append([row])
+            used.append(row.length)
+        else:
+            forwards[slot].append(row)
+            used[slot] += row.length
+    return forwards
+
+
+def shared_prefix_len(prefixes: Sequence[Sequence[int]]) -> int:
+    """Tokens every prefix starts with, leaving each prefix at least one token of its own (a
+    suffix that is empty reads its item's last prefix token)."""
+    if not prefixes:
+        return 0
+    limit = min(len(p) for p in prefixes) - 1
+    first = prefixes[0]
+    n = 0
+    while n < limit and all(p[n] == first[n] for p in prefixes):
+        n += 1
+    return n
+
+
+def _flex_length(tokens: int, token_budget: int) -> int:
+    """Padded length of a flex forward: a power of two from 128 up to the budget rounded to 128
+    (each length is one compiled kernel, so few lengths), or the next multiple of 128 for a row
+    longer than that."""
+    budget = -(-token_budget // FLEX_BLOCK) * FLEX_BLOCK
+    length = FLEX_BLOCK
+    while length < tokens and length < budget:
+        length *= 2
+    return max(min(length, budget), -(-tokens // FLEX_BLOCK) * FLEX_BLOCK)
+
+
 class EngineAsleepError(RuntimeError):
     """Raised when a sleeping or closed engine is asked to compute."""
 
@@ -116,6 +165,12 @@ class HFEngine:
     score_token_budget: tokens (rows x padded width) per scoring forward; bounds the activation
         and attention-mask memory of `score_next_tokens(_batch)`. ~16k saturates a large GPU on a
         4B model; lower it for small devices.
+    score_attention: how `score_next_tokens(_batch)` packs. `"flex"`: every item's rows laid end
+        to end in one sequence behind the tokens all prefixes share (a system prompt runs once
+        per forward), attention by `flex_attention` with a block mask, so masked blocks cost
+        nothing; the fast choice on CUDA. `"mask"`: rows padded side by side with a dense 4-D
+        mask through the model's sdpa/eager attention, each row repeating its prefix; for
+        devices where flex_attention is not compiled. `"auto"` (default): flex on CUDA.
     """
 
     def __init__(
@@ -129,6 +184,7 @@ class HFEngine:
         compile_mode: str = "reduce-overhead",
         stop_token_ids: Sequence[int] | None = None,
         score_token_budget: int = 16384,
+        score_attention: str = "auto",
     ) -> None:
         if max_batch_size < 1 or score_token_budget < 1:
             raise ValueError("max_batch_size and score_token_budget must be >= 1")
@@ -142,6 +198,9 @@ class HFEngine:
             self.processor, self.tokenizer = None, tokenizer_or_processor
         self.max_batch_size = max_batch_size
         self.score_token_budget = score_token_budget
+        if score_attention not in ("auto", "flex", "mask"):
+            raise ValueError(f"score_attention must be 'auto', 'flex' or 'mask', got {score_attention!r}")
+        self.score_attention = ("flex" if self.device.type == "cuda" else "mask") if score_attention == "auto" else score_attention
         self.max_context = int(model.config.get_text_config(decoder=True).max_position_embeddings)
         self.stop_token_ids = list(stop_token_ids) if stop_token_ids is not None else self._default_stop_ids()
         self.pad_id = self._pad_id()
@@ -151,11 +210,14 @@ class HFEngine:
         self._text_decoder = inner.language_model if model.config.model_type in VL_MODEL_TYPES else inner
         self._head = self.model.get_output_embeddings()
         self.compile_mode = compile_mode
+        # decode attention without repeated KV heads where the model's kernel takes 4-D masks
+        self._grouped_decode = self._text_decoder.config._attn_implementation in _MASKED_ATTENTION
         step = self._decode_step
         self._step = torch.compile(step, mode=compile_mode) if self.compile else step
         self._cache: StaticCache | None = None
         self._cache_key: tuple[int, int] = (0, 0)
         self._cache_released = False  # storage freed by release_cache, tensors kept
+        self._flex_masks: dict[int, PackedBlockMasks] = {}  # per packed length: one mask function, one kernel
         self.state = "awake"  # "awake" | "asleep" | "closed"
 
     @classmethod
@@ -290,7 +352,8 @@ class HFEngine:
         once the media are in the cache and whose graph breaks and cached state (`rope_deltas`)
         cost recompiles; text positions continue from `position_ids` (M-RoPE deltas included).
 
-        input_ids, position_ids: [B, 1]; attention_mask: [B, L] over the whole cache."""
+        input_ids, position_ids: [B, 1]; attention_mask: [B, L] over the whole cache, or with
+        grouped decode attention a boolean `[B, 1, 1, L]` of the slots each row may read."""
         hidden = self._text_decoder(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=cache, use_cache=True,
@@ -308,6 +371,9 @@ class HFEngine:
         cache = self._static_cache(bsz, width + steps)
         future = torch.ones(bsz, cache.get_max_length() - width, dtype=prompt_mask.dtype, device=dev)
         mask = torch.cat([prompt_mask, future], dim=1)  # [B, L]; later slots are hidden by causality
+        step_mask: torch.Tensor = mask
+        if self._grouped_decode:  # boolean key mask [B, 1, 1, L]; each step opens its own slot
+            step_mask = torch.cat([prompt_mask.bool(), torch.zeros_like(future, dtype=torch.bool)], dim=1)[:, None, None]
         positions, next_pos = self._prefill_positions(batch, input_ids, prompt_mask)
         media = {k: v.to(dev) for k, v in batch.media.items()}
         logits = self.model(
@@ -321,22 +387,27 @@ class HFEngine:
         done = torch.zeros(bsz, dtype=torch.bool, device=dev)  # [B]
         stopped = torch.zeros(bsz, dtype=torch.bool, device=dev)  # [B]
         watcher = _StopStringWatcher(self.tokenizer, params.stop, bsz) if params.stop else None
-        for t in range(steps):
-            tok, lp = sample_next_tokens(
-                logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generator=generator
-            )  # [B], [B]
-            tok = torch.where(done, self.pad_id, tok)  # [B]
-            tokens[:, t], logprobs[:, t] = tok, lp
-            hit = torch.isin(tok, stop_ids)  # [B]
-            if watcher is not None:
-                hit |= watcher.update(tok.tolist(), done.tolist()).to(dev)
-            newly = ~done & (hit | (t + 1 >= budgets))  # [B]
-            lengths = torch.where(newly, t + 1, lengths)
-            stopped |= newly & hit
-            done |= newly
-            if t + 1 == steps or ((t + 1) % _SYNC_EVERY == 0 and bool(done.all())):
-                break
-            logits = self._step(tok[:, None], mask, (next_pos + t)[:, None], cache)  # [B, V]
+        attention = (attention_implementation(self._text_decoder.config, GROUPED_DECODE)
+                     if self._grouped_decode else nullcontext())
+        with attention:
+            for t in range(steps):
+                tok, lp = sample_next_tokens(
+                    logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generator=generator
+                )  # [B], [B]
+                tok = torch.where(done, self.pad_id, tok)  # [B]
+                tokens[:, t], logprobs[:, t] = tok, lp
+                hit = torch.isin(tok, stop_ids)  # [B]
+                if watcher is not None:
+                    hit |= watcher.update(tok.tolist(), done.tolist()).to(dev)
+                newly = ~done & (hit | (t + 1 >= budgets))  # [B]
+                lengths = torch.where(newly, t + 1, lengths)
+                stopped |= newly & hit
+                done |= newly
+                if t + 1 == steps or ((t + 1) % _SYNC_EVERY == 0 and bool(done.all())):
+                    break
+                if self._grouped_decode:
+                    step_mask[:, 0, 0, width + t] = True  # the slot this step's token is written to
+                logits = self._step(tok[:, None], step_mask, (next_pos + t)[:, None], cache)  # [B, V]
         return _Decoded(tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist())
 
     # ------------------------------------------------------------------ scoring
@@ -378,11 +449,18 @@ class HFEngine:
         self._check_score_input(items, candidates, temperature)
         cand = torch.tensor(list(candidates), dtype=torch.long, device=self.device)  # [C]
         out = [torch.empty(len(suffixes), len(cand)) for _, suffixes in items]
-        plan = compute_packing_plan(
-            [len(prefix) for prefix, _ in items], [[len(s) for s in suffixes] for _, suffixes in items], self.score_token_budget
-        )
-        for rows in plan:
-            logits, keys = self._score_packed(items, rows)  # [n, V], n (item, suffix) pairs
+        suffix_lens = [[len(s) for s in suffixes] for _, suffixes in items]
+        shared = 0
+        if self.score_attention == "flex":
+            shared = shared_prefix_len([prefix for prefix, _ in items if prefix])
+            budget = max(1, self.score_token_budget - shared)
+            plan = compute_packing_plan([len(prefix) - shared for prefix, _ in items], suffix_lens, budget)
+            forwards = pack_rows_flat([row for rows in plan for row in rows], budget)
+        else:
+            forwards = compute_packing_plan([len(prefix) for prefix, _ in items], suffix_lens, self.score_token_budget)
+        for rows in forwards:
+            logits, keys = (self._score_flex(items, rows, shared) if self.score_attention == "flex"
+                            else self._score_packed(items, rows))  # [n, V], n (item, suffix) pairs
             scores = compute_logprobs(logits, temperature)[:, cand].cpu()  # [n, C]
             for (item, suffix), row in zip(keys, scores, strict=True):
                 out[item][suffix] = row
@@ -397,7 +475,7 @@ class HFEngine:
         bad = [c for c in candidates if not 0 <= c < vocab]
         if bad:
             raise ValueError(f"candidate token ids {bad} are outside the vocabulary [0, {vocab})")
-        if items and self.model.config._attn_implementation not in _MASKED_ATTENTION:
+        if items and self.score_attention == "mask" and self.model.config._attn_implementation not in _MASKED_ATTENTION:
             raise ValueError(
                 f"scoring packs suffixes with a custom 4-D attention mask, which attn_implementation "
                 f"{self.model.config._attn_implementation!r} does not take; load the model with one of {sorted(_MASKED_ATTENTION)}"
@@ -446,6 +524,54 @@ class HFEngine:
         ).last_hidden_state  # [B, T, H]
         picked = hidden.flatten(0, 1)[torch.tensor(ends, dtype=torch.long, device=dev)]  # [n, H]
         return self.model.get_output_embeddings()(picked), keys  # [n, V]
+
+    def _score_flex(
+        self, items: Sequence[tuple[list[int], Sequence[list[int]]]], rows: Sequence[PackedRow], shared: int
+    ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """One flex_attention forward over rows laid end to end in one sequence behind the
+        `shared` tokens every item's prefix starts with (those run once per forward): next-token
+        logits `[n, V]` at every suffix end, and the `(item, suffix)` of each logit row.
+
+        Token roles (see `packed_block_mask`): the shared tokens are seen by every later token;
+        row d's own prefix and suffixes are document d, segment 0 for the prefix and k for its
+        k-th suffix. Positions: shared and prefix continue, each suffix restarts at
+        `len(prefix)`. End padding sees only shared tokens and padding."""
+        first = items[rows[0].item][0]
+        ids, pos, doc, seg = list(first[:shared]), list(range(shared)), [-1] * shared, [0] * shared
+        ends: list[int] = []  # index of each suffix's last token in the sequence
+        keys: list[tuple[int, int]] = []
+        for d, row in enumerate(rows):
+            prefix, suffixes = items[row.item]
+            plen = len(prefix)
+            ids += prefix[shared:]
+            pos += range(shared, plen)
+            doc += [d] * (plen - shared)
+            seg += [0] * (plen - shared)
+            prefix_end = len(ids) - 1
+            for k, j in enumerate(row.suffixes, start=1):
+                suffix = suffixes[j]
+                ids += suffix
+                pos += range(plen, plen + len(suffix))
+                doc += [d] * len(suffix)
+                seg += [k] * len(suffix)
+                ends.append(len(ids) - 1 if suffix else prefix_end)  # an empty suffix reads the prefix's last token
+                keys.append((row.item, j))
+        length = _flex_length(len(ids), self.score_token_budget)
+        pad = length - len(ids)
+        dev = self.device
+        input_ids = torch.tensor(ids + [self.pad_id] * pad, dtype=torch.long, device=dev)[None]  # [1, N]
+        position_ids = torch.tensor(pos + [0] * pad, dtype=torch.long, device=dev)[None]  # [1, N]
+        masks = self._flex_masks.get(length)
+        if masks is None:
+            masks = self._flex_masks[length] = PackedBlockMasks(length, dev)
+        block_mask = masks.build(torch.tensor(doc + [len(rows)] * pad, dtype=torch.long, device=dev),
+                                 torch.tensor(seg + [-1] * pad, dtype=torch.long, device=dev), shared)  # doc, seg: [N]
+        with attention_implementation(self._text_decoder.config, PACKED_FLEX):
+            hidden = self._text_decoder(
+                input_ids=input_ids, attention_mask=block_mask, position_ids=position_ids, use_cache=False
+            ).last_hidden_state  # [1, N, H]
+        picked = hidden[0, torch.tensor(ends, dtype=torch.long, device=dev)]  # [n, H]
+        return self._head(picked), keys  # [n, V]
 
     def _packed_mask(self, segments: torch.Tensor) -> torch.Tensor:
         """Attention mask `[B, 1, T, T]` for packed rows from segment ids `[B, T]` (0 prefix,
