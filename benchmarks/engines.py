@@ -158,7 +158,8 @@ def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int, m
     # (compiled, grouped decode attention): the engine as shipped, then the model's own sdpa
     # attention (KV heads repeated to the query heads) for comparison, then eager
     variants = [(True, True), (True, False), (False, True)] if device.type == "cuda" else [(False, True)]
-    for compile_, grouped in variants if "hf" in methods else []:
+    variants = [v for i, v in enumerate(variants) if ("hf" in methods and i == 0) or ("hf-variants" in methods and i > 0)]
+    for compile_, grouped in variants:
         engine = HFEngine(model, tokenizer, device=device, max_batch_size=s.batch, compile=compile_, stop_token_ids=[])
         engine._grouped_decode = grouped
         try:
@@ -314,8 +315,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shape on CPU; no RESULTS.md")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--only", choices=["generation", "scoring"], default=None, help="run one part only")
-    parser.add_argument("--methods", default="plain,hf,batch,vllm",
-                        help="generation rows to run, comma-separated: plain, hf (the engine variants), batch, vllm")
+    parser.add_argument("--methods", default="plain,hf,hf-variants,batch,vllm",
+                        help="generation rows to run, comma-separated: plain, hf (the engine as shipped), hf-variants "
+                             "(compiled with the model's sdpa decode attention, and eager), batch, vllm")
     args = parser.parse_args()
     sizes = SMOKE if args.smoke else FULL
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
