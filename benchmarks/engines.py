@@ -168,7 +168,7 @@ def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int, m
             secs = timed(lambda e=engine: e.generate(prompts.tolist(), params), device, repeats, warmup=warm)
             attention = "grouped decode attention" if grouped else "model's sdpa decode attention (repeat_kv)"
             label = f"HFEngine static cache, {'compiled' if compile_ else 'eager'}, {attention} (T=1, log-probs)"
-            rows.append([label, f"{secs:.2f}", f"{tokens / secs:,.0f}", f"{plain_s / secs:.2f}x"])
+            rows.append([label, f"{secs:.2f}", f"{tokens / secs:,.0f}", (f"{plain_s / secs:.2f}x" if plain_s == plain_s else "")])
             if compile_ and device.type == "cuda":
                 notes.append(f"{label}: " + decode_profile(engine, prompts.tolist(), params, steps=64))
         except Exception as exc:  # report, keep benchmarking the rest
@@ -178,14 +178,14 @@ def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int, m
         try:
             config_cb = GenerationConfig(max_new_tokens=s.new, do_sample=False, eos_token_id=None, pad_token_id=0)
             secs = timed(lambda: model.generate_batch(inputs=prompts.tolist(), generation_config=config_cb), device, repeats)
-            rows.append(["transformers generate_batch (continuous batching)", f"{secs:.2f}", f"{tokens / secs:,.0f}", f"{plain_s / secs:.2f}x"])
+            rows.append(["transformers generate_batch (continuous batching)", f"{secs:.2f}", f"{tokens / secs:,.0f}", (f"{plain_s / secs:.2f}x" if plain_s == plain_s else "")])
         except Exception as exc:
             rows.append(["transformers generate_batch", "failed", repr(exc)[:120], ""])
     if "vllm" in methods and device.type == "cuda" and importlib.util.find_spec("vllm") is not None:
         try:
             secs = bench_vllm(model, tokenizer, prompts, s, repeats)
             rows.append([f"vLLM {importlib.metadata.version('vllm')} (LLM.generate, CUDA graphs, T=1, log-probs)",
-                         f"{secs:.2f}", f"{tokens / secs:,.0f}", f"{plain_s / secs:.2f}x"])
+                         f"{secs:.2f}", f"{tokens / secs:,.0f}", (f"{plain_s / secs:.2f}x" if plain_s == plain_s else "")])
         except Exception as exc:
             rows.append(["vLLM", "failed", repr(exc)[:160], ""])
     bound = roofline(model, config, s, device)
