@@ -137,10 +137,39 @@ def decode_profile(engine: HFEngine, prompts: list[list[int]], params: SamplingP
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class StopCase:
+    """The RL-like case: 4 batches of prompts whose completions end at a stop token, lengths
+    geometric (a stop token is drawn with probability ~1/`mean_new` per step under random
+    weights), capped at `Sizes.new`; rows that finish early leave the batch in vLLM, not in
+    HFEngine (whose chunk of `batch` rows runs until its longest row ends)."""
+
+    prompts: list[list[int]]
+    stops: list[int]
+
+
+def stop_case(tokenizer, s: Sizes, mean_new: int = 128) -> StopCase:
+    gen = torch.Generator().manual_seed(2)
+    prompts = torch.randint(10, len(tokenizer), (4 * s.batch, s.prompt), generator=gen).tolist()  # [4B, T]
+    stops = torch.randperm(len(tokenizer), generator=gen)[: max(1, len(tokenizer) // mean_new)].tolist()
+    return StopCase(prompts, stops)
+
+
+def bench_stop_case_hf(engine: HFEngine, case: StopCase, s: Sizes, device, repeats: int) -> tuple[float, int]:
+    """(median seconds, tokens generated) of HFEngine on the stop-token case."""
+    engine.stop_token_ids = case.stops
+    params = SamplingParams(temperature=1.0, max_new_tokens=s.new, seed=0)
+    out: list = []
+    secs = timed(lambda: out.__setitem__(slice(None), engine.generate(case.prompts, params)), device, repeats)
+    return secs, sum(len(g.completion_ids) for g in out)
+
+
 def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int, methods: set[str],
                      notes: list[str]) -> list[list[object]]:
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, len(tokenizer), (s.batch, s.prompt), generator=gen)  # [B, T]
+    case = stop_case(tokenizer, s)
+    stop_rows: list[list[object]] = []
     tokens = s.batch * s.new
     rows: list[list[object]] = []
     plain_s = float("nan")
@@ -171,6 +200,9 @@ def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int, m
             rows.append([label, f"{secs:.2f}", f"{tokens / secs:,.0f}", (f"{plain_s / secs:.2f}x" if plain_s == plain_s else "")])
             if compile_ and device.type == "cuda":
                 notes.append(f"{label}: " + decode_profile(engine, prompts.tolist(), params, steps=64))
+            if (compile_, grouped) == variants[0]:
+                secs, made = bench_stop_case_hf(engine, case, s, device, repeats)
+                stop_rows.append(["HFEngine (as above)", f"{secs:.2f}", f"{made:,}", f"{made / secs:,.0f}"])
         except Exception as exc:  # report, keep benchmarking the rest
             rows.append([f"HFEngine compile={compile_} grouped={grouped}", "failed", repr(exc)[:120], ""])
         engine.close()
@@ -183,14 +215,24 @@ def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int, m
             rows.append(["transformers generate_batch", "failed", repr(exc)[:120], ""])
     if "vllm" in methods and device.type == "cuda" and importlib.util.find_spec("vllm") is not None:
         try:
-            secs = bench_vllm(model, tokenizer, prompts, s, repeats)
+            secs, stop_secs, made = bench_vllm(model, tokenizer, prompts, case, s, repeats)
             rows.append([f"vLLM {importlib.metadata.version('vllm')} (LLM.generate, CUDA graphs, T=1, log-probs)",
                          f"{secs:.2f}", f"{tokens / secs:,.0f}", (f"{plain_s / secs:.2f}x" if plain_s == plain_s else "")])
+            stop_rows.append(["vLLM (as above, continuous batching)", f"{stop_secs:.2f}", f"{made:,}", f"{made / stop_secs:,.0f}"])
         except Exception as exc:
             rows.append(["vLLM", "failed", repr(exc)[:160], ""])
     bound = roofline(model, config, s, device)
     if bound is not None:
         rows.append(["decode roofline (docs/reference.md §5)", "", f"{bound:,.0f}", ""])
+    if stop_rows:
+        if len(stop_rows) == 2:
+            hf_rate, vllm_rate = (float(str(r[3]).replace(",", "")) for r in stop_rows)
+            stop_rows[0].append(f"{hf_rate / vllm_rate:.2f}x")
+            stop_rows[1].append("1.00x")
+        notes.append(
+            f"Stop-token case ({len(case.prompts)} prompts x {s.prompt} tokens, at most {s.new} new, {len(case.stops)} "
+            f"stop token ids so lengths are geometric with mean ~128, {s.batch} rows decoded together):\n\n"
+            + markdown_table(["engine", "seconds", "tokens generated", "tokens/s", "vs vLLM"][: len(stop_rows[0])], stop_rows))
     peer = next((float(str(r[2]).replace(",", "")) for r in rows if str(r[0]).startswith("vLLM") and r[1] != "failed"), None)
     for r in rows:  # the ratio that matters: to vLLM measured in this run
         rate = str(r[2]).replace(",", "")
@@ -198,8 +240,9 @@ def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int, m
     return rows
 
 
-def bench_vllm(model, tokenizer, prompts: torch.Tensor, s: Sizes, repeats: int) -> float:
-    """The same weights through `vllm.LLM` in this process: median seconds for the batch."""
+def bench_vllm(model, tokenizer, prompts: torch.Tensor, case: StopCase, s: Sizes, repeats: int) -> tuple[float, float, int]:
+    """The same weights through `vllm.LLM` in this process: median seconds for the batch, and
+    median seconds and tokens generated for the stop-token case."""
     import os
     import tempfile
 
@@ -220,8 +263,16 @@ def bench_vllm(model, tokenizer, prompts: torch.Tensor, s: Sizes, repeats: int) 
 
     secs = timed(run, torch.device("cuda"), repeats)
     assert all(len(o.outputs[0].token_ids) == s.new for o in outputs)
+    stop_requests = [{"prompt_token_ids": row} for row in case.prompts]
+    stop_params = vllm.SamplingParams(temperature=1.0, max_tokens=s.new, stop_token_ids=case.stops, logprobs=0, seed=0)
+
+    def run_stop() -> None:
+        outputs[:] = llm.generate(stop_requests, stop_params, use_tqdm=False)
+
+    stop_secs = timed(run_stop, torch.device("cuda"), repeats)
+    made = sum(len(o.outputs[0].token_ids) for o in outputs)
     torch.cuda.empty_cache()
-    return secs
+    return secs, stop_secs, made
 
 
 def baseline_scores(model, prompts: list[list[int]], candidates: list[int], device, batch: int) -> torch.Tensor:
@@ -346,7 +397,7 @@ def main() -> None:
         tables.append((title, header, rows, notes))
     for title, header, rows, notes in tables:
         if args.smoke:
-            print(f"{title}\n{markdown_table(header, rows)}\n")
+            print(f"{title}\n{markdown_table(header, rows)}\n\n{notes}\n")
         else:
             append_results(title, header, rows, notes=notes)  # prints the table too
 
