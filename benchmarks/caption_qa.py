@@ -206,8 +206,9 @@ def main() -> None:
         "CapRL++'s setup (sample on vLLM)."
     )
     if "hf" in tflops:
-        notes += (f" hf exact ({engine.score_attention} attention, score_token_budget {engine.score_token_budget}): "
-                  f"{tflops['hf']:.0f} TFLOP/s achieved (2 x non-embedding parameters x tokens fed to the judge).")
+        layers = "compiled" if engine.compile and not engine._scoring_compile_failed else "eager"
+        notes += (f" hf exact ({engine.score_attention} attention, {layers} decoder layers, score_token_budget "
+                  f"{engine.score_token_budget}): {tflops['hf']:.0f} TFLOP/s achieved (2 x non-embedding parameters x tokens fed to the judge).")
     if "vllm" in engines:
         notes += f" exact on vLLM vs on hf, every caption: max |reward difference| {drift:.4f} (bf16 kernels)."
     if args.smoke:

@@ -148,10 +148,12 @@ class StopCase:
     stops: list[int]
 
 
-def stop_case(tokenizer, s: Sizes, mean_new: int = 128) -> StopCase:
+def stop_case(tokenizer, vocab: int, s: Sizes, mean_new: int = 128) -> StopCase:
+    """Prompts from the tokenizer's ids; stop ids from the model's whole vocabulary (what random
+    weights sample from)."""
     gen = torch.Generator().manual_seed(2)
     prompts = torch.randint(10, len(tokenizer), (4 * s.batch, s.prompt), generator=gen).tolist()  # [4B, T]
-    stops = torch.randperm(len(tokenizer), generator=gen)[: max(1, len(tokenizer) // mean_new)].tolist()
+    stops = torch.randperm(vocab, generator=gen)[: max(1, vocab // mean_new)].tolist()
     return StopCase(prompts, stops)
 
 
@@ -168,7 +170,7 @@ def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int, m
                      notes: list[str]) -> list[list[object]]:
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, len(tokenizer), (s.batch, s.prompt), generator=gen)  # [B, T]
-    case = stop_case(tokenizer, s)
+    case = stop_case(tokenizer, config.vocab_size, s)
     stop_rows: list[list[object]] = []
     tokens = s.batch * s.new
     rows: list[list[object]] = []
@@ -192,15 +194,16 @@ def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int, m
         engine = HFEngine(model, tokenizer, device=device, max_batch_size=s.batch, compile=compile_, stop_token_ids=[])
         engine._grouped_decode = grouped
         try:
-            # the compiled step is specialised to the cache shape, so it warms up at full length
-            warm = None if compile_ else (lambda e=engine: e.generate(prompts.tolist(), short_params))
-            secs = timed(lambda e=engine: e.generate(prompts.tolist(), params), device, repeats, warmup=warm)
             attention = "grouped decode attention" if grouped else "model's sdpa decode attention (repeat_kv)"
             label = f"HFEngine static cache, {'compiled' if compile_ else 'eager'}, {attention} (T=1, log-probs)"
-            rows.append([label, f"{secs:.2f}", f"{tokens / secs:,.0f}", (f"{plain_s / secs:.2f}x" if plain_s == plain_s else "")])
-            if compile_ and device.type == "cuda":
-                notes.append(f"{label}: " + decode_profile(engine, prompts.tolist(), params, steps=64))
-            if (compile_, grouped) == variants[0]:
+            if "fixed" in methods:
+                # the compiled step is specialised to the cache shape, so it warms up at full length
+                warm = None if compile_ else (lambda e=engine: e.generate(prompts.tolist(), short_params))
+                secs = timed(lambda e=engine: e.generate(prompts.tolist(), params), device, repeats, warmup=warm)
+                rows.append([label, f"{secs:.2f}", f"{tokens / secs:,.0f}", (f"{plain_s / secs:.2f}x" if plain_s == plain_s else "")])
+                if compile_ and device.type == "cuda":
+                    notes.append(f"{label}: " + decode_profile(engine, prompts.tolist(), params, steps=64))
+            if (compile_, grouped) == variants[0] and "stop" in methods:
                 secs, made = bench_stop_case_hf(engine, case, s, device, repeats)
                 stop_rows.append(["HFEngine (as above)", f"{secs:.2f}", f"{made:,}", f"{made / secs:,.0f}"])
         except Exception as exc:  # report, keep benchmarking the rest
@@ -215,10 +218,12 @@ def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int, m
             rows.append(["transformers generate_batch", "failed", repr(exc)[:120], ""])
     if "vllm" in methods and device.type == "cuda" and importlib.util.find_spec("vllm") is not None:
         try:
-            secs, stop_secs, made = bench_vllm(model, tokenizer, prompts, case, s, repeats)
-            rows.append([f"vLLM {importlib.metadata.version('vllm')} (LLM.generate, CUDA graphs, T=1, log-probs)",
-                         f"{secs:.2f}", f"{tokens / secs:,.0f}", (f"{plain_s / secs:.2f}x" if plain_s == plain_s else "")])
-            stop_rows.append(["vLLM (as above, continuous batching)", f"{stop_secs:.2f}", f"{made:,}", f"{made / stop_secs:,.0f}"])
+            secs, stop_secs, made = bench_vllm(model, tokenizer, prompts, case, s, repeats, methods)
+            if "fixed" in methods:
+                rows.append([f"vLLM {importlib.metadata.version('vllm')} (LLM.generate, CUDA graphs, T=1, log-probs)",
+                             f"{secs:.2f}", f"{tokens / secs:,.0f}", (f"{plain_s / secs:.2f}x" if plain_s == plain_s else "")])
+            if "stop" in methods:
+                stop_rows.append(["vLLM (as above, continuous batching)", f"{stop_secs:.2f}", f"{made:,}", f"{made / stop_secs:,.0f}"])
         except Exception as exc:
             rows.append(["vLLM", "failed", repr(exc)[:160], ""])
     bound = roofline(model, config, s, device)
@@ -240,9 +245,10 @@ def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int, m
     return rows
 
 
-def bench_vllm(model, tokenizer, prompts: torch.Tensor, case: StopCase, s: Sizes, repeats: int) -> tuple[float, float, int]:
+def bench_vllm(model, tokenizer, prompts: torch.Tensor, case: StopCase, s: Sizes, repeats: int,
+               methods: set[str]) -> tuple[float, float, int]:
     """The same weights through `vllm.LLM` in this process: median seconds for the batch, and
-    median seconds and tokens generated for the stop-token case."""
+    median seconds and tokens generated for the stop-token case (nan / 0 where not in `methods`)."""
     import os
     import tempfile
 
@@ -261,16 +267,19 @@ def bench_vllm(model, tokenizer, prompts: torch.Tensor, case: StopCase, s: Sizes
     def run() -> None:
         outputs[:] = llm.generate(requests, params, use_tqdm=False)
 
-    secs = timed(run, torch.device("cuda"), repeats)
-    assert all(len(o.outputs[0].token_ids) == s.new for o in outputs)
+    secs, stop_secs, made = float("nan"), float("nan"), 0
+    if "fixed" in methods:
+        secs = timed(run, torch.device("cuda"), repeats)
+        assert all(len(o.outputs[0].token_ids) == s.new for o in outputs)
     stop_requests = [{"prompt_token_ids": row} for row in case.prompts]
     stop_params = vllm.SamplingParams(temperature=1.0, max_tokens=s.new, stop_token_ids=case.stops, logprobs=0, seed=0)
 
     def run_stop() -> None:
         outputs[:] = llm.generate(stop_requests, stop_params, use_tqdm=False)
 
-    stop_secs = timed(run_stop, torch.device("cuda"), repeats)
-    made = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if "stop" in methods:
+        stop_secs = timed(run_stop, torch.device("cuda"), repeats)
+        made = sum(len(o.outputs[0].token_ids) for o in outputs)
     torch.cuda.empty_cache()
     return secs, stop_secs, made
 
@@ -339,7 +348,7 @@ def bench_scoring(model, tokenizer, s: Sizes, device, repeats: int, budgets: lis
         rows.append([label, f"{secs:.2f}", f"{len(full) / secs:,.1f}", f"{base_s / secs:.2f}x", f"{vs_base:.2e}", f"{vs_32:.2e}"])
 
     row("independent full prompts (batched 32, logits_to_keep=1)", base_s, base)
-    engine = HFEngine(model, tokenizer, device=device, compile=False)
+    engine = HFEngine(model, tokenizer, device=device)  # compiled layers for flex scoring on CUDA
 
     def per_caption() -> None:
         out["per_caption"] = torch.cat([engine.score_next_tokens(c, q, candidates) for c, q in items])
@@ -366,9 +375,10 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shape on CPU; no RESULTS.md")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--only", choices=["generation", "scoring"], default=None, help="run one part only")
-    parser.add_argument("--methods", default="plain,hf,hf-variants,batch,vllm",
+    parser.add_argument("--methods", default="plain,hf,hf-variants,batch,vllm,fixed,stop",
                         help="generation rows to run, comma-separated: plain, hf (the engine as shipped), hf-variants "
-                             "(compiled with the model's sdpa decode attention, and eager), batch, vllm")
+                             "(compiled with the model's sdpa decode attention, and eager), batch, vllm; and the "
+                             "workloads of hf and vllm: fixed (every row to full length), stop (the stop-token case)")
     args = parser.parse_args()
     sizes = SMOKE if args.smoke else FULL
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")

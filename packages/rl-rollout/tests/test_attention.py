@@ -64,6 +64,11 @@ def test_packed_block_mask_keeps_every_visible_pair_and_drops_the_rest() -> None
     assert dense.any(dim=1).all()  # no query without a key (no NaN rows)
     blocks = dense.view(5, 128, 5, 128).any(dim=3).any(dim=1)  # [5, 5] blocks holding a visible pair
     assert torch.equal(mask.to_dense()[0, 0].bool(), blocks)
+    full = torch.zeros(5, 5, dtype=torch.bool)  # blocks listed as wholly visible
+    for qb in range(5):
+        full[qb, mask.full_kv_indices[0, 0, qb, : mask.full_kv_num_blocks[0, 0, qb]].long()] = True
+    every = dense.view(5, 128, 5, 128).all(dim=3).all(dim=1)  # [5, 5] blocks whose pairs are all visible
+    assert full.any() and not (full & ~every).any()  # some, and only wholly visible ones
     assert not blocks.all()  # some blocks are skipped
     again = masks.build(torch.zeros(640, dtype=torch.long), torch.zeros(640, dtype=torch.long), 0)  # one causal row
     assert again.mask_mod is mask.mask_mod  # one mask function per length: the compiled kernel is reused
@@ -74,6 +79,7 @@ def test_packed_block_mask_keeps_every_visible_pair_and_drops_the_rest() -> None
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning")  # inductor's hint, raised as an error otherwise
 def test_compiled_paths_on_a_gpu_equal_the_references(qwen3_path: Path) -> None:
     """On CUDA (bf16, the tiny model with head_dim 16, the fused flex kernel's minimum): compiled
     flex scoring equals the dense-mask scoring and is not recompiled for new items of the same
@@ -88,8 +94,12 @@ def test_compiled_paths_on_a_gpu_equal_the_references(qwen3_path: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     engine = HFEngine(model, AutoTokenizer.from_pretrained(qwen3_path), device="cuda")
     assert engine.score_attention == "flex" and engine.compile and engine._grouped_decode
-    for i, items in enumerate((ITEMS, SHARED_ITEMS)):
-        with torch._dynamo.config.patch(error_on_recompile=i > 0):  # both pad to 128 tokens: one kernel
+    system = torch.randint(10, 600, (300,), generator=torch.Generator().manual_seed(40)).tolist()
+    ids = lambda n, seed: torch.randint(10, 600, (n,), generator=torch.Generator().manual_seed(seed)).tolist()  # noqa: E731
+    # rows over several 128-token blocks: full blocks (shared, own prefix) and partial ones
+    long_items = [(system + ids(260 + 40 * i, i), [ids(30 + 7 * j, 100 * i + j) for j in range(4)]) for i in range(5)]
+    for i, items in enumerate((ITEMS, SHARED_ITEMS, long_items)):
+        with torch._dynamo.config.patch(error_on_recompile=i == 1):  # as ITEMS, 128 tokens: the same kernel
             flex = engine.score_next_tokens_batch(items, CANDIDATES)
         engine.score_attention = "mask"
         mask = engine.score_next_tokens_batch(items, CANDIDATES)

@@ -193,6 +193,7 @@ def test_compiled_replay_matches_the_compiled_rollout_and_eager_gradients() -> N
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning")  # inductor's hint, raised as an error otherwise
 @pytest.mark.parametrize("compile", [False, True])
 def test_sampling_never_waits_for_the_gpu(compile: bool) -> None:
     """After a warm-up call (compiling, caching the unconditional embeddings), a whole `sample`

@@ -114,7 +114,8 @@ class PackedBlockMasks:
     `seg` 0 for a row's prefix, k for its k-th suffix, -1 for padding. A key is visible to a
     query when causal and either shared or in the query's row and in the prefix or the query's
     segment. A block pair is kept when it can hold a visible key (causal, and the key block
-    holds shared tokens or the two blocks' row ranges overlap); the token rule applies inside.
+    holds shared tokens or the two blocks' row ranges overlap); the token rule applies inside,
+    except in blocks known to be wholly visible (listed as full blocks, where flex skips it).
 
     The rule reads this object's fixed buffers, so every mask of this length carries the same
     mask function: the compiled flex kernel is reused. A new closure per call would recompile
@@ -152,10 +153,23 @@ class PackedBlockMasks:
         overlap = (low[:, None] <= high[None, :]) & (low[None, :] <= high[:, None])  # [nb q, nb k]
         holds_shared = index[None, :] * FLEX_BLOCK < shared  # [1, nb k]
         live = (index[None, :] <= index[:, None]) & (overlap | holds_shared)  # [nb q, nb k]
-        order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)  # live key blocks first, ascending
+        # full blocks (every pair visible: the kernel skips the rule there): a key block before
+        # the query block that is all shared tokens, or all prefix of the one row the query block is in
+        segs = self.seg.view(-1, FLEX_BLOCK)  # [nb, 128]
+        prefix_only = (segs.min(dim=1).values == 0) & (segs.max(dim=1).values == 0)  # [nb]
+        one_row = low == high  # [nb]
+        same_row = one_row[:, None] & one_row[None, :] & (low[:, None] == low[None, :])  # [nb q, nb k]
+        shared_only = (index + 1) * FLEX_BLOCK <= shared  # [nb]
+        full = (index[None, :] < index[:, None]) & (shared_only[None, :] | (same_row & prefix_only[None, :]))
+        partial = live & ~full  # [nb q, nb k]
+
+        def listed(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            order = torch.argsort((~blocks).to(torch.int8), dim=1, stable=True)  # listed blocks first, ascending
+            return blocks.sum(dim=1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
+
         return BlockMask.from_kv_blocks(
-            live.sum(dim=1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None],
-            BLOCK_SIZE=FLEX_BLOCK, mask_mod=self.visible, seq_lengths=(self.length, self.length),
+            *listed(partial), *listed(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=self.visible,
+            seq_lengths=(self.length, self.length),
         )
 
 
