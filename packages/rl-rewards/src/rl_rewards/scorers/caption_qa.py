@@ -275,6 +275,13 @@ class QAPrompter:
     def ids(self, caption: str, text: str) -> list[int]:
         return self.tokenizer(self.render(caption, text), add_special_tokens=False)["input_ids"]
 
+    def ids_batch(self, pairs: Sequence[tuple[str, str]]) -> list[list[int]]:
+        """`ids` of many (caption, text) pairs in one tokenizer call (a fast tokenizer encodes a
+        batch on several threads: ~1,000 judge prompts of ~1,300 tokens take seconds one by one)."""
+        if not pairs:
+            return []
+        return list(self.tokenizer([self.render(c, t) for c, t in pairs], add_special_tokens=False)["input_ids"])
+
     def letter_ids(self) -> list[int]:
         """Token id of " A", " B", ... as the judge would write it right after the prompt;
         checks that appending a letter never re-tokenizes the prompt."""
@@ -328,9 +335,9 @@ def _aggregate(plan: _ExactPlan, logprobs: torch.Tensor) -> ScoreResult:
 def _common_prefix_len(rows: Sequence[list[int]]) -> int:
     """Longest common prefix, leaving at least one suffix token per row."""
     n = min(len(r) for r in rows) - 1
-    first = rows[0]
+    low, high = min(rows), max(rows)  # the common prefix of all rows is that of the extremes
     for i in range(n):
-        if any(r[i] != first[i] for r in rows):
+        if low[i] != high[i]:
             return i
     return n
 
@@ -394,22 +401,38 @@ class CaptionQAScorer:
             return self._exact_batch(samples, parsed)
         return self._sample(samples, parsed)
 
+    def _plans(self, captions: dict[int, tuple[str, list[Question]]]) -> dict[int, _ExactPlan]:
+        """`_plan` of every caption, all prompts tokenized in one call."""
+        texts = {i: self._question_texts(qs) for i, (_, qs) in captions.items()}
+        pairs = [(captions[i][0], text) for i, (ts, _) in texts.items() for text in ts]
+        ids = iter(self.prompter.ids_batch(pairs))
+        return {i: self._plan_rows(variants, [next(ids) for _ in ts], len(captions[i][1]))
+                for i, (ts, variants) in texts.items()}
+
     def _plan(self, caption: str, questions: list[Question]) -> _ExactPlan:
-        """Every question (x permutations) as token ids after the shared prefix of the caption."""
-        variants = []  # (question index, gold position, number of letters)
-        rows = []
+        """Every question (x permutations) of one caption as token ids after their shared prefix."""
+        return self._plans({0: (caption, questions)})[0]
+
+    def _question_texts(self, questions: list[Question]) -> tuple[list[str], list[tuple[int, int, int]]]:
+        """Every question x permutation as text, with its (question index, gold position, number
+        of letters)."""
+        texts, variants = [], []
         for qi, q in enumerate(questions):
             n = len(q.options)
             for k in range(min(self.permutations, n)):
                 text, gold = question_text(q, [(j + k) % n for j in range(n)])
-                rows.append(self.prompter.ids(caption, text))
+                texts.append(text)
                 variants.append((qi, gold, n + 1))
+        return texts, variants
+
+    def _plan_rows(self, variants: list[tuple[int, int, int]], rows: list[list[int]], num_questions: int) -> _ExactPlan:
+        """The plan of one caption from its prompts' token ids (`rows`, one per variant)."""
         cut = _common_prefix_len(rows)
         return _ExactPlan(
             prefix=rows[0][:cut],
             suffixes=[r[cut:] for r in rows],
             variants=variants,
-            num_questions=len(questions),
+            num_questions=num_questions,
             width=max(v[2] for v in variants),
         )
 
@@ -417,8 +440,8 @@ class CaptionQAScorer:
         """One engine call for the whole batch when the engine packs several prefixes together
         (`BatchScoringEngine`); otherwise, or if that call fails, one call per caption so a bad
         sample (e.g. longer than the judge's context) fails alone."""
-        plans = {i: self._plan(s.completion, q) for i, (s, q) in enumerate(zip(samples, parsed, strict=True))
-                 if not isinstance(q, ScoreResult)}
+        plans = self._plans({i: (s.completion, q) for i, (s, q) in enumerate(zip(samples, parsed, strict=True))
+                             if not isinstance(q, ScoreResult)})
         results: list[ScoreResult | None] = [p if isinstance(p, ScoreResult) else None for p in parsed]
         if plans and isinstance(self.engine, BatchScoringEngine):
             width = max(plan.width for plan in plans.values())
@@ -447,16 +470,17 @@ class CaptionQAScorer:
         return _aggregate(plan, logprobs)
 
     def _sample(self, samples: Sequence[Sample], parsed: list) -> list[ScoreResult]:
-        prompts, golds, owners = [], [], []
+        pairs, golds, owners = [], [], []
         for i, (sample, questions) in enumerate(zip(samples, parsed, strict=True)):
             if isinstance(questions, ScoreResult):
                 continue
             for _ in range(self.qa_num):
                 q = self.rng.choice(questions)
                 text, gold = question_text(q, self.rng.sample(range(len(q.options)), len(q.options)))
-                prompts.append(self.prompter.ids(sample.completion, text))
+                pairs.append((sample.completion, text))
                 golds.append(LETTERS[gold])
                 owners.append(i)
+        prompts = self.prompter.ids_batch(pairs)
         params = SamplingParams(
             temperature=self.temperature, top_p=1.0, max_new_tokens=self.max_new_tokens,
             seed=self.rng.randrange(2**31) if self.seeded else None,
