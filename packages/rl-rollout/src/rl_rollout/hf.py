@@ -6,6 +6,9 @@ and the decode step has static shapes. On CUDA the decode step is compiled with
 `torch.compile` (text decoder + LM head only; `compile_mode="reduce-overhead"` adds CUDA graphs),
 which removes the per-layer launch overhead that dominates decode at batch sizes below ~128.
 Pick `compile=False` for short one-off generations where compile time does not pay back.
+Decode attention reads each KV head once for its query-head group (`rl_rollout.attention`),
+instead of transformers' sdpa copy of the KV heads whenever rows are padded: 2.4x the compiled
+decode throughput at Qwen3-4B shape on an H100.
 
 Requests are left-padded; positions count real tokens only, so a padded row computes exactly
 what it would alone. Qwen-VL requests (chat messages with images/videos) go through the
