@@ -10,7 +10,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from rl_rollout import SamplingParams
 from rl_rollout.attention import PackedBlockMasks, grouped_decode_attention
-from rl_rollout.hf import HFEngine
+from rl_rollout.hf import HFEngine, swapped_forwards
 
 PROMPTS = [[11, 12, 13, 14, 15], "the cat sat on", [{"role": "user", "content": "Describe a red square."}]]
 
@@ -75,6 +75,19 @@ def test_packed_block_mask_keeps_every_visible_pair_and_drops_the_rest() -> None
     assert torch.equal(again.to_dense()[0, 0].bool(), torch.ones(5, 5, dtype=torch.bool).tril())
     with pytest.raises(ValueError, match="multiple of 128"):
         PackedBlockMasks(600, "cpu")
+
+
+def test_swapped_forwards_restore_class_and_instance_forwards() -> None:
+    """How the engine runs compiled layers for scoring: inside, the given forwards; after (also
+    on error), a module's own instance forward (a trainer's compiled layer) or its class's."""
+    plain, own = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    own.forward = lambda x: x + 1  # as rl_models.compile_decoder_layers sets one per layer
+    before = own.forward
+    with pytest.raises(RuntimeError, match="boom"), swapped_forwards([plain, own], [lambda x: "a", lambda x: "b"]):
+        assert plain(torch.ones(2)) == "a" and own(torch.ones(2)) == "b"
+        raise RuntimeError("boom")
+    assert "forward" not in plain.__dict__ and own.forward is before
+    assert plain(torch.zeros(1, 2)).shape == (1, 2)
 
 
 @pytest.mark.gpu

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from types import MethodType
 from typing import Any
 
 import torch
@@ -149,6 +150,23 @@ def _flex_length(tokens: int, token_budget: int) -> int:
     while length < tokens and length < budget:
         length *= 2
     return max(min(length, budget), -(-tokens // FLEX_BLOCK) * FLEX_BLOCK)
+
+
+@contextmanager
+def swapped_forwards(modules: Sequence[torch.nn.Module], forwards: Sequence[Any]) -> Iterator[None]:
+    """Run with `modules[i].forward = forwards[i]`, then give each module back the forward it
+    had: its class's, or one set on the instance before (e.g. compiled layers)."""
+    saved = [module.__dict__.get("forward") for module in modules]
+    for module, forward in zip(modules, forwards, strict=True):
+        module.forward = forward
+    try:
+        yield
+    finally:
+        for module, own in zip(modules, saved, strict=True):
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
 
 
 class EngineAsleepError(RuntimeError):
@@ -544,7 +562,7 @@ class HFEngine:
         `shared` tokens every item's prefix starts with (those run once per forward): next-token
         logits `[n, V]` at every suffix end, and the `(item, suffix)` of each logit row.
 
-        Token roles (see `packed_block_mask`): the shared tokens are seen by every later token;
+        Token roles (see `PackedBlockMasks`): the shared tokens are seen by every later token;
         row d's own prefix and suffixes are document d, segment 0 for the prefix and k for its
         k-th suffix. Positions: shared and prefix continue, each suffix restarts at
         `len(prefix)`. End padding sees only shared tokens and padding."""
@@ -608,25 +626,17 @@ class HFEngine:
     def _compiled_layers(self) -> Iterator[None]:
         """With `compile` on a GPU: run the decoder layers `torch.compile`d for this block (fused
         norms, rotary, activations: a third of an eager scoring forward's GPU time at 16k
-        tokens), then restore them. One compiled wrapper per layer, made once per engine; a
-        model that brings its own compiled layers gets them back afterwards."""
+        tokens), then restore them. One compiled wrapper per layer, made once per engine from the
+        layer class's own `forward`; a model that brings its own compiled layers
+        (`rl_models.compile_decoder_layers`) gets them back afterwards."""
         if not (self.compile and self.device.type == "cuda"):
             yield
             return
         layers = decoder_layers(self.model)
         if self._scoring_layers is None:
-            self._scoring_layers = [torch.compile(layer.forward, dynamic=False) for layer in layers]
-        saved = [layer.__dict__.get("forward") for layer in layers]
-        for layer, compiled in zip(layers, self._scoring_layers, strict=True):
-            layer.forward = compiled
-        try:
+            self._scoring_layers = [torch.compile(MethodType(type(layer).forward, layer), dynamic=False) for layer in layers]
+        with swapped_forwards(list(layers), self._scoring_layers):
             yield
-        finally:
-            for layer, own in zip(layers, saved, strict=True):
-                if own is None:
-                    del layer.forward
-                else:
-                    layer.forward = own
 
     def _packed_mask(self, segments: torch.Tensor) -> torch.Tensor:
         """Attention mask `[B, 1, T, T]` for packed rows from segment ids `[B, T]` (0 prefix,
