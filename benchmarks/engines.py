@@ -181,6 +181,9 @@ def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int, m
                              max_new_tokens=new)
         assert out.shape[1] == s.prompt + new  # no EOS in the generation config: full length
 
+    def vs_plain(secs: float) -> str:
+        return f"{plain_s / secs:.2f}x" if "plain" in methods else ""
+
     if "plain" in methods:
         plain_s = timed(plain, device, repeats, warmup=lambda: plain(8))
         rows.append(["plain generate (dynamic cache, greedy)", f"{plain_s:.2f}", f"{tokens / plain_s:,.0f}", "1.00x"])
@@ -200,7 +203,7 @@ def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int, m
                 # the compiled step is specialised to the cache shape, so it warms up at full length
                 warm = None if compile_ else (lambda e=engine: e.generate(prompts.tolist(), short_params))
                 secs = timed(lambda e=engine: e.generate(prompts.tolist(), params), device, repeats, warmup=warm)
-                rows.append([label, f"{secs:.2f}", f"{tokens / secs:,.0f}", (f"{plain_s / secs:.2f}x" if plain_s == plain_s else "")])
+                rows.append([label, f"{secs:.2f}", f"{tokens / secs:,.0f}", vs_plain(secs)])
                 if compile_ and device.type == "cuda":
                     notes.append(f"{label}: " + decode_profile(engine, prompts.tolist(), params, steps=64))
             if (compile_, grouped) == variants[0] and "stop" in methods:
@@ -213,7 +216,7 @@ def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int, m
         try:
             config_cb = GenerationConfig(max_new_tokens=s.new, do_sample=False, eos_token_id=None, pad_token_id=0)
             secs = timed(lambda: model.generate_batch(inputs=prompts.tolist(), generation_config=config_cb), device, repeats)
-            rows.append(["transformers generate_batch (continuous batching)", f"{secs:.2f}", f"{tokens / secs:,.0f}", (f"{plain_s / secs:.2f}x" if plain_s == plain_s else "")])
+            rows.append(["transformers generate_batch (continuous batching)", f"{secs:.2f}", f"{tokens / secs:,.0f}", vs_plain(secs)])
         except Exception as exc:
             rows.append(["transformers generate_batch", "failed", repr(exc)[:120], ""])
     if "vllm" in methods and device.type == "cuda" and importlib.util.find_spec("vllm") is not None:
@@ -221,7 +224,7 @@ def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int, m
             secs, stop_secs, made = bench_vllm(model, tokenizer, prompts, case, s, repeats, methods)
             if "fixed" in methods:
                 rows.append([f"vLLM {importlib.metadata.version('vllm')} (LLM.generate, CUDA graphs, T=1, log-probs)",
-                             f"{secs:.2f}", f"{tokens / secs:,.0f}", (f"{plain_s / secs:.2f}x" if plain_s == plain_s else "")])
+                             f"{secs:.2f}", f"{tokens / secs:,.0f}", vs_plain(secs)])
             if "stop" in methods:
                 stop_rows.append(["vLLM (as above, continuous batching)", f"{stop_secs:.2f}", f"{made:,}", f"{made / stop_secs:,.0f}"])
         except Exception as exc:

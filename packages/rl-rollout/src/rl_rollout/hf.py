@@ -134,9 +134,9 @@ def shared_prefix_len(prefixes: Sequence[Sequence[int]]) -> int:
     if not prefixes:
         return 0
     limit = min(len(p) for p in prefixes) - 1
-    first = prefixes[0]
+    low, high = min(map(list, prefixes)), max(map(list, prefixes))  # all share what the extremes share
     n = 0
-    while n < limit and all(p[n] == first[n] for p in prefixes):
+    while n < limit and low[n] == high[n]:
         n += 1
     return n
 
