@@ -71,10 +71,9 @@ def main() -> None:
     plan = resolve_sharding(acc, "fsdp2", mixed_precision=args.mixed_precision, cpu_offload=offload, activation_checkpointing=True)
     model = build(config)
     params = sum(p.numel() for p in model.parameters())
-    full = FullWeights(model)
+    full = FullWeights(model, device=acc.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     policy, optimizer, _ = prepare_policy(acc, Policy(model), optimizer, None, plan)
-    full.model.to(acc.device)
     prompt = 256 if not args.tiny else 16
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=acc.device)  # [B, T]
     mask = torch.ones_like(ids)

@@ -4,6 +4,7 @@
     python benchmarks/multi_gpu.py --only caption        # one app (repeatable): caption ~3 min, rider ~2 min,
                                                          #   diffusion ~2.5 min (estimates: never run on GPUs)
     python benchmarks/multi_gpu.py --out DIR/RESULTS.md --logs DIR/logs   # append there; keep each run's log
+    python benchmarks/multi_gpu.py --only caption --caption-kind FSDP2     # caption-rl: reference + FSDP2 runs only
     python benchmarks/multi_gpu.py --cpu                 # same pipeline, tiny models, 2 gloo processes; prints only
 
 (`uv run python ...` or the workspace venv's python: the children run with the same interpreter.)
@@ -101,6 +102,7 @@ class Bench:
     runs: Path  # run directories (their checkpoints deleted after each run)
     logs: Path  # each run's output and metrics.csv
     deadline: float  # time.monotonic() after which no run starts
+    caption_kinds: tuple[str, ...] = ("DDP", "FSDP2")  # the 2-process caption-rl runs (keys of CAPTION_CONFIGS)
     failures: list[str] = field(default_factory=list)
 
 
@@ -211,13 +213,13 @@ def value(row: dict[str, str], key: str) -> float:
     return float(text) if text else math.nan
 
 
-def measured(rows: list[dict[str, str]]) -> list[dict[str, str]]:
+def measured(rows: list[dict[str, str]], warmup: int = WARMUP) -> list[dict[str, str]]:
     """The rows after the warm-up (all of them when there are no more)."""
-    return rows[WARMUP:] or rows
+    return rows[warmup:] or rows
 
 
-def mean_of(rows: list[dict[str, str]], per_row: Callable[[dict[str, str]], float]) -> float:
-    return statistics.fmean(per_row(r) for r in measured(rows))
+def mean_of(rows: list[dict[str, str]], per_row: Callable[[dict[str, str]], float], warmup: int = WARMUP) -> float:
+    return statistics.fmean(per_row(r) for r in measured(rows, warmup))
 
 
 def efficiency(two_gpu_per_s: float, one_gpu_per_s: float) -> str:
@@ -257,6 +259,7 @@ class Scaling:
     per_s: Callable[[Row, int], float]  # (metrics row, GPUs) -> throughput of that step
     step_s: Callable[[Row], float]  # seconds of that step (listed in the notes, warm-up included)
     columns: dict[str, Callable[[Row, int], float]]  # more figures, e.g. seconds per phase
+    warmup: int = WARMUP  # steps left out of the means
 
 
 def scaling_table(bench: Bench, spec: Scaling) -> tuple[list[str], list[list[str]], str]:
@@ -269,9 +272,9 @@ def scaling_table(bench: Bench, spec: Scaling) -> tuple[list[str], list[list[str
             rows.append([label, str(gpus), *["failed"] * (len(header) - 2)])
             continue
         table = metric_rows(run_dir)
-        per_s = mean_of(table, lambda r, g=gpus: spec.per_s(r, g))
+        per_s = mean_of(table, lambda r, g=gpus: spec.per_s(r, g), spec.warmup)
         baseline = per_s if gpus == 1 else baseline
-        cells = [fmt(mean_of(table, lambda r, f=f, g=gpus: f(r, g))) for f in spec.columns.values()]
+        cells = [fmt(mean_of(table, lambda r, f=f, g=gpus: f(r, g), spec.warmup)) for f in spec.columns.values()]
         rows.append([label, str(gpus), *cells, fmt(per_s), "baseline" if gpus == 1 else efficiency(per_s, baseline)])
         steps.append(f"{label}: {[round(spec.step_s(r), 2) for r in table]}")
     return header, rows, "; ".join(steps)
@@ -291,6 +294,11 @@ CAPTION_CONFIGS = {"DDP": "ddp.yaml", "FSDP2": "fsdp2_1node.yaml"}
 EQUAL_KEYS = ("reward/mean", "reward/std", "adv/std", "loss/policy", "grad_norm", "entropy", "response/length_mean")
 
 
+def caption_configs(bench: Bench) -> dict[str, str]:
+    """The 2-process caption-rl runs this invocation makes: kind -> accelerate config file."""
+    return {kind: CAPTION_CONFIGS[kind] for kind in bench.caption_kinds}
+
+
 def caption_equality(bench: Bench) -> Table:
     """One RL step: 1 process x 4 prompts vs 2 processes x 2 prompts (DDP, FSDP2)."""
     from safetensors.torch import load_file
@@ -304,7 +312,7 @@ def caption_equality(bench: Bench) -> Table:
             "train.micro_batch_size=3", "train.max_steps=1", "train.eval_freq=0", "train.save_freq=100"]
     exact = {"NVIDIA_TF32_OVERRIDE": "0"}  # cuBLAS / cuDNN: no TF32 in float32 matmuls and convolutions
     runs = {"1 process x 4 prompts (reference)": Launch("caption-rl", "equal-one", step, env=exact)}
-    for kind, config in CAPTION_CONFIGS.items():
+    for kind, config in caption_configs(bench).items():
         runs[f"{kind}, 2 processes x 2 prompts"] = Launch("caption-rl", f"equal-{kind.lower()}", step, procs=2,
                                                           accelerate_config=config, gpus="0,1", env=exact)
     dirs = {label: try_launch(bench, run) for label, run in runs.items()}
@@ -324,7 +332,7 @@ def caption_equality(bench: Bench) -> Table:
              "(NVIDIA_TF32_OVERRIDE=0), hf engine, rollouts seeded per prompt (rollout.per_prompt_seeds), rule "
              "reward (apps/caption-rl/tests/rule_reward.toml), 4 prompts x 4 captions of 8 tokens, micro-batches of "
              "3, lr 1e-4: the CPU test's setup. 2-process runs launched with examples/caption-rl/accelerate/"
-             f"{{{', '.join(CAPTION_CONFIGS.values())}}} (--num_processes 2). Metrics compared: {', '.join(EQUAL_KEYS)}; "
+             f"{{{', '.join(caption_configs(bench).values())}}} (--num_processes 2). Metrics compared: {', '.join(EQUAL_KEYS)}; "
              "weights: the exported checkpoints, every tensor. Tolerance: metrics |Δ| ≤ "
              f"{metric_tol:g}, weights |Δ| ≤ {weight_tol:g} (the CPU test: 2e-05 / 5e-06); the 2-process "
              "micro-batches have other shapes, so kernels round differently.")
@@ -367,7 +375,7 @@ def caption_throughput(bench: Bench) -> Table:
                 "train.eval_freq=0", "train.save_freq=1000000", "train.export=false", "algo.replay_tolerance=0.5"]
 
     runs = {"1 GPU": (1, Launch("caption-rl", "speed-1gpu", overrides(1)))}
-    for kind, config in CAPTION_CONFIGS.items():
+    for kind, config in caption_configs(bench).items():
         runs[f"{kind}, 2 GPUs"] = (2, Launch("caption-rl", f"speed-{kind.lower()}", overrides(2), procs=2,
                                              accelerate_config=config, gpus="0,1"))
     captions = prompts * n  # per GPU per step
@@ -387,9 +395,10 @@ def caption_throughput(bench: Bench) -> Table:
              f"the GPU; {steps} steps, mean after the first {WARMUP}. tokens/s: (prompt + caption tokens) / step "
              "seconds, all GPUs (the app's throughput/tokens_per_s x world size). Scaling efficiency: 2-GPU "
              "tokens/s / (2 x 1-GPU tokens/s); the 1-GPU run is unsharded for both. Launch: "
-             "examples/caption-rl/accelerate/{ddp,fsdp2_1node}.yaml with --num_processes 2. Seconds per step, "
+             f"examples/caption-rl/accelerate/{{{', '.join(caption_configs(bench).values())}}} with --num_processes 2. "
+             "Seconds per step, "
              f"warm-up included: {per_step}.")
-    return Table("caption-rl on 2 GPUs: DDP and FSDP2 scaling", header, rows, notes)
+    return Table(f"caption-rl on 2 GPUs: {' and '.join(bench.caption_kinds)} scaling", header, rows, notes)
 
 
 # ------------------------------------------------------------------------------ rider-grm
@@ -408,7 +417,10 @@ def rider_throughput(bench: Bench) -> Table:
     policy = random_checkpoint(bench.root / "rider-policy", SHAPE_SMOKE if bench.cpu else SHAPE_1_7B, 0)
     judge = random_checkpoint(bench.root / "rider-judge", SHAPE_SMOKE if bench.cpu else QWEN3_0_6B, 1)
     release_gpu()
-    prompts, n, tokens, judge_tokens, steps = (2, 2, 8, (8, 4), 2) if bench.cpu else (4, 4, 128, (32, 8), 3)
+    prompts, n, tokens, judge_tokens, steps = (2, 2, 8, (8, 4), 3) if bench.cpu else (4, 4, 128, (32, 8), 4)
+    # the first two steps are warm-up: step 1 creates the Adam state, step 2's swap is the first to
+    # move it to (newly pinned) host buffers
+    warmup = 2
     judges = ", ".join(
         f'{{name = "{name}", module = "rl_rewards.judges.{name}", model = "{judge}", prompt = "prompt", '
         f'weight = {weight}, max_new_tokens = {new}, engine = "hf", engine_options = {{compile = false}}}}'
@@ -419,7 +431,8 @@ def rider_throughput(bench: Bench) -> Table:
                 f"reward.judges=[{judges}]", 'reward.swap="always"', "reward.embedding.model=null",
                 "reward.rule=rider_rules:compute_score", f"data.max_response_length={tokens}", f"rollout.n={n}",
                 f"train.batch_size={prompts * world}", f"train.mini_batch_size={prompts * world}",
-                "train.micro_batch_size=8", "train.lr=1e-6", f"train.max_steps={steps}", "train.save_freq=1000",
+                "train.micro_batch_size=8", "train.lr=1e-6", f"train.max_steps={steps}", "train.epochs=100",
+                "train.save_freq=1000",
                 "train.print_summary=false", "train.val_before_train=false", "algo.replay_tolerance=0.5",
                 "rollout.max_batch_size=64"]
 
@@ -434,14 +447,15 @@ def rider_throughput(bench: Bench) -> Table:
             "generate s": lambda r, _: value(r, "time/generate"),
             "reward s (judges + swaps)": lambda r, _: value(r, "time/reward"),
             "swap s": lambda r, _: swap_seconds({k: float(v) for k, v in r.items() if k.startswith("time/") and v}),
-            "update s": lambda r, _: value(r, "time/update")}))
+            "update s": lambda r, _: value(r, "time/update")}, warmup=warmup))
     shapes = "tiny smoke shapes" if bench.cpu else "policy at Qwen3-1.7B shape, judges at Qwen3-0.6B shape"
     notes = (f"rider-grm, random weights ({shapes}), {'float32' if bench.cpu else 'bf16'}; two judges "
              f"(rl_rewards.judges.rubric / yes_no, {judge_tokens[0]}/{judge_tokens[1]} new tokens, hf engines, not "
              "compiled) with reward.swap=always: on every GPU the policy (weights + Adam state) goes to the host "
              "while each judge is woken, scores and sleeps. "
              f"{prompts} prompts x n={n} x {tokens} response tokens per GPU per step, one optimizer step per RL "
-             f"step, KL loss to the reference; {steps} steps, mean after the first {WARMUP}. s/step sums the "
+             f"step, KL loss to the reference; {steps} steps, mean after the first {warmup} (step 1 creates the "
+             "Adam state, step 2's swap first moves it to pinned host buffers). s/step sums the "
              f"phases {', '.join(PHASES)} (the last step's validation is outside it). Scaling efficiency: 2-GPU "
              "responses/s / (2 x 1-GPU responses/s). 2 GPUs: examples/rider-grm/accelerate/ddp_1node.yaml, "
              f"--num_processes 2. Seconds per step, warm-up included: {per_step}.")
@@ -533,6 +547,9 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="tiny models, 2 gloo processes on the CPU; prints only")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS.md", help="results file to append to")
     parser.add_argument("--logs", type=Path, help="keep each run's output and metrics.csv here (default: deleted)")
+    parser.add_argument("--caption-kind", action="append", choices=list(CAPTION_CONFIGS),
+                        help="caption-rl's 2-process runs: only this kind (repeatable; default: all); the "
+                             "1-process reference always runs")
     args = parser.parse_args()
     if not args.cpu and torch.cuda.device_count() < 2:
         raise SystemExit(f"needs 2 GPUs, sees {torch.cuda.device_count()}; --cpu runs the tiny pipeline on the CPU")
@@ -541,7 +558,8 @@ def main() -> None:
             tempfile.TemporaryDirectory(prefix="multi_gpu-runs-", dir=runs_parent()) as runs:
         logs = args.logs or Path(tmp) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        bench = Bench(cpu=args.cpu, root=Path(tmp), runs=Path(runs), logs=logs, deadline=began + BUDGET_S)
+        bench = Bench(cpu=args.cpu, root=Path(tmp), runs=Path(runs), logs=logs, deadline=began + BUDGET_S,
+                      caption_kinds=tuple(args.caption_kind or CAPTION_CONFIGS))
         print(f"run directories in {runs}, logs in {logs}", flush=True)
         for part in args.only or list(PARTS):
             for measure in PARTS[part]:

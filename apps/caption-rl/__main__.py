@@ -112,7 +112,7 @@ def setup(cfg: Config, resume: str | None) -> Run:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.lr,
                                   weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (t.warmup_steps + 1)))
-    full = FullWeights(model) if plan.sharded else None  # the engine's (and export's) copy, filled when used
+    full = FullWeights(model, device=acc.device) if plan.sharded else None  # the engine's (and export's) copy, filled when used
     policy, optimizer, scheduler = prepare_policy(acc, Policy(model), optimizer, scheduler, plan)
     engine = build_engine(engine_kind, full.model if full is not None else acc.unwrap_model(policy).model, processor,
                           path=policy_path, dtype=cfg.model.dtype,

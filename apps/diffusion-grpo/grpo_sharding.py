@@ -45,7 +45,7 @@ def prepare_transformer(acc: Accelerator, t: TrainConfig, engine: DiffusionEngin
     weights are there only inside `whole_weights`)."""
     plan = resolve_sharding(acc, t.sharding, mixed_precision=t.fsdp_mixed_precision, cpu_offload=t.fsdp_cpu_offload,
                             activation_checkpointing=t.fsdp_activation_checkpointing)
-    full = FullWeights(peft) if plan.sharded else None  # before sharding: a copy of the unsharded structure
+    full = FullWeights(peft, device=acc.device) if plan.sharded else None  # before sharding: a copy of the unsharded structure
     model, optimizer, _ = prepare_policy(acc, peft, optimizer, None, plan)
     if full is not None:
         engine.pipeline.transformer = cast(PeftModel, full.model).get_base_model()  # the copy's LoRA-injected transformer

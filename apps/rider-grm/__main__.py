@@ -228,7 +228,7 @@ def setup(cfg: Config, resume: str | None) -> tuple[Parts, GroupSampler, list[Ju
     train = load_records(cfg.data.train_files, tokenizer, cfg.data, reads)
     val = load_records(cfg.data.val_files or cfg.data.train_files, tokenizer, cfg.data, reads)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    full = FullWeights(model) if plan.sharded else None  # the engine's copy, filled per rollout (hf) or push (vllm)
+    full = FullWeights(model, device=acc.device) if plan.sharded else None  # the engine's copy, filled per rollout (hf) or push (vllm)
     policy, optimizer, _ = prepare_policy(acc, Policy(model), optimizer, None, plan)
     monitor = PhaseMonitor(acc.device)
     engine, judges, swap = build_engines(cfg, acc, engine_kind, policy, full, tokenizer, optimizer, policy_path,

@@ -2,8 +2,9 @@
 FSDP2 (`prepare_policy(ShardingPlan("fsdp2"))`) over 2 processes holding 3 and 5 of the 8 sequences.
 
 Writes `result.pt` (rank 0): the reduced update stats, the gradient norms, the full weights after
-two optimizer steps (`full_state_dict`) and those gathered by `FullWeights`; and checks on every
-rank that a sharded checkpoint taken after step 1 resumes step 2 bit-identically.
+two optimizer steps (`full_state_dict`), those gathered by `FullWeights` and the devices they were
+gathered to; and checks on every rank that a sharded checkpoint taken after step 1 resumes step 2
+bit-identically.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ out = Path(sys.argv[1])
 acc = Accelerator(cpu=not torch.cuda.is_available())  # the gpu test launches one CUDA process
 rows = list(range(8)) if acc.num_processes == 1 else [0, 1, 2] if acc.process_index == 0 else [3, 4, 5, 6, 7]
 model = make_model()
-full = FullWeights(model)
+full = FullWeights(model, device=acc.device)
 optimizer, scheduler = make_optimizer(model)
 model, optimizer, scheduler = prepare_policy(acc, model, optimizer, scheduler, ShardingPlan("fsdp2"))
 assert is_sharded(model) and (acc.num_processes == 1 or len(model.head.weight.to_local()) < len(model.head.weight))
@@ -41,6 +42,7 @@ after = {n: p.to_local().clone() for n, p in model.named_parameters()}
 weights = full_state_dict(model)
 with full.gathered() as copy:
     gathered = {n: p.detach().clone() for n, p in copy.named_parameters()}
+    devices = sorted({str(t.device) for t in [*copy.parameters(), *copy.buffers()]})
 assert all(p.numel() == 0 for p in full.model.parameters()), "gathered weights not freed"
 load_checkpoint(out / "checkpoints" / "checkpoint-1", state=sharded_state(model, optimizer), accelerator=acc)
 train(acc, model, optimizer, scheduler, rows, 1)
@@ -49,6 +51,6 @@ for n, p in model.named_parameters():
 if acc.is_main_process:
     gathered = {n: w.cpu() for n, w in gathered.items()}
     torch.save({"stats": stats2, "norms": norms + norms2, "weights": weights, "gathered": gathered,
-                "gather_seconds": full.pop_metrics()["time/weight_gather"]}, out / "result.pt")
+                "gathered_devices": devices, "gather_seconds": full.pop_metrics()["time/weight_gather"]}, out / "result.pt")
 acc.wait_for_everyone()
 torch.distributed.destroy_process_group()

@@ -68,6 +68,7 @@ def test_fsdp2_on_two_processes_equals_one_unsharded_process_and_resumes_exactly
         torch.testing.assert_close(got["weights"][name], w, atol=1e-6, rtol=0, msg=name)
         torch.testing.assert_close(got["gathered"][name], w, atol=1e-6, rtol=0, msg=name)
     assert got["gather_seconds"] > 0
+    assert got["gathered_devices"] == ["cpu"]
 
 
 def test_layers_are_the_no_split_blocks_outermost_first():
@@ -103,7 +104,8 @@ fsdp_config:
 def test_fsdp2_world_size_one_on_a_gpu_through_accelerates_plugin_equals_the_unsharded_update(tmp_path: Path):
     """`accelerate launch` with an FSDP2 config on one GPU: Accelerate's FSDP plugin is on
     (distributed type FSDP), `prepare_policy` shards with its settings; the update equals the
-    unsharded CPU one (pinned), and the sharded checkpoint resumes bit-identically (in the script)."""
+    unsharded CPU one (pinned), the sharded checkpoint resumes bit-identically (in the script), and
+    the full weights are gathered onto the GPU."""
     config = tmp_path / "fsdp2.yaml"
     config.write_text(FSDP2_CONFIG)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPT.parent), os.environ.get("PYTHONPATH", "")])}
@@ -116,3 +118,6 @@ def test_fsdp2_world_size_one_on_a_gpu_through_accelerates_plugin_equals_the_uns
     assert got["stats"]["loss/policy"] == pytest.approx(PINNED_LOSS, abs=1e-5)
     assert got["norms"] == pytest.approx(PINNED_NORMS, abs=1e-4)
     assert checksum(got["weights"]) == pytest.approx(PINNED_CHECKSUM, abs=1e-2)
+    # the rollout's copy is gathered onto the GPU, though the model was built on the CPU (a copy
+    # left on the CPU made 2-GPU caption-rl runs decode on the host)
+    assert got["gathered_devices"] == ["cuda:0"]

@@ -8,7 +8,7 @@ recipe) splits weights, gradients and optimizer state over the processes, so eac
 of them plus one decoder layer unsharded at a time.
 
     plan = resolve_sharding(acc, "fsdp2", cpu_offload=False, ...)
-    full = FullWeights(model)                 # before prepare_policy: an empty copy of `model`
+    full = FullWeights(model, device=acc.device)  # before prepare_policy: an empty copy of `model`
     policy, optimizer, scheduler = prepare_policy(acc, Policy(model), optimizer, scheduler, plan)
     with full.gathered() as weights:          # per rollout: every rank gets the whole model
         engine.generate(...)                  # the hf engine decodes from `weights`
@@ -244,18 +244,21 @@ class FullWeights:
     """An unsharded copy of a sharded model for whatever needs whole weights: the rollout engine
     (the `hf` engine decodes from it; a vLLM engine is fed from it through `load_weights`) and the
     plain export. Build it from the model BEFORE sharding: it is a structural copy whose
-    parameters are empty until `gathered()`; buffers are copied.
+    parameters are empty until `gathered()`; buffers are copied. `device` is where the copy
+    lives and the weights are gathered to: the rollout's device (`accelerator.device`), wherever
+    the model was loaded (a policy loaded on the CPU and sharded onto a GPU must still decode on
+    the GPU).
 
     `gathered()` all-gathers the current weights into the copy on every process (in the copy's
     dtypes: bf16 rollout weights from fp32 master weights) and empties it again on exit, so the
     update has that memory back. `pop_metrics()` returns the gathers' wall time since the last
     call as `time/weight_gather`."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, device: torch.device | str) -> None:
         memo: dict[int, Any] = {
-            id(p): torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=False)
+            id(p): torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=device), requires_grad=False)
             for p in model.parameters()}
-        self.model = copy.deepcopy(model, memo)
+        self.model = copy.deepcopy(model, memo).to(device)  # the buffers (rotary tables, ...) too
         self.source = model
         self.seconds = 0.0  # gather time not yet popped
 
