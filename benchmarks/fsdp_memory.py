@@ -37,11 +37,14 @@ from rl_models.shapes import qwen3_config
 from rl_rollout.training import Policy
 
 
-def build(config: Qwen3Config) -> torch.nn.Module:
-    """Random bf16 weights on the CPU (the shape is what matters), no download."""
+def build(config: Qwen3Config, device: torch.device) -> torch.nn.Module:
+    """Random bf16 weights (the shape is what matters), no download. Drawn on `device`: the
+    host's normal_ is one serial generator (~45 s for 8.2B values), a GPU's takes well under a
+    second; with offload, sharding moves the weights to the host."""
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
-    model = model.to_empty(device="cpu").to(torch.bfloat16)
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model = model.to_empty(device=device)
+    torch.manual_seed(0)  # the same weights on every process
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02)
@@ -60,7 +63,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="sequences per micro-batch")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
-    offload = cuda and not args.no_offload
+    offload = not args.no_offload  # on a CPU (--tiny) the same code path, with nothing to pin
     if args.tiny:
         config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -69,11 +72,14 @@ def main() -> None:
         config = qwen3_config("8b")
     acc = Accelerator(cpu=not cuda, **accelerator_kwargs(sharding="fsdp2", cpu_offload=offload))
     plan = resolve_sharding(acc, "fsdp2", mixed_precision=args.mixed_precision, cpu_offload=offload, activation_checkpointing=True)
-    model = build(config)
+    began = time.perf_counter()
+    model = build(config, acc.device)
     params = sum(p.numel() for p in model.parameters())
     full = FullWeights(model, device=acc.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    policy, optimizer, _ = prepare_policy(acc, Policy(model), optimizer, None, plan)
+    policy, optimizer, _ = prepare_policy(acc, Policy(model), optimizer, None, plan)  # offload: fused host AdamW
+    acc.print(f"built and sharded in {time.perf_counter() - began:.0f} s ({params / 1e9:.2f}B parameters, "
+              f"{acc.num_processes} process(es), offload {offload})")
     prompt = 256 if not args.tiny else 16
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=acc.device)  # [B, T]
     mask = torch.ones_like(ids)
@@ -94,6 +100,7 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - began)
+        acc.print(f"optimizer step {len(times)}: {times[-1]:.1f} s")
     peak_update = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     with full.gathered() as copy:
         gather = full.pop_metrics()["time/weight_gather"]
@@ -102,7 +109,7 @@ def main() -> None:
     world = acc.num_processes
     per_param = 16 if args.mixed_precision == "bf16" else 8  # weights + gradients + 2 Adam moments (+ bf16 copy)
     row = [f"Qwen3-{'tiny' if args.tiny else '8B'} ({params / 1e9:.2f}B)", world,
-           "shards+Adam on host" if offload else "on GPU", f"{params * per_param / 2**30:.0f}",
+           "shards+Adam on host" if offload else "on the GPU", f"{params * per_param / 2**30:.0f}",
            f"{peak_update:.1f}", f"{times[-1]:.2f}", f"{gather:.2f}", f"{held:.1f}", f"{peak_gather:.1f}"]
     header = ["policy", "GPUs", "FSDP2 shards", "unsharded need, GiB (weights+grads+Adam)", "peak GPU GiB, update",
               "step s", "gather s", "gathered GiB", "peak GPU GiB, gather"]

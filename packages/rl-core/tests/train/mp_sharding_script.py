@@ -3,8 +3,8 @@ FSDP2 (`prepare_policy(ShardingPlan("fsdp2"))`) over 2 processes holding 3 and 5
 
 Writes `result.pt` (rank 0): the reduced update stats, the gradient norms, the full weights after
 two optimizer steps (`full_state_dict`), those gathered by `FullWeights` and the devices they were
-gathered to; and checks on every rank that a sharded checkpoint taken after step 1 resumes step 2
-bit-identically.
+gathered to; on a CPU, the same two steps with `cpu_offload` (fused AdamW); and checks on every
+rank that a sharded checkpoint taken after step 1 resumes step 2 bit-identically.
 """
 
 from __future__ import annotations
@@ -48,9 +48,19 @@ load_checkpoint(out / "checkpoints" / "checkpoint-1", state=sharded_state(model,
 train(acc, model, optimizer, scheduler, rows, 1)
 for n, p in model.named_parameters():
     assert torch.equal(p.to_local(), after[n]), f"resumed step differs at {n}"
+offload = {}
+if not torch.cuda.is_available():  # on a GPU offload needs a gloo group beside NCCL (accelerator_kwargs)
+    model = make_model()
+    optimizer, scheduler = make_optimizer(model)
+    model, optimizer, scheduler = prepare_policy(acc, model, optimizer, scheduler, ShardingPlan("fsdp2", cpu_offload=True))
+    train(acc, model, optimizer, scheduler, rows, 1)
+    stats_o, norms_o = train(acc, model, optimizer, scheduler, rows, 1)
+    offload = {"stats": stats_o, "norms": norms_o, "weights": full_state_dict(model),
+               "fused": optimizer.param_groups[0]["fused"]}
 if acc.is_main_process:
     gathered = {n: w.cpu() for n, w in gathered.items()}
     torch.save({"stats": stats2, "norms": norms + norms2, "weights": weights, "gathered": gathered,
-                "gathered_devices": devices, "gather_seconds": full.pop_metrics()["time/weight_gather"]}, out / "result.pt")
+                "gathered_devices": devices, "gather_seconds": full.pop_metrics()["time/weight_gather"],
+                "offload": offload}, out / "result.pt")
 acc.wait_for_everyone()
 torch.distributed.destroy_process_group()

@@ -16,7 +16,7 @@ from accelerate import Accelerator
 from sharding_case import checksum, make_model, make_optimizer, train
 
 from rl_core.train import ShardingPlan, UserError, prepare_policy, shard_model
-from rl_core.train.sharding import layer_modules
+from rl_core.train.sharding import fused_on_host, layer_modules
 
 SCRIPT = Path(__file__).with_name("mp_sharding_script.py")
 # one unsharded process, all 8 sequences, two steps: recorded from that run (a regression pin); the
@@ -69,6 +69,39 @@ def test_fsdp2_on_two_processes_equals_one_unsharded_process_and_resumes_exactly
         torch.testing.assert_close(got["gathered"][name], w, atol=1e-6, rtol=0, msg=name)
     assert got["gather_seconds"] > 0
     assert got["gathered_devices"] == ["cpu"]
+    # cpu_offload: the same update through the fused host AdamW (equal within float rounding)
+    offload = got["offload"]
+    assert offload["fused"] is True
+    assert offload["stats"]["loss/policy"] == pytest.approx(PINNED_LOSS, abs=1e-6)
+    assert offload["norms"][-1] == pytest.approx(PINNED_NORMS[-1], abs=1e-5)
+    for name, w in weights.items():
+        torch.testing.assert_close(offload["weights"][name], w, atol=1e-6, rtol=0, msg=name)
+
+
+def test_fused_on_host_steps_as_adamw_built_fused_and_leaves_other_optimizers():
+    grads = [torch.randn(3, 5, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+    def run(fused: bool, switch: bool) -> tuple[torch.Tensor, torch.optim.Optimizer]:
+        weight = torch.nn.Parameter(torch.ones(3, 5))
+        optimizer = torch.optim.AdamW([weight], lr=0.1, weight_decay=0.1, fused=fused or None)
+        assert fused_on_host(optimizer) is switch
+        for g in grads:
+            weight.grad = g.clone()
+            optimizer.step()
+        return weight.detach(), optimizer
+
+    switched, optimizer = run(fused=False, switch=True)
+    built_fused, _ = run(fused=True, switch=True)
+    assert optimizer.param_groups[0]["fused"] and not optimizer.param_groups[0]["foreach"]
+    assert torch.equal(switched, built_fused)
+    default = torch.nn.Parameter(torch.ones(3, 5))
+    plain = torch.optim.AdamW([default], lr=0.1, weight_decay=0.1)
+    for g in grads:
+        default.grad = g.clone()
+        plain.step()
+    torch.testing.assert_close(switched, default.detach(), atol=1e-6, rtol=0)
+    assert not torch.equal(switched, torch.ones(3, 5))  # the steps moved the weights
+    assert fused_on_host(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)) is False
 
 
 def test_layers_are_the_no_split_blocks_outermost_first():
