@@ -10,6 +10,7 @@ to host memory, one optimizer step on a random token batch runs through
 bf16 weights as the rollout would.
 
     uv run torchrun --nproc_per_node 1 benchmarks/fsdp_memory.py          # one GPU (appends RESULTS.md)
+    uv run torchrun --nproc_per_node 1 benchmarks/fsdp_memory.py --mixed-precision none   # host < ~130 GiB
     uv run torchrun --nproc_per_node 2 benchmarks/fsdp_memory.py          # per GPU, 2 GPUs
     uv run torchrun --nproc_per_node 1 benchmarks/fsdp_memory.py --tiny   # CPU check (gloo), no RESULTS.md
 """
@@ -17,6 +18,7 @@ bf16 weights as the rollout would.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -52,6 +54,19 @@ def build(config: Qwen3Config, device: torch.device) -> torch.nn.Module:
     return model
 
 
+def check_host_memory(config: Qwen3Config, mixed_precision: str) -> None:
+    """With offload the host holds every process's shards, gradients and Adam moments: stop
+    before loading when they cannot fit (an 8B policy with fp32 master weights needs ~130 GB)."""
+    with torch.device("meta"):
+        params = sum(p.numel() for p in Qwen3ForCausalLM(config).parameters())
+    need = params * (16 if mixed_precision == "bf16" else 8)
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    if need > 0.95 * available:
+        raise SystemExit(f"offload needs ~{need / 2**30:.0f} GiB of host memory for {params / 1e9:.1f}B parameters "
+                         f"with --mixed-precision {mixed_precision}; this host has {available / 2**30:.0f} GiB "
+                         "available. --mixed-precision none needs half that.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU: checks the script runs")
@@ -71,6 +86,8 @@ def main() -> None:
     else:
         config = qwen3_config("8b")
     acc = Accelerator(cpu=not cuda, **accelerator_kwargs(sharding="fsdp2", cpu_offload=offload))
+    if offload and not args.tiny:
+        check_host_memory(config, args.mixed_precision)
     plan = resolve_sharding(acc, "fsdp2", mixed_precision=args.mixed_precision, cpu_offload=offload, activation_checkpointing=True)
     began = time.perf_counter()
     model = build(config, acc.device)
