@@ -1,13 +1,15 @@
 """Issue 22's multi-GPU runs on one 2-GPU machine: each app launched as a user launches it.
 
-    python benchmarks/multi_gpu.py                       # 2 GPUs, all three apps, ~7 min: appends to RESULTS.md
-    python benchmarks/multi_gpu.py --only caption        # one app (repeatable): caption ~3 min, rider ~2 min,
-                                                         #   diffusion ~2.5 min (estimates: never run on GPUs)
+    python benchmarks/multi_gpu.py                       # 2 GPUs, all three apps, ~12 min: appends to RESULTS.md
+    python benchmarks/multi_gpu.py --only caption        # one app (repeatable), as measured on 2 x H100:
+                                                         #   caption ~4.5 min, rider ~4 min, diffusion ~3 min
     python benchmarks/multi_gpu.py --out DIR/RESULTS.md --logs DIR/logs   # append there; keep each run's log
     python benchmarks/multi_gpu.py --only caption --caption-kind FSDP2     # caption-rl: reference + FSDP2 runs only
     python benchmarks/multi_gpu.py --cpu                 # same pipeline, tiny models, 2 gloo processes; prints only
 
 (`uv run python ...` or the workspace venv's python: the children run with the same interpreter.)
+Before anything is built, each chosen app's `--help` runs in the children's environment and the modules
+only its runs import (diffusion: diffusers, Ray) are looked up: a missing package stops the script at once.
 
 Every run is a child process started as a user starts the app: `python apps/<app>/__main__.py
 key=value ...` on one GPU, `python -m accelerate.commands.launch --config_file
@@ -71,7 +73,7 @@ from benchmarks.results import append_results, markdown_table  # noqa: E402
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 WARMUP = 1  # steps (epochs) left out of every mean: allocator growth, first optimizer state
-BUDGET_S = 540.0  # the whole script: later runs are refused, not started, past it (device limit 600 s)
+BUDGET_S = 540.0  # default --budget-s: later runs are refused, not started, past it (a 600 s command limit)
 
 # Qwen3-0.6B (config.json of Qwen/Qwen3-0.6B): the judges' shape
 QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -102,6 +104,7 @@ class Bench:
     runs: Path  # run directories (their checkpoints deleted after each run)
     logs: Path  # each run's output and metrics.csv
     deadline: float  # time.monotonic() after which no run starts
+    budget_s: float = BUDGET_S  # what the deadline was set from (for the messages)
     caption_kinds: tuple[str, ...] = ("DDP", "FSDP2")  # the 2-process caption-rl runs (keys of CAPTION_CONFIGS)
     failures: list[str] = field(default_factory=list)
 
@@ -146,7 +149,8 @@ def launch(bench: Bench, run: Launch) -> Path:
     """Run to the end (or the deadline); returns the run directory, raises RunFailed with the log's tail."""
     left_s = bench.deadline - time.monotonic()
     if left_s < 30:
-        raise RunFailed(f"not started: the script's {BUDGET_S:.0f} s budget is spent (run it with --only)")
+        raise RunFailed(f"not started: the script's {bench.budget_s:.0f} s budget is spent (--only, or more "
+                        "--budget-s)")
     output_dir = bench.runs / run.app
     log = bench.logs / f"{run.app}-{run.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -165,7 +169,8 @@ def launch(bench: Bench, run: Launch) -> Path:
     if code != 0:
         tail = log.read_text(errors="replace")[-2500:]
         print(f"--- {log.name} (tail) ---\n{tail}\n---", flush=True)
-        raise RunFailed(f"stopped at the script's {BUDGET_S:.0f} s budget (run it with --only)" if code is None
+        raise RunFailed(f"stopped at the script's {bench.budget_s:.0f} s budget (--only, or more --budget-s)"
+                        if code is None
                         else f"exit {code}: {last_error_line(tail)}")
     run_dir = output_dir / run.name
     shutil.copy(run_dir / "metrics.csv", bench.logs / f"{run.app}-{run.name}.metrics.csv")
@@ -533,6 +538,31 @@ def report(bench: Bench, table: Table, out: Path) -> None:
     append_results(table.title, table.header, table.rows, notes, path=out)
 
 
+PART_APPS = {"caption": "caption-rl", "rider": "rider-grm", "diffusion": "diffusion-grpo"}
+PART_MODULES = {"diffusion": ("diffusers", "ray")}  # imported only by that part's runs (split placement: Ray)
+
+
+def preflight(parts: Sequence[str], cpu: bool) -> None:
+    """Before any checkpoint is built: each part's app imports (its `--help` runs in the child
+    environment) and the modules only its runs import are there. A missing package stops here,
+    with its name, instead of failing each run after minutes of set-up."""
+    import importlib.util
+
+    bench = Bench(cpu=cpu, root=REPO, runs=REPO, logs=REPO, deadline=0.0)
+    problems = [f"{part}: no module named {', '.join(missing)}" for part in parts
+                if (missing := [m for m in PART_MODULES.get(part, ()) if importlib.util.find_spec(m) is None])]
+    helps = {part: subprocess.Popen([sys.executable, str(REPO / "apps" / PART_APPS[part] / "__main__.py"), "--help"],
+                                    cwd=REPO, env=child_env(bench, Launch(PART_APPS[part], "preflight", ())),
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for part in parts}  # side by side: each imports torch and its app
+    for part, proc in helps.items():
+        output, _ = proc.communicate(timeout=300)
+        if proc.returncode != 0:
+            problems.append(f"{part}: `{PART_APPS[part]} --help` failed: {last_error_line(output)}")
+    if problems:
+        raise SystemExit("not started:\n  " + "\n  ".join(problems))
+
+
 def runs_parent() -> str | None:
     """/dev/shm when it has room: the apps write (and fsync) a full checkpoint at their last step,
     ~13 GB for the 2B policy with Adam state, which on a slow disk would cost more than the run.
@@ -547,18 +577,23 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="tiny models, 2 gloo processes on the CPU; prints only")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS.md", help="results file to append to")
     parser.add_argument("--logs", type=Path, help="keep each run's output and metrics.csv here (default: deleted)")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S,
+                        help="seconds for the whole script: a run is stopped, and later runs are not started, "
+                             f"past it (default {BUDGET_S:.0f}: a machine that ends commands at 10 minutes)")
     parser.add_argument("--caption-kind", action="append", choices=list(CAPTION_CONFIGS),
                         help="caption-rl's 2-process runs: only this kind (repeatable; default: all); the "
                              "1-process reference always runs")
     args = parser.parse_args()
     if not args.cpu and torch.cuda.device_count() < 2:
         raise SystemExit(f"needs 2 GPUs, sees {torch.cuda.device_count()}; --cpu runs the tiny pipeline on the CPU")
+    preflight(args.only or list(PARTS), args.cpu)
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="multi_gpu-") as tmp, \
             tempfile.TemporaryDirectory(prefix="multi_gpu-runs-", dir=runs_parent()) as runs:
         logs = args.logs or Path(tmp) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        bench = Bench(cpu=args.cpu, root=Path(tmp), runs=Path(runs), logs=logs, deadline=began + BUDGET_S,
+        bench = Bench(cpu=args.cpu, root=Path(tmp), runs=Path(runs), logs=logs, deadline=began + args.budget_s,
+                      budget_s=args.budget_s,
                       caption_kinds=tuple(args.caption_kind or CAPTION_CONFIGS))
         print(f"run directories in {runs}, logs in {logs}", flush=True)
         for part in args.only or list(PARTS):
