@@ -255,8 +255,9 @@ def fused_on_host(optimizer: torch.optim.Optimizer) -> bool:
 
     Returns whether it switched. Other optimizers, and a `differentiable` Adam, are left as they
     are. Call it before the first step."""
-    adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
-    if not adam or any(g.get("differentiable") for g in optimizer.param_groups):
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return False
+    if any(g.get("differentiable") for g in optimizer.param_groups):
         return False
     for group in [optimizer.defaults, *optimizer.param_groups]:
         group["fused"], group["foreach"] = True, False
