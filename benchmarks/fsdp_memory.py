@@ -54,12 +54,16 @@ def build(config: Qwen3Config, device: torch.device) -> torch.nn.Module:
     return model
 
 
+# weights + gradients + 2 Adam moments, fp32 with bf16 mixed precision, else bf16
+BYTES_PER_PARAM = {"bf16": 16, "none": 8}
+
+
 def check_host_memory(config: Qwen3Config, mixed_precision: str) -> None:
     """With offload the host holds every process's shards, gradients and Adam moments: stop
     before loading when they cannot fit (an 8B policy with fp32 master weights needs ~130 GB)."""
     with torch.device("meta"):
         params = sum(p.numel() for p in Qwen3ForCausalLM(config).parameters())
-    need = params * (16 if mixed_precision == "bf16" else 8)
+    need = params * BYTES_PER_PARAM[mixed_precision]
     available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     if need > 0.95 * available:
         raise SystemExit(f"offload needs ~{need / 2**30:.0f} GiB of host memory for {params / 1e9:.1f}B parameters "
@@ -124,7 +128,7 @@ def main() -> None:
         peak_gather = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         held = sum(p.numel() * p.element_size() for p in copy.parameters()) / 2**30
     world = acc.num_processes
-    per_param = 16 if args.mixed_precision == "bf16" else 8  # weights + gradients + 2 Adam moments (+ bf16 copy)
+    per_param = BYTES_PER_PARAM[args.mixed_precision]
     row = [f"Qwen3-{'tiny' if args.tiny else '8B'} ({params / 1e9:.2f}B)", world,
            "shards+Adam on host" if offload else "on the GPU", f"{params * per_param / 2**30:.0f}",
            f"{peak_update:.1f}", f"{times[-1]:.2f}", f"{gather:.2f}", f"{held:.1f}", f"{peak_gather:.1f}"]

@@ -119,14 +119,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_env(bench: Bench, run: Launch) -> dict[str, str]:
+def child_env(cpu: bool, run: Launch) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # split placement starts its own Ray
     paths = [str(REPO / "apps" / run.app), *(str(REPO / "packages" / p / "src") for p in PACKAGES)]
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env |= {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
             "RAY_USAGE_STATS_ENABLED": "0", "TORCH_COMPILE_DISABLE": "1", **NO_MULTICAST}
-    env["CUDA_VISIBLE_DEVICES"] = "" if bench.cpu else run.gpus
-    if bench.cpu:
+    env["CUDA_VISIBLE_DEVICES"] = "" if cpu else run.gpus
+    if cpu:
         env["OMP_NUM_THREADS"] = "1"
     return env | run.env
 
@@ -156,7 +156,7 @@ def launch(bench: Bench, run: Launch) -> Path:
     log.parent.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
     with log.open("wb") as out:
-        proc = subprocess.Popen(command(run, output_dir), cwd=REPO, env=child_env(bench, run), stdout=out,
+        proc = subprocess.Popen(command(run, output_dir), cwd=REPO, env=child_env(bench.cpu, run), stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(timeout=left_s)
@@ -548,11 +548,10 @@ def preflight(parts: Sequence[str], cpu: bool) -> None:
     with its name, instead of failing each run after minutes of set-up."""
     import importlib.util
 
-    bench = Bench(cpu=cpu, root=REPO, runs=REPO, logs=REPO, deadline=0.0)
     problems = [f"{part}: no module named {', '.join(missing)}" for part in parts
                 if (missing := [m for m in PART_MODULES.get(part, ()) if importlib.util.find_spec(m) is None])]
     helps = {part: subprocess.Popen([sys.executable, str(REPO / "apps" / PART_APPS[part] / "__main__.py"), "--help"],
-                                    cwd=REPO, env=child_env(bench, Launch(PART_APPS[part], "preflight", ())),
+                                    cwd=REPO, env=child_env(cpu, Launch(PART_APPS[part], "preflight", ())),
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for part in parts}  # side by side: each imports torch and its app
     for part, proc in helps.items():

@@ -624,14 +624,11 @@ class HFEngine:
 
     @contextmanager
     def _compiled_layers(self) -> Iterator[None]:
-        """With `compile` on a GPU: run the decoder layers `torch.compile`d for this block (fused
-        norms, rotary, activations: a third of an eager scoring forward's GPU time at 16k
-        tokens), then restore them. One compiled wrapper per layer, made once per engine from the
-        layer class's own `forward`; a model that brings its own compiled layers
-        (`rl_models.compile_decoder_layers`) gets them back afterwards."""
-        if not (self.compile and self.device.type == "cuda"):
-            yield
-            return
+        """Run the decoder layers `torch.compile`d for this block (fused norms, rotary,
+        activations: a third of an eager scoring forward's GPU time at 16k tokens), then restore
+        them; `_scoring_forward` enters it only with `compile` on a GPU. One compiled wrapper per
+        layer, made once per engine from the layer class's own `forward`; a model that brings its
+        own compiled layers (`rl_models.compile_decoder_layers`) gets them back afterwards."""
         layers = decoder_layers(self.model)
         if self._scoring_layers is None:
             self._scoring_layers = [torch.compile(MethodType(type(layer).forward, layer), dynamic=False) for layer in layers]
