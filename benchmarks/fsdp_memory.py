@@ -30,6 +30,7 @@ from rl_core.train import (
     NonFiniteGuard,
     UpdateStats,
     accelerator_kwargs,
+    end_training,
     optimizer_step,
     prepare_policy,
     resolve_sharding,
@@ -145,7 +146,7 @@ def main() -> None:
                                  f"{args.batch} x {args.seq} tokens, one optimizer step (the second, with "
                                  "optimizer state); gather = FullWeights.gathered() of the bf16 weights for the "
                                  "rollout engine.")
-    acc.end_training()
+    end_training(acc)
 
 
 if __name__ == "__main__":

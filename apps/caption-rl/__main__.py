@@ -55,6 +55,7 @@ from rl_core.train import (
     UserError,
     accelerator_kwargs,
     check_finite_parameters,
+    end_training,
     gathered,
     group_advantages,
     load_checkpoint,
@@ -281,7 +282,7 @@ def train(cfg: Config, resume: str | None = None) -> Path:
         with gathered(run.full, run.model) as model:  # a sharded policy: its full weights, on every process
             if acc.is_main_process:
                 export(model, run.processor, run.run_dir / "export")
-    acc.end_training()
+    end_training(acc)  # every process waits for rank 0's export
     d = run.run_dir
     capped = (f"; train.epochs={t.epochs} ended the run before train.max_steps={t.max_steps}"
               if t.max_steps is not None and t.max_steps > run.total_steps else "")

@@ -63,6 +63,7 @@ from rl_core.train import (
     UpdateStats,
     UserError,
     accelerator_kwargs,
+    end_training,
     gather_rows,
     group_advantages,
     make_run_dir,
@@ -296,8 +297,7 @@ def run_epochs(run: Run) -> Path:
     # tensors waits for the GIL: a deadlock seen once in the 2-process test (torch 2.13, gloo)
     run.model = run.peft
     acc.free_memory()  # the accelerator's own reference to the wrapper
-    acc.wait_for_everyone()
-    acc.end_training()
+    end_training(acc)
     return run.run_dir
 
 

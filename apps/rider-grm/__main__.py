@@ -70,6 +70,7 @@ from rl_core.train import (
     accelerator_kwargs,
     check_finite_parameters,
     config_help,
+    end_training,
     isolated_rng,
     load_checkpoint,
     load_config,
@@ -339,7 +340,7 @@ def main(argv: list[str]) -> Path | None:
             if acc.is_main_process:
                 plot_reward_curve(p.run_dir, curves=(("metrics.csv", "reward/mean", "train"),
                                                      ("metrics.csv", "val/reward/mean", "val")))
-    acc.end_training()
+    end_training(acc)
     close_judges(p.judges)
     if acc.is_main_process and cfg.train.print_summary:
         print_summary(p.run_dir)

@@ -12,6 +12,7 @@ from accelerate import Accelerator
 
 from rl_core.train import (
     MetricsLogger,
+    end_training,
     latest_checkpoint,
     load_checkpoint,
     make_run_dir,
@@ -74,7 +75,7 @@ def main(root: str) -> None:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         print(f"OK {run}")
-    accelerator.end_training()
+    end_training(accelerator)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,13 @@ import torch
 from accelerate import Accelerator
 from phases_case import GROUPS, SCORES, loss_fn, make_model, split_rows
 
-from rl_core.train import NonFiniteGuard, UpdateStats, group_advantages, optimizer_step
+from rl_core.train import (
+    NonFiniteGuard,
+    UpdateStats,
+    end_training,
+    group_advantages,
+    optimizer_step,
+)
 
 acc = Accelerator(cpu=True)
 rank = acc.process_index
@@ -29,5 +35,4 @@ optimizer_step(acc, model, optimizer, [(m, result.advantages[[rows.index(i) for 
                guard=NonFiniteGuard(), stats=stats)
 torch.save({"adv": result.advantages, "metrics": result.metrics, "stats": stats.reduce(acc),
             "weight": acc.unwrap_model(model).weight.detach().clone()}, Path(sys.argv[1]) / f"result-{rank}.pt")
-acc.wait_for_everyone()
-torch.distributed.destroy_process_group()  # a gloo group left to interpreter exit can abort ("terminate called ...")
+end_training(acc)

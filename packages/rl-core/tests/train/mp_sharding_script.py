@@ -19,6 +19,7 @@ from sharding_case import make_model, make_optimizer, train
 from rl_core.train import (
     FullWeights,
     ShardingPlan,
+    end_training,
     full_state_dict,
     is_sharded,
     load_checkpoint,
@@ -62,5 +63,4 @@ if acc.is_main_process:
     torch.save({"stats": stats2, "norms": norms + norms2, "weights": weights, "gathered": gathered,
                 "gathered_devices": devices, "gather_seconds": full.pop_metrics()["time/weight_gather"],
                 "offload": offload}, out / "result.pt")
-acc.wait_for_everyone()
-torch.distributed.destroy_process_group()
+end_training(acc)

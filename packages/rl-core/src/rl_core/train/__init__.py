@@ -1,8 +1,9 @@
 """Training plumbing every app needs once (install with `pip install "rl-core[train]"`):
 config loading, run directories, metric and sample logs, progress, atomic checkpoints, seeding,
-pinned-buffer offloading of weights or optimizer state, FSDP2 sharding (`sharding`), and the training phases the apps share:
-group advantages over processes (`groups`), the accumulated optimizer step with its non-finite
-guard and first-replay check (`update`), and the `main()` contract with user errors (`app`).
+pinned-buffer offloading of weights or optimizer state, FSDP2 sharding (`sharding`), and the
+training phases the apps share: group advantages over processes (`groups`), the accumulated
+optimizer step with its non-finite guard and first-replay check (`update`), the `main()`
+contract with user errors (`app`), and the end of a multi-process run (`shutdown`).
 
 Accelerate is imported only where an accelerator is used, never at import time.
 """
@@ -57,6 +58,7 @@ from rl_core.train.sharding import (
     shard_model,
     sharded_state,
 )
+from rl_core.train.shutdown import end_training
 from rl_core.train.update import (
     NonFiniteError,
     NonFiniteGuard,
@@ -99,6 +101,7 @@ __all__ = [
     "check_finite_parameters",
     "config_help",
     "dump_config",
+    "end_training",
     "full_state_dict",
     "gather_rows",
     "gathered",
