@@ -39,7 +39,7 @@ def test_no_process_ends_before_rank_0_has_exported(tmp_path: Path) -> None:
 LAUNCHES = 30
 
 
-@pytest.mark.slow  # 30 launches of two torch processes: ~3 min on 2 cores
+@pytest.mark.slow  # 30 launches of two torch processes: 5 min on 2 cores
 def test_thirty_two_process_fsdp2_exits_all_end_cleanly(tmp_path: Path) -> None:
     for i in range(LAUNCHES):
         out = tmp_path / str(i)
