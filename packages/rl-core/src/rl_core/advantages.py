@@ -41,9 +41,18 @@ __all__ = [
     "group_ids_from_keys",
     "masked_whiten",
     "nonzero_advantage_indices",
+    "uses_group_baseline",
 ]
 
 ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator")
+"""Estimators by name. Trait `group_baseline=True`: the baseline is the sample's group (the other
+samples of its prompt), so a group with fewer than 2 valid samples has none (`uses_group_baseline`)."""
+
+
+def uses_group_baseline(name: str) -> bool:
+    """Whether estimator `name` compares a sample with its group (`grpo`, `dr_grpo`, `rloo`,
+    `reinforce_pp_baseline`): it needs `n >= 2` samples per prompt. Unknown names raise."""
+    return bool(ADVANTAGE_ESTIMATORS.trait(name, "group_baseline"))
 
 
 def compute_advantages(
@@ -234,7 +243,7 @@ def nonzero_advantage_indices(
 # -------------------------------------------------------------------------- outcome estimators
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo")
+@ADVANTAGE_ESTIMATORS.register("grpo", group_baseline=True)
 def compute_grpo(
     *,
     rewards: Tensor,
@@ -293,7 +302,7 @@ def compute_grpo(
     return _broadcast(adv, mask)
 
 
-@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+@ADVANTAGE_ESTIMATORS.register("dr_grpo", group_baseline=True)
 def compute_dr_grpo(
     *, rewards: Tensor, mask: Tensor, group_ids: Tensor, values: Tensor | None = None
 ) -> Tensor:
@@ -307,7 +316,7 @@ def compute_dr_grpo(
     return _broadcast(scores - _group_mean(scores, groups), mask)
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo")
+@ADVANTAGE_ESTIMATORS.register("rloo", group_baseline=True)
 def compute_rloo(
     *, rewards: Tensor, mask: Tensor, group_ids: Tensor, values: Tensor | None = None
 ) -> Tensor:
@@ -326,7 +335,7 @@ def compute_rloo(
     return _broadcast(adv, mask)
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline", group_baseline=True)
 def compute_reinforce_pp_baseline(
     *, rewards: Tensor, mask: Tensor, group_ids: Tensor, values: Tensor | None = None
 ) -> Tensor:

@@ -11,12 +11,16 @@ that lists the valid names, sorted, so a typo in a config is fixed in one read.
 
     ADVANTAGE_ESTIMATORS["grpo"]          # the function
     ADVANTAGE_ESTIMATORS["gpro"]          # KeyError: unknown advantage estimator 'gpro'; valid: ...
+
+Traits are facts about an entry that callers need without calling it, stored where the entry is
+registered (`register("grpo", group_baseline=True)`), so no second list of names can drift from
+the registry: `ADVANTAGE_ESTIMATORS.trait("grpo", "group_baseline")`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -37,19 +41,21 @@ class Registry(Generic[T]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._items: dict[str, T] = {}
+        self._traits: dict[str, dict[str, Any]] = {}
 
-    def register(self, name: str, *aliases: str) -> Callable[[T], T]:
-        """Decorator registering the object under `name` (and any `aliases`); returns it unchanged."""
+    def register(self, name: str, *aliases: str, **traits: Any) -> Callable[[T], T]:
+        """Decorator registering the object under `name` (and any `aliases`) with `traits`;
+        returns it unchanged."""
 
         def decorator(obj: T) -> T:
             for key in (name, *aliases):
-                self.add(key, obj)
+                self.add(key, obj, **traits)
             return obj
 
         return decorator
 
-    def add(self, name: str, obj: T) -> None:
-        """Register `obj` under `name`; a name already taken raises `ValueError`."""
+    def add(self, name: str, obj: T, **traits: Any) -> None:
+        """Register `obj` under `name` with `traits`; a name already taken raises `ValueError`."""
         if not name or name != name.strip():
             raise ValueError(
                 f"{self.kind} name must be a non-empty string without spaces, got {name!r}"
@@ -60,6 +66,16 @@ class Registry(Generic[T]):
                 "pick another name"
             )
         self._items[name] = obj
+        self._traits[name] = dict(traits)
+
+    def traits(self, name: str) -> Mapping[str, Any]:
+        """The traits `name` was registered with (unknown names raise as `get` does)."""
+        self.get(name)
+        return dict(self._traits[name])
+
+    def trait(self, name: str, trait: str, default: Any = False) -> Any:
+        """One trait of `name`, `default` when it was registered without it."""
+        return self.traits(name).get(trait, default)
 
     def get(self, name: str) -> T:
         """The object registered as `name`; unknown names raise `UnknownNameError` listing valid ones."""

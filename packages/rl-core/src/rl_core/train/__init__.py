@@ -1,9 +1,12 @@
-"""Training plumbing every app needs once (install with `pip install "rl-core[train]"`):
-config loading, run directories, metric and sample logs, progress, atomic checkpoints, seeding,
-pinned-buffer offloading of weights or optimizer state, FSDP2 sharding (`sharding`), and the
-training phases the apps share: group advantages over processes (`groups`), the accumulated
-optimizer step with its non-finite guard and first-replay check (`update`), the `main()`
-contract with user errors (`app`), and the end of a multi-process run (`shutdown`).
+"""Training plumbing every app needs once (install with `pip install "rl-core[train]"`): the
+trainer loop that owns the schedule (`loop`) and the `Recipe` an app gives it (`recipe`), one
+table of metric names (`metric_names`), config loading, run directories, metric and sample
+logs, progress, atomic checkpoints, seeding, pinned-buffer offloading of weights or optimizer
+state, FSDP2 sharding (`sharding`), and the training phases the apps share: group advantages
+over processes (`groups`), the accumulated optimizer step with its non-finite guard and
+first-replay check (`update`), the update over replayed samples that image apps share
+(`replay_update`), the `main()` contract with user errors (`app`), and the end of a
+multi-process run (`shutdown`).
 
 Accelerate is imported only where an accelerator is used, never at import time.
 """
@@ -17,23 +20,31 @@ from rl_core.train.checkpoint import (
     save_checkpoint,
 )
 from rl_core.train.config import (
+    AdvantageName,
+    AggregationName,
     CliArgs,
     ConfigError,
+    KLName,
     NonNegative,
     NonNegativeFloat,
+    PolicyLossName,
     Positive,
     PositiveFloat,
     UnitInterval,
     config_help,
     dump_config,
+    flat_config,
     load_config,
     parse_cli,
 )
-from rl_core.train.groups import GROUP_ESTIMATORS, GroupAdvantages, gather_rows, group_advantages
+from rl_core.train.groups import GroupAdvantages, gather_rows, group_advantages
+from rl_core.train.loop import run, train
+from rl_core.train.metric_names import METRIC_NAMES, unknown_metric_names
 from rl_core.train.metrics import MetricsLogger, PhaseTimer
 from rl_core.train.offload import OptimizerOffload, PinnedOffload
 from rl_core.train.plots import plot_reward_curve
 from rl_core.train.progress import TrainProgress
+from rl_core.train.recipe import Checkpoint, Recipe, RunContext, RunFields, Schedule, Scores, Skip
 from rl_core.train.rundir import latest_run, make_run_dir
 from rl_core.train.samples import SampleLog
 from rl_core.train.seeding import (
@@ -70,12 +81,16 @@ from rl_core.train.update import (
 )
 
 __all__ = [
-    "GROUP_ESTIMATORS",
+    "METRIC_NAMES",
     "SHARDINGS",
+    "AdvantageName",
+    "AggregationName",
+    "Checkpoint",
     "CliArgs",
     "ConfigError",
     "FullWeights",
     "GroupAdvantages",
+    "KLName",
     "MetricsLogger",
     "NonFiniteError",
     "NonFiniteGuard",
@@ -84,13 +99,20 @@ __all__ = [
     "OptimizerOffload",
     "PhaseTimer",
     "PinnedOffload",
+    "PolicyLossName",
     "Positive",
     "PositiveFloat",
+    "Recipe",
     "ReplayCheck",
+    "RunContext",
+    "RunFields",
     "SampleLog",
+    "Schedule",
+    "Scores",
     "ShardedState",
     "ShardingFields",
     "ShardingPlan",
+    "Skip",
     "Stateful",
     "StepStats",
     "TrainProgress",
@@ -102,6 +124,7 @@ __all__ = [
     "config_help",
     "dump_config",
     "end_training",
+    "flat_config",
     "full_state_dict",
     "gather_rows",
     "gathered",
@@ -120,6 +143,7 @@ __all__ = [
     "prepare_policy",
     "resolve_resume",
     "resolve_sharding",
+    "run",
     "run_app",
     "sample_seed",
     "save_checkpoint",
@@ -127,4 +151,6 @@ __all__ = [
     "set_rng_state",
     "shard_model",
     "sharded_state",
+    "train",
+    "unknown_metric_names",
 ]

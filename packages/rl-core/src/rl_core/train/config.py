@@ -38,10 +38,15 @@ from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 import msgspec
 import yaml
 
+from rl_core.advantages import ADVANTAGE_ESTIMATORS
+from rl_core.kl import KL_ESTIMATORS
+from rl_core.losses import AGGREGATIONS, POLICY_LOSSES
+from rl_core.registry import Registry
 from rl_core.train.app import UserError
 
-__all__ = ["CliArgs", "ConfigError", "NonNegative", "NonNegativeFloat", "Positive", "PositiveFloat", "UnitInterval",
-           "config_help", "dump_config", "load_config", "parse_cli"]
+__all__ = ["AdvantageName", "AggregationName", "CliArgs", "ConfigError", "KLName", "NonNegative", "NonNegativeFloat",
+           "PolicyLossName", "Positive", "PositiveFloat", "UnitInterval", "config_help", "dump_config", "flat_config",
+           "load_config", "parse_cli"]
 
 # Ranges for numeric config fields: every numeric knob declares one, so a refused value names the
 # key, the range and where the value came from (file, env var, override). NaN/inf are refused for
@@ -51,6 +56,13 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 UnitInterval = Annotated[float, msgspec.Meta(ge=0, le=1)]
+
+# Fields naming a registry entry: the value is checked against the registry when the config loads,
+# so `algo.advantage=nope` stops in a line naming the key and the valid names, before any model loads.
+AdvantageName = Annotated[str, msgspec.Meta(extra={"registry": ADVANTAGE_ESTIMATORS})]
+PolicyLossName = Annotated[str, msgspec.Meta(extra={"registry": POLICY_LOSSES})]
+KLName = Annotated[str, msgspec.Meta(extra={"registry": KL_ESTIMATORS})]
+AggregationName = Annotated[str, msgspec.Meta(extra={"registry": AGGREGATIONS})]
 
 T = TypeVar("T", bound=msgspec.Struct)
 _NULLS = frozenset({"null", "none", "None"})
@@ -96,7 +108,18 @@ def _admits(tp: Any, kind: type) -> bool:
     return False
 
 
+def _registry(tp: Any) -> Registry | None:
+    """The registry a field's value must name (`AdvantageName`, ...), else None."""
+    for meta in _unwrap(tp)[1]:
+        if isinstance(meta, msgspec.Meta) and meta.extra and isinstance(meta.extra.get("registry"), Registry):
+            return meta.extra["registry"]
+    return None
+
+
 def _type_name(tp: Any) -> str:
+    registry = _registry(tp)
+    if registry is not None:
+        return f"str (one of: {', '.join(registry.names())})"
     tp, meta = _unwrap(tp)
     bounds = [f"{sym} {getattr(m, attr)}" for m in meta if isinstance(m, msgspec.Meta)
               for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if getattr(m, attr) is not None]
@@ -196,8 +219,10 @@ def _parse_value(raw: str, tp: Any) -> Any:
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
-        if _admits(tp, list) and not raw.lstrip().startswith("["):
-            return [item.strip() for item in raw.split(",") if item.strip()]
+        if _admits(tp, list):  # `a,b` or `[a, b]` of bare words
+            inner = raw.strip()
+            inner = inner[1:-1] if inner.startswith("[") and inner.endswith("]") else inner
+            return [item.strip() for item in inner.split(",") if item.strip()]
         return raw
     if _admits(tp, str) and not isinstance(value, str):
         return raw  # `name=123` for a str field means the string "123"
@@ -293,7 +318,28 @@ def load_config(
     except msgspec.ValidationError as e:
         raise ConfigError(_error_message(e, data, sources)) from None
     _check_finite(msgspec.to_builtins(config), "", sources)
+    _check_registry_names(cls, config, "", sources)
     return config
+
+
+def _source_of(dotted: str, sources: Mapping[str, str], default: str = "the default") -> str:
+    return next((sources[k] for k in sorted(sources, key=len, reverse=True)
+                 if dotted == k or dotted.startswith(k + ".") or dotted.startswith(k + "[")), default)
+
+
+def _check_registry_names(cls: type[msgspec.Struct], value: msgspec.Struct, prefix: str,
+                          sources: Mapping[str, str]) -> None:
+    """Every field typed with a registry (`AdvantageName`, ...) names an entry of it."""
+    for info in msgspec.structs.fields(cls):
+        dotted, field_value = prefix + info.encode_name, getattr(value, info.name)
+        sub = _struct_of(info.type)
+        if sub is not None and isinstance(field_value, msgspec.Struct):
+            _check_registry_names(sub, field_value, dotted + ".", sources)
+            continue
+        registry = _registry(info.type)
+        if registry is not None and field_value not in registry:
+            raise ConfigError(f"{dotted}: unknown {registry.kind} {field_value!r}; valid names: "
+                              f"{', '.join(registry.names())} (from {_source_of(dotted, sources)})")
 
 
 def _check_finite(tree: Any, dotted: str, sources: Mapping[str, str]) -> None:
@@ -306,8 +352,7 @@ def _check_finite(tree: Any, dotted: str, sources: Mapping[str, str]) -> None:
         for i, value in enumerate(tree):
             _check_finite(value, f"{dotted}[{i}]", sources)
     elif isinstance(tree, float) and not math.isfinite(tree):
-        source = next((sources[k] for k in sorted(sources, key=len, reverse=True)
-                       if dotted == k or dotted.startswith(k + ".") or dotted.startswith(k + "[")), "the default")
+        source = _source_of(dotted, sources)
         raise ConfigError(f"{dotted}: must be a finite number, got {tree} (from {source})")
 
 
@@ -503,6 +548,27 @@ def _toml_lines(table: dict[str, Any], cls: type[msgspec.Struct], prefix: str) -
         name = f"{prefix}{_toml_key(key)}"
         lines += ["", f"[{name}]", *_toml_lines(value, sub, name + ".")]
     return lines
+
+
+def flat_config(cfg: msgspec.Struct) -> dict[str, int | float | str | bool]:
+    """The config as flat `{"train.lr": 1e-5, ...}` scalars (lists and tables as text), for
+    experiment trackers."""
+    out: dict[str, int | float | str | bool] = {}
+
+    def walk(tree: dict[str, Any], prefix: str) -> None:
+        for key, value in tree.items():
+            if isinstance(value, dict) and _struct_keys(cfg, prefix + key):
+                walk(value, f"{prefix}{key}.")
+            else:
+                out[prefix + key] = value if isinstance(value, int | float | str | bool) else str(value)
+
+    walk(msgspec.to_builtins(cfg), "")
+    return out
+
+
+def _struct_keys(cfg: msgspec.Struct, dotted: str) -> bool:
+    """Whether `dotted` is a table (a nested Struct) of `cfg`'s type, not a dict-valued field."""
+    return _struct_of(_field_type(type(cfg), dotted, "flat_config")) is not None
 
 
 def dump_config(cfg: msgspec.Struct) -> str:

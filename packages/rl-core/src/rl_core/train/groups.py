@@ -8,7 +8,7 @@ the estimator runs on the global batch, and each process keeps its own rows.
 The failed-reward rule, the same in every app:
 - a sample whose reward is not finite (NaN: scoring failed or was refused) is left out of its
   group's statistics and gets advantage 0; it is counted in `reward/failed`;
-- for the group estimators (`GROUP_ESTIMATORS`), a group with fewer than 2 valid samples has no
+- for the group estimators (`rl_core.advantages.uses_group_baseline`), a group with fewer than 2 valid samples has no
   baseline: its samples get advantage 0 and it is counted in `adv/small_groups`.
 
     result = group_advantages("grpo", scores, group_ids, accelerator=acc)   # scores [B_r]
@@ -25,12 +25,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rl_core.advantages import compute_advantages
+from rl_core.advantages import compute_advantages, uses_group_baseline
 
-__all__ = ["GROUP_ESTIMATORS", "GroupAdvantages", "gather_rows", "group_advantages"]
-
-# Estimators whose baseline is the group: with one valid sample there is nothing to compare to.
-GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"})
+__all__ = ["GroupAdvantages", "gather_rows", "group_advantages"]
 
 
 def gather_rows(tensor: Tensor, accelerator: Any = None) -> tuple[Tensor, slice]:
@@ -110,7 +107,7 @@ def group_advantages(
 def _valid_rows(estimator: str, finite: Tensor, groups: Tensor) -> tuple[Tensor, int]:
     """Rows that enter the estimator `[B]`, and the number of groups left out for having fewer
     than 2 valid samples (group estimators only)."""
-    if estimator not in GROUP_ESTIMATORS:
+    if not uses_group_baseline(estimator):
         return finite, 0
     ids, index = torch.unique(groups, return_inverse=True)  # [G], [B]
     per_group = torch.zeros(len(ids), dtype=torch.long, device=groups.device).index_add_(

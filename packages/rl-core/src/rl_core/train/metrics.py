@@ -115,26 +115,54 @@ class PhaseTimer:
     next step from zero. CUDA is synchronized at both ends of a phase once CUDA is in use, and
     the allocator's peak counter is reset at the start of each phase, so the figures say which
     phase sets the run's peak (what limits batch size or sequence length).
+
+    Phases nest: the trainer loop times `update`, a recipe times `logprob` inside it; the outer
+    phase's time includes the inner one and its peak is the larger of both. `scope("eval/")`
+    names the phases of a block with a prefix (`time/eval/rollout`), so an eval's rollout is not
+    added to the training rollout's time. `peak_gib(phase)` reads a phase's peak of this step
+    before `pop()` (rider-grm's swap plan decides from them).
     """
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = {}
         self.peaks: dict[str, float] = {}
+        self._prefix = ""
+        self._running: list[float] = []  # the peak seen so far by each open phase, outermost first
+
+    @contextmanager
+    def scope(self, prefix: str) -> Iterator[None]:
+        """Name the phases entered inside the block `prefix + phase`."""
+        before, self._prefix = self._prefix, self._prefix + prefix
+        try:
+            yield
+        finally:
+            self._prefix = before
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
+        phase = self._prefix + phase
         cuda = _cuda_sync()
         if cuda:
+            if self._running:  # the enclosing phase's peak so far, before the counter is reset
+                self._running[-1] = max(self._running[-1], torch.cuda.max_memory_allocated() / 2**30)
             torch.cuda.reset_peak_memory_stats()
+        self._running.append(0.0)
         start = time.perf_counter()
         try:
             yield
         finally:
             cuda = _cuda_sync()
             self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - start
+            inner = self._running.pop()
             if cuda:
-                peak = torch.cuda.max_memory_allocated() / 2**30
+                peak = max(inner, torch.cuda.max_memory_allocated() / 2**30)
                 self.peaks[phase] = max(self.peaks.get(phase, 0.0), peak)
+                if self._running:
+                    self._running[-1] = max(self._running[-1], peak)
+
+    def peak_gib(self, phase: str) -> float | None:
+        """The peak GiB of `phase` in this step so far (None: not entered, or no CUDA)."""
+        return self.peaks.get(phase)
 
     def pop(self) -> dict[str, float]:
         """`{"time/<phase>": seconds, "memory/<phase>_peak_gib": GiB}` since the last pop;

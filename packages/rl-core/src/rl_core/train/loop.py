@@ -1,0 +1,274 @@
+"""The trainer loop every app runs. It owns the schedule; an app gives a `Recipe`.
+
+    RECIPE = MyRecipe()
+
+    def main(argv: list[str] | None = None) -> Path | None:   # the run directory, None after --help
+        return run(RECIPE, argv)
+
+    if __name__ == "__main__":
+        sys.exit(run_app(RECIPE.name, main))
+
+What the loop does, in order, so no app writes it:
+
+    start  --help, or the config (defaults < --config FILE < env < key=value; registry names checked)
+           -> the accelerator -> `Recipe.check` (rules between keys, the process count) -> the resume
+           point (`--resume`; a train.run_name naming another run is refused) -> the run directory
+           -> seeding -> `Recipe.setup` -> the checkpoint restored -> `Recipe.start` -> trackers
+    step k rollout -> reward -> advantages (group statistics over every process) -> update
+           -> eval (when due) -> log (metrics.csv, trackers, progress) -> checkpoint (when due) -> plot
+    end    `Recipe.finish` (exports) -> `end_training` -> the closing summary
+
+Every step is logged before its checkpoint, so a resume never loses a logged step, and a
+resumed run cuts metrics.csv and samples/ back to its checkpoint, so they read as one
+uninterrupted run. Evaluations run on a saved-and-restored RNG state: evaluating or not never
+changes the training run. A run in which no step trained (every step skipped) ends with an
+error naming why.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic
+
+import msgspec
+import torch
+
+from rl_core.errors import UserError
+from rl_core.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from rl_core.train.config import config_help, flat_config, load_config, parse_cli
+from rl_core.train.groups import group_advantages
+from rl_core.train.metrics import MetricsLogger, PhaseTimer
+from rl_core.train.plots import plot_reward_curve
+from rl_core.train.progress import TrainProgress
+from rl_core.train.recipe import B, C, Recipe, RunContext, S, Schedule, Skip, run_fields
+from rl_core.train.rundir import make_run_dir
+from rl_core.train.samples import SampleLog
+from rl_core.train.seeding import isolated_rng, seed_everything
+from rl_core.train.sharding import accelerator_kwargs
+from rl_core.train.shutdown import end_training
+from rl_core.train.update import NonFiniteGuard, check_finite_parameters
+
+__all__ = ["run", "train"]
+
+# pip packages of Accelerate's trackers, for the error when one is asked for but not installed
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio",
+                    "aim": "aim", "comet_ml": "comet-ml", "dvclive": "dvclive", "swanlab": "swanlab"}
+
+
+def run(recipe: Recipe[C, S, B], argv: Sequence[str] | None = None) -> Path | None:
+    """Parse `argv` (`--config FILE`, `--resume [PATH]`, `--help`, `key=value`), load the config
+    and train; returns the run directory (None after --help)."""
+    cli = parse_cli(sys.argv[1:] if argv is None else argv)
+    if cli.help:
+        default = recipe.config_path(None)
+        print(config_help(recipe.config, env=recipe.env, prog=recipe.name,
+                          defaults=load_config(recipe.config, default) if default is not None else None,
+                          defaults_from=f"{default.name} (the embedded default)" if default is not None else ""))
+        return None
+    path = recipe.config_path(cli.config)
+    if path is not None and not Path(path).is_file():
+        raise UserError(f"--config {path}: no such file")
+    return train(recipe, load_config(recipe.config, path, cli.overrides, env=recipe.env), cli.resume)
+
+
+def train(recipe: Recipe[C, S, B], cfg: C, resume: str | None = None) -> Path:
+    """Train `recipe` on `cfg` (resuming from `resume`: None, "latest" or a path); returns the
+    run directory."""
+    t = run_fields(cfg)
+    acc = _accelerator(t.sharding, t.fsdp_cpu_offload)
+    recipe.check(cfg, acc.num_processes)
+    ckpt, name = _resume_point(resume, t.output_dir, t.run_name)
+    start = int(msgspec.json.decode((ckpt / "meta.json").read_bytes())["step"]) if ckpt is not None else 0
+    run_dir = make_run_dir(t.output_dir, name, config=cfg, accelerator=acc)
+    seed_everything(t.seed, rank=acc.process_index if recipe.seed_by_rank else 0)
+    context = RunContext(acc, run_dir, start, PhaseTimer(), SampleLog(run_dir, main=acc.is_main_process, start_step=start),
+                         NonFiniteGuard(t.max_nonfinite_steps))
+    state = recipe.setup(cfg, context)
+    try:
+        if ckpt is not None:
+            spec = recipe.checkpoint(state)
+            load_checkpoint(ckpt, state=spec.state, accelerator=acc if spec.accelerator else None)
+            acc.print(f"resumed from {ckpt} at step {start}")
+        recipe.start(state)
+        _trackers(acc, t.log_with, run_dir, recipe.name, cfg)
+        return _Loop(recipe, state, context, recipe.schedule(state), cfg).fit()
+    finally:
+        recipe.close(state)
+
+
+def _accelerator(sharding: Any, cpu_offload: bool) -> Any:
+    from accelerate import Accelerator
+
+    # cpu=True without CUDA: `accelerate launch --multi_gpu --num_processes N` then gives N gloo
+    # processes on a CPU machine (its `--cpu` flag alone starts one process unless MPI is set up)
+    return Accelerator(cpu=not torch.cuda.is_available(), **accelerator_kwargs(sharding=sharding, cpu_offload=cpu_offload))
+
+
+def _resume_point(resume: str | None, output_dir: str, run_name: str | None) -> tuple[Path | None, str | None]:
+    """The checkpoint to resume (None: a fresh start) and the run's name."""
+    try:
+        ckpt = resolve_resume(resume, output_dir)
+    except FileNotFoundError as e:
+        raise UserError(str(e)) from None
+    if ckpt is None:
+        return None, run_name
+    name = ckpt.parent.parent.name
+    if run_name not in (None, name):
+        raise UserError(f"--resume continues run {name!r}, but train.run_name={run_name!r} names another run: "
+                        "drop train.run_name, or resume that run's directory")
+    return ckpt, name
+
+
+def _trackers(acc: Any, names: list[str], run_dir: Path, project: str, cfg: Any) -> None:
+    """Accelerate's trackers logging into the run directory; one not installed is an error."""
+    if not names:
+        return
+    from accelerate.tracking import filter_trackers
+
+    acc.project_configuration.set_directories(str(run_dir))
+    try:
+        acc.log_with = filter_trackers(list(names), acc.logging_dir)
+    except ValueError as e:  # an unknown tracker name
+        raise UserError(f"train.log_with: {e}") from None
+    found = {str(t) for t in acc.log_with}
+    missing = [n for n in names if n not in found]
+    if missing:
+        hint = " ".join(TRACKER_PACKAGES.get(n, n) for n in missing)
+        raise UserError(f"train.log_with={names}: {', '.join(missing)} is not installed (pip install {hint})")
+    acc.init_trackers(project, config=flat_config(cfg))
+
+
+@dataclass
+class _Record:
+    """What the closing summary reports, gathered from the logged metrics."""
+
+    began: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    trained: int = 0
+    samples: float = 0.0
+    failed: float = 0.0
+    reasons: list[str] = field(default_factory=list)
+    rewards: list[tuple[int, float]] = field(default_factory=list)
+    evals: list[tuple[int, float]] = field(default_factory=list)
+
+    def add(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if "skipped" in metrics:
+            self.steps += 1
+            self.trained += not metrics["skipped"]
+            if metrics["skipped"]:
+                self.reasons.append(f"step {step}: {metrics.get('error', '')}")
+        self.failed += float(metrics.get("reward/failed", 0.0))
+        for key, out in (("reward/mean", self.rewards), ("eval/reward/mean", self.evals)):
+            value = metrics.get(key)
+            if value is not None and math.isfinite(float(value)):
+                out.append((step, float(value)))
+
+
+class _Loop(Generic[C, S, B]):
+    def __init__(self, recipe: Recipe[C, S, B], state: S, run: RunContext, schedule: Schedule, cfg: C) -> None:
+        self.recipe, self.state, self.run, self.schedule, self.cfg = recipe, state, run, schedule, cfg
+        self.acc, self.timer, self.fields = run.accelerator, run.timer, run_fields(cfg)
+        self.logger = MetricsLogger(run.run_dir, accelerator=self.acc, start_step=run.start_step)
+        self.record = _Record()
+
+    def fit(self) -> Path:
+        sched, start, acc = self.schedule, self.run.start_step, self.acc
+        if sched.note:
+            acc.print(sched.note)
+        if sched.eval_at_start and start == 0:
+            metrics = self._evaluate(0)
+            self._log(0, metrics)
+        with TrainProgress(sched.total_steps, initial=start, show=("reward/mean", "eval/reward/mean"),
+                           accelerator=acc) as bar:
+            for step in range(start + 1, sched.total_steps + 1):
+                began = time.perf_counter()
+                metrics = self._step(step)
+                seconds = time.perf_counter() - began
+                if self._eval_due(step):
+                    metrics |= self._evaluate(step)
+                samples = metrics.pop("samples", 0.0)
+                self.record.samples += samples
+                metrics |= self.timer.pop()  # a checkpoint's time/checkpoint lands in the next step's row
+                metrics |= {"time/step": seconds, "world_size": acc.num_processes,
+                            "throughput/samples_per_s": samples / seconds}
+                self._log(step, metrics)  # logged before the checkpoint: a resume never loses a logged step
+                bar.update(step, metrics)
+                if step % self.fields.save_freq == 0 or step == sched.total_steps:
+                    with self.timer("checkpoint"):
+                        self._save(step)
+                if acc.is_main_process:
+                    plot_reward_curve(self.run.run_dir)
+        outputs = dict(self.recipe.finish(self.state))
+        end_training(acc)  # every process waits for the main one's exports
+        if self.record.steps and not self.record.trained:
+            raise UserError(f"{self.recipe.name}: no step trained; every step was skipped ("
+                            + "; ".join(self.record.reasons[:3]) + ")")
+        self._summary(outputs)
+        return self.run.run_dir
+
+    def _step(self, step: int) -> dict[str, Any]:
+        recipe, state, timer = self.recipe, self.state, self.timer
+        with timer("rollout"):
+            batch = recipe.rollout(state, step)
+        with timer("reward"):
+            scores = recipe.score(state, step, batch)
+        if isinstance(scores, Skip):
+            print(f"{recipe.name}: step {step} skipped: {scores.reason}", file=sys.stderr)
+            return {"skipped": 1, "error": scores.reason[:300]}
+        with timer("advantages"):
+            adv = group_advantages(scores.estimator, scores.rewards, scores.group_ids, accelerator=self.acc,
+                                   mask=scores.mask, options=scores.options)
+        with timer("update"):
+            update = recipe.update(state, step, batch, adv)
+        samples = self.acc.reduce(torch.tensor(float(scores.rewards.shape[0]), device=self.acc.device), "sum").item()
+        return {"skipped": 0, **adv.metrics, **scores.metrics, **update, "samples": samples}
+
+    def _eval_due(self, step: int) -> bool:
+        s = self.schedule
+        return (s.eval_every > 0 and step % s.eval_every == 0) or (s.eval_at_end and step == s.total_steps)
+
+    def _evaluate(self, step: int) -> dict[str, Any]:
+        with isolated_rng(), self.timer("eval"), self.timer.scope("eval/"):
+            metrics = self.recipe.evaluate(self.state, step)
+        return {f"eval/{k}": v for k, v in metrics.items()}
+
+    def _log(self, step: int, metrics: dict[str, Any]) -> None:
+        if step == 0:
+            metrics |= self.timer.pop()
+        self.logger.log(step, metrics)
+        self.record.add(step, metrics)
+
+    def _save(self, step: int) -> None:
+        spec = self.recipe.checkpoint(self.state)
+        check_finite_parameters(spec.trained, f"checkpoint at step {step}")
+        root, keep = self.run.run_dir / "checkpoints", self.fields.keep_last
+        with spec.gather:  # every process: a sharded policy gathers its whole weights here
+            if spec.accelerator:
+                save_checkpoint(root, step, state=spec.state, accelerator=self.acc, keep_last=keep,
+                                write_files=spec.write_files)
+            elif self.acc.is_main_process:
+                save_checkpoint(root, step, state=spec.state, keep_last=keep, write_files=spec.write_files)
+        self.acc.wait_for_everyone()
+
+    def _summary(self, outputs: Mapping[str, str]) -> None:
+        r, d = self.record, self.run.run_dir
+        seconds = time.perf_counter() - r.began
+        lines = [f"\n{self.recipe.name} finished: {self.schedule.total_steps} steps"
+                 f" ({r.steps} run now, {r.steps - r.trained} skipped) in {seconds:.1f} s"
+                 + (f", {r.samples / seconds:.2f} samples/s" if r.samples else "")]
+        for label, points in (("train reward", r.rewards), ("eval reward", r.evals)):
+            if points:
+                best = max(points, key=lambda p: p[1])
+                lines.append(f"  {label:<16}first {points[0][1]:.4g} (step {points[0][0]})  last {points[-1][1]:.4g} "
+                             f"(step {points[-1][0]})  best {best[1]:.4g} (step {best[0]})")
+        lines.append(f"  {'failed rewards':<16}{r.failed:g}")
+        for label, where in {"run directory": str(d), "metrics": str(d / "metrics.csv"),
+                             "reward curve": str(d / "reward_curve.png"), "samples": str(d / "samples"),
+                             "checkpoints": str(d / "checkpoints"), **outputs}.items():
+            lines.append(f"  {label:<16}{where}")
+        self.acc.print("\n".join(lines))

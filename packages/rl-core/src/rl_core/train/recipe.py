@@ -1,0 +1,226 @@
+"""What an app gives the trainer loop (`rl_core.train.loop`): a `Recipe` of typed hooks over its
+own typed state. The loop owns the schedule; the recipe says only what is its own.
+
+    class Arith(Recipe[Config, State, Batch]):
+        name, config, default_config = "arith-grpo", Config, APP / "configs" / "default.toml"
+
+        def setup(self, cfg, run) -> State: ...                    # models, data, engines
+        def schedule(self, state) -> Schedule: ...                 # steps, eval cadence
+        def checkpoint(self, state) -> Checkpoint: ...             # what a checkpoint holds
+        def rollout(self, state, step) -> Batch: ...               # sample this process's share
+        def score(self, state, step, batch) -> Scores | Skip: ...  # rewards and group ids
+        def update(self, state, step, batch, advantages) -> dict[str, float]: ...
+        def evaluate(self, state, step) -> dict[str, float]: ...   # optional
+        def finish(self, state) -> dict[str, str]: ...             # exports, optional
+
+Hooks return what they measure (metrics, scores), never write results into shared state for the
+loop to read back. Metric names follow one table (`rl_core.train.metric_names`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import torch
+from torch import Tensor
+
+from rl_core.train.config import NonNegative, Positive
+from rl_core.train.groups import GroupAdvantages
+from rl_core.train.metrics import PhaseTimer
+from rl_core.train.samples import SampleLog
+from rl_core.train.sharding import ShardingFields
+from rl_core.train.update import NonFiniteGuard
+
+__all__ = ["Checkpoint", "Recipe", "RunContext", "RunFields", "Schedule", "Scores", "Skip", "run_fields"]
+
+
+class RunFields(ShardingFields, kw_only=True, frozen=True):
+    """The `train.*` keys the loop reads, named the same in every app: an app's `TrainConfig`
+    subclasses this (and redefines a field to change its default, e.g. `output_dir`)."""
+
+    output_dir: str = "runs"
+    run_name: str | None = None  # default: run-<date>-<time>; --resume keeps the resumed run's name
+    seed: NonNegative = 0
+    save_freq: Positive = 50  # checkpoint every N steps (and at the last)
+    keep_last: Positive = 2  # checkpoints kept
+    log_with: list[str] = msgspec.field(default_factory=list)
+    """Experiment trackers through Accelerate (tensorboard, wandb, mlflow, trackio, ...), logging
+    into the run directory; the same scalars as metrics.csv."""
+    max_nonfinite_steps: Positive = 3
+    """Consecutive optimizer steps with a non-finite loss or gradient (each skipped, weights
+    untouched) after which the run stops with an error."""
+
+
+def run_fields(cfg: msgspec.Struct) -> RunFields:
+    """An app config's `train` table, which every app config has and which subclasses
+    `RunFields` (the loop reads its keys)."""
+    fields = msgspec.structs.asdict(cfg).get("train")
+    if not isinstance(fields, RunFields):
+        raise TypeError(f"{type(cfg).__name__}.train must be a subclass of rl_core.train.RunFields, "
+                        f"got {type(fields).__name__}")
+    return fields
+
+
+C = TypeVar("C", bound=msgspec.Struct)  # the app config: a Struct whose `train` table is a RunFields
+S = TypeVar("S")
+B = TypeVar("B")
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What the loop built before `Recipe.setup`, for the recipe's hooks to use."""
+
+    accelerator: Any  # accelerate.Accelerator
+    run_dir: Path
+    start_step: int  # 0, or the step of the checkpoint being resumed
+    timer: PhaseTimer  # `with run.timer("logprob"): ...` inside a hook adds `time/logprob`
+    samples: SampleLog  # `run.samples.write("train", step, rows)`: samples/train.jsonl
+    guard: NonFiniteGuard  # pass to `optimizer_step`: non-finite steps skipped, too many stop the run
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def rank(self) -> int:
+        return int(self.accelerator.process_index)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.accelerator.num_processes)
+
+    @property
+    def is_main(self) -> bool:
+        return bool(self.accelerator.is_main_process)
+
+    def first_step(self, step: int) -> bool:
+        """Whether `step` is the first this process trains (a fresh start or a resume): where the
+        rollout engine and the trainer must agree exactly (the first-replay check)."""
+        return step == self.start_step + 1
+
+
+@dataclass(frozen=True)
+class Scores:
+    """One step's rewards on this process and how they become advantages: the loop runs
+    `rl_core.train.group_advantages(estimator, rewards, group_ids, mask=mask, options=options)`
+    over every process's samples (failed samples and groups left with one sample get 0)."""
+
+    rewards: Tensor  # [B_r] sequence rewards, NaN where scoring failed; or [B_r, T] token rewards with `mask`
+    group_ids: Tensor  # [B_r] the same id for the samples of one prompt, unique across processes
+    estimator: str  # an `rl_core.advantages` name (grpo, rloo, reinforce_pp, ...)
+    mask: Tensor | None = None  # [B_r, T] response mask, for token rewards only
+    options: Mapping[str, Any] = field(default_factory=dict)  # the estimator's keyword options
+    metrics: Mapping[str, float] = field(default_factory=dict)  # over every process: reward/<component>, ...
+
+
+@dataclass(frozen=True)
+class Skip:
+    """The step is skipped (no update) for `reason`, which the recipe has agreed on over every
+    process (a reward server down after its retries, no rollouts anywhere): logged as
+    `skipped = 1` with the reason in `error`, never scored as zero."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How many steps the run has and when it evaluates. `eval_every=k`: after every k-th step;
+    `eval_at_start`: once before the first step (logged as step 0, not on resume); `eval_at_end`:
+    after the last step (once, also when k divides it)."""
+
+    total_steps: int
+    eval_every: int = 0
+    eval_at_start: bool = False
+    eval_at_end: bool = False
+    note: str = ""  # printed once at the start (e.g. which setting ends the run)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a checkpoint holds (`rl_core.train.save_checkpoint`). `state`: the `Stateful`
+    objects (sampler, `sharded_state(...)`, an EMA) and JSON values; `trained`: the module whose
+    trainable parameters must be finite before anything is written. `accelerator=True`: every
+    process saves through `accelerator.save_state` (the prepared model and optimizer); False:
+    only `state` is written, by the main process (a LoRA-only trainer). `write_files(folder)`
+    adds files inside the checkpoint before it is published (adapters in PEFT format), run
+    inside `gather`, which every process enters (a sharded policy gathers its weights there)."""
+
+    state: Mapping[str, Any]
+    trained: torch.nn.Module
+    accelerator: bool = True
+    write_files: Callable[[Path], None] | None = None
+    gather: AbstractContextManager[Any] = field(default_factory=nullcontext)
+
+
+class Recipe(ABC, Generic[C, S, B]):
+    """An app for the trainer loop. Subclass it with the app's config, state and batch types
+    and implement the hooks; `evaluate`, `finish`, `close`, `check` and `start` have defaults.
+
+    Class attributes: `name` (the program name in messages and trackers), `config` (the config
+    Struct type), `default_config` (the embedded default TOML a bare run uses), `env`
+    (environment variable -> dotted key, for the original system's launch lines), `seed_by_rank`
+    (seed each process with seed + rank, so processes draw different noise; False when the
+    processes must build identical random initialisations themselves, e.g. LoRA under FSDP2,
+    and sampling noise is seeded per sample instead)."""
+
+    name: str = "app"
+    config: type[C]
+    default_config: Path | None = None
+    env: Mapping[str, str] = {}
+    seed_by_rank: bool = True
+
+    def config_path(self, given: Path | None) -> Path | None:
+        """The config file a run reads: `--config FILE`, else the embedded default."""
+        return given if given is not None else self.default_config
+
+    def check(self, cfg: C, world_size: int) -> None:
+        """Rules between keys and against the process count; raise `ConfigError` (runs before
+        any model loads)."""
+
+    @abstractmethod
+    def setup(self, cfg: C, run: RunContext) -> S:
+        """Build models, data, engines and the optimizer (the checkpoint is restored after)."""
+
+    def start(self, state: S) -> None:
+        """Called once the state holds its starting weights (restored or initial): push them to a
+        separate rollout engine, start workers, check judges on one sample."""
+
+    @abstractmethod
+    def schedule(self, state: S) -> Schedule:
+        """The run's length and eval cadence (after setup: it may depend on the data size)."""
+
+    @abstractmethod
+    def checkpoint(self, state: S) -> Checkpoint:
+        """What to save (called for each save and once for a resume's restore)."""
+
+    @abstractmethod
+    def rollout(self, state: S, step: int) -> B:
+        """This process's share of the step's samples (the loop times it as `rollout`)."""
+
+    @abstractmethod
+    def score(self, state: S, step: int, batch: B) -> Scores | Skip:
+        """Rewards of this process's samples (timed as `reward`), or why the step is skipped."""
+
+    @abstractmethod
+    def update(self, state: S, step: int, batch: B, advantages: GroupAdvantages) -> Mapping[str, float]:
+        """The policy update from this process's samples and their advantages (timed as
+        `update`); returns its metrics, reduced over every process."""
+
+    def evaluate(self, state: S, step: int) -> Mapping[str, float]:
+        """Held-out metrics (the loop logs them under `eval/`); run on a saved-and-restored RNG
+        state, so evaluating never changes the training run."""
+        return {}
+
+    def finish(self, state: S) -> Mapping[str, str]:
+        """After the last step, on every process: exports; returns `{what: where}` lines for
+        the closing summary."""
+        return {}
+
+    def close(self, state: S) -> None:
+        """Release engines, workers and connections (also after an error)."""

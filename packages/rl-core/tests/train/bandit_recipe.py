@@ -1,0 +1,182 @@
+"""The trainer loop's own test recipe: a contextual bandit with a linear softmax policy.
+
+8 prompts (contexts), 5 answers (arms); the reward is 1 when the answer is the prompt's target
+(`prompt % 5`). Each sample draws its answer from its own seed (train.seed, step, prompt, index),
+so the samples of a step are the same whatever the process count or the micro-batch split: the
+loop's invariants (2 processes = 1 process with twice the batch, accumulation = one batch,
+resume = uninterrupted) can be checked with exact numbers. Run as a script, it is an app:
+
+    accelerate launch --multi_gpu --num_processes 2 bandit_recipe.py train.output_dir=/tmp/b
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from rl_core.advantages import uses_group_baseline
+from rl_core.losses import compute_policy_loss
+from rl_core.train import (
+    AdvantageName,
+    ConfigError,
+    Checkpoint,
+    GroupAdvantages,
+    NonNegative,
+    PolicyLossName,
+    Positive,
+    PositiveFloat,
+    Recipe,
+    ReplayCheck,
+    RunContext,
+    RunFields,
+    Schedule,
+    Scores,
+    Skip,
+    UpdateStats,
+    optimizer_step,
+    run,
+    run_app,
+    sample_seed,
+)
+
+PROMPTS, ANSWERS = 8, 5
+
+
+class AlgoConfig(msgspec.Struct, kw_only=True, frozen=True):
+    advantage: AdvantageName = "grpo"
+    loss: PolicyLossName = "ppo_clip"
+
+
+class TrainConfig(RunFields, kw_only=True, frozen=True):
+    output_dir: str = "runs/bandit"
+    batch_size: Positive = 4  # prompts per step, all processes
+    n: Positive = 4  # answers per prompt
+    micro_batch_size: Positive = 8  # samples per forward/backward
+    max_steps: Positive = 3
+    lr: PositiveFloat = 0.5
+    eval_every: NonNegative = 0
+    eval_at_start: bool = False
+    skip_steps: list[int] = []  # steps whose reward "fails" on every process (tests)
+
+
+class Config(msgspec.Struct, kw_only=True, frozen=True):
+    algo: AlgoConfig = AlgoConfig()
+    train: TrainConfig = TrainConfig()
+
+
+@dataclass
+class State:
+    cfg: Config
+    run: RunContext
+    policy: torch.nn.Module  # prepared (DDP with several processes)
+    optimizer: torch.optim.Optimizer
+
+
+@dataclass(frozen=True)
+class Batch:
+    prompts: torch.Tensor  # [B] prompt of each sample
+    answers: torch.Tensor  # [B] sampled answer
+    logprobs: torch.Tensor  # [B] log-prob of the answer when it was sampled
+    groups: torch.Tensor  # [B] global group id
+
+
+class Bandit(Recipe[Config, State, Batch]):
+    name = "bandit"
+    config = Config
+
+    def check(self, cfg: Config, world_size: int) -> None:
+        if uses_group_baseline(cfg.algo.advantage) and cfg.train.n < 2:
+            raise ConfigError(f"train.n={cfg.train.n}: algo.advantage={cfg.algo.advantage!r} needs n >= 2")
+        if cfg.train.batch_size % world_size:
+            raise ConfigError(f"train.batch_size={cfg.train.batch_size} must divide by {world_size} processes")
+
+    def setup(self, cfg: Config, run: RunContext) -> State:
+        model = torch.nn.Linear(PROMPTS, ANSWERS, bias=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.train.lr)
+        policy, optimizer = run.accelerator.prepare(model, optimizer)
+        return State(cfg, run, policy, optimizer)
+
+    def schedule(self, state: State) -> Schedule:
+        t = state.cfg.train
+        return Schedule(t.max_steps, eval_every=t.eval_every, eval_at_start=t.eval_at_start,
+                        eval_at_end=t.eval_every > 0)
+
+    def checkpoint(self, state: State) -> Checkpoint:
+        return Checkpoint(state={}, trained=state.policy)
+
+    def rollout(self, state: State, step: int) -> Batch:
+        t, run = state.cfg.train, state.run
+        per_rank = t.batch_size // run.world_size
+        order = torch.randperm(PROMPTS, generator=torch.Generator().manual_seed(sample_seed(t.seed, step)))
+        mine = order[run.rank * per_rank:(run.rank + 1) * per_rank].repeat_interleave(t.n)  # [B]
+        with torch.no_grad():
+            logp = torch.log_softmax(state.policy(_onehot(mine)), dim=-1)  # [B, A]
+        draws = [torch.multinomial(logp[i].exp(), 1, generator=torch.Generator().manual_seed(
+            sample_seed(t.seed, step, int(p), i % t.n)))[0] for i, p in enumerate(mine.tolist())]
+        answers = torch.stack(draws)  # [B]
+        groups = torch.arange(len(mine)) // t.n + run.rank * per_rank  # [B]
+        return Batch(mine, answers, logp.gather(1, answers[:, None])[:, 0], groups)
+
+    def score(self, state: State, step: int, batch: Batch) -> Scores | Skip:
+        if step in state.cfg.train.skip_steps:
+            return Skip(f"reward service unavailable at step {step}")
+        rewards = (batch.answers == batch.prompts % ANSWERS).float()  # [B]
+        return Scores(rewards, batch.groups, state.cfg.algo.advantage)
+
+    def update(self, state: State, step: int, batch: Batch, advantages: GroupAdvantages) -> dict[str, float]:
+        t, run = state.cfg.train, state.run
+        rows = torch.arange(len(batch.prompts))
+        micro = list(rows.split(t.micro_batch_size))
+        stats, check = UpdateStats(), ReplayCheck()
+
+        def loss_fn(part: torch.Tensor, num_valid: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+            logits = state.policy(_onehot(batch.prompts[part]))  # [b, A]
+            logp = torch.log_softmax(logits, dim=-1).gather(1, batch.answers[part][:, None])  # [b, 1]
+            check.add(logp[:, 0], batch.logprobs[part])
+            loss, metrics = compute_policy_loss(state.cfg.algo.loss, logp=logp, old_logp=batch.logprobs[part][:, None],
+                                                advantages=advantages.advantages[part][:, None],
+                                                mask=torch.ones_like(logp), num_valid=num_valid)
+            return loss, {"loss/policy": float(loss.detach()), "policy/clip_fraction": float(metrics["clip_fraction"])}
+
+        def first_check() -> None:
+            extra.update(check.verify(run.accelerator, 1e-6 if run.first_step(step) else float("inf"), "first replay"))
+
+        extra: dict[str, float] = {}
+        optimizer_step(run.accelerator, state.policy, state.optimizer, micro, loss_fn, units=lambda m: float(len(m)),
+                       grad_clip=None, guard=run.guard, stats=stats, before_step=first_check, filler=rows[:1])
+        return {**stats.reduce(run.accelerator), **extra}
+
+    def evaluate(self, state: State, step: int) -> dict[str, float]:
+        with torch.no_grad():
+            best = state.policy(_onehot(torch.arange(PROMPTS))).argmax(-1)  # [P]
+        return {"reward/mean": float((best == torch.arange(PROMPTS) % ANSWERS).float().mean())}
+
+    def finish(self, state: State) -> dict[str, str]:
+        weights = state.run.run_dir / "weights.pt"
+        if state.run.is_main:
+            torch.save(state.run.accelerator.unwrap_model(state.policy).weight.detach().clone(), weights)
+        return {"weights": str(weights)}
+
+
+def _onehot(prompts: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.one_hot(prompts, PROMPTS).float()  # [B, P]
+
+
+RECIPE = Bandit()
+
+
+def main(argv: list[str] | None = None) -> Path | None:
+    return run(RECIPE, argv)
+
+
+def weights(run_dir: Path) -> Any:
+    return torch.load(run_dir / "weights.pt", weights_only=True)
+
+
+if __name__ == "__main__":
+    sys.exit(run_app(RECIPE.name, main))

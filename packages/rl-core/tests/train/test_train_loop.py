@@ -1,0 +1,147 @@
+"""The trainer loop (`rl_core.train.loop`) on its own test recipe (bandit_recipe.py): the
+invariants every app inherits, pinned with numbers (2 processes = 1 process with twice the batch,
+accumulation = one batch, resume = uninterrupted, bit for bit), the schedule (eval cadence,
+log before checkpoint), the failure rules (skipped steps, a run that trains nothing, refused
+config values before setup) and what a run prints and writes."""
+
+from __future__ import annotations
+
+import csv
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bandit_recipe as bandit  # noqa: E402
+
+from rl_core.train import ConfigError, UserError, unknown_metric_names  # noqa: E402
+
+SCRIPT = Path(bandit.__file__)
+
+
+def rows(run_dir: Path) -> list[dict[str, str]]:
+    with (run_dir / "metrics.csv").open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def go(tmp_path: Path, name: str, *extra: str, resume: str | None = None) -> Path:
+    argv = [f"train.output_dir={tmp_path}", f"train.run_name={name}", *extra]
+    out = bandit.main([*argv, "--resume", resume] if resume else argv)
+    assert out is not None
+    return out
+
+
+# one process, batch 4 x 4, 3 steps, seed 0 (pinned on the 2-core CPU)
+PINNED = {1: {"reward/mean": 0.1875, "loss/policy": 0.0, "grad_norm": 0.1875},
+          3: {"reward/mean": 0.125, "grad_norm": 0.165359}}
+
+
+def test_a_run_logs_known_metrics_and_pinned_numbers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = go(tmp_path, "plain")
+    table = rows(run_dir)
+    assert [r["step"] for r in table] == ["1", "2", "3"]
+    for step, values in PINNED.items():
+        for key, value in values.items():
+            assert float(table[step - 1][key]) == pytest.approx(value, abs=1e-5), (step, key)
+    assert not unknown_metric_names(table[0])  # every column is in the one table of names
+    assert (run_dir / "checkpoints" / "checkpoint-3" / "meta.json").is_file()
+    assert (run_dir / "reward_curve.png").stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "step 2/3  reward/mean=0.125" in out  # one line per step off a terminal
+    assert "bandit finished: 3 steps (3 run now, 0 skipped)" in out
+    assert "train reward    first 0.1875 (step 1)" in out and f"weights         {run_dir / 'weights.pt'}" in out
+
+
+def test_accumulated_micro_batches_equal_one_batch(tmp_path: Path) -> None:
+    one = go(tmp_path, "one", "train.micro_batch_size=16")
+    many = go(tmp_path, "many", "train.micro_batch_size=3")
+    torch.testing.assert_close(bandit.weights(many), bandit.weights(one), atol=1e-7, rtol=0)
+    for a, b in zip(rows(one), rows(many), strict=True):
+        assert float(a["loss/policy"]) == pytest.approx(float(b["loss/policy"]), abs=1e-7)
+        assert a["reward/mean"] == b["reward/mean"]
+
+
+def test_resume_continues_bit_for_bit(tmp_path: Path) -> None:
+    straight = go(tmp_path, "straight", "train.max_steps=4", "train.save_freq=1")
+    first = go(tmp_path, "cut", "train.max_steps=2", "train.save_freq=1")
+    resumed = go(tmp_path, "cut", "train.max_steps=4", "train.save_freq=1", resume=str(first))
+    assert resumed == first
+    assert torch.equal(bandit.weights(resumed), bandit.weights(straight))
+    a, b = rows(straight), rows(resumed)
+    assert [r["step"] for r in b] == ["1", "2", "3", "4"]
+    for key in ("reward/mean", "loss/policy", "grad_norm", "adv/std"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+
+
+def test_resume_of_another_run_name_and_a_missing_path_are_user_errors(tmp_path: Path) -> None:
+    first = go(tmp_path, "a", "train.max_steps=1")
+    with pytest.raises(UserError, match="--resume continues run 'a', but train.run_name='b' names another run"):
+        go(tmp_path, "b", resume=str(first))
+    with pytest.raises(UserError, match="no complete checkpoint"):
+        go(tmp_path, "c", resume=str(tmp_path / "nowhere"))
+    with pytest.raises(UserError, match="--config .*nope.toml: no such file"):
+        bandit.main(["--config", str(tmp_path / "nope.toml")])
+
+
+def test_a_registry_typo_stops_before_setup(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"algo.advantage: unknown advantage estimator 'nope'; valid names: dr_grpo"):
+        go(tmp_path, "typo", "algo.advantage=nope")
+    with pytest.raises(ConfigError, match="train.n=1: algo.advantage='grpo' needs n >= 2"):  # Recipe.check
+        go(tmp_path, "lone", "train.n=1")
+    assert not (tmp_path / "typo").exists() and not (tmp_path / "lone").exists()
+
+
+def test_eval_cadence_and_log_before_checkpoint(tmp_path: Path) -> None:
+    run_dir = go(tmp_path, "evals", "train.max_steps=5", "train.eval_every=2", "train.eval_at_start=true",
+                 "train.save_freq=2")
+    table = rows(run_dir)
+    assert [(r["step"], r["eval/reward/mean"] != "") for r in table] == [
+        ("0", True), ("1", False), ("2", True), ("3", False), ("4", True), ("5", True)]
+    assert table[0]["reward/mean"] == "" and float(table[0]["time/eval"]) > 0
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["checkpoint-4", "checkpoint-5"]
+    # a resume from checkpoint 4 of a run that logged step 5 cuts step 5 back, and logs no new step-0 eval
+    resumed = go(tmp_path, "evals", "train.max_steps=5", "train.eval_every=2", "train.eval_at_start=true",
+                 resume=str(run_dir / "checkpoints" / "checkpoint-4"))
+    assert [r["step"] for r in rows(resumed)] == ["0", "1", "2", "3", "4", "5"]
+
+
+def test_a_skipped_step_is_logged_with_its_reason(tmp_path: Path) -> None:
+    run_dir = go(tmp_path, "skip", "train.skip_steps=[2]")
+    table = rows(run_dir)
+    assert [r["skipped"] for r in table] == ["0", "1", "0"]
+    assert table[1]["error"] == "reward service unavailable at step 2" and table[1]["reward/mean"] == ""
+
+
+def test_a_run_that_trains_no_step_ends_with_the_reason(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"no step trained; every step was skipped \(step 1: reward service"):
+        go(tmp_path, "none", "train.skip_steps=[1, 2, 3]")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path) -> None:
+    single = go(tmp_path, "one", "train.micro_batch_size=3")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPT.parent)}
+    done = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+         "--main_process_port", str(_free_port()), str(SCRIPT), f"train.output_dir={tmp_path}",
+         "train.run_name=two", "train.micro_batch_size=3"],
+        capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    a, b = rows(single), rows(tmp_path / "two")
+    assert [(r["world_size"]) for r in a + b] == ["1"] * 3 + ["2"] * 3
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("reward/mean", "reward/std", "adv/std", "loss/policy", "grad_norm", "replay/engine_diff_mean"):
+            assert float(rb[key]) == pytest.approx(float(ra[key]), abs=1e-7), key
+    torch.testing.assert_close(bandit.weights(tmp_path / "two"), bandit.weights(single), atol=1e-7, rtol=0)
+    assert done.stdout.count("bandit finished") == 1  # the summary comes from the main process only
