@@ -23,8 +23,8 @@ from rl_core.advantages import uses_group_baseline
 from rl_core.losses import compute_policy_loss
 from rl_core.train import (
     AdvantageName,
-    ConfigError,
     Checkpoint,
+    ConfigError,
     GroupAdvantages,
     NonNegative,
     PolicyLossName,
@@ -61,7 +61,7 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     lr: PositiveFloat = 0.5
     eval_every: NonNegative = 0
     eval_at_start: bool = False
-    skip_steps: list[int] = []  # steps whose reward "fails" on every process (tests)
+    skip_steps: list[int] = msgspec.field(default_factory=list)  # steps whose reward "fails" on every process (tests)
 
 
 class Config(msgspec.Struct, kw_only=True, frozen=True):

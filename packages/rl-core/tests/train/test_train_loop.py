@@ -17,9 +17,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import bandit_recipe as bandit  # noqa: E402
+import bandit_recipe as bandit
 
-from rl_core.train import ConfigError, UserError, unknown_metric_names  # noqa: E402
+from rl_core.train import ConfigError, UserError, unknown_metric_names
 
 SCRIPT = Path(bandit.__file__)
 
@@ -80,18 +80,18 @@ def test_resume_continues_bit_for_bit(tmp_path: Path) -> None:
 
 def test_resume_of_another_run_name_and_a_missing_path_are_user_errors(tmp_path: Path) -> None:
     first = go(tmp_path, "a", "train.max_steps=1")
-    with pytest.raises(UserError, match="--resume continues run 'a', but train.run_name='b' names another run"):
+    with pytest.raises(UserError, match=r"--resume continues run 'a', but train.run_name='b' names another run"):
         go(tmp_path, "b", resume=str(first))
     with pytest.raises(UserError, match="no complete checkpoint"):
         go(tmp_path, "c", resume=str(tmp_path / "nowhere"))
-    with pytest.raises(UserError, match="--config .*nope.toml: no such file"):
+    with pytest.raises(UserError, match=r"--config .*nope\.toml: no such file"):
         bandit.main(["--config", str(tmp_path / "nope.toml")])
 
 
 def test_a_registry_typo_stops_before_setup(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"algo.advantage: unknown advantage estimator 'nope'; valid names: dr_grpo"):
         go(tmp_path, "typo", "algo.advantage=nope")
-    with pytest.raises(ConfigError, match="train.n=1: algo.advantage='grpo' needs n >= 2"):  # Recipe.check
+    with pytest.raises(ConfigError, match=r"train\.n=1: algo\.advantage='grpo' needs n >= 2"):  # Recipe.check
         go(tmp_path, "lone", "train.n=1")
     assert not (tmp_path / "typo").exists() and not (tmp_path / "lone").exists()
 

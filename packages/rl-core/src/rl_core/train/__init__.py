@@ -45,6 +45,7 @@ from rl_core.train.offload import OptimizerOffload, PinnedOffload
 from rl_core.train.plots import plot_reward_curve
 from rl_core.train.progress import TrainProgress
 from rl_core.train.recipe import Checkpoint, Recipe, RunContext, RunFields, Schedule, Scores, Skip
+from rl_core.train.replay_update import Replay, replay_update
 from rl_core.train.rundir import latest_run, make_run_dir
 from rl_core.train.samples import SampleLog
 from rl_core.train.seeding import (
@@ -103,6 +104,7 @@ __all__ = [
     "Positive",
     "PositiveFloat",
     "Recipe",
+    "Replay",
     "ReplayCheck",
     "RunContext",
     "RunFields",
@@ -141,6 +143,7 @@ __all__ = [
     "parse_cli",
     "plot_reward_curve",
     "prepare_policy",
+    "replay_update",
     "resolve_resume",
     "resolve_sharding",
     "run",
