@@ -233,15 +233,14 @@ def test_from_pretrained_places_the_model_on_cuda_when_available(qwen3_path: Pat
     assert next(engine.model.parameters()).device.type == expected
 
 
-def test_hf_engine_is_a_colocated_engine_and_counts_weight_versions():
-    """What the apps use of an engine that decodes with the trained module is declared in
-    `ColocatedEngine`; both engines take `load_weights(..., version=)`."""
+def test_hf_engine_is_an_engine_with_a_state_and_counts_weight_versions():
+    """The `Engine` protocol, `state` included; `load_weights(..., version=)` keeps the version."""
     from rl_models import tiny
-    from rl_rollout import ColocatedEngine, Engine
+    from rl_rollout import Engine
     from rl_rollout.hf import HFEngine
 
     engine = HFEngine.from_pretrained(tiny.build("qwen3"))
-    assert isinstance(engine, ColocatedEngine) and isinstance(engine, Engine)
+    assert isinstance(engine, Engine) and engine.state == "awake"
     weight = engine.model.get_output_embeddings().weight.detach()
     engine.load_weights([("lm_head.weight", torch.zeros_like(weight))], version=7)
     assert engine.weight_version == 7 and float(weight.abs().sum()) == 0.0

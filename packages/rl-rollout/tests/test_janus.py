@@ -10,7 +10,7 @@ import torch
 from rl_models import tiny
 from rl_models.janus import JanusImagePolicy, generate_image_tokens, load_janus
 from rl_models.lora import add_lora
-from rl_rollout import build_engine
+from rl_rollout import build_image_engine
 from rl_rollout.janus import JanusEngine, draw
 
 PROMPTS = ['a sign that says "open"', "red", 'a poster reading "rl"']
@@ -74,7 +74,7 @@ def test_greedy_limit_matches_transformers_generate() -> None:
     """At a vanishing temperature the engine's draw is the argmax of the CFG logits, so it must
     reproduce `generate(generation_mode="image", do_sample=False, guidance_scale=5)` token for
     token: same unconditional prompt, positions, cache and guidance."""
-    engine = build_engine("janus", path=str(tiny.build("janus")), dtype="float32", device="cpu")
+    engine = build_image_engine("janus", path=str(tiny.build("janus")), dtype="float32", device="cpu")
     assert isinstance(engine, JanusEngine)
     prompt = PROMPTS[0]
     text = engine.processor.apply_chat_template(

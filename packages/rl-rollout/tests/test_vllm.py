@@ -63,7 +63,7 @@ def test_vllm_engine_generate_score_sleep_and_load() -> None:
     engine.sleep()  # the RL pattern: push while asleep (only the weights wake), then wake the KV cache
     engine.load_weights(((name, torch.zeros_like(t)) for name, t in ref.model.state_dict().items()
                          if name.endswith("norm.weight")), version=7)
-    assert engine.state == "weights" and engine.weight_version == 7
+    assert engine.weights_only_awake and engine.state == "asleep" and engine.weight_version == 7
     engine.wake()
     after = engine.generate([[1, 2, 3]], greedy)[0]
     assert after.completion_ids != before[0].completion_ids

@@ -1,26 +1,36 @@
-"""rl-rollout: generation engines behind one protocol (`hf`, `openai`, `vllm`)."""
+"""rl-rollout: generation engines behind one protocol (`hf`, `openai`, `vllm`), the policy
+engine layer a trainer drives them through (`policy`), and image engines (`diffusion`, `janus`)."""
 
+from rl_rollout.images import ImageEngine, ImageSamples, build_image_engine
 from rl_rollout.protocol import (
-    ColocatedEngine,
     Engine,
     FinishReason,
     Generation,
     Prompt,
     SamplingParams,
 )
-from rl_rollout.registry import build_engine, engine_names, register_engine, resolve_engine_kind
+from rl_rollout.registry import (
+    build_engine,
+    engine_names,
+    load_engine,
+    register_engine,
+    resolve_engine_kind,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ColocatedEngine",
     "Engine",
     "FinishReason",
     "Generation",
+    "ImageEngine",
+    "ImageSamples",
     "Prompt",
     "SamplingParams",
     "build_engine",
+    "build_image_engine",
     "engine_names",
+    "load_engine",
     "register_engine",
     "resolve_engine_kind",
 ]

@@ -10,6 +10,8 @@ after each optimizer step.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -36,6 +38,31 @@ def colocated_vllm(path: str, *, dtype: str, gpu_memory_utilization: float, seed
     extra: dict[str, Any] = {"distributed_executor_backend": "external_launcher"} if world_size > 1 else {}
     return VLLMEngine(path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
                       max_num_seqs=max_num_seqs, **extra, **llm_kwargs)
+
+
+@contextmanager
+def vllm_engine_core(in_process: bool) -> Iterator[None]:
+    """Build a vLLM engine inside this block with its engine core in this process (`in_process`:
+    a colocated policy engine, whose weight pushes then pass tensors by reference) or in a
+    process of its own (a judge: two engine cores cannot share one process; started by spawn,
+    since a trainer has initialised CUDA, which a forked child cannot use).
+
+    vLLM reads `VLLM_ENABLE_V1_MULTIPROCESSING` when an engine is built, and an engine core built
+    in this process freezes vLLM's view of the environment (`vllm.envs.enable_envs_cache` at the
+    end of its start-up): build every out-of-process engine (judges) before an in-process one.
+    The variable is set for each build and put back after it."""
+    name = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    before = os.environ.get(name)
+    os.environ[name] = "0" if in_process else "1"
+    if not in_process:
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 def push_weights(engine: Any, model: torch.nn.Module, version: int) -> None:

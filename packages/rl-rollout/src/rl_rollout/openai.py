@@ -261,6 +261,8 @@ class OpenAIEngine:
         return torch.tensor(list(rows), dtype=torch.float32)
 
     # ------------------------------------------------------------------ lifecycle
+    state = "remote"  # nothing local to wake or put to sleep: the server owns its memory
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None) -> None:
         """Not possible over the OpenAI API: the weights live in another process."""
         raise TypeError("OpenAIEngine cannot load weights: the model lives on a remote server; update it there")

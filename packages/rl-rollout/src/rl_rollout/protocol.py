@@ -78,7 +78,13 @@ class Generation(msgspec.Struct, kw_only=True, frozen=True):
 @runtime_checkable
 class Engine(Protocol):
     """A generation engine. `generate` returns `len(requests) * params.n` generations, request
-    major: all `n` samples of request 0, then request 1, ...; an empty request list returns []."""
+    major: all `n` samples of request 0, then request 1, ...; an empty request list returns [].
+
+    `state`: "awake" (ready), "asleep" (accelerator memory released by `sleep`), "closed", or
+    "remote" (the model lives in another process: `sleep`/`wake` do nothing here)."""
+
+    @property
+    def state(self) -> str: ...
 
     def generate(self, requests: Sequence[Prompt], params: SamplingParams) -> list[Generation]: ...
 
@@ -106,21 +112,6 @@ class Engine(Protocol):
     def wake(self) -> None: ...
 
     def close(self) -> None: ...
-
-
-@runtime_checkable
-class ColocatedEngine(Engine, Protocol):
-    """An engine that decodes with the very module being trained (`hf`): nothing to sync, but
-    the trainer shares its memory and its padding.
-
-    `model` is that module (put in eval mode for decoding); `pad_id` the token completions are
-    padded with; `release_cache()` frees the KV cache before the update (the next `generate`
-    takes it again)."""
-
-    model: torch.nn.Module
-    pad_id: int
-
-    def release_cache(self) -> None: ...
 
 
 @runtime_checkable

@@ -52,12 +52,31 @@ def resolve_engine_kind(kind: str, *, key: str = "engine") -> tuple[str, str]:
     return "vllm", "vllm (as configured)" if kind == "vllm" else "vllm (auto: CUDA device and vLLM found)"
 
 
+def load_engine(kind: str, model: str, *, key: str = "engine", in_process: bool = True, **options: Any) -> Engine:
+    """One builder for every kind from a checkpoint: `auto` resolved (`resolve_engine_kind`,
+    a `vllm` that cannot run here is a `UserError` naming `key`); `hf` loads `model` in this
+    process; `vllm` with its engine core in this process (`in_process`: weight pushes pass
+    tensors by reference) or in its own (several vLLM engines in one trainer, e.g. judges:
+    build those before any in-process one, `rl_rollout.colocated.vllm_engine_core`);
+    `openai`: `model` is the served model name, `base_url` goes in `options`. `options` go to
+    the engine's constructor (`device=`, `gpu_memory_utilization=`, ...)."""
+    kind, _ = resolve_engine_kind(kind, key=key)
+    if kind == "hf":
+        return build_engine("hf", path=model, **options)
+    if kind == "vllm":
+        from rl_rollout.colocated import vllm_engine_core
+
+        with vllm_engine_core(in_process=in_process):
+            return build_engine("vllm", model=model, **options)
+    return build_engine(kind, model=model, **options)
+
+
 def build_engine(name: str, **kwargs: Any) -> Engine:
     """Build the engine registered as `name` with keyword arguments.
 
     `hf`: `path=` (checkpoint, via `HFEngine.from_pretrained`) or `model=` + `tokenizer_or_processor=`.
     `openai`: `base_url=`, `model=`, ... (`OpenAIEngine`). `vllm`: `model=` path, ... (`VLLMEngine`).
-    `janus`: `path=` (Janus checkpoint) or `model=` + `processor=` (`rl_rollout.janus.JanusEngine`).
+    Image engines (`sd3`, `janus`) have their own protocol and builder: `rl_rollout.images`.
     """
     if name not in _ENGINES:
         raise KeyError(f"unknown engine {name!r}; valid: {', '.join(engine_names())}")
@@ -78,15 +97,6 @@ def _build_openai(**kwargs: Any) -> Engine:
     return OpenAIEngine(**kwargs)
 
 
-def _build_janus(**kwargs: Any) -> Engine:
-    from rl_rollout.janus import JanusEngine
-
-    # the image engine samples through `JanusEngine.sample` (images, not `Generation`s), as the
-    # diffusion engine does; the registry's Engine type is the text protocol
-    engine: Any = JanusEngine.from_pretrained(kwargs.pop("path"), **kwargs) if "path" in kwargs else JanusEngine(**kwargs)
-    return engine
-
-
 def _build_vllm(**kwargs: Any) -> Engine:
     from rl_rollout.vllm import VLLMEngine
 
@@ -94,6 +104,5 @@ def _build_vllm(**kwargs: Any) -> Engine:
 
 
 register_engine("hf", _build_hf)
-register_engine("janus", _build_janus)
 register_engine("openai", _build_openai)
 register_engine("vllm", _build_vllm)

@@ -196,9 +196,9 @@ def token_update(
         loss, metrics = compute_policy_loss(options.loss, logp=logp, old_logp=old_logp, advantages=adv, mask=mask,
                                             agg=options.agg, clip_low=options.clip_low, clip_high=options.clip_high,
                                             num_valid=num_valid, norm_length=norm_length)
-        out = {"loss/policy": float(loss.detach()), "entropy": _mean(ent, mask),
-               **{k: float(v) for k, v in metrics.items() if k in ("clip_fraction", "approx_kl", "ratio_mean")},
-               "ratio_max": float(metrics["ratio_max"]) if mask.any() else 1.0}
+        out = {"loss/policy": float(loss.detach()), "policy/entropy": _mean(ent, mask),
+               **{f"policy/{k}": float(v) for k, v in metrics.items() if k in ("clip_fraction", "approx_kl", "ratio_mean")},
+               "policy/ratio_max": float(metrics["ratio_max"]) if mask.any() else 1.0}
         if ref is not None and options.kl_coef > 0:
             kl = compute_kl(options.kl, logp, pad_rows([ref[i] for i in micro.rows], width).to(device))  # [B, C]
             kl_loss = aggregate(kl, mask, options.agg, num_valid=num_valid, norm_length=norm_length)

@@ -75,12 +75,22 @@ class VLLMEngine:
         self.tokenizer = self.llm.get_tokenizer()
         is_vl = "vision_config" in AutoConfig.from_pretrained(model).to_dict()
         self.processor = AutoProcessor.from_pretrained(model) if is_vl else None  # chat template with media parts
-        self.state = "awake"  # "awake" | "asleep" | "weights" (asleep but for the weights) | "closed"
+        self._state = "awake"  # "awake" | "asleep" | "weights" (asleep but for the weights) | "closed"
         self.weight_version = 0  # bumped by every load_weights
 
     @property
+    def state(self) -> str:
+        """"awake" | "asleep" | "closed" (asleep but for freshly pushed weights counts as asleep)."""
+        return "asleep" if self._state == "weights" else self._state
+
+    @property
+    def weights_only_awake(self) -> bool:
+        """Asleep, but the weights were woken to take a `load_weights` (the KV cache is not back)."""
+        return self._state == "weights"
+
+    @property
     def is_asleep(self) -> bool:
-        return self.state in ("asleep", "weights")
+        return self.state == "asleep"
 
     def _sampling(self, params: SamplingParams) -> vllm.SamplingParams:
         return vllm.SamplingParams(
@@ -158,26 +168,27 @@ class VLLMEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None) -> None:
         """Copy `(hf_name, tensor)` pairs into the running model in place; `version` (default:
         the previous one + 1) is kept in `weight_version` so callers can check what is served."""
-        if self.state == "asleep":
+        if self._state == "asleep":
             self.llm.wake_up(tags=["weights"])
-            self.state = "weights"
+            self._state = "weights"
         self.llm.collective_rpc(_load_weights_on_worker, args=(list(named_tensors),))
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self.weight_version = self.weight_version + 1 if version is None else version
 
     def sleep(self) -> None:
-        self.llm.sleep(level=1)
-        self.state = "asleep"
+        if self._state != "asleep":
+            self.llm.sleep(level=1)
+        self._state = "asleep"
 
     def wake(self) -> None:
-        if self.state == "weights":
+        if self._state == "weights":
             self.llm.wake_up(tags=["kv_cache"])
-        else:
+        elif self._state == "asleep":
             self.llm.wake_up()
-        self.state = "awake"
+        self._state = "awake"
 
     def close(self) -> None:
-        self.state = "closed"
+        self._state = "closed"
         del self.llm
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -1,0 +1,175 @@
+"""The policy's rollout engine as a trainer drives it, whatever the engine kind: the layer that
+owns weight sync (verl's engine layer), so no app asks which engine it has.
+
+    engine = build_policy_engine("auto", model=trained, processor=processor, path=checkpoint, ...)
+    with engine.session() as sampler:        # ready to sample
+        generations = sampler.generate(prompts, params)
+    ...optimizer step...
+    engine.sync()                           # the next session samples from the new weights
+
+- `hf` (`rl_rollout.hf.HFEngine`): decodes with the very module being trained. A session puts
+  it in eval mode, moves the optimizer state to pinned host memory while it decodes (making
+  room for the KV cache; `offload_optimizer`), gathers a sharded policy's full weights
+  (`rl_core.train.FullWeights`), and frees the KV cache afterwards (`release_cache`). `sync`
+  has nothing to copy.
+- `vllm`: a colocated `vllm.LLM` in this process (`rl_rollout.colocated`), asleep outside
+  sessions (weights in host memory, KV cache freed) so the trainer has the GPU; `sync` pushes
+  the trained weights (a LoRA merged, a sharded policy's gathered) into it while it sleeps.
+
+`weight_version` counts `sync` calls: the optimizer steps in the weights the next session
+samples with (log it as `rollout/weight_version`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+from transformers import ProcessorMixin
+
+from rl_core.train import FullWeights, OptimizerOffload, gathered, isolated_rng
+from rl_rollout.protocol import Engine
+from rl_rollout.registry import resolve_engine_kind
+
+__all__ = ["PolicyEngine", "build_policy_engine"]
+
+OffloadOptimizer = Literal["auto", "always", "never"]
+
+
+class PolicyEngine:
+    """A rollout engine bound to the policy it samples for (see the module doc).
+
+    `shares_weights`: the engine decodes with the trained module itself (`hf`), so moving that
+    module off the accelerator moves the engine's weights too (rider-grm's swap puts the engine
+    to sleep with it). `pad_id`: the padding of the trainer's replay batches. `release_cache`:
+    called after each session (the `hf` engine's KV cache freed)."""
+
+    def __init__(self, engine: Engine, *, kind: str, trained: torch.nn.Module, pad_id: int,
+                 full: FullWeights | None = None, optimizer_offload: OptimizerOffload | None = None,
+                 release_cache: Callable[[], None] | None = None) -> None:
+        self.engine, self.kind, self.trained, self.pad_id = engine, kind, trained, pad_id
+        self.full, self.optimizer_offload, self.release_cache = full, optimizer_offload, release_cache
+        self.shares_weights = kind == "hf"
+        self.weight_version = 0
+
+    @property
+    def state(self) -> str:
+        """"awake" | "asleep" | "closed" (the engine's)."""
+        return self.engine.state
+
+    @contextmanager
+    def session(self) -> Iterator[Engine]:
+        """The engine, ready to sample, for the block; afterwards the trainer has the memory."""
+        if not self.shares_weights:
+            if self.optimizer_offload is not None:
+                self.optimizer_offload.to_host()
+            self.engine.wake()
+            try:
+                yield self.engine
+            finally:
+                self.engine.sleep()
+                if self.optimizer_offload is not None:
+                    self.optimizer_offload.to_device()
+            return
+        model = self.full.model if self.full is not None else self.trained
+        model.eval()
+        if self.optimizer_offload is not None:
+            self.optimizer_offload.to_host()
+        try:
+            with gathered(self.full, model):  # a sharded policy's full weights, this session only
+                yield self.engine
+        finally:
+            if self.release_cache is not None:
+                self.release_cache()
+            if self.optimizer_offload is not None:
+                self.optimizer_offload.to_device()
+
+    def sync(self, *, bump: bool = True) -> None:
+        """After an optimizer step (`bump=False`: at start-up, when a resumed checkpoint is newer
+        than the weights the engine loaded): the next session samples from the trained weights."""
+        self.weight_version += int(bump)
+        if self.shares_weights:
+            return
+        from rl_rollout.colocated import push_weights
+
+        with gathered(self.full, self.trained) as model:  # a sharded policy's, gathered and freed after
+            push_weights(self.engine, model, version=self.weight_version)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def build_policy_engine(
+    kind: str,
+    *,
+    model: torch.nn.Module,
+    processor: Any,
+    path: str,
+    dtype: str,
+    device: torch.device,
+    seed: int,
+    world_size: int = 1,
+    full: FullWeights | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    offload_optimizer: OffloadOptimizer = "never",
+    release_cache: bool = False,
+    max_batch_size: int = 64,
+    compile: bool | None = None,
+    compile_mode: str = "default",
+    gpu_memory_utilization: float = 0.3,
+    engine_options: dict[str, Any] | None = None,
+    key: str = "rollout.engine",
+) -> PolicyEngine:
+    """The policy's engine for a configured `kind` (`auto`, `hf`, `vllm`; `auto` resolves as
+    `rl_rollout.resolve_engine_kind` says and prints why).
+
+    `model`: the trained transformers model (a PeftModel is fine: `hf` decodes through its
+    base model with the adapters active; `vllm` gets the LoRA merged). `processor`: its
+    tokenizer or processor. `path`: the checkpoint `vllm` loads. `full`: a sharded policy's
+    full-weights copy. `offload_optimizer`: move `optimizer`'s state (Adam: 2x the weights) to
+    pinned host memory during each session, on CUDA, unsharded: `auto` with `hf` (its KV cache
+    grows into that memory, ~0.2 s per direction for 8 GiB on an H100), `always` with either
+    engine (vLLM's memory fraction then has more room), `never`. `release_cache`: free `hf`'s
+    KV cache after each session (the update gets that memory; a compiled decode step with
+    CUDA graphs then records a new graph per session). `compile`/`compile_mode`: `hf`'s decode step. `gpu_memory_utilization`,
+    `engine_options` (more `vllm.LLM` arguments), `seed`: `vllm`'s."""
+    resolved, why = resolve_engine_kind(kind, key=key)
+    if kind == "auto":
+        print(f"{key}: {why}")
+    if resolved == "hf":
+        from rl_models.logprobs import unwrap_peft
+        from rl_rollout.hf import HFEngine
+
+        decoded = full.model if full is not None else model
+        hf = HFEngine(unwrap_peft(decoded), processor, device=device, max_batch_size=max_batch_size, compile=compile,
+                      compile_mode=compile_mode)
+        return PolicyEngine(hf, kind="hf", trained=model, pad_id=hf.pad_id, full=full,
+                            optimizer_offload=_offload(optimizer, device, offload_optimizer in ("auto", "always"), full),
+                            release_cache=hf.release_cache if release_cache else None)
+    from rl_rollout.colocated import colocated_vllm, vllm_engine_core
+
+    with vllm_engine_core(in_process=True), isolated_rng():  # vLLM seeds the global RNGs as it starts
+        engine = colocated_vllm(path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+                                max_num_seqs=max_batch_size, world_size=world_size, **(engine_options or {}))
+    engine.sleep()  # the trainer has the memory until the first session
+    tokenizer = processor.tokenizer if isinstance(processor, ProcessorMixin) else processor
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return PolicyEngine(engine, kind="vllm", trained=model, pad_id=int(pad), full=full,
+                        optimizer_offload=_offload(optimizer, device, offload_optimizer == "always", full))
+
+
+def _offload(optimizer: torch.optim.Optimizer | None, device: torch.device, wanted: bool,
+             full: FullWeights | None) -> OptimizerOffload | None:
+    """The optimizer state's trip to host memory during sessions: on CUDA, for an unsharded
+    policy (a sharded one's state is 1/N of it, and FSDP2 offloads it itself)."""
+    if not wanted or optimizer is None or full is not None or torch.device(device).type != "cuda":
+        return None
+    return OptimizerOffload(optimizer, device)

@@ -1,0 +1,53 @@
+"""The policy engine layer (`rl_rollout.policy`) and the one builder for every kind
+(`load_engine`), on CPU with the hf engine; the vLLM side runs in test_vllm.py (GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_core.errors import UserError
+from rl_models import tiny
+from rl_models.text import load_causal_lm
+from rl_rollout import ImageEngine, SamplingParams, build_image_engine, load_engine
+from rl_rollout.hf import HFEngine
+from rl_rollout.policy import build_policy_engine
+
+
+def test_an_hf_session_samples_from_the_trained_module_and_frees_its_cache() -> None:
+    model, tokenizer = load_causal_lm(str(tiny.build("qwen3")), dtype="float32")
+    model.train()
+    engine = build_policy_engine("auto", model=model, processor=tokenizer, path="", dtype="float32",
+                                 device=torch.device("cpu"), seed=0, compile=False, release_cache=True)
+    assert engine.kind == "hf" and engine.shares_weights and engine.state == "awake"
+    assert engine.pad_id == tokenizer.pad_token_id and engine.optimizer_offload is None  # CPU: nothing to offload
+    with engine.session() as sampler:
+        assert not model.training  # decoding in eval mode
+        first = sampler.generate(["Hi"], SamplingParams(max_new_tokens=4, seed=1))
+    assert isinstance(engine.engine, HFEngine) and engine.engine._cache_released
+    with torch.no_grad():  # the engine decodes with the trained module: a change is seen at once
+        model.get_output_embeddings().weight.mul_(-1)
+    engine.sync()
+    with engine.session() as sampler:
+        second = sampler.generate(["Hi"], SamplingParams(max_new_tokens=4, seed=1))
+    assert engine.weight_version == 1 and first[0].logprobs != second[0].logprobs
+
+
+def test_one_builder_for_every_kind_from_a_checkpoint() -> None:
+    engine = load_engine("auto", str(tiny.build("qwen3")), device="cpu")
+    assert isinstance(engine, HFEngine) and engine.state == "awake"
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match=r'judge\.engine = "vllm" needs a CUDA GPU'):
+            load_engine("vllm", str(tiny.build("qwen3")), key="judge.engine")
+
+
+@pytest.mark.parametrize("kind", ["sd3", "janus"])
+def test_image_engines_share_one_protocol(kind: str) -> None:
+    engine = build_image_engine(kind, path=str(tiny.build(kind)), dtype="float32", device="cpu")
+    assert isinstance(engine, ImageEngine)
+    options = {"num_steps": 2, "height": 32, "width": 32, "max_sequence_length": 8} if kind == "sd3" else {}
+    samples = engine.sample(["a red cube", "a red cube"], seeds=[3, 3], **options)
+    assert samples.images.shape[:2] == (2, 3) and samples.log_probs.shape[0] == 2
+    torch.testing.assert_close(samples.images[0], samples.images[1])  # the same seed draws the same sample
+    with pytest.raises(KeyError, match="unknown image engine 'sd4'; valid: janus, sd3"):
+        build_image_engine("sd4", path="x")

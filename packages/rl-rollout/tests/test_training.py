@@ -1,0 +1,136 @@
+"""The token update (`rl_rollout.training`) on the tiny Qwen3, on rollouts the hf engine really
+sampled through the policy engine layer: accumulation over micro-batches equals one batch, the
+on-policy path (old log-probs from the update's own forward) equals the replayed one, the
+first-replay check stops a mismatched engine before any weight changes, a failed sample
+trains nothing, and 2 processes equal 1 process with twice the rollouts (pinned)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from rl_core.train import NonFiniteGuard
+from rl_models import tiny
+from rl_models.text import load_causal_lm
+from rl_rollout import SamplingParams
+from rl_rollout.policy import build_policy_engine
+from rl_rollout.prompts import EncodedPrompt
+from rl_rollout.training import LossOptions, Policy, Rollout, rollout_logprobs, token_update
+
+PROMPTS = [[{"role": "user", "content": "Name a colour."}], [{"role": "user", "content": "Count to three."}]]
+ADVANTAGES = [1.0, -1.0, 0.5, 0.25]  # one per rollout (2 prompts x 2 samples)
+SCRIPT = Path(__file__).with_name("mp_token_update_script.py")
+
+
+def sample(seed: int = 0) -> list[Rollout]:
+    """4 rollouts of the tiny Qwen3 (float32), sampled by its hf engine through the policy layer."""
+    model, tokenizer = load_causal_lm(str(tiny.build("qwen3")), dtype="float32")
+    engine = build_policy_engine("hf", model=model, processor=tokenizer, path="", dtype="float32",
+                                 device=torch.device("cpu"), seed=0, compile=False)
+    with engine.session() as sampler:
+        gens = sampler.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=6, seed=seed))
+    return [Rollout(EncodedPrompt(g.prompt_ids), g.completion_ids, g.logprobs, valid=True) for g in gens]
+
+
+def update(rollouts: list[Rollout], *, micro: int, replay: bool = False, tolerance: float | None = 1e-4,
+           valid: list[bool] | None = None, advantages: list[float] = ADVANTAGES,
+           ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """One token_update (one optimizer step) on a fresh tiny Qwen3; returns its metrics and weights."""
+    torch.manual_seed(0)
+    acc = Accelerator(cpu=True)
+    model, _ = load_causal_lm(str(tiny.build("qwen3")), dtype="float32")
+    policy = Policy(model)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    policy, optimizer = acc.prepare(policy, optimizer)
+    if valid is not None:
+        rollouts = [Rollout(r.prompt, r.completion_ids, r.engine_logprobs, ok) for r, ok in zip(rollouts, valid, strict=True)]
+    old = rollout_logprobs(acc.unwrap_model(policy), rollouts, micro_batch_size=micro, temperature=1.0, pad_id=0,
+                           device=acc.device) if replay else None
+    metrics = token_update(acc, policy, optimizer, rollouts, [torch.full((len(r.completion_ids),), a)
+                                                              for r, a in zip(rollouts, advantages, strict=True)],
+                           options=LossOptions(), old=old, ref=None, num_minibatches=1, micro_batch_size=micro,
+                           ppo_epochs=1, grad_clip=1.0, guard=NonFiniteGuard(), pad_id=0, check_tolerance=tolerance)
+    weights = {k: v.detach().clone() for k, v in acc.unwrap_model(policy).model.state_dict().items()}
+    return metrics, weights
+
+
+def moved(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def rollouts() -> list[Rollout]:
+    return sample()
+
+
+@pytest.fixture(scope="module")
+def one_batch(rollouts: list[Rollout]) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    return update(rollouts, micro=4)
+
+
+# one optimizer step on the 4 rollouts of 6 tokens, one process (pinned on the 2-core CPU). By hand:
+# on-policy, every ratio is 1, so the token-mean loss is -(1 - 1 + 0.5 + 0.25) x 6 / 24 = -0.1875
+PINNED = {"loss/policy": -0.1875, "grad_norm": 1.381696, "policy/entropy": 6.454838}
+
+
+def test_one_step_is_pinned_and_moves_the_weights(rollouts, one_batch) -> None:
+    metrics, weights = one_batch
+    assert [len(r.completion_ids) for r in rollouts] == [6, 6, 6, 6]
+    start = {k: v for k, v in load_causal_lm(str(tiny.build("qwen3")), dtype="float32")[0].state_dict().items()}
+    assert moved(weights, start) > 5e-4  # AdamW's first step moves elements by ~lr
+    for key, value in PINNED.items():
+        assert metrics[key] == pytest.approx(value, abs=1e-4), (key, metrics[key])
+    assert metrics["replay/engine_diff_mean"] < 1e-4 and metrics["optimizer_steps"] == 1.0
+
+
+def test_accumulated_micro_batches_equal_one_batch(rollouts, one_batch) -> None:
+    metrics, weights = update(rollouts, micro=1)
+    assert moved(weights, one_batch[1]) < 2e-6
+    assert metrics["loss/policy"] == pytest.approx(one_batch[0]["loss/policy"], abs=1e-6)
+
+
+def test_on_policy_equals_the_replayed_old_logprobs(rollouts, one_batch) -> None:
+    metrics, weights = update(rollouts, micro=4, replay=True)
+    assert moved(weights, one_batch[1]) < 2.5e-4  # Adam's sign-like first step: float noise near eps
+    assert metrics["grad_norm"] == pytest.approx(one_batch[0]["grad_norm"], rel=1e-4)
+
+
+def test_a_mismatched_engine_stops_before_the_first_step(rollouts) -> None:
+    bad = [Rollout(r.prompt, r.completion_ids, [lp - 0.1 for lp in r.engine_logprobs], True) for r in rollouts]
+    with pytest.raises(RuntimeError, match=r"first replay: mean \|engine logp - trainer logp\| = 0.1"):
+        update(bad, micro=4)
+
+
+def test_a_failed_sample_trains_nothing(rollouts, one_batch) -> None:
+    """An invalid rollout (failed reward) stays in the batch with weight 0: the same update as
+    without it, the count of valid tokens excluding it."""
+    _, with_invalid = update(rollouts, micro=2, valid=[True, True, True, False])
+    _, without = update(rollouts[:3], micro=2, advantages=ADVANTAGES[:3])
+    assert moved(with_invalid, without) < 2e-6
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_equal_one_process_with_twice_the_rollouts(rollouts, one_batch, tmp_path: Path) -> None:
+    torch.save(rollouts, tmp_path / "rollouts.pt")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPT.parent)}
+    done = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+         "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+         str(SCRIPT), str(tmp_path)], capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = torch.load(tmp_path / "result.pt", weights_only=False)
+    assert moved(two["weights"], one_batch[1]) < 5e-6
+    for key in ("grad_norm", "policy/entropy", "loss/policy", "replay/engine_diff_mean"):
+        assert two["metrics"][key] == pytest.approx(one_batch[0][key], abs=1e-5), key
