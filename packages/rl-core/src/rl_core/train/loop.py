@@ -191,11 +191,13 @@ class _Loop(Generic[C, S, B]):
                 seconds = time.perf_counter() - began
                 if self._eval_due(step):
                     metrics |= self._evaluate(step)
-                samples = metrics.pop("samples", 0.0)
+                samples, tokens = metrics.pop("samples", 0.0), metrics.pop("tokens", None)
                 self.record.samples += samples
                 metrics |= self.timer.pop()  # a checkpoint's time/checkpoint lands in the next step's row
                 metrics |= {"time/step": seconds, "world_size": acc.num_processes,
                             "throughput/samples_per_s": samples / seconds}
+                if tokens is not None:  # a text recipe's prompt + completion tokens of every process
+                    metrics["throughput/tokens_per_s"] = tokens / (seconds * acc.num_processes)
                 self._log(step, metrics)  # logged before the checkpoint: a resume never loses a logged step
                 bar.update(step, metrics)
                 if step % self.fields.save_freq == 0 or step == sched.total_steps:

@@ -210,7 +210,8 @@ class Recipe(ABC, Generic[C, S, B]):
     @abstractmethod
     def update(self, state: S, step: int, batch: B, advantages: GroupAdvantages) -> Mapping[str, float]:
         """The policy update from this process's samples and their advantages (timed as
-        `update`); returns its metrics, reduced over every process."""
+        `update`); returns its metrics, reduced over every process. A `tokens` entry (prompt +
+        completion tokens of every process) becomes `throughput/tokens_per_s` per process."""
 
     def evaluate(self, state: S, step: int) -> Mapping[str, float]:
         """Held-out metrics (the loop logs them under `eval/`); run on a saved-and-restored RNG
