@@ -1,32 +1,28 @@
-"""caption-rl's configuration: one msgspec Struct per TOML table, read by `rl_core.train.load_config`
-from a TOML file, dotted overrides and CapRL++'s environment variables (`ENV`)."""
+"""caption-rl's configuration: one msgspec Struct per TOML table, read by the trainer loop from a
+TOML file, CapRL++'s environment variables (`ENV`) and dotted overrides."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 
 from rl_core.train import (
-    GROUP_ESTIMATORS,
-    ConfigError,
+    AdvantageName,
+    AggregationName,
+    KLName,
     NonNegative,
     NonNegativeFloat,
+    PolicyLossName,
     Positive,
     PositiveFloat,
-    ShardingFields,
+    RunFields,
     UnitInterval,
-    config_help,
-    load_config,
-    parse_cli,
 )
+from rl_rewards.spec import RewardSpec
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.toml"
-
-
-# ----------------------------------------------------------------------------------- config
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -115,18 +111,20 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     length_l1: NonNegative = 2048
     length_l2: Positive = 3072
     length_weight: NonNegativeFloat = 0.2
-    spec: str | None = None  # a RewardSpec TOML replacing QA + format + length (in process)
+    spec: str | RewardSpec | None = None
+    """A RewardSpec replacing QA + format + length in process: a TOML file, or an inline table
+    (`[reward.spec.components.NAME]` with `scorer`, `weight`, `options`, ...)."""
     retries: Positive = 5  # attempts per server call; then the step is skipped
     timeout: PositiveFloat = 180.0  # seconds per server call
 
 
 class AlgoConfig(msgspec.Struct, kw_only=True, frozen=True):
-    advantage: str = "grpo"  # rl_core advantage estimator: grpo | rloo | dr_grpo | ...
-    loss: str = "ppo_clip"  # ppo_clip | dual_clip | gspo
-    agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | ...
+    advantage: AdvantageName = "grpo"  # rloo = CapRL++; grpo, dr_grpo: group baselines too
+    loss: PolicyLossName = "ppo_clip"
+    agg: AggregationName = "token-mean"
     clip_low: UnitInterval = 0.2
     clip_high: NonNegativeFloat = 0.28  # DAPO clip-higher; = clip_low for symmetric PPO
-    kl: str = "k3"  # KL-to-reference estimator (only used when kl_coef > 0)
+    kl: KLName = "k3"  # KL-to-reference estimator (only used when kl_coef > 0)
     kl_coef: NonNegativeFloat = 0.0  # CapRL++: no KL
     ppo_epochs: Positive = 1
     old_logprobs: Literal["auto", "replay"] = "auto"
@@ -139,7 +137,7 @@ class AlgoConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Max mean |engine logp - trainer logp| on the first step (None: 1e-3 fp32, 5e-2 16-bit)."""
 
 
-class TrainConfig(ShardingFields, kw_only=True, frozen=True):
+class TrainConfig(RunFields, kw_only=True, frozen=True):
     batch_size: Positive = 128  # prompts per step, all processes together
     mini_batch_size: Positive | None = None  # prompts per optimizer step (None = batch_size)
     micro_batch_size: Positive = 4  # captions per forward/backward on one process
@@ -149,18 +147,10 @@ class TrainConfig(ShardingFields, kw_only=True, frozen=True):
     weight_decay: NonNegativeFloat = 0.0
     warmup_steps: NonNegative = 0
     grad_clip: PositiveFloat = 1.0
-    save_freq: Positive = 50  # checkpoint every N steps (and at the end)
-    keep_last: Positive = 2
     eval_freq: NonNegative = 10  # 0 = no eval
     output_dir: str = "runs/caption-rl"
-    run_name: str | None = None
-    seed: NonNegative = 0
     export: bool = True  # save the final HF model (or LoRA adapter) in run_dir/export
-    log_with: list[str] = msgspec.field(default_factory=list)  # accelerate trackers: tensorboard, wandb, ...
     samples_to_log: NonNegative = 4  # example captions written per step/eval
-    max_nonfinite_steps: Positive = 3
-    """Consecutive optimizer steps with a non-finite loss or gradient (each skipped, weights
-    untouched) after which the run stops with an error."""
 
 
 class Config(msgspec.Struct, kw_only=True, frozen=True):
@@ -199,47 +189,3 @@ ENV = {
     "REWARD_QA_PROMPT_FILE": "reward.qa_prompt_file",
     "RUN_NAME": "train.run_name",
 }
-
-
-def parse_config(argv: list[str]) -> tuple[Config, str | None] | None:
-    """argv -> (config, resume spec); None after printing --help.
-
-    No `--config`: the embedded tiny default, unless `CAPTION_MODEL` is set (a CapRL++ launch
-    line), which starts from the full-size CapRL++ defaults instead.
-    """
-    cli = parse_cli(argv)
-    if cli.help:
-        print(config_help(Config, env=ENV, prog="caption-rl", defaults=load_config(Config, DEFAULT_CONFIG),
-                          defaults_from="the embedded tiny default (configs/default.toml; --config FILE or "
-                                        "CAPTION_MODEL start from the full-size values instead)"))
-        return None
-    path = cli.config
-    if path is None and "CAPTION_MODEL" not in os.environ:
-        path = DEFAULT_CONFIG
-    return check_config(load_config(Config, path, cli.overrides, env=ENV)), cli.resume
-
-
-def check_config(cfg: Config) -> Config:
-    """Rules between keys that a per-field range cannot state."""
-    if cfg.algo.advantage in GROUP_ESTIMATORS and cfg.rollout.n < 2:
-        raise ConfigError(f"rollout.n={cfg.rollout.n}: algo.advantage={cfg.algo.advantage!r} compares the captions "
-                          "of one prompt with each other and needs rollout.n >= 2")
-    if cfg.reward.length_l1 >= cfg.reward.length_l2:
-        raise ConfigError(f"reward.length_l1={cfg.reward.length_l1} must be below reward.length_l2="
-                          f"{cfg.reward.length_l2} (the length reward falls from 1 at l1 to 0 at l2)")
-    return cfg
-
-
-def flat_config(cfg: Config) -> dict[str, int | float | str | bool]:
-    """The config as flat `{"train.lr": 1e-5, ...}` scalars, for experiment trackers."""
-    return _flat(msgspec.to_builtins(cfg))
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out: dict = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value if isinstance(value, int | float | str | bool) else str(value)
-    return out

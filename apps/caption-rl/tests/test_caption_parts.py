@@ -1,5 +1,5 @@
-"""The captioning-specific pieces: records -> messages, data loading, batches, reward backends
-(in process and against a real `rl-rewards serve` process)."""
+"""The captioning-specific pieces: data loading, batches, reward backends (in process, as a
+compiled or inline RewardSpec, and against a real `rl-rewards serve` process)."""
 
 from __future__ import annotations
 
@@ -8,43 +8,22 @@ import os
 import signal
 import time
 
-import numpy as np
 import pytest
 import torch
-from caption_parts import (
-    LocalReward,
-    RemoteReward,
-    RewardUnavailable,
-    load_records,
-    make_sample,
-    placeholder_ids,
-    resolve_model,
-    to_messages,
-)
+from caption_config import Config, RewardConfig
+from caption_data import load_records, make_sample
+from caption_reward import LocalReward, RemoteReward, RewardUnavailable, caprl_spec
 from conftest import DATA, RULE_SPEC, free_port
-from PIL import Image
 
-from rl_core.train import UserError
+from rl_core.train import UserError, load_config
+from rl_data import chat_messages
 from rl_models import tiny
-from rl_rollout.prompts import EncodedPrompt
+from rl_models.vl import placeholder_ids
+from rl_rewards.spec import load_spec
+from rl_rollout.prompts import EncodedPrompt, encode_prompt
 from rl_rollout.training import Rollout, collate
 
 IMAGES, VIDEOS = DATA / "caption_qa_images.jsonl", DATA / "caption_qa_videos.jsonl"
-
-
-def test_to_messages_puts_decoded_media_where_the_placeholders_are():
-    image = next(iter(load_records([str(IMAGES)], [], eval_size=0, task="auto", seed=0).train))
-    video = load_records([str(VIDEOS)], [], eval_size=0, task="auto", seed=0).train[0]
-    [user] = to_messages(image, fps=2.0, max_frames=4, max_pixels=56 * 56)
-    assert [p["type"] for p in user["content"]] == ["image", "text"]
-    assert isinstance(user["content"][0]["image"], Image.Image)
-    assert user["content"][0]["image"].width * user["content"][0]["image"].height <= 56 * 56
-    assert user["content"][1]["text"] == "Please describe this image in detail."
-    [user] = to_messages(video, fps=2.0, max_frames=4, max_pixels=32 * 32)
-    frames = user["content"][0]["video"]
-    assert user["content"][0]["type"] == "video" and isinstance(frames, np.ndarray)
-    assert frames.shape[0] == 4 and frames.shape[-1] == 3  # 5 s at 2 fps = 10 frames, capped at 4
-    assert "[mm:ss]" in user["content"][1]["text"]
 
 
 def test_records_without_qa_are_skipped_and_counted(tmp_path):
@@ -69,8 +48,8 @@ def test_task_filter_and_clear_errors_for_missing_inputs(tmp_path):
     with pytest.raises(UserError, match=r"data\.train is empty"):
         load_records([], [], eval_size=0, task="auto", seed=0)
     with pytest.raises(UserError, match=r"model not found: .*missing-model"):
-        resolve_model(str(tmp_path / "missing-model"))
-    assert resolve_model("Qwen/Qwen3-VL-4B-Instruct") == "Qwen/Qwen3-VL-4B-Instruct"  # a hub id
+        tiny.resolve(str(tmp_path / "missing-model"), key="model.path")
+    assert tiny.resolve("Qwen/Qwen3-VL-4B-Instruct", key="model.path") == "Qwen/Qwen3-VL-4B-Instruct"  # a hub id
 
 
 def test_collate_aligns_completions_and_blanks_sampled_placeholders():
@@ -91,8 +70,7 @@ def test_collate_aligns_completions_and_blanks_sampled_placeholders():
 
 def test_local_rule_reward_scores_every_sample():
     data = load_records([str(VIDEOS)], [], eval_size=0, task="auto", seed=0)
-    reward = LocalReward(judge=None, spec=str(RULE_SPEC), qa_estimator="exact", qa_num=8, format_weight=0.2,
-                         length_tokenizer="whitespace", length_l1=8, length_l2=24, length_weight=0.2, seed=0)
+    reward = LocalReward(RewardConfig(spec=str(RULE_SPEC)), length_tokenizer="whitespace", seed=0)
     good = make_sample(data.train[0], "[00:01] the background turns red [00:03] a square appears")
     bad = make_sample(data.train[0], "no timestamps at all")
     results = reward.score([good, bad])
@@ -101,8 +79,8 @@ def test_local_rule_reward_scores_every_sample():
 
 
 def _remote(url: str, retries: int = 2) -> RemoteReward:
-    return RemoteReward(url, retries=retries, timeout=60, length_tokenizer="whitespace", length_l1=8, length_l2=24,
-                        length_weight=0.2)
+    config = RewardConfig(retries=retries, timeout=60, length_l1=8, length_l2=24, length_weight=0.2)
+    return RemoteReward(config, url, length_tokenizer="whitespace")
 
 
 def test_remote_reward_against_a_real_server_then_the_server_dies(reward_server):
@@ -135,10 +113,8 @@ def test_collate_media_rows_follow_their_prompts():
 
     processor = AutoProcessor.from_pretrained(tiny.build("qwen2_5_vl"))
     data = load_records([str(IMAGES)], [], eval_size=0, task="auto", seed=0)
-    from caption_parts import encode_rollout_prompt
-
-    prompts = [encode_rollout_prompt(to_messages(r, fps=2, max_frames=4, max_pixels=56 * 56), processor, i)
-               for i, r in enumerate(data.train[:2])]
+    prompts = [encode_prompt(chat_messages(r.prompt, r.images, r.videos, fps=2, max_frames=4, max_pixels=56 * 56),
+                             processor.tokenizer, processor, i) for i, r in enumerate(data.train[:2])]
     batch = collate([Rollout(p, [1, 2], [0.0, 0.0], valid=True) for p in prompts], pad_id=0)
     assert batch.image_grid_thw.shape == (2, 3)
     assert batch.pixel_values.shape[0] == int(torch.prod(batch.image_grid_thw, dim=1).sum())
@@ -151,9 +127,29 @@ def test_caprl_server_format_formula_in_process():
     sample = make_sample(data.train[0], "[00:01] x")
     scores = {}
     for variant in ("readme", "caprl-server"):
-        reward = LocalReward(judge=str(tiny.build("qwen3")), spec=None, qa_estimator="sample", qa_num=2,
-                             format_weight=0.2, length_tokenizer="whitespace", length_l1=8, length_l2=24,
-                             length_weight=0.2, seed=0, format_variant=variant, answer_parser="caprl")
+        config = RewardConfig(judge="tiny:qwen3", qa_estimator="sample", qa_num=2, length_l1=8, length_l2=24,
+                              format_variant=variant, answer_parser="caprl")
+        reward = LocalReward(config, length_tokenizer="whitespace", seed=0)
         [result] = reward.score([sample])
         scores[variant] = result.components["format"]
     assert scores == {"readme": 1.0, "caprl-server": pytest.approx(0.70)}
+
+
+def test_the_caprl_shorthand_compiles_to_a_reward_spec_and_an_inline_spec_replaces_it(tmp_path):
+    """reward.format_weight / length_* are CapRL++'s reward written as a RewardSpec (video rows get
+    the format term); `reward.spec` as an inline table scores like the same spec in a file."""
+    video = caprl_spec(RewardConfig(format_weight=0.3, length_l1=4, length_l2=9), "video", "whitespace")
+    assert list(video.components) == ["qa", "length", "format"]
+    assert video.components["format"].weight == 0.3 and video.components["length"].options["l2"] == 9
+    assert "format" not in caprl_spec(RewardConfig(), "image", "whitespace").components
+    inline = tmp_path / "inline.toml"
+    inline.write_text("[reward.spec.components.format]\nscorer = \"timestamp_format\"\n"
+                      "[reward.spec.components.length]\nscorer = \"length\"\n"
+                      "options = { tokenizer = \"whitespace\", l1 = 1, l2 = 6 }\n")
+    config = load_config(Config, inline)
+    assert config.reward.spec == load_spec(RULE_SPEC)
+    data = load_records([str(VIDEOS)], [], eval_size=0, task="auto", seed=0)
+    samples = [make_sample(data.train[0], "[00:01] red [00:03] a square"), make_sample(data.train[1], "no stamps")]
+    from_table = LocalReward(config.reward, length_tokenizer="whitespace", seed=0).score(samples)
+    from_file = LocalReward(RewardConfig(spec=str(RULE_SPEC)), length_tokenizer="whitespace", seed=0).score(samples)
+    assert [r.score for r in from_table] == [r.score for r in from_file] and from_table[0].score != from_table[1].score

@@ -42,4 +42,4 @@ def test_weight_sync_with_real_vllm(app, tmp_path, tuning):
 
 def test_auto_picks_vllm_and_says_so(app, tmp_path, capfd):
     app.main(tiny_overrides(tmp_path, *FAST, "data.eval_size=0", "train.max_steps=1"))
-    assert "rollout engine: vllm (auto: CUDA device and vLLM found)" in capfd.readouterr().out
+    assert "rollout.engine: vllm (auto: CUDA device and vLLM found)" in capfd.readouterr().out

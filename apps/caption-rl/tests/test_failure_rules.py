@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import APP, DATA, REPO, tiny_overrides
 
-from rl_core.train import ConfigError, UserError
+from rl_core.train import ConfigError, UserError, load_config
 from rl_rewards import ScoreResult, register_scorer
 from rl_rewards.registry import SCORERS
 
@@ -27,7 +27,7 @@ def rows(run: Path) -> list[dict[str, str]]:
 @pytest.mark.parametrize(("override", "message"), [
     ("rollout.temperature=nan", r"rollout\.temperature: expected float > 0\.0, got nan|rollout\.temperature: must be a finite"),
     ("train.warmup_steps=-3", r"train\.warmup_steps: expected int >= 0, got -3 \(from override train\.warmup_steps=-3\)"),
-    ("rollout.n=1", r"rollout\.n=1: algo\.advantage='grpo' compares the captions .* needs rollout\.n >= 2"),
+    ("rollout.n=1", r"rollout\.n=1: algo\.advantage='grpo' compares the samples of one prompt .* needs rollout\.n >= 2"),
     ("train.mini_batch_size=-1", r"train\.mini_batch_size: expected int >= 1, got -1"),
     ("train.max_steps=-1", r"train\.max_steps: expected int >= 1, got -1"),
     ("data.eval_size=-1", r"data\.eval_size: expected int >= 0, got -1"),
@@ -63,17 +63,21 @@ def bad_records(tmp_path: Path) -> tuple[Path, dict[int, str]]:
 
 
 def test_records_that_fail_as_model_input_are_skipped_with_file_and_line(app, tmp_path, caplog):
-    from caption_rollout import encode_records
+    from caption_data import encode_records, load_records
+    from transformers import AutoProcessor
+
+    from rl_data import ReadStats
+    from rl_models import tiny
 
     data, reasons = bad_records(tmp_path)
-    run = app.setup(app.parse_config([*tiny_overrides(tmp_path), f"data.train=[\"{data}\"]", "data.eval_size=0"])[0],
-                    None)
-    picked = list(range(6))
+    cfg = load_config(app.Config, app.DEFAULT_CONFIG, [*tiny_overrides(tmp_path), f"data.train=[\"{data}\"]"])
+    records = load_records([str(data)], [], eval_size=0, task="auto", seed=0)
+    bad = ReadStats()
     with caplog.at_level("WARNING", logger="rl_data"):
-        kept, encoded, _, positions = encode_records(run, [run.data.train[i] for i in picked],
-                                                     [run.data.train_where[i] for i in picked])
-    assert positions == [3, 4, 5] and len(kept) == len(encoded) == 3
-    assert run.bad_records.skipped == 3
+        encoded = encode_records(records.train[:6], records.train_where[:6],
+                                 AutoProcessor.from_pretrained(tiny.build("qwen2_5_vl")), cfg.data, 13000, bad)
+    assert encoded.positions == [3, 4, 5] and len(encoded.records) == len(encoded.prompts) == 3
+    assert bad.skipped == 3
     for line, reason in reasons.items():
         assert any(f"bad.jsonl: line {line}:" in r.getMessage() and reason in r.getMessage() for r in caplog.records), \
             (line, [r.getMessage() for r in caplog.records])
@@ -141,3 +145,15 @@ def test_user_errors_are_one_line_with_exit_2(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == ("caption-rl: error: dataset file not found: /nope.jsonl "
                                                     "(data.train / data.eval / DATASET)")
+
+
+def test_a_run_where_no_record_can_become_model_input_ends_with_the_reason(app, tmp_path):
+    """Every record names a missing image: each is skipped (file and line in the log), every step
+    has no rollout, and the run ends with a user error instead of reporting a finished run."""
+    rows_ = [json.loads(line) for line in (DATA / "caption_qa_images.jsonl").read_text().splitlines()]
+    for row in rows_:
+        row["image"] = str(tmp_path / "gone.png")
+    data = tmp_path / "all-bad.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows_))
+    with pytest.raises(UserError, match=r"caption-rl: no step trained; every step was skipped \(step 1: no rollouts"):
+        app.main([*tiny_overrides(tmp_path), f"data.train=[\"{data}\"]", "data.eval_size=0"])

@@ -18,18 +18,18 @@ import torch
 from conftest import APP, DATA, REPO, tiny_overrides
 from safetensors.torch import load_file
 
-from rl_core.train import UserError
+from rl_core.train import UserError, load_config, unknown_metric_names
 from rl_models import tiny
 from rl_rewards import ScoreResult, register_scorer
 from rl_rewards.registry import SCORERS
 
 METRIC_COLUMNS = [
     "step", "reward/mean", "reward/std", "reward/qa", "reward/format", "reward/length", "reward/failed",
-    "adv/mean", "adv/std", "adv/min", "adv/max", "loss/policy", "clip_fraction", "approx_kl", "entropy",
-    "response/length_mean", "response/length_max", "response/truncation_rate", "grad_norm", "lr",
-    "time/generate", "time/reward", "time/logprob", "time/update", "throughput/tokens_per_s",
-    "replay/engine_diff_mean", "data/skipped_records", "eval/reward/mean", "eval/reward/qa",
-    "time/eval", "skipped",
+    "adv/mean", "adv/std", "adv/min", "adv/max", "loss/policy", "policy/clip_fraction", "policy/approx_kl",
+    "policy/entropy", "response/length_mean", "response/length_max", "response/truncation_rate", "grad_norm", "lr",
+    "time/rollout", "time/reward", "time/logprob", "time/update", "throughput/tokens_per_s",
+    "throughput/samples_per_s", "replay/engine_diff_mean", "data/skipped_records", "eval/reward/mean",
+    "eval/reward/qa", "time/eval", "skipped",
 ]
 
 
@@ -66,15 +66,14 @@ def test_caprl_launch_variables_start_from_the_full_size_defaults(app, monkeypat
                        "SAVE_DIR": "/ckpt", "REWARD_NODE_IP": "10.0.0.7", "ROLLOUT_N": "16", "ACTOR_LR": "2e-6",
                        "REWARD_LENGTH_L1": "1024"}.items():
         monkeypatch.setenv(var, value)
-    cfg, resume = app.parse_config(["train.save_freq=7"])
-    assert resume is None
+    cfg = load_config(app.Config, app.RECIPE.config_path(None), ["train.save_freq=7"], env=app.ENV)
     assert (cfg.model.path, cfg.data.train, cfg.train.output_dir) == ("/models/qwen3-vl-4b", ["/data/video_train.jsonl"], "/ckpt")
     assert (cfg.reward.host, cfg.reward.port, cfg.rollout.n, cfg.train.lr) == ("10.0.0.7", 18889, 16, 2e-6)
     assert (cfg.reward.length_l1, cfg.reward.length_l2, cfg.train.save_freq) == (1024, 3072, 7)
     assert (cfg.train.batch_size, cfg.rollout.max_new_tokens, cfg.algo.kl_coef) == (128, 4096, 0.0)
     monkeypatch.delenv("CAPTION_MODEL")
     monkeypatch.delenv("REWARD_LENGTH_L1")  # 1024 is above the tiny default's l2
-    cfg, _ = app.parse_config([])  # no CapRL launch line: the embedded tiny default
+    cfg = load_config(app.Config, app.RECIPE.config_path(None), env=app.ENV)  # no CapRL launch line: the tiny default
     assert cfg.model.path == "tiny:qwen2_5_vl" and cfg.train.max_steps == 6
 
 
@@ -104,6 +103,7 @@ def test_end_to_end_images_and_a_video_with_the_qa_judge(app, tmp_path):
     assert [r["step"] for r in table] == ["1", "2"]
     missing = [c for c in METRIC_COLUMNS if c not in table[0]]
     assert not missing, missing
+    assert not unknown_metric_names(table[0])  # every column is in the one table of metric names
     assert all(table[-1][c] != "" for c in METRIC_COLUMNS), table[-1]
     assert float(table[0]["replay/engine_diff_mean"]) < 1e-3
     assert float(table[0]["reward/failed"]) == 0 and 0 <= float(table[0]["reward/qa"]) <= 1
@@ -160,9 +160,9 @@ def test_on_policy_update_equals_the_replayed_one(app, tmp_path):
         assert int((off > 1e-5).sum()) <= max(1, off.numel() // 1000) and float(off.max()) <= 2.5e-4, (
             name, int((off > 1e-5).sum()), float(off.max()))
     [ra], [rb] = rows(auto), rows(again)
-    for key in ("loss/policy", "entropy", "replay/engine_diff_mean", "grad_norm"):
+    for key in ("loss/policy", "policy/entropy", "replay/engine_diff_mean", "grad_norm"):
         assert float(ra[key]) == pytest.approx(float(rb[key]), rel=1e-4, abs=1e-6), key
-    assert float(ra["replay/engine_diff_mean"]) < 1e-3 and float(ra["entropy"]) > 0
+    assert float(ra["replay/engine_diff_mean"]) < 1e-3 and float(ra["policy/entropy"]) > 0
     assert float(ra["time/logprob"]) < float(rb["time/logprob"])
 
 
@@ -280,8 +280,8 @@ def image_rows(tmp_path: Path, broken: int | None = None) -> Path:
 
 
 # One step on one process, batch 4 (pinned on the 2-core CPU; a changed formula moves them by far more)
-PINNED = {"even": {"reward/mean": 0.8, "grad_norm": 1.35367, "entropy": 6.44867},
-          "uneven": {"reward/mean": 0.816667, "grad_norm": 1.44822, "entropy": 6.44872}}
+PINNED = {"even": {"reward/mean": 0.8, "grad_norm": 1.35367, "policy/entropy": 6.44867},
+          "uneven": {"reward/mean": 0.816667, "grad_norm": 1.44822, "policy/entropy": 6.44872}}
 
 
 @pytest.mark.parametrize("case", ["even", "uneven", "fsdp2"])
@@ -306,13 +306,15 @@ def test_two_processes_equal_one_process_with_twice_the_batch(app, tmp_path, cas
     assert float(a["data/skipped_records"]) == float(b["data/skipped_records"]) == (1.0 if broken else 0.0)
     for key, value in PINNED["uneven" if case == "uneven" else "even"].items():
         assert float(a[key]) == pytest.approx(value, abs=2e-4), (key, a[key])
-    for key in ("reward/mean", "reward/std", "adv/std", "loss/policy", "grad_norm", "entropy", "response/length_mean"):
+    for key in ("reward/mean", "reward/std", "adv/std", "loss/policy", "grad_norm", "policy/entropy",
+                "response/length_mean"):
         assert float(b[key]) == pytest.approx(float(a[key]), abs=2e-5), (key, a[key], b[key])
     wa, wb, start = weights(single / "export"), weights(tmp_path / "two" / "export"), weights(tiny.build("qwen2_5_vl"))
     assert max((wa[k] - start[k]).abs().max().item() for k in wa) > 5e-5  # the step moved the weights
     for name in wa:
         torch.testing.assert_close(wb[name], wa[name], atol=5e-6, rtol=0, msg=name)
     assert "caption-rl finished" in result.stdout
+    assert f"skipped records 0 when read, {1 if broken else 0} as model input" in result.stdout  # the summary counts both
     if case == "fsdp2":
         assert float(b["time/weight_gather"]) > 0
         assert (tmp_path / "two" / "checkpoints" / "checkpoint-1" / "sharded" / ".metadata").is_file()
@@ -370,4 +372,5 @@ def test_max_steps_beyond_the_epochs_says_which_setting_ended_the_run(app, tmp_p
                                   "train.batch_size=3", "train.epochs=1", "train.max_steps=20"))
     assert [r["step"] for r in rows(run)] == ["1"]
     out = capsys.readouterr().out
-    assert "caption-rl finished: 1 steps; train.epochs=1 ended the run before train.max_steps=20" in out
+    assert "train.max_steps=20 is more than train.epochs=1 give (1 steps): the run stops after 1" in out
+    assert "caption-rl finished: 1 steps" in out

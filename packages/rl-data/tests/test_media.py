@@ -1,5 +1,6 @@
 import io
 from fractions import Fraction
+from pathlib import Path
 
 import av
 import numpy as np
@@ -154,3 +155,31 @@ def test_sample_video_h264_with_b_frames(tmp_path):
     assert video.frame_indices == list(range(0, 50, 5))
     assert video.timestamps == pytest.approx([i / 5 for i in range(10)])
     assert [round(float(f.mean()) / 5) for f in video.frames] == video.frame_indices
+
+
+def test_chat_messages_put_decoded_media_where_the_markers_are():
+    from rl_data import chat_messages, read_caption_qa
+
+    root = Path(__file__).resolve().parents[3] / "examples" / "data"
+    image = next(iter(read_caption_qa(root / "caption_qa_images.jsonl")))
+    video = next(iter(read_caption_qa(root / "caption_qa_videos.jsonl")))
+    [user] = chat_messages(image.prompt, image.images, image.videos, fps=2.0, max_frames=4, max_pixels=56 * 56)
+    assert [p["type"] for p in user["content"]] == ["image", "text"]
+    assert isinstance(user["content"][0]["image"], Image.Image)
+    assert user["content"][0]["image"].width * user["content"][0]["image"].height <= 56 * 56
+    assert user["content"][1]["text"] == "Please describe this image in detail."
+    [user] = chat_messages(video.prompt, video.images, video.videos, fps=2.0, max_frames=4, max_pixels=32 * 32)
+    frames = user["content"][0]["video"]
+    assert user["content"][0]["type"] == "video" and isinstance(frames, np.ndarray)
+    assert frames.shape[0] == 4 and frames.shape[-1] == 3  # 5 s at 2 fps = 10 frames, capped at 4
+    assert "[mm:ss]" in user["content"][1]["text"]
+
+
+def test_chat_messages_refuse_extra_markers_and_a_prompt_without_a_user_turn():
+    from rl_data import ChatMessage, ImageSource, chat_messages
+
+    one = [ImageSource(path=str(Path(__file__).resolve().parents[3] / "examples/data/images/img_00.png"))]
+    with pytest.raises(ValueError, match="more <image> markers than images"):
+        chat_messages([ChatMessage("user", "<image>\n<image>\nBoth?")], one, [], fps=2, max_frames=2, max_pixels=64)
+    with pytest.raises(ValueError, match="no user turn"):
+        chat_messages([ChatMessage("system", "<image> Describe.")], one, [], fps=2, max_frames=2, max_pixels=64)

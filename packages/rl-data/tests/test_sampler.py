@@ -212,3 +212,14 @@ def test_group_stream_resumed_over_a_shuffled_iterable_dataset_continues_without
         groups = _groups(ids, 2)
         assert len(set(groups)) == len(groups)  # no record twice within an epoch
     assert complete[0] != complete[1]  # set_epoch reshuffled the next epoch
+
+
+def test_next_prompts_cross_into_the_next_epoch_and_resume():
+    sampler = GroupSampler(5, 3, seed=1)
+    first, second = sampler.epoch_prompts(0), sampler.epoch_prompts(1)
+    assert sampler.next_prompts(4) == first[:4]
+    state = sampler.state_dict()
+    assert sampler.next_prompts(3) == [first[4], *second[:2]]  # the epoch's last prompt, then the next epoch's
+    again = GroupSampler(5, 3, seed=1)
+    again.load_state_dict(state)
+    assert again.next_prompts(3) == [first[4], *second[:2]]

@@ -46,3 +46,14 @@ def test_video_forward(vl_paths, family):
         logits = model(**inputs).logits  # [1, T, V]
     assert logits.shape[:2] == inputs["input_ids"].shape
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_placeholder_ids_are_the_vision_slots(vl_paths, family):
+    from transformers import AutoConfig
+
+    from rl_models.vl import placeholder_ids
+
+    config = AutoConfig.from_pretrained(vl_paths[family])
+    ids = placeholder_ids(config)
+    assert ids == {config.image_token_id, config.video_token_id, config.vision_start_token_id} and len(ids) == 3

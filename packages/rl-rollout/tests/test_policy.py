@@ -51,3 +51,15 @@ def test_image_engines_share_one_protocol(kind: str) -> None:
     torch.testing.assert_close(samples.images[0], samples.images[1])  # the same seed draws the same sample
     with pytest.raises(KeyError, match="unknown image engine 'sd4'; valid: janus, sd3"):
         build_image_engine("sd4", path="x")
+
+
+def test_seeded_requests_sample_the_same_whatever_the_batch(qwen3_engine) -> None:
+    from rl_rollout import generate_seeded
+
+    params = SamplingParams(n=2, max_new_tokens=5)
+    both = generate_seeded(qwen3_engine, ["Hi", "Bye"], params, seeds=[7, 8])
+    alone = generate_seeded(qwen3_engine, ["Bye"], params, seeds=[8])
+    assert [g.request_index for g in both] == [0, 0, 1, 1] and [g.request_index for g in alone] == [0, 0]
+    assert [g.completion_ids for g in both[2:]] == [g.completion_ids for g in alone]
+    with pytest.raises(ValueError, match="got 1 seeds for 2 requests"):
+        generate_seeded(qwen3_engine, ["Hi", "Bye"], params, seeds=[7])

@@ -19,12 +19,10 @@ from typing import Any
 import msgspec
 import torch
 
-from rl_core.advantages import uses_group_baseline
 from rl_core.losses import compute_policy_loss
 from rl_core.train import (
     AdvantageName,
     Checkpoint,
-    ConfigError,
     GroupAdvantages,
     NonNegative,
     PolicyLossName,
@@ -38,6 +36,8 @@ from rl_core.train import (
     Scores,
     Skip,
     UpdateStats,
+    check_batch_split,
+    check_group_size,
     optimizer_step,
     run,
     run_app,
@@ -90,10 +90,8 @@ class Bandit(Recipe[Config, State, Batch]):
     config = Config
 
     def check(self, cfg: Config, world_size: int) -> None:
-        if uses_group_baseline(cfg.algo.advantage) and cfg.train.n < 2:
-            raise ConfigError(f"train.n={cfg.train.n}: algo.advantage={cfg.algo.advantage!r} needs n >= 2")
-        if cfg.train.batch_size % world_size:
-            raise ConfigError(f"train.batch_size={cfg.train.batch_size} must divide by {world_size} processes")
+        check_group_size(cfg.algo.advantage, cfg.train.n, key="algo.advantage", n_key="train.n")
+        check_batch_split(cfg.train.batch_size, world_size)
 
     def setup(self, cfg: Config, run: RunContext) -> State:
         model = torch.nn.Linear(PROMPTS, ANSWERS, bias=False)

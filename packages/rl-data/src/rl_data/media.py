@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -28,9 +29,11 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from rl_data.records import ImageSource
+from rl_data.records import ChatMessage, ImageSource
 
-__all__ = ["VideoFrames", "load_image", "sample_video", "select_frame_indices"]
+__all__ = ["VideoFrames", "chat_messages", "fit_image", "load_image", "sample_video", "select_frame_indices"]
+
+MEDIA_MARKER = re.compile(r"<(image|video)>\n?")
 
 
 
@@ -214,3 +217,44 @@ def _decode_frames(path: Path, indices: list[int], max_pixels: int | None) -> li
             if i >= last:
                 break
     return frames
+
+
+def fit_image(image: Image.Image, max_pixels: int) -> Image.Image:
+    """`image` scaled down (aspect kept, each side >= 28) to at most `max_pixels` pixels."""
+    if image.width * image.height <= max_pixels:
+        return image
+    scale = (max_pixels / (image.width * image.height)) ** 0.5
+    return image.resize((max(28, int(image.width * scale)), max(28, int(image.height * scale))))
+
+
+def chat_messages(prompt: Sequence[ChatMessage], images: Sequence[ImageSource], videos: Sequence[str], *, fps: float,
+                  max_frames: int, max_pixels: int) -> list[dict[str, Any]]:
+    """A verl-style prompt whose text holds `<image>`/`<video>` markers -> chat messages whose
+    content parts hold the decoded media in marker order (PIL images scaled to `max_pixels`,
+    video frame arrays sampled at `fps`), as Qwen-VL processors and vLLM take them. Media without
+    a marker go first in the first user turn. Raises ValueError for more markers than media or
+    a prompt without a user turn (and what `load_image`/`sample_video` raise for bad media)."""
+    decoded = {"image": iter([fit_image(load_image(src), max_pixels) for src in images]),
+               "video": iter([sample_video(path, fps=fps, max_frames=max_frames, max_pixels=max_pixels).frames
+                              for path in videos])}
+    messages: list[dict[str, Any]] = []
+    for message in prompt:
+        if not isinstance(message.content, str):
+            messages.append({"role": message.role, "content": message.content})
+            continue
+        parts: list[dict[str, Any]] = []
+        for i, piece in enumerate(MEDIA_MARKER.split(message.content)):
+            if i % 2:
+                item = next(decoded[piece], None)
+                if item is None:
+                    raise ValueError(f"more <{piece}> markers than {piece}s in the record")
+                parts.append({"type": piece, piece: item})
+            elif piece.strip():
+                parts.append({"type": "text", "text": piece.strip()})
+        messages.append({"role": message.role, "content": parts})
+    rest = [{"type": kind, kind: item} for kind in ("image", "video") for item in decoded[kind]]
+    user = next((m for m in messages if m["role"] == "user"), None)
+    if user is None:
+        raise ValueError("the prompt has no user turn")
+    user["content"] = rest + user["content"]
+    return messages

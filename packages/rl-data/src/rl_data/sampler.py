@@ -104,6 +104,17 @@ class GroupSampler:
             yield index
         self.set_epoch(self.epoch + 1)
 
+    def next_prompts(self, count: int) -> list[int]:
+        """The next `count` prompts of this rank, one index per group (the engine samples `n` of
+        each), crossing into the next epoch when this one runs out: a step's prompts."""
+        out: list[int] = []
+        while len(out) < count * self.n:
+            for index in self:
+                out.append(index)
+                if len(out) == count * self.n:
+                    break
+        return out[:: self.n]
+
     def batches(self, prompts_per_batch: int) -> Iterator[list[int]]:
         """The rest of the epoch in batches of ``prompts_per_batch * n`` indices (whole groups
         when the epoch was started with batches; the last batch may be shorter)."""

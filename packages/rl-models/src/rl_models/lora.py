@@ -138,6 +138,21 @@ def merge_and_export(
     return out
 
 
+def export_model(model: torch.nn.Module, out_dir: str | Path, *, processor: PushToHubMixin | None = None) -> Path:
+    """A trained model in Hugging Face format: a `PeftModel`'s adapter in `out_dir/adapter` and
+    the merged model in `out_dir`, or a transformers model as it is; the processor beside."""
+    out = Path(out_dir)
+    if isinstance(model, PeftModel):
+        export_lora(model, out / "adapter")
+        return merge_and_export(model, out, processor=processor)
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"export needs a transformers model (or its PeftModel), got {type(model).__name__}")
+    model.save_pretrained(out)
+    if processor is not None:
+        processor.save_pretrained(out)
+    return out
+
+
 def merged_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's current weights under its Hugging Face checkpoint names, which vLLM's
     `load_weights` takes (it maps them to its own layout): PEFT's `base_model.model.` prefix and

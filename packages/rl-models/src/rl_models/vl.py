@@ -8,7 +8,7 @@ Videos: pass frames already sampled (e.g. by `rl_data.media.sample_video`) toget
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor, PreTrainedModel, ProcessorMixin
@@ -42,3 +42,12 @@ def load_vl_model(
     model.eval()
     processor = AutoProcessor.from_pretrained(str(path_or_id), padding_side=padding_side)
     return VisionLanguageModel(model, processor)
+
+
+def placeholder_ids(config: Any) -> frozenset[int]:
+    """A Qwen-VL model's vision placeholder tokens (image, video, vision start). A completion that
+    samples one (a random or badly drifted policy can) would be read as an image slot by the
+    model's forward: trainers drop such rollouts from the update and count them."""
+    values = config.to_dict()
+    return frozenset(values[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id")
+                     if values.get(k) is not None)

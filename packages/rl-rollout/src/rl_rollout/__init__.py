@@ -8,6 +8,7 @@ from rl_rollout.protocol import (
     Generation,
     Prompt,
     SamplingParams,
+    generate_seeded,
 )
 from rl_rollout.registry import (
     build_engine,
@@ -30,6 +31,7 @@ __all__ = [
     "build_engine",
     "build_image_engine",
     "engine_names",
+    "generate_seeded",
     "load_engine",
     "register_engine",
     "resolve_engine_kind",

@@ -133,3 +133,15 @@ class BatchScoringEngine(Protocol):
         """For each item, log-probs `[len(suffixes), len(candidates)]` of each candidate right
         after `prefix + suffixes[j]` (as `Engine.score_next_tokens`, item by item)."""
         ...
+
+
+def generate_seeded(engine: Engine, requests: Sequence[Prompt], params: SamplingParams,
+                    seeds: Sequence[int]) -> list[Generation]:
+    """`engine.generate` with each request sampled from its own seed (`params.n` samples each,
+    request-major, `request_index` into `requests`): the same samples whatever the batch a
+    request lands in, so a trainer's rollouts do not depend on its process count or batch split.
+    One engine call per request: slower than one call per batch."""
+    if len(seeds) != len(requests):
+        raise ValueError(f"got {len(seeds)} seeds for {len(requests)} requests")
+    return [msgspec.structs.replace(g, request_index=i) for i, (request, seed) in enumerate(zip(requests, seeds, strict=True))
+            for g in engine.generate([request], msgspec.structs.replace(params, seed=seed))]

@@ -23,11 +23,13 @@ from torch import Tensor
 
 from rl_core.kl import compute_kl
 from rl_core.losses import aggregate, compute_policy_loss
-from rl_core.train import NonFiniteGuard, ReplayCheck, UpdateStats, optimizer_step
+from rl_core.train import NonFiniteGuard, ReplayCheck, UpdateStats, gather_rows, optimizer_step
 from rl_models.logprobs import TokenBatch, completion_logprobs, completion_logprobs_and_entropy
 from rl_rollout.prompts import EncodedPrompt, pad_batch
+from rl_rollout.protocol import Generation
 
-__all__ = ["LossOptions", "Policy", "Rollout", "collate", "pad_rows", "rollout_logprobs", "to_device", "token_update"]
+__all__ = ["LossOptions", "Policy", "Rollout", "collate", "pad_rows", "response_metrics", "rollout_logprobs", "to_device",
+           "token_update"]
 
 
 @dataclass(frozen=True)
@@ -230,3 +232,16 @@ def _mean(values: Tensor, mask: Tensor) -> float:
     """Mean of `values` over the mask's tokens (0 when empty)."""
     count = float(mask.sum())
     return float((values * mask).sum()) / count if count else 0.0
+
+
+def response_metrics(accelerator: Any, generations: Sequence[Generation]) -> dict[str, float]:
+    """`response/length_mean|length_max|truncation_rate` over the generations of every process,
+    and `tokens` (prompt + completion tokens of every process, which the trainer loop turns into
+    `throughput/tokens_per_s`)."""
+    local = [[float(len(g.completion_ids)), float(len(g.prompt_ids)), float(g.finish_reason == "length")]
+             for g in generations]
+    rows, _ = gather_rows(torch.tensor(local, dtype=torch.float64).reshape(-1, 3), accelerator)  # [B, 3]
+    if not len(rows):
+        return {}
+    return {"response/length_mean": rows[:, 0].mean().item(), "response/length_max": rows[:, 0].max().item(),
+            "response/truncation_rate": rows[:, 2].mean().item(), "tokens": rows[:, :2].sum().item()}

@@ -37,14 +37,24 @@ from rl_core.train.config import (
     load_config,
     parse_cli,
 )
-from rl_core.train.groups import GroupAdvantages, gather_rows, group_advantages
+from rl_core.train.groups import GroupAdvantages, component_means, gather_rows, group_advantages
 from rl_core.train.loop import run, train
 from rl_core.train.metric_names import METRIC_NAMES, unknown_metric_names
 from rl_core.train.metrics import MetricsLogger, PhaseTimer
 from rl_core.train.offload import OptimizerOffload, PinnedOffload
 from rl_core.train.plots import plot_reward_curve
 from rl_core.train.progress import TrainProgress
-from rl_core.train.recipe import Checkpoint, Recipe, RunContext, RunFields, Schedule, Scores, Skip
+from rl_core.train.recipe import (
+    Checkpoint,
+    Recipe,
+    RunContext,
+    RunFields,
+    Schedule,
+    Scores,
+    Skip,
+    check_batch_split,
+    check_group_size,
+)
 from rl_core.train.replay_update import Replay, replay_update
 from rl_core.train.rundir import latest_run, make_run_dir
 from rl_core.train.samples import SampleLog
@@ -122,7 +132,10 @@ __all__ = [
     "UpdateStats",
     "UserError",
     "accelerator_kwargs",
+    "check_batch_split",
     "check_finite_parameters",
+    "check_group_size",
+    "component_means",
     "config_help",
     "dump_config",
     "end_training",

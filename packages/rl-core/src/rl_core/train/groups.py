@@ -18,7 +18,7 @@ The failed-reward rule, the same in every app:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ from torch import Tensor
 
 from rl_core.advantages import compute_advantages, uses_group_baseline
 
-__all__ = ["GroupAdvantages", "gather_rows", "group_advantages"]
+__all__ = ["GroupAdvantages", "component_means", "gather_rows", "group_advantages"]
 
 
 def gather_rows(tensor: Tensor, accelerator: Any = None) -> tuple[Tensor, slice]:
@@ -133,4 +133,21 @@ def _metrics(rewards: Tensor, masks: Tensor | None, finite: Tensor, valid: Tenso
     if seq_adv.numel():
         out.update({"adv/mean": seq_adv.mean().item(), "adv/std": seq_adv.std().item() if seq_adv.numel() > 1 else 0.0,
                     "adv/min": seq_adv.min().item(), "adv/max": seq_adv.max().item()})
+    return out
+
+
+def component_means(components: Sequence[Mapping[str, float]], accelerator: Any = None,
+                    prefix: str = "reward/") -> dict[str, float]:
+    """`{prefix + name: mean}` of each reward component over the samples of every process that
+    report it (`components[i]` holds sample i's unweighted component values; a failed sample
+    may report none)."""
+    rows: list[Mapping[str, float]] = list(components)
+    if accelerator is not None and accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        rows = gather_object([dict(c) for c in components])
+    out = {}
+    for name in sorted({k for row in rows for k in row}):
+        values = [row[name] for row in rows if name in row]
+        out[prefix + name] = sum(values) / len(values)
     return out

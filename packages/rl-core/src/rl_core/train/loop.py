@@ -41,7 +41,7 @@ import torch
 from rl_core.errors import UserError
 from rl_core.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from rl_core.train.config import config_help, flat_config, load_config, parse_cli
-from rl_core.train.groups import group_advantages
+from rl_core.train.groups import component_means, group_advantages
 from rl_core.train.metrics import MetricsLogger, PhaseTimer
 from rl_core.train.plots import plot_reward_curve
 from rl_core.train.progress import TrainProgress
@@ -228,7 +228,8 @@ class _Loop(Generic[C, S, B]):
         with timer("update"):
             update = recipe.update(state, step, batch, adv)
         samples = self.acc.reduce(torch.tensor(float(scores.rewards.shape[0]), device=self.acc.device), "sum").item()
-        return {"skipped": 0, **adv.metrics, **scores.metrics, **update, "samples": samples}
+        components = component_means(scores.components, self.acc)
+        return {"skipped": 0, **adv.metrics, **components, **scores.metrics, **update, "samples": samples}
 
     def _eval_due(self, step: int) -> bool:
         s = self.schedule

@@ -20,7 +20,7 @@ loop to read back. Metric names follow one table (`rl_core.train.metric_names`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,14 +30,32 @@ import msgspec
 import torch
 from torch import Tensor
 
-from rl_core.train.config import NonNegative, Positive
+from rl_core.advantages import uses_group_baseline
+from rl_core.train.config import ConfigError, NonNegative, Positive
 from rl_core.train.groups import GroupAdvantages
 from rl_core.train.metrics import PhaseTimer
 from rl_core.train.samples import SampleLog
 from rl_core.train.sharding import ShardingFields
 from rl_core.train.update import NonFiniteGuard
 
-__all__ = ["Checkpoint", "Recipe", "RunContext", "RunFields", "Schedule", "Scores", "Skip", "run_fields"]
+__all__ = ["Checkpoint", "Recipe", "RunContext", "RunFields", "Schedule", "Scores", "Skip", "check_batch_split", "check_group_size", "run_fields"]
+
+
+def check_batch_split(batch_size: int, world_size: int, mini_batch_size: int | None = None, *,
+                      key: str = "train.batch_size", mini_key: str = "train.mini_batch_size") -> None:
+    """`Recipe.check`'s rule for a step of `batch_size` prompts: whole prompts per process, and
+    whole optimizer steps of `mini_batch_size` prompts (None: one per step)."""
+    mini = mini_batch_size or batch_size
+    if batch_size % world_size or batch_size % mini:
+        raise ConfigError(f"{key}={batch_size} must divide by the {world_size} processes and by {mini_key}={mini}")
+
+
+def check_group_size(estimator: str, n: int, *, key: str, n_key: str) -> None:
+    """`Recipe.check`'s rule for group estimators (`uses_group_baseline`): a sample is compared
+    with the others of its prompt, so each prompt needs `n >= 2` samples."""
+    if uses_group_baseline(estimator) and n < 2:
+        raise ConfigError(f"{n_key}={n}: {key}={estimator!r} compares the samples of one prompt with each other "
+                          f"and needs {n_key} >= 2")
 
 
 class RunFields(ShardingFields, kw_only=True, frozen=True):
@@ -116,7 +134,8 @@ class Scores:
     estimator: str  # an `rl_core.advantages` name (grpo, rloo, reinforce_pp, ...)
     mask: Tensor | None = None  # [B_r, T] response mask, for token rewards only
     options: Mapping[str, Any] = field(default_factory=dict)  # the estimator's keyword options
-    metrics: Mapping[str, float] = field(default_factory=dict)  # over every process: reward/<component>, ...
+    components: Sequence[Mapping[str, float]] = ()  # per sample, unweighted: logged as reward/<name> means
+    metrics: Mapping[str, float] = field(default_factory=dict)  # over every process: response/*, counts, ...
 
 
 @dataclass(frozen=True)

@@ -179,11 +179,19 @@ def resolve_sharding(accelerator: Any, kind: Sharding, *, mixed_precision: Mixed
                      cpu_offload: bool = False, activation_checkpointing: bool = False) -> ShardingPlan:
     """The app's `train.sharding` settings merged with an `accelerate launch` FSDP config: such a
     launch turns `fsdp2` on and adds its parameter offload and activation checkpointing. An
-    FSDP1 config is refused (its flat-parameter wrapping is not what runs here)."""
+    FSDP1 config is refused (its flat-parameter wrapping is not what runs here), and so is
+    DeepSpeed ZeRO-3. Sharded weights go through FSDP2: engines decode from gathered full weights
+    and the replay runs through the sharded policy's forward."""
     from accelerate.utils import DistributedType
 
     if kind not in SHARDINGS:
         raise UserError(f"train.sharding={kind!r}: choose one of {SHARDINGS}")
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        # ZeRO-3's sharded weights are read by no one outside its wrapped forward: not the rollout
+        # engine, not the log-prob replay of a `Policy` module
+        raise UserError("DeepSpeed ZeRO-3 is not supported: rollout engines and the log-prob replay read the full "
+                        "weights outside the wrapped forward. Use FSDP2 (train.sharding=\"fsdp2\" or an accelerate "
+                        "FSDP config with fsdp_version: 2), DDP or ZeRO-1/2.")
     if mixed_precision not in ("none", "bf16"):
         raise UserError(f"train.fsdp_mixed_precision={mixed_precision!r}: choose 'none' or 'bf16'")
     if accelerator.distributed_type == DistributedType.FSDP:

@@ -1,0 +1,105 @@
+"""caption-rl's reward backends: CapRL++'s reward in process (QA + format + length compiled into a
+RewardSpec, or the RewardSpec given as `reward.spec`), or a running CapRL-protocol reward server.
+A failure is never a zero reward: a sample that fails to score is left out of the update, a
+server still down after its retries skips the step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from caption_config import RewardConfig
+
+from rl_core.train import UserError
+from rl_models import tiny
+from rl_rewards import Sample, ScoreResult, build_reward
+from rl_rewards.client import RetryPolicy, RewardClient, RewardClientError
+from rl_rewards.spec import Component, RewardSpec
+
+
+class RewardUnavailable(RuntimeError):
+    """The reward server failed after every retry: the step is skipped, never scored as zero."""
+
+
+def caprl_spec(r: RewardConfig, task: str, length_tokenizer: str) -> RewardSpec:
+    """CapRL++'s reward as a RewardSpec: `caption_qa` + format_weight x `timestamp_format` (video
+    rows; `format_variant` picks its formula) + length_weight x `length`."""
+    components = {"qa": Component(scorer="caption_qa"), "length": Component(
+        scorer="length", weight=r.length_weight,
+        options={"tokenizer": length_tokenizer, "l1": r.length_l1, "l2": r.length_l2})}
+    if task == "video":
+        components["format"] = Component(scorer="timestamp_format", weight=r.format_weight, options={
+            "variant": r.format_variant, "min_brackets": r.format_min_brackets})
+    return RewardSpec(components=components)
+
+
+class LocalReward:
+    """The reward in process: `reward.spec` for every row, or `caprl_spec` per task with one
+    judge engine shared by the image and the video QA scorer (`qa_estimator`, `answer_parser`
+    and `qa_prompt_file` pick CapRL++'s server formulas: see the README)."""
+
+    def __init__(self, r: RewardConfig, *, length_tokenizer: str, seed: int) -> None:
+        if r.spec is not None:
+            self.by_task = dict.fromkeys(("image", "video"), build_reward(r.spec))
+            return
+        from rl_rewards.scorers.caption_qa import CaptionQAScorer
+        from rl_rewards.scorers.engines import load_engine, load_tokenizer
+
+        judge = tiny.resolve(r.judge, key="reward.judge")
+        engine, tokenizer = load_engine(judge), load_tokenizer(judge)
+        self.by_task = {task: build_reward(caprl_spec(r, task, length_tokenizer), scorers={"qa": CaptionQAScorer(
+            engine, tokenizer, task=task, estimator=r.qa_estimator, qa_num=r.qa_num, seed=seed,
+            answer_parser=r.answer_parser, prompt_template=r.qa_prompt_file)}) for task in ("image", "video")}
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        results: list[ScoreResult | None] = [None] * len(samples)
+        for task, reward in self.by_task.items():
+            todo = [i for i, s in enumerate(samples) if s.metadata["task"] == task]
+            for i, result in zip(todo, reward.score([samples[i] for i in todo]), strict=True):
+                results[i] = result
+        return [r for r in results if r is not None]
+
+
+class RemoteReward:
+    """A running CapRL-protocol server (`rl-rewards serve`, or CapRL's own): POST /get_reward
+    with `[caption, [[question_text, letter], ...]]`; it returns QA (+ weighted format, when the
+    server runs with REWARD_TASK=video). The length reward is added here, as CapRL++ does on the
+    training side. A server that is down at start is an error; one that fails mid-run is retried
+    `reward.retries` times, then `RewardUnavailable` skips the step."""
+
+    def __init__(self, r: RewardConfig, url: str, *, length_tokenizer: str) -> None:
+        base = url.removesuffix("/").removesuffix("/get_reward")
+        self.client = RewardClient(base, timeout=r.timeout, retry=RetryPolicy(attempts=r.retries))
+        try:
+            self.client.health()
+        except Exception as e:  # httpx connection errors, bad JSON from a non-reward server
+            raise UserError(f"reward server {base} is not reachable ({type(e).__name__}: {e}); start it with "
+                            f"`rl-rewards serve` or fix reward.url / REWARD_REMOTE_URL") from None
+        self.length = build_reward(RewardSpec(components={"length": Component(scorer="length", options={
+            "tokenizer": length_tokenizer, "l1": r.length_l1, "l2": r.length_l2})}))
+        self.length_weight = r.length_weight
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        try:
+            response = self.client.get_reward([(s.completion, list(s.reference)) for s in samples])
+        except RewardClientError as e:
+            raise RewardUnavailable(str(e)) from e
+        errors = response.errors or [None] * len(samples)
+        out = []
+        for i, length in enumerate(self.length.score(samples)):
+            if errors[i] is not None or length.score is None:
+                out.append(ScoreResult.failed(errors[i] or length.error or "length failed"))
+                continue
+            components = {"qa": response.qa_rewards[i] if response.qa_rewards else response.rewards[i],
+                          "length": length.score}
+            if response.format_rewards:
+                components["format"] = response.format_rewards[i]
+            out.append(ScoreResult(score=response.rewards[i] + self.length_weight * length.score,
+                                   components=components))
+        return out
+
+
+def build_reward_backend(r: RewardConfig, *, policy_path: str, seed: int) -> LocalReward | RemoteReward:
+    """A server when `reward.url` (or `reward.host`) is set, else the reward in process."""
+    url = r.url or (f"http://{r.host}:{r.port}/get_reward" if r.host else None)
+    tokenizer = r.length_tokenizer or policy_path
+    return RemoteReward(r, url, length_tokenizer=tokenizer) if url else LocalReward(r, length_tokenizer=tokenizer, seed=seed)
