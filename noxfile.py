@@ -32,10 +32,7 @@ from packaging.utils import canonicalize_name
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = [
-    "lint", "tests", "rewards_no_torch", "third_party", "app_caption_rl", "app_rider_grm", "app_diffusion_grpo",
-    "packaging", "docs",
-]
+nox.options.sessions = ["lint", "tests", "rewards_no_torch", "third_party", "app", "packaging", "docs"]
 
 # package -> extras its tests need (never vllm: it needs a GPU and is opt-in).
 PACKAGES: dict[str, list[str]] = {
@@ -46,6 +43,9 @@ PACKAGES: dict[str, list[str]] = {
     "rl-rewards": ["hf", "ocr", "vision", "ray"],
 }
 DEFAULT_MARKERS = "not gpu and not slow and not vllm"
+# Every app: a folder of apps/ with a __main__.py (and its own pyproject.toml, a workspace member).
+# A new recipe is found here and by the root workspace (`members = ["apps/*"]`) without edits.
+APPS = sorted(p.parent.name for p in Path(__file__).resolve().parent.glob("apps/*/__main__.py"))
 
 
 def _sync(session: nox.Session, package: str, extras: list[str]) -> None:
@@ -135,14 +135,14 @@ def third_party(session: nox.Session) -> None:
 
 
 @nox.session
-def app_caption_rl(session: nox.Session) -> None:
-    """apps/caption-rl's default test suite, in an env holding only what the app declares."""
-    args = ["uv", "sync", "--frozen", "--no-default-groups", "--package", "caption-rl", "--group", "test"]
-    session.run_install(*args, env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location})
-    session.run("python", "-m", "pytest", "apps/caption-rl/tests", "-m", DEFAULT_MARKERS, "-q", *session.posargs)
+@nox.parametrize("app", APPS, ids=APPS)
+def app(session: nox.Session, app: str) -> None:
+    """An app's default test suite, in an env holding only the app and what it declares
+    (`uv run nox -s "app(caption-rl)"`)."""
+    _sync(session, app, [])
+    session.run("python", "-m", "pytest", f"apps/{app}/tests", "-m", DEFAULT_MARKERS, "-q", *session.posargs)
 
 
-APPS = ["caption-rl", "rider-grm", "diffusion-grpo"]
 
 
 def _marker_session(session: nox.Session, marker: str) -> None:
@@ -181,20 +181,6 @@ def vllm(session: nox.Session) -> None:
     env = {"UV_PROJECT_ENVIRONMENT": session.virtualenv.location}
     session.run_install("uv", "sync", "--frozen", "--all-packages", "--all-extras", env=env)
     session.run("python", ".ci/marked_tests.py", "vllm", *session.posargs)
-
-
-@nox.session
-def app_rider_grm(session: nox.Session) -> None:
-    """apps/rider-grm: its default test suite in an env with only the app and what it declares."""
-    _sync(session, "rider-grm", [])
-    session.run("python", "-m", "pytest", "apps/rider-grm/tests", "-m", DEFAULT_MARKERS, "-q", *session.posargs)
-
-
-@nox.session
-def app_diffusion_grpo(session: nox.Session) -> None:
-    """apps/diffusion-grpo: its default test suite in an env with only the app and what it declares."""
-    _sync(session, "diffusion-grpo", [])
-    session.run("python", "-m", "pytest", "apps/diffusion-grpo/tests", "-m", DEFAULT_MARKERS, "-q", *session.posargs)
 
 
 @nox.session

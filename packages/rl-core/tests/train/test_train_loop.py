@@ -7,9 +7,6 @@ config values before setup) and what a run prints and writes."""
 from __future__ import annotations
 
 import csv
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bandit_recipe as bandit
 
 from rl_core.train import ConfigError, UserError, unknown_metric_names
+from rl_core.train.testing import assert_resume_is_bit_identical, assert_two_processes_equal_one
 
 SCRIPT = Path(bandit.__file__)
 
@@ -67,15 +65,8 @@ def test_accumulated_micro_batches_equal_one_batch(tmp_path: Path) -> None:
 
 
 def test_resume_continues_bit_for_bit(tmp_path: Path) -> None:
-    straight = go(tmp_path, "straight", "train.max_steps=4", "train.save_freq=1")
-    first = go(tmp_path, "cut", "train.max_steps=2", "train.save_freq=1")
-    resumed = go(tmp_path, "cut", "train.max_steps=4", "train.save_freq=1", resume=str(first))
-    assert resumed == first
-    assert torch.equal(bandit.weights(resumed), bandit.weights(straight))
-    a, b = rows(straight), rows(resumed)
-    assert [r["step"] for r in b] == ["1", "2", "3", "4"]
-    for key in ("reward/mean", "loss/policy", "grad_norm", "adv/std"):
-        assert [r[key] for r in a] == [r[key] for r in b], key
+    assert_resume_is_bit_identical(bandit.main, [], tmp_path, steps=4,
+                                   keys=("reward/mean", "loss/policy", "grad_norm", "adv/std"))
 
 
 def test_resume_of_another_run_name_and_a_missing_path_are_user_errors(tmp_path: Path) -> None:
@@ -122,26 +113,8 @@ def test_a_run_that_trains_no_step_ends_with_the_reason(tmp_path: Path) -> None:
         go(tmp_path, "none", "train.skip_steps=[1, 2, 3]")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path) -> None:
-    single = go(tmp_path, "one", "train.micro_batch_size=3")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPT.parent)}
-    done = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-         "--main_process_port", str(_free_port()), str(SCRIPT), f"train.output_dir={tmp_path}",
-         "train.run_name=two", "train.micro_batch_size=3"],
-        capture_output=True, text=True, env=env, timeout=300, check=False)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    a, b = rows(single), rows(tmp_path / "two")
-    assert [(r["world_size"]) for r in a + b] == ["1"] * 3 + ["2"] * 3
-    for ra, rb in zip(a, b, strict=True):
-        for key in ("reward/mean", "reward/std", "adv/std", "loss/policy", "grad_norm", "replay/engine_diff_mean"):
-            assert float(rb[key]) == pytest.approx(float(ra[key]), abs=1e-7), key
-    torch.testing.assert_close(bandit.weights(tmp_path / "two"), bandit.weights(single), atol=1e-7, rtol=0)
-    assert done.stdout.count("bandit finished") == 1  # the summary comes from the main process only
+def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    assert_two_processes_equal_one(bandit.main, SCRIPT, ["train.micro_batch_size=3"], tmp_path, atol=1e-7,
+                                   keys=("reward/mean", "reward/std", "adv/std", "loss/policy", "grad_norm",
+                                         "replay/engine_diff_mean"))
+    torch.testing.assert_close(bandit.weights(tmp_path / "two"), bandit.weights(tmp_path / "one"), atol=1e-7, rtol=0)
