@@ -1,24 +1,36 @@
 """rider-grm's configuration: the msgspec Structs read from TOML + dotted overrides, the seed's
-shell variables, the seed's per-judge parallel lists, and model/file path resolution."""
+shell variables, the seed's per-judge parallel lists, model/file path resolution, and the checks
+that run before any model loads (`check_config`: rules between keys, the process count, and every
+user file the reward names)."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 
+from rl_core.advantages import uses_group_baseline
 from rl_core.train import (
-    GROUP_ESTIMATORS,
+    AdvantageName,
+    AggregationName,
     ConfigError,
+    KLName,
     NonNegative,
     NonNegativeFloat,
+    PolicyLossName,
     Positive,
     PositiveFloat,
-    ShardingFields,
+    RunFields,
     UnitInterval,
 )
 from rl_models import tiny
+from rl_rewards.modules import load_reward_module
+from rl_rewards.spec import RewardSpec, load_spec
+from rl_rollout import resolve_engine_kind
 
 APP_DIR = Path(__file__).resolve().parent
 REPO_ROOT = APP_DIR.parents[1]
@@ -152,25 +164,32 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     judges: list[JudgeConfig] = []
     verl: VerlJudgeLists = VerlJudgeLists()
     embedding: EmbeddingConfig = EmbeddingConfig()
+    spec: str | RewardSpec | None = None
+    """A RewardSpec (a TOML path, or an inline `[reward.spec.components.NAME]` table) that replaces
+    rule, judges and embedding: its components are built from the rl-rewards registry and stay
+    resident (nothing is swapped). Pick it for a reward the shorthand keys cannot say; the
+    shorthand compiles to the same kind of spec (combine = "fold")."""
 
 
 class AlgoConfig(msgspec.Struct, kw_only=True, frozen=True):
-    adv_estimator: str = "reinforce_pp"  # reinforce_pp | reinforce_pp_baseline | grpo | rloo
+    adv_estimator: AdvantageName = "reinforce_pp"  # reinforce_pp | reinforce_pp_baseline | grpo | rloo
     gamma: UnitInterval = 1.0  # reinforce_pp discount
-    loss: str = "ppo_clip"  # ppo_clip | dual_clip | gspo
-    agg: str = "token-mean"
+    loss: PolicyLossName = "ppo_clip"  # ppo_clip | dual_clip | gspo
+    agg: AggregationName = "token-mean"
     clip_low: UnitInterval = 0.2
     clip_high: NonNegativeFloat = 0.2
     use_kl_loss: bool = True
-    kl_loss_type: str = "k3"  # low_var_kl
+    kl_loss_type: KLName = "k3"  # low_var_kl
     kl_loss_coef: NonNegativeFloat = 1e-4
     kl_in_reward: bool = False  # subtract kl_coef * KL from token rewards instead / as well
     kl_coef: NonNegativeFloat = 0.001  # algorithm.kl_ctrl.kl_coef
-    kl_reward_type: str = "k1"
+    kl_reward_type: KLName = "k1"
     replay_tolerance: NonNegativeFloat | None = None  # engine vs trainer |dlogp| (None: 1e-3 fp32, 5e-2 16-bit)
 
 
-class TrainConfig(ShardingFields, kw_only=True, frozen=True):
+class TrainConfig(RunFields, kw_only=True, frozen=True):
+    output_dir: str = "runs/rider-grm"
+    save_freq: Positive = 30
     batch_size: Positive = 32  # prompts per step, all processes (data.train_batch_size)
     mini_batch_size: Positive = 8  # prompts per optimizer step (ppo_mini_batch_size)
     micro_batch_size: Positive = 4  # sequences per forward/backward (log_prob_micro_batch_size)
@@ -179,19 +198,10 @@ class TrainConfig(ShardingFields, kw_only=True, frozen=True):
     grad_clip: PositiveFloat = 1.0
     epochs: Positive = 15
     max_steps: Positive | None = None
-    save_freq: Positive = 30
-    keep_last: Positive = 2
-    test_freq: NonNegative = 0  # validate every N steps and at the end; 0 = only at the end
-    val_before_train: bool = False
-    output_dir: str = "runs/rider-grm"
-    run_name: str | None = None
-    seed: NonNegative = 0
+    test_freq: NonNegative = 0  # evaluate every N steps and at the end; 0 = only at the end
+    val_before_train: bool = False  # evaluate once before the first step (logged as step 0)
     samples_to_log: NonNegative = 4  # generations (with each judge's raw output) written per step
-    log_with: list[str] = msgspec.field(default_factory=list)  # accelerate trackers (trainer.logger)
-    print_summary: bool = True
-    max_nonfinite_steps: Positive = 3
-    """Consecutive optimizer steps with a non-finite loss or gradient (each skipped, weights
-    untouched) after which the run stops with an error."""
+    print_summary: bool = True  # print the last train and eval sample with each judge's raw output
 
 
 class Config(msgspec.Struct, kw_only=True, frozen=True):
@@ -239,15 +249,74 @@ def _expand_verl_lists(reward: RewardConfig) -> list[JudgeConfig]:
     return out
 
 
-def check_config(cfg: Config) -> Config:
-    """Rules between keys that a per-field range cannot state."""
-    if cfg.algo.adv_estimator in GROUP_ESTIMATORS and cfg.rollout.n < 2:
+def check_config(cfg: Config, world_size: int) -> None:
+    """Rules between keys, against the process count, and on what the reward names (the rule and
+    every judge module imported, every engine kind possible here), before any model loads."""
+    t, r = cfg.train, cfg.reward
+    if uses_group_baseline(cfg.algo.adv_estimator) and cfg.rollout.n < 2:
         raise ConfigError(f"rollout.n={cfg.rollout.n}: algo.adv_estimator={cfg.algo.adv_estimator!r} compares the "
                           "responses to one prompt with each other and needs rollout.n >= 2")
-    if cfg.train.batch_size % cfg.train.mini_batch_size:
-        raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be a multiple of train.mini_batch_size="
-                          f"{cfg.train.mini_batch_size}")
-    return cfg
+    if t.batch_size % t.mini_batch_size:
+        raise ConfigError(f"train.batch_size={t.batch_size} must be a multiple of train.mini_batch_size="
+                          f"{t.mini_batch_size}")
+    if t.batch_size % world_size:
+        raise ConfigError(f"train.batch_size={t.batch_size} must be a multiple of the {world_size} processes")
+    resolve_engine_kind(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: one line
+    if r.spec is not None:
+        reward_spec(r)
+        return
+    judges = judge_configs(r)
+    for i, judge in enumerate(judges):
+        if judge.engine != "server":
+            key = f"reward.verl.reward_function[{i}]" if r.verl.reward_function else f"reward.judges[{i}].module"
+            _user_code(key, judge.module, load_reward_module)
+            resolve_engine_kind(judge.engine, key=f"reward.judges[{i}].engine")
+    if r.rule is not None:
+        _user_code("reward.rule", r.rule, load_function)
+    if r.rule is None and not judges and r.embedding.model is None:
+        raise ConfigError("no reward: set reward.rule, reward.judges, reward.embedding.model or reward.spec")
+    gated = [f"reward.judges[{i}]" for i, j in enumerate(judges) if j.gate is not None]
+    if r.rule is None and (gated or r.embedding.gate is not None):
+        raise ConfigError(f"{(gated or ['reward.embedding'])[0]} has a gate but reward.rule is not set")
+
+
+def _user_code(key: str, value: str, load: Callable[[str], object]) -> None:
+    """Import a user's rule or judge module now: a missing file, a syntax or import error, or a
+    missing function is one line naming the key."""
+    try:
+        load(resolve_path(value))
+    except Exception as e:  # anything the user's module raises on import
+        raise ConfigError(f"{key}={value!r}: {type(e).__name__}: {' '.join(str(e).split())}") from None
+
+
+def reward_spec(reward: RewardConfig) -> RewardSpec | None:
+    """`reward.spec`: the inline table, or the TOML file it names (read, fields checked)."""
+    if not isinstance(reward.spec, str):
+        return reward.spec
+    try:
+        return load_spec(resolve_path(reward.spec))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"reward.spec={reward.spec!r}: {e}") from None
+
+
+def load_function(path: str, default_name: str = "compute_score") -> Callable[..., Any]:
+    """`"pkg.module:fn"` or `"path/to/file.py:fn"` (`:fn` optional, default `compute_score`)."""
+    target, _, name = path.partition(":")
+    name = name or default_name
+    if target.endswith(".py"):
+        file = Path(target)
+        if not file.is_file():
+            raise FileNotFoundError(f"reward function file not found: {file}")
+        spec = importlib.util.spec_from_file_location(f"rider_grm_user_{file.stem}", file)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    fn = module.__dict__.get(name)
+    if not callable(fn):
+        raise AttributeError(f"{target} defines no function {name!r} (reward function path {path!r})")
+    return fn
 
 
 def check_judges(judges: list[JudgeConfig]) -> None:

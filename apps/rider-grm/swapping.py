@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
-from rl_core.train.offload import OptimizerOffload, PinnedOffload
+from rl_core.train import OptimizerOffload, PhaseTimer, PinnedOffload
+from rl_rollout.policy import PolicyEngine
 
 __all__ = ["PLANS", "OptimizerOffload", "PinnedOffload", "PolicySwap", "SwapPlan", "compute_swap_plan", "initial_plan"]
 
@@ -58,7 +59,7 @@ def compute_swap_plan(policy_peak: float, policy_resident: float, judge_weights:
     """The fastest plan whose memory fits in `capacity` (all in the same unit, e.g. GiB).
 
     Measured on a step run with `always` (so each phase saw only its own model):
-    - `policy_peak`: the largest peak of the policy's phases (generate, replay, update), judges asleep;
+    - `policy_peak`: the largest peak of the policy's phases (rollout with its log-probs, update), judges asleep;
     - `policy_resident`: what the policy keeps on the accelerator between its phases (weights
       and optimizer state; gradients are freed after each update);
     - `judge_weights[j]`: judge j's weights; `judge_peaks[j]`: the peak while judge j scored,
@@ -83,38 +84,6 @@ def compute_swap_plan(policy_peak: float, policy_resident: float, judge_weights:
     return "always"
 
 
-# ------------------------------------------------------------------------------ engines
-
-
-def engine_model(engine: Any) -> torch.nn.Module | None:
-    """The in-process model behind an `HFEngine` (possibly wrapped), else None (remote, vLLM)."""
-    inner = engine.inner if type(engine).__name__ == "RecordingEngine" else engine
-    return inner.model if type(inner).__name__ == "HFEngine" else None
-
-
-def make_offload(engine: Any, device: torch.device) -> PinnedOffload | None:
-    """Pinned offload for an in-process HF engine on an accelerator; None where nothing moves."""
-    model = engine_model(engine)
-    if model is None or torch.device(device).type == "cpu":
-        return None
-    return PinnedOffload(model, device)
-
-
-def sleep_engine(engine: Any, offload: PinnedOffload | None) -> None:
-    if offload is not None:
-        offload.to_host()
-    engine.sleep()
-
-
-def wake_engine(engine: Any, offload: PinnedOffload | None) -> None:
-    if offload is not None:
-        offload.to_device()
-    engine.wake()
-
-
-# ------------------------------------------------------------------------------ the policy
-
-
 class PolicySwap:
     """The policy's weights and optimizer state, put to sleep before the judges score and woken
     after, as the current plan says.
@@ -122,29 +91,26 @@ class PolicySwap:
     mode "always"/"never" fix the plan; "auto" starts as "always" and `decide()` switches to the
     fastest plan that fits once a step has measured every in-process judge (CUDA only).
 
-    What sleeps depends on the rollout engine (`rollout.engine`). `hf`: the engine wraps the
-    training model, so the swap moves that model's weights (pinned host buffers) and puts the
-    engine to sleep (its KV cache freed). `vllm`: the engine is not the swap's to move. It is
-    woken for each generation and put back to sleep right after it (vLLM's sleep: its copy of
-    the weights to host memory, its KV cache freed), so it is asleep whenever a judge scores,
-    whatever the plan; waking it here would only take its KV cache back while the policy
-    trains. What the policy still holds on the GPU then is the training model (weights in torch)
-    and the optimizer state, so `offload_policy` moves those, as for `hf`: with `always` a judge
-    scores with nothing of the policy on the GPU, with either engine. `auto` keeps `always`
-    with a vLLM engine: vLLM maps and unmaps its memory itself (sleep mode), outside the torch
-    allocator statistics the plan is computed from (as with a vLLM judge).
-
-    `model` is the training model (for `hf`, the engine's own model).
+    What sleeps depends on the policy's engine. One that decodes with the training model itself
+    (`PolicyEngine.shares_weights`, the `hf` engine) sleeps with the swap (its KV cache freed)
+    while the swap moves that model's weights (pinned host buffers). A vLLM engine is not the
+    swap's to move: it sleeps after every generation whatever the plan (its weights to host
+    memory, KV cache freed), so what the policy still holds on the GPU is the training model and
+    the optimizer state, which `offload_policy` moves, as for `hf`: with `always` a judge scores
+    with nothing of the policy on the GPU. `auto` keeps `always` with a vLLM engine or any judge
+    whose memory cannot be measured (`measurable=False`): vLLM maps and unmaps its memory itself,
+    outside the torch allocator statistics the plan is computed from.
     """
 
-    def __init__(self, engine: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, *,
-                 mode: Literal["auto", "always", "never"], offload_optimizer: bool, memory_fraction: float) -> None:
+    def __init__(self, engine: PolicyEngine, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 device: torch.device, *, mode: Literal["auto", "always", "never"], offload_optimizer: bool,
+                 memory_fraction: float, measurable: bool) -> None:
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
-        self.engine = engine if engine_model(engine) is model else None  # hf: sleeps with the swap
+        self.engine = engine if engine.shares_weights else None
         self.weights = PinnedOffload(model, self.device) if self.device.type != "cpu" else None
         self.optimizer = OptimizerOffload(optimizer, self.device) if offload_optimizer and cuda else None
-        self.pending = mode == "auto" and cuda and self.engine is not None
+        self.pending = mode == "auto" and cuda and engine.shares_weights and measurable
         self.plan = initial_plan(mode)
         self.memory_fraction = memory_fraction
 
@@ -174,20 +140,19 @@ class PolicySwap:
         optimizer = self.optimizer.nbytes if self.optimizer is not None else 0
         return (weights + optimizer) / 2**30
 
-    def decide(self, metrics: Mapping[str, float], judges: Mapping[str, float]) -> SwapPlan | None:
-        """`auto`: the plan for the next steps from one step's `mem/<phase>_gib` (run as `always`)
-        and `judges` (name -> weights GiB of each in-process judge). None while a judge has not
+    def decide(self, timer: PhaseTimer, judges: Mapping[str, float]) -> SwapPlan | None:
+        """`auto`: the plan for the next steps from this step's measured peaks (run as `always`):
+        `rollout` and `update_actor` for the policy, `judge_<name>_score` for each judge in
+        `judges` (name -> weights GiB of each in-process judge). None while a judge has not
         scored yet (its peak is unknown) or when the plan is fixed."""
         if not self.pending:
             return None
-        peaks = [metrics.get(f"mem/judge_{name}_score_gib") for name in judges]
+        peaks = [timer.peak_gib(f"judge_{name}_score") for name in judges]
         if any(p is None for p in peaks):
             return None
-        phases = ("old_logp", "ref_logp", "advantages", "update")
         # step 1 generates before Adam's state exists; later steps generate with it resident
         optimizer = self.optimizer.nbytes / 2**30 if self.optimizer is not None else 0.0
-        policy_peak = max(metrics.get("mem/generate_gib", 0.0) + optimizer,
-                          *(metrics.get(f"mem/{p}_gib", 0.0) for p in phases))
+        policy_peak = max((timer.peak_gib("rollout") or 0.0) + optimizer, timer.peak_gib("update_actor") or 0.0)
         capacity = torch.cuda.get_device_properties(self.device).total_memory / 2**30 * self.memory_fraction
         name = compute_swap_plan(policy_peak, self.resident_gib(), list(judges.values()),
                                  [float(p) for p in peaks if p is not None], capacity)
