@@ -1,70 +1,33 @@
-"""The reward side of rider-grm: the rule reward and the generative judges.
-
-VeRL-with-RMs (docs/reference.md §3) keeps each judge's weights off the GPU and loads them into its
-inference engine only while it scores. Here every judge is a `Judge`: in process, it wakes its
-engine, scores and puts it back to sleep, timing each part (`time/judge_<name>_{wake,score,sleep}`);
-served, an `rl-rewards serve` reward server scores for it. Either way it records the raw outputs
-and parse failures. The composition (`rl_rewards.composition`, combine = "fold") evaluates the rule
-gate *before* a judge is called, so gated-out samples never reach it, and a judge with nothing to
-score is never woken.
-"""
+"""rider-grm's generative judges. VeRL-with-RMs (docs/reference.md §3) keeps each judge's weights
+off the GPU and loads them into its engine only while it scores: a `Judge` in process wakes its
+engine, scores and puts it back to sleep (`time/judge_<name>_{wake,score,sleep}`); a served one
+sends its samples to an `rl-rewards serve` reward server. Either way it records the raw outputs
+and parse failures. The composition (`rewarding`) checks a judge's gate before calling it."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, cast
 
 import httpx
 import msgspec
 import torch
+from rider_config import JudgeConfig, judge_name, resolve_model, resolve_path
+from transformers import AutoTokenizer
 
 from rl_core.train import ConfigError, PhaseTimer, PinnedOffload
 from rl_rewards.client import RemoteScorer, RewardClient, RewardClientError
-from rl_rewards.samples import Sample, Scorer, ScoreResult
+from rl_rewards.samples import Sample, ScoreResult
 from rl_rewards.scorers.judge import JudgeScorer
-from rl_rollout import Engine, Generation, Prompt, SamplingParams
-
-# ------------------------------------------------------------------------------ rule reward
-
-
-class RuleScorer:
-    """A verl `compute_score(data_source, solution_str, ground_truth, extra_info)` function as a
-    scorer. It may return a float or `{"score": float, **numeric extras}` (extras become
-    components); an exception is that sample's error."""
-
-    name = "rule"
-
-    def __init__(self, fn: Callable[..., Any], timer: PhaseTimer) -> None:
-        self.fn, self.timer = fn, timer
-
-    def _one(self, sample: Sample) -> ScoreResult:
-        meta = sample.metadata
-        try:
-            value = self.fn(meta["data_source"], sample.completion, sample.reference, meta["extra_info"])
-        except Exception as e:  # a rule bug on one sample fails that sample only
-            return ScoreResult.failed(f"{type(e).__name__}: {e}")
-        extras = {}
-        if isinstance(value, dict):
-            extras = {k: float(v) for k, v in value.items() if k != "score" and isinstance(v, int | float)}
-            value = value.get("score")
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            # a NaN rule score would pass every gate (NaN < threshold is false) and poison the fold
-            return ScoreResult.failed(f"rule returned {value!r}, not a finite number")
-        return ScoreResult(score=float(value), components=extras)
-
-    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
-        with self.timer("rule"):
-            return [self._one(s) for s in samples]
-
-
-# ------------------------------------------------------------------------------ judges
+from rl_rollout import Engine, Generation, Prompt, SamplingParams, load_engine, resolve_engine_kind
+from rl_rollout.hf import HFEngine
+from rl_rollout.policy import PolicyEngine
 
 
 class RecordingEngine:
     """An `Engine` that forwards everything to `inner` (its `state` too) and keeps the texts it
-    generated since `reset()`, so the judge's raw outputs can be logged next to its scores."""
+    generates in `texts` (cleared by its user), so a judge's raw outputs are logged with its scores."""
 
     def __init__(self, inner: Engine) -> None:
         self.inner = inner
@@ -73,9 +36,6 @@ class RecordingEngine:
     @property
     def state(self) -> str:
         return self.inner.state
-
-    def reset(self) -> None:
-        self.texts = []
 
     def generate(self, requests: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
         out = self.inner.generate(requests, params)
@@ -97,13 +57,6 @@ class RecordingEngine:
 
     def close(self) -> None:
         self.inner.close()
-
-
-class HasState(Protocol):
-    """What a judge asks of the policy's engine: whether it is awake (`rl_rollout.policy.PolicyEngine`)."""
-
-    @property
-    def state(self) -> str: ...
 
 
 @dataclass
@@ -131,29 +84,22 @@ class JudgeLog:
 
 
 class Judge:
-    """One generative judge: a VeRL-with-RMs module run here (`JudgeScorer` on `engine`), or a
-    reward served by `rl-rewards serve` (`RemoteScorer`, no `engine`: the server holds the module,
-    model and sampling, so this process needs no accelerator memory for it).
-
-    In process, the judge's engine is woken for the samples that reached it and put back to sleep
-    after (`swap=False`: it stays resident once woken); `offload` (an `hf` engine on CUDA) moves
-    its weights through reused pinned buffers (`swapping`). The module's `text_prompts` are the
-    row's `rm_prompt_{index}` (VeRL-with-RMs' per-judge template, `use_rm_prompt`) or the policy's
-    own prompt (modules such as `rl_rewards.judges.rubric` that write their own instructions).
-
-    A sample whose output the module cannot parse (or that the server fails) is an error for that
-    sample only: the composition uses the judge's `fallback` and it is counted in
-    `judge/<name>/parse_failures`. A served request that fails as a whole after the client's
-    retries fails its samples the same way, counted in `judge/<name>/request_failures` too. The
-    server returns no raw text: samples/*.jsonl then record `raw: null, judged: true`.
-    """
+    """One generative judge: a VeRL-with-RMs module run here (`JudgeScorer` on `engine`, woken
+    for the samples that reach it and put back to sleep after unless `swap=False`; `offload`: an
+    `hf` engine's weights through pinned buffers on CUDA), or a reward of an `rl-rewards serve`
+    server (`RemoteScorer`, no `engine`, no accelerator memory here). `text_prompts` are the row's
+    `rm_prompt_{index}` (VeRL-with-RMs) or, `use_rm_prompt=False`, the policy's prompt (modules
+    that write their own instructions, such as `rl_rewards.judges.rubric`). An unparseable output
+    or a sample the server fails fails that sample only: the judge's `fallback` scores it, counted
+    in `judge/<name>/parse_failures` (a whole failed request also in `request_failures`); served
+    judges return no raw text (samples/*.jsonl: `raw: null, judged: true`)."""
 
     def __init__(self, name: str, index: int, scorer: JudgeScorer | RemoteScorer, timer: PhaseTimer, *,
                  engine: RecordingEngine | None = None, offload: PinnedOffload | None = None,
                  use_rm_prompt: bool = True, swap: bool = True) -> None:
         self.name, self.index, self.scorer, self.timer = name, index, scorer, timer
         self.engine, self.offload, self.use_rm_prompt, self.swap = engine, offload, use_rm_prompt, swap
-        self.policy: HasState | None = None  # counted in `check/policy_awake_during_<name>`
+        self.policy: Engine | PolicyEngine | None = None  # counted in `check/policy_awake_during_<name>`
         self.log = JudgeLog()
 
     def state(self) -> str:
@@ -182,14 +128,19 @@ class Judge:
         requests = [self.request(s) for s in samples]
         if self.engine is None:
             with self.timer(f"judge_{self.name}_score"):
-                results = self._served(requests)
+                try:
+                    results = self.scorer.score(requests)
+                except (RewardClientError, httpx.HTTPError, msgspec.MsgspecError, ValueError) as e:
+                    # down after retries, or an answer that is not our wire format (HTML, a string score)
+                    self.log.request_failures += len(requests)
+                    error = f"reward server request failed: {type(e).__name__}: {e}"
+                    results = [ScoreResult.failed(error) for _ in requests]
             self.log.record(samples, results, raw=None)
             return results
         with self.timer(f"judge_{self.name}_wake"):
             self.wake()
-        if self.policy is not None and self.policy.state == "awake":
-            self.log.policy_awake += 1
-        self.engine.reset()
+        self.log.policy_awake += self.policy is not None and self.policy.state == "awake"
+        self.engine.texts.clear()
         try:
             with self.timer(f"judge_{self.name}_score"):
                 results = self.scorer.score(requests)
@@ -201,17 +152,9 @@ class Judge:
         self.log.record(samples, results, texts if len(texts) == len(samples) else [" | ".join(texts)] * len(samples))
         return results
 
-    def _served(self, requests: list[Sample]) -> list[ScoreResult]:
-        try:
-            return self.scorer.score(requests)
-        except (RewardClientError, httpx.HTTPError, msgspec.MsgspecError, ValueError) as e:
-            # down after retries, or an answer that is not our wire format (HTML, a string score)
-            self.log.request_failures += len(requests)
-            return [ScoreResult.failed(f"reward server request failed: {type(e).__name__}: {e}") for _ in requests]
-
     def check(self, sample: Sample) -> None:
-        """Start-up dry run on one sample: the module's lists must match (`check_judge`); a served
-        judge's request must go through (an unreadable output is fine: untrained judges write anything)."""
+        """Start-up dry run on one sample: a served judge's request must go through; a module's
+        lists must match (`check_judge`)."""
         if not isinstance(self.scorer, JudgeScorer):
             self.scorer.score([self.request(sample)])
             return
@@ -227,45 +170,53 @@ class Judge:
         return log
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-        elif isinstance(self.scorer, RemoteScorer):
-            self.scorer.close()
+        (self.engine or cast(RemoteScorer, self.scorer)).close()  # a served judge's: its HTTP connections
 
 
-def check_server(url: str, spec: str, judge: str, ready_timeout: float = 120.0) -> None:
-    """Raise `ConfigError` naming the judge and URL when no reward server answers there or it
-    is not ready after `ready_timeout` s, or listing the served rewards when `spec` is not one."""
-    client = RewardClient(url, timeout=10.0)
-    try:
-        try:
-            health = client.health()  # answers (503) while the server still loads its judges
-        except (httpx.TransportError, msgspec.MsgspecError) as e:
-            raise ConfigError(f"judge {judge!r}: no rl-rewards server answers at {url} "
-                              f"({type(e).__name__}: {e}); start one with `rl-rewards serve --config FILE`") from None
-        if spec not in health.rewards:
-            raise ConfigError(f"judge {judge!r}: the reward server at {url} does not serve spec {spec!r}; "
-                              f"it serves {', '.join(health.rewards) or 'nothing'} (its [rewards.NAME] tables)")
-        try:
-            client.wait_ready(timeout=ready_timeout)
-        except TimeoutError as e:
-            raise ConfigError(f"judge {judge!r}: the reward server at {url} is not ready: {e}") from None
-    finally:
-        client.close()
+def build_judge(i: int, judge: JudgeConfig, device: torch.device, timer: PhaseTimer, sleep: bool) -> Judge:
+    """Judge `i`: served (`engine = "server"`), or an engine + scorer here, asleep right after
+    loading when `sleep`. Only an `hf` engine's weights are moved by a `PinnedOffload` (its module
+    is known here, where it is built); vLLM sleeps by itself, a remote engine has nothing here."""
+    prompt = judge.prompt == "rm_prompt"
+    if judge.engine == "server":
+        return Judge(judge_name(judge), i, RemoteScorer(str(judge.url), str(judge.spec), timeout=judge.timeout_s),
+                     timer, use_rm_prompt=prompt)
+    key = f"reward.judges[{i}].engine"
+    kind, why = resolve_engine_kind(judge.engine, key=key)
+    if judge.engine == "auto":
+        print(f"judge {judge_name(judge)}: engine {why}")
+    where: dict[str, Any] = {"base_url": judge.url} if kind == "openai" else {"device": device} if kind == "hf" else {}
+    model = judge.model if kind == "openai" else resolve_model(judge.model, f"reward.judges[{i}].model")
+    inner = load_engine(kind, model, key=key, in_process=False, **where, **judge.engine_options)
+    offload = PinnedOffload(cast(HFEngine, inner).model, device) if kind == "hf" and device.type != "cpu" else None
+    engine = RecordingEngine(inner)
+    scorer = JudgeScorer(engine, AutoTokenizer.from_pretrained(resolve_path(judge.tokenizer or model)),
+                         resolve_path(judge.module), temperature=judge.temperature, max_new_tokens=judge.max_new_tokens,
+                         seed=judge.seed, completion_field=judge.completion_field, on_malformed=judge.on_malformed)
+    out = Judge(judge_name(judge), i, scorer, timer, engine=engine, offload=offload, use_rm_prompt=prompt, swap=sleep)
+    if sleep:
+        out.sleep()
+    return out
 
 
-class TimedScorer:
-    """A scorer whose `score` calls are timed as one phase (`time/<phase>`, `memory/<phase>_peak_gib`)."""
-
-    def __init__(self, inner: Scorer, timer: PhaseTimer, phase: str) -> None:
-        self.inner, self.timer, self.name = inner, timer, phase
-
-    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
-        with self.timer(self.name):
-            return self.inner.score(samples)
-
-
-# ------------------------------------------------------------------------------ start-up check
+def check_served(judges: list[JudgeConfig], ready_timeout: float = 120.0) -> None:
+    """Every `engine = "server"` judge's server answers, serves its spec and is ready within
+    `ready_timeout` s, else a `ConfigError` naming the judge and URL (before any model loads)."""
+    for judge in (j for j in judges if j.engine == "server"):
+        name, url, spec = judge_name(judge), str(judge.url), str(judge.spec)
+        with RewardClient(url, timeout=10.0) as client:
+            try:
+                health = client.health()  # answers (503) while the server still loads its judges
+            except (httpx.TransportError, msgspec.MsgspecError) as e:
+                raise ConfigError(f"judge {name!r}: no rl-rewards server answers at {url} ({type(e).__name__}: "
+                                  f"{e}); start one with `rl-rewards serve --config FILE`") from None
+            if spec not in health.rewards:
+                raise ConfigError(f"judge {name!r}: the reward server at {url} does not serve spec {spec!r}; "
+                                  f"it serves {', '.join(health.rewards) or 'nothing'} (its [rewards.NAME] tables)")
+            try:
+                client.wait_ready(timeout=ready_timeout)
+            except TimeoutError as e:
+                raise ConfigError(f"judge {name!r}: the reward server at {url} is not ready: {e}") from None
 
 
 def check_judge(judge: JudgeScorer, rm_prompt: str, response: str) -> None:

@@ -1,60 +1,36 @@
-"""The reward of a rider-grm step: rows -> samples, the judges built from the config (in
-process and swapped, or served), the VeRL-with-RMs fold of rule, judges and similarity, the
-reward metrics, and the sample generations written with each judge's raw output."""
+"""The reward of a rider-grm step: rows -> samples, the rule reward, the VeRL-with-RMs fold of
+rule, judges (`judging`) and similarity, or a `reward.spec` instead, the reward metrics, and the
+sample generations written with each judge's raw output."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, cast
 
 import torch
 from accelerate.utils import gather_object
-from judging import (
-    HasState,
-    Judge,
-    JudgeLog,
-    RecordingEngine,
-    RuleScorer,
-    TimedScorer,
-    check_server,
-)
-from rider_config import (
-    Config,
-    DataConfig,
-    JudgeConfig,
-    judge_configs,
-    judge_name,
-    load_function,
-    resolve_model,
-    resolve_path,
-    reward_spec,
-)
-from swapping import PinnedOffload
-from transformers import AutoTokenizer
+from judging import Judge, JudgeLog
+from rider_config import Config, JudgeConfig, load_function, read_spec, resolve_model, resolve_path
 
-from rl_core.train import PhaseTimer, UserError, isolated_rng
+from rl_core.train import PhaseTimer, UserError
 from rl_data import JudgeRecord, open_source
-from rl_rewards.client import RemoteScorer
 from rl_rewards.composition import Reward, build_reward
 from rl_rewards.registry import build_scorer
 from rl_rewards.samples import Sample, Scorer, ScoreResult
-from rl_rewards.scorers.judge import JudgeScorer
 from rl_rewards.spec import Component, Gate, RewardSpec
-from rl_rollout import Generation, load_engine, resolve_engine_kind
-from rl_rollout.hf import HFEngine
-
-# ----------------------------------------------------------------------------------- rows
+from rl_rollout import Generation
 
 
 def messages(record: JudgeRecord) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in record.prompt]
 
 
-def load_records(files: list[str], tokenizer: Any, data: DataConfig, rm_prompts: int = 0) -> list[JudgeRecord]:
+def load_records(files: list[str], tokenizer: Any, cfg: Config, rm_prompts: int = 0) -> list[JudgeRecord]:
     """Judge rows of `files`; prompts longer than max_prompt_length are dropped or rejected.
     Every row must carry the `rm_prompt_{i}` columns of the `rm_prompts` judges that read them
     (a row without one would silently get the judge's fallback)."""
-    records = []
+    data, records = cfg.data, []
     for file in files:
         try:  # a parquet/JSONL file, a save_to_disk directory, or a Hub id in the local cache
             reader = open_source(resolve_path(file), kind="judge")
@@ -87,69 +63,63 @@ def make_samples(records: list[JudgeRecord], gens: list[Generation], offset: int
             for i, (r, g) in enumerate(zip(records, gens, strict=True))]
 
 
-# ----------------------------------------------------------------------------------- judges
+class RuleScorer:
+    """A verl `compute_score(data_source, solution_str, ground_truth, extra_info)` function as a
+    scorer. It may return a float or `{"score": float, **numeric extras}` (extras become
+    components); an exception is that sample's error."""
+
+    name = "rule"
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def _one(self, sample: Sample) -> ScoreResult:
+        meta = sample.metadata
+        try:
+            value = self.fn(meta["data_source"], sample.completion, sample.reference, meta["extra_info"])
+        except Exception as e:  # a rule bug on one sample fails that sample only
+            return ScoreResult.failed(f"{type(e).__name__}: {e}")
+        extras = {}
+        if isinstance(value, dict):
+            extras = {k: float(v) for k, v in value.items() if k != "score" and isinstance(v, int | float)}
+            value = value.get("score")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            # a NaN rule score would pass every gate (NaN < threshold is false) and poison the fold
+            return ScoreResult.failed(f"rule returned {value!r}, not a finite number")
+        return ScoreResult(score=float(value), components=extras)
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        return [self._one(s) for s in samples]
 
 
-def build_judge(i: int, judge: JudgeConfig, device: torch.device, timer: PhaseTimer, sleep: bool) -> Judge:
-    """One judge: served (`engine = "server"`), or an engine + scorer here, put to sleep right
-    after loading when `sleep` (so only one model is on the accelerator). Only an `hf` engine's
-    weights are moved by `swapping.PinnedOffload` (its module is known here, where it is built);
-    a vLLM engine sleeps by itself, a remote one has nothing here to move."""
-    use_rm_prompt = judge.prompt == "rm_prompt"
-    if judge.engine == "server":
-        remote = RemoteScorer(str(judge.url), str(judge.spec), timeout=judge.timeout_s)
-        return Judge(judge_name(judge), i, remote, timer, use_rm_prompt=use_rm_prompt)
-    key = f"reward.judges[{i}].engine"
-    kind, why = resolve_engine_kind(judge.engine, key=key)
-    if judge.engine == "auto":
-        print(f"judge {judge_name(judge)}: engine {why}")
-    where = {"base_url": judge.url} if kind == "openai" else {"device": device} if kind == "hf" else {}
-    model = judge.model if kind == "openai" else resolve_model(judge.model, f"reward.judges[{i}].model")
-    inner = load_engine(kind, model, key=key, in_process=False, **where, **judge.engine_options)
-    offload = None
-    if kind == "hf" and device.type != "cpu":
-        offload = PinnedOffload(cast(HFEngine, inner).model, device)
-    engine = RecordingEngine(inner)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_path(judge.tokenizer or model))
-    scorer = JudgeScorer(engine, tokenizer, resolve_path(judge.module), temperature=judge.temperature,
-                         max_new_tokens=judge.max_new_tokens, seed=judge.seed,
-                         completion_field=judge.completion_field, on_malformed=judge.on_malformed)
-    out = Judge(judge_name(judge), i, scorer, timer, engine=engine, offload=offload, use_rm_prompt=use_rm_prompt,
-                swap=sleep)
-    if sleep:
-        out.sleep()
-    return out
+class TimedScorer:
+    """A scorer whose `score` calls are timed as one phase (`time/<phase>`, `memory/<phase>_peak_gib`)."""
+
+    def __init__(self, inner: Scorer, timer: PhaseTimer, phase: str) -> None:
+        self.inner, self.timer, self.name = inner, timer, phase
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        with self.timer(self.name):
+            return self.inner.score(samples)
 
 
-def check_served(judges: list[JudgeConfig]) -> None:
-    """Every `engine = "server"` judge's server answers and serves its spec (before any model loads)."""
-    for judge in judges:
-        if judge.engine == "server":
-            check_server(str(judge.url), str(judge.spec), judge_name(judge))
-
-
-def watch_policy(judges: list[Judge], policy: HasState) -> None:
-    """Each in-process judge counts its calls made while `policy`'s engine is awake."""
-    for judge in judges:
-        judge.policy = policy
-
-
-def compose_reward(cfg: Config, judges: list[Judge], timer: PhaseTimer, device: torch.device) -> Reward:
+def compose_reward(cfg: Config, judges: list[Judge], configs: list[JudgeConfig], timer: PhaseTimer,
+                   device: torch.device) -> Reward:
     """`reward.spec` built from the registry (resident), or the shorthand's VeRL-with-RMs left
     fold: the rule, then each judge in order (add/mul, each gated on the rule where it has a
     gate), with the similarity term last or right after the rule (`reward.embedding.position`)."""
-    spec = reward_spec(cfg.reward)
+    spec = read_spec(cfg.reward)
     if spec is not None:
         return build_reward(spec)
     components: dict[str, Component] = {}
     scorers: dict[str, Any] = {}
     if cfg.reward.rule is not None:
         components["rule"] = Component(scorer="rule", weight=cfg.reward.rule_weight)
-        scorers["rule"] = RuleScorer(load_function(resolve_path(cfg.reward.rule)), timer)
+        scorers["rule"] = TimedScorer(RuleScorer(load_function(resolve_path(cfg.reward.rule))), timer, "rule")
     emb = cfg.reward.embedding
     if emb.model is not None and emb.position == "after_rule":
         _add_similarity(cfg, components, scorers, timer, device)
-    for judge, jc in zip(judges, judge_configs(cfg.reward), strict=True):
+    for judge, jc in zip(judges, configs, strict=True):
         # options name the sub-components the judge reports (`malformed` with a completion_field)
         components[judge.name] = Component(scorer="judge", weight=jc.weight, op=jc.combine, fallback=jc.fallback,
                                            gate=_rule_gate(jc.gate, jc.gated_out),
@@ -172,21 +142,14 @@ def _add_similarity(cfg: Config, components: dict[str, Component], scorers: dict
     fields = {"completion_field": emb.completion_field, "reference_field": emb.reference_field}
     components["similarity"] = Component(scorer="embedding_similarity", weight=emb.weight, op="add", options=fields,
                                          gate=_rule_gate(emb.gate, "zero"))
-    inner = build_scorer("embedding_similarity", model=resolve_model(str(emb.model), "reward.embedding.model"), scale=0.7, offset=0.3,
-                         device=str(device), on_malformed=emb.on_malformed, **fields)
-    if not isinstance(inner, Scorer):  # embedding_similarity scores synchronously
-        raise TypeError(f"embedding_similarity built a {type(inner).__name__}, not a synchronous Scorer")
-    scorers["similarity"] = TimedScorer(inner, timer, "similarity")
-
-
-# ----------------------------------------------------------------------------------- scoring
+    inner = build_scorer("embedding_similarity", model=resolve_model(str(emb.model), "reward.embedding.model"), scale=0.7,
+                         offset=0.3, device=str(device), on_malformed=emb.on_malformed, **fields)
+    scorers["similarity"] = TimedScorer(cast(Scorer, inner), timer, "similarity")  # it scores synchronously
 
 
 def score(reward: Reward, judges: list[Judge], samples: list[Sample]) -> tuple[list[ScoreResult], dict[str, JudgeLog]]:
-    """Combined scores (a failed sample scores 0 and is counted) and the judges' logs."""
-    results = reward.score(samples)
-    logs = {judge.name: judge.pop() for judge in judges}
-    return results, logs
+    """Combined scores (a failed sample has none and an error) and what each judge did."""
+    return reward.score(samples), {judge.name: judge.pop() for judge in judges}
 
 
 def reward_metrics(results: list[ScoreResult], logs: dict[str, JudgeLog]) -> dict[str, float]:
@@ -221,15 +184,3 @@ def sample_rows(samples: list[Sample], results: list[ScoreResult], logs: dict[st
         rows.append({"prompt": sample.prompt, "completion": sample.completion, "reward": result.score,
                      "error": result.error, "components": result.components, "judges": judges})
     return rows
-
-
-def dry_run(judges: list[Judge], record: JudgeRecord) -> None:
-    """Score one sample with every judge before training, so a judge module whose lists do not
-    match the batch fails now, naming the module and the function (not hours into a run), and a
-    served judge whose server is down or does not know its spec fails now too."""
-    answer = Generation(request_index=0, prompt_ids=[], completion_ids=[], text=str(record.ground_truth),
-                        logprobs=[], finish_reason="stop")
-    sample = make_samples([record], [answer], 0)[0]
-    with isolated_rng():
-        for judge in judges:
-            judge.check(sample)

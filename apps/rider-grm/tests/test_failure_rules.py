@@ -72,8 +72,8 @@ def test_a_later_row_without_the_rm_prompt_is_named(tmp_path: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny:qwen3"))
     cfg = load_config(Config, DEFAULT_CONFIG)
     with pytest.raises(UserError, match=r"b\.parquet: row 0: no rm_prompt_1 column, but 2 judges read"):
-        load_records([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")], tokenizer, cfg.data, 2)
-    assert len(load_records([str(tmp_path / "a.parquet")], tokenizer, cfg.data, 2)) == 2
+        load_records([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")], tokenizer, cfg, 2)
+    assert len(load_records([str(tmp_path / "a.parquet")], tokenizer, cfg, 2)) == 2
     del path
 
 

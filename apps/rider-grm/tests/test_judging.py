@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, TESTS
-from judging import Judge, RecordingEngine, RuleScorer, check_judge
+from judging import Judge, RecordingEngine, check_judge
+from rewarding import RuleScorer
 from rider_config import load_function
 from transformers import AutoTokenizer
 
@@ -109,21 +110,19 @@ def test_check_judge_names_the_module_and_function(tmp_path: Path, judge_path: P
 
 
 def test_rule_function_from_file_and_import_path() -> None:
-    timer = PhaseTimer()
-    parity = RuleScorer(load_function(str(TESTS / "rules" / "parity_rule.py")), timer)
+    parity = RuleScorer(load_function(str(TESTS / "rules" / "parity_rule.py")))
     assert [r.score for r in parity.score([sample(0, "ab"), sample(1, "abc")])] == [1.0, 0.0]
-    rider = RuleScorer(load_function("rider_rules:compute_score"), timer)
+    rider = RuleScorer(load_function("rider_rules:compute_score"))
     result = rider.score([sample(0, "One. Two. Three. Four.")])[0]
     assert result.score == 0.0 and result.components == {"sentences": 4.0}
     with pytest.raises(AttributeError, match="no function 'nope'"):
         load_function("rider_rules:nope")
-    assert "time/rule" in timer.pop()
 
 
 def test_rule_error_fails_only_that_sample() -> None:
     def fragile(data_source, solution_str, ground_truth, extra_info=None):
         return 1.0 / len(solution_str)
 
-    results = RuleScorer(fragile, PhaseTimer()).score([sample(0, ""), sample(1, "ab")])
+    results = RuleScorer(fragile).score([sample(0, ""), sample(1, "ab")])
     assert results[0].score is None and "ZeroDivisionError" in results[0].error
     assert results[1].score == 0.5

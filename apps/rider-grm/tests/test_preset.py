@@ -20,8 +20,9 @@ import msgspec
 import pytest
 import torch
 from conftest import REPO, TESTS
-from rewarding import build_judge, compose_reward, score
-from rider_config import Config, JudgeConfig, check_judges, judge_configs
+from judging import build_judge
+from rewarding import compose_reward, score
+from rider_config import DEFAULT_CONFIG, Config, check_config, judge_configs
 
 from rl_core.train import ConfigError, PhaseTimer, load_config
 from rl_rewards.samples import Sample
@@ -74,7 +75,7 @@ def test_golden_totals(ours: bool) -> None:
     cfg = _tiny_preset(ours)
     device, timer = torch.device("cpu"), PhaseTimer()
     judges = [build_judge(i, judge, device, timer, sleep=False) for i, judge in enumerate(cfg.reward.judges)]
-    reward = compose_reward(cfg, judges, timer, device)
+    reward = compose_reward(cfg, judges, list(cfg.reward.judges), timer, device)
     assert list(reward.spec.components) == (["rule", "rider", "consistency", "similarity"] if ours
                                             else ["rule", "similarity", "rider", "consistency"])
     results, logs = score(reward, judges, _samples())
@@ -100,7 +101,10 @@ def test_preset_file_holds_the_formula() -> None:
 
 
 def test_gated_out_needs_a_gate_and_served_judges_take_no_field() -> None:
+    def check(judge: str) -> None:
+        check_config(load_config(Config, DEFAULT_CONFIG, [f"reward.judges=[{judge}]"]), 1)
+
     with pytest.raises(ConfigError, match=r"reward\.judges\[0\].*gated_out = 'zero' but no gate"):
-        check_judges([JudgeConfig(module="m.py", model="x", gated_out="zero")])
+        check('{module = "m.py", model = "x", gated_out = "zero"}')
     with pytest.raises(ConfigError, match=r"completion_field is applied by the server"):
-        check_judges([JudgeConfig(engine="server", url="http://h", spec="s", completion_field="Response")])
+        check('{engine = "server", url = "http://h", spec = "s", completion_field = "Response"}')

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from judging import Judge, RecordingEngine
-from swapping import PLANS, PinnedOffload, compute_swap_plan
+from swapping import PLANS, compute_swap_plan
 
-from rl_core.train import PhaseTimer
+from rl_core.train import PhaseTimer, PinnedOffload
 from rl_models import tiny
 from rl_rewards.scorers.judge import JudgeScorer
 from rl_rollout.hf import HFEngine
