@@ -55,7 +55,7 @@ def test_weight_sync_with_real_vllm(tmp_path: Path) -> None:
 def test_auto_picks_vllm_and_says_so(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     run = app.main(tiny_overrides(tmp_path, **POLICY, **{"rollout.engine": '"auto"', "reward.judges": "[]",
                                                          "train.max_steps": 1}))
-    assert "rollout engine: vllm (auto: CUDA device and vLLM found)" in capfd.readouterr().out
+    assert "rollout.engine: vllm (auto: CUDA device and vLLM found)" in capfd.readouterr().out
     assert [float(r["rollout/weight_version"]) for r in read_metrics(run)] == [0.0]
 
 
