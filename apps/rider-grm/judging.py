@@ -139,7 +139,8 @@ class Judge:
             return results
         with self.timer(f"judge_{self.name}_wake"):
             self.wake()
-        self.log.policy_awake += self.policy is not None and self.policy.state == "awake"
+        if self.policy is not None and self.policy.state == "awake":
+            self.log.policy_awake += 1
         self.engine.texts.clear()
         try:
             with self.timer(f"judge_{self.name}_score"):
