@@ -437,8 +437,7 @@ def rider_throughput(bench: Bench) -> Table:
                 "reward.rule=rider_rules:compute_score", f"data.max_response_length={tokens}", f"rollout.n={n}",
                 f"train.batch_size={prompts * world}", f"train.mini_batch_size={prompts * world}",
                 "train.micro_batch_size=8", "train.lr=1e-6", f"train.max_steps={steps}", "train.epochs=100",
-                "train.save_freq=1000",
-                "train.print_summary=false", "train.val_before_train=false", "algo.replay_tolerance=0.5",
+                "train.save_freq=1000", "train.val_before_train=false", "algo.replay_tolerance=0.5",
                 "rollout.max_batch_size=64"]
 
     runs = {"1 GPU": (1, Launch("rider-grm", "speed-1gpu", overrides(1))),
@@ -449,7 +448,7 @@ def rider_throughput(bench: Bench) -> Table:
         runs, "responses/s (all GPUs)", per_s=lambda r, gpus: responses * gpus / step_s(r), step_s=step_s, columns={
             "responses/step (all GPUs)": lambda _, gpus: responses * gpus,
             "s/step": lambda r, _: step_s(r),
-            "generate s": lambda r, _: value(r, "time/generate"),
+            "rollout s (with log-probs, policy offload)": lambda r, _: value(r, "time/rollout"),
             "reward s (judges + swaps)": lambda r, _: value(r, "time/reward"),
             "swap s": lambda r, _: swap_seconds({k: float(v) for k, v in r.items() if k.startswith("time/") and v}),
             "update s": lambda r, _: value(r, "time/update")}, warmup=warmup))

@@ -1,351 +1,274 @@
-"""rider-grm: VeRL-with-RMs on Accelerate — a text policy trained with REINFORCE++ (or GRPO/RLOO)
-on a rule reward plus several generative judges plus an embedding-similarity reward.
+"""rider-grm: VeRL-with-RMs on the shared trainer loop — a text policy trained with REINFORCE++
+(or GRPO/RLOO) on a rule reward plus several generative judges plus an embedding-similarity reward.
 
     uv run apps/rider-grm                                    # embedded tiny CPU default
     uv run apps/rider-grm --config examples/rider-grm/verl-with-rms.toml   # the verl-with-rms preset
     accelerate launch apps/rider-grm/__main__.py --config FILE train.batch_size=128
     uv run apps/rider-grm --resume                            # continue the latest run
-    uv run apps/rider-grm --help                              # every key, default, env var
 
-One step: group sampler -> generate with the policy (`rollout.engine`: the `hf` engine wraps
-the training model; a colocated vLLM engine is woken for it and sleeps again) -> put the policy
-(and the optimizer state) to sleep -> rule reward -> each judge woken in turn, scores the
-samples its gate lets through, goes back to sleep -> embedding similarity -> fold the
-components -> advantages -> log-prob replay -> clipped policy-gradient update with the k3 KL
-loss (`policy_update`, on `rl_core.train` / `rl_rollout.training`; a vLLM engine gets the
-weights after every optimizer step) -> validate -> log -> checkpoint. Beside this file:
-`rider_config`, `policy_engine` (hf or vLLM), `rewarding` (rows, judges, the fold), `judging`,
-`swapping` (the swap plan), `rider_summary`. See README.md next to this file.
+The loop (`rl_core.train.loop`) owns the step. rollout: the policy's engine samples, then the old
+and reference log-probs, then the policy sleeps as the swap plan says (`swapping`). reward: the
+rule, each judge woken in turn for what its gate lets through, the similarity, folded (`rewarding`,
+`judging`) into token rewards. update: the policy wakes; clipped policy gradient + k3 KL loss, the
+engine synced after each optimizer step; the swap plan decided from the measured peaks.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import msgspec
-import policy_engine
+import rewarding
 import torch
-from accelerate import Accelerator
-from judging import Judge, PhaseMonitor, SwappedJudge
-from policy_update import advantages, logprobs, to_rollouts, update
-from rewarding import (
-    build_judges,
-    check_served,
-    close_judges,
-    compose_reward,
-    dry_run,
-    load_records,
-    make_samples,
-    messages,
-    reward_metrics,
-    sample_rows,
-    score,
-)
-from rider_config import (
-    DEFAULT_CONFIG,
-    ENV,
-    Config,
-    JudgeConfig,
-    check_config,
-    judge_configs,
-    judge_name,
-    resolve_model,
-)
-from rider_parts import Parts
-from rider_summary import print_summary
-from swapping import PinnedOffload, PolicySwap, initial_plan
-from transformers import PreTrainedModel
+from judging import Judge, build_judge, check_served
+from rider_config import DEFAULT_CONFIG, ENV, Config, check_config, judge_configs, resolve_model
+from swapping import PolicySwap, initial_plan
 
-from rl_core.train import (
-    ConfigError,
-    FullWeights,
-    MetricsLogger,
-    NonFiniteGuard,
-    SampleLog,
-    TrainProgress,
-    UserError,
-    accelerator_kwargs,
-    check_finite_parameters,
-    config_help,
-    end_training,
-    isolated_rng,
-    load_checkpoint,
-    load_config,
-    make_run_dir,
-    parse_cli,
-    plot_reward_curve,
-    prepare_policy,
-    resolve_resume,
-    resolve_sharding,
-    run_app,
-    sample_seed,
-    save_checkpoint,
-    seed_everything,
-    sharded_state,
-)
+from rl_core.kl import compute_kl
+from rl_core.train import GroupAdvantages, PinnedOffload, isolated_rng, run, run_app, sample_seed
+from rl_core.train.recipe import Checkpoint, Recipe, RunContext, Schedule, Scores
+from rl_core.train.sharding import FullWeights, prepare_policy, resolve_sharding, sharded_state
 from rl_data import GroupSampler, JudgeRecord
 from rl_models.text import load_causal_lm
-from rl_rollout import Generation, SamplingParams, resolve_engine_kind
-from rl_rollout.training import Policy
-
-__all__ = ["Config", "judge_configs", "judge_name", "load_config", "main"]
-
-# ----------------------------------------------------------------------------------- one step
+from rl_rewards.composition import Reward
+from rl_rollout import Generation, SamplingParams, training
+from rl_rollout.policy import PolicyEngine, build_policy_engine
+from rl_rollout.prompts import EncodedPrompt
 
 
-def generate(p: Parts, records: list[JudgeRecord], n: int, temperature: float,
-             seeds: list[int] | None = None) -> tuple[list[Generation], int]:
-    """Policy rollouts, then the policy goes to sleep if the swap plan says so. Returns the
-    generations and how many judge engines were awake during generation. `seeds`: one engine
-    call per prompt with its own seed (`rollout.per_prompt_seeds`)."""
-    awake = sum(j.state() == "awake" for j in p.judges)
-    params = SamplingParams(n=n, temperature=temperature, top_p=p.cfg.rollout.top_p, top_k=p.cfg.rollout.top_k,
-                            max_new_tokens=p.cfg.data.max_response_length)
-    with p.monitor("generate"), policy_engine.awake(p) as engine:
-        if seeds is None:
-            gens = engine.generate([messages(r) for r in records], params)
+@dataclass
+class State:
+    cfg: Config
+    run: RunContext
+    policy: torch.nn.Module  # the prepared `Policy` (DDP-wrapped, or sharded by FSDP2)
+    model: torch.nn.Module  # the transformers model inside it
+    optimizer: torch.optim.Optimizer
+    ref: torch.nn.Module  # the frozen KL reference
+    ref_offload: PinnedOffload | None  # its weights between uses (CUDA, model.ref_offload)
+    engine: PolicyEngine
+    full: FullWeights | None  # the rollout's copy of a sharded policy (train.sharding = "fsdp2")
+    judges: list[Judge]
+    reward: Reward
+    swap: PolicySwap
+    sampler: GroupSampler
+    train: list[JudgeRecord]
+    val: list[JudgeRecord]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's samples on this process, request-major (a prompt's n samples together)."""
+
+    records: list[JudgeRecord]  # [B] the row of each sample
+    gens: list[Generation]  # [B]
+    old: list[torch.Tensor]  # [B] x [C_i] the policy's log-probs before the update
+    ref: list[torch.Tensor] | None  # [B] x [C_i] the reference's (KL loss or KL in the reward), else None
+    weight_version: int  # optimizer steps in the weights the samples were drawn with
+    judges_awake: int  # judge engines awake while the policy generated (0 when swapping)
+
+
+class RiderGRM(Recipe[Config, State, Batch]):
+    name, config, default_config, env = "rider-grm", Config, DEFAULT_CONFIG, ENV
+
+    def check(self, cfg: Config, world_size: int) -> None:
+        check_config(cfg, world_size)
+        if cfg.reward.spec is None:
+            check_served(judge_configs(cfg.reward))  # servers down, unknown specs
+
+    def setup(self, cfg: Config, run: RunContext) -> State:
+        acc, t, r = run.accelerator, cfg.train, cfg.rollout
+        plan = resolve_sharding(acc, t.sharding, mixed_precision=t.fsdp_mixed_precision, cpu_offload=t.fsdp_cpu_offload,
+                                activation_checkpointing=t.fsdp_activation_checkpointing)
+        path = resolve_model(cfg.model.path)
+        model, tokenizer = load_causal_lm(path, dtype=cfg.model.dtype)
+        ref, _ = load_causal_lm(path, dtype=cfg.model.dtype)
+        ref.requires_grad_(False)
+        ref_offload = None
+        if cfg.model.ref_offload and run.device.type != "cpu":
+            ref_offload = PinnedOffload(ref, acc.device, frozen=True)
+            ref_offload.to_host()  # into pinned buffers once; each step copies them in and drops them
         else:
-            gens = [msgspec.structs.replace(g, request_index=i) for i, (r, seed) in enumerate(zip(records, seeds, strict=True))
-                    for g in engine.generate([messages(r)], msgspec.structs.replace(params, seed=seed))]
-    if p.swap.plan.offload_policy:
-        with p.monitor("offload_policy"):
-            p.swap.offload()
-    return gens, awake
+            ref.to(acc.device)
+        judge_cfgs = judge_configs(cfg.reward) if cfg.reward.spec is None else []
+        reads = max((i + 1 for i, j in enumerate(judge_cfgs) if j.prompt == "rm_prompt"), default=0)
+        train = rewarding.load_records(cfg.data.train_files, tokenizer, cfg, reads)
+        val = rewarding.load_records(cfg.data.val_files or cfg.data.train_files, tokenizer, cfg, reads)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        full = FullWeights(model, device=acc.device) if plan.sharded else None
+        policy, optimizer, _ = prepare_policy(acc, training.Policy(model), optimizer, None, plan)
+        # nothing to make room for without a judge in this process; a sharded policy stays where it is
+        mode = cfg.reward.swap if any(j.engine != "server" for j in judge_cfgs) and not plan.sharded else "never"
+        # the judges first: a vLLM engine core in this process (the policy's) fixes vLLM's
+        # environment for every engine built after it (`rl_rollout.colocated.vllm_engine_core`)
+        sleep = initial_plan(mode).sleep_judges
+        judges = [build_judge(i, j, acc.device, run.timer, sleep) for i, j in enumerate(judge_cfgs)]
+        engine = build_policy_engine(
+            r.engine, model=model, processor=tokenizer, path=path, dtype=cfg.model.dtype, device=acc.device,
+            seed=sample_seed(t.seed, run.rank) % 2**31, world_size=run.world_size, full=full,
+            max_batch_size=r.max_batch_size, compile=r.compile, gpu_memory_utilization=r.gpu_memory_utilization,
+            engine_options={"max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
+                            **r.engine_options})  # verl's context length, not the model's full one
+        for judge in judges:
+            judge.policy = engine  # counts the judge's calls made with the policy's engine awake
+        swap = PolicySwap(engine, model, optimizer, acc.device, mode=mode, memory_fraction=cfg.reward.swap_memory_fraction,
+                          offload_optimizer=cfg.model.optimizer_offload,
+                          measurable=all(j.offload is not None for j in judges if j.engine is not None))
+        reward = rewarding.compose_reward(cfg, judges, judge_cfgs, run.timer, acc.device)
+        sampler = GroupSampler(len(train), r.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
+        return State(cfg, run, policy, model, optimizer, ref, ref_offload, engine, full, judges, reward, swap, sampler,
+                     train, val)
+
+    def start(self, state: State) -> None:
+        state.engine.sync(bump=False)  # a vLLM engine: the resumed weights may be newer than what it loaded
+        # every judge scores one sample now: a module whose lists do not match the batch, or a
+        # server that is down or does not know its spec, fails here, not hours into a run
+        answer = Generation(request_index=0, prompt_ids=[], completion_ids=[], text=str(state.val[0].ground_truth),
+                            logprobs=[], finish_reason="stop")
+        sample = rewarding.make_samples(state.val[:1], [answer], 0)[0]
+        with isolated_rng():
+            for judge in state.judges:
+                judge.check(sample)
+
+    def schedule(self, state: State) -> Schedule:
+        t = state.cfg.train
+        steps = t.epochs * -(-state.sampler.prompts_per_rank // (t.batch_size // state.run.world_size))
+        return Schedule(min(steps, t.max_steps) if t.max_steps is not None else steps, eval_every=t.test_freq,
+                        eval_at_start=t.val_before_train, eval_at_end=True)
+
+    def checkpoint(self, state: State) -> Checkpoint:
+        return Checkpoint(state={"sampler": state.sampler, **sharded_state(state.policy, state.optimizer)},
+                          trained=state.run.accelerator.unwrap_model(state.policy))
+
+    def rollout(self, state: State, step: int) -> Batch:
+        cfg, run = state.cfg, state.run
+        n = cfg.rollout.n
+        indices = next(iter(state.sampler.batches(cfg.train.batch_size // run.world_size)))[::n]  # one per group
+        records = [state.train[i] for i in indices]
+        seeds = [sample_seed(cfg.train.seed, step, i) for i in indices] if cfg.rollout.per_prompt_seeds else None
+        version = state.engine.weight_version
+        gens, awake = generate(state, records, n, cfg.rollout.temperature, seeds)
+        with run.timer("logprob"):  # through the Policy: a sharded one gathers its weights in its forward
+            old = logprobs(state, run.accelerator.unwrap_model(state.policy), gens)
+        ref = None
+        if cfg.algo.use_kl_loss or cfg.algo.kl_in_reward:
+            with run.timer("ref_logprob"):  # with model.ref_offload the reference visits the GPU for this
+                if state.ref_offload is not None:
+                    state.ref_offload.to_device()
+                ref = logprobs(state, state.ref, gens)
+                if state.ref_offload is not None:
+                    state.ref_offload.to_host()
+        state.swap.offload(run.timer)
+        return Batch([r for r in records for _ in range(n)], gens, old, ref, version, awake)
+
+    def score(self, state: State, step: int, batch: Batch) -> Scores:
+        """Token rewards `[B, C]`: each sample's score on its last token (NaN: failed), minus
+        `kl_coef` x KL(old || ref) per token with `algo.kl_in_reward` (verl's `apply_kl_penalty`)."""
+        cfg, run = state.cfg, state.run
+        samples = rewarding.make_samples(batch.records, batch.gens, offset=run.rank * len(batch.gens))
+        results, logs = rewarding.score(state.reward, state.judges, samples)
+        run.samples.write("train", step, rewarding.sample_rows(samples, results, logs, cfg.train.samples_to_log))
+        width = max(1, max(len(g.completion_ids) for g in batch.gens))
+        mask, rewards = torch.zeros(len(batch.gens), width), torch.zeros(len(batch.gens), width)  # [B, C] x2
+        for i, (g, result) in enumerate(zip(batch.gens, results, strict=True)):
+            n = len(g.completion_ids)
+            mask[i, :n] = 1
+            rewards[i, max(n - 1, 0)] = math.nan if result.score is None else result.score
+            if cfg.algo.kl_in_reward and batch.ref is not None and n:
+                rewards[i, :n] -= cfg.algo.kl_coef * compute_kl(cfg.algo.kl_reward_type, batch.old[i][None],
+                                                                batch.ref[i][None])[0]  # [C_i]
+        groups = run.rank * len(batch.gens) + torch.arange(len(batch.gens)) // cfg.rollout.n  # [B]
+        gamma = {"gamma": cfg.algo.gamma} if cfg.algo.adv_estimator == "reinforce_pp" else {}
+        return Scores(rewards, groups, cfg.algo.adv_estimator, mask=mask, options=gamma,
+                      metrics=rewarding.reward_metrics(results, logs))  # reward/mean: the scores', not KL-shaped
+
+    def update(self, state: State, step: int, batch: Batch, advantages: GroupAdvantages) -> dict[str, float]:
+        """Clipped PG + KL-loss minibatch updates (`train.mini_batch_size` prompts each), after the
+        engine-vs-trainer check of the old log-probs within `algo.replay_tolerance` (default 1e-3
+        for a float32 policy, 5e-2 for 16-bit kernels): the first step raises on a mismatch."""
+        cfg, run, acc, a, t = state.cfg, state.run, state.run.accelerator, state.cfg.algo, state.cfg.train
+        state.swap.wake(run.timer)
+        rollouts = to_rollouts(batch.gens, advantages.valid.tolist())
+        dtype = next(state.model.parameters()).dtype
+        tolerance = a.replay_tolerance if a.replay_tolerance is not None else 1e-3 if dtype == torch.float32 else 5e-2
+        with run.timer("update_actor"):
+            first = tolerance if run.first_step(step) else math.inf
+            out = training.engine_check(rollouts, batch.old).verify(acc, first, "first replay")
+            out |= training.token_update(
+                acc, state.policy, state.optimizer, rollouts,
+                [advantages.advantages[i, : len(r.completion_ids)] for i, r in enumerate(rollouts)],
+                options=training.LossOptions(a.loss, a.agg, a.clip_low, a.clip_high, a.kl_loss_type,
+                                             a.kl_loss_coef if a.use_kl_loss else 0.0, cfg.rollout.temperature,
+                                             norm_length=cfg.data.max_response_length),
+                old=batch.old, ref=batch.ref if a.use_kl_loss else None,
+                num_minibatches=max(1, t.batch_size // t.mini_batch_size), micro_batch_size=t.micro_batch_size,
+                ppo_epochs=1, grad_clip=t.grad_clip, guard=run.guard, pad_id=state.engine.pad_id,
+                after_step=state.engine.sync)
+        lengths = acc.gather(torch.tensor([float(len(g.completion_ids)) for g in batch.gens], device=acc.device))  # [W*B]
+        tokens = sum(len(g.prompt_ids) + len(g.completion_ids) for g in batch.gens)
+        totals = acc.reduce(torch.tensor([float(tokens), float(batch.judges_awake)], device=acc.device), reduction="sum")
+        return {**out, "rollout/weight_version": float(batch.weight_version), "response/length_mean": lengths.mean().item(),
+                "tokens": totals[0].item(), "check/judges_awake_during_rollout": int(totals[1].item()),
+                **state.swap.decide(run.timer, state.judges), **(state.full.pop_metrics() if state.full else {})}
+
+    def evaluate(self, state: State, step: int) -> dict[str, float]:
+        """Greedy (`rollout.val_temperature`) rollouts on the val rows, one per row, scored by the
+        same reward; each process takes every world_size-th row (the first, when there are fewer)."""
+        run = state.run
+        shard = state.val[run.rank :: run.world_size] or state.val[:1]
+        with run.timer("rollout"):
+            gens, _ = generate(state, shard, 1, state.cfg.rollout.val_temperature)
+            state.swap.offload(run.timer)
+        samples = rewarding.make_samples(shard, gens, offset=10**9 + run.rank * len(gens))
+        with run.timer("reward"):
+            results, logs = rewarding.score(state.reward, state.judges, samples)
+        state.swap.wake(run.timer)
+        run.samples.write("eval", step, rewarding.sample_rows(samples, results, logs, state.cfg.train.samples_to_log))
+        return rewarding.reward_metrics(results, logs)
+
+    def close(self, state: State) -> None:
+        for judge in state.judges:
+            judge.close()
+        state.engine.close()
 
 
-def wake_policy(p: Parts) -> None:
-    if p.swap.plan.offload_policy:
-        with p.monitor("wake_policy"):
-            p.swap.wake()
+def generate(state: State, records: list[JudgeRecord], n: int, temperature: float,
+             seeds: list[int] | None = None) -> tuple[list[Generation], int]:
+    """`n` samples per record from the policy's engine, and how many judge engines were awake
+    meanwhile. `seeds`: one engine call per prompt with its own seed (`rollout.per_prompt_seeds`)."""
+    awake = sum(j.state() == "awake" for j in state.judges)
+    r = state.cfg.rollout
+    params = SamplingParams(n=n, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
+                            max_new_tokens=state.cfg.data.max_response_length)
+    with state.engine.session() as engine:
+        if seeds is None:
+            return engine.generate([rewarding.messages(x) for x in records], params), awake
+        return [msgspec.structs.replace(g, request_index=i) for i, (x, seed) in enumerate(zip(records, seeds, strict=True))
+                for g in engine.generate([rewarding.messages(x)], msgspec.structs.replace(params, seed=seed))], awake
 
 
-def reference_logprobs(p: Parts, rollouts: list) -> list[torch.Tensor]:
-    """The reference's log-probs; with `model.ref_offload` its weights visit the GPU for this."""
-    if p.ref_offload is not None:
-        p.ref_offload.to_device()
-    try:
-        return logprobs(p.ref, rollouts, p.cfg, p.pad_id, p.accelerator.device)
-    finally:
-        if p.ref_offload is not None:
-            p.ref_offload.to_host()
+def to_rollouts(gens: list[Generation], valid: list[bool]) -> list[training.Rollout]:
+    return [training.Rollout(EncodedPrompt(g.prompt_ids), g.completion_ids, g.logprobs, valid=ok)
+            for g, ok in zip(gens, valid, strict=True)]
 
 
-def train_step(p: Parts, step: int, indices: list[int], records: list[JudgeRecord], first: bool) -> dict[str, float]:
-    cfg, acc = p.cfg, p.accelerator
-    n = cfg.rollout.n
-    seeds = [sample_seed(cfg.train.seed, step, i) for i in indices] if cfg.rollout.per_prompt_seeds else None
-    version = p.weight_version  # optimizer steps in the weights this rollout samples from (vllm)
-    gens, judges_awake = generate(p, records, n, cfg.rollout.temperature, seeds)
-    repeated = [r for r in records for _ in range(n)]
-    samples = make_samples(repeated, gens, offset=acc.process_index * len(gens))
-    with p.monitor("reward"):
-        results, logs = score(p.reward, p.judges, samples)
-    wake_policy(p)
-    scores = torch.tensor([math.nan if r.score is None else r.score for r in results])  # [B] NaN: failed
-    everything = to_rollouts(gens, torch.ones(len(gens), dtype=torch.bool))
-    model = acc.unwrap_model(p.model).model
-    with p.monitor("old_logp"):  # through the Policy: a sharded one gathers its weights in its forward
-        old = logprobs(acc.unwrap_model(p.model), everything, cfg, p.pad_id, acc.device)
-    ref = None
-    if cfg.algo.use_kl_loss or cfg.algo.kl_in_reward:
-        with p.monitor("ref_logp"):
-            ref = reference_logprobs(p, everything)
-    with p.monitor("advantages"):
-        adv = advantages(cfg, acc, gens, scores, old, ref)
-    with p.monitor("update"):
-        actor = update(cfg, acc, p.model, p.optimizer, to_rollouts(gens, adv.valid), adv.advantages, old, ref,
-                       p.guard, p.pad_id, first=first, model_dtype=next(model.parameters()).dtype,
-                       after_step=lambda: policy_engine.push(p))
-    metrics = adv.metrics | reward_metrics(results, logs, "") | actor  # the reward/* of the scores themselves
-    metrics["rollout/weight_version"] = float(version)
-    lengths = acc.gather(torch.tensor([float(len(g.completion_ids)) for g in gens], device=acc.device))  # [W*B]
-    metrics |= {"response_length/mean": lengths.mean().item(),
-                "check/judges_awake_during_generate": acc.reduce(torch.tensor(judges_awake, device=acc.device),
-                                                                  reduction="sum").item()}
-    p.samples.write("train", step, sample_rows(samples, results, logs, cfg.train.samples_to_log))
-    return metrics
+def logprobs(state: State, model: Any, gens: list[Generation]) -> list[torch.Tensor]:
+    """No-grad log-probs `[C_i]` of each completion under `model` (the policy or the reference)."""
+    return training.rollout_logprobs(model, to_rollouts(gens, [True] * len(gens)), pad_id=state.engine.pad_id,
+                                     micro_batch_size=state.cfg.train.micro_batch_size,
+                                     temperature=state.cfg.rollout.temperature, device=state.run.device)
 
 
-def plan_swaps(p: Parts, metrics: dict[str, float]) -> None:
-    """`reward.swap = "auto"`: after a measured step, keep resident what fits (see `swapping`)."""
-    judges = {j.name: j.offload.nbytes / 2**30 for j in p.judges if isinstance(j, SwappedJudge) and j.offload}
-    plan = p.swap.decide(metrics, judges)
-    if plan is not None:
-        for judge in p.judges:
-            if isinstance(judge, SwappedJudge):
-                judge.swap = plan.sleep_judges
-    metrics["swap/offload_policy"] = float(p.swap.plan.offload_policy)
-    metrics["swap/sleep_judges"] = float(p.swap.plan.sleep_judges)
+RECIPE = RiderGRM()
 
 
-def validate(p: Parts, step: int, records: list[JudgeRecord]) -> dict[str, float]:
-    """Greedy (val_temperature) rollouts on the val rows, scored by the same reward. Runs on a
-    saved-and-restored RNG state, so validating or not never changes the training run (and a
-    resumed run repeats the uninterrupted one exactly)."""
-    with isolated_rng(), p.monitor.scope("val_"):
-        return _validate(p, step, records)
-
-
-def _validate(p: Parts, step: int, records: list[JudgeRecord]) -> dict[str, float]:
-    acc = p.accelerator
-    shard = records[acc.process_index :: acc.num_processes]
-    if not shard:  # fewer val rows than ranks: this rank repeats the first one, still collects
-        shard = records[:1]
-    gens, _ = generate(p, shard, 1, p.cfg.rollout.val_temperature)
-    samples = make_samples(shard, gens, offset=10**9 + acc.process_index * len(gens))
-    results, logs = score(p.reward, p.judges, samples)
-    wake_policy(p)
-    p.samples.write("val", step, sample_rows(samples, results, logs, p.cfg.train.samples_to_log))
-    return reward_metrics(results, logs, "val/")
-
-
-# ----------------------------------------------------------------------------------- main
-
-
-def setup(cfg: Config, resume: str | None) -> tuple[Parts, GroupSampler, list[JudgeRecord], list[JudgeRecord], int, MetricsLogger]:
-    t = cfg.train
-    acc = Accelerator(cpu=not torch.cuda.is_available(), log_with=t.log_with or None,
-                      **accelerator_kwargs(sharding=t.sharding, cpu_offload=t.fsdp_cpu_offload))
-    plan = resolve_sharding(acc, t.sharding, mixed_precision=t.fsdp_mixed_precision, cpu_offload=t.fsdp_cpu_offload,
-                            activation_checkpointing=t.fsdp_activation_checkpointing)
-    engine_kind, why = resolve_engine_kind(cfg.rollout.engine, key="rollout.engine")  # before anything loads
-    acc.print(f"rollout engine: {why}")
-    seed_everything(cfg.train.seed, rank=acc.process_index)
-    policy_path = resolve_model(cfg.model.path)
-    model, tokenizer = load_causal_lm(policy_path, dtype=cfg.model.dtype)
-    ref, _ = load_causal_lm(policy_path, dtype=cfg.model.dtype)
-    ref.requires_grad_(False)
-    ref_offload = None
-    if cfg.model.ref_offload and acc.device.type != "cpu":
-        ref_offload = PinnedOffload(ref, acc.device, frozen=True)
-        ref_offload.to_host()  # into pinned buffers once; each step copies them in and drops them
-    else:
-        ref.to(acc.device)
-    judge_cfgs = judge_configs(cfg.reward)
-    reads = max((i + 1 for i, j in enumerate(judge_cfgs) if j.prompt == "rm_prompt"), default=0)
-    train = load_records(cfg.data.train_files, tokenizer, cfg.data, reads)
-    val = load_records(cfg.data.val_files or cfg.data.train_files, tokenizer, cfg.data, reads)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    full = FullWeights(model, device=acc.device) if plan.sharded else None  # the engine's copy, filled per rollout (hf) or push (vllm)
-    policy, optimizer, _ = prepare_policy(acc, Policy(model), optimizer, None, plan)
-    monitor = PhaseMonitor(acc.device)
-    engine, judges, swap = build_engines(cfg, acc, engine_kind, policy, full, tokenizer, optimizer, policy_path,
-                                         judge_cfgs, len(train[0].rm_prompts), monitor, sharded=plan.sharded)
-    reward = compose_reward(cfg, judges, monitor, acc.device)
-    sampler = GroupSampler(len(train), cfg.rollout.n, seed=cfg.train.seed, rank=acc.process_index,
-                           world_size=acc.num_processes)
-    ckpt = resolve_resume(resume, cfg.train.output_dir)
-    name = ckpt.parent.parent.name if ckpt is not None else cfg.train.run_name
-    if ckpt is not None and cfg.train.run_name not in (None, name):
-        raise UserError(f"--resume continues run {name!r}, but train.run_name={cfg.train.run_name!r} names another "
-                        "run: drop train.run_name, or resume that run's directory")
-    run_dir = make_run_dir(cfg.train.output_dir, name, config=cfg, accelerator=acc)
-    step = 0
-    if ckpt is not None:
-        step = load_checkpoint(ckpt, state={"sampler": sampler, **sharded_state(policy, optimizer)},
-                               accelerator=acc)["step"]
-    if cfg.train.log_with:
-        acc.init_trackers("rider-grm", config=msgspec.to_builtins(cfg))
-    logger = MetricsLogger(run_dir, accelerator=acc, start_step=step)
-    parts = Parts(cfg, acc, policy, ref, optimizer, engine, judges, reward, monitor, swap, ref_offload, run_dir,
-                  SampleLog(run_dir, main=acc.is_main_process, start_step=step),
-                  NonFiniteGuard(cfg.train.max_nonfinite_steps), full, engine_kind=engine_kind,
-                  pad_id=policy_engine.pad_id(engine, tokenizer))
-    try:
-        if engine_kind == "vllm":  # the weights it loaded may be older than the policy's (--resume)
-            with policy_engine.awake(parts):
-                policy_engine.push(parts, bump=False)
-        dry_run(parts.judges, val[0])
-    except Exception:
-        close_judges(parts.judges)
-        raise
-    return parts, sampler, train, val, step, logger
-
-
-def build_engines(cfg: Config, acc: Accelerator, engine_kind: str, policy: torch.nn.Module, full: FullWeights | None,
-                  tokenizer: Any, optimizer: torch.optim.Optimizer, policy_path: str, judge_cfgs: list[JudgeConfig],
-                  n_rm_prompts: int, monitor: PhaseMonitor, *, sharded: bool) -> tuple[Any, list[Judge], PolicySwap]:
-    """The judges, then the policy's rollout engine (`policy_engine`), then the swap plan that
-    takes them on and off the accelerator. The judges come first: a vLLM engine core started in
-    this process (the policy's) fixes vLLM's environment for every engine built after it
-    (`judging.vllm_engine_core`)."""
-    # with no judge in this process (none, or all served) there is nothing to make room for
-    # (a sharded policy stays where it is: its shards are 1/N of it; train.fsdp_cpu_offload keeps them on the host)
-    mode = cfg.reward.swap if any(j.engine in ("auto", "hf", "vllm") for j in judge_cfgs) and not sharded else "never"
-    judges = build_judges(judge_cfgs, acc.device, monitor, None, n_rm_prompts, sleep=initial_plan(mode).sleep_judges)
-    trained = acc.unwrap_model(policy).model
-    engine = policy_engine.build(engine_kind, cast(PreTrainedModel, full.model if full is not None else trained),
-                                 tokenizer, cfg, path=policy_path, device=acc.device, rank=acc.process_index,
-                                 world_size=acc.num_processes)
-    for judge in judges:
-        if isinstance(judge, SwappedJudge):
-            judge.policy = engine  # counts the judge's calls with the policy's engine awake
-    swap = PolicySwap(engine, engine.model if engine_kind == "hf" else trained, optimizer, acc.device, mode=mode,
-                      offload_optimizer=cfg.model.optimizer_offload, memory_fraction=cfg.reward.swap_memory_fraction)
-    if any(isinstance(j, SwappedJudge) and j.offload is None for j in judges):
-        swap.pending = False  # a vLLM judge's memory cannot be measured: keep the fixed plan
-    return engine, judges, swap
-
-
-def total_steps(cfg: Config, sampler: GroupSampler, world: int) -> int:
-    per_rank = cfg.train.batch_size // world
-    if per_rank < 1 or cfg.train.batch_size % world:
-        raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be a multiple of the {world} processes")
-    steps = cfg.train.epochs * -(-sampler.prompts_per_rank // per_rank)
-    return min(steps, cfg.train.max_steps) if cfg.train.max_steps is not None else steps
-
-
-def next_records(sampler: GroupSampler, train: list[JudgeRecord], prompts: int) -> tuple[list[int], list[JudgeRecord]]:
-    """The next `prompts` prompts of this rank (one per group; the engine samples n each), and
-    their indices in the data."""
-    indices = next(iter(sampler.batches(prompts)))[:: sampler.n]
-    return indices, [train[i] for i in indices]
-
-
-def main(argv: list[str]) -> Path | None:
+def main(argv: list[str] | None = None) -> Path | None:
     """Run the app; returns the run directory (None after --help)."""
-    cli = parse_cli(argv)
-    if cli.help:
-        print(config_help(Config, env=ENV, prog="rider-grm", defaults=load_config(Config, DEFAULT_CONFIG),
-                          defaults_from="the embedded tiny default (configs/default.toml)"))
-        return None
-    cfg = check_config(load_config(Config, cli.config or DEFAULT_CONFIG, cli.overrides, env=ENV))
-    check_served(judge_configs(cfg.reward))  # bad lists, incomplete judges, servers down: before anything loads
-    p, sampler, train, val, step, logger = setup(cfg, cli.resume)
-    acc = p.accelerator
-    total = total_steps(cfg, sampler, acc.num_processes)
-    if cfg.train.val_before_train and step == 0:
-        logger.log(0, validate(p, 0, val) | p.monitor.pop())
-    start = step
-    with TrainProgress(total, initial=step, show=("reward/mean",), accelerator=acc) as bar:
-        while step < total:
-            step += 1
-            indices, records = next_records(sampler, train, cfg.train.batch_size // acc.num_processes)
-            metrics = train_step(p, step, indices, records, first=step == start + 1)
-            if step == total or (cfg.train.test_freq > 0 and step % cfg.train.test_freq == 0):
-                metrics |= validate(p, step, val)
-            metrics |= p.monitor.pop() | (p.full.pop_metrics() if p.full is not None else {})
-            plan_swaps(p, metrics)
-            metrics["world_size"] = acc.num_processes
-            logger.log(step, metrics)  # logged before the checkpoint: a resume never loses a logged step
-            bar.update(step, metrics)
-            if step % cfg.train.save_freq == 0 or step == total:
-                check_finite_parameters(acc.unwrap_model(p.model), f"checkpoint at step {step}")
-                save_checkpoint(p.run_dir / "checkpoints", step,
-                                state={"sampler": sampler, **sharded_state(p.model, p.optimizer)}, accelerator=acc,
-                                keep_last=cfg.train.keep_last)
-            if acc.is_main_process:
-                plot_reward_curve(p.run_dir, curves=(("metrics.csv", "reward/mean", "train"),
-                                                     ("metrics.csv", "val/reward/mean", "val")))
-    end_training(acc)
-    close_judges(p.judges)
-    if acc.is_main_process and cfg.train.print_summary:
-        print_summary(p.run_dir)
-    return p.run_dir
+    return run(RECIPE, argv)
 
 
 if __name__ == "__main__":
-    sys.exit(run_app("rider-grm", main))
+    sys.exit(run_app(RECIPE.name, main))

@@ -1,157 +1,41 @@
-"""The reward side of rider-grm: the rule reward, the generative judges swapped on and off the
-accelerator one at a time, the embedding-similarity reward, and their composition.
-
-VeRL-with-RMs (docs/reference.md §3) keeps each judge's weights off the GPU and loads them into its
-inference engine only while it scores. Here every judge is a `Scorer` wrapped in
-`SwappedJudge`, which wakes the judge's engine, scores, and puts it back to sleep, timing each
-part and recording the judge's raw outputs and parse failures. The composition
-(`rl_rewards.composition`, combine = "fold") evaluates the rule gate *before* a judge is
-called, so gated-out samples never reach it, and a judge with nothing to score is never woken.
-"""
+"""rider-grm's generative judges. VeRL-with-RMs (docs/reference.md §3) keeps each judge's weights
+off the GPU and loads them into its engine only while it scores: a `Judge` in process wakes its
+engine, scores and puts it back to sleep (`time/judge_<name>_{wake,score,sleep}`); a served one
+sends its samples to an `rl-rewards serve` reward server. Either way it records the raw outputs
+and parse failures. The composition (`rewarding`) checks a judge's gate before calling it."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import math
-import os
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, cast
 
 import httpx
 import msgspec
 import torch
-from swapping import PinnedOffload, sleep_engine, wake_engine
+from rider_config import JudgeConfig, judge_name, resolve_model, resolve_path
+from transformers import AutoTokenizer
 
-from rl_core.train import ConfigError
+from rl_core.train import ConfigError, PhaseTimer, PinnedOffload
 from rl_rewards.client import RemoteScorer, RewardClient, RewardClientError
-from rl_rewards.samples import Sample, Scorer, ScoreResult
+from rl_rewards.samples import Sample, ScoreResult
 from rl_rewards.scorers.judge import JudgeScorer
-from rl_rollout import Engine, Generation, Prompt, SamplingParams
+from rl_rollout import Engine, Generation, Prompt, SamplingParams, load_engine, resolve_engine_kind
 from rl_rollout.hf import HFEngine
-
-# ------------------------------------------------------------------------------ monitoring
-
-
-class PhaseMonitor:
-    """Seconds and accelerator-memory high-water mark per phase of one step.
-
-    `with monitor("generate"): ...` adds the phase's wall time to `time/generate` and records
-    the peak allocated GPU memory inside it as `mem/generate_gib` (0 on CPU). Phases entered
-    twice in a step are summed (time) and maxed (memory); `pop()` returns and resets them.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.seconds: dict[str, float] = {}
-        self.peak_gib: dict[str, float] = {}
-        self.prefix = ""
-
-    @contextmanager
-    def scope(self, prefix: str) -> Iterator[None]:
-        """Record the phases of a block under `prefix` (validation: `val_generate`, ...)."""
-        self.prefix = prefix
-        try:
-            yield
-        finally:
-            self.prefix = ""
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        phase = self.prefix + phase
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self.cuda:
-                torch.cuda.synchronize()
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
-            peak = torch.cuda.max_memory_allocated() / 2**30 if self.cuda else 0.0
-            self.peak_gib[phase] = max(self.peak_gib.get(phase, 0.0), peak)
-
-    def pop(self) -> dict[str, float]:
-        out = {f"time/{k}": v for k, v in self.seconds.items()}
-        out |= {f"mem/{k}_gib": v for k, v in self.peak_gib.items()}
-        out["mem/peak_gib"] = max(self.peak_gib.values(), default=0.0)
-        self.seconds, self.peak_gib = {}, {}
-        return out
-
-
-# ------------------------------------------------------------------------------ rule reward
-
-
-def load_function(path: str, default_name: str = "compute_score") -> Callable[..., Any]:
-    """`"pkg.module:fn"` or `"path/to/file.py:fn"` (`:fn` optional, default `compute_score`)."""
-    target, _, name = path.partition(":")
-    name = name or default_name
-    if target.endswith(".py"):
-        file = Path(target)
-        if not file.is_file():
-            raise FileNotFoundError(f"reward function file not found: {file}")
-        spec = importlib.util.spec_from_file_location(f"rider_grm_user_{file.stem}", file)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
-    fn = module.__dict__.get(name)
-    if not callable(fn):
-        raise AttributeError(f"{target} defines no function {name!r} (reward function path {path!r})")
-    return fn
-
-
-class RuleScorer:
-    """A verl `compute_score(data_source, solution_str, ground_truth, extra_info)` function as a
-    scorer. It may return a float or `{"score": float, **numeric extras}` (extras become
-    components); an exception is that sample's error."""
-
-    name = "rule"
-
-    def __init__(self, fn: Callable[..., Any], monitor: PhaseMonitor) -> None:
-        self.fn, self.monitor = fn, monitor
-
-    def _one(self, sample: Sample) -> ScoreResult:
-        meta = sample.metadata
-        try:
-            value = self.fn(meta["data_source"], sample.completion, sample.reference, meta["extra_info"])
-        except Exception as e:  # a rule bug on one sample fails that sample only
-            return ScoreResult.failed(f"{type(e).__name__}: {e}")
-        extras = {}
-        if isinstance(value, dict):
-            extras = {k: float(v) for k, v in value.items() if k != "score" and isinstance(v, int | float)}
-            value = value.get("score")
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            # a NaN rule score would pass every gate (NaN < threshold is false) and poison the fold
-            return ScoreResult.failed(f"rule returned {value!r}, not a finite number")
-        return ScoreResult(score=float(value), components=extras)
-
-    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
-        with self.monitor("rule"):
-            return [self._one(s) for s in samples]
-
-
-# ------------------------------------------------------------------------------ judges
+from rl_rollout.policy import PolicyEngine
 
 
 class RecordingEngine:
-    """An `Engine` that forwards everything to `inner` and keeps the texts it generated since
-    `reset()`, so the judge's raw outputs can be logged next to its scores. `state` is the inner
-    engine's ("awake"/"asleep"/"closed" for an `HFEngine`, "remote" for engines with no local
-    state)."""
+    """An `Engine` that forwards everything to `inner` (its `state` too) and keeps the texts it
+    generates in `texts` (cleared by its user), so a judge's raw outputs are logged with its scores."""
 
     def __init__(self, inner: Engine) -> None:
         self.inner = inner
         self.texts: list[str] = []
 
-    def reset(self) -> None:
-        self.texts = []
+    @property
+    def state(self) -> str:
+        return self.inner.state
 
     def generate(self, requests: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
         out = self.inner.generate(requests, params)
@@ -173,38 +57,6 @@ class RecordingEngine:
 
     def close(self) -> None:
         self.inner.close()
-
-
-@contextmanager
-def vllm_engine_core(in_process: bool) -> Iterator[None]:
-    """Build a vLLM engine inside this block with its engine core in this process (`in_process`:
-    the colocated policy engine, whose weight pushes then pass tensors by reference) or in a
-    process of its own (a judge: two engine cores cannot share one process).
-
-    vLLM reads `VLLM_ENABLE_V1_MULTIPROCESSING` when an engine is built, and an engine core
-    built in this process freezes vLLM's view of the environment (`vllm.envs.enable_envs_cache`
-    at the end of its start-up): so every judge is built before the policy's engine, and the
-    variable is set here for each build and put back after it."""
-    name = "VLLM_ENABLE_V1_MULTIPROCESSING"
-    before = os.environ.get(name)
-    os.environ[name] = "0" if in_process else "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
-
-
-def engine_state(engine: Engine) -> str:
-    """"awake"/"asleep"/"closed" for an engine in this process (`hf`, `vllm`: a vLLM engine whose
-    weights alone are awake counts as asleep); "remote" for engines with no local state."""
-    inner = engine.inner if isinstance(engine, RecordingEngine) else engine
-    state = getattr(inner, "state", None) if isinstance(inner, HFEngine) or hasattr(inner, "llm") else None
-    if state is None:
-        return "remote"
-    return "asleep" if state == "weights" else str(state)
 
 
 @dataclass
@@ -231,84 +83,85 @@ class JudgeLog:
         self.scored += len(samples)
 
 
-class Judge(Protocol):
-    """What the loop needs of a judge, in process (`SwappedJudge`) or served (`ServedJudge`)."""
+class Judge:
+    """One generative judge: a VeRL-with-RMs module run here (`JudgeScorer` on `engine`, woken
+    for the samples that reach it and put back to sleep after unless `swap=False`; `offload`: an
+    `hf` engine's weights through pinned buffers on CUDA), or a reward of an `rl-rewards serve`
+    server (`RemoteScorer`, no `engine`, no accelerator memory here). `text_prompts` are the row's
+    `rm_prompt_{index}` (VeRL-with-RMs) or, `use_rm_prompt=False`, the policy's prompt (modules
+    that write their own instructions, such as `rl_rewards.judges.rubric`). An unparseable output
+    or a sample the server fails fails that sample only: the judge's `fallback` scores it, counted
+    in `judge/<name>/parse_failures` (a whole failed request also in `request_failures`); served
+    judges return no raw text (samples/*.jsonl: `raw: null, judged: true`)."""
 
-    name: str
-    log: JudgeLog
-
-    def state(self) -> str: ...  # "awake" | "asleep" | "remote"
-
-    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]: ...
-
-    def check(self, sample: Sample) -> None: ...  # start-up dry run on one sample
-
-    def pop(self) -> JudgeLog: ...
-
-    def close(self) -> None: ...  # release the engine / HTTP connections at the end of the run
-
-
-def judge_prompt(sample: Sample, index: int, use_rm_prompt: bool) -> str:
-    """The judge module's `text_prompts` entry: the row's `rm_prompt_{index}` or the policy prompt."""
-    return sample.metadata["rm_prompts"][index] if use_rm_prompt else sample.prompt
-
-
-class SwappedJudge:
-    """Wake the judge, score the samples that reached it, put it back to sleep (`swap=False`:
-    the judge stays resident once woken).
-
-    The judge module's `text_prompts` are the row's `rm_prompt_{index}` (VeRL-with-RMs' per-judge
-    template, `use_rm_prompt=True`) or the policy's own prompt (for modules such as
-    `rl_rewards.judges.rubric` that write their own instructions). A sample whose output the
-    module cannot parse is an error for that sample only; the composition then uses the
-    judge's `fallback` score and this wrapper counts it in `judge_<name>/parse_failures`.
-    `offload` (CUDA) moves the weights through reused pinned buffers (`swapping`).
-    """
-
-    def __init__(self, name: str, index: int, scorer: JudgeScorer, engine: RecordingEngine,
-                 monitor: PhaseMonitor, policy: Engine | None, use_rm_prompt: bool = True,
-                 swap: bool = True, offload: PinnedOffload | None = None) -> None:
-        self.name, self.index, self.scorer, self.engine = name, index, scorer, engine
-        self.use_rm_prompt, self.swap, self.offload = use_rm_prompt, swap, offload
-        self.monitor, self.policy = monitor, policy
+    def __init__(self, name: str, index: int, scorer: JudgeScorer | RemoteScorer, timer: PhaseTimer, *,
+                 engine: RecordingEngine | None = None, offload: PinnedOffload | None = None,
+                 use_rm_prompt: bool = True, swap: bool = True) -> None:
+        self.name, self.index, self.scorer, self.timer = name, index, scorer, timer
+        self.engine, self.offload, self.use_rm_prompt, self.swap = engine, offload, use_rm_prompt, swap
+        self.policy: Engine | PolicyEngine | None = None  # counted in `check/policy_awake_during_<name>`
         self.log = JudgeLog()
 
     def state(self) -> str:
-        return engine_state(self.engine)
+        return self.engine.state if self.engine is not None else "remote"
 
     def wake(self) -> None:
-        if self.state() != "awake":  # remote/vLLM engines: their own wake (a no-op for a server)
-            wake_engine(self.engine, self.offload)
+        if self.engine is not None and self.engine.state != "awake":  # openai: its own wake, a no-op
+            if self.offload is not None:
+                self.offload.to_device()
+            self.engine.wake()
 
     def sleep(self) -> None:
-        if self.state() != "asleep":
-            sleep_engine(self.engine, self.offload)
+        if self.engine is not None and self.engine.state != "asleep":
+            if self.offload is not None:
+                self.offload.to_host()
+            self.engine.sleep()
+
+    def request(self, sample: Sample) -> Sample:
+        """What the judge sees: the judge prompt as `prompt`, the response, reference and row fields."""
+        meta = sample.metadata
+        return Sample(completion=sample.completion, reference=sample.reference,
+                      prompt=meta["rm_prompts"][self.index] if self.use_rm_prompt else sample.prompt,
+                      metadata={"uid": meta["uid"], "data_source": meta["data_source"], "extra_info": meta["extra_info"]})
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
-        judged = [msgspec.structs.replace(s, prompt=self.judge_prompt(s)) for s in samples]
-        with self.monitor(f"judge_{self.name}_wake"):
+        requests = [self.request(s) for s in samples]
+        if self.engine is None:
+            with self.timer(f"judge_{self.name}_score"):
+                try:
+                    results = self.scorer.score(requests)
+                except (RewardClientError, httpx.HTTPError, msgspec.MsgspecError, ValueError) as e:
+                    # down after retries, or an answer that is not our wire format (HTML, a string score)
+                    self.log.request_failures += len(requests)
+                    error = f"reward server request failed: {type(e).__name__}: {e}"
+                    results = [ScoreResult.failed(error) for _ in requests]
+            self.log.record(samples, results, raw=None)
+            return results
+        with self.timer(f"judge_{self.name}_wake"):
             self.wake()
-        if self.policy is not None and engine_state(self.policy) == "awake":
+        if self.policy is not None and self.policy.state == "awake":
             self.log.policy_awake += 1
-        self.engine.reset()
+        self.engine.texts.clear()
         try:
-            with self.monitor(f"judge_{self.name}_score"):
-                results = self.scorer.score(judged)
+            with self.timer(f"judge_{self.name}_score"):
+                results = self.scorer.score(requests)
         finally:
             if self.swap:
-                with self.monitor(f"judge_{self.name}_sleep"):
+                with self.timer(f"judge_{self.name}_sleep"):
                     self.sleep()
         texts = self.engine.texts
         self.log.record(samples, results, texts if len(texts) == len(samples) else [" | ".join(texts)] * len(samples))
         return results
 
-    def judge_prompt(self, sample: Sample) -> str:
-        return judge_prompt(sample, self.index, self.use_rm_prompt)
-
     def check(self, sample: Sample) -> None:
+        """Start-up dry run on one sample: a served judge's request must go through; a module's
+        lists must match (`check_judge`)."""
+        if not isinstance(self.scorer, JudgeScorer):
+            self.scorer.score([self.request(sample)])
+            return
         self.wake()
         try:
-            check_judge(self.scorer, self.judge_prompt(sample), sample.completion)
+            check_judge(self.scorer, self.request(sample).prompt, sample.completion)
         finally:
             if self.swap:
                 self.sleep()
@@ -318,97 +171,53 @@ class SwappedJudge:
         return log
 
     def close(self) -> None:
-        self.engine.close()
+        (self.engine or cast(RemoteScorer, self.scorer)).close()  # a served judge's: its HTTP connections
 
 
-class ServedJudge:
-    """A judge scored by an `rl-rewards serve` reward server through its native `/v1/score`
-    (`rl_rewards.client.RemoteScorer`): the server holds the judge model and its VeRL-with-RMs
-    module in its reward `spec` (a `[rewards.NAME]` table of the server's TOML), so this process
-    needs no accelerator memory for it. The gate and the add/mul fold stay here, exactly as for
-    an in-process judge: gated-out samples are never sent.
+def build_judge(i: int, judge: JudgeConfig, device: torch.device, timer: PhaseTimer, sleep: bool) -> Judge:
+    """Judge `i`: served (`engine = "server"`), or an engine + scorer here, asleep right after
+    loading when `sleep`. Only an `hf` engine's weights are moved by a `PinnedOffload` (its module
+    is known here, where it is built); vLLM sleeps by itself, a remote engine has nothing here."""
+    prompt = judge.prompt == "rm_prompt"
+    if judge.engine == "server":
+        return Judge(judge_name(judge), i, RemoteScorer(str(judge.url), str(judge.spec), timeout=judge.timeout_s),
+                     timer, use_rm_prompt=prompt)
+    key = f"reward.judges[{i}].engine"
+    kind, why = resolve_engine_kind(judge.engine, key=key)
+    if judge.engine == "auto":
+        print(f"judge {judge_name(judge)}: engine {why}")
+    where: dict[str, Any] = {"base_url": judge.url} if kind == "openai" else {"device": device} if kind == "hf" else {}
+    model = judge.model if kind == "openai" else resolve_model(judge.model, f"reward.judges[{i}].model")
+    inner = load_engine(kind, model, key=key, in_process=False, **where, **judge.engine_options)
+    offload = PinnedOffload(cast(HFEngine, inner).model, device) if kind == "hf" and device.type != "cpu" else None
+    engine = RecordingEngine(inner)
+    scorer = JudgeScorer(engine, AutoTokenizer.from_pretrained(resolve_path(judge.tokenizer or model)),
+                         resolve_path(judge.module), temperature=judge.temperature, max_new_tokens=judge.max_new_tokens,
+                         seed=judge.seed, completion_field=judge.completion_field, on_malformed=judge.on_malformed)
+    out = Judge(judge_name(judge), i, scorer, timer, engine=engine, offload=offload, use_rm_prompt=prompt, swap=sleep)
+    if sleep:
+        out.sleep()
+    return out
 
-    The served reward's total is this judge's score. A sample the server fails (an unparseable
-    judge output) comes back with an error: counted in `judge_<name>/parse_failures` and scored
-    by the judge's `fallback`. A request that fails as a whole after the client's retries fails
-    its samples the same way and is counted in `judge_<name>/request_failures` too. The server
-    does not return the judge's raw text, so samples/*.jsonl record `raw: null, judged: true`.
-    """
 
-    def __init__(self, name: str, index: int, scorer: RemoteScorer, monitor: PhaseMonitor,
-                 use_rm_prompt: bool = True) -> None:
-        self.name, self.index, self.scorer, self.monitor = name, index, scorer, monitor
-        self.use_rm_prompt = use_rm_prompt
-        self.log = JudgeLog()
-
-    def state(self) -> str:
-        return "remote"
-
-    def request(self, sample: Sample) -> Sample:
-        """What is sent: the judge prompt as `prompt`, the response, reference and row fields."""
-        meta = sample.metadata
-        return Sample(completion=sample.completion, prompt=judge_prompt(sample, self.index, self.use_rm_prompt),
-                      reference=sample.reference,
-                      metadata={"uid": meta["uid"], "data_source": meta["data_source"], "extra_info": meta["extra_info"]})
-
-    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
-        with self.monitor(f"judge_{self.name}_score"):
+def check_served(judges: list[JudgeConfig], ready_timeout: float = 120.0) -> None:
+    """Every `engine = "server"` judge's server answers, serves its spec and is ready within
+    `ready_timeout` s, else a `ConfigError` naming the judge and URL (before any model loads)."""
+    for judge in (j for j in judges if j.engine == "server"):
+        name, url, spec = judge_name(judge), str(judge.url), str(judge.spec)
+        with RewardClient(url, timeout=10.0) as client:
             try:
-                results = self.scorer.score([self.request(s) for s in samples])
-            except (RewardClientError, httpx.HTTPError, msgspec.MsgspecError, ValueError) as e:
-                # down after retries, or an answer that is not our wire format (HTML, a string score)
-                results = [ScoreResult.failed(f"reward server request failed: {type(e).__name__}: {e}")
-                           for _ in samples]
-                self.log.request_failures += len(samples)
-        self.log.record(samples, results, raw=None)
-        return results
-
-    def check(self, sample: Sample) -> None:
-        """Start-up dry run: the server scores one sample (an error for that sample is fine: an
-        untrained judge writes anything; a refused or failed request raises)."""
-        self.scorer.score([self.request(sample)])
-
-    def pop(self) -> JudgeLog:
-        log, self.log = self.log, JudgeLog()
-        return log
-
-    def close(self) -> None:
-        self.scorer.close()
-
-
-def check_server(url: str, spec: str, judge: str, ready_timeout: float = 120.0) -> None:
-    """Raise `ConfigError` naming the judge and URL when no reward server answers there or it
-    is not ready after `ready_timeout` s, or listing the served rewards when `spec` is not one."""
-    client = RewardClient(url, timeout=10.0)
-    try:
-        try:
-            health = client.health()  # answers (503) while the server still loads its judges
-        except (httpx.TransportError, msgspec.MsgspecError) as e:
-            raise ConfigError(f"judge {judge!r}: no rl-rewards server answers at {url} "
-                                  f"({type(e).__name__}: {e}); start one with `rl-rewards serve --config FILE`") from None
-        if spec not in health.rewards:
-            raise ConfigError(f"judge {judge!r}: the reward server at {url} does not serve spec {spec!r}; "
-                              f"it serves {', '.join(health.rewards) or 'nothing'} (its [rewards.NAME] tables)")
-        try:
-            client.wait_ready(timeout=ready_timeout)
-        except TimeoutError as e:
-            raise ConfigError(f"judge {judge!r}: the reward server at {url} is not ready: {e}") from None
-    finally:
-        client.close()
-
-
-class TimedScorer:
-    """A scorer whose `score` calls are timed as one phase (`time/<phase>`, `mem/<phase>_gib`)."""
-
-    def __init__(self, inner: Scorer, monitor: PhaseMonitor, phase: str) -> None:
-        self.inner, self.monitor, self.name = inner, monitor, phase
-
-    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
-        with self.monitor(self.name):
-            return self.inner.score(samples)
-
-
-# ------------------------------------------------------------------------------ start-up check
+                health = client.health()  # answers (503) while the server still loads its judges
+            except (httpx.TransportError, msgspec.MsgspecError) as e:
+                raise ConfigError(f"judge {name!r}: no rl-rewards server answers at {url} ({type(e).__name__}: "
+                                  f"{e}); start one with `rl-rewards serve --config FILE`") from None
+            if spec not in health.rewards:
+                raise ConfigError(f"judge {name!r}: the reward server at {url} does not serve spec {spec!r}; "
+                                  f"it serves {', '.join(health.rewards) or 'nothing'} (its [rewards.NAME] tables)")
+            try:
+                client.wait_ready(timeout=ready_timeout)
+            except TimeoutError as e:
+                raise ConfigError(f"judge {name!r}: the reward server at {url} is not ready: {e}") from None
 
 
 def check_judge(judge: JudgeScorer, rm_prompt: str, response: str) -> None:

@@ -1,63 +1,36 @@
-"""The reward of a rider-grm step: rows -> samples, the judges built from the config (in
-process and swapped, or served), the VeRL-with-RMs fold of rule, judges and similarity, the
-reward metrics, and the sample generations written with each judge's raw output."""
+"""The reward of a rider-grm step: rows -> samples, the rule reward, the VeRL-with-RMs fold of
+rule, judges (`judging`) and similarity, or a `reward.spec` instead, the reward metrics, and the
+sample generations written with each judge's raw output."""
 
 from __future__ import annotations
 
 import math
-import os
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, cast
 
 import torch
 from accelerate.utils import gather_object
-from judging import (
-    Judge,
-    JudgeLog,
-    PhaseMonitor,
-    RecordingEngine,
-    RuleScorer,
-    ServedJudge,
-    SwappedJudge,
-    TimedScorer,
-    check_server,
-    load_function,
-    vllm_engine_core,
-)
-from rider_config import (
-    Config,
-    DataConfig,
-    JudgeConfig,
-    judge_configs,
-    judge_name,
-    resolve_model,
-    resolve_path,
-)
-from swapping import make_offload
-from transformers import AutoTokenizer
+from judging import Judge, JudgeLog
+from rider_config import Config, JudgeConfig, load_function, read_spec, resolve_model, resolve_path
 
-from rl_core.train import ConfigError, UserError, isolated_rng
+from rl_core.train import PhaseTimer, UserError
 from rl_data import JudgeRecord, open_source
-from rl_rewards.client import RemoteScorer
 from rl_rewards.composition import Reward, build_reward
 from rl_rewards.registry import build_scorer
 from rl_rewards.samples import Sample, Scorer, ScoreResult
-from rl_rewards.scorers.judge import JudgeScorer
 from rl_rewards.spec import Component, Gate, RewardSpec
-from rl_rollout import Engine, Generation, build_engine, resolve_engine_kind
-from rl_rollout.hf import HFEngine
-
-# ----------------------------------------------------------------------------------- rows
+from rl_rollout import Generation
 
 
 def messages(record: JudgeRecord) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in record.prompt]
 
 
-def load_records(files: list[str], tokenizer: Any, data: DataConfig, rm_prompts: int = 0) -> list[JudgeRecord]:
+def load_records(files: list[str], tokenizer: Any, cfg: Config, rm_prompts: int = 0) -> list[JudgeRecord]:
     """Judge rows of `files`; prompts longer than max_prompt_length are dropped or rejected.
     Every row must carry the `rm_prompt_{i}` columns of the `rm_prompts` judges that read them
     (a row without one would silently get the judge's fallback)."""
-    records = []
+    data, records = cfg.data, []
     for file in files:
         try:  # a parquet/JSONL file, a save_to_disk directory, or a Hub id in the local cache
             reader = open_source(resolve_path(file), kind="judge")
@@ -90,137 +63,109 @@ def make_samples(records: list[JudgeRecord], gens: list[Generation], offset: int
             for i, (r, g) in enumerate(zip(records, gens, strict=True))]
 
 
-# ----------------------------------------------------------------------------------- judges
+class RuleScorer:
+    """A verl `compute_score(data_source, solution_str, ground_truth, extra_info)` function as a
+    scorer. It may return a float or `{"score": float, **numeric extras}` (extras become
+    components); an exception is that sample's error."""
+
+    name = "rule"
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def _one(self, sample: Sample) -> ScoreResult:
+        meta = sample.metadata
+        try:
+            value = self.fn(meta["data_source"], sample.completion, sample.reference, meta["extra_info"])
+        except Exception as e:  # a rule bug on one sample fails that sample only
+            return ScoreResult.failed(f"{type(e).__name__}: {e}")
+        extras = {}
+        if isinstance(value, dict):
+            extras = {k: float(v) for k, v in value.items() if k != "score" and isinstance(v, int | float)}
+            value = value.get("score")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            # a NaN rule score would pass every gate (NaN < threshold is false) and poison the fold
+            return ScoreResult.failed(f"rule returned {value!r}, not a finite number")
+        return ScoreResult(score=float(value), components=extras)
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        return [self._one(s) for s in samples]
 
 
-def build_judge(i: int, judge: JudgeConfig, device: torch.device, monitor: PhaseMonitor,
-                policy: Engine | None, sleep: bool) -> Judge:
-    """One judge: served (`engine = "server"`), or an engine + scorer here, put to sleep right
-    after loading when `sleep` (so only one model is on the accelerator)."""
-    use_rm_prompt = judge.prompt == "rm_prompt"
-    key = f"reward.judges[{i}].model"
-    if judge.engine == "server":
-        remote = RemoteScorer(str(judge.url), str(judge.spec), timeout=judge.timeout_s)
-        return ServedJudge(judge_name(judge), i, remote, monitor, use_rm_prompt=use_rm_prompt)
-    kind, why = resolve_engine_kind(judge.engine, key=f"reward.judges[{i}].engine")
-    if judge.engine == "auto":
-        print(f"judge {judge_name(judge)}: engine {why}")
-    if kind == "hf":
-        inner: Engine = HFEngine.from_pretrained(resolve_model(judge.model, key), device=device, **judge.engine_options)
-    elif kind == "openai":
-        inner = build_engine("openai", base_url=judge.url, model=judge.model, **judge.engine_options)
-    else:
-        # each judge's engine core in its own process (several vLLM engines cannot share one), started
-        # by spawn: the trainer has initialised CUDA, which a forked child cannot use
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        with vllm_engine_core(in_process=False):
-            inner = build_engine("vllm", model=resolve_model(judge.model, key), **judge.engine_options)
-    engine = RecordingEngine(inner)
-    tokenizer = judge.tokenizer or (judge.model if judge.engine == "openai" else resolve_model(judge.model, key))
-    scorer = JudgeScorer(engine, AutoTokenizer.from_pretrained(resolve_path(tokenizer)), resolve_path(judge.module),
-                         temperature=judge.temperature, max_new_tokens=judge.max_new_tokens, seed=judge.seed,
-                         completion_field=judge.completion_field, on_malformed=judge.on_malformed)
-    swapped = SwappedJudge(judge_name(judge), i, scorer, engine, monitor, policy, use_rm_prompt=use_rm_prompt,
-                           swap=sleep, offload=make_offload(engine, device))
-    if sleep:
-        swapped.sleep()
-    return swapped
+class TimedScorer:
+    """A scorer whose `score` calls are timed as one phase (`time/<phase>`, `memory/<phase>_peak_gib`)."""
+
+    def __init__(self, inner: Scorer, timer: PhaseTimer, phase: str) -> None:
+        self.inner, self.timer, self.name = inner, timer, phase
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        with self.timer(self.name):
+            return self.inner.score(samples)
 
 
-def check_served(judges: list[JudgeConfig]) -> None:
-    """Every `engine = "server"` judge's server answers and serves its spec (before any model loads)."""
-    for judge in judges:
-        if judge.engine == "server":
-            check_server(str(judge.url), str(judge.spec), judge_name(judge))
-
-
-def build_judges(judges: list[JudgeConfig], device: torch.device, monitor: PhaseMonitor,
-                 policy: Engine | None, n_rm_prompts: int, sleep: bool) -> list[Judge]:
-    for i, judge in enumerate(judges):
-        if judge.prompt == "rm_prompt" and i >= n_rm_prompts:
-            where = judge.module or f"spec {judge.spec!r}"
-            raise ConfigError(f"reward.judges[{i}] ({where}) has no rm_prompt_{i} column in the data")
-    return [build_judge(i, judge, device, monitor, policy, sleep) for i, judge in enumerate(judges)]
-
-
-def compose_reward(cfg: Config, judges: list[Judge], monitor: PhaseMonitor, device: torch.device) -> Reward:
-    """VeRL-with-RMs' left fold: the rule, then each judge in order (add/mul, each gated on the
-    rule where it has a gate), with the similarity term last or right after the rule
-    (`reward.embedding.position`)."""
+def compose_reward(cfg: Config, judges: list[Judge], configs: list[JudgeConfig], timer: PhaseTimer,
+                   device: torch.device) -> Reward:
+    """`reward.spec` built from the registry (resident), or the shorthand's VeRL-with-RMs left
+    fold: the rule, then each judge in order (add/mul, each gated on the rule where it has a
+    gate), with the similarity term last or right after the rule (`reward.embedding.position`)."""
+    spec = read_spec(cfg.reward)
+    if spec is not None:
+        return build_reward(spec)
     components: dict[str, Component] = {}
     scorers: dict[str, Any] = {}
     if cfg.reward.rule is not None:
         components["rule"] = Component(scorer="rule", weight=cfg.reward.rule_weight)
-        scorers["rule"] = RuleScorer(load_function(resolve_path(cfg.reward.rule)), monitor)
+        scorers["rule"] = TimedScorer(RuleScorer(load_function(resolve_path(cfg.reward.rule))), timer, "rule")
     emb = cfg.reward.embedding
     if emb.model is not None and emb.position == "after_rule":
-        _add_similarity(cfg, components, scorers, monitor, device)
-    for judge, jc in zip(judges, judge_configs(cfg.reward), strict=True):
+        _add_similarity(cfg, components, scorers, timer, device)
+    for judge, jc in zip(judges, configs, strict=True):
         # options name the sub-components the judge reports (`malformed` with a completion_field)
         components[judge.name] = Component(scorer="judge", weight=jc.weight, op=jc.combine, fallback=jc.fallback,
-                                           gate=_rule_gate(components, jc.gate, jc.gated_out, f"judge {judge.name!r}"),
+                                           gate=_rule_gate(jc.gate, jc.gated_out),
                                            options={"completion_field": jc.completion_field})
         scorers[judge.name] = judge
     if emb.model is not None and emb.position == "last":
-        _add_similarity(cfg, components, scorers, monitor, device)
-    if not components:
-        raise ConfigError("no reward: set reward.rule, reward.judges or reward.embedding.model")
+        _add_similarity(cfg, components, scorers, timer, device)
     return build_reward(RewardSpec(components=components, combine="fold"), scorers)
 
 
-def _rule_gate(components: dict[str, Component], threshold: float | None, gated_out: Literal["skip", "zero"],
-               what: str) -> Gate | None:
-    if threshold is None:
-        return None
-    if "rule" not in components:
-        raise ConfigError(f"{what} has a gate but reward.rule is not set")
-    return Gate(component="rule", threshold=threshold, gated_out=gated_out)
+def _rule_gate(threshold: float | None, gated_out: Literal["skip", "zero"]) -> Gate | None:
+    return None if threshold is None else Gate(component="rule", threshold=threshold, gated_out=gated_out)
 
 
-def _add_similarity(cfg: Config, components: dict[str, Component], scorers: dict[str, Any], monitor: PhaseMonitor,
+def _add_similarity(cfg: Config, components: dict[str, Component], scorers: dict[str, Any], timer: PhaseTimer,
                     device: torch.device) -> None:
     """total += weight * (0.7 * mapped similarity + 0.3), as VeRL-with-RMs adds its BGE term; a
     gated-out sample adds nothing (VeRL-with-RMs adds weight * 0)."""
     emb = cfg.reward.embedding
     fields = {"completion_field": emb.completion_field, "reference_field": emb.reference_field}
     components["similarity"] = Component(scorer="embedding_similarity", weight=emb.weight, op="add", options=fields,
-                                         gate=_rule_gate(components, emb.gate, "zero", "reward.embedding"))
-    inner = build_scorer("embedding_similarity", model=resolve_model(str(emb.model), "reward.embedding.model"), scale=0.7, offset=0.3,
-                         device=str(device), on_malformed=emb.on_malformed, **fields)
-    if not isinstance(inner, Scorer):  # embedding_similarity scores synchronously
-        raise TypeError(f"embedding_similarity built a {type(inner).__name__}, not a synchronous Scorer")
-    scorers["similarity"] = TimedScorer(inner, monitor, "similarity")
-
-
-# ----------------------------------------------------------------------------------- scoring
+                                         gate=_rule_gate(emb.gate, "zero"))
+    inner = build_scorer("embedding_similarity", model=resolve_model(str(emb.model), "reward.embedding.model"), scale=0.7,
+                         offset=0.3, device=str(device), on_malformed=emb.on_malformed, **fields)
+    scorers["similarity"] = TimedScorer(cast(Scorer, inner), timer, "similarity")  # it scores synchronously
 
 
 def score(reward: Reward, judges: list[Judge], samples: list[Sample]) -> tuple[list[ScoreResult], dict[str, JudgeLog]]:
-    """Combined scores (a failed sample scores 0 and is counted) and the judges' logs."""
-    results = reward.score(samples)
-    logs = {judge.name: judge.pop() for judge in judges}
-    return results, logs
+    """Combined scores (a failed sample has none and an error) and what each judge did."""
+    return reward.score(samples), {judge.name: judge.pop() for judge in judges}
 
 
-def reward_metrics(results: list[ScoreResult], logs: dict[str, JudgeLog], prefix: str) -> dict[str, float]:
-    """Mean/std of the combined reward over the samples that scored, and of each component,
-    over all ranks; failed samples (`reward/failed`) and judge counters."""
+def reward_metrics(results: list[ScoreResult], logs: dict[str, JudgeLog]) -> dict[str, float]:
+    """Over every process: the combined reward's mean over the samples that scored, the failed
+    samples, each component's mean (`reward/<component>`, unweighted) and each judge's counters."""
     everything = gather_object([(r.score, r.components) for r in results])
     totals = torch.tensor([s for s, _ in everything if s is not None])
-    out = {f"{prefix}reward/mean": totals.mean().item() if totals.numel() else math.nan,
-           f"{prefix}reward/std": totals.std(unbiased=False).item() if totals.numel() else 0.0,
-           f"{prefix}reward/failed": sum(s is None for s, _ in everything)}
-    keys = sorted({k for _, comps in everything for k in comps})
-    for key in keys:
-        vals = torch.tensor([comps[key] for _, comps in everything if key in comps])
-        out[f"{prefix}score/{key}_mean"] = vals.mean().item()
-        out[f"{prefix}score/{key}_std"] = vals.std(unbiased=False).item()
+    out = {"reward/mean": totals.mean().item() if totals.numel() else math.nan,
+           "reward/failed": float(sum(s is None for s, _ in everything))}
+    for key in sorted({k for _, comps in everything for k in comps}):
+        out[f"reward/{key}"] = torch.tensor([comps[key] for _, comps in everything if key in comps]).mean().item()
     for name, log in logs.items():
-        counts = gather_object([(log.scored, log.failures, log.policy_awake, log.request_failures)])
-        out[f"{prefix}judge_{name}/scored"] = sum(c[0] for c in counts)
-        out[f"{prefix}judge_{name}/parse_failures"] = sum(c[1] for c in counts)
-        out[f"{prefix}judge_{name}/request_failures"] = sum(c[3] for c in counts)
-        out[f"{prefix}check/policy_awake_during_{name}"] = sum(c[2] for c in counts)
+        counts = gather_object([(log.scored, log.failures, log.request_failures, log.policy_awake)])
+        for i, key in enumerate(("scored", "parse_failures", "request_failures")):
+            out[f"judge/{name}/{key}"] = sum(c[i] for c in counts)
+        out[f"check/policy_awake_during_{name}"] = sum(c[3] for c in counts)
     return out
 
 
@@ -239,20 +184,3 @@ def sample_rows(samples: list[Sample], results: list[ScoreResult], logs: dict[st
         rows.append({"prompt": sample.prompt, "completion": sample.completion, "reward": result.score,
                      "error": result.error, "components": result.components, "judges": judges})
     return rows
-
-
-def dry_run(judges: list[Judge], record: JudgeRecord) -> None:
-    """Score one sample with every judge before training, so a judge module whose lists do not
-    match the batch fails now, naming the module and the function (not hours into a run), and a
-    served judge whose server is down or does not know its spec fails now too."""
-    answer = Generation(request_index=0, prompt_ids=[], completion_ids=[], text=str(record.ground_truth),
-                        logprobs=[], finish_reason="stop")
-    sample = make_samples([record], [answer], 0)[0]
-    with isolated_rng():
-        for judge in judges:
-            judge.check(sample)
-
-
-def close_judges(judges: list[Judge]) -> None:
-    for judge in judges:
-        judge.close()

@@ -1,24 +1,35 @@
-"""rider-grm's configuration: the msgspec Structs read from TOML + dotted overrides, the seed's
-shell variables, the seed's per-judge parallel lists, and model/file path resolution."""
+"""rider-grm's configuration: the msgspec Structs (TOML + dotted overrides), the seed's shell
+variables and per-judge parallel lists, path resolution, and the checks that run before any model
+loads (`check_config`: rules between keys, the process count, every user file the reward names)."""
 
 from __future__ import annotations
 
+import importlib
+import runpy
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 
+from rl_core.advantages import uses_group_baseline
 from rl_core.train import (
-    GROUP_ESTIMATORS,
+    AdvantageName,
+    AggregationName,
     ConfigError,
+    KLName,
     NonNegative,
     NonNegativeFloat,
+    PolicyLossName,
     Positive,
     PositiveFloat,
-    ShardingFields,
+    RunFields,
     UnitInterval,
 )
 from rl_models import tiny
+from rl_rewards.modules import load_reward_module
+from rl_rewards.spec import RewardSpec, load_spec
+from rl_rollout import resolve_engine_kind
 
 APP_DIR = Path(__file__).resolve().parent
 REPO_ROOT = APP_DIR.parents[1]
@@ -43,19 +54,15 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     engine: Literal["auto", "hf", "vllm"] = "auto"
-    """Who samples the policy's responses. hf: the training model decodes (no second copy of the
-    weights, nothing to sync, exact log-probs; the only choice on a CPU). vllm: a colocated vLLM
-    engine per GPU (`rl_rollout.colocated`), awake only while it generates (train and val
-    rollouts) and asleep while the judges score and the policy trains, the policy's weights
-    pushed into it after every optimizer step (faster decoding; one more copy of the weights,
-    in host memory while it sleeps; needs a GPU and `pip install "rl-rollout[vllm]"`).
-    auto: vllm on a CUDA machine where vLLM imports, else hf (the run's first lines say which,
-    and why)."""
+    """Who samples the policy's responses (`rl_rollout.policy`). hf: the training model decodes (no
+    second copy of the weights, nothing to sync; the only choice on a CPU). vllm: a colocated vLLM
+    engine per GPU, awake only while it generates, the weights pushed after every optimizer step
+    (faster decoding for long responses; needs a GPU and `pip install "rl-rollout[vllm]"`).
+    auto: vllm on a CUDA machine where vLLM imports, else hf (the run says which, and why)."""
     gpu_memory_utilization: UnitInterval = 0.3  # vllm: GPU memory fraction for its weights + KV cache while awake
     engine_options: dict[str, Any] = {}
-    """vllm: more `vllm.LLM` arguments, e.g. {enforce_eager = true} (no compile or CUDA graphs:
-    starts in seconds, decodes slower). max_model_len defaults to data.max_prompt_length +
-    data.max_response_length (verl's choice), not the model's full context."""
+    """vllm: more `vllm.LLM` arguments, e.g. {enforce_eager = true} (starts in seconds, decodes
+    slower); max_model_len defaults to data.max_prompt_length + data.max_response_length (verl's)."""
     n: Positive = 4  # responses per prompt (actor_rollout_ref.rollout.n)
     temperature: PositiveFloat = 0.8
     top_p: UnitInterval = 1.0
@@ -138,39 +145,41 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     swap: Literal["auto", "always", "never"] = "auto"
     """always: wake each in-process judge only while it scores and put the policy (weights and
     optimizer state) to sleep meanwhile — one model on the GPU at a time (VeRL-with-RMs' plan).
-    never: the policy and every judge stay resident (fastest when all of them fit).
-    auto: step 1 runs as `always` and measures each phase's peak memory; from step 2 on, the
-    fastest plan whose measured needs fit in `swap_memory_fraction` of the GPU (everything
-    resident, or the policy resident and judges swapped, or `always`). On CPU, or with a vLLM
-    judge or policy engine (vLLM manages its memory itself, unseen by the measurement): `always`.
-    A vLLM policy engine sleeps after every generation whatever the plan; `always` then moves
-    the training model and the optimizer state off the GPU while the judges score.
-    With no judge in this process (none, or all served) the policy never sleeps."""
+    never: the policy and every judge stay resident (fastest when all of them fit). auto: step 1
+    runs as `always` and measures each phase's peak memory, then the fastest plan that fits in
+    `swap_memory_fraction` of the GPU; `always` on CPU or with a vLLM judge or policy engine
+    (vLLM's memory is unseen by the measurement). No judge in this process: the policy stays."""
     swap_memory_fraction: UnitInterval = 0.9  # share of the GPU's memory `auto` may plan to use
     rule: str | None = None  # "pkg.mod:compute_score" or "file.py:compute_score"
     rule_weight: float = 1.0
     judges: list[JudgeConfig] = []
     verl: VerlJudgeLists = VerlJudgeLists()
     embedding: EmbeddingConfig = EmbeddingConfig()
+    spec: str | RewardSpec | None = None
+    """A RewardSpec (a TOML path, or an inline `[reward.spec.components.NAME]` table) replacing
+    rule, judges and embedding, its components built from the rl-rewards registry and resident
+    (never swapped): for a reward the shorthand keys, which compile to a "fold" spec, cannot say."""
 
 
 class AlgoConfig(msgspec.Struct, kw_only=True, frozen=True):
-    adv_estimator: str = "reinforce_pp"  # reinforce_pp | reinforce_pp_baseline | grpo | rloo
+    adv_estimator: AdvantageName = "reinforce_pp"  # reinforce_pp | reinforce_pp_baseline | grpo | rloo
     gamma: UnitInterval = 1.0  # reinforce_pp discount
-    loss: str = "ppo_clip"  # ppo_clip | dual_clip | gspo
-    agg: str = "token-mean"
+    loss: PolicyLossName = "ppo_clip"  # ppo_clip | dual_clip | gspo
+    agg: AggregationName = "token-mean"
     clip_low: UnitInterval = 0.2
     clip_high: NonNegativeFloat = 0.2
     use_kl_loss: bool = True
-    kl_loss_type: str = "k3"  # low_var_kl
+    kl_loss_type: KLName = "k3"  # low_var_kl
     kl_loss_coef: NonNegativeFloat = 1e-4
     kl_in_reward: bool = False  # subtract kl_coef * KL from token rewards instead / as well
     kl_coef: NonNegativeFloat = 0.001  # algorithm.kl_ctrl.kl_coef
-    kl_reward_type: str = "k1"
+    kl_reward_type: KLName = "k1"
     replay_tolerance: NonNegativeFloat | None = None  # engine vs trainer |dlogp| (None: 1e-3 fp32, 5e-2 16-bit)
 
 
-class TrainConfig(ShardingFields, kw_only=True, frozen=True):
+class TrainConfig(RunFields, kw_only=True, frozen=True):
+    output_dir: str = "runs/rider-grm"
+    save_freq: Positive = 30
     batch_size: Positive = 32  # prompts per step, all processes (data.train_batch_size)
     mini_batch_size: Positive = 8  # prompts per optimizer step (ppo_mini_batch_size)
     micro_batch_size: Positive = 4  # sequences per forward/backward (log_prob_micro_batch_size)
@@ -179,19 +188,9 @@ class TrainConfig(ShardingFields, kw_only=True, frozen=True):
     grad_clip: PositiveFloat = 1.0
     epochs: Positive = 15
     max_steps: Positive | None = None
-    save_freq: Positive = 30
-    keep_last: Positive = 2
-    test_freq: NonNegative = 0  # validate every N steps and at the end; 0 = only at the end
-    val_before_train: bool = False
-    output_dir: str = "runs/rider-grm"
-    run_name: str | None = None
-    seed: NonNegative = 0
+    test_freq: NonNegative = 0  # evaluate every N steps and at the end; 0 = only at the end
+    val_before_train: bool = False  # evaluate once before the first step (logged as step 0)
     samples_to_log: NonNegative = 4  # generations (with each judge's raw output) written per step
-    log_with: list[str] = msgspec.field(default_factory=list)  # accelerate trackers (trainer.logger)
-    print_summary: bool = True
-    max_nonfinite_steps: Positive = 3
-    """Consecutive optimizer steps with a non-finite loss or gradient (each skipped, weights
-    untouched) after which the run stops with an error."""
 
 
 class Config(msgspec.Struct, kw_only=True, frozen=True):
@@ -209,16 +208,8 @@ ENV = {"MODEL_PATH": "model.path", "TRAIN_FILE": "data.train_files", "SAVE_DIR":
 
 
 def judge_configs(reward: RewardConfig) -> list[JudgeConfig]:
-    """`reward.judges`, or the seed's parallel lists expanded; unequal lengths and judges missing
-    what their engine needs are rejected."""
-    judges = _expand_verl_lists(reward)
-    check_judges(judges)
-    return judges
-
-
-def _expand_verl_lists(reward: RewardConfig) -> list[JudgeConfig]:
-    lists = msgspec.structs.asdict(reward.verl)
-    given = {k: v for k, v in lists.items() if v}
+    """`reward.judges`, or the seed's parallel lists (`reward.verl.*`) expanded into judge tables."""
+    given = {k: v for k, v in msgspec.structs.asdict(reward.verl).items() if v}
     if not given:
         return list(reward.judges)
     if reward.judges:
@@ -239,35 +230,84 @@ def _expand_verl_lists(reward: RewardConfig) -> list[JudgeConfig]:
     return out
 
 
-def check_config(cfg: Config) -> Config:
-    """Rules between keys that a per-field range cannot state."""
-    if cfg.algo.adv_estimator in GROUP_ESTIMATORS and cfg.rollout.n < 2:
+def check_config(cfg: Config, world_size: int) -> None:
+    """Rules between keys, against the process count, and on what the reward names (the rule and
+    every judge module imported, every engine kind possible here), before any model loads."""
+    t, r = cfg.train, cfg.reward
+    if uses_group_baseline(cfg.algo.adv_estimator) and cfg.rollout.n < 2:
         raise ConfigError(f"rollout.n={cfg.rollout.n}: algo.adv_estimator={cfg.algo.adv_estimator!r} compares the "
                           "responses to one prompt with each other and needs rollout.n >= 2")
-    if cfg.train.batch_size % cfg.train.mini_batch_size:
-        raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be a multiple of train.mini_batch_size="
-                          f"{cfg.train.mini_batch_size}")
-    return cfg
-
-
-def check_judges(judges: list[JudgeConfig]) -> None:
-    """Each judge has the fields its engine needs (fails at config load, naming the judge)."""
+    if t.batch_size % t.mini_batch_size:
+        raise ConfigError(f"train.batch_size={t.batch_size} must be a multiple of train.mini_batch_size="
+                          f"{t.mini_batch_size}")
+    if t.batch_size % world_size:
+        raise ConfigError(f"train.batch_size={t.batch_size} must be a multiple of the {world_size} processes")
+    resolve_engine_kind(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: one line
+    if r.spec is not None:
+        read_spec(r)
+        return
+    judges = judge_configs(r)
     for i, judge in enumerate(judges):
-        where = f"reward.judges[{i}] (engine = {judge.engine!r})"
-        if judge.gated_out != "skip" and judge.gate is None:
-            raise ConfigError(f"{where} has gated_out = {judge.gated_out!r} but no gate: set gate (e.g. 1.0)")
-        if judge.engine == "server":
-            if not judge.url or not judge.spec:
-                raise ConfigError(f"{where} needs url (the rl-rewards serve address) and spec (a reward "
-                                  "name configured on that server)")
-            if judge.completion_field is not None:
-                raise ConfigError(f"{where}: completion_field is applied by the server; set it in the judge "
-                                  "options of the server's reward spec instead")
-            continue
-        if not judge.module or not judge.model:
-            raise ConfigError(f"{where} needs module (a VeRL-with-RMs reward module) and model")
-        if judge.engine == "openai" and not judge.url:
-            raise ConfigError(f"{where} needs url (the OpenAI-compatible server's base URL)")
+        _check_judge(i, judge, f"reward.verl.reward_function[{i}]" if r.verl.reward_function else None)
+    if r.rule is not None:
+        _user_code("reward.rule", r.rule, load_function)
+    if r.rule is None and not judges and r.embedding.model is None:
+        raise ConfigError("no reward: set reward.rule, reward.judges, reward.embedding.model or reward.spec")
+    gated = [f"reward.judges[{i}]" for i, j in enumerate(judges) if j.gate is not None]
+    if r.rule is None and (gated or r.embedding.gate is not None):
+        raise ConfigError(f"{(gated or ['reward.embedding'])[0]} has a gate but reward.rule is not set")
+
+
+def _check_judge(i: int, judge: JudgeConfig, module_key: str | None) -> None:
+    """Judge `i` has what its engine needs, and its module imports and defines both functions."""
+    where = f"reward.judges[{i}] (engine = {judge.engine!r})"
+    if judge.gated_out != "skip" and judge.gate is None:
+        raise ConfigError(f"{where} has gated_out = {judge.gated_out!r} but no gate: set gate (e.g. 1.0)")
+    if judge.engine == "server":
+        if not judge.url or not judge.spec:
+            raise ConfigError(f"{where} needs url (the rl-rewards serve address) and spec (a reward "
+                              "name configured on that server)")
+        if judge.completion_field is not None:
+            raise ConfigError(f"{where}: completion_field is applied by the server; set it in the judge "
+                              "options of the server's reward spec instead")
+        return
+    if not judge.module or not judge.model:
+        raise ConfigError(f"{where} needs module (a VeRL-with-RMs reward module) and model")
+    if judge.engine == "openai" and not judge.url:
+        raise ConfigError(f"{where} needs url (the OpenAI-compatible server's base URL)")
+    _user_code(module_key or f"reward.judges[{i}].module", judge.module, load_reward_module)
+    resolve_engine_kind(judge.engine, key=f"reward.judges[{i}].engine")  # vllm where it cannot run
+
+
+def _user_code(key: str, value: str, load: Callable[[str], object]) -> None:
+    """Import a user's rule or judge module now: a missing file, a syntax or import error, or a
+    missing function is one line naming the key."""
+    try:
+        load(resolve_path(value))
+    except Exception as e:  # anything the user's module raises on import
+        raise ConfigError(f"{key}={value!r}: {type(e).__name__}: {' '.join(str(e).split())}") from None
+
+
+def read_spec(reward: RewardConfig) -> RewardSpec | None:
+    """`reward.spec`: the inline table, or the TOML file it names (read, fields checked)."""
+    if not isinstance(reward.spec, str):
+        return reward.spec
+    try:
+        return load_spec(resolve_path(reward.spec))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"reward.spec={reward.spec!r}: {e}") from None
+
+
+def load_function(path: str) -> Callable[..., Any]:
+    """`"pkg.module:fn"` or `"path/to/file.py:fn"` (`:fn` optional, default `compute_score`)."""
+    target, _, name = path.partition(":")
+    if target.endswith(".py") and not Path(target).is_file():
+        raise FileNotFoundError(f"reward function file not found: {target}")
+    namespace = runpy.run_path(target) if target.endswith(".py") else vars(importlib.import_module(target))
+    fn = namespace.get(name or "compute_score")
+    if not callable(fn):
+        raise AttributeError(f"{target} defines no function {name or 'compute_score'!r} (reward function path {path!r})")
+    return fn
 
 
 def judge_name(judge: JudgeConfig) -> str:

@@ -1,31 +1,22 @@
-"""Moving models on and off the accelerator cheaply, and deciding when not to.
+"""Moving the policy on and off the accelerator while the judges score, and deciding when not to.
 
-VeRL-with-RMs keeps one model on the GPU at a time: the policy sleeps while each judge wakes,
-scores and sleeps again. `HFEngine.sleep()` does `model.to("cpu")`: a synchronous copy into
-freshly allocated pageable memory per tensor, which on an H200 took 2-5 s for the Qwen3-1.7B
-policy and its Adam moments (a third of the step). Here the copies go through **page-locked
-host buffers allocated once and reused** (`PinnedOffload`, `OptimizerOffload`): all copies of a
-model are queued `non_blocking` and synchronised once, at full PCIe bandwidth
-(`rl_core.train.offload`). The engine's own
-`sleep()`/`wake()` still run afterwards/before (dropping the KV cache, emptying the allocator,
-flipping the engine state) but find the weights already where they should be, so they move
-nothing. On CPU nothing moves at all.
-
-`compute_swap_plan` picks, from one measured step, whether swapping is needed at all
-(`reward.swap = "auto"`): the fastest plan whose measured memory fits.
+VeRL-with-RMs keeps one model on the GPU at a time. The copies go through page-locked host buffers
+allocated once and reused (`rl_core.train.offload`; `model.to("cpu")` took 2-5 s per swap for a
+1.7B policy and its Adam moments on an H200); the engines' own sleep/wake then find the weights
+moved. `compute_swap_plan` decides from one measured step whether to swap at all (`auto`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
+from judging import Judge
 
-from rl_core.train.offload import OptimizerOffload, PinnedOffload
-
-__all__ = ["PLANS", "OptimizerOffload", "PinnedOffload", "PolicySwap", "SwapPlan", "compute_swap_plan", "initial_plan"]
+from rl_core.train import OptimizerOffload, PhaseTimer, PinnedOffload
+from rl_rollout.policy import PolicyEngine
 
 PlanName = Literal["always", "judges", "never"]
 
@@ -57,17 +48,13 @@ def compute_swap_plan(policy_peak: float, policy_resident: float, judge_weights:
                       judge_peaks: Sequence[float], capacity: float) -> PlanName:
     """The fastest plan whose memory fits in `capacity` (all in the same unit, e.g. GiB).
 
-    Measured on a step run with `always` (so each phase saw only its own model):
-    - `policy_peak`: the largest peak of the policy's phases (generate, replay, update), judges asleep;
-    - `policy_resident`: what the policy keeps on the accelerator between its phases (weights
-      and optimizer state; gradients are freed after each update);
-    - `judge_weights[j]`: judge j's weights; `judge_peaks[j]`: the peak while judge j scored,
-      the policy asleep (its weights + KV cache + activations + whatever else was resident).
-
-    `never` needs the policy's peak plus every judge's weights, and each judge's scoring peak
-    plus the policy and the other judges' weights; `judges` needs each judge's scoring peak
-    plus the resident policy. Example: capacity 80, policy peak 30 (resident 20), judges of 10
-    and 10 weights scoring at peak 25 each: never = max(30 + 20, 25 + 20 + 10) = 55 -> "never".
+    Measured on a step run with `always` (so each phase saw only its own model): `policy_peak`,
+    the largest peak of the policy's phases (rollout with its log-probs, update); `policy_resident`,
+    what it keeps between them (weights, optimizer state); `judge_weights[j]`, and `judge_peaks[j]`
+    the peak while judge j scored, the policy asleep. `never` needs the policy's peak plus every
+    judge's weights, and each judge's scoring peak plus the policy and the other judges' weights;
+    `judges` each judge's scoring peak plus the resident policy. Example: capacity 80, policy peak
+    30 (resident 20), judges of 10 and 10 scoring at 25 each: never = max(30 + 20, 25 + 20 + 10) = 55.
     """
     if len(judge_weights) != len(judge_peaks):
         raise ValueError(f"{len(judge_weights)} judge weights but {len(judge_peaks)} judge peaks")
@@ -83,113 +70,66 @@ def compute_swap_plan(policy_peak: float, policy_resident: float, judge_weights:
     return "always"
 
 
-# ------------------------------------------------------------------------------ engines
-
-
-def engine_model(engine: Any) -> torch.nn.Module | None:
-    """The in-process model behind an `HFEngine` (possibly wrapped), else None (remote, vLLM)."""
-    inner = engine.inner if type(engine).__name__ == "RecordingEngine" else engine
-    return inner.model if type(inner).__name__ == "HFEngine" else None
-
-
-def make_offload(engine: Any, device: torch.device) -> PinnedOffload | None:
-    """Pinned offload for an in-process HF engine on an accelerator; None where nothing moves."""
-    model = engine_model(engine)
-    if model is None or torch.device(device).type == "cpu":
-        return None
-    return PinnedOffload(model, device)
-
-
-def sleep_engine(engine: Any, offload: PinnedOffload | None) -> None:
-    if offload is not None:
-        offload.to_host()
-    engine.sleep()
-
-
-def wake_engine(engine: Any, offload: PinnedOffload | None) -> None:
-    if offload is not None:
-        offload.to_device()
-    engine.wake()
-
-
-# ------------------------------------------------------------------------------ the policy
-
-
 class PolicySwap:
     """The policy's weights and optimizer state, put to sleep before the judges score and woken
-    after, as the current plan says.
+    after, as the plan says (mode "always"/"never": fixed; "auto": `always` until `decide()`).
 
-    mode "always"/"never" fix the plan; "auto" starts as "always" and `decide()` switches to the
-    fastest plan that fits once a step has measured every in-process judge (CUDA only).
+    An engine that decodes with the training model itself (`PolicyEngine.shares_weights`: `hf`)
+    sleeps with it (KV cache freed). A vLLM engine sleeps after every generation whatever the
+    plan; the swap then moves the training model and the optimizer state, so with `always` a
+    judge scores with nothing of the policy on the GPU. `auto` keeps `always` with a vLLM engine
+    or a judge whose memory cannot be measured (`measurable=False`): vLLM maps its memory itself,
+    outside the allocator statistics the plan is computed from."""
 
-    What sleeps depends on the rollout engine (`rollout.engine`). `hf`: the engine wraps the
-    training model, so the swap moves that model's weights (pinned host buffers) and puts the
-    engine to sleep (its KV cache freed). `vllm`: the engine is not the swap's to move. It is
-    woken for each generation and put back to sleep right after it (vLLM's sleep: its copy of
-    the weights to host memory, its KV cache freed), so it is asleep whenever a judge scores,
-    whatever the plan; waking it here would only take its KV cache back while the policy
-    trains. What the policy still holds on the GPU then is the training model (weights in torch)
-    and the optimizer state, so `offload_policy` moves those, as for `hf`: with `always` a judge
-    scores with nothing of the policy on the GPU, with either engine. `auto` keeps `always`
-    with a vLLM engine: vLLM maps and unmaps its memory itself (sleep mode), outside the torch
-    allocator statistics the plan is computed from (as with a vLLM judge).
-
-    `model` is the training model (for `hf`, the engine's own model).
-    """
-
-    def __init__(self, engine: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, *,
-                 mode: Literal["auto", "always", "never"], offload_optimizer: bool, memory_fraction: float) -> None:
+    def __init__(self, engine: PolicyEngine, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 device: torch.device, *, mode: Literal["auto", "always", "never"], offload_optimizer: bool,
+                 memory_fraction: float, measurable: bool) -> None:
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
-        self.engine = engine if engine_model(engine) is model else None  # hf: sleeps with the swap
+        self.engine = engine if engine.shares_weights else None
         self.weights = PinnedOffload(model, self.device) if self.device.type != "cpu" else None
         self.optimizer = OptimizerOffload(optimizer, self.device) if offload_optimizer and cuda else None
-        self.pending = mode == "auto" and cuda and self.engine is not None
+        self.pending = mode == "auto" and cuda and engine.shares_weights and measurable
         self.plan = initial_plan(mode)
         self.memory_fraction = memory_fraction
 
-    def offload(self) -> None:
+    def offload(self, timer: PhaseTimer) -> None:
         if not self.plan.offload_policy:
             return
-        if self.weights is not None:
-            self.weights.to_host()
-        if self.engine is not None:
-            self.engine.sleep()
-        if self.optimizer is not None:
-            self.optimizer.to_host()
+        with timer("offload_policy"):
+            if self.weights is not None:
+                self.weights.to_host()
+            if self.engine is not None:
+                self.engine.sleep()
+            if self.optimizer is not None:
+                self.optimizer.to_host()
 
-    def wake(self) -> None:
+    def wake(self, timer: PhaseTimer) -> None:
         if not self.plan.offload_policy:
             return
-        if self.weights is not None:
-            self.weights.to_device()
-        if self.engine is not None:
-            self.engine.wake()
-        if self.optimizer is not None:
-            self.optimizer.to_device()
+        with timer("wake_policy"):
+            if self.weights is not None:
+                self.weights.to_device()
+            if self.engine is not None:
+                self.engine.wake()
+            if self.optimizer is not None:
+                self.optimizer.to_device()
 
-    def resident_gib(self) -> float:
-        """Policy weights + optimizer state, which stay on the GPU unless offloaded."""
-        weights = self.weights.nbytes if self.weights is not None else 0
-        optimizer = self.optimizer.nbytes if self.optimizer is not None else 0
-        return (weights + optimizer) / 2**30
-
-    def decide(self, metrics: Mapping[str, float], judges: Mapping[str, float]) -> SwapPlan | None:
-        """`auto`: the plan for the next steps from one step's `mem/<phase>_gib` (run as `always`)
-        and `judges` (name -> weights GiB of each in-process judge). None while a judge has not
-        scored yet (its peak is unknown) or when the plan is fixed."""
-        if not self.pending:
-            return None
-        peaks = [metrics.get(f"mem/judge_{name}_score_gib") for name in judges]
-        if any(p is None for p in peaks):
-            return None
-        phases = ("old_logp", "ref_logp", "advantages", "update")
-        # step 1 generates before Adam's state exists; later steps generate with it resident
-        optimizer = self.optimizer.nbytes / 2**30 if self.optimizer is not None else 0.0
-        policy_peak = max(metrics.get("mem/generate_gib", 0.0) + optimizer,
-                          *(metrics.get(f"mem/{p}_gib", 0.0) for p in phases))
-        capacity = torch.cuda.get_device_properties(self.device).total_memory / 2**30 * self.memory_fraction
-        name = compute_swap_plan(policy_peak, self.resident_gib(), list(judges.values()),
-                                 [float(p) for p in peaks if p is not None], capacity)
-        self.pending, self.plan = False, PLANS[name]
-        return self.plan
+    def decide(self, timer: PhaseTimer, judges: Sequence[Judge]) -> dict[str, float]:
+        """`auto`: from this step's measured peaks (run as `always`: `rollout` and `update_actor`
+        for the policy, `judge_<name>_score` for each judge), the plan of the next steps, once
+        every in-process judge has scored. Returns the plan in effect (`swap/*`)."""
+        weights = {j.name: j.offload.nbytes / 2**30 for j in judges if j.offload is not None}
+        peaks = [timer.peak_gib(f"judge_{name}_score") for name in weights]
+        if self.pending and all(p is not None for p in peaks):
+            # step 1 generates before Adam's state exists; later steps generate with it resident
+            optimizer = self.optimizer.nbytes / 2**30 if self.optimizer is not None else 0.0
+            policy = max((timer.peak_gib("rollout") or 0.0) + optimizer, timer.peak_gib("update_actor") or 0.0)
+            capacity = torch.cuda.get_device_properties(self.device).total_memory / 2**30 * self.memory_fraction
+            resident = sum(part.nbytes for part in (self.weights, self.optimizer) if part is not None) / 2**30
+            self.plan = PLANS[compute_swap_plan(policy, resident, list(weights.values()), [p or 0.0 for p in peaks],
+                                                capacity)]
+            self.pending = False
+            for judge in judges:
+                judge.swap = self.plan.sleep_judges
+        return {"swap/offload_policy": float(self.plan.offload_policy), "swap/sleep_judges": float(self.plan.sleep_judges)}

@@ -48,7 +48,7 @@ VLLM_JUDGES = (
 def tiny_overrides(out: Path, **extra: object) -> list[str]:
     """The embedded default, smaller still (CPU tests), writing under `out`."""
     base = {
-        "train.output_dir": f'"{out}"', "train.print_summary": "false", "data.max_response_length": "8",
+        "train.output_dir": f'"{out}"', "data.max_response_length": "8",
         "rollout.n": "2", "train.batch_size": "2", "train.mini_batch_size": "2", "train.micro_batch_size": "4",
     }
     base |= {k: str(v) for k, v in extra.items()}

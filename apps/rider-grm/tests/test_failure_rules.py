@@ -1,11 +1,12 @@
 """The shared failure rules in rider-grm: a non-finite rule score, a judge module that returns a
-non-number, a data row without the rm_prompt a judge reads, refused values before any model
-loads, and user errors as one line without a traceback."""
+non-number, a data row without the rm_prompt a judge reads, refused values and unusable rule or
+judge files before any model loads, and user errors as one line without a traceback."""
 
 from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from conftest import APP, REPO, TESTS, app, tiny_overrides
+from rider_config import DEFAULT_CONFIG, Config, resolve_model
 
-from rl_core.train import ConfigError, UserError
+from rl_core.train import ConfigError, UserError, load_config
 
 
 def rows(run: Path) -> list[dict[str, str]]:
@@ -46,7 +48,7 @@ def test_judge_returning_none_is_a_counted_failure(tmp_path: Path) -> None:
     logged = samples(run)
     nones = [s for s in logged if s["judges"]["none"]["error"]]
     assert nones and all("not a number" in s["judges"]["none"]["error"] for s in nones)
-    assert float(row["judge_none/parse_failures"]) == len(nones)  # counted, not a silent constant
+    assert float(row["judge/none/parse_failures"]) == len(nones)  # counted, not a silent constant
 
 
 def test_a_missing_judge_folder_is_named_by_its_key_and_path(tmp_path: Path) -> None:
@@ -67,11 +69,11 @@ def test_a_later_row_without_the_rm_prompt_is_named(tmp_path: Path) -> None:
     path = tmp_path / "holes.parquet"
     pq.write_table(table.slice(0, 3).drop_columns(["rm_prompt_1"]).slice(2, 1), tmp_path / "b.parquet")
     pq.write_table(table.slice(0, 2), tmp_path / "a.parquet")
-    tokenizer = AutoTokenizer.from_pretrained(app.resolve_model("tiny:qwen3"))
-    cfg = app.load_config(app.Config, app.DEFAULT_CONFIG)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny:qwen3"))
+    cfg = load_config(Config, DEFAULT_CONFIG)
     with pytest.raises(UserError, match=r"b\.parquet: row 0: no rm_prompt_1 column, but 2 judges read"):
-        load_records([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")], tokenizer, cfg.data, 2)
-    assert len(load_records([str(tmp_path / "a.parquet")], tokenizer, cfg.data, 2)) == 2
+        load_records([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")], tokenizer, cfg, 2)
+    assert len(load_records([str(tmp_path / "a.parquet")], tokenizer, cfg, 2)) == 2
     del path
 
 
@@ -104,3 +106,49 @@ def test_resume_refuses_another_run_name(tmp_path: Path) -> None:
     run = app.main(tiny_overrides(tmp_path, **{"train.max_steps": 1, "train.run_name": "a"}))
     with pytest.raises(UserError, match=r"--resume continues run 'a', but train\.run_name='b'"):
         app.main([*tiny_overrides(tmp_path, **{"train.max_steps": 2, "train.run_name": "b"}), "--resume", str(run)])
+
+
+HALF = "def rm_preprocess(text_prompts, text_responses, tgt_tokenizer):\n    return text_prompts\n"
+BAD_FILES = {"syntax.py": "def rm_preprocess(:\n", "imports.py": "import no_such_module_here\n", "half.py": HALF}
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("reward.judges", '[{module = "/nope/judge.py", model = "tiny:qwen3:1"}]',
+     r"reward\.judges\[0\]\.module='/nope/judge\.py': FileNotFoundError: reward module file '/nope/judge\.py' does not exist"),
+    ("reward.judges", '[{module = "TMP/syntax.py", model = "tiny:qwen3:1"}]',
+     r"reward\.judges\[0\]\.module='.*syntax\.py': SyntaxError: "),
+    ("reward.judges", '[{module = "TMP/imports.py", model = "tiny:qwen3:1"}]',
+     r"reward\.judges\[0\]\.module='.*imports\.py': ModuleNotFoundError: No module named 'no_such_module_here'"),
+    ("reward.judges", '[{module = "TMP/half.py", model = "tiny:qwen3:1"}]',
+     r"reward\.judges\[0\]\.module='.*half\.py': AttributeError: reward module '.*half\.py' does not define rm_postprocess"),
+    ("reward.verl.reward_function", '["rl_rewards.judges.yes_no", "TMP/half.py"]',
+     r"reward\.verl\.reward_function\[1\]='.*half\.py': AttributeError: .* does not define rm_postprocess"),
+    ("reward.rule", '"/nope/rule.py"', r"reward\.rule='/nope/rule\.py': FileNotFoundError: reward function file not found"),
+    ("reward.rule", '"TMP/syntax.py:compute_score"', r"reward\.rule='.*syntax\.py:compute_score': SyntaxError: "),
+    ("reward.rule", '"no_such_rules:compute_score"',
+     r"reward\.rule='no_such_rules:compute_score': ModuleNotFoundError: No module named 'no_such_rules'"),
+    ("reward.rule", '"rider_rules:nope"', r"reward\.rule='rider_rules:nope': AttributeError: rider_rules defines no function 'nope'"),
+    ("reward.spec", '"/nope/spec.toml"', r"reward\.spec='/nope/spec\.toml': \[Errno 2\] No such file"),
+], ids=["judge-missing", "judge-syntax", "judge-import", "judge-half", "verl-list-half", "rule-missing", "rule-syntax",
+        "rule-import", "rule-no-function", "spec-missing"])
+def test_unusable_rule_judge_or_spec_is_one_line_before_any_model_loads(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str, value: str, message: str) -> None:
+    for name, text in BAD_FILES.items():
+        (tmp_path / name).write_text(text)
+    extra = {key: value.replace("TMP", str(tmp_path))}
+    if key == "reward.verl.reward_function":
+        extra |= {"reward.judges": "[]", "reward.verl.model_path": '["tiny:qwen3:1", "tiny:qwen3:2"]'}
+    out = tmp_path / "runs"
+    code = app.run_app("rider-grm", app.main, tiny_overrides(out, **extra))
+    [line] = capsys.readouterr().err.splitlines()
+    assert code == 2
+    assert re.fullmatch(rf"rider-grm: error: {message}.*", line), line
+    assert not out.exists()  # stopped before loading or writing anything
+
+
+def test_batch_size_is_checked_against_the_process_count() -> None:
+    """`Recipe.check` runs before any model loads (the loop calls it with the accelerator's count)."""
+    cfg = load_config(Config, DEFAULT_CONFIG, ["train.batch_size=3", "train.mini_batch_size=3"])
+    app.RECIPE.check(cfg, 1)
+    with pytest.raises(ConfigError, match=r"^train\.batch_size=3 must be a multiple of the 2 processes$"):
+        app.RECIPE.check(cfg, 2)

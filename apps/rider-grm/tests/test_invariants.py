@@ -48,7 +48,7 @@ def one_step(tmp_path: Path, name: str, **extra: object) -> list[str]:
 
 
 # one process, 4 prompts x 2 responses (pinned on the 2-core CPU; a changed formula moves them by far more)
-PINNED = {"reward/mean": 1.055692, "actor/grad_norm": 0.73106, "actor/entropy": 6.45467}
+PINNED = {"reward/mean": 1.055692, "grad_norm": 0.73106, "policy/entropy": 6.45467}
 
 
 @pytest.mark.parametrize("sharding", ["none", "fsdp2"])
@@ -66,8 +66,8 @@ def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path, sh
     assert (a["world_size"], b["world_size"]) == ("1", "2")
     for key, value in PINNED.items():
         assert float(a[key]) == pytest.approx(value, abs=2e-4), (key, a[key])
-    for key in ("reward/mean", "reward/std", "adv/std", "actor/loss/policy", "actor/loss/kl", "actor/grad_norm",
-                "actor/entropy", "replay/engine_diff_mean"):
+    for key in ("reward/mean", "reward/std", "adv/std", "loss/policy", "loss/kl", "grad_norm",
+                "policy/entropy", "replay/engine_diff_mean"):
         assert float(b[key]) == pytest.approx(float(a[key]), abs=2e-5), (key, a[key], b[key])
     wa, wb = weights(single, 1), weights(tmp_path / "two", 1)
     start = load_file(Path(tiny.build("qwen3")) / "model.safetensors")
@@ -85,7 +85,7 @@ def test_gradient_accumulation_equals_one_micro_batch(tmp_path: Path) -> None:
     wa, wb = weights(big, 1), weights(small, 1)
     for name in wa:
         torch.testing.assert_close(wb[name], wa[name], atol=2e-6, rtol=0, msg=name)
-    assert float(rows(big)[0]["actor/loss/policy"]) == pytest.approx(float(rows(small)[0]["actor/loss/policy"]), abs=1e-6)
+    assert float(rows(big)[0]["loss/policy"]) == pytest.approx(float(rows(small)[0]["loss/policy"]), abs=1e-6)
 
 
 # gae needs a value model (a critic), which none of the apps trains: it is tested in rl-core only
@@ -103,7 +103,7 @@ def test_every_estimator_and_loss_trains_every_parameter(tmp_path: Path, estimat
         "train.mini_batch_size": 2}))
     table = rows(run)
     assert [r["step"] for r in table] == ["1", "2"]
-    assert all(float(r["actor/nonfinite/skipped_steps"]) == 0 for r in table)
+    assert all(float(r["nonfinite/skipped_steps"]) == 0 for r in table)
     start = load_file(Path(tiny.build("qwen3")) / "model.safetensors")
     end = weights(run, 2)
     unchanged = [k for k, v in start.items() if torch.equal(end[f"model.{k}"], v)]

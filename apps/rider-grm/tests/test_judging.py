@@ -5,19 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import REPO, TESTS
-from judging import (
-    PhaseMonitor,
-    RecordingEngine,
-    RuleScorer,
-    SwappedJudge,
-    check_judge,
-    engine_state,
-    load_function,
-)
+from judging import Judge, RecordingEngine, check_judge
+from rewarding import RuleScorer
+from rider_config import load_function
 from transformers import AutoTokenizer
 
+from rl_core.train import PhaseTimer
 from rl_models import tiny
 from rl_rewards.modules import load_reward_module
 from rl_rewards.samples import Sample
@@ -58,7 +52,7 @@ class StateProbe:
         self.module, self.params, self.tokenizer, self.engine = inner.module, inner.params, inner.tokenizer, inner.engine
 
     def score(self, samples):
-        self.seen.append({k: engine_state(e) for k, e in self.engines.items()})
+        self.seen.append({k: e.state for k, e in self.engines.items()})
         return self.inner.score(samples)
 
 
@@ -70,18 +64,18 @@ def test_swapped_judge_is_awake_only_while_scoring(judge_path: Path) -> None:
     scorer = JudgeScorer(engine, AutoTokenizer.from_pretrained(judge_path), str(MODULES / "no_contradiction_judge.py"),
                          temperature=0.7, max_new_tokens=4)
     probe = StateProbe(scorer, {"judge": engine, "policy": policy})
-    monitor = PhaseMonitor(torch.device("cpu"))
-    judge = SwappedJudge("consistency", 1, probe, engine, monitor, policy)
+    timer = PhaseTimer()
+    judge = Judge("consistency", 1, probe, timer, engine=engine)
+    judge.policy = policy
     results = judge.score([sample(0), sample(1)])
     assert probe.seen == [{"judge": "awake", "policy": "asleep"}]
-    assert engine_state(engine) == "asleep"
+    assert engine.state == "asleep"
     log = judge.pop()
     assert log.scored == 2 and log.policy_awake == 0
     assert set(log.raw) == {0, 1}  # raw outputs kept per sample uid
     assert log.failures == sum(r.error is not None for r in results)
-    times = monitor.pop()
-    assert {"time/judge_consistency_wake", "time/judge_consistency_score", "time/judge_consistency_sleep"} <= set(times)
-    assert times["mem/peak_gib"] == 0.0
+    times = timer.pop()
+    assert set(times) == {"time/judge_consistency_wake", "time/judge_consistency_score", "time/judge_consistency_sleep"}
 
 
 def test_swapped_judge_sends_rm_prompt_of_its_index(judge_path: Path) -> None:
@@ -100,8 +94,8 @@ def test_swapped_judge_sends_rm_prompt_of_its_index(judge_path: Path) -> None:
             return original(prompts, responses, tok)
 
     scorer.module = Spy()
-    SwappedJudge("b", 1, scorer, engine, PhaseMonitor(torch.device("cpu")), None).score([sample(0)])
-    SwappedJudge("p", 1, scorer, engine, PhaseMonitor(torch.device("cpu")), None, use_rm_prompt=False).score([sample(1)])
+    Judge("b", 1, scorer, PhaseTimer(), engine=engine).score([sample(0)])
+    Judge("p", 1, scorer, PhaseTimer(), engine=engine, use_rm_prompt=False).score([sample(1)])
     assert seen == ["Contradiction? {response}", "When am I paid?"]
 
 
@@ -116,21 +110,19 @@ def test_check_judge_names_the_module_and_function(tmp_path: Path, judge_path: P
 
 
 def test_rule_function_from_file_and_import_path() -> None:
-    monitor = PhaseMonitor(torch.device("cpu"))
-    parity = RuleScorer(load_function(str(TESTS / "rules" / "parity_rule.py")), monitor)
+    parity = RuleScorer(load_function(str(TESTS / "rules" / "parity_rule.py")))
     assert [r.score for r in parity.score([sample(0, "ab"), sample(1, "abc")])] == [1.0, 0.0]
-    rider = RuleScorer(load_function("rider_rules:compute_score"), monitor)
+    rider = RuleScorer(load_function("rider_rules:compute_score"))
     result = rider.score([sample(0, "One. Two. Three. Four.")])[0]
     assert result.score == 0.0 and result.components == {"sentences": 4.0}
     with pytest.raises(AttributeError, match="no function 'nope'"):
         load_function("rider_rules:nope")
-    assert "time/rule" in monitor.pop()
 
 
 def test_rule_error_fails_only_that_sample() -> None:
     def fragile(data_source, solution_str, ground_truth, extra_info=None):
         return 1.0 / len(solution_str)
 
-    results = RuleScorer(fragile, PhaseMonitor(torch.device("cpu"))).score([sample(0, ""), sample(1, "ab")])
+    results = RuleScorer(fragile).score([sample(0, ""), sample(1, "ab")])
     assert results[0].score is None and "ZeroDivisionError" in results[0].error
     assert results[1].score == 0.5

@@ -17,7 +17,7 @@ FAST = {"reward.judges": "[]", "reward.embedding.model": "null", "reward.rule": 
 
 def test_auto_picks_hf_without_cuda_and_says_why(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = app.main(tiny_overrides(tmp_path, **FAST, **{"rollout.engine": '"auto"'}))  # the embedded default pins hf
-    assert "rollout engine: hf (auto: no CUDA device, vLLM needs one)" in capsys.readouterr().out.splitlines()
+    assert "rollout.engine: hf (auto: no CUDA device, vLLM needs one)" in capsys.readouterr().out.splitlines()
     with (run / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [r["rollout/weight_version"] for r in rows] == ["0.0"]  # the hf engine decodes with the trained weights

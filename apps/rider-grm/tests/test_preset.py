@@ -19,12 +19,12 @@ import json
 import msgspec
 import pytest
 import torch
-from conftest import REPO, TESTS, app
-from judging import PhaseMonitor
-from rewarding import build_judges, compose_reward, score
-from rider_config import JudgeConfig, check_judges
+from conftest import REPO, TESTS
+from judging import build_judge
+from rewarding import compose_reward, score
+from rider_config import DEFAULT_CONFIG, Config, check_config, judge_configs
 
-from rl_core.train import ConfigError
+from rl_core.train import ConfigError, PhaseTimer, load_config
 from rl_rewards.samples import Sample
 
 PRESET = REPO / "examples" / "rider-grm" / "verl-with-rms.toml"
@@ -55,10 +55,10 @@ def _samples() -> list[Sample]:
             for i, (answer, ref, _, _) in enumerate(GOLDEN)]
 
 
-def _tiny_preset(ours: bool) -> app.Config:
+def _tiny_preset(ours: bool) -> Config:
     """The preset with tiny models, the test rule and judges, judge 2 combined with mul; `ours`
     switches the three VeRL-with-RMs choices back to rider-grm's defaults."""
-    cfg = app.load_config(app.Config, PRESET)
+    cfg = load_config(Config, PRESET)
     judges = [msgspec.structs.replace(j, module=str(TESTS / "judges" / "echo_judge.py"), model=f"tiny:qwen3:{i + 1}",
                                       max_new_tokens=2, combine="mul" if i else j.combine,
                                       gated_out="skip" if ours else j.gated_out)
@@ -73,9 +73,9 @@ def _tiny_preset(ours: bool) -> app.Config:
 @pytest.mark.parametrize("ours", [False, True], ids=["verl-with-rms", "ours"])
 def test_golden_totals(ours: bool) -> None:
     cfg = _tiny_preset(ours)
-    device, monitor = torch.device("cpu"), PhaseMonitor(torch.device("cpu"))
-    judges = build_judges(list(cfg.reward.judges), device, monitor, None, n_rm_prompts=2, sleep=False)
-    reward = compose_reward(cfg, judges, monitor, device)
+    device, timer = torch.device("cpu"), PhaseTimer()
+    judges = [build_judge(i, judge, device, timer, sleep=False) for i, judge in enumerate(cfg.reward.judges)]
+    reward = compose_reward(cfg, judges, list(cfg.reward.judges), timer, device)
     assert list(reward.spec.components) == (["rule", "rider", "consistency", "similarity"] if ours
                                             else ["rule", "similarity", "rider", "consistency"])
     results, logs = score(reward, judges, _samples())
@@ -91,8 +91,8 @@ def test_golden_totals(ours: bool) -> None:
 
 
 def test_preset_file_holds_the_formula() -> None:
-    cfg = app.load_config(app.Config, PRESET)
-    judges = app.judge_configs(cfg.reward)
+    cfg = load_config(Config, PRESET)
+    judges = judge_configs(cfg.reward)
     assert [(j.gate, j.gated_out, j.completion_field, j.on_malformed, j.fallback) for j in judges] == [
         (1.0, "zero", "Response", 0.0, 0.0)] * 2
     emb = cfg.reward.embedding
@@ -101,7 +101,10 @@ def test_preset_file_holds_the_formula() -> None:
 
 
 def test_gated_out_needs_a_gate_and_served_judges_take_no_field() -> None:
+    def check(judge: str) -> None:
+        check_config(load_config(Config, DEFAULT_CONFIG, [f"reward.judges=[{judge}]"]), 1)
+
     with pytest.raises(ConfigError, match=r"reward\.judges\[0\].*gated_out = 'zero' but no gate"):
-        check_judges([JudgeConfig(module="m.py", model="x", gated_out="zero")])
+        check('{module = "m.py", model = "x", gated_out = "zero"}')
     with pytest.raises(ConfigError, match=r"completion_field is applied by the server"):
-        check_judges([JudgeConfig(engine="server", url="http://h", spec="s", completion_field="Response")])
+        check('{engine = "server", url = "http://h", spec = "s", completion_field = "Response"}')

@@ -90,12 +90,12 @@ def test_served_judge_scores_like_the_same_judge_in_process(server: str, tmp_pat
     for r in failed:
         assert r["components"]["j"] == 0.25 and "unreadable judge output" in r["judges"]["j"]["error"]
     rows_a, rows_b = metrics(local), metrics(served)
-    for key in ("reward/mean", "judge_j/scored", "judge_j/parse_failures", "score/j_mean"):
+    for key in ("reward/mean", "judge/j/scored", "judge/j/parse_failures", "reward/j"):
         assert rows_a[0][key] == rows_b[0][key], key
-    assert rows_b[0]["judge_j/request_failures"] == "0"
+    assert rows_b[0]["judge/j/request_failures"] == "0"
     # gated-out samples never reached the server: it scored the dry-run sample, the passing
-    # training samples and the passing validation samples, nothing else
-    sent = 1 + int(rows_b[0]["judge_j/scored"]) + int(rows_b[0]["val/judge_j/scored"])
+    # training samples and the passing evaluation samples, nothing else
+    sent = 1 + int(rows_b[0]["judge/j/scored"]) + int(rows_b[0]["eval/judge/j/scored"])
     assert served_samples(server) - before == sent
 
 

@@ -1,19 +1,16 @@
-"""Swap plans (hand-worked memory budgets) and engine sleep/wake through the pinned offloaders
+"""Swap plans (hand-worked memory budgets) and a judge's sleep/wake through the pinned offloaders
 (their unit tests live with them in rl-core: tests/train/test_train_offload.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from swapping import (
-    PLANS,
-    PinnedOffload,
-    compute_swap_plan,
-    sleep_engine,
-    wake_engine,
-)
+from judging import Judge, RecordingEngine
+from swapping import PLANS, compute_swap_plan
 
+from rl_core.train import PhaseTimer, PinnedOffload
 from rl_models import tiny
+from rl_rewards.scorers.judge import JudgeScorer
 from rl_rollout.hf import HFEngine
 
 
@@ -43,19 +40,21 @@ def test_swap_plan_without_judges_and_bad_input() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_pinned_offload_frees_the_gpu_and_the_engine_moves_nothing_more() -> None:
-    """On CUDA: after `sleep_engine` the weights live in pinned host buffers (memory freed), the
-    engine is asleep; `wake_engine` restores them bit-exactly and a second sleep reuses the buffers."""
+    """On CUDA: after a judge's `sleep` its weights live in pinned host buffers (memory freed), the
+    engine is asleep; `wake` restores them bit-exactly and a second sleep reuses the buffers."""
     engine = HFEngine.from_pretrained(tiny.build("qwen3"), device="cuda")
     offload = PinnedOffload(engine.model, torch.device("cuda"))
+    scorer = JudgeScorer(engine, engine.tokenizer, "rl_rewards.judges.yes_no")
+    judge = Judge("j", 0, scorer, PhaseTimer(), engine=RecordingEngine(engine), offload=offload)
     expected = {k: v.clone() for k, v in engine.model.state_dict().items()}
     torch.cuda.synchronize()
     awake = torch.cuda.memory_allocated()
-    sleep_engine(engine, offload)
+    judge.sleep()
     assert engine.state == "asleep" and all(h.is_pinned() for h in offload.host)
     assert awake - torch.cuda.memory_allocated() >= offload.nbytes
     first = [h.data_ptr() for h in offload.host]
-    wake_engine(engine, offload)
+    judge.wake()
     assert engine.state == "awake" and next(engine.model.parameters()).is_cuda
     assert all(torch.equal(v, expected[k]) for k, v in engine.model.state_dict().items())
-    sleep_engine(engine, offload)
+    judge.sleep()
     assert [h.data_ptr() for h in offload.host] == first

@@ -20,7 +20,7 @@ pytestmark = [
 
 def test_two_vllm_judges_swapped_in_a_run(tmp_path: Path) -> None:
     """Each judge's engine core runs in a process of its own whatever VLLM_ENABLE_V1_MULTIPROCESSING
-    says (a GPU machine's environment may set it to 0 for colocated engines): `judging.vllm_engine_core`
+    says (a GPU machine's environment may set it to 0 for colocated engines): `rl_rollout.colocated.vllm_engine_core`
     sets it for each engine it builds."""
     run = app.main(tiny_overrides(tmp_path, **{"reward.judges": VLLM_JUDGES, "train.max_steps": 2,
                                                "model.dtype": '"float32"', "rollout.engine": '"hf"'}))
@@ -28,9 +28,9 @@ def test_two_vllm_judges_swapped_in_a_run(tmp_path: Path) -> None:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2
     for row in rows:
-        assert row["check/judges_awake_during_generate"] == "0"  # both vLLM judges asleep while the policy samples
+        assert row["check/judges_awake_during_rollout"] == "0"  # both vLLM judges asleep while the policy samples
         assert row["check/policy_awake_during_score"] == "0"
         assert row["check/policy_awake_during_consistency"] == "0"
         for name in ("score", "consistency"):
-            assert float(row[f"score/{name}_mean"]) == float(row[f"score/{name}_mean"])  # finite, scored
-            assert float(row[f"mem/judge_{name}_sleep_gib"]) >= 0
+            assert float(row[f"reward/{name}"]) == float(row[f"reward/{name}"])  # finite, scored
+            assert float(row[f"memory/judge_{name}_sleep_peak_gib"]) >= 0

@@ -48,14 +48,14 @@ def test_weight_sync_with_real_vllm(tmp_path: Path) -> None:
         assert float(row["replay/engine_diff_mean"]) < 1e-2, row  # trainer vs vLLM kernels, bf16
         assert row["check/policy_awake_during_score"] == "0"
         assert row["check/policy_awake_during_consistency"] == "0"
-        assert row["check/judges_awake_during_generate"] == "0"
+        assert row["check/judges_awake_during_rollout"] == "0"
         assert float(row["swap/offload_policy"]) == 1.0
 
 
 def test_auto_picks_vllm_and_says_so(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     run = app.main(tiny_overrides(tmp_path, **POLICY, **{"rollout.engine": '"auto"', "reward.judges": "[]",
                                                          "train.max_steps": 1}))
-    assert "rollout engine: vllm (auto: CUDA device and vLLM found)" in capfd.readouterr().out
+    assert "rollout.engine: vllm (auto: CUDA device and vLLM found)" in capfd.readouterr().out
     assert [float(r["rollout/weight_version"]) for r in read_metrics(run)] == [0.0]
 
 
@@ -69,9 +69,9 @@ def test_policy_and_two_judges_all_on_vllm(tmp_path: Path) -> None:
     rows = read_metrics(run)
     assert [float(r["rollout/weight_version"]) for r in rows] == [0.0, 1.0]
     for row in rows:
-        assert row["check/judges_awake_during_generate"] == "0"  # both judges asleep while the policy samples
+        assert row["check/judges_awake_during_rollout"] == "0"  # both judges asleep while the policy samples
         assert row["check/policy_awake_during_score"] == "0"  # the policy asleep while each judge scores
         assert row["check/policy_awake_during_consistency"] == "0"
         assert float(row["replay/engine_diff_mean"]) < 1e-2, row
         for name in ("score", "consistency"):
-            assert float(row[f"score/{name}_mean"]) == float(row[f"score/{name}_mean"])  # finite, scored
+            assert float(row[f"reward/{name}"]) == float(row[f"reward/{name}"])  # finite, scored

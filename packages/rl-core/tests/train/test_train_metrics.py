@@ -135,3 +135,13 @@ def test_phase_timer_peak_memory_per_phase() -> None:
     out = timer.pop()
     assert out["memory/big_peak_gib"] >= 0.25
     assert out["memory/small_peak_gib"] < out["memory/big_peak_gib"] - 0.2  # the peak was reset
+
+
+def test_metric_table_covers_a_judges_eval_counters_and_no_other_deep_eval_name() -> None:
+    """rider-grm logs its judges' counters on the held-out evaluation (`eval/judge/<name>/<metric>`);
+    other eval names stay at most two segments deep."""
+    from rl_core.train import unknown_metric_names
+
+    names = ["eval/judge/rubric/scored", "eval/judge/rubric/parse_failures", "eval/reward/mean", "eval/reward/qa",
+             "eval/judge/rubric/scored/extra", "eval/reward/qa/extra"]
+    assert unknown_metric_names(names) == ["eval/judge/rubric/scored/extra", "eval/reward/qa/extra"]

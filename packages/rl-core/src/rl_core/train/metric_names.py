@@ -28,6 +28,7 @@ METRIC_NAMES: dict[str, str] = {
     "world_size": "number of training processes",
     "eval/<metric>": "a metric of the held-out evaluation (eval/reward/mean, eval/reward/<component>, ...)",
     "eval/<metric>/<component>": "a component of a held-out metric (eval/reward/qa)",
+    "eval/judge/<name>/<metric>": "a judge's counter on the held-out evaluation (eval/judge/<name>/scored)",
     # rewards and advantages (rl_core.train.group_advantages, every process)
     "reward/mean": "mean reward of the samples that scored",
     "reward/std": "standard deviation (n - 1) of those rewards",
