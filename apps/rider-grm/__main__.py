@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import rewarding
 import torch
 from judging import Judge, build_judge, check_served
@@ -35,7 +34,7 @@ from rl_core.train.sharding import FullWeights, prepare_policy, resolve_sharding
 from rl_data import GroupSampler, JudgeRecord
 from rl_models.text import load_causal_lm
 from rl_rewards.composition import Reward
-from rl_rollout import Generation, SamplingParams, training
+from rl_rollout import Generation, SamplingParams, generate_seeded, training
 from rl_rollout.policy import PolicyEngine, build_policy_engine
 from rl_rollout.prompts import EncodedPrompt
 
@@ -207,11 +206,9 @@ class RiderGRM(Recipe[Config, State, Batch]):
                 num_minibatches=max(1, t.batch_size // t.mini_batch_size), micro_batch_size=t.micro_batch_size,
                 ppo_epochs=1, grad_clip=t.grad_clip, guard=run.guard, pad_id=state.engine.pad_id,
                 after_step=state.engine.sync)
-        lengths = acc.gather(torch.tensor([float(len(g.completion_ids)) for g in batch.gens], device=acc.device))  # [W*B]
-        tokens = sum(len(g.prompt_ids) + len(g.completion_ids) for g in batch.gens)
-        totals = acc.reduce(torch.tensor([float(tokens), float(batch.judges_awake)], device=acc.device), reduction="sum")
-        return {**out, "rollout/weight_version": float(batch.weight_version), "response/length_mean": lengths.mean().item(),
-                "tokens": totals[0].item(), "check/judges_awake_during_rollout": int(totals[1].item()),
+        awake = acc.reduce(torch.tensor(float(batch.judges_awake), device=acc.device), reduction="sum")
+        return {**out, "rollout/weight_version": float(batch.weight_version), **training.response_metrics(acc, batch.gens),
+                "check/judges_awake_during_rollout": int(awake.item()),
                 **state.swap.decide(run.timer, state.judges), **(state.full.pop_metrics() if state.full else {})}
 
     def evaluate(self, state: State, step: int) -> dict[str, float]:
@@ -243,11 +240,9 @@ def generate(state: State, records: list[JudgeRecord], n: int, temperature: floa
     r = state.cfg.rollout
     params = SamplingParams(n=n, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
                             max_new_tokens=state.cfg.data.max_response_length)
+    prompts = [rewarding.messages(x) for x in records]
     with state.engine.session() as engine:
-        if seeds is None:
-            return engine.generate([rewarding.messages(x) for x in records], params), awake
-        return [msgspec.structs.replace(g, request_index=i) for i, (x, seed) in enumerate(zip(records, seeds, strict=True))
-                for g in engine.generate([rewarding.messages(x)], msgspec.structs.replace(params, seed=seed))], awake
+        return (engine.generate(prompts, params) if seeds is None else generate_seeded(engine, prompts, params, seeds)), awake
 
 
 def to_rollouts(gens: list[Generation], valid: list[bool]) -> list[training.Rollout]:

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from rl_core.train.config import (
+    AdvantageName,
     CliArgs,
     ConfigError,
     config_help,
@@ -253,3 +254,42 @@ def test_imports_stay_light() -> None:
     code = ("import sys, rl_core; assert 'msgspec' not in sys.modules, 'msgspec'; "
             "import rl_core.train; assert 'accelerate' not in sys.modules, 'accelerate'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class _Spec(msgspec.Struct, kw_only=True, frozen=True):
+    components: dict[str, dict[str, str]]
+
+
+class _TableOrPath(msgspec.Struct, kw_only=True, frozen=True):
+    spec: str | _Spec | None = None
+    log_with: list[str] = []
+
+
+class _WithSpec(msgspec.Struct, kw_only=True, frozen=True):
+    reward: _TableOrPath = _TableOrPath()
+
+
+def test_a_table_or_path_field_takes_an_inline_table_and_bare_word_lists() -> None:
+    cfg = load_config(_WithSpec, None, ['reward.spec={components = {len = {scorer = "length"}}}',
+                                        "reward.log_with=[tensorboard, wandb]"])
+    assert cfg.reward.spec == _Spec(components={"len": {"scorer": "length"}})
+    assert cfg.reward.log_with == ["tensorboard", "wandb"]  # the README's form, without quotes
+    assert load_config(_WithSpec, None, ["reward.spec=my_reward.toml"]).reward.spec == "my_reward.toml"
+
+
+class _Algo(msgspec.Struct, kw_only=True, frozen=True):
+    advantage: AdvantageName = "grpo"
+
+
+class _WithAlgo(msgspec.Struct, kw_only=True, frozen=True):
+    algo: _Algo = _Algo()
+
+
+def test_registry_names_are_checked_when_the_config_loads() -> None:
+    Cfg = _WithAlgo
+    assert load_config(Cfg, None, ["algo.advantage=rloo"]).algo.advantage == "rloo"
+    with pytest.raises(ConfigError, match=r"^algo\.advantage: unknown advantage estimator 'nope'; valid names: "
+                                          r"dr_grpo, gae, grpo, reinforce_pp, reinforce_pp_baseline, rloo "
+                                          r"\(from override algo\.advantage=nope\)$"):
+        load_config(Cfg, None, ["algo.advantage=nope"])
+    assert "str (one of: dr_grpo, gae, grpo" in config_help(Cfg)

@@ -224,6 +224,8 @@ def _parse_value(raw: str, tp: Any) -> Any:
             inner = inner[1:-1] if inner.startswith("[") and inner.endswith("]") else inner
             return [item.strip() for item in inner.split(",") if item.strip()]
         return raw
+    if isinstance(value, dict) and _struct_of(tp) is not None:
+        return value  # an inline table for a table-or-path field (`reward.spec={components = ...}`)
     if _admits(tp, str) and not isinstance(value, str):
         return raw  # `name=123` for a str field means the string "123"
     return value
