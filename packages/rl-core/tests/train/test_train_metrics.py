@@ -145,3 +145,33 @@ def test_metric_table_covers_a_judges_eval_counters_and_no_other_deep_eval_name(
     names = ["eval/judge/rubric/scored", "eval/judge/rubric/parse_failures", "eval/reward/mean", "eval/reward/qa",
              "eval/judge/rubric/scored/extra", "eval/reward/qa/extra"]
     assert unknown_metric_names(names) == ["eval/judge/rubric/scored/extra", "eval/reward/qa/extra"]
+
+
+def test_the_root_readme_shows_the_table_of_metric_names() -> None:
+    """The README's table is the one in code, row for row (docs are code)."""
+    from pathlib import Path
+
+    from rl_core.train.metric_names import METRIC_NAMES
+
+    readme = (Path(__file__).resolve().parents[4] / "README.md").read_text(encoding="utf-8")
+    rows = [line for line in readme.splitlines() if line.startswith("| `")]
+    shown = {line.split("`")[1]: line.split(" | ", 1)[1].removesuffix(" |") for line in rows if "`" in line}
+    assert {k: shown.get(k) for k in METRIC_NAMES} == METRIC_NAMES
+
+
+def test_phases_nest_and_a_scope_names_them_apart() -> None:
+    import time
+
+    from rl_core.train import PhaseTimer
+
+    timer = PhaseTimer()
+    with timer("update"):
+        with timer("logprob"):
+            time.sleep(0.02)
+        time.sleep(0.01)
+    with timer("eval"), timer.scope("eval/"), timer("rollout"):
+        time.sleep(0.01)
+    out = timer.pop()
+    assert out["time/update"] >= out["time/logprob"] + 0.009 and out["time/logprob"] >= 0.019
+    assert out["time/eval/rollout"] >= 0.009 and "time/rollout" not in out and out["time/eval"] >= out["time/eval/rollout"]
+    assert timer.peak_gib("update") is None and timer.pop() == {}  # no CUDA: no memory figures; pop resets
