@@ -1,6 +1,5 @@
-"""arith-grpo: text GRPO on "a + b" prompts with an exact-answer rule reward, the smallest recipe on
-the shared trainer loop (`rl_core.train.loop` owns everything but these hooks). `uv run
-apps/arith-grpo` trains a tiny random Qwen3 on CPU in about a minute; `--help` lists every key."""
+"""arith-grpo: text GRPO on "a + b" with an exact-answer rule, the smallest recipe on the shared trainer loop
+(`rl_core.train.loop` owns all but these hooks). `uv run apps/arith-grpo` trains a tiny Qwen3 on CPU in a minute."""
 
 from __future__ import annotations
 
@@ -18,9 +17,7 @@ from rl_core import train
 from rl_data import GroupSampler
 from rl_models import tiny
 from rl_models.text import load_causal_lm
-from rl_rewards import Sample, build_reward
-from rl_rewards.composition import Reward
-from rl_rewards.spec import Component, RewardSpec
+from rl_rewards import Component, Reward, RewardSpec, Sample, build_reward
 from rl_rollout import Generation, SamplingParams, generate_seeded
 from rl_rollout.policy import PolicyEngine, build_policy_engine
 from rl_rollout.prompts import EncodedPrompt
@@ -39,13 +36,15 @@ class PolicyConfig(msgspec.Struct, kw_only=True, frozen=True):
 class AlgoConfig(msgspec.Struct, kw_only=True, frozen=True):
     advantage: train.AdvantageName = "grpo"
     loss: train.PolicyLossName = "ppo_clip"
+
+
+class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     partial: float = 0.1  # reward of a wrong number: a format bonus a random policy finds (0 = exact only)
-    reward_spec: str | RewardSpec | None = None  # a RewardSpec replacing the exact-answer rule (file or table)
+    spec: str | RewardSpec | None = None  # a RewardSpec replacing the exact-answer rule (file or inline table)
 
 
 class TrainConfig(train.RunFields, kw_only=True, frozen=True):
     output_dir: str = "runs/arith-grpo"
-    problems: train.Positive = 64  # "a + b" with a, b in 0..9, drawn from the seed
     batch_size: train.Positive = 8  # prompts per step, all processes
     micro_batch_size: train.Positive = 8  # answers per forward/backward
     max_steps: train.Positive = 100
@@ -55,6 +54,7 @@ class TrainConfig(train.RunFields, kw_only=True, frozen=True):
 class Config(msgspec.Struct, kw_only=True, frozen=True):
     policy: PolicyConfig = PolicyConfig()
     algo: AlgoConfig = AlgoConfig()
+    reward: RewardConfig = RewardConfig()
     train: TrainConfig = TrainConfig()
 
 
@@ -92,10 +92,10 @@ class ArithGRPO(train.Recipe[Config, State, Batch]):
         policy, optimizer = run.accelerator.prepare(Policy(model), torch.optim.AdamW(model.parameters(), lr=t.lr))
         engine = build_policy_engine(p.engine, model=model, processor=tokenizer, path=path, dtype=p.dtype,
                                      device=run.device, seed=run.rank, world_size=run.world_size, compile=False)
-        spec = cfg.algo.reward_spec or RewardSpec(components={"answer": Component(
-            scorer="exact_answer", options={"answer": "first", "partial": cfg.algo.partial})})
+        spec = cfg.reward.spec or RewardSpec(components={"answer": Component(
+            scorer="exact_answer", options={"answer": "first", "partial": cfg.reward.partial})})
         draw = random.Random(t.seed)
-        problems = [(draw.randrange(10), draw.randrange(10)) for _ in range(t.problems)]
+        problems = [(draw.randrange(10), draw.randrange(10)) for _ in range(64)]  # "a + b", drawn from the seed
         sampler = GroupSampler(len(problems), p.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
         return State(cfg, run, model, policy, optimizer, engine, build_reward(spec), sampler, problems)
 

@@ -11,7 +11,11 @@ import pytest
 from conftest import APP, REPO, app
 
 from rl_core.train import unknown_metric_names
-from rl_core.train.testing import assert_resume_is_bit_identical, assert_two_processes_equal_one, metric_rows
+from rl_core.train.testing import (
+    assert_resume_is_bit_identical,
+    assert_two_processes_equal_one,
+    metric_rows,
+)
 
 SMALL = ["policy.n=4", "policy.max_new_tokens=4", "train.batch_size=4", "train.micro_batch_size=3", "train.max_steps=2"]
 KEYS = ("reward/mean", "reward/std", "adv/std", "loss/policy", "grad_norm", "policy/entropy", "response/length_mean")
