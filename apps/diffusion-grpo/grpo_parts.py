@@ -1,11 +1,10 @@
-"""Pieces of the diffusion-grpo recipe that are not the loop itself: the LoRA state and its EMA,
-per-sample seeds, image statistics, the brightness scorer, contact sheets and the reward curve.
-"""
+"""Pieces of the diffusion-grpo recipe that are not its hooks: the LoRA state and its EMA, image
+statistics, the brightness scorer and contact sheets."""
 
 from __future__ import annotations
 
-import hashlib
 import math
+import textwrap
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,16 +16,8 @@ from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from rl_core.train import plot_reward_curve as plot_curves
 from rl_rewards import Sample, ScoreResult
 from rl_rewards.scorers.media import load_image
-
-
-def sample_seed(*parts: int) -> int:
-    """A 56-bit seed from `(seed, epoch, rank, index)`: noise that depends only on the sample's
-    place in the run, so resuming or changing the batch size re-draws the same images."""
-    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=7).digest()
-    return int.from_bytes(digest, "little")
 
 
 def trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -66,19 +57,21 @@ class LoraEMA:
     The EMA is whole (fp32) on every process, also for sharded LoRA weights (`train.sharding =
     "fsdp2"`: each update gathers them; a LoRA is small): its state is the same on every process,
     saved by the main one and loaded by all, and it is applied to a sharded policy's gathered
-    copy (`swapped(copy)`), bit for bit what an unsharded run has."""
+    copy (`swapped(copy)`), bit for bit what an unsharded run has. It counts the optimizer
+    steps (`steps`, saved with it): the version of the weights a rollout samples with."""
 
     def __init__(self, params: Mapping[str, torch.nn.Parameter], *, decay: float, interval: int) -> None:
         if not 0 <= decay < 1 or interval < 1:
             raise ValueError(f"need 0 <= ema decay < 1 and interval >= 1, got {decay}, {interval}")
         self.params, self.decay, self.interval = dict(params), decay, interval
         self.shadow = {name: whole(p.detach()).float().clone() for name, p in self.params.items()}
-        self.updates = 0
+        self.updates, self.steps = 0, 0
 
     @torch.no_grad()
-    def step(self, optimizer_step: int) -> None:
-        """Call after optimizer step number `optimizer_step` (1-based), on every process."""
-        if optimizer_step % self.interval:
+    def step(self) -> None:
+        """Call after each optimizer step that was taken, on every process."""
+        self.steps += 1
+        if self.steps % self.interval:
             return
         for name, p in self.params.items():
             self.shadow[name].lerp_(whole(p.detach()).float(), 1 - self.decay)
@@ -105,12 +98,12 @@ class LoraEMA:
                     p.copy_(saved[name])
 
     def state_dict(self) -> dict[str, Any]:
-        return {"shadow": {k: v.cpu() for k, v in self.shadow.items()}, "updates": self.updates}
+        return {"shadow": {k: v.cpu() for k, v in self.shadow.items()}, "updates": self.updates, "steps": self.steps}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for name in self.shadow:
             self.shadow[name].copy_(state["shadow"][name])
-        self.updates = int(state["updates"])
+        self.updates, self.steps = int(state["updates"]), int(state["steps"])
 
 
 # ----------------------------------------------------------------------------- images
@@ -165,29 +158,8 @@ def contact_sheet(images: Sequence[Image.Image], captions: Sequence[str], path: 
     for i, (image, caption) in enumerate(zip(images, captions, strict=True)):
         x, y = (i % columns) * cell, (i // columns) * (cell + text_h)
         sheet.paste(image.resize((cell, cell), Image.Resampling.NEAREST), (x, y))
-        for line_no, line in enumerate(_wrap(caption, width=cell // 6)[:4]):
+        for line_no, line in enumerate(textwrap.wrap(caption, width=cell // 6)[:4]):
             draw.text((x + 2, y + cell + 1 + 12 * line_no), line, fill="black", font=font)
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
     return path
-
-
-def _wrap(text: str, width: int) -> list[str]:
-    lines, line = [], ""
-    for word in text.split():
-        if line and len(line) + 1 + len(word) > width:
-            lines.append(line)
-            line = word
-        else:
-            line = f"{line} {word}".strip()
-    return [*lines, line] if line else lines
-
-
-# ----------------------------------------------------------------------------- plots
-
-CURVES = (("metrics.csv", "reward/mean", "train (SDE)"), ("eval_metrics.csv", "reward/mean", "eval (ODE, EMA)"))
-
-
-def plot_reward_curve(run_dir: Path) -> Path:
-    """`reward_curve.png`: training reward mean per epoch and the eval reward."""
-    return plot_curves(run_dir, curves=CURVES, xlabel="epoch")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from grpo_config import TrainConfig
 
 from rl_core.advantages import nonzero_advantage_indices
 from rl_core.train import gather_rows, sample_seed
@@ -14,7 +15,7 @@ from rl_rollout.diffusion import Trajectory
 Micro = tuple[int, torch.Tensor, float]  # (trajectory index, its rows [b], loss weight)
 
 
-def plan_micro_batches(run: Any, sizes: list[int], adv: torch.Tensor, epoch: int) -> list[list[Micro]]:
+def plan_micro_batches(t: TrainConfig, acc: Any, sizes: list[int], adv: torch.Tensor, epoch: int) -> list[list[Micro]]:
     """The epoch's optimizer steps, each a list of micro-batches of this process's trajectories
     (`sizes`: images per trajectory). Every process plans the same number of steps. How
     zero-advantage images are handled is `train.zero_adv`:
@@ -24,18 +25,17 @@ def plan_micro_batches(run: Any, sizes: list[int], adv: torch.Tensor, epoch: int
       chunks repeats its last one with weight 0, so the steps line up.
     - `flow_grpo`: `flow_grpo_steps`.
     """
-    t = run.cfg.train
     if t.zero_adv == "flow_grpo":
-        return flow_grpo_steps(run, sizes, adv, epoch)
+        return flow_grpo_steps(t, acc, sizes, adv, epoch)
     plan = by_trajectory((adv != 0).nonzero().flatten(), sizes, t.micro_batch_size)
-    count = run.acc.gather(torch.tensor([len(plan)], device=run.acc.device)).max().item()
+    count = acc.gather(torch.tensor([len(plan)], device=acc.device)).max().item()
     filler = (plan[-1][0], plan[-1][1], 0.0) if plan else (0, torch.tensor([0]), 0.0)
     plan += [filler] * (count - len(plan))
     accum = t.gradient_accumulation_steps
     return [plan[start:start + accum] for start in range(0, len(plan), accum)]
 
 
-def flow_grpo_steps(run: Any, sizes: list[int], adv: torch.Tensor, epoch: int) -> list[list[Micro]]:
+def flow_grpo_steps(t: TrainConfig, acc: Any, sizes: list[int], adv: torch.Tensor, epoch: int) -> list[list[Micro]]:
     """Flow-GRPO's zero-advantage filter (`scripts/train_sd3.py`) over the global batch: keep the
     non-zero advantages, put back randomly chosen zero ones until the kept count divides into
     the B = images per process / micro_batch_size batches of the epoch
@@ -45,7 +45,6 @@ def flow_grpo_steps(run: Any, sizes: list[int], adv: torch.Tensor, epoch: int) -
     resume. A process trains its own images of each batch (grouped by trajectory, at most
     micro_batch_size per forward); every kept image, refilled ones included (advantage 0,
     still under the KL term), weighs the same in the epoch."""
-    t, acc = run.cfg.train, run.acc
     everything, own = gather_rows(adv, acc)  # [N * world]
     num_batches = sum(sizes) // t.micro_batch_size
     generator = torch.Generator().manual_seed(sample_seed(t.seed, epoch))

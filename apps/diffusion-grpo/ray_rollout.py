@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from grpo_config import ModelConfig, RolloutConfig
 
 from rl_models.lora import add_lora
 from rl_rollout.diffusion import DiffusionEngine, PromptEmbeddings, Trajectory
@@ -35,7 +36,7 @@ from rl_rollout.ray_pool import EngineSpec, RolloutPool, connect, ship_module
 
 @dataclass(frozen=True)
 class Chunk:
-    """One sampling call: a prompt and a seed per image (`grpo_parts.sample_seed`)."""
+    """One sampling call: a prompt and a seed per image (`rl_core.train.sample_seed`)."""
 
     prompts: tuple[str, ...]
     seeds: tuple[int, ...]
@@ -122,7 +123,7 @@ class RayRollout:
             ray.shutdown()
 
 
-def start_workers(rollout: Any, model: Any, path: str, acc: Any) -> RayRollout:
+def start_workers(rollout: RolloutConfig, model: ModelConfig, path: str, acc: Any) -> RayRollout:
     """`rollout.workers` actors per trainer process, placed as `rollout.placement` says."""
     address = rollout.ray_address or os.environ.get("RAY_ADDRESS")
     if acc.num_processes > 1 and not address:
