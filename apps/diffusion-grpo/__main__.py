@@ -4,53 +4,53 @@ canonical recipe, `experiment/diffusion/sd3_5/online_grpo_ocr`), on the shared t
     uv run apps/diffusion-grpo                                       # embedded tiny CPU default
     uv run apps/diffusion-grpo --config examples/diffusion-grpo/vrl.toml        # or flow_grpo.toml
     accelerate launch apps/diffusion-grpo/__main__.py --config FILE  # one process per GPU
-    uv run apps/diffusion-grpo --resume                              # continue the latest run
-    uv run apps/diffusion-grpo --help                                # every key and its default
 
-One step of the loop is one epoch: sample `rollout.groups_per_epoch` prompts x `rollout.n` images
-with the SDE sampler (`rl_rollout.diffusion`, keeping latents and per-step log-probs) -> reward
-(in process or a reward server) -> GRPO advantages (global std, clip 5) -> the update: zero-
-advantage samples dropped, or refilled as Flow-GRPO does (grpo_plan.py), the stored steps
-replayed through the current model, `ppo_clip` on the per-step log-probs + beta * flow KL to
-the LoRA-disabled model, AdamW with gradient accumulation, EMA of the LoRA weights -> log ->
-checkpoint -> eval (ODE, EMA weights, fixed seed, contact sheet). `model.family = "janus"` trains
-Janus-Pro image tokens instead (families.py: what differs between the two). See README.md for
-the VRL knob mapping and the presets reproducing Flow-GRPO and VRL (examples/diffusion-grpo/).
+A step is an epoch: `rollout.groups_per_epoch` prompts x `rollout.n` images (SDE sampler, per-step
+log-probs kept) -> reward -> GRPO advantages (global std, clip 5) -> update (zero-advantage images
+dropped or refilled, `plan_micro_batches`; the stored steps replayed: `ppo_clip` + beta x flow KL
+to the LoRA-disabled model, AdamW, EMA) -> log -> checkpoint -> eval (ODE, EMA weights, fixed
+seeds, contact sheet). `model.family = "janus"` trains Janus-Pro image tokens (families.py).
 """
 
 from __future__ import annotations
 
+import math
 import sys
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
+import numpy as np
 import torch
-from families import FAMILIES, Family, whole_weights
-from grpo_config import DEFAULT_CONFIG, ENV, Config, check_config, read_prompts
-from grpo_parts import (
-    BrightnessScorer,
-    LoraEMA,
-    LoraState,
-    contact_sheet,
-    image_stats,
-    to_pil,
-    trainable,
+from accelerate.utils import gather_object
+from families import FAMILIES, Chunk, Family, Micro, whole_weights
+from grpo_config import (
+    DEFAULT_CONFIG,
+    ENV,
+    Config,
+    TrainConfig,
+    check_config,
+    read_prompts,
+    reward_spec,
 )
-from grpo_plan import plan_micro_batches
-from grpo_reward import build_scorer, grpo_scores, means, reward_spec, score_images
 from peft import PeftModel
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 
+from rl_core.advantages import group_ids_from_keys, nonzero_advantage_indices
 from rl_core.train import (
     Checkpoint,
     GroupAdvantages,
+    ParameterEMA,
     Recipe,
     RunContext,
     Schedule,
     Scores,
+    TrainableState,
+    gather_rows,
+    replay_update,
     run,
     run_app,
     sample_seed,
@@ -59,19 +59,18 @@ from rl_core.train import (
 from rl_data import GroupSampler, OCRPrompt
 from rl_models import tiny
 from rl_models.lora import export_lora
-from rl_rewards import SCORERS, Scorer, register_scorer
+from rl_rewards import SCORERS, Sample, Scorer, ScoreResult, build_reward, register_scorer
+from rl_rewards.client import RemoteScorer
+from rl_rewards.scorers.media import load_image
 from rl_rollout import ImageSamples
-
-if "brightness" not in SCORERS:  # the app module is imported once per process, tests included
-    register_scorer("brightness", BrightnessScorer)
 
 
 @dataclass
 class State:
     cfg: Config
     run: RunContext
-    family: Family  # the engine and the LoRA model it samples from; the optimizer
-    ema: LoraEMA  # also counts the optimizer steps (the weights' version)
+    family: Family  # the engine, the LoRA model it samples from and the optimizer
+    ema: ParameterEMA  # also counts the optimizer steps: the weights' version
     reward: Scorer  # composed in process, or a RemoteScorer
     prompts: list[OCRPrompt]
     eval_prompts: list[OCRPrompt]
@@ -97,20 +96,20 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
 
     def check(self, cfg: Config, world_size: int) -> None:
         check_config(cfg, world_size)
-        reward_spec(cfg.reward, tiny=cfg.model.path.startswith("tiny:"))  # a bad spec file stops here
 
     def setup(self, cfg: Config, run: RunContext) -> State:
-        prompts = read_prompts(cfg.data.manifest, "data.manifest")  # empty or bad data stops before any model loads
+        prompts = read_prompts(cfg.data.manifest, "data.manifest")  # empty or bad data: stopped before any model loads
         eval_prompts = read_prompts(cfg.data.eval_manifest, "data.eval_manifest")[: cfg.eval.max_prompts]
         family = FAMILIES[cfg.model.family](cfg, run.accelerator, str(tiny.resolve(cfg.model.path)))
         t = cfg.train
         sampler = GroupSampler(len(prompts), cfg.rollout.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
-        ema = LoraEMA(trainable(family.peft), decay=t.ema_decay, interval=t.ema_interval)
-        reward = build_scorer(cfg.reward, tiny=cfg.model.path.startswith("tiny:"))
+        ema = ParameterEMA(family.peft, decay=t.ema_decay, interval=t.ema_interval)
+        reward = RemoteScorer(cfg.reward.url, cfg.reward.server_reward) if cfg.reward.url else build_reward(
+            reward_spec(cfg.reward, tiny=cfg.model.path.startswith("tiny:")))
         return State(cfg, run, family, ema, reward, prompts, eval_prompts, sampler)
 
     def start(self, state: State) -> None:
-        state.family.start()  # Ray rollout workers, once the starting weights are in place
+        state.family.start()
 
     def schedule(self, state: State) -> Schedule:
         every = state.cfg.eval.every
@@ -122,70 +121,71 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         sharded one saves its LoRA and optimizer shards on every process (DCP, frozen base left
         out). The PEFT `lora/` and `lora_ema/` are written from whole weights inside it."""
         f, kept = state.family, {"ema": state.ema, "sampler": state.sampler}
-        sharded = f.full is not None
-        saved = {**kept, **sharded_state(f.peft, f.optimizer, trainable_only=True)} if sharded else {
-            "lora": LoraState(f.peft), "optimizer": f.optimizer, **kept}
-        whole = cast(PeftModel, f.full.model) if f.full is not None else f.peft  # filled inside `gather`
-        return Checkpoint(state=saved, trained=f.peft, accelerator=sharded, gather=whole_weights(f),
+        saved = {**kept, **sharded_state(f.peft, f.optimizer, trainable_only=True)} if f.full else {
+            "lora": TrainableState(f.peft), "optimizer": f.optimizer, **kept}
+        whole = cast(PeftModel, f.full.model) if f.full else f.peft  # whole inside `gather`
+        return Checkpoint(state=saved, trained=f.peft, accelerator=f.full is not None, gather=whole_weights(f),
                           write_files=lambda folder: export_adapters(whole, state.ema, folder))
 
     def rollout(self, state: State, step: int) -> Batch:
-        """n copies of each of this process's prompts, one seed per sample: a sample's seed depends
-        on its group's place in the epoch's prompt order (group g of rank r is the (g * world +
-        r)-th prompt) and its index in the group, not on the process count."""
+        """n copies of each of this process's prompts, one seed per sample: it depends on the
+        group's place in the epoch's prompt order (group g of rank r is the (g * world + r)-th
+        prompt) and the index in the group, not on the process count."""
         cfg, run, epoch = state.cfg, state.run, step - 1
-        n, groups, world = cfg.rollout.n, cfg.rollout.groups_per_epoch // run.world_size, run.world_size
+        n, size, world = cfg.rollout.n, cfg.rollout.sample_batch_size, run.world_size
+        groups = cfg.rollout.groups_per_epoch // world
         records = [state.prompts[next(iter(state.sampler))] for _ in range(groups * n)]
         seeds = [sample_seed(cfg.train.seed, epoch, ((i // n) * world + run.rank) * n + i % n) for i in range(len(records))]
+        chunks = [Chunk(tuple(r.prompt for r in records[i:i + size]), tuple(seeds[i:i + size]))
+                  for i in range(0, len(records), size)]
         state.family.model.eval()
-        samples = state.family.collect(records, seeds, state.ema.steps)
+        samples = state.family.collect(chunks, state.ema.steps)
         images = [image for s in samples for image in to_pil(s.images)]
         return Batch(samples, records, torch.arange(len(records)) // n + run.rank * groups, images, state.ema.steps)
 
     def score(self, state: State, step: int, batch: Batch) -> Scores:
         run = state.run
         files = run.run_dir / "rollouts" / f"step_{step}" / f"rank_{run.rank}" if state.cfg.reward.url else None
-        rewards, parts = score_images(state.reward, batch.images, batch.records, files=files)
+        rewards, parts = score_images(state.reward, batch.images, batch.records, files=files, send_paths=True)
         stats = {key: [value] for key, value in image_stats(batch.images).items()}  # equal image counts per process
-        metrics = means({**parts, **stats}, run.accelerator)  # over every process
         return grpo_scores(state.cfg.train, run.accelerator, rewards, batch.group_ids,
-                           [r.prompt for r in batch.records], metrics)
+                           [r.prompt for r in batch.records], means({**parts, **stats}, run.accelerator))
 
     def update(self, state: State, step: int, batch: Batch, advantages: GroupAdvantages) -> dict[str, float]:
-        run, adv = state.run, advantages.advantages  # [N]
-        acc, f = run.accelerator, state.family
+        t, run, f, adv, acc = state.cfg.train, state.run, state.family, advantages.advantages, state.run.accelerator
         metrics = {"rollout/weight_version": batch.version, **(f.full.pop_metrics() if f.full else {})}
-        kept = acc.reduce(torch.tensor(float((adv != 0).sum()), device=acc.device), reduction="sum").item()
-        if not kept:  # a step where every group has equal rewards carries no signal: no update
-            return metrics
-        plan = plan_micro_batches(state.cfg.train, acc, [len(s.prompts) for s in batch.samples], adv, step - 1)
-        metrics |= f.update(batch.samples, adv, plan, what=f"step {step}", guard=run.guard, after_step=state.ema.step)
-        trained = sum(len(rows) * weight for micro_batches in plan for _, rows, weight in micro_batches)
+        if not acc.reduce(torch.tensor(float((adv != 0).sum()), device=acc.device), reduction="sum").item():
+            return metrics  # every group scored its images alike: no signal, no update
+        sizes = [len(s.prompts) for s in batch.samples]
+        plan = plan_micro_batches(t, acc, sizes, adv, step - 1)
+        job = f.replays(batch.samples, adv.split(sizes), plan)
+        metrics |= replay_update(
+            acc, f.model, f.optimizer, job.plan, job.replay, units=job.units, clip_range=t.clip_range,
+            kl_beta=t.kl_beta, grad_clip=t.max_grad_norm, guard=run.guard, filler=job.filler, tolerance=job.tolerance,
+            after_step=state.ema.step, what=f"step {step}: first replay, |log ratio| vs train.ratio_tolerance (bf16 "
+                                            "with micro_batch_size != sample_batch_size needs a looser tolerance)")
+        trained = sum(len(rows) * weight for micro in plan for _, rows, weight in micro)
         metrics["adv/trained_samples"] = acc.reduce(torch.tensor(float(trained), device=acc.device), reduction="sum").item()
         return metrics
 
     def evaluate(self, state: State, step: int) -> dict[str, float]:
         """Fixed prompts and seeds, EMA weights (`eval.use_ema`), on the main process; writes
-        `eval_epoch_<step>/` (images and the contact sheet with each prompt and reward)."""
+        `eval_epoch_<step>/` (the images, and a contact sheet with each prompt and reward)."""
         e, out = state.cfg.eval, state.run.run_dir / f"eval_epoch_{step}"
         with whole_weights(state.family) as model:  # every process: a sharded policy gathers
             if not state.run.is_main:
                 return {}
             images, records = [], state.eval_prompts
             with state.ema.swapped(model) if e.use_ema else nullcontext():
-                for start in range(0, len(records), e.batch_size):
-                    chunk = records[start:start + e.batch_size]
-                    seeds = [e.seed + start + i for i in range(len(chunk))]
-                    images += to_pil(state.family.eval_images([r.prompt for r in chunk], seeds))
-        files = out / "images" if state.cfg.reward.url else None
-        rewards, parts = score_images(state.reward, images, records, files=files)
-        for i, image in enumerate(images):
-            (out / "images").mkdir(parents=True, exist_ok=True)
-            image.save(out / "images" / f"{i:03d}.png")
+                for i in range(0, len(records), e.batch_size):
+                    prompts = [r.prompt for r in records[i:i + e.batch_size]]
+                    images += to_pil(state.family.eval_images(prompts, [e.seed + i + k for k in range(len(prompts))]))
+        rewards, parts = score_images(state.reward, images, records, files=out / "images",
+                                      send_paths=state.cfg.reward.url is not None)
         contact_sheet(images, [f"{r.prompt} | reward {v:.3f}" for r, v in zip(records, rewards.tolist(), strict=True)],
                       out / "contact_sheet.png")
         ok = rewards[torch.isfinite(rewards)]  # [V]
-        return {"reward/mean": ok.mean().item() if ok.numel() else float("nan"),
+        return {"reward/mean": ok.mean().item() if ok.numel() else math.nan,
                 "reward/failed": float((~torch.isfinite(rewards)).sum()), **means(parts), **image_stats(images)}
 
     def finish(self, state: State) -> dict[str, str]:
@@ -205,12 +205,166 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         state.family.close()
 
 
-def export_adapters(model: PeftModel, ema: LoraEMA, out: Path) -> None:
-    """`model`'s LoRA in PEFT format (`lora/`) and its EMA (`lora_ema/`); `model` holds whole
-    weights (`families.whole_weights`)."""
+def plan_micro_batches(t: TrainConfig, acc: Any, sizes: list[int], adv: torch.Tensor, epoch: int) -> list[list[Micro]]:
+    """The epoch's optimizer steps, each a list of micro-batches of this process's trajectories
+    (`sizes`: images per trajectory). Every process plans the same number of steps. How
+    zero-advantage images are handled is `train.zero_adv`:
+
+    - `drop`: the kept (non-zero advantage) rows of each trajectory in chunks of
+      `micro_batch_size`, `gradient_accumulation_steps` chunks per step; a process with fewer
+      chunks repeats its last one with weight 0, so the steps line up.
+    - `flow_grpo`: `flow_grpo_steps`.
+    """
+    if t.zero_adv == "flow_grpo":
+        return flow_grpo_steps(t, acc, sizes, adv, epoch)
+    plan = by_trajectory((adv != 0).nonzero().flatten(), sizes, t.micro_batch_size)
+    count = acc.gather(torch.tensor([len(plan)], device=acc.device)).max().item()
+    filler = (plan[-1][0], plan[-1][1], 0.0) if plan else (0, torch.tensor([0]), 0.0)
+    plan += [filler] * (count - len(plan))
+    accum = t.gradient_accumulation_steps
+    return [plan[start:start + accum] for start in range(0, len(plan), accum)]
+
+
+def flow_grpo_steps(t: TrainConfig, acc: Any, sizes: list[int], adv: torch.Tensor, epoch: int) -> list[list[Micro]]:
+    """Flow-GRPO's zero-advantage filter (`scripts/train_sd3.py`) over the global batch: the
+    non-zero advantages kept, randomly chosen zero ones put back until the count divides into the
+    B = images per process / micro_batch_size batches (`nonzero_advantage_indices`), shuffled, cut
+    into B equal batches, `gradient_accumulation_steps` per optimizer step. The draws are seeded
+    with (train.seed, epoch): the same on every process and on resume. Every kept image, refilled
+    ones included (advantage 0, still under the KL term), weighs the same."""
+    everything, own = gather_rows(adv, acc)  # [N * world]
+    num_batches = sum(sizes) // t.micro_batch_size
+    generator = torch.Generator().manual_seed(sample_seed(t.seed, epoch))
+    kept = nonzero_advantage_indices(everything.cpu(), num_batches=num_batches, generator=generator)  # [K]
+    shuffled = kept[torch.randperm(len(kept), generator=generator)]  # [K]
+    batches = shuffled.tensor_split(num_batches)
+    steps = []
+    for first in range(0, num_batches, t.gradient_accumulation_steps):
+        chosen = torch.cat(batches[first:first + t.gradient_accumulation_steps])  # [b] global indices
+        local = chosen[(chosen >= own.start) & (chosen < own.stop)].sort().values - own.start  # [b_r]
+        steps.append(by_trajectory(local, sizes, t.micro_batch_size))
+    return steps
+
+
+def by_trajectory(rows: torch.Tensor, sizes: list[int], size: int) -> list[Micro]:
+    """This process's sorted sample indices `[b]` -> micro-batches of at most `size` rows of one
+    trajectory each (a forward replays one trajectory); trajectories with no row get none."""
+    out, start = [], 0
+    for k, n in enumerate(sizes):
+        mine = rows[(rows >= start) & (rows < start + n)] - start  # [b_k]
+        out += [(k, chunk, 1.0) for chunk in mine.split(size) if len(chunk)]
+        start += n
+    return out
+
+
+def to_pil(images: torch.Tensor) -> list[Image.Image]:
+    """`[B, 3, H, W]` floats in [0, 1] -> RGB PIL images."""
+    arrays = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)  # [B, 3, H, W]
+    return [Image.fromarray(a.permute(1, 2, 0).cpu().numpy()) for a in arrays]
+
+
+def image_stats(images: Sequence[Image.Image]) -> dict[str, float]:
+    """Mean brightness (grey level in [0, 1]) and colour entropy (bits of the 8x8x8 RGB histogram)
+    of `images`: either collapsing is reward hacking's signature (blank or single-colour images)."""
+    brightness, entropy = [], []
+    for image in images:
+        rgb = np.asarray(image.convert("RGB"), dtype=np.int64)  # [H, W, 3]
+        brightness.append(float(np.asarray(image.convert("L"), dtype=np.float64).mean() / 255))
+        bins = (rgb // 32) @ np.array([64, 8, 1])  # [H, W] index into 512 colour bins
+        p = np.bincount(bins.ravel(), minlength=512) / bins.size
+        p = p[p > 0]
+        entropy.append(float(-(p * np.log2(p)).sum()))
+    return {"image/brightness": float(np.mean(brightness)), "image/colour_entropy": float(np.mean(entropy))}
+
+
+def contact_sheet(images: Sequence[Image.Image], captions: Sequence[str], path: Path, *,
+                  columns: int = 4, cell: int = 256) -> Path:
+    """A grid of `images` (scaled to `cell` px), each with its caption (prompt, reward) under it."""
+    rows = math.ceil(len(images) / columns)
+    font, text_h = ImageFont.load_default(), 4 * 12  # 4 caption lines of 12 px
+    sheet = Image.new("RGB", (columns * cell, rows * (cell + text_h)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for i, (image, caption) in enumerate(zip(images, captions, strict=True)):
+        x, y = (i % columns) * cell, (i // columns) * (cell + text_h)
+        sheet.paste(image.resize((cell, cell), Image.Resampling.NEAREST), (x, y))
+        for line_no, line in enumerate(textwrap.wrap(caption, width=cell // 6)[:4]):
+            draw.text((x + 2, y + cell + 1 + 12 * line_no), line, fill="black", font=font)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sheet.save(path)
+    return path
+
+
+def score_images(scorer: Scorer, images: list[Image.Image], records: list[OCRPrompt], *, files: Path | None = None,
+                 send_paths: bool = False) -> tuple[torch.Tensor, dict[str, list[float]]]:
+    """Rewards `[N]` (NaN where scoring failed) and each component's values. `files`: the images
+    are saved there as PNGs, and with `send_paths` sent as paths (a reward server reads files)."""
+    if files is not None:
+        files.mkdir(parents=True, exist_ok=True)
+        for i, image in enumerate(images):
+            image.save(files / f"{i:03d}.png")
+    sent = [str(files / f"{i:03d}.png") if files and send_paths else image for i, image in enumerate(images)]
+    results = scorer.score([Sample(completion="", prompt=r.prompt, reference=r.target, metadata={"image": x})
+                            for r, x in zip(records, sent, strict=True)])
+    parts: dict[str, list[float]] = {}
+    for r in results:
+        for key, value in r.components.items():
+            parts.setdefault(f"reward/{key}", []).append(value)
+    return torch.tensor([math.nan if r.score is None else r.score for r in results]), parts  # [N]
+
+
+def means(values: Mapping[str, list[float]], accelerator: Any = None) -> dict[str, float]:
+    """The mean of each list, over every process's lists when `accelerator` is given."""
+    merged: dict[str, list[float]] = {}
+    for part in gather_object([dict(values)]) if accelerator is not None else [values]:
+        for key, v in part.items():
+            merged.setdefault(key, []).extend(v)
+    return {key: sum(v) / len(v) for key, v in merged.items() if v}
+
+
+def grpo_scores(t: TrainConfig, acc: Any, rewards: torch.Tensor, group_ids: torch.Tensor, prompts: list[str],
+                metrics: Mapping[str, float]) -> Scores:
+    """GRPO over every process's groups, normalised as `train.adv_*` say; `train.adv_group_by =
+    "prompt"` groups by prompt text instead (Flow-GRPO's per-prompt stat tracker: the prompts of
+    every process are gathered and numbered together)."""
+    if t.adv_group_by == "prompt":
+        parts = gather_object([prompts])  # one list per process, in rank order
+        start = sum(len(part) for part in parts[: acc.process_index])
+        group_ids = group_ids_from_keys([p for part in parts for p in part])[start:start + len(prompts)]  # [N]
+    everything, _ = gather_rows(rewards, acc)  # [N * world]
+    groups, _ = gather_rows(group_ids, acc)  # [N * world]
+    stds = [everything[(groups == g) & torch.isfinite(everything)].std().item() for g in groups.unique()
+            if ((groups == g) & torch.isfinite(everything)).sum() > 1]
+    options = {"scale": t.adv_scale, "eps": t.adv_eps, "clip": t.adv_clip, "std": t.adv_std, "eps_mode": t.adv_eps_mode}
+    return Scores(rewards, group_ids, "grpo", options=options,
+                  metrics={**metrics, "reward/zero_std_group_fraction": sum(s == 0 for s in stds) / max(len(stds), 1)})
+
+
+def export_adapters(model: PeftModel, ema: ParameterEMA, out: Path) -> None:
+    """`model`'s LoRA (`lora/`) and its EMA (`lora_ema/`) in PEFT format, from whole weights."""
     export_lora(model, out / "lora")
     with ema.swapped(model):
         export_lora(model, out / "lora_ema")
+
+
+class BrightnessScorer:
+    """Mean grey level of `Sample.metadata["image"]` in [0, 1]: a cheap reward the tiny model can
+    learn (the app's learning test), and a check that the loop optimizes what it is told to."""
+
+    name = "brightness"
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        results = []
+        for sample in samples:
+            try:
+                grey = np.asarray(load_image(sample.metadata).convert("L"), dtype=np.float64)
+                results.append(ScoreResult(score=float(grey.mean() / 255)))
+            except (ValueError, OSError) as e:
+                results.append(ScoreResult.failed(f"brightness: {e}"))
+        return results
+
+
+if "brightness" not in SCORERS:  # the app module is imported once per process, tests included
+    register_scorer("brightness", BrightnessScorer)
 
 
 RECIPE = DiffusionGRPO()

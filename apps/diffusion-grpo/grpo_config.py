@@ -21,7 +21,7 @@ from rl_core.train import (
     UserError,
 )
 from rl_data import OCRPrompt, open_source
-from rl_rewards.spec import RewardSpec
+from rl_rewards import Component, RewardSpec, load_spec
 
 APP = Path(__file__).resolve().parent
 REPO = APP.parents[1]
@@ -43,13 +43,10 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     lora_targets: list[str] | None = None  # None = rl_models' default: sd3 attention projections;
     # janus: the language model's q/k/v/o and MLP projections (VQ, SigLIP and generation head frozen)
     compile: bool = False
-    """sd3: compile the transformer's blocks one by one (`DiffusionEngine(compile=True)`) for the
-    rollout and the replay, in the trainer and in Ray workers: 1.74x the rollout images/s of the
-    plain diffusers pipeline on an H100 at SD3.5-M shape (eager: 0.99x), after ~30-70 s of
-    compiling. Choose it for long GPU runs. Compiled graphs round differently from eager ones in
-    bf16, so the first replay's |log ratio| is ~4e-4 instead of 0 (keep train.ratio_tolerance at
-    the bf16 ~5e-2). Not with train.sharding = "fsdp2" (the engine's full-weight copy would call
-    the sharded blocks' compiled code)."""
+    """sd3: compile the transformer's blocks for the rollout and the replay (trainer and Ray
+    workers): 1.74x the plain pipeline's rollout images/s on an H100 at SD3.5-M shape, after
+    ~30-70 s of compiling; choose it for long GPU runs. The first replay's |log ratio| is then
+    ~4e-4 in bf16 (keep train.ratio_tolerance ~5e-2). Not with train.sharding = "fsdp2"."""
 
 
 class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -74,7 +71,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     groups_per_epoch: Positive = 8  # prompts per epoch, all processes together
     sample_batch_size: Positive = 8  # images per sampling forward
     workers: NonNegative = 0
-    """0 = sample in the trainer's engine; N = N Ray actors per trainer process (ray_rollout.py)."""
+    """0 = sample in the trainer's engine; N = N Ray actors per trainer process (families.py)."""
     placement: Literal["split", "colocated"] = "split"
     """VRL presets: `split` = actors on their own GPUs; `colocated` = on the trainer's, asleep during training."""
     gpus_per_worker: float | None = None  # None: split 1, colocated 1/workers, 0 without CUDA
@@ -175,6 +172,7 @@ ENV = {"VRL_OUTPUT_DIR": "train.output_dir", "REWARD_URL": "reward.url", "RAY_AD
 def check_config(cfg: Config, world_size: int) -> None:
     """The rules between keys and against the process count; `ConfigError` names the keys."""
     m, r, t = cfg.model, cfg.rollout, cfg.train
+    images = r.groups_per_epoch // world_size * r.n  # per process
     refused = [
         (r.n < 2, f"rollout.n={r.n}: GRPO compares the images of one prompt with each other and needs rollout.n >= 2"),
         (m.family == "janus" and r.workers > 0, f"rollout.workers={r.workers}: Ray rollout workers serve the sd3 "
@@ -186,17 +184,19 @@ def check_config(cfg: Config, world_size: int) -> None:
         (m.family == "sd3" and int(cfg.sampling.num_steps * t.timestep_fraction) == 0,
          f"train.timestep_fraction={t.timestep_fraction} x sampling.num_steps={cfg.sampling.num_steps} trains no "
          "step (Flow-GRPO trains int(steps x fraction)); raise it"),
+        (r.workers > 0 and world_size > 1 and not r.ray_address, f"rollout.workers={r.workers} with {world_size} "
+         "trainer processes needs a running Ray cluster: `ray start --head`, then set RAY_ADDRESS or rollout.ray_address"),
         (r.groups_per_epoch % world_size != 0,
          f"rollout.groups_per_epoch={r.groups_per_epoch} must divide by the {world_size} processes"),
+        (t.zero_adv == "flow_grpo" and (images % t.micro_batch_size or images // t.micro_batch_size % t.gradient_accumulation_steps),
+         f"train.zero_adv='flow_grpo' trains equal batches: the {images} images per process must divide into batches "
+         f"of train.micro_batch_size={t.micro_batch_size}, and their number into optimizer steps of "
+         f"train.gradient_accumulation_steps={t.gradient_accumulation_steps}"),
     ]
     for bad, message in refused:
         if bad:
             raise ConfigError(message)
-    images = r.groups_per_epoch // world_size * r.n  # per process
-    if t.zero_adv == "flow_grpo" and (images % t.micro_batch_size or images // t.micro_batch_size % t.gradient_accumulation_steps):
-        raise ConfigError(f"train.zero_adv='flow_grpo' trains equal batches: the {images} images per process must "
-                          f"divide into batches of train.micro_batch_size={t.micro_batch_size}, and their number into "
-                          f"optimizer steps of train.gradient_accumulation_steps={t.gradient_accumulation_steps}")
+    reward_spec(cfg.reward, tiny=m.path.startswith("tiny:"))  # a bad spec file or weights stop here too
 
 
 def resolve_path(path: str) -> str:
@@ -206,9 +206,8 @@ def resolve_path(path: str) -> str:
 
 
 def read_prompts(source: str, key: str) -> list[OCRPrompt]:
-    """The OCR prompts of a manifest file, a save_to_disk directory or a Hub id in the local cache
-    (a `prompt` or `text` column); a missing or empty source, or a bad line, is a `UserError`
-    naming `key` (and the file and line)."""
+    """The OCR prompts of a manifest file, a save_to_disk directory or a cached Hub id (a `prompt`
+    or `text` column); a missing or empty source or a bad line is a `UserError` naming `key`."""
     try:
         prompts = list(open_source(resolve_path(source), kind="ocr"))
     except (FileNotFoundError, ValueError) as e:  # missing; not a dataset dir; several splits; a bad line
@@ -216,3 +215,23 @@ def read_prompts(source: str, key: str) -> list[OCRPrompt]:
     if not prompts:
         raise UserError(f"{key}={source!r} holds no prompt: give a manifest with one prompt per line")
     return prompts
+
+
+def reward_spec(cfg: RewardConfig, *, tiny: bool) -> RewardSpec:
+    """`reward.spec` (inline, or a TOML file), else the weighted sum of `reward.components` with
+    `reward.kwargs` as options. `clip_score`/`aesthetic` without a `model` option get CLIP
+    ViT-L/14 (the LAION aesthetic head's backbone), or the tiny CLIP when the model is tiny."""
+    if isinstance(cfg.spec, str):
+        try:
+            return load_spec(resolve_path(cfg.spec))
+        except (OSError, ValueError) as e:
+            raise UserError(f"reward.spec={cfg.spec!r}: {e}") from None
+    if cfg.spec is not None:
+        return cfg.spec
+    clip = "tiny:clip" if tiny else "openai/clip-vit-large-patch14"
+    components = {name: Component(scorer=name, weight=w, options=(
+        {"model": clip} if name in ("clip_score", "aesthetic") else {}) | cfg.kwargs.get(name, {}))
+        for name, w in cfg.components.items() if w != 0}
+    if not components:
+        raise UserError(f"reward.components {cfg.components} has no non-zero weight")
+    return RewardSpec(components=components)

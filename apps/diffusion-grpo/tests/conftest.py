@@ -109,14 +109,12 @@ def setup_state(app, cfg):
     return state
 
 
-def advantages(state, batch, rewards):
+def advantages(app, state, batch, rewards):
     """The loop's advantages for `rewards` `[N]` of `batch` (the recipe's groups and options)."""
-    from grpo_reward import grpo_scores
-
     from rl_core.train import group_advantages
 
     acc = state.run.accelerator
-    scores = grpo_scores(state.cfg.train, acc, rewards, batch.group_ids, [r.prompt for r in batch.records], {})
+    scores = app.grpo_scores(state.cfg.train, acc, rewards, batch.group_ids, [r.prompt for r in batch.records], {})
     return group_advantages(scores.estimator, scores.rewards, scores.group_ids, accelerator=acc, options=scores.options)
 
 

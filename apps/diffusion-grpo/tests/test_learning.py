@@ -51,6 +51,6 @@ def test_janus_policy_learns_a_token_reward(app, tmp_path: Path) -> None:
         batch = app.RECIPE.rollout(state, step)
         ids = torch.cat([r.tokens.image_ids for r in batch.samples])  # [32, 16]
         rewards = (ids < 32).float().mean(-1)  # [32]
-        app.RECIPE.update(state, step, batch, advantages(state, batch, rewards))
+        app.RECIPE.update(state, step, batch, advantages(app, state, batch, rewards))
         shares.append(float(rewards.mean()))
     assert shares[0] < 0.55 and sum(shares[-2:]) / 2 >= 0.7, f"token share did not rise: {shares}"

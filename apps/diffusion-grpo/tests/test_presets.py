@@ -33,8 +33,6 @@ import msgspec
 import pytest
 import torch
 from conftest import advantages, checked, setup_state, tiny_overrides
-from grpo_plan import plan_micro_batches
-from grpo_reward import grpo_scores
 
 from rl_core.train import ConfigError, UserError, group_advantages, load_config
 
@@ -88,13 +86,13 @@ def test_preset_files_fix_their_systems_knobs(app) -> None:
 ])
 def test_advantages_and_trained_images_per_preset(app, state, name: str, expected: list[float], steps: list) -> None:
     cfg, acc = _preset(app, name, "train.micro_batch_size=4", "train.gradient_accumulation_steps=1"), state.run.accelerator
-    scores = grpo_scores(cfg.train, acc, REWARDS, GROUPS, PROMPTS, {})
+    scores = app.grpo_scores(cfg.train, acc, REWARDS, GROUPS, PROMPTS, {})
     adv = group_advantages(scores.estimator, scores.rewards, scores.group_ids, accelerator=acc,
                            options=scores.options).advantages
     torch.testing.assert_close(adv, torch.tensor(expected), atol=1e-6, rtol=0)
     assert [round(a, 5) for a in adv.tolist()[4:6]] == {"ours": [0.51877, -0.51877], "vrl": [0.5547, -0.5547],
                                                       "flow_grpo": [1.10915, 0.0]}[name]
-    plan = plan_micro_batches(cfg.train, acc, [4, 4], adv, epoch=0)
+    plan = app.plan_micro_batches(cfg.train, acc, [4, 4], adv, epoch=0)
     assert [[(k, rows.tolist()) for k, rows, weight in step if weight] for step in plan] == steps
     if name == "flow_grpo":  # every step trains the same number of images
         assert [sum(len(rows) for _, rows, _ in step) for step in plan] == [3, 3]
@@ -111,7 +109,7 @@ def test_flow_grpo_refill_trains_equal_steps_end_to_end(app, state) -> None:
             state.cfg.train, zero_adv=zero_adv, micro_batch_size=2, gradient_accumulation_steps=2))
         preset = dataclasses.replace(state, cfg=cfg)
         batch = app.RECIPE.rollout(preset, 1)
-        adv = advantages(preset, batch, rewards)
+        adv = advantages(app, preset, batch, rewards)
         assert (adv.advantages != 0).nonzero().flatten().tolist() == [0, 3]
         stats = app.RECIPE.update(preset, 1, batch, adv)
         assert (stats["optimizer_steps"], stats["adv/trained_samples"]) == (optimizer_steps, trained)

@@ -24,8 +24,6 @@ from conftest import (
     train,
 )
 from grpo_config import RewardConfig, read_prompts
-from grpo_parts import trainable
-from grpo_reward import reward_spec
 from PIL import Image
 
 from rl_core.train import (
@@ -34,6 +32,7 @@ from rl_core.train import (
     UserError,
     load_config,
     run_app,
+    trainable_parameters,
     unknown_metric_names,
 )
 
@@ -133,7 +132,7 @@ def test_nan_loss_skips_the_step_and_three_in_a_row_stop(app, state) -> None:
     recipe, batch = app.RECIPE, app.RECIPE.rollout(state, 1)
     nan = torch.full((8,), math.nan)  # NaN advantages -> NaN loss and gradients
     adv = GroupAdvantages(nan, torch.ones(8, dtype=torch.bool), {})
-    params = list(trainable(state.family.peft).values())
+    params = list(trainable_parameters(state.family.peft).values())
     before = [p.detach().clone() for p in params]
     ema, steps = {k: v.clone() for k, v in state.ema.shadow.items()}, state.ema.steps
     state.run.guard.consecutive = 0
@@ -149,7 +148,7 @@ def test_nan_loss_skips_the_step_and_three_in_a_row_stop(app, state) -> None:
 
 def test_first_replay_mismatch_stops_the_run(app, state) -> None:
     recipe, batch = app.RECIPE, app.RECIPE.rollout(state, 1)
-    adv = advantages(state, batch, torch.arange(8, dtype=torch.float32))  # every group has spread: all kept
+    adv = advantages(app, state, batch, torch.arange(8, dtype=torch.float32))  # every group has spread: all kept
     stats = recipe.update(state, 1, batch, adv)  # on-policy: passes, with a KL term
     assert stats["replay/engine_diff_max"] == 0.0 and stats["loss/kl"] >= 0 and state.ema.steps == 2
     tampered = dataclasses.replace(batch, samples=[dataclasses.replace(batch.samples[0], log_probs=batch.samples[0].log_probs + 1e-3)],
@@ -232,12 +231,12 @@ def test_reward_spec_inline_or_from_a_file(app, tmp_path: Path) -> None:
     shorthand `reward.components` it replaces."""
     spec = tmp_path / "reward.toml"
     spec.write_text('[components.b]\nscorer = "brightness"\nweight = 2.0\n')
-    from_file = reward_spec(RewardConfig(spec=str(spec)), tiny=True)
+    from_file = app.reward_spec(RewardConfig(spec=str(spec)), tiny=True)
     inline = load_config(app.Config, app.DEFAULT_CONFIG, ["reward.spec.components.b.scorer=brightness",
                                                          "reward.spec.components.b.weight=2.0"]).reward
     shorthand = load_config(app.Config, app.DEFAULT_CONFIG, ["reward.components={brightness=2.0}"]).reward
-    assert from_file == reward_spec(inline, tiny=True)
-    assert reward_spec(shorthand, tiny=True).components["brightness"].weight == from_file.components["b"].weight
+    assert from_file == app.reward_spec(inline, tiny=True)
+    assert app.reward_spec(shorthand, tiny=True).components["brightness"].weight == from_file.components["b"].weight
     with pytest.raises(UserError, match=r"reward\.spec='nope\.toml'"):
         checked(app, "reward.spec=nope.toml")
     out = train(app, _config(app, tmp_path / "out", f"reward.spec={spec}", "train.epochs=1"))
