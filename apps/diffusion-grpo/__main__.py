@@ -101,9 +101,8 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         prompts = read_prompts(cfg.data.manifest, "data.manifest")  # empty or bad data: stopped before any model loads
         eval_prompts = read_prompts(cfg.data.eval_manifest, "data.eval_manifest")[: cfg.eval.max_prompts]
         family = FAMILIES[cfg.model.family](cfg, run.accelerator, str(tiny.resolve(cfg.model.path)))
-        t = cfg.train
-        sampler = GroupSampler(len(prompts), cfg.rollout.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
-        ema = ParameterEMA(family.peft, decay=t.ema_decay, interval=t.ema_interval)
+        sampler = GroupSampler(len(prompts), cfg.rollout.n, seed=cfg.train.seed, rank=run.rank, world_size=run.world_size)
+        ema = ParameterEMA(family.peft, decay=cfg.train.ema_decay, interval=cfg.train.ema_interval)
         reward = RemoteScorer(cfg.reward.url, cfg.reward.server_reward) if cfg.reward.url else build_reward(
             reward_spec(cfg.reward, tiny=cfg.model.path.startswith("tiny:")))
         return State(cfg, run, family, ema, reward, prompts, eval_prompts, sampler)
@@ -147,6 +146,8 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         run = state.run
         files = run.run_dir / "rollouts" / f"step_{step}" / f"rank_{run.rank}" if state.cfg.reward.url else None
         rewards, parts = score_images(state.reward, batch.images, batch.records, files=files, send_paths=True)
+        run.samples.write("train", step, [{"prompt": r.prompt, "target": r.target, "reward": v}
+                                          for r, v in zip(batch.records, rewards.tolist(), strict=True)])
         stats = {key: [value] for key, value in image_stats(batch.images).items()}  # equal image counts per process
         return grpo_scores(state.cfg.train, run.accelerator, rewards, batch.group_ids,
                            [r.prompt for r in batch.records], means({**parts, **stats}, run.accelerator))
@@ -347,8 +348,7 @@ def export_adapters(model: PeftModel, ema: ParameterEMA, out: Path) -> None:
 
 
 class BrightnessScorer:
-    """Mean grey level of `Sample.metadata["image"]` in [0, 1]: a cheap reward the tiny model can
-    learn (the app's learning test), and a check that the loop optimizes what it is told to."""
+    """Mean grey level of `Sample.metadata["image"]` in [0, 1]: a reward the tiny model learns (tests)."""
 
     name = "brightness"
 

@@ -99,6 +99,8 @@ def test_outputs_match_vrl(full_run: Path) -> None:
     with Image.open(full_run / "eval_epoch_2" / "contact_sheet.png") as sheet:
         assert sheet.size[0] >= 256 and sheet.size[1] > 256  # images with their prompt under them
     assert (full_run / "reward_curve.png").stat().st_size > 0
+    samples = [json.loads(line) for line in (full_run / "samples" / "train.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1] * 8 + [2] * 8 and all(0 <= s["reward"] <= 1 for s in samples)
     for folder in ("checkpoint-final/lora", "checkpoint-final/lora_ema", "checkpoints/checkpoint-2/lora"):
         config = json.loads((full_run / folder / "adapter_config.json").read_text())
         assert config["r"] == 8 and (full_run / folder / "adapter_model.safetensors").is_file()
