@@ -94,9 +94,12 @@ class Family(Protocol):
 
 
 class SD3(Family):
+    pool: RolloutPool | None = None  # the Ray rollout actors (rollout.workers > 0), started by `start`
+    owns_ray = False  # this process started Ray (and stops it)
+
     def __init__(self, cfg: Config, acc: Any, path: str) -> None:
         m, t = cfg.model, cfg.train
-        self.cfg, self.acc, self.path, self.pool, self.owns_ray = cfg, acc, path, cast(RolloutPool | None, None), False
+        self.cfg, self.acc, self.path = cfg, acc, path
         # model.compile: blocks compiled for sampling and replay (first replay |log ratio| ~4e-4 in bf16)
         self.engine = cast(DiffusionEngine, build_image_engine(
             "sd3", path=path, dtype=m.dtype, device=acc.device, text_encoder_dtype=m.text_encoder_dtype,
@@ -166,8 +169,7 @@ class SD3(Family):
                        filler=(0, torch.tensor([0]), 0.0, steps[0]), tolerance=t.ratio_tolerance)
 
     def eval_images(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
-        """Deterministic ODE sampling in `eval.num_steps`."""
-        e, s = self.cfg.eval, self.cfg.sampling
+        e, s = self.cfg.eval, self.cfg.sampling  # the deterministic ODE sampler, `eval.num_steps` steps
         return self.engine.sample(prompts, num_steps=e.num_steps, guidance_scale=e.guidance_scale, height=s.resolution,
                                   width=s.resolution, kind="ode", seeds=seeds,
                                   max_sequence_length=s.max_sequence_length).images

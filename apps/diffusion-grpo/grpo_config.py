@@ -40,8 +40,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     text_encoder_dtype: str | None = None  # None = dtype
     lora_rank: Positive = 32
     lora_alpha: float = 64
-    lora_targets: list[str] | None = None  # None = rl_models' default: sd3 attention projections;
-    # janus: the language model's q/k/v/o and MLP projections (VQ, SigLIP and generation head frozen)
+    lora_targets: list[str] | None = None  # None: rl_models' default (sd3: attention; janus: LM projections)
     compile: bool = False
     """sd3: compile the transformer's blocks for the rollout and the replay (trainer and Ray
     workers): 1.74x the plain pipeline's rollout images/s on an H100 at SD3.5-M shape, after
@@ -200,8 +199,7 @@ def check_config(cfg: Config, world_size: int) -> None:
 
 
 def resolve_path(path: str) -> str:
-    """A data path as given, else relative to the repository root (examples/...); a name that is
-    neither (a Hub dataset id) stays as given."""
+    """A data path as given, else relative to the repository root (examples/...), else a Hub id."""
     return path if Path(path).exists() or not (REPO / path).exists() else str(REPO / path)
 
 
