@@ -121,6 +121,22 @@ def test_flow_grpo_needs_batches_that_divide(app) -> None:
         checked(app, "train.zero_adv=flow_grpo", "train.micro_batch_size=3")
 
 
+def test_batches_are_checked_against_the_process_count(app) -> None:
+    """Before any model loads (`Recipe.check` with the launch's process count)."""
+    cfg = load_config(app.Config, app.DEFAULT_CONFIG, ["rollout.groups_per_epoch=3"])
+    app.RECIPE.check(cfg, 1)
+    with pytest.raises(ConfigError, match=r"rollout\.groups_per_epoch=3 must divide by the 2 processes"):
+        app.RECIPE.check(cfg, 2)
+    flow = load_config(app.Config, app.DEFAULT_CONFIG, ["train.zero_adv=flow_grpo", "rollout.groups_per_epoch=4",
+                                                        "train.micro_batch_size=4", "train.gradient_accumulation_steps=2"])
+    app.RECIPE.check(flow, 2)  # 8 images per process: 2 batches of 4, one optimizer step
+    with pytest.raises(ConfigError, match=r"the 4 images per process must divide"):
+        app.RECIPE.check(flow, 4)  # 1 batch per process cannot fill steps of 2
+    ray = load_config(app.Config, app.DEFAULT_CONFIG, ["rollout.workers=2"])
+    with pytest.raises(ConfigError, match=r"rollout\.workers=2 with 2 trainer processes needs a running Ray cluster"):
+        app.RECIPE.check(ray, 2)
+
+
 def test_timestep_fraction_that_trains_no_step_is_refused(app) -> None:
     """Flow-GRPO trains range(int(steps x fraction)) steps: none for 4 x 0.2; refused, not run."""
     with pytest.raises(ConfigError, match=r"train\.timestep_fraction=0\.2 x sampling\.num_steps=4 trains no step"):
