@@ -490,19 +490,19 @@ def diffusion_throughput(bench: Bench) -> Table:
             "(b) trainer GPU 0 + Ray rollout worker GPU 1 (split)": (2, Launch(
                 "diffusion-grpo", "speed-split", [*common, "rollout.workers=1", 'rollout.placement="split"'],
                 gpus="0,1"))}
-    epoch_s, images = phase_s("rollout", "reward", "train"), n * groups  # per epoch
+    epoch_s, images = phase_s("rollout", "reward", "update"), n * groups  # per epoch (= loop step)
     header, rows, per_epoch = scaling_table(bench, Scaling(
         runs, "images/s", per_s=lambda r, _: images / epoch_s(r), step_s=epoch_s, columns={
             "images/epoch": lambda *_: images,
             "rollout s": lambda r, _: value(r, "time/rollout"),
-            "train s": lambda r, _: value(r, "time/train"),
+            "train s": lambda r, _: value(r, "time/update"),
             "epoch s": lambda r, _: epoch_s(r),
-            "first replay max abs log ratio": lambda r, _: value(r, "diag/first_replay_max_abs_log_ratio")}))
+            "first replay max abs log ratio": lambda r, _: value(r, "replay/engine_diff_max")}))
     shape = "tiny SD3 (rl_models.tiny)" if bench.cpu else "SD3.5-Medium shape (rl_models.shapes), LoRA r32/alpha 64"
     notes = (f"diffusion-grpo (Flow-GRPO), random weights, {shape}, {'float32' if bench.cpu else 'bf16'}; "
              f"{groups} prompts x {n} images per epoch at {size}x{size}, {sampling_steps} SDE steps, CFG 4.5, "
              f"brightness reward in process, replay of int(0.99 x {sampling_steps}) steps + KL reference, micro-batches "
-             f"of {n}; {epochs} epochs, mean after the first {WARMUP}. epoch s = rollout + reward + train (the "
+             f"of {n}; {epochs} epochs, mean after the first {WARMUP}. epoch s = rollout + reward + update (the "
              "rollout includes pushing the LoRA to the worker); (b)'s rollout and training still alternate "
              "(no overlap), so its gain is only what running the rollout elsewhere saves. Scaling efficiency: "
              f"(b) images/s / (2 x (a) images/s), both GPUs counted. Seconds per epoch, warm-up included: {per_epoch}.")

@@ -1,338 +1,379 @@
 """diffusion-grpo: Flow-GRPO for Stable Diffusion 3 / 3.5 with LoRA and an OCR reward (the VRL
-canonical recipe, `experiment/diffusion/sd3_5/online_grpo_ocr`).
+canonical recipe, `experiment/diffusion/sd3_5/online_grpo_ocr`), on the shared trainer loop.
 
     uv run apps/diffusion-grpo                                       # embedded tiny CPU default
     uv run apps/diffusion-grpo --config examples/diffusion-grpo/vrl.toml        # or flow_grpo.toml
     accelerate launch apps/diffusion-grpo/__main__.py --config FILE  # one process per GPU
-    uv run apps/diffusion-grpo --resume                              # continue the latest run
-    uv run apps/diffusion-grpo --help                                # every key and its default
 
-One epoch: sample `rollout.groups_per_epoch` prompts x `rollout.n` images with the SDE sampler
-(`rl_rollout.diffusion`, keeping latents and per-step log-probs) -> reward (in process or a
-reward server) -> GRPO advantages (global std, clip 5; zero-advantage samples dropped, or refilled
-as Flow-GRPO does) -> replay the stored steps through the current model (CFG recomputed, unconditional branch detached) ->
-`ppo_clip` on the per-step log-probs + beta * flow KL to the LoRA-disabled model -> AdamW with
-gradient accumulation -> EMA of the LoRA weights -> log -> checkpoint -> eval (ODE, EMA weights,
-fixed seed, contact sheet). See README.md next to this file for the VRL knob mapping and the
-presets reproducing Flow-GRPO and VRL (examples/diffusion-grpo/flow_grpo.toml, vrl.toml).
-`model.family = "janus"` trains Janus-Pro image tokens on the same loop instead: its rollout and
-update phases are janus_phases.py (configs/janus_tiny.toml, examples/diffusion-grpo/janus_pro_*.toml).
+A step is an epoch: `rollout.groups_per_epoch` prompts x `rollout.n` images (SDE sampler, per-step
+log-probs kept) -> reward -> GRPO advantages (global std, clip 5) -> update (zero-advantage images
+dropped or refilled, `plan_micro_batches`; the stored steps replayed: `ppo_clip` + beta x flow KL
+to the LoRA-disabled model, AdamW, EMA) -> log -> checkpoint -> eval (ODE, EMA weights, fixed
+seeds, contact sheet). `model.family = "janus"` trains Janus-Pro image tokens (families.py).
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import textwrap
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-import janus_phases
+import numpy as np
 import torch
-from accelerate import Accelerator
-from grpo_config import DEFAULT_CONFIG, Config, RewardConfig, parse_config
-from grpo_parts import (
-    BrightnessScorer,
-    LoraEMA,
-    image_stats,
-    plot_reward_curve,
-    to_pil,
-    trainable,
+from accelerate.utils import gather_object
+from families import FAMILIES, Chunk, Family, Micro, whole_weights
+from grpo_config import (
+    DEFAULT_CONFIG,
+    ENV,
+    Config,
+    TrainConfig,
+    check_config,
+    read_prompts,
+    reward_spec,
 )
-from grpo_phases import (
-    build_reward_scorer,
-    evaluate,
-    export_adapters,
-    load,
-    prompt_group_ids,
-    save,
-    score,
-)
-from grpo_plan import plan_micro_batches, trained_steps
-from grpo_run import Batch, Run, epoch_samples, read_prompts
-from grpo_sharding import gather_metrics, prepare_transformer, whole_weights
-from ray_rollout import Chunk, sample_chunk, start_workers
+from peft import PeftModel
+from PIL import Image, ImageDraw, ImageFont
 
-from rl_core.flow import flow_kl
-from rl_core.losses import compute_policy_loss
+from rl_core.advantages import group_ids_from_keys, nonzero_advantage_indices
 from rl_core.train import (
-    FullWeights,
-    MetricsLogger,
-    NonFiniteGuard,
-    ReplayCheck,
-    TrainProgress,
-    UpdateStats,
-    UserError,
-    accelerator_kwargs,
-    end_training,
+    Checkpoint,
+    GroupAdvantages,
+    ParameterEMA,
+    Recipe,
+    RunContext,
+    Schedule,
+    Scores,
+    TrainableState,
     gather_rows,
-    group_advantages,
-    make_run_dir,
-    optimizer_step,
-    resolve_resume,
+    replay_update,
+    run,
     run_app,
-    seed_everything,
+    sample_seed,
+    sharded_state,
 )
-from rl_data import GroupSampler
+from rl_data import GroupSampler, OCRPrompt
 from rl_models import tiny
-from rl_models.lora import add_lora
-from rl_rewards import SCORERS, register_scorer
-from rl_rollout.diffusion import DiffusionEngine
-from rl_rollout.janus import JanusEngine
+from rl_models.lora import export_lora
+from rl_rewards import SCORERS, Sample, Scorer, ScoreResult, build_reward, register_scorer
+from rl_rewards.client import RemoteScorer
+from rl_rewards.scorers.media import load_image
+from rl_rollout import ImageSamples
 
-__all__ = ["DEFAULT_CONFIG", "Config", "RewardConfig", "build_reward_scorer", "main", "train"]  # tests use these too
+
+@dataclass
+class State:
+    cfg: Config
+    run: RunContext
+    family: Family  # the engine, the LoRA model it samples from and the optimizer
+    ema: ParameterEMA  # also counts the optimizer steps: the weights' version
+    reward: Scorer  # composed in process, or a RemoteScorer
+    prompts: list[OCRPrompt]
+    eval_prompts: list[OCRPrompt]
+    sampler: GroupSampler
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's rollouts on this process, in sampled batches of `rollout.sample_batch_size`."""
+
+    samples: Sequence[ImageSamples]  # sd3: `Trajectory`, janus: `ImageRollout`
+    records: list[OCRPrompt]  # one per image, in sample order
+    group_ids: torch.Tensor  # [N] global group index
+    images: list[Image.Image]
+    version: int  # optimizer steps in the weights that sampled them
+
+
+class DiffusionGRPO(Recipe[Config, State, Batch]):
+    name, config, default_config, env = "diffusion-grpo", Config, DEFAULT_CONFIG, ENV
+    # the LoRA init is the same on every process (FSDP2 shards each process's own copy; DDP would
+    # broadcast rank 0's); sampling noise is seeded per sample
+    seed_by_rank = False
+
+    def check(self, cfg: Config, world_size: int) -> None:
+        check_config(cfg, world_size)
+
+    def setup(self, cfg: Config, run: RunContext) -> State:
+        prompts = read_prompts(cfg.data.manifest, "data.manifest")  # empty or bad data: stopped before any model loads
+        eval_prompts = read_prompts(cfg.data.eval_manifest, "data.eval_manifest")[: cfg.eval.max_prompts]
+        family = FAMILIES[cfg.model.family](cfg, run.accelerator, str(tiny.resolve(cfg.model.path)))
+        sampler = GroupSampler(len(prompts), cfg.rollout.n, seed=cfg.train.seed, rank=run.rank, world_size=run.world_size)
+        ema = ParameterEMA(family.peft, decay=cfg.train.ema_decay, interval=cfg.train.ema_interval)
+        reward = RemoteScorer(cfg.reward.url, cfg.reward.server_reward) if cfg.reward.url else build_reward(
+            reward_spec(cfg.reward, tiny=cfg.model.path.startswith("tiny:")))
+        return State(cfg, run, family, ema, reward, prompts, eval_prompts, sampler)
+
+    def start(self, state: State) -> None:
+        state.family.start()
+
+    def schedule(self, state: State) -> Schedule:
+        every = state.cfg.eval.every
+        return Schedule(state.cfg.train.epochs, eval_every=every, eval_at_start=every > 0, eval_at_end=every > 0)
+
+    def checkpoint(self, state: State) -> Checkpoint:
+        """An unsharded LoRA is saved without the accelerator (`save_state` would write the whole
+        transformer, GBs): the LoRA, optimizer, EMA and sampler are all the state there is. A
+        sharded one saves its LoRA and optimizer shards on every process (DCP, frozen base left
+        out). The PEFT `lora/` and `lora_ema/` are written from whole weights inside it."""
+        f, kept = state.family, {"ema": state.ema, "sampler": state.sampler}
+        saved = {**kept, **sharded_state(f.peft, f.optimizer, trainable_only=True)} if f.full else {
+            "lora": TrainableState(f.peft), "optimizer": f.optimizer, **kept}
+        whole = cast(PeftModel, f.full.model) if f.full else f.peft  # whole inside `gather`
+        return Checkpoint(state=saved, trained=f.peft, accelerator=f.full is not None, gather=whole_weights(f),
+                          write_files=lambda folder: export_adapters(whole, state.ema, folder))
+
+    def rollout(self, state: State, step: int) -> Batch:
+        """n copies of each of this process's prompts, one seed per sample: it depends on the
+        group's place in the epoch's prompt order (group g of rank r is the (g * world + r)-th
+        prompt) and the index in the group, not on the process count."""
+        cfg, run, epoch = state.cfg, state.run, step - 1
+        n, size, world = cfg.rollout.n, cfg.rollout.sample_batch_size, run.world_size
+        groups = cfg.rollout.groups_per_epoch // world
+        records = [state.prompts[next(iter(state.sampler))] for _ in range(groups * n)]
+        seeds = [sample_seed(cfg.train.seed, epoch, ((i // n) * world + run.rank) * n + i % n) for i in range(len(records))]
+        chunks = [Chunk(tuple(r.prompt for r in records[i:i + size]), tuple(seeds[i:i + size]))
+                  for i in range(0, len(records), size)]
+        state.family.model.eval()
+        samples = state.family.collect(chunks, state.ema.steps)
+        images = [image for s in samples for image in to_pil(s.images)]
+        return Batch(samples, records, torch.arange(len(records)) // n + run.rank * groups, images, state.ema.steps)
+
+    def score(self, state: State, step: int, batch: Batch) -> Scores:
+        run = state.run
+        files = run.run_dir / "rollouts" / f"step_{step}" / f"rank_{run.rank}" if state.cfg.reward.url else None
+        rewards, parts = score_images(state.reward, batch.images, batch.records, files=files, send_paths=True)
+        run.samples.write("train", step, [{"prompt": r.prompt, "target": r.target, "reward": v}
+                                          for r, v in zip(batch.records, rewards.tolist(), strict=True)])
+        stats = {key: [value] for key, value in image_stats(batch.images).items()}  # equal image counts per process
+        return grpo_scores(state.cfg.train, run.accelerator, rewards, batch.group_ids,
+                           [r.prompt for r in batch.records], means({**parts, **stats}, run.accelerator))
+
+    def update(self, state: State, step: int, batch: Batch, advantages: GroupAdvantages) -> dict[str, float]:
+        t, run, f, adv, acc = state.cfg.train, state.run, state.family, advantages.advantages, state.run.accelerator
+        metrics = {"rollout/weight_version": batch.version, **(f.full.pop_metrics() if f.full else {})}
+        if not acc.reduce(torch.tensor(float((adv != 0).sum()), device=acc.device), reduction="sum").item():
+            return metrics  # every group scored its images alike: no signal, no update
+        sizes = [len(s.prompts) for s in batch.samples]
+        plan = plan_micro_batches(t, acc, sizes, adv, step - 1)
+        job = f.replays(batch.samples, adv.split(sizes), plan)
+        metrics |= replay_update(
+            acc, f.model, f.optimizer, job.plan, job.replay, units=job.units, clip_range=t.clip_range,
+            kl_beta=t.kl_beta, grad_clip=t.max_grad_norm, guard=run.guard, filler=job.filler, tolerance=job.tolerance,
+            after_step=state.ema.step, what=f"step {step}: first replay, |log ratio| vs train.ratio_tolerance (bf16 "
+                                            "with micro_batch_size != sample_batch_size needs a looser tolerance)")
+        trained = sum(len(rows) * weight for micro in plan for _, rows, weight in micro)
+        metrics["adv/trained_samples"] = acc.reduce(torch.tensor(float(trained), device=acc.device), reduction="sum").item()
+        return metrics
+
+    def evaluate(self, state: State, step: int) -> dict[str, float]:
+        """Fixed prompts and seeds, EMA weights (`eval.use_ema`), on the main process; writes
+        `eval_epoch_<step>/` (the images, and a contact sheet with each prompt and reward)."""
+        e, out = state.cfg.eval, state.run.run_dir / f"eval_epoch_{step}"
+        with whole_weights(state.family) as model:  # every process: a sharded policy gathers
+            if not state.run.is_main:
+                return {}
+            images, records = [], state.eval_prompts
+            with state.ema.swapped(model) if e.use_ema else nullcontext():
+                for i in range(0, len(records), e.batch_size):
+                    prompts = [r.prompt for r in records[i:i + e.batch_size]]
+                    images += to_pil(state.family.eval_images(prompts, [e.seed + i + k for k in range(len(prompts))]))
+        rewards, parts = score_images(state.reward, images, records, files=out / "images",
+                                      send_paths=state.cfg.reward.url is not None)
+        contact_sheet(images, [f"{r.prompt} | reward {v:.3f}" for r, v in zip(records, rewards.tolist(), strict=True)],
+                      out / "contact_sheet.png")
+        ok = rewards[torch.isfinite(rewards)]  # [V]
+        return {"reward/mean": ok.mean().item() if ok.numel() else math.nan,
+                "reward/failed": float((~torch.isfinite(rewards)).sum()), **means(parts), **image_stats(images)}
+
+    def finish(self, state: State) -> dict[str, str]:
+        out, f = state.run.run_dir / "checkpoint-final", state.family
+        with whole_weights(f) as model:
+            if state.run.is_main:
+                export_adapters(model, state.ema, out)
+        # Drop the DDP wrapper while the process group is still registered: if its Reducer held the
+        # group's last reference after end_training(), the gloo group's destructor would join its
+        # worker threads holding the GIL, and a worker still freeing a finished collective's Python
+        # tensors waits for the GIL: a deadlock seen once in the 2-process test (torch 2.13, gloo)
+        f.model = f.peft
+        state.run.accelerator.free_memory()  # the accelerator's own reference to the wrapper
+        return {"adapters": f"{out / 'lora'}, {out / 'lora_ema'}"}
+
+    def close(self, state: State) -> None:
+        state.family.close()
+
+
+def plan_micro_batches(t: TrainConfig, acc: Any, sizes: list[int], adv: torch.Tensor, epoch: int) -> list[list[Micro]]:
+    """The epoch's optimizer steps, each a list of micro-batches of this process's trajectories
+    (`sizes`: images per trajectory). Every process plans the same number of steps. How
+    zero-advantage images are handled is `train.zero_adv`:
+
+    - `drop`: the kept (non-zero advantage) rows of each trajectory in chunks of
+      `micro_batch_size`, `gradient_accumulation_steps` chunks per step; a process with fewer
+      chunks repeats its last one with weight 0, so the steps line up.
+    - `flow_grpo`: `flow_grpo_steps`.
+    """
+    if t.zero_adv == "flow_grpo":
+        return flow_grpo_steps(t, acc, sizes, adv, epoch)
+    plan = by_trajectory((adv != 0).nonzero().flatten(), sizes, t.micro_batch_size)
+    count = acc.gather(torch.tensor([len(plan)], device=acc.device)).max().item()
+    filler = (plan[-1][0], plan[-1][1], 0.0) if plan else (0, torch.tensor([0]), 0.0)
+    plan += [filler] * (count - len(plan))
+    accum = t.gradient_accumulation_steps
+    return [plan[start:start + accum] for start in range(0, len(plan), accum)]
+
+
+def flow_grpo_steps(t: TrainConfig, acc: Any, sizes: list[int], adv: torch.Tensor, epoch: int) -> list[list[Micro]]:
+    """Flow-GRPO's zero-advantage filter (`scripts/train_sd3.py`) over the global batch: the
+    non-zero advantages kept, randomly chosen zero ones put back until the count divides into the
+    B = images per process / micro_batch_size batches (`nonzero_advantage_indices`), shuffled, cut
+    into B equal batches, `gradient_accumulation_steps` per optimizer step. The draws are seeded
+    with (train.seed, epoch): the same on every process and on resume. Every kept image, refilled
+    ones included (advantage 0, still under the KL term), weighs the same."""
+    everything, own = gather_rows(adv, acc)  # [N * world]
+    num_batches = sum(sizes) // t.micro_batch_size
+    generator = torch.Generator().manual_seed(sample_seed(t.seed, epoch))
+    kept = nonzero_advantage_indices(everything.cpu(), num_batches=num_batches, generator=generator)  # [K]
+    shuffled = kept[torch.randperm(len(kept), generator=generator)]  # [K]
+    batches = shuffled.tensor_split(num_batches)
+    steps = []
+    for first in range(0, num_batches, t.gradient_accumulation_steps):
+        chosen = torch.cat(batches[first:first + t.gradient_accumulation_steps])  # [b] global indices
+        local = chosen[(chosen >= own.start) & (chosen < own.stop)].sort().values - own.start  # [b_r]
+        steps.append(by_trajectory(local, sizes, t.micro_batch_size))
+    return steps
+
+
+def by_trajectory(rows: torch.Tensor, sizes: list[int], size: int) -> list[Micro]:
+    """This process's sorted sample indices `[b]` -> micro-batches of at most `size` rows of one
+    trajectory each (a forward replays one trajectory); trajectories with no row get none."""
+    out, start = [], 0
+    for k, n in enumerate(sizes):
+        mine = rows[(rows >= start) & (rows < start + n)] - start  # [b_k]
+        out += [(k, chunk, 1.0) for chunk in mine.split(size) if len(chunk)]
+        start += n
+    return out
+
+
+def to_pil(images: torch.Tensor) -> list[Image.Image]:
+    """`[B, 3, H, W]` floats in [0, 1] -> RGB PIL images."""
+    arrays = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)  # [B, 3, H, W]
+    return [Image.fromarray(a.permute(1, 2, 0).cpu().numpy()) for a in arrays]
+
+
+def image_stats(images: Sequence[Image.Image]) -> dict[str, float]:
+    """Mean brightness (grey level in [0, 1]) and colour entropy (bits of the 8x8x8 RGB histogram)
+    of `images`: either collapsing is reward hacking's signature (blank or single-colour images)."""
+    brightness, entropy = [], []
+    for image in images:
+        rgb = np.asarray(image.convert("RGB"), dtype=np.int64)  # [H, W, 3]
+        brightness.append(float(np.asarray(image.convert("L"), dtype=np.float64).mean() / 255))
+        bins = (rgb // 32) @ np.array([64, 8, 1])  # [H, W] index into 512 colour bins
+        p = np.bincount(bins.ravel(), minlength=512) / bins.size
+        p = p[p > 0]
+        entropy.append(float(-(p * np.log2(p)).sum()))
+    return {"image/brightness": float(np.mean(brightness)), "image/colour_entropy": float(np.mean(entropy))}
+
+
+def contact_sheet(images: Sequence[Image.Image], captions: Sequence[str], path: Path, *,
+                  columns: int = 4, cell: int = 256) -> Path:
+    """A grid of `images` (scaled to `cell` px), each with its caption (prompt, reward) under it."""
+    rows = math.ceil(len(images) / columns)
+    font, text_h = ImageFont.load_default(), 4 * 12  # 4 caption lines of 12 px
+    sheet = Image.new("RGB", (columns * cell, rows * (cell + text_h)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for i, (image, caption) in enumerate(zip(images, captions, strict=True)):
+        x, y = (i % columns) * cell, (i // columns) * (cell + text_h)
+        sheet.paste(image.resize((cell, cell), Image.Resampling.NEAREST), (x, y))
+        for line_no, line in enumerate(textwrap.wrap(caption, width=cell // 6)[:4]):
+            draw.text((x + 2, y + cell + 1 + 12 * line_no), line, fill="black", font=font)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sheet.save(path)
+    return path
+
+
+def score_images(scorer: Scorer, images: list[Image.Image], records: list[OCRPrompt], *, files: Path | None = None,
+                 send_paths: bool = False) -> tuple[torch.Tensor, dict[str, list[float]]]:
+    """Rewards `[N]` (NaN where scoring failed) and each component's values. `files`: the images
+    are saved there as PNGs, and with `send_paths` sent as paths (a reward server reads files)."""
+    if files is not None:
+        files.mkdir(parents=True, exist_ok=True)
+        for i, image in enumerate(images):
+            image.save(files / f"{i:03d}.png")
+    sent = [str(files / f"{i:03d}.png") if files and send_paths else image for i, image in enumerate(images)]
+    results = scorer.score([Sample(completion="", prompt=r.prompt, reference=r.target, metadata={"image": x})
+                            for r, x in zip(records, sent, strict=True)])
+    parts: dict[str, list[float]] = {}
+    for r in results:
+        for key, value in r.components.items():
+            parts.setdefault(f"reward/{key}", []).append(value)
+    return torch.tensor([math.nan if r.score is None else r.score for r in results]), parts  # [N]
+
+
+def means(values: Mapping[str, list[float]], accelerator: Any = None) -> dict[str, float]:
+    """The mean of each list, over every process's lists when `accelerator` is given."""
+    merged: dict[str, list[float]] = {}
+    for part in gather_object([dict(values)]) if accelerator is not None else [values]:
+        for key, v in part.items():
+            merged.setdefault(key, []).extend(v)
+    return {key: sum(v) / len(v) for key, v in merged.items() if v}
+
+
+def grpo_scores(t: TrainConfig, acc: Any, rewards: torch.Tensor, group_ids: torch.Tensor, prompts: list[str],
+                metrics: Mapping[str, float]) -> Scores:
+    """GRPO over every process's groups, normalised as `train.adv_*` say; `train.adv_group_by =
+    "prompt"` groups by prompt text instead (Flow-GRPO's per-prompt stat tracker: the prompts of
+    every process are gathered and numbered together)."""
+    if t.adv_group_by == "prompt":
+        parts = gather_object([prompts])  # one list per process, in rank order
+        start = sum(len(part) for part in parts[: acc.process_index])
+        group_ids = group_ids_from_keys([p for part in parts for p in part])[start:start + len(prompts)]  # [N]
+    everything, _ = gather_rows(rewards, acc)  # [N * world]
+    groups, _ = gather_rows(group_ids, acc)  # [N * world]
+    stds = [everything[(groups == g) & torch.isfinite(everything)].std().item() for g in groups.unique()
+            if ((groups == g) & torch.isfinite(everything)).sum() > 1]
+    options = {"scale": t.adv_scale, "eps": t.adv_eps, "clip": t.adv_clip, "std": t.adv_std, "eps_mode": t.adv_eps_mode}
+    return Scores(rewards, group_ids, "grpo", options=options,
+                  metrics={**metrics, "reward/zero_std_group_fraction": sum(s == 0 for s in stds) / max(len(stds), 1)})
+
+
+def export_adapters(model: PeftModel, ema: ParameterEMA, out: Path) -> None:
+    """`model`'s LoRA (`lora/`) and its EMA (`lora_ema/`) in PEFT format, from whole weights."""
+    export_lora(model, out / "lora")
+    with ema.swapped(model):
+        export_lora(model, out / "lora_ema")
+
+
+class BrightnessScorer:
+    """Mean grey level of `Sample.metadata["image"]` in [0, 1]: a reward the tiny model learns (tests)."""
+
+    name = "brightness"
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        results = []
+        for sample in samples:
+            try:
+                grey = np.asarray(load_image(sample.metadata).convert("L"), dtype=np.float64)
+                results.append(ScoreResult(score=float(grey.mean() / 255)))
+            except (ValueError, OSError) as e:
+                results.append(ScoreResult.failed(f"brightness: {e}"))
+        return results
+
+
 if "brightness" not in SCORERS:  # the app module is imported once per process, tests included
     register_scorer("brightness", BrightnessScorer)
 
 
-# ------------------------------------------------------------------------------------- setup
-
-
-def setup(cfg: Config, resume: str | None) -> Run:
-    t = cfg.train
-    # cpu=True without CUDA: `accelerate launch --multi_gpu --num_processes N` then gives N gloo
-    # processes on a CPU machine (its `--cpu` flag alone starts one process unless MPI is set up)
-    acc = Accelerator(cpu=not torch.cuda.is_available(), log_with=list(t.log_with) or None,
-                      **accelerator_kwargs(sharding=t.sharding, cpu_offload=t.fsdp_cpu_offload))
-    if cfg.rollout.groups_per_epoch % acc.num_processes:
-        raise UserError(f"rollout.groups_per_epoch={cfg.rollout.groups_per_epoch} must divide by "
-                         f"the {acc.num_processes} processes")
-    images = cfg.rollout.groups_per_epoch // acc.num_processes * cfg.rollout.n  # per process
-    if t.zero_adv == "flow_grpo" and (images % t.micro_batch_size or images // t.micro_batch_size % t.gradient_accumulation_steps):
-        raise UserError(f"train.zero_adv='flow_grpo' trains equal batches: the {images} images per process must "
-                        f"divide into batches of train.micro_batch_size={t.micro_batch_size}, and their number into "
-                        f"optimizer steps of train.gradient_accumulation_steps={t.gradient_accumulation_steps}")
-    ckpt = resolve_resume(resume, t.output_dir)
-    run_dir = make_run_dir(t.output_dir, ckpt.parent.parent.name if ckpt else t.run_name,
-                           config=cfg, accelerator=acc)
-    # the LoRA init, the same on every process: FSDP2 shards each process's own copy (DDP would
-    # broadcast rank 0's); sampling noise is seeded per sample
-    seed_everything(t.seed)
-    m = cfg.model
-    path = tiny.resolve(m.path)
-    wrapped: torch.nn.Module
-    engine: DiffusionEngine | JanusEngine
-    if m.family == "janus":
-        engine, peft, wrapped = janus_phases.build(cfg, path, acc.device)
-    else:
-        # model.compile: blocks compiled for sampling and replay (first replay |log ratio| ~4e-4 in bf16)
-        sd3 = DiffusionEngine.from_pretrained(path, dtype=m.dtype, device=acc.device,
-                                              text_encoder_dtype=m.text_encoder_dtype, compile=m.compile)
-        sd3.pipeline.transformer.requires_grad_(False)
-        wrapped = peft = add_lora(sd3.pipeline.transformer, family="sd3", r=m.lora_rank, alpha=m.lora_alpha,
-                                  target_modules=m.lora_targets)
-        engine = sd3
-    optimizer = torch.optim.AdamW(trainable(peft).values(), lr=t.lr, weight_decay=t.weight_decay)
-    if m.family == "janus":
-        if t.sharding != "none":
-            raise UserError(f"train.sharding={t.sharding!r} shards the SD3 transformer; model.family='janus' "
-                            "trains with DDP (FSDP2 for Janus is not done): set train.sharding='none'")
-        model, optimizer = acc.prepare(wrapped, optimizer)
-        full: FullWeights | None = None
-    else:
-        assert isinstance(engine, DiffusionEngine)
-        model, optimizer, full = prepare_transformer(acc, t, engine, peft, optimizer)  # DDP, or FSDP2 (grpo_sharding.py)
-    prompts = read_prompts(cfg.data.manifest, "data.manifest")
-    eval_prompts = read_prompts(cfg.data.eval_manifest, "data.eval_manifest")[: cfg.eval.max_prompts]
-    sampler = GroupSampler(len(prompts), cfg.rollout.n, seed=t.seed, rank=acc.process_index,
-                           world_size=acc.num_processes)
-    run = Run(cfg, acc, run_dir, engine, model, peft, optimizer,
-              LoraEMA(trainable(peft), decay=t.ema_decay, interval=t.ema_interval),
-              build_reward_scorer(cfg.reward, tiny_clip=m.path.startswith("tiny:")), prompts, eval_prompts, sampler, start_epoch=0,
-              guard=NonFiniteGuard(t.max_nonfinite_steps), full=full)
-    if ckpt is not None:
-        meta = load(run, ckpt)
-        run.start_epoch, run.optimizer_steps = meta["step"], meta["optimizer_steps"]
-        acc.print(f"resumed from {ckpt} at epoch {run.start_epoch}")
-    if cfg.rollout.workers:
-        run.workers = start_workers(cfg.rollout, m, str(path), acc)
-    if t.log_with:
-        acc.init_trackers("diffusion-grpo")
-    return run
-
-
-# ------------------------------------------------------------------------------- collect
-
-
-def collect(run: Run, epoch: int) -> Batch:
-    if run.cfg.model.family == "janus":
-        return janus_phases.collect(run, epoch)
-    cfg, acc = run.cfg, run.acc
-    s, size = cfg.sampling, cfg.rollout.sample_batch_size
-    records, seeds, group_ids = epoch_samples(run, epoch)
-    chunks = [Chunk(tuple(r.prompt for r in records[start:start + size]), tuple(seeds[start:start + size]))
-              for start in range(0, len(records), size)]
-    kwargs: dict[str, Any] = {"num_steps": s.num_steps, "guidance_scale": s.guidance_scale, "height": s.resolution,
-              "width": s.resolution, "noise_level": s.noise_level, "kind": s.kind,
-              "sde_window": tuple(s.sde_window) if s.sde_window else None, "max_sequence_length": s.max_sequence_length}
-    with whole_weights(run):  # a sharded policy's weights gathered into the engine's copy
-        if run.workers is None:
-            trajectories = [sample_chunk(run.engine, chunk, **kwargs) for chunk in chunks]
-        else:  # the workers' LoRA is synced to this version first, and each trajectory checked against it
-            trajectories = run.workers.collect(chunks, version=run.optimizer_steps, transformer=run.engine.transformer,
-                                               device=acc.device, **kwargs)
-    return Batch(trajectories, records, group_ids)
-
-
-# ------------------------------------------------------------------------------ advantages
-
-
-def advantages(run: Run, rewards: torch.Tensor, group_ids: torch.Tensor,
-               prompts: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO advantages `[N]` of this process's samples over every process's groups
-    (`rl_core.train.group_advantages`: failed samples and groups left with one sample get 0 and
-    are counted), normalised as `train.adv_*` say. `train.adv_group_by = "prompt"` groups by the
-    prompt text instead of `group_ids` (Flow-GRPO)."""
-    t = run.cfg.train
-    if t.adv_group_by == "prompt":
-        group_ids = prompt_group_ids(prompts, run.acc)
-    options = {"scale": t.adv_scale, "eps": t.adv_eps, "clip": t.adv_clip, "std": t.adv_std, "eps_mode": t.adv_eps_mode}
-    out = group_advantages("grpo", rewards, group_ids, accelerator=run.acc, options=options)
-    everything, _ = gather_rows(rewards, run.acc)  # [N * world]
-    groups, _ = gather_rows(group_ids, run.acc)  # [N * world]
-    stds = [everything[(groups == g) & torch.isfinite(everything)].std().item() for g in groups.unique()
-            if ((groups == g) & torch.isfinite(everything)).sum() > 1]
-    return out.advantages, {**out.metrics, "reward/zero_std_group_fraction": sum(s == 0 for s in stds) / max(len(stds), 1)}
-
-
-# ----------------------------------------------------------------------------------- train
-
-
-def train_epoch(run: Run, batch: Batch, adv: torch.Tensor, epoch: int) -> dict[str, float]:
-    """`gradient_accumulation_steps` micro-batches per optimizer step (`rl_core.train.optimizer_step`):
-    each (micro-batch, trained timestep) pair is one forward/backward, and every (sample,
-    timestep) weighs the same in the step, whatever the micro-batch split or process count.
-    The janus family trains image tokens instead (`janus_phases.train_epoch`)."""
-    if run.cfg.model.family == "janus":
-        return janus_phases.train_epoch(run, batch, adv, epoch)
-    acc, t = run.acc, run.cfg.train
-    sizes = [len(traj.prompts) for traj in batch.trajectories]
-    plan = plan_micro_batches(run, sizes, adv, epoch)
-    offsets = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
-    steps = trained_steps(batch.trajectories[0], t.timestep_fraction)
-    stats, check = UpdateStats(), ReplayCheck()
-
-    def loss_fn(micro: tuple[int, torch.Tensor, float, int], num_valid: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        k, rows, weight, step = micro
-        traj, row_adv = batch.trajectories[k], adv[offsets[k] + rows].to(acc.device)  # [b]
-        out = run.engine.replay(traj, step, rows=rows, model=run.model)
-        old = traj.log_probs[rows, step]  # [b]
-        if stats.steps == 0 and weight:  # on-policy: nothing was updated since this epoch's rollout
-            check.add(out.log_prob.detach(), old)
-        policy, metrics = compute_policy_loss(
-            "ppo_clip", logp=out.log_prob[:, None], old_logp=old[:, None], advantages=row_adv[:, None],
-            mask=torch.ones_like(old)[:, None], clip_low=t.clip_range, clip_high=t.clip_range, num_valid=num_valid)
-        kl = torch.zeros((), device=acc.device)
-        if t.kl_beta > 0:
-            with torch.no_grad(), run.peft.disable_adapter():
-                ref = run.engine.replay(traj, step, rows=rows, model=run.peft)
-            kl = flow_kl(out.mean, ref.mean, out.std).sum() / num_valid
-        loss = (policy + t.kl_beta * kl) * weight
-        return loss, {"loss/total": float(loss.detach()), "loss/policy": float(policy.detach()),
-                      "loss/kl": float(kl.detach()), **{f"policy/{n}": float(v) for n, v in metrics.items()}}
-
-    def first_check() -> None:
-        if stats.steps == 0:
-            metrics = check.verify(acc, t.ratio_tolerance, f"epoch {epoch}: first replay, |log ratio| vs "
-                                   "train.ratio_tolerance (dropout on? a different step function or dtype? bf16 with "
-                                   "micro_batch_size != sample_batch_size needs a looser tolerance)")
-            run.first_ratio = metrics["replay/engine_diff_max"]
-
-    run.model.train()
-    filler = (0, torch.tensor([0]), 0.0, steps[0])  # for a process with no image in a step
-    for micro_batches in plan:
-        window = [(k, rows, weight, step) for k, rows, weight in micro_batches for step in steps]
-        stepped = optimizer_step(acc, run.model, run.optimizer, window, loss_fn,
-                                 units=lambda m: float(len(m[1])) * m[2], grad_clip=t.max_grad_norm,
-                                 guard=run.guard, stats=stats, before_step=first_check, filler=filler).stepped
-        if stepped:
-            run.optimizer_steps += 1
-            run.ema.step(run.optimizer_steps)
-    trained = sum(len(rows) * weight for micro_batches in plan for _, rows, weight in micro_batches)
-    total = acc.reduce(torch.tensor(float(trained), device=acc.device), reduction="sum").item()
-    return {**stats.reduce(acc), "adv/trained_samples": total}
-
-
-# ------------------------------------------------------------------------------------ loop
-
-
-def train(cfg: Config, resume: str | None = None) -> Path:
-    """Run the recipe; returns the run directory."""
-    run = setup(cfg, resume)
-    try:
-        return run_epochs(run)
-    finally:
-        if run.workers is not None:
-            run.workers.close()
-
-
-def run_epochs(run: Run) -> Path:
-    cfg, acc, t = run.cfg, run.acc, run.cfg.train
-    logger = MetricsLogger(run.run_dir, accelerator=acc, start_step=run.start_epoch)
-    # evals are logged at the epoch they precede: a resumed run re-evaluates its start epoch
-    if acc.is_main_process:  # evals run on the main process only
-        run.eval_log = MetricsLogger(run.run_dir, filename="eval_metrics.csv", start_step=run.start_epoch - 1)
-    with TrainProgress(t.epochs, initial=run.start_epoch, accelerator=acc) as bar:
-        for epoch in range(run.start_epoch, t.epochs):
-            if cfg.eval.every and epoch % cfg.eval.every == 0:
-                with run.timer("eval"), whole_weights(run) as model:  # every process: a sharded policy gathers
-                    if acc.is_main_process:  # evals run on the main process only
-                        logger.log(epoch, {f"eval/{k}": v for k, v in evaluate(run, model, epoch).items()})
-            acc.wait_for_everyone()
-            metrics = one_epoch(run, epoch)
-            logger.log(epoch + 1, metrics)
-            bar.update(epoch + 1, metrics)
-            if (epoch + 1) % t.save_freq == 0 or epoch + 1 == t.epochs:
-                with run.timer("checkpoint"):
-                    save(run, epoch + 1)
-    with whole_weights(run) as model:
-        if cfg.eval.every and acc.is_main_process:
-            evaluate(run, model, t.epochs)
-        if acc.is_main_process:
-            export_adapters(run, model, run.run_dir / "checkpoint-final")
-            plot_reward_curve(run.run_dir)
-    acc.wait_for_everyone()
-    # Drop the DDP wrapper while the process group is still registered: if its Reducer held the
-    # group's last reference after end_training(), the gloo group's destructor would join its
-    # worker threads holding the GIL, and a worker still freeing a finished collective's Python
-    # tensors waits for the GIL: a deadlock seen once in the 2-process test (torch 2.13, gloo)
-    run.model = run.peft
-    acc.free_memory()  # the accelerator's own reference to the wrapper
-    end_training(acc)
-    return run.run_dir
-
-
-def one_epoch(run: Run, epoch: int) -> dict[str, float]:
-    run.model.eval()
-    run.first_ratio, version = math.nan, run.optimizer_steps  # the weights this epoch samples with
-    with run.timer("rollout"):
-        batch = collect(run, epoch)
-    images = [image for traj in batch.trajectories for image in to_pil(traj.images)]
-    with run.timer("reward"):
-        rewards, parts = score(run, images, batch.records, run.run_dir / "rollouts" / f"epoch_{epoch}")
-    adv, metrics = advantages(run, rewards, batch.group_ids, [r.prompt for r in batch.records])
-    kept = run.acc.gather(torch.tensor([int((adv != 0).sum())], device=run.acc.device)).sum().item()
-    train_metrics: dict[str, float] = {}
-    if kept:  # an epoch where every group has equal rewards carries no signal: skip the update
-        with run.timer("train"):
-            train_metrics = train_epoch(run, batch, adv, epoch)
-    times = run.timer.pop()
-    num_images = len(images) * run.acc.num_processes
-    return {**metrics, **parts, **train_metrics, **times, **gather_metrics(run), "optimizer_steps": run.optimizer_steps,
-            "diag/first_replay_max_abs_log_ratio": run.first_ratio,
-            "images_per_s": num_images / times["time/rollout"], "epoch": epoch, "world_size": run.acc.num_processes,
-            "rollout/weight_version": version,
-            **image_stats(images)}
+RECIPE = DiffusionGRPO()
 
 
 def main(argv: list[str] | None = None) -> Path | None:
     """Run the app; returns the run directory (None after --help)."""
-    parsed = parse_config(sys.argv[1:] if argv is None else argv)
-    if parsed is None:
-        return None
-    run_dir = train(*parsed)
-    print(f"run directory: {run_dir}")
-    return run_dir
+    return run(RECIPE, argv)
 
 
 if __name__ == "__main__":
-    sys.exit(run_app("diffusion-grpo", main))
+    sys.exit(run_app(RECIPE.name, main))

@@ -1,5 +1,6 @@
 """diffusion-grpo's configuration: one msgspec Struct per TOML table (VRL's knobs, see the
-README's table), VRL's environment variables, and the checks between keys."""
+README's table), VRL's environment variables, the checks between keys (run before any model
+loads) and the prompt sources (a manifest file, a save_to_disk directory or a cached Hub id)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,17 @@ import msgspec
 
 from rl_core.train import (
     ConfigError,
+    KLName,
     NonNegative,
     NonNegativeFloat,
     Positive,
     PositiveFloat,
-    ShardingFields,
+    RunFields,
     UnitInterval,
-    config_help,
-    load_config,
-    parse_cli,
+    UserError,
 )
+from rl_data import OCRPrompt, open_source
+from rl_rewards import Component, RewardSpec, load_spec
 
 APP = Path(__file__).resolve().parent
 REPO = APP.parents[1]
@@ -38,16 +40,12 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     text_encoder_dtype: str | None = None  # None = dtype
     lora_rank: Positive = 32
     lora_alpha: float = 64
-    lora_targets: list[str] | None = None  # None = rl_models' default: sd3 attention projections;
-    # janus: the language model's q/k/v/o and MLP projections (VQ, SigLIP and generation head frozen)
+    lora_targets: list[str] | None = None  # None: rl_models' default (sd3: attention; janus: LM projections)
     compile: bool = False
-    """sd3: compile the transformer's blocks one by one (`DiffusionEngine(compile=True)`) for the
-    rollout and the replay, in the trainer and in Ray workers: 1.74x the rollout images/s of the
-    plain diffusers pipeline on an H100 at SD3.5-M shape (eager: 0.99x), after ~30-70 s of
-    compiling. Choose it for long GPU runs. Compiled graphs round differently from eager ones in
-    bf16, so the first replay's |log ratio| is ~4e-4 instead of 0 (keep train.ratio_tolerance at
-    the bf16 ~5e-2). Not with train.sharding = "fsdp2" (the engine's full-weight copy would call
-    the sharded blocks' compiled code)."""
+    """sd3: compile the transformer's blocks for the rollout and the replay (trainer and Ray
+    workers): 1.74x the plain pipeline's rollout images/s on an H100 at SD3.5-M shape, after
+    ~30-70 s of compiling; choose it for long GPU runs. The first replay's |log ratio| is then
+    ~4e-4 in bf16 (keep train.ratio_tolerance ~5e-2). Not with train.sharding = "fsdp2"."""
 
 
 class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -72,7 +70,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     groups_per_epoch: Positive = 8  # prompts per epoch, all processes together
     sample_batch_size: Positive = 8  # images per sampling forward
     workers: NonNegative = 0
-    """0 = sample in the trainer's engine; N = N Ray actors per trainer process (ray_rollout.py)."""
+    """0 = sample in the trainer's engine; N = N Ray actors per trainer process (families.py)."""
     placement: Literal["split", "colocated"] = "split"
     """VRL presets: `split` = actors on their own GPUs; `colocated` = on the trainer's, asleep during training."""
     gpus_per_worker: float | None = None  # None: split 1, colocated 1/workers, 0 without CUDA
@@ -80,6 +78,9 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
+    spec: str | RewardSpec | None = None
+    """A whole `rl_rewards` RewardSpec (gates, fold, fallbacks): a TOML file, or an inline table
+    `[reward.spec.components.NAME]`. Given, it takes the place of `components` and `kwargs`."""
     components: dict[str, float] = msgspec.field(default_factory=lambda: {"ocr": 1.0})
     """scorer name -> weight (weighted sum); 0 disables one: `reward.components.aesthetic=1.0`."""
     kwargs: dict[str, dict[str, Any]] = {}  # scorer name -> its build options
@@ -87,8 +88,8 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     server_reward: str = ""  # reward name on the server ("" = its default)
 
 
-class TrainConfig(ShardingFields, kw_only=True, frozen=True):
-    epochs: Positive = 100_000
+class TrainConfig(RunFields, kw_only=True, frozen=True):
+    epochs: Positive = 100_000  # one epoch is one step of the trainer loop
     lr: PositiveFloat = 3e-4
     weight_decay: NonNegativeFloat = 1e-4
     max_grad_norm: PositiveFloat = 1.0
@@ -118,19 +119,13 @@ class TrainConfig(ShardingFields, kw_only=True, frozen=True):
     ratio_tolerance: NonNegativeFloat = 1e-5
     """Max |log ratio| on the first replay of an epoch; above it the run stops (rollout and replay
     disagree). Raise it for bf16 with micro_batch_size != sample_batch_size."""
-    seed: int = 42
+    seed: NonNegative = 42
     save_freq: Positive = 60  # epochs between checkpoints (and at the end)
-    keep_last: Positive = 2
     output_dir: str = "runs/diffusion-grpo"
-    run_name: str | None = None
-    log_with: list[str] = msgspec.field(default_factory=list)  # accelerate trackers: tensorboard, wandb, ...
-    max_nonfinite_steps: Positive = 3
-    """Consecutive optimizer steps with a non-finite loss or gradient (each skipped: LoRA,
-    optimizer and EMA untouched) after which the run stops with an error."""
 
 
 class EvalConfig(msgspec.Struct, kw_only=True, frozen=True):
-    every: int = 60  # epochs between evals (0 = never); also after the last epoch
+    every: NonNegative = 60  # epochs between evals (0 = never); also before the first and after the last
     max_prompts: Positive = 16
     num_steps: Positive = 40  # deterministic ODE steps (sd3; janus samples its tokens at the fixed seed)
     guidance_scale: float = 4.5
@@ -149,7 +144,7 @@ class JanusConfig(msgspec.Struct, kw_only=True, frozen=True):
     from (importance ratio 1 on the first replay; gradients reach both CFG rows); `cond` under the
     conditional logits alone (one forward of B rows, half the update cost; old log-probs are then
     recomputed with the conditional logits before the update, and the first-replay check is off)."""
-    kl: Literal["k1", "k2", "k3"] = "k3"  # per-token KL estimator to the LoRA-disabled model (x train.kl_beta)
+    kl: KLName = "k3"  # per-token KL estimator to the LoRA-disabled model (x train.kl_beta)
     logprobs: Literal["rescore", "decode"] = "rescore"
     """Rollout log-probs: `rescore` recomputes them teacher-forced (first replay bit-exact with
     micro_batch_size = sample_batch_size); `decode` keeps the KV-cached decode loop's (no extra
@@ -173,30 +168,68 @@ class Config(msgspec.Struct, kw_only=True, frozen=True):
 ENV = {"VRL_OUTPUT_DIR": "train.output_dir", "REWARD_URL": "reward.url", "RAY_ADDRESS": "rollout.ray_address"}
 
 
-def parse_config(argv: list[str]) -> tuple[Config, str | None] | None:
-    """argv -> (config, resume spec); None after printing --help. No `--config`: the tiny default."""
-    cli = parse_cli(argv)
-    if cli.help:
-        print(config_help(Config, env=ENV, prog="diffusion-grpo", defaults=load_config(Config, DEFAULT_CONFIG),
-                          defaults_from="the embedded tiny default (configs/default.toml)"))
-        return None
-    cfg = load_config(Config, cli.config or DEFAULT_CONFIG, cli.overrides, env=ENV)
-    if cfg.rollout.n < 2:
-        raise ConfigError(f"rollout.n={cfg.rollout.n}: GRPO compares the images of one prompt with each other and "
-                          "needs rollout.n >= 2")
-    if cfg.model.family == "janus" and cfg.rollout.workers:
-        raise ConfigError(f"rollout.workers={cfg.rollout.workers}: Ray rollout workers serve the sd3 family only; "
-                          "set rollout.workers=0 for model.family='janus'")
-    if cfg.model.compile and (cfg.model.family != "sd3" or cfg.train.sharding != "none"):
-        raise ConfigError("model.compile=true compiles the SD3 transformer's blocks: it needs model.family='sd3' and "
-                          f"train.sharding='none' (got {cfg.model.family!r}, {cfg.train.sharding!r})")
-    if cfg.model.family == "sd3" and int(cfg.sampling.num_steps * cfg.train.timestep_fraction) == 0:
-        raise ConfigError(f"train.timestep_fraction={cfg.train.timestep_fraction} x sampling.num_steps="
-                          f"{cfg.sampling.num_steps} trains no step (Flow-GRPO trains int(steps x fraction)); raise it")
-    return cfg, cli.resume
+def check_config(cfg: Config, world_size: int) -> None:
+    """The rules between keys and against the process count; `ConfigError` names the keys."""
+    m, r, t = cfg.model, cfg.rollout, cfg.train
+    images = r.groups_per_epoch // world_size * r.n  # per process
+    refused = [
+        (r.n < 2, f"rollout.n={r.n}: GRPO compares the images of one prompt with each other and needs rollout.n >= 2"),
+        (m.family == "janus" and r.workers > 0, f"rollout.workers={r.workers}: Ray rollout workers serve the sd3 "
+         "family only; set rollout.workers=0 for model.family='janus'"),
+        (m.family == "janus" and t.sharding != "none", f"train.sharding={t.sharding!r} shards the SD3 transformer; "
+         "model.family='janus' trains with DDP (FSDP2 for Janus is not done): set train.sharding='none'"),
+        (m.compile and (m.family != "sd3" or t.sharding != "none"), "model.compile=true compiles the SD3 transformer's "
+         f"blocks: it needs model.family='sd3' and train.sharding='none' (got {m.family!r}, {t.sharding!r})"),
+        (m.family == "sd3" and int(cfg.sampling.num_steps * t.timestep_fraction) == 0,
+         f"train.timestep_fraction={t.timestep_fraction} x sampling.num_steps={cfg.sampling.num_steps} trains no "
+         "step (Flow-GRPO trains int(steps x fraction)); raise it"),
+        (r.workers > 0 and world_size > 1 and not r.ray_address, f"rollout.workers={r.workers} with {world_size} "
+         "trainer processes needs a running Ray cluster: `ray start --head`, then set RAY_ADDRESS or rollout.ray_address"),
+        (r.groups_per_epoch % world_size != 0,
+         f"rollout.groups_per_epoch={r.groups_per_epoch} must divide by the {world_size} processes"),
+        (t.zero_adv == "flow_grpo" and (images % t.micro_batch_size or images // t.micro_batch_size % t.gradient_accumulation_steps),
+         f"train.zero_adv='flow_grpo' trains equal batches: the {images} images per process must divide into batches "
+         f"of train.micro_batch_size={t.micro_batch_size}, and their number into optimizer steps of "
+         f"train.gradient_accumulation_steps={t.gradient_accumulation_steps}"),
+    ]
+    for bad, message in refused:
+        if bad:
+            raise ConfigError(message)
+    reward_spec(cfg.reward, tiny=m.path.startswith("tiny:"))  # a bad spec file or weights stop here too
 
 
 def resolve_path(path: str) -> str:
-    """A data path as given, else relative to the repository root (examples/...); a name that is
-    neither (a Hub dataset id) stays as given."""
+    """A data path as given, else relative to the repository root (examples/...), else a Hub id."""
     return path if Path(path).exists() or not (REPO / path).exists() else str(REPO / path)
+
+
+def read_prompts(source: str, key: str) -> list[OCRPrompt]:
+    """The OCR prompts of a manifest file, a save_to_disk directory or a cached Hub id (a `prompt`
+    or `text` column); a missing or empty source or a bad line is a `UserError` naming `key`."""
+    try:
+        prompts = list(open_source(resolve_path(source), kind="ocr"))
+    except (FileNotFoundError, ValueError) as e:  # missing; not a dataset dir; several splits; a bad line
+        raise UserError(f"{key}: {e}") from None
+    if not prompts:
+        raise UserError(f"{key}={source!r} holds no prompt: give a manifest with one prompt per line")
+    return prompts
+
+
+def reward_spec(cfg: RewardConfig, *, tiny: bool) -> RewardSpec:
+    """`reward.spec` (inline, or a TOML file), else the weighted sum of `reward.components` with
+    `reward.kwargs` as options. `clip_score`/`aesthetic` without a `model` option get CLIP
+    ViT-L/14 (the LAION aesthetic head's backbone), or the tiny CLIP when the model is tiny."""
+    if isinstance(cfg.spec, str):
+        try:
+            return load_spec(resolve_path(cfg.spec))
+        except (OSError, ValueError) as e:
+            raise UserError(f"reward.spec={cfg.spec!r}: {e}") from None
+    if cfg.spec is not None:
+        return cfg.spec
+    clip = "tiny:clip" if tiny else "openai/clip-vit-large-patch14"
+    components = {name: Component(scorer=name, weight=w, options=(
+        {"model": clip} if name in ("clip_score", "aesthetic") else {}) | cfg.kwargs.get(name, {}))
+        for name, w in cfg.components.items() if w != 0}
+    if not components:
+        raise UserError(f"reward.components {cfg.components} has no non-zero weight")
+    return RewardSpec(components=components)

@@ -67,9 +67,60 @@ def flat(tree, prefix=""):
     return {prefix: tree}
 
 
+def checked(app, *argv: str):
+    """The config of a command line (`--config FILE`, `key=value`) after the recipe's checks:
+    what the loop runs before any model loads."""
+    from rl_core.train import load_config, parse_cli
+
+    cli = parse_cli(list(argv))
+    cfg = load_config(app.Config, cli.config or app.DEFAULT_CONFIG, cli.overrides, env=app.RECIPE.env)
+    app.RECIPE.check(cfg, 1)
+    return cfg
+
+
+def train(app, cfg, resume: str | None = None) -> Path:
+    """The trainer loop on the app's recipe (what `main` runs after parsing the command line)."""
+    from rl_core.train import train as loop
+
+    return loop(app.RECIPE, cfg, resume)
+
+
+def setup_state(app, cfg):
+    """The recipe's state as the loop builds it on one process (checked, seeded, set up, started),
+    for tests that drive the hooks themselves."""
+    from accelerate import Accelerator
+
+    from rl_core.train import (
+        NonFiniteGuard,
+        PhaseTimer,
+        RunContext,
+        SampleLog,
+        make_run_dir,
+        seed_everything,
+    )
+
+    acc = Accelerator(cpu=True)
+    app.RECIPE.check(cfg, acc.num_processes)
+    run_dir = make_run_dir(cfg.train.output_dir, None, config=cfg, accelerator=acc)
+    seed_everything(cfg.train.seed)
+    run = RunContext(acc, run_dir, 0, PhaseTimer(), SampleLog(run_dir), NonFiniteGuard(cfg.train.max_nonfinite_steps))
+    state = app.RECIPE.setup(cfg, run)
+    app.RECIPE.start(state)
+    return state
+
+
+def advantages(app, state, batch, rewards):
+    """The loop's advantages for `rewards` `[N]` of `batch` (the recipe's groups and options)."""
+    from rl_core.train import group_advantages
+
+    acc = state.run.accelerator
+    scores = app.grpo_scores(state.cfg.train, acc, rewards, batch.group_ids, [r.prompt for r in batch.records], {})
+    return group_advantages(scores.estimator, scores.rewards, scores.group_ids, accelerator=acc, options=scores.options)
+
+
 def in_process_group(app, cfg, resume: str | None = None) -> Path:
-    """`app.train` in a gloo group of this one process: FSDP2 with world size 1, in process (the
-    app's `end_training` destroys the group, so each run gets its own)."""
+    """`train` in a gloo group of this one process: FSDP2 with world size 1, in process (the
+    loop's `end_training` destroys the group, so each run gets its own)."""
     import socket
 
     import torch.distributed as dist
@@ -79,7 +130,7 @@ def in_process_group(app, cfg, resume: str | None = None) -> Path:
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
-        return app.train(cfg, resume)
+        return train(app, cfg, resume)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -15,7 +15,7 @@ import csv
 from pathlib import Path
 
 import torch
-from conftest import tiny_config, tiny_overrides
+from conftest import advantages, setup_state, tiny_config, tiny_overrides, train
 
 from rl_core.train import load_config
 
@@ -25,7 +25,7 @@ def test_brightness_reward_rises(app, tmp_path: Path) -> None:
         tmp_path, "rollout.n=8", "rollout.groups_per_epoch=4", "rollout.sample_batch_size=8",
         "train.micro_batch_size=8", "train.epochs=12", "train.lr=0.05", "train.clip_range=0.2",
         "train.kl_beta=0", "train.save_freq=100"))
-    run_dir = app.train(cfg)
+    run_dir = train(app, cfg)
     with (run_dir / "metrics.csv").open(newline="") as f:
         rewards = [float(r["reward/mean"]) for r in csv.DictReader(f) if r.get("reward/mean")]
     assert len(rewards) == 12
@@ -42,16 +42,15 @@ def test_janus_policy_learns_a_token_reward(app, tmp_path: Path) -> None:
     normalise global statistics away, so brightness or a colour channel of its images does not
     depend on the codes (a linear fit on code counts over 3,000 random images explains none of
     their variance), and no image reward is learnable on the tiny model. The loop is the
-    recipe's (`collect` -> `advantages` -> `train_epoch`), the reward function swapped."""
-    run = app.setup(tiny_config(app, "janus", tmp_path, "rollout.n=8", "rollout.groups_per_epoch=4",
-                                "rollout.sample_batch_size=8", "train.micro_batch_size=8", "train.lr=0.1",
-                                "train.kl_beta=0"), resume=None)
+    recipe's hooks (`rollout` -> the loop's advantages -> `update`), the reward function swapped."""
+    state = setup_state(app, tiny_config(app, "janus", tmp_path, "rollout.n=8", "rollout.groups_per_epoch=4",
+                                         "rollout.sample_batch_size=8", "train.micro_batch_size=8", "train.lr=0.1",
+                                         "train.kl_beta=0"))
     shares = []
-    for epoch in range(8):
-        batch = app.collect(run, epoch)
-        ids = torch.cat([r.tokens.image_ids for r in batch.trajectories])  # [32, 16]
+    for step in range(1, 9):
+        batch = app.RECIPE.rollout(state, step)
+        ids = torch.cat([r.tokens.image_ids for r in batch.samples])  # [32, 16]
         rewards = (ids < 32).float().mean(-1)  # [32]
-        adv, _ = app.advantages(run, rewards, batch.group_ids, [r.prompt for r in batch.records])
-        app.train_epoch(run, batch, adv, epoch)
+        app.RECIPE.update(state, step, batch, advantages(app, state, batch, rewards))
         shares.append(float(rewards.mean()))
     assert shares[0] < 0.55 and sum(shares[-2:]) / 2 >= 0.7, f"token share did not rise: {shares}"

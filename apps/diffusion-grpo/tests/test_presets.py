@@ -32,9 +32,9 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import advantages, checked, setup_state, tiny_overrides
 
-from rl_core.train import ConfigError, UserError, load_config
+from rl_core.train import ConfigError, UserError, group_advantages, load_config
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "diffusion-grpo"
 REWARDS = torch.tensor([0, 0, 1, 1, 0.75, 0.25, 0, 1])
@@ -49,9 +49,9 @@ def _preset(app, name: str, *overrides: str):
 
 
 @pytest.fixture(scope="module")
-def run(app, tmp_path_factory):
+def state(app, tmp_path_factory):
     out = tmp_path_factory.mktemp("presets")
-    return app.setup(load_config(app.Config, app.DEFAULT_CONFIG, tiny_overrides(out)), resume=None)
+    return setup_state(app, load_config(app.Config, app.DEFAULT_CONFIG, tiny_overrides(out)))
 
 
 def test_preset_files_fix_their_systems_knobs(app) -> None:
@@ -63,7 +63,7 @@ def test_preset_files_fix_their_systems_knobs(app) -> None:
         "vrl": ("population", 1e-8, "clamp", "batch", "group", "drop", 5.0),
     }
     for name in ("flow_grpo", "vrl"):  # the full-size files pass the app's own checks, shared numbers
-        cfg, _ = app.parse_config(["--config", str(EXAMPLES / f"{name}.toml")])
+        cfg = checked(app, "--config", str(EXAMPLES / f"{name}.toml"))
         assert (cfg.rollout.n, cfg.rollout.groups_per_epoch, cfg.train.micro_batch_size,
                 cfg.train.gradient_accumulation_steps) == (8, 8, 8, 4)
         assert (cfg.train.lr, cfg.train.clip_range, cfg.train.kl_beta, cfg.train.timestep_fraction) == (3e-4, 1e-4, 0.04, 0.99)
@@ -73,7 +73,7 @@ def test_preset_files_fix_their_systems_knobs(app) -> None:
     assert (vrl.eval.max_prompts, vrl.eval.batch_size, vrl.train.output_dir) == (16, 8, "outputs/sd3_5_ocr_grpo")
 
 
-@pytest.mark.parametrize(("name", "advantages", "steps"), [
+@pytest.mark.parametrize(("name", "expected", "steps"), [
     ("ours", [0, 0, 0, 0, 0.25 / (UNBIASED + 1e-4), -0.25 / (UNBIASED + 1e-4), -0.5 / (UNBIASED + 1e-4),
               0.5 / (UNBIASED + 1e-4)],
      [[(1, [0, 1, 2, 3])]]),
@@ -84,49 +84,64 @@ def test_preset_files_fix_their_systems_knobs(app) -> None:
      # images (0, 2, 6) then (1, 4, 7): trajectory 0 holds images 0-3, trajectory 1 images 4-7
      [[(0, [0, 2]), (1, [2])], [(0, [1]), (1, [0, 3])]]),
 ])
-def test_advantages_and_trained_images_per_preset(app, run, name: str, advantages: list[float], steps: list) -> None:
-    cfg = _preset(app, name, "train.micro_batch_size=4", "train.gradient_accumulation_steps=1")
-    preset_run = dataclasses.replace(run, cfg=cfg)
-    adv, _ = app.advantages(preset_run, REWARDS, GROUPS, PROMPTS)
-    torch.testing.assert_close(adv, torch.tensor(advantages), atol=1e-6, rtol=0)
+def test_advantages_and_trained_images_per_preset(app, state, name: str, expected: list[float], steps: list) -> None:
+    cfg, acc = _preset(app, name, "train.micro_batch_size=4", "train.gradient_accumulation_steps=1"), state.run.accelerator
+    scores = app.grpo_scores(cfg.train, acc, REWARDS, GROUPS, PROMPTS, {})
+    adv = group_advantages(scores.estimator, scores.rewards, scores.group_ids, accelerator=acc,
+                           options=scores.options).advantages
+    torch.testing.assert_close(adv, torch.tensor(expected), atol=1e-6, rtol=0)
     assert [round(a, 5) for a in adv.tolist()[4:6]] == {"ours": [0.51877, -0.51877], "vrl": [0.5547, -0.5547],
                                                       "flow_grpo": [1.10915, 0.0]}[name]
-    plan = app.plan_micro_batches(preset_run, [4, 4], adv, epoch=0)
+    plan = app.plan_micro_batches(cfg.train, acc, [4, 4], adv, epoch=0)
     assert [[(k, rows.tolist()) for k, rows, weight in step if weight] for step in plan] == steps
     if name == "flow_grpo":  # every step trains the same number of images
         assert [sum(len(rows) for _, rows, _ in step) for step in plan] == [3, 3]
 
 
-def test_flow_grpo_refill_trains_equal_steps_end_to_end(app, run) -> None:
+def test_flow_grpo_refill_trains_equal_steps_end_to_end(app, state) -> None:
     """One epoch of the tiny model under the flow_grpo rule (2 prompts x 4 images): only images 0
     and 3 have a non-zero advantage; 8 images in micro-batches of 2 make 4 batches, so 2 zero
     ones are put back and two optimizer steps train 2 images each (the first replay on-policy).
     Under `drop` the same rewards train the 2 images in one step."""
     rewards = torch.tensor([0, 0.5, 0.5, 1, 1, 1, 1, 1])
     for zero_adv, optimizer_steps, trained in (("flow_grpo", 2, 4), ("drop", 1, 2)):
-        cfg = msgspec.structs.replace(run.cfg, train=msgspec.structs.replace(
-            run.cfg.train, zero_adv=zero_adv, micro_batch_size=2, gradient_accumulation_steps=2))
-        preset_run = dataclasses.replace(run, cfg=cfg)
-        batch = app.collect(preset_run, epoch=0)
-        adv, _ = app.advantages(preset_run, rewards, batch.group_ids, [r.prompt for r in batch.records])
-        assert (adv != 0).nonzero().flatten().tolist() == [0, 3]
-        stats = app.train_epoch(preset_run, batch, adv, epoch=0)
+        cfg = msgspec.structs.replace(state.cfg, train=msgspec.structs.replace(
+            state.cfg.train, zero_adv=zero_adv, micro_batch_size=2, gradient_accumulation_steps=2))
+        preset = dataclasses.replace(state, cfg=cfg)
+        batch = app.RECIPE.rollout(preset, 1)
+        adv = advantages(app, preset, batch, rewards)
+        assert (adv.advantages != 0).nonzero().flatten().tolist() == [0, 3]
+        stats = app.RECIPE.update(preset, 1, batch, adv)
         assert (stats["optimizer_steps"], stats["adv/trained_samples"]) == (optimizer_steps, trained)
-        assert preset_run.first_ratio <= cfg.train.ratio_tolerance
+        assert stats["replay/engine_diff_max"] <= cfg.train.ratio_tolerance
 
 
-def test_flow_grpo_needs_batches_that_divide(app, tmp_path: Path) -> None:
-    cfg = load_config(app.Config, app.DEFAULT_CONFIG, tiny_overrides(
-        tmp_path, "train.zero_adv=flow_grpo", "train.micro_batch_size=3"))
-    with pytest.raises(UserError, match=r"train\.micro_batch_size=3"):
-        app.setup(cfg, resume=None)
+def test_flow_grpo_needs_batches_that_divide(app) -> None:
+    with pytest.raises(ConfigError, match=r"train\.micro_batch_size=3"):
+        checked(app, "train.zero_adv=flow_grpo", "train.micro_batch_size=3")
+
+
+def test_batches_are_checked_against_the_process_count(app) -> None:
+    """Before any model loads (`Recipe.check` with the launch's process count)."""
+    cfg = load_config(app.Config, app.DEFAULT_CONFIG, ["rollout.groups_per_epoch=3"])
+    app.RECIPE.check(cfg, 1)
+    with pytest.raises(ConfigError, match=r"rollout\.groups_per_epoch=3 must divide by the 2 processes"):
+        app.RECIPE.check(cfg, 2)
+    flow = load_config(app.Config, app.DEFAULT_CONFIG, ["train.zero_adv=flow_grpo", "rollout.groups_per_epoch=4",
+                                                        "train.micro_batch_size=4", "train.gradient_accumulation_steps=2"])
+    app.RECIPE.check(flow, 2)  # 8 images per process: 2 batches of 4, one optimizer step
+    with pytest.raises(ConfigError, match=r"the 4 images per process must divide"):
+        app.RECIPE.check(flow, 4)  # 1 batch per process cannot fill steps of 2
+    ray = load_config(app.Config, app.DEFAULT_CONFIG, ["rollout.workers=2"])
+    with pytest.raises(ConfigError, match=r"rollout\.workers=2 with 2 trainer processes needs a running Ray cluster"):
+        app.RECIPE.check(ray, 2)
 
 
 def test_timestep_fraction_that_trains_no_step_is_refused(app) -> None:
     """Flow-GRPO trains range(int(steps x fraction)) steps: none for 4 x 0.2; refused, not run."""
     with pytest.raises(ConfigError, match=r"train\.timestep_fraction=0\.2 x sampling\.num_steps=4 trains no step"):
-        app.parse_config(["sampling.num_steps=4", "train.timestep_fraction=0.2"])
-    cfg, _ = app.parse_config(["sampling.num_steps=4", "train.timestep_fraction=0.25"])
+        checked(app, "sampling.num_steps=4", "train.timestep_fraction=0.2")
+    cfg = checked(app, "sampling.num_steps=4", "train.timestep_fraction=0.25")
     assert cfg.train.timestep_fraction == 0.25
 
 
@@ -134,15 +149,15 @@ def test_timestep_fraction_that_trains_no_step_is_refused(app) -> None:
                                                ("janus_pro_7b", "deepseek-community/Janus-Pro-7B")])
 def test_janus_pro_presets_use_the_paper_sampling(app, name: str, hub_id: str) -> None:
     """Janus-Pro's generation script: CFG weight 5, temperature 1, 384x384, parallel_size 16."""
-    cfg, _ = app.parse_config(["--config", str(EXAMPLES / f"{name}.toml")])
+    cfg = checked(app, "--config", str(EXAMPLES / f"{name}.toml"))
     assert (cfg.model.family, cfg.model.path) == ("janus", hub_id)
     assert (cfg.sampling.guidance_scale, cfg.janus.temperature, cfg.sampling.resolution, cfg.rollout.n) == (5.0, 1.0, 384, 16)
     with pytest.raises(ConfigError, match=r"rollout\.workers"):
-        app.parse_config(["--config", str(EXAMPLES / f"{name}.toml"), "rollout.workers=2"])
+        checked(app, "--config", str(EXAMPLES / f"{name}.toml"), "rollout.workers=2")
 
 
 def test_janus_resolution_must_be_the_checkpoints(app, tmp_path: Path) -> None:
     from conftest import tiny_config
 
     with pytest.raises(UserError, match=r"sampling\.resolution=64: .* 32x32 .* sampling\.resolution=32"):
-        app.setup(tiny_config(app, "janus", tmp_path, "sampling.resolution=64"), resume=None)
+        setup_state(app, tiny_config(app, "janus", tmp_path, "sampling.resolution=64"))

@@ -1,19 +1,40 @@
 """The recipe end to end on tiny SD3 and tiny Janus (model.family, one parametrised suite):
-training changes every LoRA weight, writes VRL's outputs, resumes exactly, guards against NaN
-gradients and rollout/replay mismatches."""
+training changes every LoRA weight, writes VRL's outputs under the metric names of the table,
+resumes exactly, guards against NaN gradients and rollout/replay mismatches; bad input stops in
+one line before any model loads."""
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, flat, tiny_config, tiny_overrides
+from conftest import (
+    CONFIGS,
+    advantages,
+    checked,
+    flat,
+    setup_state,
+    tiny_config,
+    tiny_overrides,
+    train,
+)
+from grpo_config import RewardConfig, read_prompts
 from PIL import Image
 
-from rl_core.train import ConfigError, UserError, load_config
+from rl_core.train import (
+    ConfigError,
+    GroupAdvantages,
+    UserError,
+    load_config,
+    run_app,
+    trainable_parameters,
+    unknown_metric_names,
+)
 
 
 def _config(app, out: Path, *extra: str):
@@ -41,7 +62,7 @@ def full_run(app, family: str, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp(f"full-{family}")
     cfg = tiny_config(app, family, out, "train.epochs=2", "train.save_freq=1", "train.keep_last=3",
                       "eval.every=100", "eval.max_prompts=2", "eval.num_steps=4")
-    return app.train(cfg)
+    return train(app, cfg)
 
 
 # sd3: the last MMDiT block is `context_pre_only`: its text-token queries (add_q_proj) reach no
@@ -62,28 +83,32 @@ def test_every_lora_parameter_changes(app, family: str, full_run: Path) -> None:
 
 def test_outputs_match_vrl(full_run: Path) -> None:
     rows = _rows(full_run / "metrics.csv")
+    assert unknown_metric_names(rows[0].keys()) == []  # every column is a name of the shared table
     train = [r for r in rows if r.get("reward/mean")]
     assert [int(r["step"]) for r in train] == [1, 2]
     for key in ("reward/std", "reward/brightness", "reward/zero_std_group_fraction", "adv/std",
                 "loss/total", "loss/policy", "loss/kl", "policy/clip_fraction", "policy/approx_kl", "grad_norm",
-                "time/rollout", "time/reward", "time/train", "images_per_s", "image/brightness"):
+                "time/rollout", "time/reward", "time/update", "throughput/samples_per_s", "image/brightness",
+                "optimizer_steps", "rollout/weight_version"):
         assert train[0].get(key) not in (None, ""), key
     # micro-batches are the sampled batches (nothing dropped): the first replay is bit-exact
-    assert all(float(r["diag/first_replay_max_abs_log_ratio"]) == 0.0 for r in train if float(r["adv/kept_fraction"]) == 1)
-    evals = _rows(full_run / "eval_metrics.csv")
-    assert [int(r["epoch"]) for r in evals] == [0, 2]
-    assert all(0 <= float(r["image/brightness"]) <= 1 and float(r["image/colour_entropy"]) > 0 for r in evals)
+    assert all(float(r["replay/engine_diff_max"]) == 0.0 for r in train if float(r["adv/kept_fraction"]) == 1)
+    evals = [r for r in rows if r.get("eval/reward/mean")]  # before the first epoch and after the last
+    assert [int(r["step"]) for r in evals] == [0, 2]
+    assert all(0 <= float(r["eval/image/brightness"]) <= 1 and float(r["eval/image/colour_entropy"]) > 0 for r in evals)
     with Image.open(full_run / "eval_epoch_2" / "contact_sheet.png") as sheet:
         assert sheet.size[0] >= 256 and sheet.size[1] > 256  # images with their prompt under them
     assert (full_run / "reward_curve.png").stat().st_size > 0
+    samples = [json.loads(line) for line in (full_run / "samples" / "train.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1] * 8 + [2] * 8 and all(0 <= s["reward"] <= 1 for s in samples)
     for folder in ("checkpoint-final/lora", "checkpoint-final/lora_ema", "checkpoints/checkpoint-2/lora"):
         config = json.loads((full_run / folder / "adapter_config.json").read_text())
         assert config["r"] == 8 and (full_run / folder / "adapter_model.safetensors").is_file()
 
 
 def test_resume_equals_uninterrupted_run(app, family: str, full_run: Path, tmp_path: Path) -> None:
-    first = app.train(tiny_config(app, family, tmp_path, "train.epochs=1", "train.save_freq=1"))
-    resumed = app.train(tiny_config(app, family, tmp_path, "train.epochs=2", "train.save_freq=1"), resume="latest")
+    first = train(app, tiny_config(app, family, tmp_path, "train.epochs=1", "train.save_freq=1"))
+    resumed = train(app, tiny_config(app, family, tmp_path, "train.epochs=2", "train.save_freq=1"), resume="latest")
     assert resumed == first
     a, b = full_run / "checkpoints" / "checkpoint-2", resumed / "checkpoints" / "checkpoint-2"
     for name in ("lora.pt", "ema.pt", "optimizer.pt"):
@@ -91,48 +116,49 @@ def test_resume_equals_uninterrupted_run(app, family: str, full_run: Path, tmp_p
         assert json.dumps(flat(sa)) == json.dumps(flat(sb)), name
     steps = [int(r["step"]) for r in _rows(resumed / "metrics.csv") if r.get("reward/mean")]
     assert steps == [1, 2]  # one row per epoch, as if uninterrupted
+    again = train(app, tiny_config(app, family, tmp_path, "train.epochs=2", "train.save_freq=1"), resume="latest")
+    assert again == first and [int(r["step"]) for r in _rows(again / "metrics.csv")] == [1, 2]  # finished: stops at once
 
 
 @pytest.fixture(scope="module")
-def run(app, family: str, tmp_path_factory):
+def state(app, family: str, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"run-{family}")
-    return app.setup(tiny_config(app, family, out, "train.kl_beta=0.04"), resume=None)
+    return setup_state(app, tiny_config(app, family, out, "train.kl_beta=0.04"))
 
 
-def test_nan_loss_skips_the_step_and_three_in_a_row_stop(app, run) -> None:
+def test_nan_loss_skips_the_step_and_three_in_a_row_stop(app, state) -> None:
     """A non-finite loss skips the optimizer step: LoRA, optimizer and EMA untouched, counted;
     `train.max_nonfinite_steps` (3) in a row stop the run."""
     from rl_core.train import NonFiniteError
 
-    batch = app.collect(run, epoch=0)
-    adv = torch.full((8,), float("nan"))  # NaN advantages -> NaN loss and gradients
-    params = list(app.trainable(run.peft).values())
+    recipe, batch = app.RECIPE, app.RECIPE.rollout(state, 1)
+    nan = torch.full((8,), math.nan)  # NaN advantages -> NaN loss and gradients
+    adv = GroupAdvantages(nan, torch.ones(8, dtype=torch.bool), {})
+    params = list(trainable_parameters(state.family.peft).values())
     before = [p.detach().clone() for p in params]
-    ema, steps = {k: v.clone() for k, v in run.ema.shadow.items()}, run.optimizer_steps
-    run.guard.consecutive = 0
-    stats = app.train_epoch(run, batch, adv, epoch=0)  # 2 optimizer steps, both skipped
+    ema, steps = {k: v.clone() for k, v in state.ema.shadow.items()}, state.ema.steps
+    state.run.guard.consecutive = 0
+    stats = recipe.update(state, 1, batch, adv)  # 2 optimizer steps, both skipped
     assert stats["nonfinite/skipped_steps"] == 2.0 and stats["optimizer_steps"] == 0.0
-    assert run.optimizer_steps == steps and all(torch.equal(b, p) for b, p in zip(before, params, strict=True))
-    assert all(torch.equal(ema[k], run.ema.shadow[k]) for k in ema)
+    assert state.ema.steps == steps and all(torch.equal(b, p) for b, p in zip(before, params, strict=True))
+    assert all(torch.equal(ema[k], state.ema.shadow[k]) for k in ema)
     assert all(p.grad is None for p in params)
     with pytest.raises(NonFiniteError, match="3 optimizer steps in a row"):
-        app.train_epoch(run, batch, adv, epoch=0)
-    run.guard.consecutive = 0
+        recipe.update(state, 1, batch, adv)
+    state.run.guard.consecutive = 0
 
 
-def test_first_replay_mismatch_stops_the_run(app, run) -> None:
-    batch = app.collect(run, epoch=0)
-    rewards = torch.arange(8, dtype=torch.float32)  # every group has spread: all rows kept
-    adv, _ = app.advantages(run, rewards, batch.group_ids, [r.prompt for r in batch.records])
-    stats = app.train_epoch(run, batch, adv, epoch=0)  # on-policy: passes, with a KL term
-    assert run.first_ratio == 0.0 and stats["loss/kl"] >= 0 and run.optimizer_steps == 2
-    traj = batch.trajectories[0]
-    tampered = app.Batch([type(traj)(**{**traj.__dict__, "log_probs": traj.log_probs + 1e-3})],
-                         batch.records[:4], batch.group_ids[:4])
-    fresh = app.collect(run, epoch=1)  # new weights, new rollout: on-policy again
-    assert app.train_epoch(run, app.Batch(fresh.trajectories, fresh.records, fresh.group_ids), adv, epoch=1)
-    with pytest.raises(RuntimeError, match="ratio_tolerance"):
-        app.train_epoch(run, tampered, adv[:4], epoch=2)
+def test_first_replay_mismatch_stops_the_run(app, state) -> None:
+    recipe, batch = app.RECIPE, app.RECIPE.rollout(state, 1)
+    adv = advantages(app, state, batch, torch.arange(8, dtype=torch.float32))  # every group has spread: all kept
+    stats = recipe.update(state, 1, batch, adv)  # on-policy: passes, with a KL term
+    assert stats["replay/engine_diff_max"] == 0.0 and stats["loss/kl"] >= 0 and state.ema.steps == 2
+    tampered = dataclasses.replace(batch, samples=[dataclasses.replace(batch.samples[0], log_probs=batch.samples[0].log_probs + 1e-3)],
+                                   records=batch.records[:4], group_ids=batch.group_ids[:4], images=batch.images[:4])
+    fresh = recipe.rollout(state, 2)  # new weights, new rollout: on-policy again
+    assert recipe.update(state, 2, fresh, adv)["replay/engine_diff_max"] == 0.0
+    with pytest.raises(RuntimeError, match=r"step 3: first replay.*ratio_tolerance"):
+        recipe.update(state, 3, tampered, GroupAdvantages(adv.advantages[:4], adv.valid[:4], {}))
 
 
 def test_config_errors_name_the_key(app, tmp_path: Path) -> None:
@@ -141,7 +167,7 @@ def test_config_errors_name_the_key(app, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"sampling\.kind"):
         _config(app, tmp_path, "sampling.kind=ddim")
     with pytest.raises(UserError, match="no non-zero weight"):
-        app.build_reward_scorer(app.RewardConfig(components={"ocr": 0.0}))
+        checked(app, "reward.components={ocr=0.0}")
 
 
 def test_help_lists_every_vrl_knob(app, capsys) -> None:
@@ -161,13 +187,14 @@ def test_aesthetic_and_clip_score_rewards_from_the_command_line(app, tmp_path: P
             "train.epochs=1"]
     run = app.main(argv)
     assert run == (tmp_path / "latest").resolve()
-    train, evals = _rows(run / "metrics.csv"), _rows(run / "eval_metrics.csv")
-    row = next(r for r in train if r.get("reward/mean"))
+    rows = _rows(run / "metrics.csv")
+    row = next(r for r in rows if r.get("reward/mean"))
     assert not row.get("reward/ocr") and not row.get("reward/brightness") and float(row["reward/failed"]) == 0
     aesthetic, clip = float(row["reward/aesthetic"]), float(row["reward/clip_score"])
     assert float(row["reward/mean"]) == pytest.approx(aesthetic + 0.5 * clip, abs=1e-6)
     assert float(row["reward/std"]) > 0  # the random tiny heads still tell the images apart
-    assert [r["epoch"] for r in evals] == ["0", "1"] and all(r["reward/clip_score"] != "" for r in evals)
+    evals = [r for r in rows if r.get("eval/reward/mean")]
+    assert [r["step"] for r in evals] == ["0", "1"] and all(r["eval/reward/clip_score"] != "" for r in evals)
 
 
 def test_trains_from_a_save_to_disk_directory(app, tmp_path: Path) -> None:
@@ -178,21 +205,52 @@ def test_trains_from_a_save_to_disk_directory(app, tmp_path: Path) -> None:
     lines = (Path(__file__).resolve().parents[3] / "examples/data/ocr/train.txt").read_text().splitlines()[:4]
     folder = tmp_path / "ocr_ds"
     datasets.Dataset.from_dict({"prompt": lines}).save_to_disk(str(folder))
-    run = app.setup(_config(app, tmp_path / "out", f"data.manifest={folder}", f"data.eval_manifest={folder}",
-                            "train.epochs=1"), resume=None)
-    assert [p.prompt for p in run.prompts] == [p.prompt for p in run.eval_prompts] == lines
-    assert run.prompts[0].target == lines[0].split('"')[1]
-    out = app.run_epochs(run)
+    assert [p.prompt for p in read_prompts(str(folder), "data.manifest")] == lines
+    assert read_prompts(str(folder), "data.manifest")[0].target == lines[0].split('"')[1]
+    out = train(app, _config(app, tmp_path / "out", f"data.manifest={folder}", f"data.eval_manifest={folder}",
+                             "train.epochs=1"))
     assert [r["step"] for r in _rows(out / "metrics.csv") if r.get("reward/mean")] == ["1"]
     with pytest.raises(UserError, match=r"data\.manifest: .*no-such-manifest\.txt"):
-        app.read_prompts(str(tmp_path / "no-such-manifest.txt"), "data.manifest")
+        read_prompts(str(tmp_path / "no-such-manifest.txt"), "data.manifest")
+
+
+@pytest.mark.parametrize("key", ["data.manifest", "data.eval_manifest"])
+def test_empty_or_undecodable_manifest_is_one_line_and_exit_2(app, tmp_path: Path, capsys, key: str) -> None:
+    """The data is read before any model loads: `model.path` names no model at all, and the
+    error is still the data's."""
+    empty, latin = tmp_path / "empty.txt", tmp_path / "latin.txt"
+    empty.write_text("\n  \n")
+    latin.write_bytes('A sign that says "OPEN"\nA caf\xe9 sign that says "CAF\xc9"\n'.encode("latin-1"))
+    for path, message in ((empty, f"{key}='{empty}' holds no prompt"), (latin, f"{key}: {latin}: line 2: not valid UTF-8")):
+        argv = [*tiny_overrides(tmp_path / "out"), f"{key}={path}", f"model.path={tmp_path / 'no-model'}"]
+        assert run_app(app.RECIPE.name, app.main, argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"diffusion-grpo: error: {message}") and len(err.splitlines()) == 1, err
+
+
+def test_reward_spec_inline_or_from_a_file(app, tmp_path: Path) -> None:
+    """`reward.spec` gives a whole RewardSpec, from a TOML file or inline; it trains as the
+    shorthand `reward.components` it replaces."""
+    spec = tmp_path / "reward.toml"
+    spec.write_text('[components.b]\nscorer = "brightness"\nweight = 2.0\n')
+    from_file = app.reward_spec(RewardConfig(spec=str(spec)), tiny=True)
+    inline = load_config(app.Config, app.DEFAULT_CONFIG, ["reward.spec.components.b.scorer=brightness",
+                                                         "reward.spec.components.b.weight=2.0"]).reward
+    shorthand = load_config(app.Config, app.DEFAULT_CONFIG, ["reward.components={brightness=2.0}"]).reward
+    assert from_file == app.reward_spec(inline, tiny=True)
+    assert app.reward_spec(shorthand, tiny=True).components["brightness"].weight == from_file.components["b"].weight
+    with pytest.raises(UserError, match=r"reward\.spec='nope\.toml'"):
+        checked(app, "reward.spec=nope.toml")
+    out = train(app, _config(app, tmp_path / "out", f"reward.spec={spec}", "train.epochs=1"))
+    [row] = [r for r in _rows(out / "metrics.csv") if r.get("reward/mean")]
+    assert float(row["reward/mean"]) == pytest.approx(2 * float(row["reward/b"]), rel=1e-6)
 
 
 def test_compile_is_refused_where_it_does_not_apply(app) -> None:
     with pytest.raises(ConfigError, match=r"model\.compile=true .* needs model\.family='sd3'"):
-        app.parse_config(["--config", str(CONFIGS["janus"]), "model.compile=true"])
+        checked(app, "--config", str(CONFIGS["janus"]), "model.compile=true")
     with pytest.raises(ConfigError, match=r"train\.sharding='none'"):
-        app.parse_config(["model.compile=true", "train.sharding=fsdp2"])
+        checked(app, "model.compile=true", "train.sharding=fsdp2")
 
 
 # torch's dynamo reads `.grad` of non-leaf fake tensors while tracing the replay (a UserWarning of
@@ -203,7 +261,7 @@ def test_compiled_blocks_sample_and_replay_within_the_ratio_tolerance(app, tmp_p
     different graphs; in float32 on the CPU the first replay still passes the default
     train.ratio_tolerance (1e-5), and the LoRA trains."""
     cfg = _config(app, tmp_path, "model.compile=true", "train.epochs=1", "train.save_freq=1")
-    run_dir = app.train(cfg)
-    [row] = [r for r in _rows(run_dir / "metrics.csv") if r.get("diag/first_replay_max_abs_log_ratio")]
-    assert float(row["diag/first_replay_max_abs_log_ratio"]) < 1e-5
+    run_dir = train(app, cfg)
+    [row] = [r for r in _rows(run_dir / "metrics.csv") if r.get("replay/engine_diff_max")]
+    assert float(row["replay/engine_diff_max"]) < 1e-5
     assert any(v.abs().sum() > 0 for k, v in _lora(run_dir / "checkpoints" / "checkpoint-1").items() if "lora_B" in k)

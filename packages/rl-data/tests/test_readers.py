@@ -167,6 +167,15 @@ def test_ocr_manifest_good_and_broken(tmp_path):
     assert len(list(reader)) == 1 and reader.skipped == 1
 
 
+def test_ocr_manifest_that_is_not_utf8_names_the_line(tmp_path):
+    path = tmp_path / "ocr.txt"
+    path.write_bytes('A sign that says "OPEN"\n\nA caf\xe9 sign "CAF\xc9"\n'.encode("latin-1"))
+    error = _error(read_ocr_prompts(path))
+    assert (error.path, error.line) == (path, 3) and "not valid UTF-8" in str(error)
+    reader = read_ocr_prompts(path, on_error="skip")
+    assert [p.target for p in reader] == ["OPEN"] and reader.skipped == 1
+
+
 def test_prompt_reader(tmp_path):
     path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "id": 1}, {"prompt": ["x"]}])
     error = _error(read_prompts(path))

@@ -10,6 +10,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
+from rl_core.losses import aggregate
 from rl_core.train import NonFiniteError, NonFiniteGuard
 from rl_core.train.replay_update import Replay, replay_update
 
@@ -92,3 +93,26 @@ def test_nonfinite_advantages_skip_the_step_and_the_guard_stops_the_run() -> Non
     assert torch.equal(start, weight) and stepped == 0 and metrics["nonfinite/skipped_steps"] == 1.0
     with pytest.raises(NonFiniteError, match="2 optimizer steps in a row"):
         _run([[(list(range(8)), 1.0)]], adv=nan, guard=guard)
+
+
+def test_the_kl_term_sums_as_token_mean_aggregation_does() -> None:
+    """The per-unit KL is reduced per sample first, then over samples: bit for bit what
+    `aggregate(kl, mask, "token-mean")` gives (Janus's per-token KL), where one flat sum of the
+    same values rounds differently."""
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(3)  # weights whose flat sum rounds differently (checked below)
+    model = torch.nn.Linear(3, 576, bias=False)  # 576 units per sample: Janus-Pro's image tokens
+    kls: list[torch.Tensor] = []
+
+    def replay(rows: list[int]) -> Replay:
+        logp = torch.nn.functional.logsigmoid(model(X[rows]))  # [b, 576]
+        kls.append(-logp.detach())
+        return Replay(logp, logp.detach(), ADV[rows], kl=-logp)
+
+    metrics = replay_update(acc, model, torch.optim.SGD(model.parameters(), lr=0.0), [[list(range(8))]], replay,
+                            units=lambda m: 576.0 * len(m), clip_range=0.2, kl_beta=1.0, grad_clip=None,
+                            guard=NonFiniteGuard(), filler=[0])
+    num_valid = torch.tensor(576.0 * 8)
+    expected = aggregate(kls[0], torch.ones_like(kls[0]), "token-mean", num_valid=num_valid)
+    assert metrics["loss/kl"] == float(expected)
+    assert float(kls[0].sum() / num_valid) != float(expected)  # a flat sum would not be bit-identical

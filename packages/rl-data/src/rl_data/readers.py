@@ -119,6 +119,12 @@ class FileRows:
         return self._jsonl_rows() if self.fmt == "jsonl" else self._text_rows()
 
     def decode(self, raw: Any) -> Any:
+        if self.fmt == "lines":
+            try:
+                return raw.decode("utf-8").strip()
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"not valid UTF-8 (byte {exc.start} of the line: {exc.reason}); "
+                                 "save the file as UTF-8") from None
         if self.fmt != "jsonl":
             return raw
         try:
@@ -145,10 +151,12 @@ class FileRows:
                 row += 1
 
     def _text_rows(self) -> Iterator[tuple[int, Any]]:
-        with self.path.open(encoding="utf-8") as f:
+        """(1-based line, raw line bytes) for every non-blank line: `decode` makes it text, so a
+        line that is not UTF-8 is a bad record naming its line, not an error mid-file."""
+        with self.path.open("rb") as f:
             for number, line in enumerate(f, start=1):
-                if line.strip():
-                    yield number, line.strip()
+                if line.decode("utf-8", errors="replace").strip():
+                    yield number, line
 
 
 class Location(NamedTuple):

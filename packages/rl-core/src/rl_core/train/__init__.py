@@ -2,7 +2,8 @@
 trainer loop that owns the schedule (`loop`) and the `Recipe` an app gives it (`recipe`), one
 table of metric names (`metric_names`), config loading, run directories, metric and sample
 logs, progress, atomic checkpoints, seeding, pinned-buffer offloading of weights or optimizer
-state, FSDP2 sharding (`sharding`), and the training phases the apps share: group advantages
+state, FSDP2 sharding (`sharding`), trainable weights as checkpoint state and their EMA
+(`ema`), and the training phases the apps share: group advantages
 over processes (`groups`), the accumulated optimizer step with its non-finite guard and
 first-replay check (`update`), the update over replayed samples that image apps share
 (`replay_update`), the `main()` contract with user errors (`app`), and the end of a
@@ -37,6 +38,7 @@ from rl_core.train.config import (
     load_config,
     parse_cli,
 )
+from rl_core.train.ema import ParameterEMA, TrainableState, trainable_parameters
 from rl_core.train.groups import GroupAdvantages, component_means, gather_rows, group_advantages
 from rl_core.train.loop import run, train
 from rl_core.train.metric_names import METRIC_NAMES, unknown_metric_names
@@ -108,6 +110,7 @@ __all__ = [
     "NonNegative",
     "NonNegativeFloat",
     "OptimizerOffload",
+    "ParameterEMA",
     "PhaseTimer",
     "PinnedOffload",
     "PolicyLossName",
@@ -128,6 +131,7 @@ __all__ = [
     "Stateful",
     "StepStats",
     "TrainProgress",
+    "TrainableState",
     "UnitInterval",
     "UpdateStats",
     "UserError",
@@ -168,5 +172,6 @@ __all__ = [
     "shard_model",
     "sharded_state",
     "train",
+    "trainable_parameters",
     "unknown_metric_names",
 ]

@@ -50,6 +50,7 @@ METRIC_NAMES: dict[str, str] = {
     "policy/approx_kl": "mean (ratio - 1) - log ratio, the KL between the sampling and the updated policy",
     "policy/ratio_mean": "mean importance ratio",
     "policy/ratio_max": "largest importance ratio",
+    "policy/ratio_min": "smallest importance ratio (image apps: rl_core.train.replay_update)",
     "policy/entropy": "mean token entropy of the policy on its samples",
     "grad_norm": "gradient norm before clipping, mean over the step's optimizer steps",
     "optimizer_steps": "optimizer steps taken in the step",

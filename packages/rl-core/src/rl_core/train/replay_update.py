@@ -82,7 +82,9 @@ def replay_update(
         policy, metrics = compute_policy_loss("ppo_clip", logp=r.logp, old_logp=r.old_logp.to(r.logp.device), advantages=adv,
                                               mask=torch.ones_like(r.logp), clip_low=clip_range,
                                               clip_high=clip_range, num_valid=num_valid)
-        kl = r.kl.sum() / num_valid if r.kl is not None and kl_beta > 0 else torch.zeros((), device=r.logp.device)
+        # summed per sample, then over samples: the order of `rl_core.losses.aggregate("token-mean")`, so the KL
+        # term is bit-identical to the policy loss's own reduction of per-unit values
+        kl = r.kl.sum(dim=-1).sum() / num_valid if r.kl is not None and kl_beta > 0 else torch.zeros((), device=r.logp.device)
         loss = (policy + kl_beta * kl) * r.weight
         return loss, {"loss/total": float(loss.detach()), "loss/policy": float(policy.detach()),
                       "loss/kl": float(kl.detach()), **{f"policy/{n}": float(v) for n, v in metrics.items()}}

@@ -1,0 +1,310 @@
+"""The model families diffusion-grpo trains (`model.family`), one small strategy object each,
+chosen once at setup: build the image engine and the LoRA model the optimizer steps through,
+sample a step's images, say how the update replays them (`replay_update`'s callback) and sample
+the eval images.
+
+- `sd3`: Flow-GRPO on SD3/SD3.5. A unit is a stochastic denoising step: each (micro-batch,
+  trained step) pair is one forward and backward (CFG recomputed, unconditional branch
+  detached); KL = Flow-GRPO's flow KL to the LoRA-disabled model. `train.sharding = "fsdp2"`
+  shards the transformer; the rollout, eval and exports then use an unsharded copy filled by one
+  all-gather per phase (`FullWeights`, `time/weight_gather`). `rollout.workers > 0` samples on
+  Ray actors holding the trainer's LoRA, pushed with its optimizer-step count before a rollout
+  (a worker holding another version refuses). VRL's placements: `split` (actors on GPUs of their
+  own), `colocated` (on the trainer's GPU, asleep during the update), or a running cluster
+  (`rollout.ray_address`, env RAY_ADDRESS).
+- `janus`: token-level GRPO on Janus-Pro image tokens (VRL's autoregressive trainer). A unit is
+  an image token carrying its sample's advantage; KL = `janus.kl` per token to the LoRA-disabled
+  model.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, cast
+
+import torch
+from grpo_config import Config, ModelConfig, RolloutConfig
+from peft import PeftModel
+
+from rl_core.flow import flow_kl
+from rl_core.kl import compute_kl
+from rl_core.train import (
+    FullWeights,
+    Replay,
+    UserError,
+    gathered,
+    prepare_policy,
+    resolve_sharding,
+    trainable_parameters,
+)
+from rl_models.janus import JanusImagePolicy, image_size, reference_image_token_logprobs
+from rl_models.lora import add_lora
+from rl_rollout import ImageSamples, build_image_engine
+from rl_rollout.diffusion import DiffusionEngine, PromptEmbeddings, Trajectory
+from rl_rollout.janus import ImageRollout, JanusEngine
+from rl_rollout.ray_pool import EngineSpec, RolloutPool, connect, ship_module
+
+Micro = tuple[int, torch.Tensor, float]  # (sampled batch, its rows [b], loss weight)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One sampled batch: a prompt and a seed per image, drawn alike in process or on a Ray worker."""
+
+    prompts: tuple[str, ...]
+    seeds: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Replays:
+    """A step's update as `replay_update` runs it: the optimizer steps' micro-batches, the replay
+    callback, units x weight of a micro-batch, the filler of a process with none, and the
+    first-replay tolerance (None: the old log-probs are not the rollout's, no check)."""
+
+    plan: Sequence[Sequence[Any]]
+    replay: Callable[[Any], Replay]
+    units: Callable[[Any], float]
+    filler: Any
+    tolerance: float | None
+
+
+class Family(Protocol):
+    peft: PeftModel  # the LoRA model: its trainable weights, EMA and exports
+    model: torch.nn.Module  # what the optimizer steps through (DDP-wrapped, or sharded in place)
+    optimizer: torch.optim.Optimizer
+    full: FullWeights | None = None  # a sharded model's whole copy, which the engine samples from
+
+    def start(self) -> None:
+        """Start rollout workers, once the starting weights are in place (none by default)."""
+
+    def close(self) -> None:
+        """Release them (also after an error)."""
+
+    def collect(self, chunks: list[Chunk], version: int) -> Sequence[ImageSamples]:
+        """One sampled batch per chunk; `version`: optimizer steps in the weights."""
+
+    def replays(self, samples: Sequence[ImageSamples], adv: Sequence[torch.Tensor], plan: list[list[Micro]]) -> Replays:
+        """The update over `samples` (advantages `[b_k]` per sampled batch) along `plan_micro_batches`'s plan."""
+
+    def eval_images(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
+        """`[B, 3, H, W]` from the current weights at fixed seeds."""
+
+
+class SD3(Family):
+    pool: RolloutPool | None = None  # the Ray rollout actors (rollout.workers > 0), started by `start`
+    owns_ray = False  # this process started Ray (and stops it)
+
+    def __init__(self, cfg: Config, acc: Any, path: str) -> None:
+        m, t = cfg.model, cfg.train
+        self.cfg, self.acc, self.path = cfg, acc, path
+        # model.compile: blocks compiled for sampling and replay (first replay |log ratio| ~4e-4 in bf16)
+        self.engine = cast(DiffusionEngine, build_image_engine(
+            "sd3", path=path, dtype=m.dtype, device=acc.device, text_encoder_dtype=m.text_encoder_dtype,
+            compile=m.compile))
+        self.engine.transformer.requires_grad_(False)
+        self.peft = add_lora(self.engine.transformer, family="sd3", r=m.lora_rank, alpha=m.lora_alpha,
+                             target_modules=m.lora_targets)
+        optimizer = torch.optim.AdamW(trainable_parameters(self.peft).values(), lr=t.lr, weight_decay=t.weight_decay)
+        plan = resolve_sharding(acc, t.sharding, mixed_precision=t.fsdp_mixed_precision,
+                                cpu_offload=t.fsdp_cpu_offload, activation_checkpointing=t.fsdp_activation_checkpointing)
+        # made before sharding: a copy of the unsharded structure, empty outside `gathered()`
+        self.full = FullWeights(self.peft, device=acc.device) if plan.sharded else None
+        self.model, self.optimizer, _ = prepare_policy(acc, self.peft, optimizer, None, plan)
+        if self.full is not None:  # the engine samples from the copy's LoRA-injected transformer
+            self.engine.pipeline.transformer = cast(PeftModel, self.full.model).get_base_model()
+
+    def start(self) -> None:
+        if self.cfg.rollout.workers:
+            self.pool, self.owns_ray = start_workers(self.cfg.rollout, self.cfg.model, self.path, self.acc)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            if self.owns_ray:
+                import ray
+
+                ray.shutdown()
+
+    def collect(self, chunks: list[Chunk], version: int) -> Sequence[ImageSamples]:
+        s, pool, colocated = self.cfg.sampling, self.pool, self.cfg.rollout.placement == "colocated"
+        kwargs: dict[str, Any] = {
+            "num_steps": s.num_steps, "guidance_scale": s.guidance_scale, "height": s.resolution, "width": s.resolution,
+            "noise_level": s.noise_level, "kind": s.kind, "sde_window": tuple(s.sde_window) if s.sde_window else None,
+            "max_sequence_length": s.max_sequence_length}
+        with whole_weights(self):  # a sharded policy's weights gathered into the engine's copy
+            if pool is None:
+                return [sample_chunk(self.engine, chunk, **kwargs) for chunk in chunks]
+            if colocated:
+                pool.wake()
+            if pool.version != version:  # the workers' LoRA synced to this version (each refuses another)
+                pool.load_weights({n: p.detach() for n, p in lora_params(self.engine.transformer).items()}, version)
+        rollout = pool.map(sample_chunk_to_cpu, chunks, **kwargs)
+        if colocated:
+            pool.sleep()  # VRL colocated: actors release the GPU before the update
+        return [to_device(traj, self.acc.device) for traj in rollout.outputs]
+
+    def replays(self, samples: Sequence[ImageSamples], adv: Sequence[torch.Tensor], plan: list[list[Micro]]) -> Replays:
+        """Every (micro-batch, trained step) pair is one forward and backward, every (sample, step)
+        one unit: Flow-GRPO trains the stochastic steps k < int(num_steps x train.timestep_fraction)."""
+        trajectories, t = cast(Sequence[Trajectory], samples), self.cfg.train
+        first = trajectories[0]
+        steps = [k for k in range(max(1, int(first.num_steps * t.timestep_fraction))) if bool(first.sde_steps[k])]
+
+        def replay(micro: tuple[int, torch.Tensor, float, int]) -> Replay:
+            k, rows, weight, step = micro
+            out = self.engine.replay(trajectories[k], step, rows=rows, model=self.model)
+            kl = None
+            if t.kl_beta > 0:
+                with torch.no_grad(), self.peft.disable_adapter():
+                    ref = self.engine.replay(trajectories[k], step, rows=rows, model=self.peft)
+                kl = flow_kl(out.mean, ref.mean, out.std)[:, None]  # [b, 1]
+            old = trajectories[k].log_probs[rows, step][:, None]  # [b, 1]
+            return Replay(out.log_prob[:, None], old, adv[k][rows], weight, kl=kl)
+
+        window = [[(k, rows, weight, step) for k, rows, weight in micro for step in steps] for micro in plan]
+        return Replays(window, replay, units=lambda m: float(len(m[1])) * m[2],
+                       filler=(0, torch.tensor([0]), 0.0, steps[0]), tolerance=t.ratio_tolerance)
+
+    def eval_images(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
+        e, s = self.cfg.eval, self.cfg.sampling  # the deterministic ODE sampler, `eval.num_steps` steps
+        return self.engine.sample(prompts, num_steps=e.num_steps, guidance_scale=e.guidance_scale, height=s.resolution,
+                                  width=s.resolution, kind="ode", seeds=seeds,
+                                  max_sequence_length=s.max_sequence_length).images
+
+
+class Janus(Family):
+    def __init__(self, cfg: Config, acc: Any, path: str) -> None:
+        m, j = cfg.model, cfg.janus
+        self.cfg, self.acc = cfg, acc
+        self.engine = cast(JanusEngine, build_image_engine(
+            "janus", path=path, dtype=m.dtype, device=acc.device, compile=j.compile, logprobs=j.logprobs,
+            max_batch_size=cfg.rollout.sample_batch_size))
+        side = image_size(self.engine.model)
+        if cfg.sampling.resolution != side:
+            raise UserError(f"sampling.resolution={cfg.sampling.resolution}: this Janus checkpoint draws {side}x{side} "
+                            f"images; set sampling.resolution={side}")
+        if j.gradient_checkpointing:
+            self.engine.model.model.language_model.gradient_checkpointing_enable()
+        self.engine.model.requires_grad_(False)
+        self.peft = add_lora(self.engine.model, family="janus", r=m.lora_rank, alpha=m.lora_alpha,
+                             target_modules=m.lora_targets)
+        optimizer = torch.optim.AdamW(trainable_parameters(self.peft).values(), lr=cfg.train.lr,
+                                      weight_decay=cfg.train.weight_decay)
+        self.model, self.optimizer = acc.prepare(JanusImagePolicy(self.peft), optimizer)
+
+    def collect(self, chunks: list[Chunk], version: int) -> Sequence[ImageSamples]:
+        """Image tokens drawn with CFG (`sampling.guidance_scale`) at `janus.temperature`."""
+        return [self.engine.sample(list(c.prompts), guidance_scale=self.cfg.sampling.guidance_scale,
+                                   temperature=self.cfg.janus.temperature, seeds=c.seeds) for c in chunks]
+
+    def replays(self, samples: Sequence[ImageSamples], adv: Sequence[torch.Tensor], plan: list[list[Micro]]) -> Replays:
+        """Each micro-batch is one forward and backward over its images' N tokens."""
+        rollouts, t, j = cast(Sequence[ImageRollout], samples), self.cfg.train, self.cfg.janus
+        self.engine.release_cache()  # the KV cache is not needed until the next rollout
+        scale = self.cfg.sampling.guidance_scale
+        use_cfg = j.loss_logits == "cfg" and scale > 1
+        with torch.no_grad():  # janus.loss_logits = "cond": old log-probs under the conditional logits
+            old = [r.log_probs if use_cfg else self.engine.replay(
+                r.tokens, guidance_scale=r.guidance_scale, temperature=j.temperature, use_cfg=False) for r in rollouts]
+
+        def replay(micro: Micro) -> Replay:
+            k, rows, weight = micro
+            inputs = rollouts[k].tokens.index(rows).to(self.acc.device)
+            logp = self.model(inputs, guidance_scale=scale, temperature=j.temperature, use_cfg=use_cfg)  # [b, N]
+            kl = None
+            if t.kl_beta > 0:
+                ref = reference_image_token_logprobs(self.peft, inputs, guidance_scale=scale,
+                                                     temperature=j.temperature, use_cfg=use_cfg)  # [b, N]
+                kl = compute_kl(j.kl, logp, ref)  # [b, N]
+            return Replay(logp, old[k][rows], adv[k][rows], weight, kl=kl)
+
+        tokens = rollouts[0].tokens.image_ids.shape[1]
+        return Replays(plan, replay, units=lambda m: float(len(m[1]) * tokens) * m[2], filler=(0, torch.tensor([0]), 0.0),
+                       tolerance=t.ratio_tolerance if use_cfg else None)
+
+    def eval_images(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
+        return self.engine.sample(prompts, guidance_scale=self.cfg.eval.guidance_scale,
+                                  temperature=self.cfg.janus.temperature, seeds=seeds).images
+
+
+def sample_chunk(engine: DiffusionEngine, chunk: Chunk, *, max_sequence_length: int, **sampling: Any) -> Trajectory:
+    """Encode the chunk's distinct prompts once, then sample one image per row with its seed."""
+    unique = list(dict.fromkeys(chunk.prompts))
+    conditioning = engine.encode(unique, max_sequence_length=max_sequence_length)
+    rows = [unique.index(p) for p in chunk.prompts]
+    return engine.sample(list(chunk.prompts), conditioning=conditioning.index(rows), seeds=list(chunk.seeds), **sampling)
+
+
+def sample_chunk_to_cpu(engine: DiffusionEngine, chunk: Chunk, **kwargs: Any) -> Trajectory:
+    """`sample_chunk` in a worker: tensors come back on CPU (the trainer moves them to its device)."""
+    return to_device(sample_chunk(engine, chunk, **kwargs), torch.device("cpu"))
+
+
+def to_device(traj: Trajectory, device: torch.device) -> Trajectory:
+    """The per-sample tensors on `device` (the schedule stays on CPU, as the engine returns it)."""
+    cond = PromptEmbeddings(traj.conditioning.embeds.to(device), traj.conditioning.pooled.to(device))
+    return replace(traj, conditioning=cond, latents=traj.latents.to(device), log_probs=traj.log_probs.to(device),
+                   images=traj.images.to(device))
+
+
+def lora_params(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The LoRA weights of a peft-injected transformer, by name (the same names in every process)."""
+    return {name: p for name, p in module.named_parameters() if ".lora_" in name}
+
+
+def build_lora_engine(path: str, *, dtype: str, text_encoder_dtype: str | None, lora_rank: int,
+                      lora_alpha: float, lora_targets: list[str] | None, compile: bool = False) -> DiffusionEngine:
+    """A worker's pipeline with the trainer's LoRA layout (weights by `load_lora`), on its GPU."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = DiffusionEngine.from_pretrained(path, dtype=dtype, device=device, text_encoder_dtype=text_encoder_dtype,
+                                             compile=compile)  # model.compile, as the trainer's engine
+    engine.transformer.requires_grad_(False)
+    add_lora(engine.transformer, family="sd3", r=lora_rank, alpha=lora_alpha, target_modules=lora_targets)
+    return engine
+
+
+def load_lora(engine: DiffusionEngine, state: Mapping[str, torch.Tensor]) -> None:
+    with torch.no_grad():  # the worker's adapters are the trainer's (the same model.lora_* settings)
+        for name, p in lora_params(engine.transformer).items():
+            p.copy_(state[name])
+
+
+def start_workers(rollout: RolloutConfig, model: ModelConfig, path: str, acc: Any) -> tuple[RolloutPool, bool]:
+    """`rollout.workers` actors per trainer process, placed as `rollout.placement` says, and
+    whether this process started Ray (and stops it)."""
+    address, colocated = rollout.ray_address, rollout.placement == "colocated"
+    gpus = rollout.gpus_per_worker
+    if gpus is None:  # split 1, colocated 1 / workers, 0 without CUDA
+        gpus = 0.0 if not torch.cuda.is_available() else 1.0 / rollout.workers if colocated else 1.0
+    gpu_ids = None
+    if torch.cuda.is_available() and not address:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(torch.cuda.device_count())))
+        ids = visible.split(",")
+        mine = ids[acc.device.index or 0]
+        gpu_ids = [mine] if colocated else [g for g in ids if g != mine]
+        if gpus * rollout.workers > len(gpu_ids):
+            raise UserError(f"rollout.placement={rollout.placement!r}: {rollout.workers} workers x {gpus} GPUs "
+                            f"do not fit on GPUs {gpu_ids} (the trainer has GPU {mine}); lower rollout.workers "
+                            "or rollout.gpus_per_worker, or use placement 'colocated'")
+    owns = connect(address, num_cpus=max(os.cpu_count() or 1, rollout.workers), gpu_ids=gpu_ids)
+    ship_module(sys.modules[__name__])  # workers cannot import the app folder: send this module by value
+    spec = EngineSpec(factory=build_lora_engine, load_weights=load_lora, kwargs={
+        "path": path, "dtype": model.dtype, "text_encoder_dtype": model.text_encoder_dtype,
+        "lora_rank": model.lora_rank, "lora_alpha": model.lora_alpha, "lora_targets": model.lora_targets,
+        "compile": model.compile})
+    pool = RolloutPool(spec, rollout.workers, num_cpus=1.0, num_gpus=gpus, address=address)
+    if colocated:
+        pool.sleep()
+    return pool, owns
+
+
+FAMILIES: dict[str, Callable[[Config, Any, str], Family]] = {"sd3": SD3, "janus": Janus}
+
+
+def whole_weights(family: Family) -> Any:
+    """The PeftModel with whole weights the engine samples from: the trained one, or a sharded
+    policy's copy, gathered for the block. Enter it on every process (the gather is a collective)."""
+    return gathered(family.full, family.peft)
