@@ -49,7 +49,7 @@ from rl_data import GroupSampler, ReadStats
 from rl_models.lora import export_model
 from rl_models.vl import placeholder_ids
 from rl_rewards import ScoreResult
-from rl_rollout import Generation, SamplingParams, generate_seeded, resolve_engine_kind
+from rl_rollout import Generation, SamplingParams, generate_seeded, resolve_engine
 from rl_rollout.policy import PolicyEngine, build_policy_engine
 from rl_rollout.training import (
     LossOptions,
@@ -124,7 +124,7 @@ class CaptionRL(Recipe[Config, State, Batch]):
                               f"{cfg.reward.length_l2} (the length reward falls from 1 at l1 to 0 at l2)")
         if isinstance(cfg.reward.spec, str) and not Path(cfg.reward.spec).is_file():
             raise ConfigError(f"reward.spec file not found: {cfg.reward.spec}")
-        resolve_engine_kind(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: refused now
+        resolve_engine(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: refused now
 
     def setup(self, cfg: Config, run: RunContext) -> State:
         t, r, m = cfg.train, cfg.rollout, cfg.model

@@ -20,7 +20,7 @@ from rl_core.train import ConfigError, PhaseTimer, PinnedOffload
 from rl_rewards.client import RemoteScorer, RewardClient, RewardClientError
 from rl_rewards.samples import Sample, ScoreResult
 from rl_rewards.scorers.judge import JudgeScorer
-from rl_rollout import Engine, Generation, Prompt, SamplingParams, load_engine, resolve_engine_kind
+from rl_rollout import Engine, Generation, Prompt, SamplingParams, load_engine, resolve_engine
 from rl_rollout.hf import HFEngine
 from rl_rollout.policy import PolicyEngine
 
@@ -183,7 +183,7 @@ def build_judge(i: int, judge: JudgeConfig, device: torch.device, timer: PhaseTi
         return Judge(judge_name(judge), i, RemoteScorer(str(judge.url), str(judge.spec), timeout=judge.timeout_s),
                      timer, use_rm_prompt=prompt)
     key = f"reward.judges[{i}].engine"
-    kind, why = resolve_engine_kind(judge.engine, key=key)
+    kind, why = resolve_engine(judge.engine, key=key)
     if judge.engine == "auto":
         print(f"judge {judge_name(judge)}: engine {why}")
     where: dict[str, Any] = {"base_url": judge.url} if kind == "openai" else {"device": device} if kind == "hf" else {}

@@ -29,7 +29,7 @@ from rl_core.train import (
 from rl_models import tiny
 from rl_rewards.modules import load_reward_module
 from rl_rewards.spec import RewardSpec, load_spec
-from rl_rollout import resolve_engine_kind
+from rl_rollout import resolve_engine
 
 APP_DIR = Path(__file__).resolve().parent
 REPO_ROOT = APP_DIR.parents[1]
@@ -242,7 +242,7 @@ def check_config(cfg: Config, world_size: int) -> None:
                           f"{t.mini_batch_size}")
     if t.batch_size % world_size:
         raise ConfigError(f"train.batch_size={t.batch_size} must be a multiple of the {world_size} processes")
-    resolve_engine_kind(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: one line
+    resolve_engine(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: one line
     if r.spec is not None:
         read_spec(r)
         return
@@ -276,7 +276,7 @@ def _check_judge(i: int, judge: JudgeConfig, module_key: str | None) -> None:
     if judge.engine == "openai" and not judge.url:
         raise ConfigError(f"{where} needs url (the OpenAI-compatible server's base URL)")
     _user_code(module_key or f"reward.judges[{i}].module", judge.module, load_reward_module)
-    resolve_engine_kind(judge.engine, key=f"reward.judges[{i}].engine")  # vllm where it cannot run
+    resolve_engine(judge.engine, key=f"reward.judges[{i}].engine")  # vllm where it cannot run
 
 
 def _user_code(key: str, value: str, load: Callable[[str], object]) -> None:

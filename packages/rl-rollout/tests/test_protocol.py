@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rl_core.errors import UserError
-from rl_rollout import Engine, SamplingParams, resolve_engine_kind
+from rl_rollout import Engine, SamplingParams, resolve_engine
 from rl_rollout.hf import HFEngine
 
 
@@ -37,7 +37,7 @@ def test_hf_engine_satisfies_protocol(qwen3_engine: HFEngine) -> None:
 def test_engine_kind_without_cuda() -> None:
     """`auto` falls back to hf and says why; `vllm` asked for here is a user error naming the
     setting; other kinds pass through."""
-    assert resolve_engine_kind("auto") == ("hf", "hf (auto: no CUDA device, vLLM needs one)")
-    assert resolve_engine_kind("hf", key="rollout.engine") == ("hf", "hf (as configured)")
+    assert resolve_engine("auto") == ("hf", "hf (auto: no CUDA device, vLLM needs one)")
+    assert resolve_engine("hf", key="rollout.engine") == ("hf", "hf (as configured)")
     with pytest.raises(UserError, match=r'^rollout\.engine = "vllm" needs a CUDA GPU'):
-        resolve_engine_kind("vllm", key="rollout.engine")
+        resolve_engine("vllm", key="rollout.engine")

@@ -15,7 +15,7 @@ from rl_rollout.registry import (
     engine_names,
     load_engine,
     register_engine,
-    resolve_engine_kind,
+    resolve_engine,
 )
 
 __version__ = "0.1.0"
@@ -34,5 +34,5 @@ __all__ = [
     "generate_seeded",
     "load_engine",
     "register_engine",
-    "resolve_engine_kind",
+    "resolve_engine",
 ]

@@ -31,7 +31,7 @@ from transformers import ProcessorMixin
 
 from rl_core.train import FullWeights, OptimizerOffload, gathered, isolated_rng
 from rl_rollout.protocol import Engine
-from rl_rollout.registry import resolve_engine_kind
+from rl_rollout.registry import resolve_engine
 
 __all__ = ["PolicyEngine", "build_policy_engine"]
 
@@ -129,7 +129,7 @@ def build_policy_engine(
     key: str = "rollout.engine",
 ) -> PolicyEngine:
     """The policy's engine for a configured `kind` (`auto`, `hf`, `vllm`; `auto` resolves as
-    `rl_rollout.resolve_engine_kind` says and prints why).
+    `rl_rollout.resolve_engine` says and prints why).
 
     `model`: the trained transformers model (a PeftModel is fine: `hf` decodes through its
     base model with the adapters active; `vllm` gets the LoRA merged). `processor`: its
@@ -141,7 +141,7 @@ def build_policy_engine(
     KV cache after each session (the update gets that memory; a compiled decode step with
     CUDA graphs then records a new graph per session). `compile`/`compile_mode`: `hf`'s decode step. `gpu_memory_utilization`,
     `engine_options` (more `vllm.LLM` arguments), `seed`: `vllm`'s."""
-    resolved, why = resolve_engine_kind(kind, key=key)
+    resolved, why = resolve_engine(kind, key=key)
     if kind == "auto":
         print(f"{key}: {why}")
     if resolved == "hf":

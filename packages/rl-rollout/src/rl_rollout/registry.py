@@ -27,7 +27,7 @@ def engine_names() -> list[str]:
     return sorted(_ENGINES)
 
 
-def resolve_engine_kind(kind: str, *, key: str = "engine") -> tuple[str, str]:
+def resolve_engine(kind: str, *, key: str = "engine") -> tuple[str, str]:
     """`(engine, why)` for a configured engine kind: `auto` picks `vllm` when a CUDA GPU is
     visible and vLLM imports, else `hf`; any other kind is returned as given. Apps log `why`, so
     a run says which engine it rolls out with. `vllm` asked for where it cannot run (no CUDA
@@ -53,14 +53,14 @@ def resolve_engine_kind(kind: str, *, key: str = "engine") -> tuple[str, str]:
 
 
 def load_engine(kind: str, model: str, *, key: str = "engine", in_process: bool = True, **options: Any) -> Engine:
-    """One builder for every kind from a checkpoint: `auto` resolved (`resolve_engine_kind`,
+    """One builder for every kind from a checkpoint: `auto` resolved (`resolve_engine`,
     a `vllm` that cannot run here is a `UserError` naming `key`); `hf` loads `model` in this
     process; `vllm` with its engine core in this process (`in_process`: weight pushes pass
     tensors by reference) or in its own (several vLLM engines in one trainer, e.g. judges:
     build those before any in-process one, `rl_rollout.colocated.vllm_engine_core`);
     `openai`: `model` is the served model name, `base_url` goes in `options`. `options` go to
     the engine's constructor (`device=`, `gpu_memory_utilization=`, ...)."""
-    kind, _ = resolve_engine_kind(kind, key=key)
+    kind, _ = resolve_engine(kind, key=key)
     if kind == "hf":
         return build_engine("hf", path=model, **options)
     if kind == "vllm":

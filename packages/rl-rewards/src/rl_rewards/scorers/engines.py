@@ -14,7 +14,7 @@ try:
     from transformers import AutoTokenizer
 
     from rl_models.tiny import resolve
-    from rl_rollout import Engine, SamplingParams, build_engine, resolve_engine_kind
+    from rl_rollout import Engine, SamplingParams, build_engine, resolve_engine
     from rl_rollout.protocol import BatchScoringEngine
 except ImportError as e:
     raise ImportError(f'model-backed judges need rl-rollout and transformers: pip install "rl-rewards[hf]"; in a clone of the repository: uv sync --all-packages --extra hf ({e})') from e
@@ -35,7 +35,7 @@ def load_engine(model: str, engine: str = "hf", engine_options: dict[str, Any] |
     """
     options = dict(engine_options or {})
     if engine == "auto":
-        engine, why = resolve_engine_kind(engine)
+        engine, why = resolve_engine(engine)
         log.info("judge %s: engine %s", model, why)
     if engine == "hf":
         return build_engine("hf", path=resolve(model, key="model"), **options)
