@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = [
     *(f"packages/{p}/tests" for p in ("rl-core", "rl-data", "rl-models", "rl-rollout", "rl-rewards")),
-    *(f"apps/{a}/tests" for a in ("caption-rl", "rider-grm", "diffusion-grpo")),
+    *sorted(f"apps/{main.parent.name}/tests" for main in ROOT.glob("apps/*/__main__.py")),  # every recipe
 ]
 # vLLM, its kernel packages and inductor warn about themselves (deprecations, TF32 hints, zmq
 # contexts left to the garbage collector at teardown): shown, not turned into errors of ours
