@@ -30,7 +30,7 @@ def rows(run_dir: Path) -> list[dict[str, str]]:
 def go(tmp_path: Path, name: str, *extra: str, resume: str | None = None) -> Path:
     argv = [f"train.output_dir={tmp_path}", f"train.run_name={name}", *extra]
     out = bandit.main([*argv, "--resume", resume] if resume else argv)
-    assert out is not None
+    assert out == tmp_path / name  # the run directory, named as asked (a resume keeps its own)
     return out
 
 
