@@ -153,11 +153,12 @@ def score(reward: Reward, judges: list[Judge], samples: list[Sample]) -> tuple[l
 
 
 def reward_metrics(results: list[ScoreResult], logs: dict[str, JudgeLog]) -> dict[str, float]:
-    """Over every process: the combined reward's mean over the samples that scored, the failed
-    samples, each component's mean (`reward/<component>`, unweighted) and each judge's counters."""
+    """Over every process: the combined reward's mean and std over the samples that scored (the
+    raw scores, before `algo.kl_in_reward` shapes them), the failed samples, each component's mean (`reward/<component>`, unweighted) and each judge's counters."""
     everything = gather_object([(r.score, r.components) for r in results])
     totals = torch.tensor([s for s, _ in everything if s is not None])
     out = {"reward/mean": totals.mean().item() if totals.numel() else math.nan,
+           "reward/std": totals.std().item() if totals.numel() > 1 else 0.0,  # (n - 1), as every app's
            "reward/failed": float(sum(s is None for s, _ in everything))}
     for key in sorted({k for _, comps in everything for k in comps}):
         out[f"reward/{key}"] = torch.tensor([comps[key] for _, comps in everything if key in comps]).mean().item()
