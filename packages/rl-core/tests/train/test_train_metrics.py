@@ -175,3 +175,20 @@ def test_phases_nest_and_a_scope_names_them_apart() -> None:
     assert out["time/update"] >= out["time/logprob"] + 0.009 and out["time/logprob"] >= 0.019
     assert out["time/eval/rollout"] >= 0.009 and "time/rollout" not in out and out["time/eval"] >= out["time/eval/rollout"]
     assert timer.peak_gib("update") is None and timer.pop() == {}  # no CUDA: no memory figures; pop resets
+
+
+def test_the_run_plot_has_a_panel_per_logged_family(tmp_path) -> None:
+    from rl_core.train.plots import plot_panels, plot_reward_curve
+
+    header = ["step", "reward/mean", "reward/std", "reward/failed", "reward/qa", "reward/length.n_tokens",
+              "eval/reward/mean", "policy/entropy", "loss/policy", "time/step"]
+    lines = [",".join(header), "1,0.2,0.1,0,0.3,40,,6.4,0.01,1.0", "2,0.4,0.1,0,0.5,38,0.45,6.3,0.02,1.0"]
+    (tmp_path / "metrics.csv").write_text("\n".join(lines) + "\n")
+    from rl_core.train.plots import _read
+
+    assert plot_panels(_read(tmp_path / "metrics.csv")) == [
+        ("reward", ["reward/mean", "reward/qa", "eval/reward/mean"]),  # no counts, spreads or sub-components
+        ("entropy", ["policy/entropy"]), ("loss", ["loss/policy"])]
+    out = plot_reward_curve(tmp_path, title="app: run-1")
+    assert out == tmp_path / "reward_curve.png" and out.stat().st_size > 10_000
+    assert not list(tmp_path.glob(".*tmp*"))  # written through a temporary file, renamed

@@ -204,7 +204,7 @@ class _Loop(Generic[C, S, B]):
                     with self.timer("checkpoint"):
                         self._save(step)
                 if acc.is_main_process:
-                    plot_reward_curve(self.run.run_dir)
+                    plot_reward_curve(self.run.run_dir, title=f"{self.recipe.name}: {self.run.run_dir.name}")
         outputs = dict(self.recipe.finish(self.state))
         end_training(acc)  # every process waits for the main one's exports
         if self.record.steps and not self.record.trained:
