@@ -99,6 +99,23 @@ def _blocks() -> list[pytest.param]:
     return params
 
 
+def test_every_cont_marker_continues_a_block_that_runs() -> None:
+    """A `cont` block is merged into the block before it; after an untagged or `text` fence the
+    merged block is not a language this check runs, so the continued code would never run."""
+    wrong = []
+    for doc in (d for d in _tracked_files() if d.endswith(".md")):
+        inside, language = False, None  # in a fenced block; the last block's language
+        for number, line in enumerate((ROOT / doc).read_text(encoding="utf-8").splitlines(), 1):
+            stripped = line.strip()
+            if stripped.startswith("```"):
+                if not inside:
+                    language = stripped[3:].strip()
+                inside = not inside
+            elif stripped == "<!--pytest-codeblocks:cont-->" and not inside and language not in LANGUAGES:
+                wrong.append(f"{doc}:{number} (the block before is {language or 'untagged'!r})")
+    assert not wrong, "cont markers after a block the check does not run: " + ", ".join(wrong)
+
+
 @pytest.fixture(scope="session")
 def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The working tree's tracked files in a fresh git repository (one commit)."""
