@@ -118,3 +118,24 @@ def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path, ca
                                    keys=("reward/mean", "reward/std", "adv/std", "loss/policy", "grad_norm",
                                          "replay/engine_diff_mean"))
     torch.testing.assert_close(bandit.weights(tmp_path / "two"), bandit.weights(tmp_path / "one"), atol=1e-7, rtol=0)
+
+
+def test_tensorboard_gets_the_scalars_of_metrics_csv(tmp_path: Path) -> None:
+    """`train.log_with=[tensorboard]` (the README's form): Accelerate's tracker writes into the run
+    directory, and its event file holds the same scalars as metrics.csv."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = go(tmp_path, "tb", "train.log_with=[tensorboard]")
+    [events] = list((run_dir / "bandit").glob("events.out.tfevents.*"))  # run_dir/<app>/: the scalars
+    logged = EventAccumulator(str(events.parent)).Reload()
+    table = rows(run_dir)
+    for key in ("reward/mean", "loss/policy", "grad_norm"):
+        assert [(e.step, round(e.value, 5)) for e in logged.Scalars(key)] == [
+            (int(r["step"]), round(float(r[key]), 5)) for r in table], key
+
+
+def test_a_tracker_that_is_not_installed_or_unknown_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"train\.log_with=\['aim'\]: aim is not installed \(pip install aim\)"):
+        go(tmp_path, "aim", "train.log_with=[aim]")
+    with pytest.raises(UserError, match=r"train\.log_with: Unsupported logging capability: nope"):
+        go(tmp_path, "nope", "train.log_with=[nope]")

@@ -55,9 +55,10 @@ from rl_core.train.update import NonFiniteGuard, check_finite_parameters
 
 __all__ = ["run", "train"]
 
-# pip packages of Accelerate's trackers, for the error when one is asked for but not installed
-TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio",
-                    "aim": "aim", "comet_ml": "comet-ml", "dvclive": "dvclive", "swanlab": "swanlab"}
+# what to install for each of Accelerate's trackers, for the error when one is asked for but missing
+TRACKER_PACKAGES = {"tensorboard": '"rl-core[tensorboard]"', "wandb": '"rl-core[wandb]"', "mlflow": "mlflow",
+                    "trackio": "trackio", "aim": "aim", "comet_ml": "comet-ml", "dvclive": "dvclive",
+                    "swanlab": "swanlab"}
 
 
 def run(recipe: Recipe[C, S, B], argv: Sequence[str] | None = None) -> Path | None:
