@@ -124,14 +124,17 @@ THIRD_PARTY_IMPORTS = ["tensordict==0.15.3", "codetiming==1.4.0", "omegaconf==2.
 
 @nox.session
 def third_party(session: nox.Session) -> None:
-    """rl-rewards' adapters inside the real TRL, verl and OpenRLHF code (tests/third_party)."""
+    """rl-rewards' adapters inside the real TRL, verl and OpenRLHF code, and rl-core's algorithms
+    against TRL's own code (each package's tests/third_party; rl-rewards' hf extra brings
+    rl-models and rl-core). One pytest run per package: each reads its own pytest config."""
     args = ["uv", "sync", "--frozen", "--no-default-groups", "--package", "rl-rewards",
             "--group", "test", "--group", "third-party", "--extra", "hf", "--extra", "ray"]
     session.run_install(*args, env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location})
     session.install("--no-deps", *THIRD_PARTY_NO_DEPS)
     session.install(*THIRD_PARTY_IMPORTS)
-    session.run("python", "-m", "pytest", "packages/rl-rewards/tests/third_party", "-m", "third_party", "-q",
-                *session.posargs)
+    for package in ("rl-rewards", "rl-core"):
+        session.run("python", "-m", "pytest", f"packages/{package}/tests/third_party", "-m", "third_party", "-q",
+                    *session.posargs)
 
 
 @nox.session

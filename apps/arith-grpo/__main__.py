@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -21,7 +22,14 @@ from rl_rewards import Component, Reward, RewardSpec, Sample, build_reward
 from rl_rollout import Generation, SamplingParams, generate_seeded
 from rl_rollout.policy import PolicyEngine, build_policy_engine
 from rl_rollout.prompts import EncodedPrompt
-from rl_rollout.training import LossOptions, Policy, Rollout, response_metrics, token_update
+from rl_rollout.training import (
+    LossOptions,
+    Policy,
+    Rollout,
+    loss_fields,
+    response_metrics,
+    token_update,
+)
 
 
 class PolicyConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -33,9 +41,11 @@ class PolicyConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_new_tokens: train.Positive = 16
 
 
-class AlgoConfig(msgspec.Struct, kw_only=True, frozen=True):
+class AlgoConfig(train.PolicyLossFields, kw_only=True, frozen=True):
     advantage: train.AdvantageName = "grpo"
     loss: train.PolicyLossName = "ppo_clip"
+    clip_low: train.UnitInterval = 0.2
+    clip_high: train.NonNegativeFloat = 0.2
 
 
 class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -69,6 +79,7 @@ class State:
     reward: Reward
     sampler: GroupSampler
     problems: list[tuple[int, int]]
+    weights: dict[str, float]  # the reward's component weights, for algo.reward_aggregation=normalize_then_sum
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,7 @@ class ArithGRPO(train.Recipe[Config, State, Batch]):
     def check(self, cfg: Config, world_size: int) -> None:
         train.check_batch_split(cfg.train.batch_size, world_size)
         train.check_group_size(cfg.algo.advantage, cfg.policy.n, key="algo.advantage", n_key="policy.n")
+        train.check_loss_options(cfg.algo.loss, cfg.algo.loss_options)
 
     def setup(self, cfg: Config, run: train.RunContext) -> State:
         p, t = cfg.policy, cfg.train
@@ -97,7 +109,12 @@ class ArithGRPO(train.Recipe[Config, State, Batch]):
         draw = random.Random(t.seed)
         problems = [(draw.randrange(10), draw.randrange(10)) for _ in range(64)]  # "a + b", drawn from the seed
         sampler = GroupSampler(len(problems), p.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
-        return State(cfg, run, model, policy, optimizer, engine, build_reward(spec), sampler, problems)
+        reward = build_reward(spec)
+        try:
+            weights = reward.sum_weights() if cfg.algo.reward_aggregation == "normalize_then_sum" else {}
+        except ValueError as e:
+            raise train.ConfigError(f"algo.reward_aggregation=normalize_then_sum: {e}") from None
+        return State(cfg, run, model, policy, optimizer, engine, reward, sampler, problems, weights)
 
     def start(self, s: State) -> None:
         s.engine.sync(bump=False)  # a vLLM engine loaded the initial weights: a resumed policy is newer
@@ -119,19 +136,31 @@ class ArithGRPO(train.Recipe[Config, State, Batch]):
         return Batch(picked, gens, s.engine.weight_version)
 
     def score(self, s: State, step: int, batch: Batch) -> train.Scores:
-        results = s.reward.score([Sample(completion=g.text, reference=sum(s.problems[batch.picked[g.request_index]]))
+        results = s.reward.score([Sample(completion=g.text, reference=sum(s.problems[batch.picked[g.request_index]]),
+                                         metadata={"completion_tokens": len(g.completion_ids)})
                                   for g in batch.generations])
         rewards = torch.tensor([math.nan if x.score is None else x.score for x in results])  # [B] NaN: failed
         groups = torch.tensor([s.run.rank * len(batch.picked) + g.request_index for g in batch.generations])  # [B]
         return train.Scores(rewards, groups, s.cfg.algo.advantage, components=[x.components for x in results],
-                      metrics=response_metrics(s.run.accelerator, batch.generations))
+                            metrics=response_metrics(s.run.accelerator, batch.generations),
+                            aggregation=s.cfg.algo.reward_aggregation, weights=s.weights)
+
+    def merge(self, s: State, groups: Sequence[tuple[Batch, Sequence[int]]]) -> Batch:
+        picked: list[int] = []
+        gens: list[Generation] = []
+        for batch, rows in groups:  # one prompt's answers per entry
+            picked.append(batch.picked[batch.generations[rows[0]].request_index])
+            gens += [msgspec.structs.replace(batch.generations[i], request_index=len(picked) - 1) for i in rows]
+        return Batch(picked, gens, groups[0][0].weight_version)
 
     def update(self, s: State, step: int, batch: Batch, advantages: train.GroupAdvantages) -> dict[str, float]:
         rollouts = [Rollout(EncodedPrompt(g.prompt_ids), g.completion_ids, g.logprobs, valid=bool(advantages.valid[i]))
                     for i, g in enumerate(batch.generations)]
         out = token_update(s.run.accelerator, s.policy, s.optimizer, rollouts,
                            [advantages.advantages[i].expand(len(r.completion_ids)) for i, r in enumerate(rollouts)],
-                           options=LossOptions(s.cfg.algo.loss, temperature=s.cfg.policy.temperature), old=None,
+                           options=LossOptions(s.cfg.algo.loss, clip_low=s.cfg.algo.clip_low,
+                                               clip_high=s.cfg.algo.clip_high, temperature=s.cfg.policy.temperature,
+                                               **loss_fields(s.cfg.algo)), old=None,
                            ref=None, num_minibatches=1, micro_batch_size=s.cfg.train.micro_batch_size, ppo_epochs=1,
                            grad_clip=1.0, guard=s.run.guard, pad_id=s.engine.pad_id, after_step=s.engine.sync,
                            check_tolerance=1e-3 if s.run.first_step(step) else None)

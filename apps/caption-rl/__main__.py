@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from accelerate.utils import gather_object
 from caption_config import DEFAULT_CONFIG, ENV, Config
@@ -36,6 +38,7 @@ from rl_core.train import (
     check_batch_split,
     check_finite_parameters,
     check_group_size,
+    check_loss_options,
     component_means,
     gathered,
     prepare_policy,
@@ -56,6 +59,7 @@ from rl_rollout.training import (
     Policy,
     Rollout,
     engine_check,
+    loss_fields,
     response_metrics,
     rollout_logprobs,
     token_update,
@@ -96,7 +100,7 @@ class Batch:
 def _scored(s: State, encoded: Encoded, gens: list[Generation]) -> tuple[list[ScoreResult], list[dict[str, Any]], str]:
     """The rewards of `gens`, their sample-log rows, and the error of a reward server down
     after its retries (every sample then failed)."""
-    samples = [make_sample(encoded.records[g.request_index], g.text) for g in gens]
+    samples = [make_sample(encoded.records[g.request_index], g.text, len(g.completion_ids)) for g in gens]
     try:
         results, error = s.reward.score(samples), ""
     except RewardUnavailable as e:
@@ -119,6 +123,10 @@ class CaptionRL(Recipe[Config, State, Batch]):
     def check(self, cfg: Config, world_size: int) -> None:
         check_batch_split(cfg.train.batch_size, world_size, cfg.train.mini_batch_size)
         check_group_size(cfg.algo.advantage, cfg.rollout.n, key="algo.advantage", n_key="rollout.n")
+        check_loss_options(cfg.algo.loss, cfg.algo.loss_options)
+        if cfg.algo.reward_aggregation == "normalize_then_sum" and (cfg.reward.url or cfg.reward.host):
+            raise ConfigError("algo.reward_aggregation=normalize_then_sum weighs the reward's components itself: it "
+                              "needs the reward in process (reward.url / reward.host unset)")
         if cfg.reward.length_l1 >= cfg.reward.length_l2:
             raise ConfigError(f"reward.length_l1={cfg.reward.length_l1} must be below reward.length_l2="
                               f"{cfg.reward.length_l2} (the length reward falls from 1 at l1 to 0 at l2)")
@@ -203,7 +211,18 @@ class CaptionRL(Recipe[Config, State, Batch]):
                                           float(s.bad_records.skipped)], device=acc.device), "sum").tolist()
         return Scores(rewards, groups, s.cfg.algo.advantage, components=[x.components for x in results], metrics={
             **response_metrics(acc, gens), "response/placeholder_rows": counts[0],
-            "rollout/dropped_long": counts[1], "data/skipped_records": s.data.skipped + counts[2]})
+            "rollout/dropped_long": counts[1], "data/skipped_records": s.data.skipped + counts[2]},
+            aggregation=s.cfg.algo.reward_aggregation, weights=s.reward.weights)
+
+    def merge(self, s: State, groups: Sequence[tuple[Batch, Sequence[int]]]) -> Batch:
+        """The kept groups of several rounds (dynamic sampling) as one batch, a record per group."""
+        picked = [(batch.encoded, batch.generations[rows[0]].request_index) for batch, rows in groups]
+        encoded = Encoded([e.records[r] for e, r in picked], [e.prompts[r] for e, r in picked],
+                          [e.messages[r] for e, r in picked], [e.positions[r] for e, r in picked],
+                          sum({id(b.encoded): b.encoded.too_long for b, _ in groups}.values()))
+        gens = [msgspec.structs.replace(batch.generations[i], request_index=j)
+                for j, (batch, rows) in enumerate(groups) for i in rows]
+        return Batch(encoded, gens, groups[0][0].weight_version)
 
     def update(self, s: State, step: int, batch: Batch, advantages: GroupAdvantages) -> dict[str, float]:
         cfg, acc, a, t = s.cfg, s.run.accelerator, s.cfg.algo, s.cfg.train
@@ -231,7 +250,7 @@ class CaptionRL(Recipe[Config, State, Batch]):
             acc, s.policy, s.optimizer, rollouts,
             [advantages.advantages[i].expand(len(r.completion_ids)) for i, r in enumerate(rollouts)],
             options=LossOptions(a.loss, a.agg, a.clip_low, a.clip_high, a.kl, a.kl_coef, cfg.rollout.temperature,
-                                norm_length=cfg.rollout.max_new_tokens),
+                                norm_length=cfg.rollout.max_new_tokens, **loss_fields(a)),
             old=old, ref=ref, num_minibatches=t.batch_size // mini, micro_batch_size=t.micro_batch_size,
             ppo_epochs=a.ppo_epochs, grad_clip=t.grad_clip, guard=s.run.guard, pad_id=s.engine.pad_id,
             placeholders=s.placeholders, scheduler=s.scheduler, check_tolerance=tolerance if first else None,

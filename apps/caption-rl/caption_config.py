@@ -14,6 +14,7 @@ from rl_core.train import (
     KLName,
     NonNegative,
     NonNegativeFloat,
+    PolicyLossFields,
     PolicyLossName,
     Positive,
     PositiveFloat,
@@ -118,7 +119,7 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     timeout: PositiveFloat = 180.0  # seconds per server call
 
 
-class AlgoConfig(msgspec.Struct, kw_only=True, frozen=True):
+class AlgoConfig(PolicyLossFields, kw_only=True, frozen=True):
     advantage: AdvantageName = "grpo"  # rloo = CapRL++; grpo, dr_grpo: group baselines too
     loss: PolicyLossName = "ppo_clip"
     agg: AggregationName = "token-mean"

@@ -93,10 +93,12 @@ def qa_pairs(record: CaptionQARecord) -> list[tuple[str, str]]:
     return [(format_question_text(q.question, q.choices), q.answer_letter) for q in record.qa]
 
 
-def make_sample(record: CaptionQARecord, caption: str) -> Sample:
+def make_sample(record: CaptionQARecord, caption: str, tokens: int | None = None) -> Sample:
+    """The reward's view of one caption; `tokens` (its length in tokens) feeds the `overlong` scorer."""
     media = {"video": record.videos[0]} if record.videos else {"image": record.images[0].path or ""}
+    counted = {"completion_tokens": tokens} if tokens is not None else {}
     return Sample(completion=caption, prompt=prompt_text(record), reference=qa_pairs(record),
-                  metadata={"task": record.kind, "data_source": record.data_source, **media})
+                  metadata={"task": record.kind, "data_source": record.data_source, **media, **counted})
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,10 @@ class LocalReward:
     and `qa_prompt_file` pick CapRL++'s server formulas: see the README)."""
 
     def __init__(self, r: RewardConfig, *, length_tokenizer: str, seed: int) -> None:
+        self.weights: dict[str, float] = {}  # every task's component weights (normalize_then_sum)
         if r.spec is not None:
             self.by_task = dict.fromkeys(("image", "video"), build_reward(r.spec))
+            self._weigh()
             return
         from rl_rewards.scorers.caption_qa import CaptionQAScorer
         from rl_rewards.scorers.engines import load_engine, load_tokenizer
@@ -49,6 +51,15 @@ class LocalReward:
         self.by_task = {task: build_reward(caprl_spec(r, task, length_tokenizer), scorers={"qa": CaptionQAScorer(
             engine, tokenizer, task=task, estimator=r.qa_estimator, qa_num=r.qa_num, seed=seed,
             answer_parser=r.answer_parser, prompt_template=r.qa_prompt_file)}) for task in ("image", "video")}
+        self._weigh()
+
+    def _weigh(self) -> None:
+        for reward in self.by_task.values():
+            try:
+                self.weights |= reward.sum_weights()
+            except ValueError:  # a fold reward: refused only where normalize_then_sum asks for weights
+                self.weights = {}
+                return
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
         results: list[ScoreResult | None] = [None] * len(samples)
@@ -77,6 +88,7 @@ class RemoteReward:
         self.length = build_reward(RewardSpec(components={"length": Component(scorer="length", options={
             "tokenizer": length_tokenizer, "l1": r.length_l1, "l2": r.length_l2})}))
         self.length_weight = r.length_weight
+        self.weights: dict[str, float] = {}  # the server's total is not a sum we know (refused in check)
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
         try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from swapping import PolicySwap, initial_plan
 
 from rl_core.kl import compute_kl
 from rl_core.train import GroupAdvantages, PinnedOffload, isolated_rng, run, run_app, sample_seed
+from rl_core.train.config import ConfigError
 from rl_core.train.recipe import Checkpoint, Recipe, RunContext, Schedule, Scores
 from rl_core.train.sharding import FullWeights, prepare_policy, resolve_sharding, sharded_state
 from rl_data import GroupSampler, JudgeRecord
@@ -117,6 +119,10 @@ class RiderGRM(Recipe[Config, State, Batch]):
                           offload_optimizer=cfg.model.optimizer_offload,
                           measurable=all(j.offload is not None for j in judges if j.engine is not None))
         reward = rewarding.compose_reward(cfg, judges, judge_cfgs, run.timer, acc.device)
+        if cfg.algo.reward_aggregation == "normalize_then_sum" and reward.spec.combine != "sum":
+            raise ConfigError("algo.reward_aggregation=normalize_then_sum needs a reward that sums its weighted "
+                              "components: give reward.spec with combine = \"sum\" (the reward.judges shorthand "
+                              "folds them in order)")
         sampler = GroupSampler(len(train), r.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
         return State(cfg, run, policy, model, optimizer, ref, ref_offload, engine, full, judges, reward, swap, sampler,
                      train, val)
@@ -145,6 +151,7 @@ class RiderGRM(Recipe[Config, State, Batch]):
     def rollout(self, state: State, step: int) -> Batch:
         cfg, run = state.cfg, state.run
         n = cfg.rollout.n
+        state.swap.wake(run.timer)  # a dynamic-sampling round rolls out again after the last round's offload
         indices = next(iter(state.sampler.batches(cfg.train.batch_size // run.world_size)))[::n]  # one per group
         records = [state.train[i] for i in indices]
         seeds = [sample_seed(cfg.train.seed, step, i) for i in indices] if cfg.rollout.per_prompt_seeds else None
@@ -181,8 +188,21 @@ class RiderGRM(Recipe[Config, State, Batch]):
                                                                 batch.ref[i][None])[0]  # [C_i]
         groups = run.rank * len(batch.gens) + torch.arange(len(batch.gens)) // cfg.rollout.n  # [B]
         gamma = {"gamma": cfg.algo.gamma} if cfg.algo.adv_estimator == "reinforce_pp" else {}
-        return Scores(rewards, groups, cfg.algo.adv_estimator, mask=mask, options=gamma,
-                      metrics=rewarding.reward_metrics(results, logs))  # reward/mean: the scores', not KL-shaped
+        components, metrics = [x.components for x in results], rewarding.reward_metrics(results, logs)
+        if cfg.algo.reward_aggregation == "normalize_then_sum":  # each judge normalised per group: sequence scores
+            return Scores(torch.tensor([math.nan if x.score is None else x.score for x in results]), groups,
+                          cfg.algo.adv_estimator, options=gamma, components=components, metrics=metrics,
+                          aggregation="normalize_then_sum", weights=state.reward.sum_weights())
+        return Scores(rewards, groups, cfg.algo.adv_estimator, mask=mask, options=gamma, components=components,
+                      metrics=metrics)  # reward/mean: the scores', not KL-shaped
+
+    def merge(self, state: State, groups: Sequence[tuple[Batch, Sequence[int]]]) -> Batch:
+        """The kept groups' samples of several rounds (dynamic sampling), in order."""
+        picks = [(batch, i) for batch, rows in groups for i in rows]
+        refs = [b.ref[i] for b, i in picks if b.ref is not None]
+        ref = refs if groups[0][0].ref is not None else None
+        return Batch([b.records[i] for b, i in picks], [b.gens[i] for b, i in picks], [b.old[i] for b, i in picks],
+                     ref, groups[0][0].weight_version, max(b.judges_awake for b, _ in groups))
 
     def update(self, state: State, step: int, batch: Batch, advantages: GroupAdvantages) -> dict[str, float]:
         """Clipped PG + KL-loss minibatch updates (`train.mini_batch_size` prompts each), after the
@@ -198,10 +218,11 @@ class RiderGRM(Recipe[Config, State, Batch]):
             out = training.engine_check(rollouts, batch.old).verify(acc, first, "first replay")
             out |= training.token_update(
                 acc, state.policy, state.optimizer, rollouts,
-                [advantages.advantages[i, : len(r.completion_ids)] for i, r in enumerate(rollouts)],
+                [advantages.advantages[i, : len(r.completion_ids)] if advantages.advantages.dim() == 2
+                 else advantages.advantages[i].expand(len(r.completion_ids)) for i, r in enumerate(rollouts)],
                 options=training.LossOptions(a.loss, a.agg, a.clip_low, a.clip_high, a.kl_loss_type,
                                              a.kl_loss_coef if a.use_kl_loss else 0.0, cfg.rollout.temperature,
-                                             norm_length=cfg.data.max_response_length),
+                                             norm_length=cfg.data.max_response_length, **training.loss_fields(a)),
                 old=batch.old, ref=batch.ref if a.use_kl_loss else None,
                 num_minibatches=max(1, t.batch_size // t.mini_batch_size), micro_batch_size=t.micro_batch_size,
                 ppo_epochs=1, grad_clip=t.grad_clip, guard=run.guard, pad_id=state.engine.pad_id,

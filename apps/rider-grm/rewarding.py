@@ -59,7 +59,7 @@ def load_records(files: list[str], tokenizer: Any, cfg: Config, rm_prompts: int 
 def make_samples(records: list[JudgeRecord], gens: list[Generation], offset: int) -> list[Sample]:
     return [Sample(completion=g.text, prompt=r.prompt[-1].content, reference=r.ground_truth,
                    metadata={"uid": offset + i, "data_source": r.data_source, "extra_info": r.extra_info,
-                             "rm_prompts": r.rm_prompts})
+                             "rm_prompts": r.rm_prompts, "completion_tokens": len(g.completion_ids)})
             for i, (r, g) in enumerate(zip(records, gens, strict=True))]
 
 

@@ -20,11 +20,13 @@ from rl_core.train import (
     KLName,
     NonNegative,
     NonNegativeFloat,
+    PolicyLossFields,
     PolicyLossName,
     Positive,
     PositiveFloat,
     RunFields,
     UnitInterval,
+    check_loss_options,
 )
 from rl_models import tiny
 from rl_rewards.modules import load_reward_module
@@ -161,10 +163,10 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     (never swapped): for a reward the shorthand keys, which compile to a "fold" spec, cannot say."""
 
 
-class AlgoConfig(msgspec.Struct, kw_only=True, frozen=True):
+class AlgoConfig(PolicyLossFields, kw_only=True, frozen=True):
     adv_estimator: AdvantageName = "reinforce_pp"  # reinforce_pp | reinforce_pp_baseline | grpo | rloo
     gamma: UnitInterval = 1.0  # reinforce_pp discount
-    loss: PolicyLossName = "ppo_clip"  # ppo_clip | dual_clip | gspo
+    loss: PolicyLossName = "ppo_clip"  # ppo_clip | dual_clip | gspo | cispo | sapo
     agg: AggregationName = "token-mean"
     clip_low: UnitInterval = 0.2
     clip_high: NonNegativeFloat = 0.2
@@ -242,6 +244,10 @@ def check_config(cfg: Config, world_size: int) -> None:
                           f"{t.mini_batch_size}")
     if t.batch_size % world_size:
         raise ConfigError(f"train.batch_size={t.batch_size} must be a multiple of the {world_size} processes")
+    check_loss_options(cfg.algo.loss, cfg.algo.loss_options)
+    if cfg.algo.reward_aggregation == "normalize_then_sum" and cfg.algo.kl_in_reward:
+        raise ConfigError("algo.reward_aggregation=normalize_then_sum normalises the judges' scores per sequence; "
+                          "algo.kl_in_reward shapes token rewards: use one of them (algo.use_kl_loss keeps a KL term)")
     resolve_engine(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: one line
     if r.spec is not None:
         read_spec(r)

@@ -92,10 +92,12 @@ class PolicySwap:
         self.pending = mode == "auto" and cuda and engine.shares_weights and measurable
         self.plan = initial_plan(mode)
         self.memory_fraction = memory_fraction
+        self.offloaded = False  # between `offload` and `wake`
 
     def offload(self, timer: PhaseTimer) -> None:
-        if not self.plan.offload_policy:
+        if not self.plan.offload_policy or self.offloaded:
             return
+        self.offloaded = True
         with timer("offload_policy"):
             if self.weights is not None:
                 self.weights.to_host()
@@ -105,8 +107,11 @@ class PolicySwap:
                 self.optimizer.to_host()
 
     def wake(self, timer: PhaseTimer) -> None:
-        if not self.plan.offload_policy:
+        """Back on the device after `offload` (nothing to do otherwise: a second call, or a
+        dynamic-sampling round that rolls out again before the update)."""
+        if not self.offloaded:
             return
+        self.offloaded = False
         with timer("wake_policy"):
             if self.weights is not None:
                 self.weights.to_device()

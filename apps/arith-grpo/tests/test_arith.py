@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import APP, REPO, app
 
-from rl_core.train import unknown_metric_names
+from rl_core.train import ConfigError, unknown_metric_names
 from rl_core.train.testing import (
     assert_resume_is_bit_identical,
     assert_two_processes_equal_one,
@@ -57,6 +57,43 @@ def test_a_registry_typo_is_one_line_and_exit_2(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(APP / "__main__.py"), "algo.loss=ppo", f"train.output_dir={tmp_path}"],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        "arith-grpo: error: algo.loss: unknown policy loss 'ppo'; valid names: dual_clip, gspo, ppo_clip "
+        "arith-grpo: error: algo.loss: unknown policy loss 'ppo'; valid names: cispo, dual_clip, gspo, ppo_clip, sapo "
         "(from override algo.loss=ppo)"]
+    assert not list(tmp_path.iterdir())
+
+
+def test_dynamic_sampling_keeps_informative_groups_from_more_rounds(tmp_path: Path) -> None:
+    """Filtering on the exact-answer component: groups whose answers all score alike are dropped
+    and more prompts roll out; the merged batch passes the first-step engine check and trains."""
+    run = app.main([*SMALL, f"train.output_dir={tmp_path}", "train.dynamic_sampling.enable=true",
+                    "train.dynamic_sampling.metric=answer", "train.dynamic_sampling.max_rounds=3"])
+    table = metric_rows(run)
+    assert not unknown_metric_names(table[0])
+    assert float(table[0]["dynamic_sampling/rounds"]) >= 2, table[0]
+    for r in table:  # 4 prompts per step: informative groups, then uniform fillers
+        assert float(r["dynamic_sampling/kept_groups"]) + float(r["dynamic_sampling/filled_groups"]) == 4
+        assert float(r["replay/engine_diff_mean"]) < 1e-4
+
+
+def test_the_new_losses_corrections_and_gdpo_train_from_the_config(tmp_path: Path) -> None:
+    """sapo with the rollout correction and the off-policy mask, an overlong penalty component
+    (the app puts each answer's token count in the sample) and normalize_then_sum: one step runs
+    and logs what each adds."""
+    spec = ('{combine = "sum", components = {answer = {scorer = "exact_answer", options = {answer = "first", '
+            'partial = 0.1}}, short = {scorer = "overlong", weight = 0.5, options = {max_length = 4, cache = 2}}}}')
+    run = app.main([*SMALL, f"train.output_dir={tmp_path}", "train.max_steps=1", "algo.loss=sapo",
+                    "algo.loss_options={tau_pos = 1.0, tau_neg = 2.0}", "algo.rollout_correction=token_mask",
+                    "algo.rollout_clip_min=0.5", "algo.off_policy_mask=0.5", "algo.reward_aggregation=normalize_then_sum",
+                    f"reward.spec={spec}"])
+    row = metric_rows(run)[0]
+    assert not unknown_metric_names(row)
+    assert -1.0 <= float(row["reward/short"]) <= 0.0 and float(row["reward/short.n_tokens"]) > 0
+    assert float(row["policy/is_masked"]) == 0.0 and float(row["policy/off_policy_masked"]) == 0.0  # on-policy
+    assert abs(float(row["adv/mean"])) < 1e-5 and float(row["optimizer_steps"]) == 1  # GDPO: batch-normalised
+
+
+def test_an_option_the_loss_does_not_have_is_refused_before_loading(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"algo\.loss_options: tau is not an option of the 'sapo' loss; its options: "
+                                          r"tau_neg, tau_pos"):
+        app.main([*SMALL, f"train.output_dir={tmp_path}", "algo.loss=sapo", "algo.loss_options={tau = 1.0}"])
     assert not list(tmp_path.iterdir())

@@ -34,7 +34,7 @@ def rows(run: Path) -> list[dict[str, str]]:
     ("reward.length_l1=900", r"reward\.length_l1=900 must be below reward\.length_l2="),
     ("train.lr=inf", r"train\.lr: must be a finite number, got inf \(from override train\.lr=inf\)"),
     ("algo.advantage=nope", r"^algo\.advantage: unknown advantage estimator 'nope'; valid names: dr_grpo, gae, grpo, "),
-    ("algo.loss=ppo", r"^algo\.loss: unknown policy loss 'ppo'; valid names: dual_clip, gspo, ppo_clip \(from override"),
+    ("algo.loss=ppo", r"^algo\.loss: unknown policy loss 'ppo'; valid names: cispo, dual_clip, gspo, ppo_clip, sapo \(from override"),
     ("algo.agg=mean", r"^algo\.agg: unknown loss aggregation mode 'mean'; valid names: seq-mean-token-mean, "),
 ])
 def test_refused_values_name_the_key_and_the_source(app, tmp_path, override, message):

@@ -59,6 +59,10 @@ def test_help_lists_every_key_with_its_caprl_env_var(app, capsys):
     text = capsys.readouterr().out
     for key, var in (("model.path", "CAPTION_MODEL"), ("train.batch_size", "BATCH_SIZE"), ("rollout.n", "ROLLOUT_N")):
         assert any(key in line and f"env {var}" in line for line in text.splitlines())
+    keys = {line.split()[0] for line in text.splitlines() if line.startswith("  ")}
+    for key in ("algo.loss_options", "algo.off_policy_mask", "algo.rollout_correction", "algo.reward_aggregation",
+                "train.dynamic_sampling.enable", "train.dynamic_sampling.metric", "train.dynamic_sampling.max_rounds"):
+        assert key in keys, key  # the algorithms of rl-core this app can use
 
 
 def test_caprl_launch_variables_start_from_the_full_size_defaults(app, monkeypatch):
@@ -374,3 +378,33 @@ def test_max_steps_beyond_the_epochs_says_which_setting_ended_the_run(app, tmp_p
     out = capsys.readouterr().out
     assert "train.max_steps=20 is more than train.epochs=1 give (1 steps): the run stops after 1" in out
     assert "caption-rl finished: 1 steps" in out
+
+
+def test_dynamic_sampling_trains_on_groups_merged_from_several_rounds(app, tmp_path):
+    """`length` (1..6 words -> 1..0) is the same for every caption of many groups: those are
+    dropped and more rounds roll out; the merged batch passes the first-step engine check, which
+    fails if a caption were paired with another round's prompt."""
+    run = app.main(tiny_overrides(tmp_path, "train.dynamic_sampling.enable=true", "train.dynamic_sampling.metric=length",
+                                  "train.dynamic_sampling.max_rounds=4", "train.max_steps=2",
+                                  "rollout.max_new_tokens=2"))
+    table = rows(run)
+    assert not unknown_metric_names(table[0])
+    assert max(float(r["dynamic_sampling/rounds"]) for r in table) >= 2, table
+    for r in table:  # the batch keeps its 2 groups: kept informative ones, then uniform fillers
+        assert float(r["dynamic_sampling/kept_groups"]) + float(r["dynamic_sampling/filled_groups"]) == 2
+        assert float(r["optimizer_steps"]) == 1 and float(r["replay/engine_diff_mean"]) < 1e-3
+
+
+def test_sapo_with_corrections_gdpo_and_an_overlong_component_train(app, tmp_path):
+    """The loss options and corrections from the config reach the update; normalize_then_sum
+    weighs the spec's components; the overlong scorer reads the caption's token count."""
+    spec = tmp_path / "spec.toml"
+    spec.write_text('[components.length]\nscorer = "length"\noptions = { tokenizer = "whitespace", l1 = 1, l2 = 6 }\n'
+                    '[components.overlong]\nscorer = "overlong"\nweight = 0.5\noptions = { max_length = 8, cache = 4 }\n')
+    run = app.main(tiny_overrides(tmp_path, f"reward.spec={spec}", "train.max_steps=1", "algo.loss=sapo",
+                                  "algo.rollout_correction=sequence_truncate", "algo.off_policy_mask=0.5",
+                                  "algo.reward_aggregation=normalize_then_sum"))
+    row = rows(run)[0]
+    assert not unknown_metric_names(row)
+    assert float(row["reward/overlong.n_tokens"]) > 0 and -1.0 <= float(row["reward/overlong"]) <= 0.0
+    assert float(row["policy/is_ratio_mean"]) == pytest.approx(1.0, abs=1e-3) and float(row["optimizer_steps"]) == 1

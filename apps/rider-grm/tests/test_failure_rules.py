@@ -84,7 +84,7 @@ def test_a_later_row_without_the_rm_prompt_is_named(tmp_path: Path) -> None:
     ("train.lr=-1", r"train\.lr: expected float > 0\.0, got -1"),
     ("rollout.n=1", r"rollout\.n=1: .* needs rollout\.n >= 2"),
     ("algo.adv_estimator=nope", r"^algo\.adv_estimator: unknown advantage estimator 'nope'; valid names: dr_grpo, gae, "),
-    ("algo.loss=ppo", r"^algo\.loss: unknown policy loss 'ppo'; valid names: dual_clip, gspo, ppo_clip"),
+    ("algo.loss=ppo", r"^algo\.loss: unknown policy loss 'ppo'; valid names: cispo, dual_clip, gspo, ppo_clip, sapo"),
     ("algo.kl_loss_type=k4", r"^algo\.kl_loss_type: unknown KL estimator 'k4'; valid names: k1, k2, k3, low_var_kl"),
 ])
 def test_refused_values_fail_before_any_model_loads(tmp_path: Path, override: str, message: str) -> None:

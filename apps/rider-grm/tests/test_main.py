@@ -277,6 +277,31 @@ def test_help_lists_the_keys_of_each_judge_table(capsys: pytest.CaptureFixture[s
         assert f"reward.judges[i].{sub}" in keys, sub
 
 
+def test_help_lists_the_rl_core_algorithm_options(capsys: pytest.CaptureFixture[str]) -> None:
+    assert app.main(["--help"]) is None
+    keys = {line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    for key in ("algo.loss_options", "algo.off_policy_mask", "algo.rollout_correction", "algo.reward_aggregation",
+                "train.dynamic_sampling.enable", "train.dynamic_sampling.metric", "train.dynamic_sampling.max_rounds"):
+        assert key in keys, key
+
+
+def test_gdpo_normalises_each_component_of_a_summed_spec(tmp_path: Path) -> None:
+    """normalize_then_sum with a `combine = "sum"` spec: sequence scores, each component
+    normalised per group; the shorthand judges (a fold) and kl_in_reward are refused."""
+    spec = ('{combine = "sum", components = {short = {scorer = "length", options = {tokenizer = "whitespace", '
+            'l1 = 1, l2 = 6}}, overlong = {scorer = "overlong", weight = 0.5, options = {max_length = 8, cache = 4}}}}')
+    run = app.main(tiny_overrides(tmp_path, **{"reward.spec": spec, "train.batch_size": 4, "train.mini_batch_size": 4,
+                                              "train.max_steps": 1, "algo.adv_estimator": "grpo",
+                                              "algo.reward_aggregation": "normalize_then_sum",
+                                              "algo.loss": "cispo", "algo.clip_low": 1.0, "algo.clip_high": 4.0}))
+    row = read_metrics(run)[0]
+    assert not unknown_metric_names(row) and float(row["reward/overlong.n_tokens"]) > 0
+    assert abs(float(row["adv/mean"])) < 1e-5 and float(row["optimizer_steps"]) == 1
+    with pytest.raises(ConfigError, match="kl_in_reward"):
+        app.main(tiny_overrides(tmp_path, **{"algo.reward_aggregation": "normalize_then_sum",
+                                              "algo.kl_in_reward": "true"}))
+
+
 SPEC = '[components.short]\nscorer = "length"\noptions = { tokenizer = "whitespace", l1 = 2, l2 = 6 }\n'
 
 
@@ -303,3 +328,19 @@ def test_reward_spec_replaces_rule_judges_and_embedding(tmp_path: Path, given: s
         assert s["reward"] == length_reward(int(s["components"]["short.n_tokens"]), 2, 6)
     expected = load_config(Config, config, [f"reward.spec={extra['reward.spec']}"] if extra else []).reward.spec
     assert load_config(Config, run / "config.toml").reward.spec == expected
+
+
+def test_dynamic_sampling_merges_rounds_and_trains(tmp_path: Path) -> None:
+    """Groups whose rule reward is the same for both samples are dropped and refilled from more
+    rounds; the merged batch (old log-probs, records, completions of several rounds) passes the
+    first-step engine check and trains."""
+    run = app.main(tiny_overrides(tmp_path, **{
+        "reward.judges": "[]", "reward.embedding.model": "null", "reward.rule": f'"{TESTS}/rules/letter_rule.py"',
+        "train.batch_size": 4, "train.mini_batch_size": 4, "train.max_steps": 2, "train.dynamic_sampling.enable": "true",
+        "train.dynamic_sampling.max_rounds": 3, "data.max_response_length": 2}))
+    table = read_metrics(run)
+    assert not unknown_metric_names(table[0])
+    assert max(float(r["dynamic_sampling/rounds"]) for r in table) >= 2, table
+    for r in table:  # 4 prompts x 2 samples per step: informative groups, then uniform fillers
+        assert float(r["dynamic_sampling/kept_groups"]) + float(r["dynamic_sampling/filled_groups"]) == 4
+        assert float(r["optimizer_steps"]) == 1

@@ -9,11 +9,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rl_core.advantages import (
+    REWARD_AGGREGATIONS,
     compute_advantages,
     compute_gae,
     group_ids_from_keys,
     masked_whiten,
     nonzero_advantage_indices,
+    normalize_then_sum,
 )
 
 ids = torch.tensor  # readability: group ids
@@ -599,3 +601,89 @@ def test_nonzero_advantages_match_flow_grpo_with_the_same_rng_state(seed: int) -
     kept = nonzero_advantage_indices(adv, num_batches=4, generator=torch.Generator().manual_seed(seed))
     assert kept.tolist() == expected.tolist()
     assert len(kept) % 4 == 0
+
+
+# ------------------------------------------------------------------- reward aggregations (GDPO)
+
+
+def test_normalize_then_sum_hand_worked() -> None:
+    # Groups 5 (rows 0, 2) and 9 (rows 1, 3), interleaved; components (c1, c2), weights (1, 0.5).
+    objectives = torch.tensor([[1.0, 0.0], [1.0, 2.0], [0.0, 4.0], [1.0, 0.0]])  # [4, 2]
+    eps = 1e-4
+    # A group of 2 values x, y: mean (x+y)/2, Bessel std |x-y|/sqrt(2), z = +-(|x-y|/2) / (std + eps).
+    a1 = 0.5 / (math.sqrt(0.5) + eps)  # group 5, c1 = (1, 0): z = (+a1, -a1), ~0.70701
+    a2 = 2.0 / (math.sqrt(8.0) + eps)  # group 5, c2 = (0, 4): z = (-a2, +a2), ~0.70708
+    a3 = 1.0 / (math.sqrt(2.0) + eps)  # group 9, c2 = (2, 0): z = (+a3, -a3); c1 = (1, 1): std 0, z = 0
+    s = [a1 - 0.5 * a2, 0.5 * a3, -a1 + 0.5 * a2, -0.5 * a3]  # weighted sums, ~(0.35347, 0.35353, -.., -..)
+    mean = sum(s) / 4  # 0: each group's z sum to 0
+    std = math.sqrt(sum((v - mean) ** 2 for v in s) / 3)  # ~0.40818
+    expected = torch.tensor([(v - mean) / (std + eps) for v in s])  # ~(0.86574, 0.86589, -0.86574, -0.86589)
+    out = normalize_then_sum(objectives, [1.0, 0.5], torch.tensor([5, 9, 5, 9]))
+    torch.testing.assert_close(out, expected)
+    # Summed first (1, 2, 4, 1), row 0 would lose to row 2 (c2's spread of 4 drowns c1's 1);
+    # normalised first, c1 at weight 1 beats c2 at weight 0.5: row 0 wins its group.
+    assert out[0] > 0 > out[2]
+
+
+def test_normalize_then_sum_missing_components() -> None:
+    nan = math.nan
+    # Row 3 has no component: NaN out of every statistic, advantage 0. Group 1's c2 has one value
+    # (row 3 lacks it): its std is NaN, so c2 adds nothing to group 1's rows.
+    objectives = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 1.0], [nan, nan], [0.0, nan]])  # [5, 2]
+    group_ids = torch.tensor([0, 0, 1, 1, 1])
+    out = normalize_then_sum(objectives, torch.tensor([2.0, 1.0]), group_ids)
+    eps = 1e-4
+    z = [2 * 0.5 / (math.sqrt(0.5) + eps) - 1 / (math.sqrt(2) + eps)]  # row 0: c1 +, c2 -
+    z += [-z[0]]  # row 1
+    z3 = 2 * 1.5 / (math.sqrt(4.5) + eps)  # group 1 c1 = (3, 0): mean 1.5, std sqrt(4.5)
+    s = [z[0], z[1], z3, -z3]  # rows 0, 1, 2, 4
+    std = math.sqrt(sum(v * v for v in s) / 3)  # mean 0
+    expected = torch.tensor([s[0], s[1], s[2], 0.0, s[3]]) / (std + eps)
+    torch.testing.assert_close(out, expected)
+
+
+def _normalize_then_sum_loop(objectives, weights, group_ids, eps=1e-4) -> list[float]:
+    """Loop reference of GDPO as TRL computes it (nanstd: Bessel, NaN below 2 values)."""
+
+    def mean_std(values):
+        v = [x for x in values if not math.isnan(x)]
+        if not v:
+            return math.nan, math.nan
+        m = sum(v) / len(v)
+        return m, math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1)) if len(v) > 1 else math.nan
+
+    rows, k = objectives.shape
+    z = [[math.nan] * k for _ in range(rows)]
+    for members in ref_groups(group_ids).values():
+        for j in range(k):
+            m, sd = mean_std([float(objectives[i, j]) for i in members])
+            for i in members:
+                z[i][j] = (float(objectives[i, j]) - m) / (sd + eps)
+    s = [math.nan if all(math.isnan(float(x)) for x in objectives[i]) else
+         sum(w * v for w, v in zip(weights, z[i], strict=True) if not math.isnan(v)) for i in range(rows)]
+    m, sd = mean_std(s)
+    return [0.0 if math.isnan(v) or math.isnan(sd) else (v - m) / (sd + eps) for v in s]
+
+
+@given(st.integers(0, 10_000))
+def test_normalize_then_sum_matches_a_loop_reference(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    rows, k = 12, 3
+    objectives = torch.randn(rows, k, generator=gen, dtype=torch.float64)  # [12, 3]
+    objectives[torch.rand(rows, k, generator=gen) < 0.2] = math.nan  # some components missing
+    group_ids = torch.randint(0, 4, (rows,), generator=gen) * 7 - 3  # any ids, any order, any sizes
+    weights = [1.0, 0.5, 2.0]
+    out = normalize_then_sum(objectives, weights, group_ids)
+    torch.testing.assert_close(out, torch.tensor(_normalize_then_sum_loop(objectives, weights, group_ids),
+                                                 dtype=torch.float64))
+
+
+def test_reward_aggregations_registry() -> None:
+    assert REWARD_AGGREGATIONS.names() == ["normalize_then_sum", "sum_then_normalize"]
+    assert REWARD_AGGREGATIONS["sum_then_normalize"](None, None, torch.zeros(2)) is None  # the estimator runs
+    assert REWARD_AGGREGATIONS.trait("normalize_then_sum", "replaces_estimator")
+    with pytest.raises(ValueError, match=r"weights must be \[K\]=2"):
+        normalize_then_sum(torch.zeros(4, 2), [1.0], torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="unknown reward aggregation 'gdpo'; valid names: normalize_then_sum"):
+        REWARD_AGGREGATIONS["gdpo"]
+

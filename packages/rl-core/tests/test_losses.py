@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rl_core.losses import aggregate, compute_policy_loss
+from rl_core.losses import ROLLOUT_CORRECTIONS, aggregate, compute_policy_loss, rollout_correction
 
 E = math.e
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -215,7 +215,7 @@ def test_masked_tokens_do_not_count() -> None:
     assert float(inputs["logp"].grad[0, 1]) == 0.0
 
 
-@pytest.mark.parametrize("name", ["ppo_clip", "dual_clip", "gspo"])
+@pytest.mark.parametrize("name", ["ppo_clip", "dual_clip", "gspo", "cispo", "sapo"])
 @pytest.mark.parametrize("mode", MODES)
 def test_policy_loss_gradient_accumulation_equals_one_batch(name: str, mode: str) -> None:
     gen = torch.Generator().manual_seed(1)
@@ -282,7 +282,209 @@ def test_policy_loss_input_errors() -> None:
         compute_policy_loss("ppo_clip", **{**inputs, "advantages": torch.ones(1, 3)})
     with pytest.raises(ValueError, match="clip_low"):
         compute_policy_loss("ppo_clip", clip_low=1.5, **inputs)
-    with pytest.raises(KeyError, match="valid names: dual_clip, gspo, ppo_clip"):
+    with pytest.raises(KeyError, match="valid names: cispo, dual_clip, gspo, ppo_clip, sapo"):
         compute_policy_loss("ppo", **inputs)
     with pytest.raises(TypeError, match="'c'"):
         compute_policy_loss("ppo_clip", c=3.0, **inputs)
+
+
+# ------------------------------------------------------------------------------------- cispo
+
+
+def test_cispo_hand_worked_values_and_gradient() -> None:
+    # old_logp = 0, so r = e^logp. clip_high = 4 (upper bound 5), clip_low = 1 (no lower bound):
+    # token 1: r = 6 -> w = 5 (clipped), loss -5 * 1 * ln 6, gradient -w A = -5
+    # token 2: r = .5 -> w = .5, A = -1: loss -.5 * -1 * ln .5 = -.5 ln 2, gradient +.5
+    # token 3: r = 1 -> w = 1, A = 2: loss -2 * 0 = 0, gradient -2. token-mean divides by 3.
+    inputs = loss_inputs([math.log(6.0), math.log(0.5), 0.0], [1.0, -1.0, 2.0])
+    loss, metrics = compute_policy_loss("cispo", clip_low=1.0, clip_high=4.0, **inputs)
+    assert float(loss.detach()) == pytest.approx((-5 * math.log(6.0) - 0.5 * math.log(2.0)) / 3)
+    loss.backward()
+    torch.testing.assert_close(inputs["logp"].grad, torch.tensor([[-5 / 3, 0.5 / 3, -2 / 3]]))
+    assert float(metrics["clip_fraction"]) == pytest.approx(1 / 3)  # only r = 6 > 5
+    assert float(metrics["ratio_max"]) == pytest.approx(6.0)
+    # a lower bound of 1 - .2 = .8 lifts token 2's weight to .8 (clipped, still a gradient: +.8 / 3)
+    inputs = loss_inputs([math.log(6.0), math.log(0.5), 0.0], [1.0, -1.0, 2.0])
+    loss, metrics = compute_policy_loss("cispo", clip_low=0.2, clip_high=4.0, **inputs)
+    loss.backward()
+    torch.testing.assert_close(inputs["logp"].grad, torch.tensor([[-5 / 3, 0.8 / 3, -2 / 3]]))
+    assert float(metrics["clip_fraction"]) == pytest.approx(2 / 3)
+
+
+def test_cispo_clipped_tokens_keep_their_gradient_where_ppo_drops_it() -> None:
+    # r = e, A = +1: PPO clips at 1.2 and the token's gradient is 0; CISPO's is -1.2 (weight 1.2)
+    ppo = loss_inputs([1.0], [1.0])
+    compute_policy_loss("ppo_clip", **ppo)[0].backward()
+    cispo = loss_inputs([1.0], [1.0])
+    compute_policy_loss("cispo", **cispo)[0].backward()
+    assert float(ppo["logp"].grad) == 0.0
+    assert float(cispo["logp"].grad) == pytest.approx(-1.2)
+
+
+# -------------------------------------------------------------------------------------- sapo
+
+
+def test_sapo_hand_worked_at_ratio_one() -> None:
+    # r = 1: sigmoid(0) = 1/2, loss -(4 / tau)(1/2) A = -2A / tau: A = +1 (tau 1) -> -2,
+    # A = -1 (tau 1.05) -> 2 / 1.05; token-mean over 2. Gradient (4/tau) sigma'(0) tau r (-A) = -A,
+    # so -1/2 and +1/2 after the mean.
+    inputs = loss_inputs([0.0, 0.0], [1.0, -1.0])
+    loss, metrics = compute_policy_loss("sapo", **inputs)
+    assert float(loss.detach()) == pytest.approx((-2.0 + 2.0 / 1.05) / 2, abs=1e-6)  # float32
+    loss.backward()
+    torch.testing.assert_close(inputs["logp"].grad, torch.tensor([[-0.5, 0.5]]))
+    assert float(metrics["clip_fraction"]) == 0.0
+
+
+def test_sapo_damps_off_policy_tokens_smoothly() -> None:
+    # r = e, A = +1, tau = 2 (tau_pos): loss -(4/2) sigmoid(2 (e - 1)) = -2 sigmoid(3.4366) = -1.9377;
+    # gradient -(4/2) * 2 sigma(1 - sigma) * r = -4 * .96883 * .03117 * e = -.3284, far below PPO's
+    # unclipped e and not cut to 0 as PPO's clip would; clip_low / clip_high change nothing
+    inputs = loss_inputs([1.0], [1.0])
+    loss, metrics = compute_policy_loss("sapo", tau_pos=2.0, clip_high=0.01, **inputs)
+    sig = 1 / (1 + math.exp(-2 * (E - 1)))
+    assert float(loss.detach()) == pytest.approx(-2 * sig) == pytest.approx(-1.9377, abs=1e-4)
+    loss.backward()
+    assert float(inputs["logp"].grad) == pytest.approx(-4 * sig * (1 - sig) * E)
+    assert float(inputs["logp"].grad) == pytest.approx(-0.3284, abs=1e-4)
+    assert float(metrics["clip_fraction"]) == 0.0
+
+
+def test_sapo_rejects_a_non_positive_temperature() -> None:
+    with pytest.raises(ValueError, match="tau_neg must be > 0"):
+        compute_policy_loss("sapo", tau_neg=0.0, **loss_inputs([0.0], [1.0]))
+    with pytest.raises(ValueError, match="tau_pos must be > 0"):
+        compute_policy_loss("sapo", tau_pos=-1.0, **loss_inputs([0.0], [1.0]))
+
+
+def test_clip_low_one_is_no_lower_bound() -> None:
+    # ppo_clip with clip_low = 1: r = e^-3 = .0498 with A = -1 stays unclipped (bound 0)
+    _, metrics = compute_policy_loss("ppo_clip", clip_low=1.0, **loss_inputs([-3.0], [-1.0]))
+    assert float(metrics["clip_fraction"]) == 0.0
+    with pytest.raises(ValueError, match=r"clip_low=1\.01"):
+        compute_policy_loss("ppo_clip", clip_low=1.01, **loss_inputs([0.0], [1.0]))
+
+
+# ------------------------------------------------------------------------ off-policy sequence mask
+
+
+def off_policy_inputs() -> dict[str, torch.Tensor]:
+    # 3 sequences x 3 tokens; logp = old_logp = 0, so ppo_clip's token loss is -A (ratio 1)
+    return {
+        "logp": torch.zeros(3, 3, requires_grad=True),
+        "old_logp": torch.zeros(3, 3),
+        "advantages": torch.tensor([[-1.0] * 3, [1.0] * 3, [-0.5] * 3]),
+        "mask": torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]),
+    }
+
+
+SAMPLING = torch.tensor([[1.0, 0.5, 9.0], [1.0, 1.0, 1.0], [0.2, 0.4, float("nan")]])
+
+
+def test_off_policy_mask_hand_worked() -> None:
+    # mean over valid tokens of sampling_logp - logp, delta = .5:
+    # row 1: (1 + .5) / 2 = .75 > .5 and A < 0 -> dropped (the padded 9.0 does not count)
+    # row 2: 1 > .5 but A > 0 -> kept; row 3: NaN counts 0, (.2 + .4 + 0) / 3 = .2 <= .5 -> kept
+    # token-mean over all 8 valid tokens (the divisor is unchanged): (-1 * 3 + .5 * 3) / 8
+    inputs = off_policy_inputs()
+    loss, metrics = compute_policy_loss("ppo_clip", off_policy_mask=0.5, sampling_logp=SAMPLING, **inputs)
+    assert float(loss.detach()) == pytest.approx(-1.5 / 8)
+    assert float(metrics["off_policy_masked"]) == pytest.approx(2 / 8)  # row 1's two valid tokens
+    loss.backward()
+    # the dropped sequence gets zero gradient; the others -A / 8
+    expected = torch.tensor([[0.0, 0.0, 0.0], [-1 / 8] * 3, [0.5 / 8] * 3])
+    torch.testing.assert_close(inputs["logp"].grad, expected)
+    # a larger delta keeps everything
+    _, metrics = compute_policy_loss("ppo_clip", off_policy_mask=0.8, sampling_logp=SAMPLING, **off_policy_inputs())
+    assert float(metrics["off_policy_masked"]) == 0.0
+
+
+def test_off_policy_mask_without_sampling_logp_uses_old_logp() -> None:
+    # old_logp row 1 = (1, .5): the same gap of .75 as above from the old policy alone
+    inputs = {**off_policy_inputs(), "old_logp": torch.tensor([[1.0, 0.5, 0.0], [0.0] * 3, [0.0] * 3])}
+    _, metrics = compute_policy_loss("cispo", off_policy_mask=0.5, **inputs)
+    assert float(metrics["off_policy_masked"]) == pytest.approx(2 / 8)
+    assert "is_masked" not in metrics and "off_policy_masked" not in compute_policy_loss("sapo", **inputs)[1]
+
+
+def test_off_policy_mask_errors() -> None:
+    with pytest.raises(ValueError, match="off_policy_mask must be > 0"):
+        compute_policy_loss("ppo_clip", off_policy_mask=0.0, **off_policy_inputs())
+    with pytest.raises(ValueError, match="sampling_logp is only used by off_policy_mask"):
+        compute_policy_loss("ppo_clip", sampling_logp=SAMPLING, **off_policy_inputs())
+    with pytest.raises(ValueError, match="sampling_logp"):
+        compute_policy_loss("ppo_clip", off_policy_mask=0.5, sampling_logp=SAMPLING[:, :2], **off_policy_inputs())
+
+
+# ------------------------------------------------------------------------- rollout correction
+
+# old_logp - sampling_logp: row 1 = (ln 2, ln 4, -ln 4) -> token ratios 2, 4, .25, sequence ratio 2;
+# row 2 = (ln .5, ln 3, masked) -> token ratios .5, 3, 1 (the masked NaN counts 0), sequence 1.5
+OLD = torch.zeros(2, 3)
+SAMPLED = -torch.tensor([[math.log(2.0), math.log(4.0), -math.log(4.0)], [math.log(0.5), math.log(3.0), float("nan")]])
+IS_MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
+
+
+@pytest.mark.parametrize(
+    ("mode", "clip_min", "clip_max", "expected"),
+    [
+        ("none", None, 3.0, [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]),
+        ("token_truncate", None, 3.0, [[2.0, 3.0, 0.25], [0.5, 3.0, 1.0]]),
+        ("token_truncate", 0.5, 3.0, [[2.0, 3.0, 0.5], [0.5, 3.0, 1.0]]),
+        ("token_truncate", None, None, [[2.0, 4.0, 0.25], [0.5, 3.0, 1.0]]),
+        ("token_mask", None, 3.0, [[2.0, 0.0, 0.25], [0.5, 3.0, 1.0]]),  # 3 is inside [., 3]
+        ("token_mask", 0.5, 2.0, [[2.0, 0.0, 0.0], [0.5, 0.0, 1.0]]),  # IcePop's two-sided mask
+        ("sequence_truncate", None, 3.0, [[2.0] * 3, [1.5] * 3]),
+        ("sequence_truncate", 1.6, 1.8, [[1.8] * 3, [1.6] * 3]),
+        ("sequence_mask", None, 3.0, [[2.0] * 3, [1.5] * 3]),
+        ("sequence_mask", None, 1.8, [[0.0] * 3, [1.5] * 3]),
+        ("sequence_mask", 1.6, None, [[2.0] * 3, [0.0] * 3]),
+    ],
+)
+def test_rollout_correction_hand_worked(mode, clip_min, clip_max, expected) -> None:
+    weights = rollout_correction(mode, old_logp=OLD, sampling_logp=SAMPLED, mask=IS_MASK, clip_min=clip_min,
+                                 clip_max=clip_max)
+    torch.testing.assert_close(weights, torch.tensor(expected))
+    assert weights.shape == (2, 3) and not weights.requires_grad
+
+
+def test_rollout_correction_a_nan_on_a_valid_token_is_ratio_one() -> None:
+    sampled = torch.tensor([[float("nan"), -math.log(2.0)]])
+    old = torch.zeros(1, 2, requires_grad=True)
+    for mode, expected in [("token_truncate", [[1.0, 2.0]]), ("sequence_mask", [[2.0, 2.0]])]:
+        weights = rollout_correction(mode, old_logp=old, sampling_logp=sampled, mask=torch.ones(1, 2))
+        torch.testing.assert_close(weights, torch.tensor(expected))
+        assert not weights.requires_grad
+
+
+def test_rollout_correction_errors() -> None:
+    assert ROLLOUT_CORRECTIONS.names() == ["none", "sequence_mask", "sequence_truncate", "token_mask",
+                                           "token_truncate"]
+    with pytest.raises(KeyError, match="unknown rollout correction 'tis'; valid names: none, sequence_mask"):
+        rollout_correction("tis", old_logp=OLD, sampling_logp=SAMPLED, mask=IS_MASK)
+    with pytest.raises(ValueError, match=r"clip_min <= clip_max, got clip_min=4\.0"):
+        rollout_correction("token_mask", old_logp=OLD, sampling_logp=SAMPLED, mask=IS_MASK, clip_min=4.0)
+    with pytest.raises(ValueError, match="must all be \\[B, T\\]"):
+        rollout_correction("token_mask", old_logp=OLD, sampling_logp=SAMPLED[:1], mask=IS_MASK)
+
+
+def test_is_weights_scale_the_token_loss_and_masked_tokens_get_no_gradient() -> None:
+    # ppo_clip at ratio 1 with A = 1: token loss -1, times the token_mask weights of the 2x3 example,
+    # [[2, 0, .25], [.5, 3, -]]; 5 valid tokens: loss -(2 + 0 + .25 + .5 + 3) / 5 = -1.15
+    weights = rollout_correction("token_mask", old_logp=OLD, sampling_logp=SAMPLED, mask=IS_MASK)
+    logp = torch.zeros(2, 3, requires_grad=True)
+    loss, metrics = compute_policy_loss("ppo_clip", logp=logp, old_logp=OLD, advantages=torch.ones(2, 3),
+                                        mask=IS_MASK, is_weights=weights)
+    assert float(loss.detach()) == pytest.approx(-1.15)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.4, 0.0, -0.05], [-0.1, -0.6, 0.0]]))
+    assert float(metrics["is_ratio_mean"]) == pytest.approx(5.75 / 5)
+    assert float(metrics["is_ratio_min"]) == 0.0 and float(metrics["is_ratio_max"]) == 3.0
+    assert float(metrics["is_masked"]) == pytest.approx(1 / 5)
+    # with the off-policy mask too: row 1 (A = -1 now) drops; the weights apply to what is left
+    adv = torch.tensor([[-1.0] * 3, [1.0] * 3])
+    loss, metrics = compute_policy_loss("ppo_clip", logp=torch.zeros(2, 3), old_logp=OLD, advantages=adv,
+                                        mask=IS_MASK, is_weights=weights, off_policy_mask=0.1,
+                                        sampling_logp=torch.full((2, 3), 0.5))
+    assert float(loss.detach()) == pytest.approx(-3.5 / 5)
+    assert float(metrics["off_policy_masked"]) == pytest.approx(0.6)

@@ -61,7 +61,7 @@ def test_the_shipped_registries_hold_the_paper_names() -> None:
         "rloo",
     ]
     assert KL_ESTIMATORS.names() == ["k1", "k2", "k3", "low_var_kl"]
-    assert POLICY_LOSSES.names() == ["dual_clip", "gspo", "ppo_clip"]
+    assert POLICY_LOSSES.names() == ["cispo", "dual_clip", "gspo", "ppo_clip", "sapo"]
     assert AGGREGATIONS.names() == [
         "seq-mean-token-mean",
         "seq-mean-token-sum",

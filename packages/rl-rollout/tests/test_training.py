@@ -41,7 +41,7 @@ def sample(seed: int = 0) -> list[Rollout]:
 
 def update(rollouts: list[Rollout], *, micro: int, replay: bool = False, tolerance: float | None = 1e-4,
            valid: list[bool] | None = None, advantages: list[float] = ADVANTAGES,
-           ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+           options: LossOptions = LossOptions()) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """One token_update (one optimizer step) on a fresh tiny Qwen3; returns its metrics and weights."""
     torch.manual_seed(0)
     acc = Accelerator(cpu=True)
@@ -55,7 +55,7 @@ def update(rollouts: list[Rollout], *, micro: int, replay: bool = False, toleran
                            device=acc.device) if replay else None
     metrics = token_update(acc, policy, optimizer, rollouts, [torch.full((len(r.completion_ids),), a)
                                                               for r, a in zip(rollouts, advantages, strict=True)],
-                           options=LossOptions(), old=old, ref=None, num_minibatches=1, micro_batch_size=micro,
+                           options=options, old=old, ref=None, num_minibatches=1, micro_batch_size=micro,
                            ppo_epochs=1, grad_clip=1.0, guard=NonFiniteGuard(), pad_id=0, check_tolerance=tolerance)
     weights = {k: v.detach().clone() for k, v in acc.unwrap_model(policy).model.state_dict().items()}
     return metrics, weights
@@ -114,6 +114,51 @@ def test_a_failed_sample_trains_nothing(rollouts, one_batch) -> None:
     _, with_invalid = update(rollouts, micro=2, valid=[True, True, True, False])
     _, without = update(rollouts[:3], micro=2, advantages=ADVANTAGES[:3])
     assert moved(with_invalid, without) < 2e-6
+
+
+def shifted(rollouts: list[Rollout], row: int, shift: float) -> list[Rollout]:
+    """The rollouts with row `row`'s engine log-probs moved by `shift` (an engine that disagrees)."""
+    return [Rollout(r.prompt, r.completion_ids, [lp + shift for lp in r.engine_logprobs], r.valid) if i == row else r
+            for i, r in enumerate(rollouts)]
+
+
+def test_rollout_correction_token_mask_gives_mismatched_tokens_no_update(rollouts, one_batch) -> None:
+    """Rollout 3's engine log-probs 5 below the trainer's: ratio trainer / engine = e^5 > 3, so
+    token_mask zeroes its 6 tokens. The update equals one where rollout 3 has advantage 0 (its
+    tokens still count in the token-mean divisor); the others keep weight ~1 (engine = trainer)."""
+    bad = shifted(rollouts, 3, -5.0)
+    masked, weights = update(bad, micro=2, tolerance=None, options=LossOptions(rollout_correction="token_mask"))
+    zero_metrics, zero_adv = update(rollouts, micro=2, advantages=[*ADVANTAGES[:3], 0.0])
+    assert moved(weights, zero_adv) < 2.5e-4  # Adam's sign-like first step: float noise near eps
+    assert masked["grad_norm"] == pytest.approx(zero_metrics["grad_norm"], rel=1e-3)
+    assert masked["grad_norm"] != pytest.approx(one_batch[0]["grad_norm"], rel=1e-2)  # rollout 3 did count before
+    assert masked["policy/is_masked"] == pytest.approx(0.25)  # 6 of 24 tokens
+    assert masked["policy/is_ratio_mean"] == pytest.approx(0.75, abs=1e-3)  # 18 tokens of weight ~1
+    assert "policy/is_masked" not in one_batch[0] and "policy/off_policy_masked" not in one_batch[0]
+    # without the correction the mismatched rollout trains at full weight
+    _, uncorrected = update(bad, micro=2, tolerance=None)
+    assert moved(uncorrected, weights) > 5e-4
+
+
+def test_off_policy_mask_drops_a_negative_sequence_the_engine_rated_higher(rollouts) -> None:
+    """Rollout 1 (advantage -1) with engine log-probs 2 above the trainer's: mean gap 2 > 0.5, dropped."""
+    options = LossOptions(off_policy_mask=0.5)
+    dropped, weights = update(shifted(rollouts, 1, 2.0), micro=4, tolerance=None, options=options)
+    zero_metrics, zero_adv = update(rollouts, micro=4, advantages=[1.0, 0.0, 0.5, 0.25])
+    assert moved(weights, zero_adv) < 2.5e-4
+    assert dropped["grad_norm"] == pytest.approx(zero_metrics["grad_norm"], rel=1e-5)
+    assert dropped["policy/off_policy_masked"] == pytest.approx(0.25)
+    # a positive advantage is never dropped: rollout 0 shifted the same way trains as usual
+    kept, _ = update(shifted(rollouts, 0, 2.0), micro=4, tolerance=None, options=options)
+    assert kept["policy/off_policy_masked"] == 0.0
+
+
+def test_loss_options_reach_the_loss(rollouts, one_batch) -> None:
+    # on-policy (ratio 1) sapo's gradient is -A per token, as ppo_clip's: the same update
+    _, weights = update(rollouts, micro=4, options=LossOptions("sapo", loss_options={"tau_pos": 2.0}))
+    assert moved(weights, one_batch[1]) < 2.5e-4
+    with pytest.raises(ValueError, match="tau_neg must be > 0"):
+        update(rollouts, micro=4, options=LossOptions("sapo", loss_options={"tau_neg": 0.0}))
 
 
 def _free_port() -> int:

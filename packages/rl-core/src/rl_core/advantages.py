@@ -20,6 +20,10 @@ every estimator with a loop reference.
 Two helpers reproduce Flow-GRPO's data handling around the estimator: `group_ids_from_keys`
 (group by prompt text, as its per-prompt stat tracker does) and `nonzero_advantage_indices`
 (its zero-advantage filter with the refill to equal batches).
+
+Several reward components are combined by a `REWARD_AGGREGATIONS` entry: `sum_then_normalize`
+(the weighted sum is the reward the estimator sees) or `normalize_then_sum` (GDPO: each
+component normalised within its group, then summed; the result is the advantage).
 """
 
 from __future__ import annotations
@@ -35,12 +39,15 @@ from rl_core.registry import Registry
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "REWARD_AGGREGATIONS",
     "GAEOutput",
     "compute_advantages",
     "compute_gae",
     "group_ids_from_keys",
     "masked_whiten",
     "nonzero_advantage_indices",
+    "normalize_then_sum",
+    "sum_then_normalize",
     "uses_group_baseline",
 ]
 
@@ -454,3 +461,83 @@ def compute_gae_advantages(
     if values is None:
         raise ValueError("advantage estimator 'gae' needs values=[B, T] critic values")
     return compute_gae(rewards=rewards, values=values, mask=mask, gamma=gamma, lam=lam).advantages
+
+
+# ----------------------------------------------------------------------- reward aggregations
+
+REWARD_AGGREGATIONS: Registry = Registry("reward aggregation")
+"""How several reward components (objectives) become advantages, by name; each entry takes
+`(objectives [B, K], weights [K], group_ids [B], eps)`. `sum_then_normalize` returns None: the
+weighted sum is the reward and the advantage estimator runs on it. `normalize_then_sum` (trait
+`replaces_estimator=True`) returns the advantages `[B]` itself, in place of the estimator's."""
+
+
+@REWARD_AGGREGATIONS.register("sum_then_normalize")
+def sum_then_normalize(objectives: Tensor | None, weights: Tensor | None, group_ids: Tensor,
+                       eps: float = 1e-4) -> None:
+    """The default: the reward is the weighted sum of the components (computed by the reward
+    itself), and the advantage estimator normalises it (GRPO; TRL's `multi_objective_aggregation`
+    default of the same name). Returns None: nothing replaces the estimator's advantages.
+
+    Choose it for one reward, or several whose scales are meant to trade off as weighted.
+    """
+    return None
+
+
+@REWARD_AGGREGATIONS.register("normalize_then_sum", replaces_estimator=True)
+def normalize_then_sum(objectives: Tensor, weights: Sequence[float] | Tensor, group_ids: Tensor,
+                       eps: float = 1e-4) -> Tensor:
+    """GDPO (arXiv 2601.05242), exactly as TRL 1.16's `multi_objective_aggregation="normalize_then_sum"`.
+
+    Args:
+        objectives: `[B, K]` unweighted per-component rewards; NaN where a component is missing.
+        weights: `[K]` component weights.
+        group_ids: `[B]` integer ids; samples of one prompt share one (any ids, any order).
+        eps: added to every std (TRL: 1e-4).
+
+    Returns the advantages `[B]`:
+      1. per group and component, `z = (x - nanmean) / (nanstd + eps)`, with TRL's `nanstd`
+         (Bessel-corrected over the non-NaN values; NaN for fewer than 2, so such a component
+         adds nothing to its group's rows);
+      2. `s = nansum_k(w_k * z_k)`, NaN for a row with every component missing;
+      3. `(s - nanmean(s)) / (nanstd(s) + eps)` over the batch; NaN (a row with no component,
+         or a batch of one) becomes 0.
+
+    Choose it over `sum_then_normalize` when the rewards have different scales or spreads
+    (format + accuracy): summed first, the widest one decides the ranking within a group and
+    the others drown; normalised first, each moves the advantage by its weight.
+    """
+    if objectives.dim() != 2:
+        raise ValueError(f"normalize_then_sum: objectives must be [B, K], got shape {tuple(objectives.shape)}")
+    batch, k = objectives.shape
+    dtype = _float_dtype(objectives)
+    w = torch.as_tensor(weights, dtype=dtype, device=objectives.device)  # [K]
+    if w.shape != (k,):
+        raise ValueError(f"normalize_then_sum: weights must be [K]={k} (one per objectives column), "
+                         f"got shape {tuple(w.shape)}")
+    if group_ids.shape != (batch,):
+        raise ValueError(f"normalize_then_sum: group_ids must be [B]={batch}, got shape {tuple(group_ids.shape)}")
+    x = objectives.to(dtype)  # [B, K]
+    _, index = torch.unique(group_ids, return_inverse=True)  # [B]
+    present = ~torch.isnan(x)  # [B, K]
+    groups = int(index.max()) + 1 if batch else 0
+    count = torch.zeros(groups, k, dtype=dtype, device=x.device).index_add_(0, index, present.to(dtype))  # [G, K]
+    total = torch.zeros_like(count).index_add_(0, index, torch.where(present, x, 0.0))  # [G, K]
+    mean = (total / count)[index]  # [B, K], NaN where the group has no value
+    sq = torch.zeros_like(count).index_add_(0, index, torch.where(present, (x - mean) ** 2, 0.0))  # [G, K]
+    std = _bessel_std(sq / count, count)[index]  # [B, K]
+    z = (x - mean) / (std + eps)  # [B, K]
+    s = (z * w).nansum(dim=1)  # [B]
+    s[~present.any(dim=1)] = torch.nan  # a row without any component stays out of the batch statistics
+    finite = ~torch.isnan(s)  # [B]
+    n = finite.sum().to(dtype)
+    batch_mean = torch.nanmean(s)
+    batch_var = torch.where(finite, (s - batch_mean) ** 2, 0.0).sum() / n  # TRL's nanmean of the squares
+    return torch.nan_to_num((s - batch_mean) / (_bessel_std(batch_var, n) + eps), nan=0.0)  # [B]
+
+
+def _bessel_std(variance: Tensor, count: Tensor) -> Tensor:
+    """TRL's `nanstd` from the population variance: `sqrt(var * n / (n - 1))`, NaN for n < 2."""
+    correction = torch.where(count > 1, count / (count - 1), torch.full_like(count, torch.nan))
+    return (variance * correction).sqrt()
+

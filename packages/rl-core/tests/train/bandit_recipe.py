@@ -1,7 +1,7 @@
 """The trainer loop's own test recipe: a contextual bandit with a linear softmax policy.
 
-8 prompts (contexts), 5 answers (arms); the reward is 1 when the answer is the prompt's target
-(`prompt % 5`). Each sample draws its answer from its own seed (train.seed, step, prompt, index),
+8 prompts (contexts), 5 answers (arms, `train.answers`); the reward is 1 when the answer is the
+prompt's target (`prompt % answers`). Each sample draws its answer from its own seed (train.seed, step, prompt, index),
 so the samples of a step are the same whatever the process count or the micro-batch split: the
 loop's invariants (2 processes = 1 process with twice the batch, accumulation = one batch,
 resume = uninterrupted) can be checked with exact numbers. Run as a script, it is an app:
@@ -12,6 +12,7 @@ resume = uninterrupted) can be checked with exact numbers. Run as a script, it i
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,7 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     lr: PositiveFloat = 0.5
     eval_every: NonNegative = 0
     eval_at_start: bool = False
+    answers: Positive = ANSWERS  # arms: more arms, more groups that are all wrong
     skip_steps: list[int] = msgspec.field(default_factory=list)  # steps whose reward "fails" on every process (tests)
 
 
@@ -75,6 +77,7 @@ class State:
     run: RunContext
     policy: torch.nn.Module  # prepared (DDP with several processes)
     optimizer: torch.optim.Optimizer
+    round: tuple[int, int] = (0, -1)  # (step, rollout round of that step): dynamic sampling's extra rounds
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ class Bandit(Recipe[Config, State, Batch]):
         check_batch_split(cfg.train.batch_size, world_size)
 
     def setup(self, cfg: Config, run: RunContext) -> State:
-        model = torch.nn.Linear(PROMPTS, ANSWERS, bias=False)
+        model = torch.nn.Linear(PROMPTS, cfg.train.answers, bias=False)
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.train.lr)
         policy, optimizer = run.accelerator.prepare(model, optimizer)
         return State(cfg, run, policy, optimizer)
@@ -110,12 +113,14 @@ class Bandit(Recipe[Config, State, Batch]):
     def rollout(self, state: State, step: int) -> Batch:
         t, run = state.cfg.train, state.run
         per_rank = t.batch_size // run.world_size
-        order = torch.randperm(PROMPTS, generator=torch.Generator().manual_seed(sample_seed(t.seed, step)))
+        state.round = (step, state.round[1] + 1 if state.round[0] == step else 0)
+        again = (state.round[1],) if state.round[1] else ()  # a dynamic-sampling round draws anew
+        order = torch.randperm(PROMPTS, generator=torch.Generator().manual_seed(sample_seed(t.seed, step, *again)))
         mine = order[run.rank * per_rank:(run.rank + 1) * per_rank].repeat_interleave(t.n)  # [B]
         with torch.no_grad():
             logp = torch.log_softmax(state.policy(_onehot(mine)), dim=-1)  # [B, A]
         draws = [torch.multinomial(logp[i].exp(), 1, generator=torch.Generator().manual_seed(
-            sample_seed(t.seed, step, int(p), i % t.n)))[0] for i, p in enumerate(mine.tolist())]
+            sample_seed(t.seed, step, int(p), i % t.n, *again)))[0] for i, p in enumerate(mine.tolist())]
         answers = torch.stack(draws)  # [B]
         groups = torch.arange(len(mine)) // t.n + run.rank * per_rank  # [B]
         return Batch(mine, answers, logp.gather(1, answers[:, None])[:, 0], groups)
@@ -123,7 +128,9 @@ class Bandit(Recipe[Config, State, Batch]):
     def score(self, state: State, step: int, batch: Batch) -> Scores | Skip:
         if step in state.cfg.train.skip_steps:
             return Skip(f"reward service unavailable at step {step}")
-        rewards = (batch.answers == batch.prompts % ANSWERS).float()  # [B]
+        rewards = (batch.answers == batch.prompts % state.cfg.train.answers).float()  # [B]
+        state.run.samples.write("train", step, [{"prompt": int(p), "answer": int(a), "reward": float(r)} for p, a, r
+                                                in zip(batch.prompts[:2], batch.answers[:2], rewards[:2], strict=True)])
         return Scores(rewards, batch.groups, state.cfg.algo.advantage)
 
     def update(self, state: State, step: int, batch: Batch, advantages: GroupAdvantages) -> dict[str, float]:
@@ -152,7 +159,11 @@ class Bandit(Recipe[Config, State, Batch]):
     def evaluate(self, state: State, step: int) -> dict[str, float]:
         with torch.no_grad():
             best = state.policy(_onehot(torch.arange(PROMPTS))).argmax(-1)  # [P]
-        return {"reward/mean": float((best == torch.arange(PROMPTS) % ANSWERS).float().mean())}
+        return {"reward/mean": float((best == torch.arange(PROMPTS) % state.cfg.train.answers).float().mean())}
+
+    def merge(self, state: State, groups: Sequence[tuple[Batch, Sequence[int]]]) -> Batch:
+        fields = [torch.cat([getattr(b, f)[list(rows)] for b, rows in groups]) for f in ("prompts", "answers", "logprobs")]
+        return Batch(*fields, groups=torch.zeros_like(fields[0]))  # group ids: the loop renumbers them
 
     def finish(self, state: State) -> dict[str, str]:
         weights = state.run.run_dir / "weights.pt"

@@ -7,6 +7,10 @@ import torch
 
 SCORES = torch.tensor([1.0, 0.0, 0.5, float("nan"), 2.0, 1.0, 0.0, 3.0])  # [8]
 GROUPS = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])  # group 1: one valid sample (row 4) -> no baseline
+# The same scores as two components (c1, c2) weighted (1, 0.5), for normalize_then_sum (GDPO).
+OBJECTIVES = torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.0, 1.0], [float("nan")] * 2,
+                           [1.0, 2.0], [0.0, 2.0], [0.0, 0.0], [2.0, 2.0]])  # [8, 2]
+WEIGHTS = [1.0, 0.5]
 FEATURES = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3) / 10  # [8, 3]
 
 

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 import msgspec
 import pytest
 
+from rl_core.train import RewardAggregationName  # exported from the package, as the apps import it
 from rl_core.train.config import (
     AdvantageName,
     CliArgs,
@@ -293,3 +294,22 @@ def test_registry_names_are_checked_when_the_config_loads() -> None:
                                           r"\(from override algo\.advantage=nope\)$"):
         load_config(Cfg, None, ["algo.advantage=nope"])
     assert "str (one of: dr_grpo, gae, grpo" in config_help(Cfg)
+
+
+
+class _Rewards(msgspec.Struct, kw_only=True, frozen=True):
+    reward_aggregation: RewardAggregationName = "sum_then_normalize"
+
+
+class _WithRewards(msgspec.Struct, kw_only=True, frozen=True):
+    algo: _Rewards = _Rewards()
+
+
+def test_a_reward_aggregation_field_names_an_entry_of_its_registry() -> None:
+    Cfg = _WithRewards
+    cfg = load_config(Cfg, None, ["algo.reward_aggregation=normalize_then_sum"])
+    assert cfg.algo.reward_aggregation == "normalize_then_sum"
+    with pytest.raises(ConfigError, match=r"^algo\.reward_aggregation: unknown reward aggregation 'gdpo'; valid "
+                                          r"names: normalize_then_sum, sum_then_normalize \(from override "):
+        load_config(Cfg, None, ["algo.reward_aggregation=gdpo"])
+    assert "str (one of: normalize_then_sum, sum_then_normalize)" in config_help(Cfg)

@@ -132,6 +132,10 @@ def test_tensorboard_gets_the_scalars_of_metrics_csv(tmp_path: Path) -> None:
     for key in ("reward/mean", "loss/policy", "grad_norm"):
         assert [(e.step, round(e.value, 5)) for e in logged.Scalars(key)] == [
             (int(r["step"]), round(float(r[key]), 5)) for r in table], key
+    texts = EventAccumulator(str(events.parent), size_guidance={"tensors": 0}).Reload().Tensors("samples/train/text_summary")
+    assert [t.step for t in texts] == [1, 2, 3]  # the step's sample rows as a table in the text tab
+    first = texts[0].tensor_proto.string_val[0].decode()
+    assert first.splitlines()[0] == "| prompt | answer | reward |" and len(first.splitlines()) == 4
 
 
 def test_a_tracker_that_is_not_installed_or_unknown_is_a_user_error(tmp_path: Path) -> None:

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from phases_case import GROUPS, SCORES, loss_fn, make_model, split_rows
+from phases_case import GROUPS, OBJECTIVES, SCORES, WEIGHTS, loss_fn, make_model, split_rows
 
+from rl_core.advantages import normalize_then_sum
 from rl_core.train import (
     ConfigError,
     NonFiniteError,
@@ -56,6 +57,38 @@ def test_a_global_estimator_keeps_a_lone_sample():
                            mask=torch.tensor([[0.0, 1.0]] * 8))
     assert out.valid.tolist() == [True, True, True, False, True, True, True, True]
     assert out.advantages[3].abs().sum() == 0 and out.metrics["adv/small_groups"] == 0.0
+
+
+def _gdpo(**kwargs):
+    return group_advantages(kwargs.pop("estimator", "grpo"), SCORES, GROUPS, aggregation="normalize_then_sum",
+                            **{"objectives": OBJECTIVES, "weights": WEIGHTS, **kwargs})
+
+
+def test_normalize_then_sum_replaces_the_estimator_on_the_same_valid_rows():
+    out, summed = _gdpo(), group_advantages("grpo", SCORES, GROUPS)
+    keep = [0, 1, 2, 5, 6, 7]  # row 3 failed, row 4 is alone in group 1: both 0, as for grpo
+    assert out.valid.tolist() == summed.valid.tolist()
+    expected = torch.zeros(8)
+    expected[keep] = normalize_then_sum(OBJECTIVES[keep], WEIGHTS, GROUPS[keep])
+    torch.testing.assert_close(out.advantages, expected)
+    # group 0, (c1, c2) = (1, 0), (0, 0), (0, 1): z_c1 = (1.155, -0.577, -0.577) (mean 1/3, std 0.577),
+    # z_c2 = (-0.577, -0.577, 1.155); s = z_c1 + 0.5 z_c2 = (0.866, -0.866, 0), before the batch scaling
+    assert out.advantages[1] < out.advantages[2] < out.advantages[0]
+    reward_keys = [k for k in summed.metrics if k.startswith("reward/")]
+    assert {k: out.metrics[k] for k in reward_keys} == {k: summed.metrics[k] for k in reward_keys}
+
+
+def test_normalize_then_sum_refuses_what_it_cannot_use():
+    with pytest.raises(ValueError, match=r"'normalize_then_sum' .* group advantage estimator .* 'reinforce_pp'"):
+        _gdpo(estimator="reinforce_pp")
+    with pytest.raises(ValueError, match=r"objectives must be \[B_r, K\]=\(8, 2\).* got shape \(8, 3\)"):
+        _gdpo(objectives=torch.zeros(8, 3))
+    with pytest.raises(ValueError, match=r"needs objectives \[B_r, K\]"):
+        _gdpo(objectives=None)
+    with pytest.raises(ValueError, match=r"weights must be \[K\]"):
+        _gdpo(weights=torch.ones(2, 1))
+    with pytest.raises(ValueError, match="unknown reward aggregation 'gdpo'"):
+        group_advantages("grpo", SCORES, GROUPS, aggregation="gdpo")
 
 
 def test_token_rewards_need_a_mask():
@@ -172,6 +205,8 @@ def test_two_processes_with_uneven_rows_equal_one_process(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"result-{r}.pt", weights_only=False) for r in (0, 1)]
     torch.testing.assert_close(torch.cat([ranks[0]["adv"], ranks[1]["adv"]]), EXPECTED)
+    torch.testing.assert_close(torch.cat([ranks[0]["gdpo_adv"], ranks[1]["gdpo_adv"]]), _gdpo().advantages)
+    assert ranks[0]["gdpo_metrics"] == ranks[1]["gdpo_metrics"] == pytest.approx(_gdpo().metrics)
     weight, stats, _ = _one_process_step()
     for r in ranks:
         torch.testing.assert_close(r["weight"], weight)  # 2 + 3 micro-batches == 3 micro-batches of 8 rows

@@ -127,6 +127,15 @@ class Reward:
         self.keys: tuple[str, ...] = spec_keys(spec)
         """Every component and declared sub-component key, in spec order: present in every result."""
 
+    def sum_weights(self) -> dict[str, float]:
+        """`{component: weight}` of a `combine = "sum"` reward: what a trainer needs to normalise
+        each component on its own before the weighted sum (GDPO, TRL's normalize_then_sum). A
+        `fold` reward (products, gates folded in order) has no such weights: ValueError."""
+        if self.spec.combine != "sum":
+            raise ValueError(f"a reward with combine = {self.spec.combine!r} is not a weighted sum of its components; "
+                             "normalising them one by one needs combine = \"sum\"")
+        return dict(self._weights)
+
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
         batch = _Batch(len(samples))
         for part in self.parts:

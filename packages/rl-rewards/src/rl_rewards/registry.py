@@ -96,6 +96,7 @@ _BUILTIN: dict[str, tuple[str, ComponentKeys]] = {
     "timestamp_format": ("rl_rewards.scorers.format:TimestampFormatScorer", ()),
     "exact_answer": ("rl_rewards.scorers.answer:ExactAnswerScorer", ("has_number",)),
     "length": ("rl_rewards.scorers.length:LengthScorer", ("n_tokens",)),
+    "overlong": ("rl_rewards.scorers.overlong:OverlongScorer", ("n_tokens",)),
     "ocr": ("rl_rewards.scorers.ocr:OcrScorer", ()),
     "clip_score": ("rl_rewards.scorers.vision:ClipScorer", ()),
     "aesthetic": ("rl_rewards.scorers.vision:AestheticScorer", ()),

@@ -142,6 +142,27 @@ def length_reward(n_tokens: int, l1: int, l2: int) -> float:
     return 0.0
 
 
+def overlong_punishment(n_tokens: int, max_length: int, cache: int) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), as TRL's
+    `get_soft_overlong_punishment`: 0 up to `max_length - cache` tokens, linear down to -1 at
+    `max_length`, -1 beyond.
+
+    R(n) = 0 if n <= L_max - L_cache; ((L_max - L_cache) - n) / L_cache if L_max - L_cache < n <= L_max;
+    -1 if n > L_max. With `cache = 0` the ramp is empty: 0 up to `max_length`, -1 beyond.
+    """
+    if n_tokens < 0:
+        raise ValueError(f"overlong_punishment: n_tokens must be >= 0, got {n_tokens}")
+    if max_length <= 0 or not 0 <= cache <= max_length:
+        raise ValueError(f"overlong_punishment: need max_length > 0 and 0 <= cache <= max_length, "
+                         f"got max_length={max_length}, cache={cache}")
+    start = max_length - cache
+    if n_tokens <= start:
+        return 0.0
+    if n_tokens <= max_length:
+        return (start - n_tokens) / cache  # same float operation as TRL: one int division
+    return -1.0
+
+
 def ocr_similarity(target: str, ocr_text: str) -> float:
     """Flow-GRPO's OCR reward given the recognized text.
 

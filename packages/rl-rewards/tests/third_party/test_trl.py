@@ -13,7 +13,7 @@ from datasets import Dataset
 
 from rl_rewards.adapters import as_trl_reward
 from rl_rewards.composition import build_reward
-from rl_rewards.samples import ScoreResult
+from rl_rewards.samples import Sample, ScoreResult
 
 pytestmark = [pytest.mark.third_party, pytest.mark.filterwarnings("ignore::DeprecationWarning"),
               pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -58,3 +58,16 @@ def test_grpo_trainer_step_logs_components(tmp_path):
     assert logged["caption/failed"] == pytest.approx(0.5)
     assert logged["caption/words"] == 1.0 and logged["caption/ref"] == 1.0
     assert 0 < logged["caption/words.n_tokens"] <= 4
+
+
+def test_overlong_equals_trl_soft_overlong_punishment():
+    """DAPO's soft overlong punishment: our `overlong` scorer and TRL's own reward function give the
+    same value for every length 0..130 (L_max = 100, L_cache = 20: free, ramp, past the limit)."""
+    from trl.rewards import get_soft_overlong_punishment
+
+    lengths = range(131)
+    theirs = get_soft_overlong_punishment(max_completion_len=100, soft_punish_cache=20)([[7] * n for n in lengths])
+    reward = build_reward({"components": {"o": {"scorer": "overlong", "options": {"max_length": 100, "cache": 20}}}})
+    ours = [r.score for r in reward.score([Sample(completion="", metadata={"completion_tokens": n}) for n in lengths])]
+    assert ours == theirs
+    assert {theirs[80], theirs[90], theirs[100], theirs[101]} == {0.0, -0.5, -1.0}  # the sweep crosses all 3 regions

@@ -14,22 +14,39 @@ engine-vs-trainer log-prob check.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from rl_core.kl import compute_kl
-from rl_core.losses import aggregate, compute_policy_loss
-from rl_core.train import NonFiniteGuard, ReplayCheck, UpdateStats, gather_rows, optimizer_step
+from rl_core.losses import ROLLOUT_CORRECTIONS, aggregate, compute_policy_loss, rollout_correction
+from rl_core.train import (
+    NonFiniteGuard,
+    PolicyLossFields,
+    ReplayCheck,
+    UpdateStats,
+    gather_rows,
+    optimizer_step,
+)
 from rl_models.logprobs import TokenBatch, completion_logprobs, completion_logprobs_and_entropy
 from rl_rollout.prompts import EncodedPrompt, pad_batch
 from rl_rollout.protocol import Generation
 
-__all__ = ["LossOptions", "Policy", "Rollout", "collate", "pad_rows", "response_metrics", "rollout_logprobs", "to_device",
-           "token_update"]
+__all__ = [
+    "LossOptions",
+    "Policy",
+    "Rollout",
+    "collate",
+    "loss_fields",
+    "pad_rows",
+    "response_metrics",
+    "rollout_logprobs",
+    "to_device",
+    "token_update",
+]
 
 
 @dataclass(frozen=True)
@@ -121,8 +138,16 @@ def engine_check(rollouts: Sequence[Rollout], trainer: Sequence[Tensor]) -> Repl
 @dataclass(frozen=True)
 class LossOptions:
     """The token policy loss: `rl_core.losses.compute_policy_loss(loss, agg, clip_low,
-    clip_high)` plus `kl_coef` x `rl_core.kl.compute_kl(kl)` to the reference, aggregated the
-    same way. `norm_length` is `seq-mean-token-sum-norm`'s constant (the response length cap)."""
+    clip_high, **loss_options)` plus `kl_coef` x `rl_core.kl.compute_kl(kl)` to the reference,
+    aggregated the same way. `norm_length` is `seq-mean-token-sum-norm`'s constant (the response
+    length cap). `loss_options` are the loss's own keywords (`dual_clip`'s `c`, `sapo`'s
+    `tau_pos` / `tau_neg`).
+
+    Both corrections read each rollout's `engine_logprobs`: `off_policy_mask` is DeepSeek-V3.2's
+    off-policy sequence mask threshold (`compute_policy_loss(off_policy_mask=)`, None: off);
+    `rollout_correction` names an `rl_core.losses.ROLLOUT_CORRECTIONS` mode (`token_mask`,
+    `sequence_truncate`, ...; "none": off) whose importance weights trainer / engine, bounded by
+    `rollout_clip_min` / `rollout_clip_max`, multiply the token loss."""
 
     loss: str = "ppo_clip"
     agg: str = "token-mean"
@@ -132,7 +157,20 @@ class LossOptions:
     kl_coef: float = 0.0
     temperature: float = 1.0
     norm_length: float | None = None
+    loss_options: Mapping[str, float] = field(default_factory=dict)
+    off_policy_mask: float | None = None
+    rollout_correction: str = "none"
+    rollout_clip_min: float | None = None
+    rollout_clip_max: float | None = 3.0
 
+
+
+def loss_fields(algo: PolicyLossFields) -> dict[str, Any]:
+    """`LossOptions`' loss options and corrections from an app's `algo` table (the keys of
+    `rl_core.train.PolicyLossFields`): `LossOptions(loss, agg, ..., **loss_fields(cfg.algo))`."""
+    return {"loss_options": dict(algo.loss_options), "off_policy_mask": algo.off_policy_mask,
+            "rollout_correction": algo.rollout_correction, "rollout_clip_min": algo.rollout_clip_min,
+            "rollout_clip_max": algo.rollout_clip_max}
 
 @dataclass(frozen=True)
 class _Micro:
@@ -181,6 +219,8 @@ def token_update(
     device = accelerator.device
 
     norm_length = options.norm_length if options.agg == "seq-mean-token-sum-norm" else None
+    ROLLOUT_CORRECTIONS.get(options.rollout_correction)  # an unknown mode fails before any forward
+    correct = options.rollout_correction != "none"
 
     def loss_fn(micro: _Micro, num_valid: Tensor) -> tuple[Tensor, dict[str, float]]:
         rows = [rollouts[i] for i in micro.rows]
@@ -195,11 +235,23 @@ def token_update(
             for row, r in enumerate(rows):
                 if r.valid:
                     check.add(logp[row, : len(r.completion_ids)], torch.tensor(r.engine_logprobs))
-        loss, metrics = compute_policy_loss(options.loss, logp=logp, old_logp=old_logp, advantages=adv, mask=mask,
-                                            agg=options.agg, clip_low=options.clip_low, clip_high=options.clip_high,
-                                            num_valid=num_valid, norm_length=norm_length)
+        sampling: Tensor | None = None
+        weights: Tensor | None = None
+        if correct or options.off_policy_mask is not None:
+            sampling = _engine_logprobs(rows, width).to(device)  # [B, C]
+            if correct:
+                weights = rollout_correction(options.rollout_correction, old_logp=old_logp, sampling_logp=sampling,
+                                             mask=mask, clip_min=options.rollout_clip_min,
+                                             clip_max=options.rollout_clip_max)  # [B, C]
+        loss, metrics = compute_policy_loss(
+            options.loss, logp=logp, old_logp=old_logp, advantages=adv, mask=mask, agg=options.agg,
+            clip_low=options.clip_low, clip_high=options.clip_high, num_valid=num_valid, norm_length=norm_length,
+            off_policy_mask=options.off_policy_mask,
+            sampling_logp=sampling if options.off_policy_mask is not None else None, is_weights=weights,
+            **options.loss_options)
+        keep = ("clip_fraction", "approx_kl", "ratio_mean", "off_policy_masked", "is_ratio_mean", "is_masked")
         out = {"loss/policy": float(loss.detach()), "policy/entropy": _mean(ent, mask),
-               **{f"policy/{k}": float(v) for k, v in metrics.items() if k in ("clip_fraction", "approx_kl", "ratio_mean")},
+               **{f"policy/{k}": float(v) for k, v in metrics.items() if k in keep},
                "policy/ratio_max": float(metrics["ratio_max"]) if mask.any() else 1.0}
         if ref is not None and options.kl_coef > 0:
             kl = compute_kl(options.kl, logp, pad_rows([ref[i] for i in micro.rows], width).to(device))  # [B, C]
@@ -226,6 +278,16 @@ def token_update(
                 after_step()
     policy.eval()
     return {**stats.reduce(accelerator), **extra}
+
+
+def _engine_logprobs(rows: Sequence[Rollout], width: int) -> Tensor:
+    """The rollout engine's sampling log-probs `[B, width]`, one per completion token."""
+    for r in rows:
+        if len(r.engine_logprobs) != len(r.completion_ids):
+            raise ValueError(f"a rollout has {len(r.engine_logprobs)} engine log-probs for {len(r.completion_ids)} "
+                             "completion tokens; off_policy_mask and rollout_correction need one per token "
+                             "(turn them off for an engine that does not return log-probs)")
+    return pad_rows([torch.tensor(r.engine_logprobs, dtype=torch.float32) for r in rows], width)  # [B, C]
 
 
 def _mean(values: Tensor, mask: Tensor) -> float:

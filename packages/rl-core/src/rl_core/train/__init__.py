@@ -12,6 +12,7 @@ multi-process run (`shutdown`).
 Accelerate is imported only where an accelerator is used, never at import time.
 """
 
+from rl_core.train.algo_fields import PolicyLossFields, check_loss_options
 from rl_core.train.app import UserError, run_app
 from rl_core.train.checkpoint import (
     Stateful,
@@ -31,6 +32,8 @@ from rl_core.train.config import (
     PolicyLossName,
     Positive,
     PositiveFloat,
+    RewardAggregationName,
+    RolloutCorrectionName,
     UnitInterval,
     config_help,
     dump_config,
@@ -38,6 +41,7 @@ from rl_core.train.config import (
     load_config,
     parse_cli,
 )
+from rl_core.train.dynamic_sampling import DynamicSampling
 from rl_core.train.ema import ParameterEMA, TrainableState, trainable_parameters
 from rl_core.train.groups import GroupAdvantages, component_means, gather_rows, group_advantages
 from rl_core.train.loop import run, train
@@ -101,6 +105,7 @@ __all__ = [
     "Checkpoint",
     "CliArgs",
     "ConfigError",
+    "DynamicSampling",
     "FullWeights",
     "GroupAdvantages",
     "KLName",
@@ -113,12 +118,15 @@ __all__ = [
     "ParameterEMA",
     "PhaseTimer",
     "PinnedOffload",
+    "PolicyLossFields",
     "PolicyLossName",
     "Positive",
     "PositiveFloat",
     "Recipe",
     "Replay",
     "ReplayCheck",
+    "RewardAggregationName",
+    "RolloutCorrectionName",
     "RunContext",
     "RunFields",
     "SampleLog",
@@ -139,6 +147,7 @@ __all__ = [
     "check_batch_split",
     "check_finite_parameters",
     "check_group_size",
+    "check_loss_options",
     "component_means",
     "config_help",
     "dump_config",

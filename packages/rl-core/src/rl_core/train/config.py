@@ -38,15 +38,15 @@ from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 import msgspec
 import yaml
 
-from rl_core.advantages import ADVANTAGE_ESTIMATORS
+from rl_core.advantages import ADVANTAGE_ESTIMATORS, REWARD_AGGREGATIONS
 from rl_core.kl import KL_ESTIMATORS
-from rl_core.losses import AGGREGATIONS, POLICY_LOSSES
+from rl_core.losses import AGGREGATIONS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
 from rl_core.registry import Registry
 from rl_core.train.app import UserError
 
 __all__ = ["AdvantageName", "AggregationName", "CliArgs", "ConfigError", "KLName", "NonNegative", "NonNegativeFloat",
-           "PolicyLossName", "Positive", "PositiveFloat", "UnitInterval", "config_help", "dump_config", "flat_config",
-           "load_config", "parse_cli"]
+           "PolicyLossName", "Positive", "PositiveFloat", "RewardAggregationName", "RolloutCorrectionName", "UnitInterval", "config_help",
+           "dump_config", "flat_config", "load_config", "parse_cli"]
 
 # Ranges for numeric config fields: every numeric knob declares one, so a refused value names the
 # key, the range and where the value came from (file, env var, override). NaN/inf are refused for
@@ -63,6 +63,8 @@ AdvantageName = Annotated[str, msgspec.Meta(extra={"registry": ADVANTAGE_ESTIMAT
 PolicyLossName = Annotated[str, msgspec.Meta(extra={"registry": POLICY_LOSSES})]
 KLName = Annotated[str, msgspec.Meta(extra={"registry": KL_ESTIMATORS})]
 AggregationName = Annotated[str, msgspec.Meta(extra={"registry": AGGREGATIONS})]
+RewardAggregationName = Annotated[str, msgspec.Meta(extra={"registry": REWARD_AGGREGATIONS})]
+RolloutCorrectionName = Annotated[str, msgspec.Meta(extra={"registry": ROLLOUT_CORRECTIONS})]
 
 T = TypeVar("T", bound=msgspec.Struct)
 _NULLS = frozenset({"null", "none", "None"})

@@ -14,6 +14,10 @@ The failed-reward rule, the same in every app:
     result = group_advantages("grpo", scores, group_ids, accelerator=acc)   # scores [B_r]
     result.advantages                                                        # [B_r]
     result.metrics["reward/failed"]
+
+Several reward components can instead be normalised one by one (GDPO, TRL's
+`multi_objective_aggregation="normalize_then_sum"`): pass `aggregation="normalize_then_sum"`,
+their unweighted values `objectives` `[B_r, K]` and `weights` `[K]`; the same rows are valid.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rl_core.advantages import compute_advantages, uses_group_baseline
+from rl_core.advantages import REWARD_AGGREGATIONS, compute_advantages, uses_group_baseline
 
 __all__ = ["GroupAdvantages", "component_means", "gather_rows", "group_advantages"]
 
@@ -70,6 +74,9 @@ def group_advantages(
     accelerator: Any = None,
     mask: Tensor | None = None,
     options: Mapping[str, Any] | None = None,
+    aggregation: str = "sum_then_normalize",
+    objectives: Tensor | None = None,
+    weights: Sequence[float] | Tensor | None = None,
 ) -> GroupAdvantages:
     """Advantages of this process's samples under `estimator`, statistics over every process.
 
@@ -80,17 +87,34 @@ def group_advantages(
         group_ids: `[B_r]` ids unique across processes (the same prompt's samples share one).
         mask: `[B_r, T]` response mask for token rewards (None for sequence rewards).
         options: extra keyword arguments of the estimator (gamma, scale, eps, clip, ...).
+        aggregation: an `rl_core.advantages.REWARD_AGGREGATIONS` name. `sum_then_normalize`
+            (default): `scores` are the reward the estimator normalises. `normalize_then_sum`
+            (GDPO): the advantages of the valid rows are `normalize_then_sum(objectives, weights,
+            group ids)` over every process, in place of the estimator's (which must be a group
+            one: it decides which rows are valid; its `options` do not apply). Sequence
+            `scores` only; `reward/*` metrics still come from `scores`.
+        objectives: `[B_r, K]` unweighted reward components (NaN where missing), for
+            `normalize_then_sum`.
+        weights: `[K]` component weights, for `normalize_then_sum`.
     """
     token_level = scores.dim() == 2
     if token_level != (mask is not None):
         raise ValueError("token rewards [B, T] need a mask [B, T]; sequence rewards [B] take none")
+    aggregate = REWARD_AGGREGATIONS[aggregation]
+    replaces = REWARD_AGGREGATIONS.trait(aggregation, "replaces_estimator")
+    if replaces:
+        _check_objectives(aggregation, estimator, scores, objectives, weights)
     rewards, own = gather_rows(scores.float(), accelerator)  # [B] or [B, T]
     groups, _ = gather_rows(group_ids.long(), accelerator)  # [B]
     masks = gather_rows(mask.float(), accelerator)[0] if mask is not None else None  # [B, T]
+    objs = objectives if replaces else None  # checked above: given when it replaces the estimator
+    components = gather_rows(objs.float(), accelerator)[0] if objs is not None else None  # [B, K]
     finite = torch.isfinite(rewards) if not token_level else torch.isfinite(rewards).all(dim=1)  # [B]
     valid, small = _valid_rows(estimator, finite, groups)
     adv = torch.zeros_like(rewards)  # [B] or [B, T]
-    if valid.any():
+    if valid.any() and components is not None:
+        adv[valid] = aggregate(components[valid].to(rewards.device), weights, groups[valid]).to(adv.dtype)  # [V]
+    elif valid.any():
         if token_level:
             assert masks is not None
             adv[valid] = compute_advantages(estimator, rewards=rewards[valid], mask=masks[valid],
@@ -102,6 +126,28 @@ def group_advantages(
     metrics = _metrics(rewards, masks, finite, valid, adv, small)
     local = adv[own][:, : scores.shape[1]] if token_level else adv[own]  # this process's width
     return GroupAdvantages(local.to(scores.device), valid[own].to(scores.device), metrics)
+
+
+def _check_objectives(aggregation: str, estimator: str, scores: Tensor, objectives: Tensor | None,
+                      weights: Sequence[float] | Tensor | None) -> None:
+    """Arguments of an aggregation that replaces the estimator: a group estimator, sequence
+    scores, `objectives` `[B_r, K]` and `weights` `[K]`."""
+    if not uses_group_baseline(estimator):
+        raise ValueError(f"reward aggregation {aggregation!r} normalises within groups: it needs a group "
+                         f"advantage estimator (grpo, dr_grpo, rloo, ...), got estimator {estimator!r}")
+    if scores.dim() != 1:
+        raise ValueError(f"reward aggregation {aggregation!r} takes sequence scores [B_r], got token rewards "
+                         f"of shape {tuple(scores.shape)}")
+    if objectives is None or weights is None:
+        raise ValueError(f"reward aggregation {aggregation!r} needs objectives [B_r, K] (the unweighted reward "
+                         "components) and weights [K]")
+    w = torch.as_tensor(weights)
+    if w.dim() != 1:
+        raise ValueError(f"weights must be [K] (one per reward component), got shape {tuple(w.shape)}")
+    k = w.shape[0]
+    if objectives.shape != (scores.shape[0], k):
+        raise ValueError(f"objectives must be [B_r, K]={scores.shape[0], k} (one row per score, one column per "
+                         f"weight), got shape {tuple(objectives.shape)}")
 
 
 def _valid_rows(estimator: str, finite: Tensor, groups: Tensor) -> tuple[Tensor, int]:

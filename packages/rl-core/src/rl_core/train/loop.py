@@ -40,12 +40,13 @@ import torch
 
 from rl_core.errors import UserError
 from rl_core.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from rl_core.train.config import config_help, flat_config, load_config, parse_cli
+from rl_core.train.config import ConfigError, config_help, flat_config, load_config, parse_cli
+from rl_core.train.dynamic_sampling import GroupFilter, merge_scores
 from rl_core.train.groups import component_means, group_advantages
 from rl_core.train.metrics import MetricsLogger, PhaseTimer
 from rl_core.train.plots import plot_reward_curve
 from rl_core.train.progress import TrainProgress
-from rl_core.train.recipe import B, C, Recipe, RunContext, S, Schedule, Skip, run_fields
+from rl_core.train.recipe import B, C, Recipe, RunContext, S, Schedule, Scores, Skip, run_fields
 from rl_core.train.rundir import make_run_dir
 from rl_core.train.samples import SampleLog
 from rl_core.train.seeding import isolated_rng, seed_everything
@@ -81,6 +82,9 @@ def train(recipe: Recipe[C, S, B], cfg: C, resume: str | None = None) -> Path:
     """Train `recipe` on `cfg` (resuming from `resume`: None, "latest" or a path); returns the
     run directory."""
     t = run_fields(cfg)
+    if t.dynamic_sampling.enable and type(recipe).merge is Recipe.merge:
+        raise ConfigError(f"train.dynamic_sampling.enable: {recipe.name} cannot merge rollout rounds "
+                          "(its recipe has no `merge` hook); set it to false")
     acc = _accelerator(t.sharding, t.fsdp_cpu_offload)
     recipe.check(cfg, acc.num_processes)
     ckpt, name = _resume_point(resume, t.output_dir, t.run_name)
@@ -142,6 +146,55 @@ def _trackers(acc: Any, names: list[str], run_dir: Path, project: str, cfg: Any)
         hint = " ".join(TRACKER_PACKAGES.get(n, n) for n in missing)
         raise UserError(f"train.log_with={names}: {', '.join(missing)} is not installed (pip install {hint})")
     acc.init_trackers(project, config=flat_config(cfg))
+
+
+def _objectives(scores: Scores) -> dict[str, Any]:
+    """`group_advantages`' multi-reward arguments: for `normalize_then_sum`, each sample's
+    unweighted component values `[B_r, K]` (NaN where missing) and their weights."""
+    if scores.aggregation == "sum_then_normalize":
+        return {}
+    names = sorted(scores.weights)
+    if not names:
+        raise UserError(f"reward aggregation {scores.aggregation!r} normalises each reward component, but the "
+                        "reward reports no component weights")
+    rows = scores.components if len(scores.components) == scores.rewards.shape[0] else [{}] * scores.rewards.shape[0]
+    objectives = torch.tensor([[float(row.get(n, math.nan)) for n in names] for row in rows],
+                              dtype=torch.float32).reshape(-1, len(names))  # [B_r, K]
+    return {"aggregation": scores.aggregation, "objectives": objectives, "weights": [scores.weights[n] for n in names]}
+
+
+def _samples_to_trackers(trackers: Sequence[Any], step: int, samples: Mapping[str, list[dict[str, Any]]]) -> None:
+    """The step's sample rows (what samples/*.jsonl got) as a table where the tracker shows one:
+    a wandb Table, a Markdown table in tensorboard's text tab."""
+    for split, rows in samples.items():
+        if not rows:
+            continue
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        data = [[_cell(row.get(c)) for c in columns] for row in rows]
+        for tracker in trackers:
+            if tracker.name == "wandb":
+                tracker.log_table(f"samples/{split}", columns=columns, data=data, step=step)
+            elif tracker.name == "tensorboard":
+                lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+                lines += ["| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in row) + " |"
+                          for row in data]
+                tracker.writer.add_text(f"samples/{split}", "\n".join(lines), global_step=step)
+
+
+def _cell(value: Any) -> Any:
+    return value if isinstance(value, int | float | str | bool) or value is None else msgspec.json.encode(value).decode()
+
+
+def _check_metric(metric: str, scores: Scores, acc: Any) -> None:
+    """A dynamic-sampling metric that no sample of any process reports is a typo: stop."""
+    if metric == "reward":
+        return
+    found = acc.reduce(torch.tensor(float(any(metric in row for row in scores.components)), device=acc.device),
+                       "max").item()
+    if not found:
+        names = sorted({k for row in scores.components for k in row})
+        raise UserError(f"train.dynamic_sampling.metric={metric!r}: no sample reports this reward component; "
+                        f"use 'reward' or one of {names}")
 
 
 @dataclass
@@ -223,14 +276,44 @@ class _Loop(Generic[C, S, B]):
         if isinstance(scores, Skip):
             print(f"{recipe.name}: step {step} skipped: {scores.reason}", file=sys.stderr)
             return {"skipped": 1, "error": scores.reason[:300]}
+        generated, extra = float(scores.rewards.shape[0]), dict[str, float]()
+        if self.fields.dynamic_sampling.enable:
+            batch, scores, generated, extra = self._dynamic_sampling(step, batch, scores)
         with timer("advantages"):
             adv = group_advantages(scores.estimator, scores.rewards, scores.group_ids, accelerator=self.acc,
-                                   mask=scores.mask, options=scores.options)
+                                   mask=scores.mask, options=scores.options, **_objectives(scores))
         with timer("update"):
             update = recipe.update(state, step, batch, adv)
-        samples = self.acc.reduce(torch.tensor(float(scores.rewards.shape[0]), device=self.acc.device), "sum").item()
+        samples = self.acc.reduce(torch.tensor(generated, device=self.acc.device), "sum").item()
         components = component_means(scores.components, self.acc)
-        return {"skipped": 0, **adv.metrics, **components, **scores.metrics, **update, "samples": samples}
+        return {"skipped": 0, **adv.metrics, **components, **scores.metrics, **extra, **update, "samples": samples}
+
+    def _dynamic_sampling(self, step: int, batch: B, scores: Scores) -> tuple[B, Scores, float, dict[str, float]]:
+        """DAPO's dynamic sampling (`rl_core.train.dynamic_sampling`): more rounds until every
+        process holds as many informative groups as it rolled out, or `max_rounds` ran."""
+        ds, acc, recipe = self.fields.dynamic_sampling, self.acc, self.recipe
+        groups = GroupFilter(ds.metric)
+        batches, rounds = [batch], [scores]
+        groups.add(0, scores)
+        _check_metric(ds.metric, scores, acc)
+        while len(rounds) < ds.max_rounds and acc.reduce(torch.tensor(float(groups.short), device=acc.device),
+                                                          "sum").item() > 0:
+            with self.timer("rollout"):
+                more = recipe.rollout(self.state, step)
+            with self.timer("reward"):
+                scored = recipe.score(self.state, step, more)
+            if isinstance(scored, Skip):  # agreed over processes: train on what the earlier rounds gave
+                print(f"{recipe.name}: step {step}: dynamic sampling round {len(rounds) + 1} skipped: {scored.reason}",
+                      file=sys.stderr)
+                break
+            batches.append(more)
+            rounds.append(scored)
+            groups.add(len(rounds) - 1, scored)
+        chosen, _ = groups.selection()
+        merged = recipe.merge(self.state, [(batches[r], rows) for r, rows in chosen])
+        merged_scores = merge_scores([(rounds[r], rows) for r, rows in chosen], rounds,
+                                     group_offset=acc.process_index * 1_000_000)
+        return merged, merged_scores, float(sum(s.rewards.shape[0] for s in rounds)), groups.metrics(len(rounds), acc)
 
     def _eval_due(self, step: int) -> bool:
         s = self.schedule
@@ -246,6 +329,9 @@ class _Loop(Generic[C, S, B]):
             metrics |= self.timer.pop()
         self.logger.log(step, metrics)
         self.record.add(step, metrics)
+        samples = self.run.samples.pop()
+        if self.acc.is_main_process and self.fields.log_with:
+            _samples_to_trackers(self.acc.trackers, step, samples)
 
     def _save(self, step: int) -> None:
         spec = self.recipe.checkpoint(self.state)

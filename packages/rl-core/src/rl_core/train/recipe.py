@@ -32,6 +32,7 @@ from torch import Tensor
 
 from rl_core.advantages import uses_group_baseline
 from rl_core.train.config import ConfigError, NonNegative, Positive
+from rl_core.train.dynamic_sampling import DynamicSampling
 from rl_core.train.groups import GroupAdvantages
 from rl_core.train.metrics import PhaseTimer
 from rl_core.train.samples import SampleLog
@@ -70,6 +71,8 @@ class RunFields(ShardingFields, kw_only=True, frozen=True):
     log_with: list[str] = msgspec.field(default_factory=list)
     """Experiment trackers through Accelerate (tensorboard, wandb, mlflow, trackio, ...), logging
     into the run directory; the same scalars as metrics.csv."""
+    dynamic_sampling: DynamicSampling = DynamicSampling()
+    """DAPO's dynamic sampling: `enable`, `metric`, `max_rounds` (see the keys below)."""
     max_nonfinite_steps: Positive = 3
     """Consecutive optimizer steps with a non-finite loss or gradient (each skipped, weights
     untouched) after which the run stops with an error."""
@@ -127,7 +130,9 @@ class RunContext:
 class Scores:
     """One step's rewards on this process and how they become advantages: the loop runs
     `rl_core.train.group_advantages(estimator, rewards, group_ids, mask=mask, options=options)`
-    over every process's samples (failed samples and groups left with one sample get 0)."""
+    over every process's samples (failed samples and groups left with one sample get 0).
+    `aggregation="normalize_then_sum"` (GDPO) normalises each component of `components` within
+    its group before the `weights`-weighted sum (`rl_core.advantages.normalize_then_sum`)."""
 
     rewards: Tensor  # [B_r] sequence rewards, NaN where scoring failed; or [B_r, T] token rewards with `mask`
     group_ids: Tensor  # [B_r] the same id for the samples of one prompt, unique across processes
@@ -136,6 +141,8 @@ class Scores:
     options: Mapping[str, Any] = field(default_factory=dict)  # the estimator's keyword options
     components: Sequence[Mapping[str, float]] = ()  # per sample, unweighted: logged as reward/<name> means
     metrics: Mapping[str, float] = field(default_factory=dict)  # over every process: response/*, counts, ...
+    aggregation: str = "sum_then_normalize"  # an `rl_core.advantages.REWARD_AGGREGATIONS` name
+    weights: Mapping[str, float] = field(default_factory=dict)  # component -> weight, for normalize_then_sum
 
 
 @dataclass(frozen=True)
@@ -231,6 +238,13 @@ class Recipe(ABC, Generic[C, S, B]):
         """The policy update from this process's samples and their advantages (timed as
         `update`); returns its metrics, reduced over every process. A `tokens` entry (prompt +
         completion tokens of every process) becomes `throughput/tokens_per_s` per process."""
+
+    def merge(self, state: S, groups: Sequence[tuple[B, Sequence[int]]]) -> B:
+        """One batch from the groups that dynamic sampling kept (`train.dynamic_sampling`): each
+        entry is a rollout round's batch and the sample rows of one group in it; the merged batch
+        holds those samples in this order (its group ids are the loop's business). A recipe
+        without it cannot run dynamic sampling (refused before setup)."""
+        raise NotImplementedError(f"{self.name} has no merge hook")
 
     def evaluate(self, state: S, step: int) -> Mapping[str, float]:
         """Held-out metrics (the loop logs them under `eval/`); run on a saved-and-restored RNG

@@ -37,6 +37,7 @@ class SampleLog:
     def __init__(self, run_dir: str | os.PathLike[str], *, main: bool = True, start_step: int = 0) -> None:
         self.dir = Path(run_dir) / "samples"
         self.main = main
+        self.pending: dict[str, list[dict[str, Any]]] = {}  # rows written since the last `pop`, by file name
         if main and self.dir.is_dir():
             for path in self.dir.glob("*.jsonl"):
                 stamp = path.stem.rpartition("-step-")[2]
@@ -49,6 +50,14 @@ class SampleLog:
         if not self.main:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
+        written = self.pending.setdefault(name, [])
         with (self.dir / f"{name}.jsonl").open("a", encoding="utf-8") as f:
             for row in rows:
                 f.write(json.dumps({"step": step, **row}, ensure_ascii=False, default=str) + "\n")
+                written.append(dict(row))
+
+    def pop(self) -> dict[str, list[dict[str, Any]]]:
+        """The rows written since the last call, by file name (the trainer loop sends them to the
+        trackers that show tables: wandb's tables, tensorboard's text tab)."""
+        rows, self.pending = self.pending, {}
+        return rows
