@@ -32,8 +32,13 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import json
+import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +55,7 @@ from rl_rollout import SamplingParams
 from rl_rollout.hf import HFEngine
 
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # bytes/s, docs/reference.md §5
+ALONE_MARK = "vllm-alone-result: "  # the fresh-process row's line on stdout (vLLM logs there too)
 
 
 @dataclass(frozen=True)
@@ -220,15 +226,34 @@ def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int, m
         except Exception as exc:
             rows.append(["transformers generate_batch", "failed", repr(exc)[:120], ""])
     if "vllm" in methods and device.type == "cuda" and importlib.util.find_spec("vllm") is not None:
+        keep = Path(tempfile.mkdtemp(prefix="engines-vllm-"))
         try:
-            secs, stop_secs, made = bench_vllm(model, tokenizer, prompts, case, s, repeats, methods)
+            model.save_pretrained(keep)
+            tokenizer.save_pretrained(keep)
+            torch.cuda.empty_cache()
+            if "fixed" in methods:  # the fresh processes first, while this one holds only the HF model
+                alone = vllm_alone(keep, s, repeats, multiprocessing=True)
+                serial = vllm_alone(keep, s, repeats, multiprocessing=False)
+            secs, stop_secs, made = bench_vllm(prompts, case, s, repeats, methods, keep)
             if "fixed" in methods:
-                rows.append([f"vLLM {importlib.metadata.version('vllm')} (LLM.generate, CUDA graphs, T=1, log-probs)",
-                             f"{secs:.2f}", f"{tokens / secs:,.0f}", vs_plain(secs)])
+                rows.append([f"vLLM {importlib.metadata.version('vllm')} (LLM.generate, vLLM defaults: CUDA graphs, engine "
+                             "core process; T=1, log-probs), in this process", f"{secs:.2f}", f"{tokens / secs:,.0f}",
+                             vs_plain(secs)])
+                rows.append(["vLLM alone in a fresh process (same settings)", f"{alone:.2f}", f"{tokens / alone:,.0f}",
+                             vs_plain(alone)])
+                rows.append(["vLLM alone, VLLM_ENABLE_V1_MULTIPROCESSING=0 (engine core in the caller's thread, as a "
+                             "colocated trainer runs it)", f"{serial:.2f}", f"{tokens / serial:,.0f}", vs_plain(serial)])
+                if abs(secs / alone - 1) > 0.10:
+                    raise SystemExit(f"the vLLM peer row ({tokens / secs:,.0f} tok/s) differs from vLLM alone "
+                                     f"({tokens / alone:,.0f} tok/s) by more than 10%: the peer is not at its best")
             if "stop" in methods:
                 stop_rows.append(["vLLM (as above, continuous batching)", f"{stop_secs:.2f}", f"{made:,}", f"{made / stop_secs:,.0f}"])
+        except SystemExit:
+            raise
         except Exception as exc:
             rows.append(["vLLM", "failed", repr(exc)[:160], ""])
+        finally:
+            shutil.rmtree(keep, ignore_errors=True)
     bound = roofline(model, config, s, device)
     if bound is not None:
         rows.append(["decode roofline (docs/reference.md §5)", "", f"{bound:,.0f}", ""])
@@ -242,40 +267,52 @@ def bench_generation(model, tokenizer, config, s: Sizes, device, repeats: int, m
             f"stop token ids so lengths are geometric with mean ~128, {s.batch} rows decoded together):\n\n"
             + markdown_table(["engine", "seconds", "tokens generated", "tokens/s", "vs vLLM"][: len(stop_rows[0])], stop_rows))
     peer = next((float(str(r[2]).replace(",", "")) for r in rows if str(r[0]).startswith("vLLM") and r[1] != "failed"), None)
+    # the peer: vLLM with its defaults in this run (checked against vLLM alone above)
     for r in rows:  # the ratio that matters: to vLLM measured in this run
         rate = str(r[2]).replace(",", "")
         r.append(f"{float(rate) / peer:.2f}x" if peer and r[1] not in ("", "failed") else "")
     return rows
 
 
-def bench_vllm(model, tokenizer, prompts: torch.Tensor, case: StopCase, s: Sizes, repeats: int,
-               methods: set[str]) -> tuple[float, float, int]:
-    """The same weights through `vllm.LLM` in this process: median seconds for the batch, and
-    median seconds and tokens generated for the stop-token case (nan / 0 where not in `methods`)."""
-    import os
-    import tempfile
-
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+def vllm_llm(path: str, s: Sizes):
+    """`vllm.LLM` on a saved checkpoint, with vLLM's defaults (CUDA graphs, prefix caching, the
+    engine core in its own process unless VLLM_ENABLE_V1_MULTIPROCESSING=0 says otherwise)."""
     import vllm
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        llm = vllm.LLM(model=tmp, dtype="bfloat16", gpu_memory_utilization=0.45, max_model_len=s.prompt + s.new + 16,
-                       max_num_seqs=s.batch, seed=0, logprobs_mode="processed_logprobs")
-    requests = [{"prompt_token_ids": row} for row in prompts.tolist()]
+    return vllm.LLM(model=path, dtype="bfloat16", gpu_memory_utilization=0.45, max_model_len=s.prompt + s.new + 16,
+                    max_num_seqs=s.batch, seed=0, logprobs_mode="processed_logprobs")
+
+
+def vllm_fixed_seconds(llm, prompts: list[list[int]], s: Sizes, repeats: int) -> float:
+    """Median seconds for the batch, every row to full length (T=1, the sampled token's log-prob)."""
+    import vllm
+
+    requests = [{"prompt_token_ids": row} for row in prompts]
     params = vllm.SamplingParams(temperature=1.0, max_tokens=s.new, ignore_eos=True, logprobs=0, seed=0)
     outputs: list = []
 
     def run() -> None:
         outputs[:] = llm.generate(requests, params, use_tqdm=False)
 
+    secs = timed(run, torch.device("cuda"), repeats)
+    assert all(len(o.outputs[0].token_ids) == s.new for o in outputs)
+    return secs
+
+
+def bench_vllm(prompts: torch.Tensor, case: StopCase, s: Sizes, repeats: int, methods: set[str],
+               keep: Path) -> tuple[float, float, int]:
+    """The same weights (saved in `keep`) through `vllm.LLM` in this process: median seconds for
+    the batch, and median seconds and tokens generated for the stop-token case (nan / 0 where not
+    in `methods`)."""
+    import vllm
+
+    llm = vllm_llm(str(keep), s)
     secs, stop_secs, made = float("nan"), float("nan"), 0
     if "fixed" in methods:
-        secs = timed(run, torch.device("cuda"), repeats)
-        assert all(len(o.outputs[0].token_ids) == s.new for o in outputs)
+        secs = vllm_fixed_seconds(llm, prompts.tolist(), s, repeats)
     stop_requests = [{"prompt_token_ids": row} for row in case.prompts]
     stop_params = vllm.SamplingParams(temperature=1.0, max_tokens=s.new, stop_token_ids=case.stops, logprobs=0, seed=0)
+    outputs: list = []
 
     def run_stop() -> None:
         outputs[:] = llm.generate(stop_requests, stop_params, use_tqdm=False)
@@ -283,8 +320,30 @@ def bench_vllm(model, tokenizer, prompts: torch.Tensor, case: StopCase, s: Sizes
     if "stop" in methods:
         stop_secs = timed(run_stop, torch.device("cuda"), repeats)
         made = sum(len(o.outputs[0].token_ids) for o in outputs)
-    torch.cuda.empty_cache()
     return secs, stop_secs, made
+
+
+def vllm_alone(keep: Path, s: Sizes, repeats: int, *, multiprocessing: bool) -> float:
+    """Median seconds of the fixed-length batch with vLLM alone in a fresh process (no HF model,
+    no compiled engine beside it): the peer as its users run it."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0"}
+    done = subprocess.run([sys.executable, __file__, "--vllm-alone", str(keep), "--repeats", str(repeats)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    if done.returncode:
+        raise RuntimeError(f"vLLM alone exited with {done.returncode}: {done.stderr[-600:]}")
+    found = [line for line in done.stdout.splitlines() if line.startswith(ALONE_MARK)]
+    if not found:
+        raise RuntimeError(f"vLLM alone printed no result: {(done.stdout + done.stderr)[-600:]}")
+    return float(json.loads(found[-1].removeprefix(ALONE_MARK))["seconds"])
+
+
+def vllm_alone_main(path: str, repeats: int) -> None:
+    """`--vllm-alone PATH`: time the fixed batch on the checkpoint at PATH, print JSON seconds."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, len(tokenizer), (FULL.batch, FULL.prompt), generator=gen)  # [B, T] as the parent's
+    llm = vllm_llm(path, FULL)
+    print(ALONE_MARK + json.dumps({"seconds": vllm_fixed_seconds(llm, prompts.tolist(), FULL, repeats)}), flush=True)
 
 
 def baseline_scores(model, prompts: list[list[int]], candidates: list[int], device, batch: int) -> torch.Tensor:
@@ -382,7 +441,11 @@ def main() -> None:
                         help="generation rows to run, comma-separated: plain, hf (the engine as shipped), hf-variants "
                              "(compiled with the model's sdpa decode attention, and eager), batch, vllm; and the "
                              "workloads of hf and vllm: fixed (every row to full length), stop (the stop-token case)")
+    parser.add_argument("--vllm-alone", metavar="PATH", help=argparse.SUPPRESS)  # the fresh-process peer row
     args = parser.parse_args()
+    if args.vllm_alone:
+        vllm_alone_main(args.vllm_alone, args.repeats or 1)
+        return
     sizes = SMOKE if args.smoke else FULL
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.float32 if args.smoke else torch.bfloat16
