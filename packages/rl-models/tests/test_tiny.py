@@ -1,7 +1,10 @@
 from __future__ import annotations
 
 import hashlib
+import http.server
 import json
+import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -122,10 +125,8 @@ def test_resolve_is_the_one_parser_of_model_specs(tmp_path, monkeypatch):
     assert resolve("tiny:qwen3") == str(build("qwen3"))
     assert resolve("tiny:qwen3:1") == str(build("qwen3", seed=1)) != resolve("tiny:qwen3")
     assert resolve(str(tmp_path)) == str(tmp_path)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    assert resolve("Qwen/Qwen3-4B") == "Qwen/Qwen3-4B"  # online: from_pretrained downloads it
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(UserError, match=r"model not found: reward\.judge='Qwen/Qwen3-4B' is no local folder \(no "
                        r"such path: .*Qwen/Qwen3-4B\), and as a hub id it is not in the local Hugging Face cache"):
         resolve("Qwen/Qwen3-4B", key="reward.judge")
@@ -136,3 +137,52 @@ def test_resolve_is_the_one_parser_of_model_specs(tmp_path, monkeypatch):
         resolve("tiny:nope")
     with pytest.raises(UserError, match="must be a number"):
         resolve("tiny:qwen3:x")
+
+
+class _Hub(http.server.BaseHTTPRequestHandler):
+    """A stand-in Hugging Face Hub on 127.0.0.1: knows one model, answers 404 for the others."""
+
+    def do_GET(self) -> None:
+        if self.path.startswith("/api/models/Qwen/Qwen3-4B"):
+            body = json.dumps({"id": "Qwen/Qwen3-4B", "sha": "0" * 40}).encode()
+            self.send_response(200)
+        else:
+            body = b'{"error": "Repository not found"}'
+            self.send_response(404)
+            self.send_header("X-Error-Code", "RepoNotFound")  # what huggingface.co sends
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_hub_id_online_is_checked_in_one_request(tmp_path, monkeypatch):
+    """Online, a hub id that is not cached costs one metadata request: a model the Hub has is
+    returned for from_pretrained to download; a missing one, or a Hub that does not answer, is one
+    line (never a minute of retries and a traceback)."""
+    from huggingface_hub import constants
+
+    from rl_core.errors import UserError
+    from rl_models.tiny import resolve
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+        assert resolve("Qwen/Qwen3-4B") == "Qwen/Qwen3-4B"
+        with pytest.raises(UserError, match=r"model\.path='nobody/no-such-model'.* it is not on the Hugging Face Hub"):
+            resolve("nobody/no-such-model")
+    finally:
+        server.shutdown()
+        server.server_close()
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{closed.getsockname()[1]}")
+    with pytest.raises(UserError, match=r"not in the local Hugging Face cache and the Hub is not reachable .*"
+                                        r"HF_HUB_OFFLINE=1"):
+        resolve("Qwen/Qwen3-4B")

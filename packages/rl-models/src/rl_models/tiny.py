@@ -79,20 +79,33 @@ def resolve(spec: str, *, key: str = "model.path") -> str:
                     f"no hub id (org/name) and no tiny:<family> ({', '.join(families())})")
 
 
-def _check_cached_when_offline(repo_id: str, key: str) -> None:
-    """Offline, a hub id loads only from the local cache: say so now, naming both places tried,
-    rather than let `from_pretrained` fail later with a message about the network."""
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+def _check_cached_when_offline(repo_id: str, key: str, *, timeout: float = 5.0) -> None:
+    """A hub id loads from the local cache, or from the Hub when it answers: say now, in one line
+    naming both places tried, when neither can work, rather than let `from_pretrained` retry
+    for a minute and fail with a traceback about the network. Online, one metadata request
+    (`timeout` seconds) tells a missing model and an unreachable Hub apart."""
+    from huggingface_hub import HfApi, constants, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
-    if not constants.HF_HUB_OFFLINE:
-        return
+    where = f"{key}={repo_id!r} is no local folder (no such path: {Path(repo_id).absolute()}), and as a hub id"
     try:
         snapshot_download(repo_id, local_files_only=True)
+        return  # cached: from_pretrained loads it without the network
     except LocalEntryNotFoundError:
-        raise UserError(f"model not found: {key}={repo_id!r} is no local folder (no such path: "
-                        f"{Path(repo_id).absolute()}), and as a hub id it is not in the local Hugging Face "
-                        "cache (HF_HUB_OFFLINE is set, so nothing is downloaded)") from None
+        if constants.HF_HUB_OFFLINE:
+            raise UserError(f"model not found: {where} it is not in the local Hugging Face cache (HF_HUB_OFFLINE "
+                            "is set, so nothing is downloaded)") from None
+    try:
+        HfApi().model_info(repo_id, timeout=timeout)
+    except GatedRepoError:
+        return  # exists; from_pretrained explains the access it needs
+    except RepositoryNotFoundError:
+        raise UserError(f"model not found: {where} it is not on the Hugging Face Hub (a typo, or a private model: "
+                        "log in with `hf auth login`)") from None
+    except Exception as e:  # httpx connection errors and timeouts, proxies answering garbage
+        raise UserError(f"model not found: {where} it is not in the local Hugging Face cache and the Hub is not "
+                        f"reachable ({type(e).__name__}); give a local path, or download it where the Hub is "
+                        "reachable and set HF_HUB_OFFLINE=1 here") from None
 
 
 def build(family: str, out_dir: str | Path | None = None, *, seed: int = 0) -> Path:
