@@ -17,7 +17,7 @@ from rider_config import JudgeConfig, judge_name, resolve_model, resolve_path
 from transformers import AutoTokenizer
 
 from rl_core.train import ConfigError, PhaseTimer, PinnedOffload
-from rl_rewards.client import RemoteScorer, RewardClient, RewardClientError
+from rl_rewards.client import RemoteScorer, RewardClient, RewardClientError, RewardResponseError
 from rl_rewards.samples import Sample, ScoreResult
 from rl_rewards.scorers.judge import JudgeScorer
 from rl_rollout import Engine, Generation, Prompt, SamplingParams, load_engine, resolve_engine
@@ -64,21 +64,23 @@ class JudgeLog:
     """What one judge did in one step (reset by `pop`)."""
 
     scored: int = 0
-    failures: int = 0  # samples whose judge output did not parse, or that the server failed
-    request_failures: int = 0  # samples of requests that failed as a whole (server unreachable)
+    failures: int = 0  # samples whose judge output did not parse (or that the server answered with garbage)
+    request_failures: int = 0  # samples of requests that failed as a whole (server unreachable, HTTP errors)
     judged: set[int] = field(default_factory=set)  # uids sent to the judge (not gated out)
     raw: dict[int, str] = field(default_factory=dict)  # sample uid -> raw judge output
     errors: dict[int, str] = field(default_factory=dict)  # sample uid -> parse error
     policy_awake: int = 0  # times the policy engine was awake while this judge was
 
-    def record(self, samples: Sequence[Sample], results: Sequence[ScoreResult], raw: Sequence[str] | None) -> None:
+    def record(self, samples: Sequence[Sample], results: Sequence[ScoreResult], raw: Sequence[str] | None, *,
+               parse_failures: bool = True) -> None:
+        """`parse_failures=False`: the failed results are a failed request's, counted there, not twice."""
         for pos, (sample, result) in enumerate(zip(samples, results, strict=True)):
             uid = sample.metadata["uid"]
             self.judged.add(uid)
             if raw is not None:
                 self.raw[uid] = raw[pos]
             if result.error is not None:
-                self.failures += 1
+                self.failures += parse_failures
                 self.errors[uid] = result.error
         self.scored += len(samples)
 
@@ -91,7 +93,8 @@ class Judge:
     `rm_prompt_{index}` (VeRL-with-RMs) or, `use_rm_prompt=False`, the policy's prompt (modules
     that write their own instructions, such as `rl_rewards.judges.rubric`). An unparseable output
     or a sample the server fails fails that sample only: the judge's `fallback` scores it, counted
-    in `judge/<name>/parse_failures` (a whole failed request also in `request_failures`); served
+    in `judge/<name>/parse_failures`, a whole failed request (unreachable, HTTP errors) in
+    `request_failures` instead (each sample counted once); served
     judges return no raw text (samples/*.jsonl: `raw: null, judged: true`)."""
 
     def __init__(self, name: str, index: int, scorer: JudgeScorer | RemoteScorer, timer: PhaseTimer, *,
@@ -128,14 +131,19 @@ class Judge:
         requests = [self.request(s) for s in samples]
         if self.engine is None:
             with self.timer(f"judge_{self.name}_score"):
+                parsed = True
                 try:
                     results = self.scorer.score(requests)
-                except (RewardClientError, httpx.HTTPError, msgspec.MsgspecError, ValueError) as e:
-                    # down after retries, or an answer that is not our wire format (HTML, a string score)
+                except (RewardResponseError, msgspec.MsgspecError, ValueError) as e:
+                    # the server answered, not in our wire format (HTML, a string score): parse failures
+                    error = f"reward server answer did not parse: {type(e).__name__}: {e}"
+                    results = [ScoreResult.failed(error) for _ in requests]
+                except (RewardClientError, httpx.HTTPError) as e:  # down after retries, HTTP errors: the request
                     self.log.request_failures += len(requests)
+                    parsed = False
                     error = f"reward server request failed: {type(e).__name__}: {e}"
                     results = [ScoreResult.failed(error) for _ in requests]
-            self.log.record(samples, results, raw=None)
+            self.log.record(samples, results, raw=None, parse_failures=parsed)
             return results
         with self.timer(f"judge_{self.name}_wake"):
             self.wake()

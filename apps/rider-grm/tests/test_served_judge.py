@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import csv
+import http.server
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -114,3 +116,49 @@ def test_server_down_fails_at_startup(tmp_path: Path) -> None:
 def test_server_judge_needs_url_and_spec(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"reward.judges\[0\] \(engine = 'server'\) needs url .* and spec"):
         run(tmp_path, judge_table(engine="server", url="http://127.0.0.1:1"))
+
+
+class _Answers(http.server.BaseHTTPRequestHandler):
+    """A server that answers every POST with `status` and an HTML page (no wire format)."""
+
+    status = 200
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        body = b"<html>upstream error</html>"
+        self.send_response(self.status)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("status", "parse", "failed_request"), [(200, 2, 0), (503, 0, 2)])
+def test_a_garbage_answer_is_a_parse_failure_and_a_failed_request_is_not(status: int, parse: int,
+                                                                         failed_request: int) -> None:
+    """Each failed sample is counted once: a 200 that is not our wire format in parse_failures, an
+    HTTP error after the retries in request_failures."""
+    from judging import Judge
+
+    from rl_core.train import PhaseTimer
+    from rl_rewards import Sample
+    from rl_rewards.client import RemoteScorer, RetryPolicy
+
+    handler = type("Answers", (_Answers,), {"status": status})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        scorer = RemoteScorer(f"http://127.0.0.1:{server.server_address[1]}", "j", timeout=5.0,
+                              retry=RetryPolicy(attempts=1))
+        judge = Judge("j", 0, scorer, PhaseTimer(), use_rm_prompt=False)
+        samples = [Sample(completion=c, prompt="p", metadata={"uid": i, "data_source": "d", "extra_info": {}})
+                   for i, c in enumerate(("a", "b"))]
+        results = judge.score(samples)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert all(r.score is None and r.error for r in results)
+    assert (judge.log.failures, judge.log.request_failures) == (parse, failed_request)

@@ -171,9 +171,12 @@ weight = 0.5
 options = { tokenizer = "whitespace", l1 = 2, l2 = 4 }
 gate = { component = "format", threshold = 1.0 }
 
-[rewards.broken.components.format]
+[rewards.overflow.components.format]
 scorer = "timestamp_format"
-weight = nan
+weight = 1e308
+[rewards.overflow.components.again]
+scorer = "timestamp_format"
+weight = 1e308
 """
 SERVED_KEYS = {"score", "failed", "format", "length", "length.n_tokens"}
 
@@ -218,8 +221,8 @@ def test_openrlhf_route_sends_the_same_keys_for_every_request(served):
         return httpx.post(f"{served.url}/openrlhf/get_reward", json={"query": [query]}, timeout=30).json()
 
     scored, gated = post("[00:01] cat"), post("no stamp")  # OpenRLHF: one query per request
-    assert scored["extra_logs"] == {"error": [0.0], "format": [1.0], "length": [1.0], "length.n_tokens": [2.0]}
-    assert gated["extra_logs"] == {"error": [0.0], "format": [0.0], "length": [0.0], "length.n_tokens": [0.0]}
+    assert scored["extra_logs"] == {"failed": [0.0], "format": [1.0], "length": [1.0], "length.n_tokens": [2.0]}
+    assert gated["extra_logs"] == {"failed": [0.0], "format": [0.0], "length": [0.0], "length.n_tokens": [0.0]}
 
 
 @pytest.mark.no_torch
@@ -228,8 +231,41 @@ def test_a_non_finite_served_reward_is_a_failed_sample_not_a_null(served):
     from rl_rewards.samples import Sample
 
     with RewardClient(served.url) as client:
-        (result,) = client.score([Sample(completion="[00:01] cat")], reward="broken")
-    assert result.score is None and "the combined reward is nan" in result.error
-    verl = as_verl_compute_score(served.url, reward="broken", error_score=-1.0)
-    assert verl(data_source="d", solution_str="[00:01] cat", ground_truth=None) == {"score": -1.0, "failed": 1.0, "format": 1.0}
+        (result,) = client.score([Sample(completion="[00:01] cat")], reward="overflow")  # 1e308 + 1e308
+    assert result.score is None and "the combined reward is inf" in result.error
+    verl = as_verl_compute_score(served.url, reward="overflow", error_score=-1.0)
+    out = verl(data_source="d", solution_str="[00:01] cat", ground_truth=None)
+    assert out == {"score": -1.0, "failed": 1.0, "format": 1.0, "again": 1.0}
     verl.scorer.close()
+
+
+OVERFLOW = {"components": {"format": {"scorer": "timestamp_format", "weight": 1e308},
+                           "again": {"scorer": "timestamp_format", "weight": 1e308}}}
+
+
+def test_openrlhf_route_and_reward_func_name_a_failed_sample_alike(tmp_path):
+    """One name for a failed sample in OpenRLHF's `extra_logs`, `failed`, whichever way OpenRLHF
+    reaches the reward: the server's `/openrlhf/get_reward` route (it sent `error`) and
+    `as_openrlhf_reward_func`, in process or against that server. The stamped query overflows
+    (1e308 + 1e308 = inf) and fails; the other scores 0."""
+    import httpx
+
+    from rl_rewards.client import RemoteScorer
+    from rl_rewards.server.process import ServerProcess
+
+    config = tmp_path / "server.toml"
+    config.write_text('openrlhf_reward = "overflow"\n' + "".join(
+        f'[rewards.overflow.components.{name}]\nscorer = "timestamp_format"\nweight = 1e308\n'
+        for name in OVERFLOW["components"]
+    ))
+    queries, prompts, labels = ["[00:01] cat", "no stamp"], ["", ""], [None, None]
+    want = {"failed": [1.0, 0.0], "format": [1.0, 0.0], "again": [1.0, 0.0]}
+    with ServerProcess(["--config", str(config)], log_path=tmp_path / "server.log") as server:
+        route = httpx.post(f"{server.url}/openrlhf/get_reward", json={"query": queries}, timeout=30).json()
+        scorer = RemoteScorer(server.url, "overflow")  # the URL form's scorer, closed here
+        remote = as_openrlhf_reward_func(scorer)(queries, prompts, labels)
+        scorer.close()
+    local = as_openrlhf_reward_func(OVERFLOW)(queries, prompts, labels)
+    assert route["extra_logs"] == want
+    assert {k: v.tolist() for k, v in remote["extra_logs"].items()} == want
+    assert {k: v.tolist() for k, v in local["extra_logs"].items()} == want

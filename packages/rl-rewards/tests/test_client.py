@@ -164,3 +164,28 @@ def test_remote_scorer_pickles_without_its_connection(scripted):
     copy = pickle.loads(pickle.dumps(scorer))
     assert copy.score([Sample(completion="x")])[0].score == 0.5
     assert scripted.calls == 2
+
+
+def test_a_garbage_answer_is_a_response_error_and_a_failed_request_is_not(scripted):
+    """The two failures an app counts apart (rider-grm: `parse_failures` vs `request_failures`):
+    a 200 whose body is garbage — an HTML page, or one result for two samples (it was handed
+    back as if it paired up) — is `RewardResponseError` at once, not retried: the request went
+    through, its answer does not parse. A server that keeps failing (503) is
+    `RewardServerUnavailable` after the retries: the request failed. Never one for the other."""
+    two = [Sample(completion="x"), Sample(completion="y")]
+    with RewardClient(url(scripted), retry=FAST) as client:
+        scripted.ok_body = b"<html><body>502 Bad Gateway</body></html>"
+        with pytest.raises(RewardResponseError, match="does not match the protocol"):
+            client.score(two)
+        assert scripted.calls == 1
+        scripted.ok_body = json.dumps({"reward": "r", "results": [{"score": 0.5}]}).encode()
+        with pytest.raises(RewardResponseError, match=r"1 answer\(s\) for 2 sample\(s\)"):
+            client.score(two)
+        remote = RemoteScorer(url(scripted), "r", retry=FAST)
+        with pytest.raises(RewardResponseError, match=r"1 answer\(s\) for 2 sample\(s\)"):
+            asyncio.run(remote.ascore(two))
+        remote.close()
+        scripted.script = [(503, {}, b"busy")] * FAST.attempts
+        with pytest.raises(RewardServerUnavailable) as failed:
+            client.score(two)
+        assert not isinstance(failed.value, RewardResponseError)

@@ -52,3 +52,24 @@ def test_unknown_fields_and_bad_values_name_the_field(tmp_path):
     bad.write_text("components = [")
     with pytest.raises(ValueError, match=r"bad.toml: invalid TOML"):
         load_spec(bad)
+
+
+@pytest.mark.parametrize("value", [float("inf"), -float("inf"), float("nan")])
+@pytest.mark.parametrize(("field", "component"), [
+    ("weight", lambda v: {"scorer": "x", "weight": v}),
+    ("fallback", lambda v: {"scorer": "x", "fallback": v}),
+    ("gate.threshold", lambda v: {"scorer": "x", "gate": {"component": "a", "threshold": v}}),
+])
+def test_non_finite_numbers_are_refused_naming_the_component_and_field(field, component, value):
+    """A total of inf/nan is never a reward (every sample would fail), and a NaN gate threshold
+    lets every sample through; refused at load, with the source named."""
+    data = {"components": {"a": {"scorer": "x"}, "b": component(value)}}
+    with pytest.raises(ValueError, match=rf"^reward.toml: components.b.{field} = {value} is not a finite number"):
+        spec_from_dict(data, source="reward.toml")
+
+
+def test_a_toml_file_with_weight_inf_names_the_file(tmp_path):
+    path = tmp_path / "reward.toml"
+    path.write_text('[components.fmt]\nscorer = "timestamp_format"\nweight = inf\n')
+    with pytest.raises(ValueError, match=rf"^{path}: components.fmt.weight = inf is not a finite number"):
+        load_spec(path)

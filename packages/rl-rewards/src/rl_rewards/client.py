@@ -45,8 +45,11 @@ class RewardRequestError(RewardClientError):
 
 
 class RewardResponseError(RewardClientError):
-    """The server answered 200 with a body that is not the protocol's response (e.g. a `null`
-    where a reward must be a number): a server bug or a mismatched server, not retried."""
+    """The server answered 200 with a body that is not the protocol's response (an HTML page, a
+    `null` where a reward must be a number, fewer or more results than samples sent): a server
+    bug or a mismatched server, not retried. The request went through and the answer is garbage:
+    count it as a parse failure of its samples, not as a failed request (`RewardServerUnavailable`,
+    `RewardRequestError`)."""
 
     def __init__(self, url: str, problem: str):
         super().__init__(f"{url}: the response does not match the protocol: {problem}")
@@ -95,6 +98,22 @@ def _outcome(response: httpx.Response, kind: type[T]) -> T | str:
     except msgspec.MsgspecError:
         body = wire.ErrorResponse(error=response.text[:500])
     raise RewardRequestError(response.status_code, body, str(response.request.url))
+
+
+def _one_each(url: str, answers: Sequence[T], sent: int) -> list[T]:
+    """`answers` when there is one per sample sent, else `RewardResponseError` (a mismatched
+    server: pairing its answers with the samples would credit rewards to the wrong ones)."""
+    if len(answers) != sent:
+        raise RewardResponseError(url, f"{len(answers)} answer(s) for {sent} sample(s)")
+    return list(answers)
+
+
+_Rewards = TypeVar("_Rewards", wire.GetRewardResponse, wire.OpenRLHFResponse)
+
+
+def _rewards_for(url: str, response: _Rewards, sent: int) -> _Rewards:
+    _one_each(url, response.rewards, sent)
+    return response
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -158,23 +177,27 @@ class RewardClient:
     def score(self, samples: Sequence[Sample], reward: str = "") -> list[ScoreResult]:
         """Native `/v1/score`: one ScoreResult per sample (`reward` "" = the server's default)."""
         request = wire.ScoreRequest(samples=list(samples), reward=reward)
-        return self._call("POST", "/v1/score", wire.ScoreResponse, request).results
+        results = self._call("POST", "/v1/score", wire.ScoreResponse, request).results
+        return _one_each(f"{self.base_url}/v1/score", results, len(samples))
 
     def get_reward(
         self, prompts: Sequence[wire.CaptionQA], score_mode: _ScoreMode | None = None
     ) -> wire.GetRewardResponse:
         """CapRL qa: `prompts` is `[(caption, [(question_text, answer_letter), ...]), ...]`."""
-        return self._call("POST", "/get_reward", wire.GetRewardResponse, _qa_request(prompts, score_mode))
+        response = self._call("POST", "/get_reward", wire.GetRewardResponse, _qa_request(prompts, score_mode))
+        return _rewards_for(f"{self.base_url}/get_reward", response, len(prompts))
 
     def vl_judge(self, samples: Sequence[wire.VLJudgeSample]) -> wire.GetRewardResponse:
         request = wire.GetRewardRequest(score_mode="vl_judge", samples=list(samples))
-        return self._call("POST", "/get_reward", wire.GetRewardResponse, request)
+        response = self._call("POST", "/get_reward", wire.GetRewardResponse, request)
+        return _rewards_for(f"{self.base_url}/get_reward", response, len(samples))
 
     def openrlhf(
         self, query: Sequence[str], prompts: Sequence[str] = (), labels: Sequence[Any] = ()
     ) -> wire.OpenRLHFResponse:
         request = wire.OpenRLHFRequest(query=list(query), prompts=list(prompts), labels=list(labels))
-        return self._call("POST", "/openrlhf/get_reward", wire.OpenRLHFResponse, request)
+        response = self._call("POST", "/openrlhf/get_reward", wire.OpenRLHFResponse, request)
+        return _rewards_for(f"{self.base_url}/openrlhf/get_reward", response, len(query))
 
     def health(self) -> wire.HealthResponse:
         """GET /health once (no retries): raises httpx errors when the server is down."""
@@ -238,22 +261,26 @@ class AsyncRewardClient:
 
     async def score(self, samples: Sequence[Sample], reward: str = "") -> list[ScoreResult]:
         request = wire.ScoreRequest(samples=list(samples), reward=reward)
-        return (await self._call("POST", "/v1/score", wire.ScoreResponse, request)).results
+        results = (await self._call("POST", "/v1/score", wire.ScoreResponse, request)).results
+        return _one_each(f"{self.base_url}/v1/score", results, len(samples))
 
     async def get_reward(
         self, prompts: Sequence[wire.CaptionQA], score_mode: _ScoreMode | None = None
     ) -> wire.GetRewardResponse:
-        return await self._call("POST", "/get_reward", wire.GetRewardResponse, _qa_request(prompts, score_mode))
+        response = await self._call("POST", "/get_reward", wire.GetRewardResponse, _qa_request(prompts, score_mode))
+        return _rewards_for(f"{self.base_url}/get_reward", response, len(prompts))
 
     async def vl_judge(self, samples: Sequence[wire.VLJudgeSample]) -> wire.GetRewardResponse:
         request = wire.GetRewardRequest(score_mode="vl_judge", samples=list(samples))
-        return await self._call("POST", "/get_reward", wire.GetRewardResponse, request)
+        response = await self._call("POST", "/get_reward", wire.GetRewardResponse, request)
+        return _rewards_for(f"{self.base_url}/get_reward", response, len(samples))
 
     async def openrlhf(
         self, query: Sequence[str], prompts: Sequence[str] = (), labels: Sequence[Any] = ()
     ) -> wire.OpenRLHFResponse:
         request = wire.OpenRLHFRequest(query=list(query), prompts=list(prompts), labels=list(labels))
-        return await self._call("POST", "/openrlhf/get_reward", wire.OpenRLHFResponse, request)
+        response = await self._call("POST", "/openrlhf/get_reward", wire.OpenRLHFResponse, request)
+        return _rewards_for(f"{self.base_url}/openrlhf/get_reward", response, len(query))
 
     async def health(self) -> wire.HealthResponse:
         response = await self._http.get("/health")

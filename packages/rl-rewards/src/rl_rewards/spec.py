@@ -30,6 +30,7 @@ VeRL-with-RMs (rule reward, then judges folded in, each judge only where the rul
 
 from __future__ import annotations
 
+import math
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -72,6 +73,9 @@ class Component(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
       as 0.0 instead (a `mul` then zeroes the total).
     - `fallback`: value used when this component fails for a sample; without it the failure
       becomes the sample's error (score None).
+
+    `weight`, `fallback` and `gate.threshold` must be finite: NaN or inf is refused when the spec
+    is loaded (`RewardSpec`), with the component and field named.
     """
 
     scorer: str
@@ -103,6 +107,7 @@ class RewardSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
             raise ValueError("RewardSpec.components is empty: name at least one component")
         seen: list[str] = []
         for name, component in self.components.items():
+            _check_finite(name, component)
             gate = component.gate
             if gate is not None and gate.component not in seen:
                 where = "is not declared" if gate.component not in self.components else "is declared after it"
@@ -111,6 +116,17 @@ class RewardSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
                     f"component declared before the gated one (declared before: {seen or 'none'})"
                 )
             seen.append(name)
+
+
+def _check_finite(name: str, component: Component) -> None:
+    """A NaN or infinite weight, fallback or gate threshold is refused: a total of inf or nan is
+    no reward (every sample would fail), a NaN threshold lets every sample through (NaN < t is
+    false), and JSON, which carries settings to worker processes, has no such numbers."""
+    fields = {"weight": component.weight, "fallback": component.fallback,
+              "gate.threshold": component.gate.threshold if component.gate is not None else None}
+    for field, value in fields.items():
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"components.{name}.{field} = {value} is not a finite number; set a finite value")
 
 
 def load_spec(path: str | Path) -> RewardSpec:

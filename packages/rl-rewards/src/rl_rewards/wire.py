@@ -86,7 +86,7 @@ class OpenRLHFRequest(msgspec.Struct, kw_only=True):
 
 class OpenRLHFResponse(msgspec.Struct, kw_only=True):
     """`rewards` and `scores` are equal (OpenRLHF uses `rewards` for advantages and logs `scores`);
-    `extra_logs` maps `error` (1.0 for a failed sample, else 0.0) and each of the reward's
+    `extra_logs` maps `failed` (1.0 for a failed sample, else 0.0) and each of the reward's
     component keys to one value per sample — the same keys in every response, failed samples
     included (0.0), since OpenRLHF sends one query per request and requires every sample of a
     batch to carry every key."""

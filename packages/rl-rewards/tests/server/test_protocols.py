@@ -36,4 +36,4 @@ def test_a_non_finite_score_is_that_samples_error_on_the_openrlhf_route():
     assert "non-finite score nan" in merged[0].error and merged[0].components == {"fmt": 1.0}
     response = protocols.openrlhf_response(merged, ["fmt", "fmt.sub"])
     assert response.rewards == [0.0, 0.0, 0.5]  # never NaN (JSON null)
-    assert response.extra_logs == {"error": [1.0, 1.0, 0.0], "fmt": [1.0, 0.0, 0.5], "fmt.sub": [0.0, 0.0, 0.0]}
+    assert response.extra_logs == {"failed": [1.0, 1.0, 0.0], "fmt": [1.0, 0.0, 0.5], "fmt.sub": [0.0, 0.0, 0.0]}

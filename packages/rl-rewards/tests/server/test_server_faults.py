@@ -1,5 +1,6 @@
 """Real `rl-rewards serve` processes under faults: a worker SIGSTOPped under load (its chunks
-retried elsewhere, the worker marked unhealthy, killed and restarted), and SIGTERM during a
+retried elsewhere, the worker marked unhealthy, killed and restarted: by its chunk deadline, or
+sooner by its heartbeat, which a worker busy scoring still answers), and SIGTERM during a
 bounded load loop (every accepted request answered, exit 0), also with a stuck worker (answered
 503 JSON after the grace period). Deadlines and grace periods are short so the module stays fast."""
 
@@ -105,6 +106,104 @@ def test_stopped_worker_is_failed_over_marked_unhealthy_and_restarted(tmp_path):
         assert metric(url, "rl_rewards_worker_restarts_total") >= 1
         assert_healthy(url)
     assert "marked unhealthy" in (tmp_path / "stopped.log").read_text()
+
+
+HEARTBEAT_S = 1.0
+FORMAT_ONLY = '[rewards.format.components.format]\nscorer = "timestamp_format"\n'  # fast to (re)start: no OCR
+
+
+def format_only(tmp_path) -> list[str]:
+    (tmp_path / "format.toml").write_text(FORMAT_ONLY)
+    return ["--config", str(tmp_path / "format.toml")]
+
+
+def test_stopped_worker_is_caught_by_its_heartbeat_long_before_the_chunk_deadline(tmp_path):
+    """`--workers 2`, chunk deadline left at its default (request timeout / 3 = 60 s), worker 0
+    SIGSTOPped while 6 clients with a 5 s timeout score for 3 s. Before the heartbeat its chunks
+    waited the 60 s deadline and those clients timed out; now: no request lost, the stopped
+    worker leaves /health within the heartbeat timeout (+ one ping interval), is killed after the
+    grace period and replaced by a new process, and the heartbeat (not the deadline) caught it."""
+    args = ["--workers", "2", "--max-batch-size", "16", "--max-wait-ms", "1",
+            "--heartbeat-timeout", str(HEARTBEAT_S), "--restart-grace", "0.5", *format_only(tmp_path)]
+    with server_process(tmp_path, "heartbeat", args) as server:
+        url = server.url
+        stop_at = time.monotonic() + 3.0
+        latencies: list[float] = []
+        failures: list[str] = []
+        alive_seen: list[tuple[float, int]] = []
+
+        def client(k: int) -> None:
+            with httpx.Client(timeout=5.0) as http:
+                i = 0
+                while time.monotonic() < stop_at:
+                    texts = captions(k * 1000 + i, 32)
+                    started = time.monotonic()
+                    try:
+                        r = http.post(f"{url}/v1/score", json=score_body(texts))
+                    except httpx.HTTPError as e:
+                        failures.append(f"{type(e).__name__}: {e}")
+                        continue
+                    latencies.append(time.monotonic() - started)
+                    scores = [x["score"] for x in r.json()["results"]] if r.status_code == 200 else None
+                    if scores != [timestamp_format(t) for t in texts]:
+                        failures.append(f"{r.status_code} {r.text[:200]}")
+                    i += 1
+
+        def observer() -> None:
+            with httpx.Client(timeout=5.0) as http:
+                while time.monotonic() < stop_at:
+                    alive_seen.append((time.monotonic(), http.get(f"{url}/health").json()["workers_alive"]))
+                    time.sleep(0.05)
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(6)] + [threading.Thread(target=observer)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        victim = children(server.proc.pid)[0]
+        os.kill(victim, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            for t in threads:
+                t.join()
+        finally:
+            resume(victim)
+        assert failures == []
+        assert len(latencies) > 20 and len(alive_seen) > 20
+        assert max(latencies) < HEARTBEAT_S + 2.5, f"slowest request {max(latencies):.2f} s"
+        marked = [at - stopped_at for at, n in alive_seen if at > stopped_at and n == 1]
+        assert marked and marked[0] < HEARTBEAT_S + 1.0, f"marked hung {marked[:1]} s after SIGSTOP"
+        assert metric(url, "rl_rewards_heartbeat_misses_total") == 1
+        assert metric(url, "rl_rewards_chunk_deadline_misses_total") == 0
+        assert not alive(victim), "the stopped worker was not killed"
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/health").json()["workers_alive"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert httpx.get(f"{url}/health").json()["workers_alive"] == 2
+        assert victim not in children(server.proc.pid) and len(children(server.proc.pid)) == 2
+        assert metric(url, "rl_rewards_worker_restarts_total") == 1
+        assert metric(url, "rl_rewards_limit", limit="heartbeat_timeout_s") == HEARTBEAT_S
+    assert "answered no heartbeat for" in (tmp_path / "heartbeat.log").read_text()
+
+
+def test_a_worker_busy_with_a_long_chunk_answers_its_heartbeat(tmp_path):
+    """One chunk that takes several heartbeat timeouts to score (100 captions of 200k characters,
+    ~23 ms each): the worker's reader thread answers the pings meanwhile, so it is neither marked
+    hung nor restarted, and the request is answered."""
+    heartbeat = 0.5
+    args = ["--workers", "1", "--heartbeat-timeout", str(heartbeat), *format_only(tmp_path)]
+    distinct = ["[00:01] a " * 19_999 + f"[00:{i:02d}]" for i in range(0, 60, 6)]
+    texts = distinct * 10
+    with server_process(tmp_path, "busy", args) as server:
+        worker = children(server.proc.pid)
+        started = time.monotonic()
+        r = httpx.post(f"{server.url}/v1/score", json=score_body(texts), timeout=60)
+        took = time.monotonic() - started
+        assert r.status_code == 200, r.text[:500]
+        assert [x["score"] for x in r.json()["results"]] == [timestamp_format(t) for t in distinct] * 10
+        assert took > 3 * heartbeat, f"the chunk took only {took:.2f} s: too short to prove anything"
+        assert metric(server.url, "rl_rewards_heartbeat_misses_total") == 0
+        assert metric(server.url, "rl_rewards_worker_restarts_total") == 0
+        assert children(server.proc.pid) == worker
 
 
 def test_no_request_outlives_the_request_timeout(tmp_path):

@@ -125,3 +125,51 @@ def test_server_without_media_root_says_so_and_refuses_media_per_sample(tmp_path
     with server_process(tmp_path, "media", ["--log-format", "json"], env={"REWARD_MEDIA_ROOT": str(tmp_path / "media")}):
         pass
     assert "no media root configured" not in (tmp_path / "media.log").read_text()
+
+
+NON_FINITE = {  # field: (TOML line, the value as the error prints it)
+    "weight": ("weight = inf", "inf"),
+    "fallback": ("fallback = -inf", "-inf"),
+    "gate.threshold": ('gate = { component = "format", threshold = nan }', "nan"),
+}
+
+
+@pytest.mark.parametrize(("workers", "field"), [
+    ([], "weight"), (["--workers", "2"], "weight"), (["--workers", "2"], "fallback"), ([], "gate.threshold"),
+])
+def test_a_non_finite_number_in_a_reward_spec_stops_serve_with_one_line(tmp_path, workers, field):
+    """`weight = inf` (or nan) reached the workers as JSON null: every worker failed validation
+    and `--workers 2` died at start, while one process served it (every sample failed). Now both
+    refuse the file at start: exit 2, one line naming the file, the reward, the component and the
+    field."""
+    import subprocess
+    import sys
+
+    from rl_rewards.server.process import free_port
+
+    config = tmp_path / "server.toml"
+    config.write_text(
+        '[rewards.caption.components.format]\nscorer = "timestamp_format"\n'
+        '[rewards.caption.components.length]\nscorer = "length"\noptions = { tokenizer = "whitespace" }\n'
+        f"{NON_FINITE[field][0]}\n"
+    )
+    cmd = [sys.executable, "-m", "rl_rewards.cli", "serve", "--config", str(config), "--port", str(free_port()),
+           *workers]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    value = NON_FINITE[field][1]
+    assert lines[0] == (f"rl-rewards serve: error: {config} [rewards.caption]: components.length.{field} = {value} "
+                        "is not a finite number; set a finite value")
+
+
+def test_a_non_finite_server_setting_is_refused_naming_it():
+    """Any NaN/inf among the settings (a flag, an env var, a judge option) would reach the workers
+    as JSON null; `check` names it."""
+    with pytest.raises(ValueError, match=r"^format_reward_weight = nan is not a finite number"):
+        load_settings(environ={"FORMAT_REWARD_WEIGHT": "nan"}).check()
+    with pytest.raises(ValueError, match=r"^judge_options.temperature = inf is not a finite number"):
+        load_settings(flags={"judge_options": {"temperature": float("inf")}}, environ={}).check()
+    with pytest.raises(ValueError, match=r"^pool.request_timeout_s = inf is not a finite number"):
+        load_settings(flags={"pool": {"request_timeout_s": float("inf")}}, environ={}).check()

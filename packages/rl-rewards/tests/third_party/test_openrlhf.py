@@ -151,4 +151,4 @@ def test_server_route_through_openrlhfs_http_client(tokenizer, tmp_path):
     batch = Experience.concat_experiences([experience(o) for o in outs], tokenizer.pad_token_id)
     items = split_experience_batch(batch)
     assert [i.info["len.n_tokens"].flatten().tolist() for i in items] == [[2.0], [0.0], [2.0]]
-    assert [i.info["error"].flatten().tolist() for i in items] == [[0.0], [0.0], [0.0]]
+    assert [i.info["failed"].flatten().tolist() for i in items] == [[0.0], [0.0], [0.0]]

@@ -129,6 +129,9 @@ def serve_command(
     request_timeout: Annotated[float | None, typer.Option(help="Seconds before a request not yet scored by the workers gets 503: your client's timeout (180).")] = None,
     chunk_deadline: Annotated[float | None, typer.Option(help="Seconds a worker has to answer a chunk before it is marked unhealthy and restarted (request timeout / 3).")] = None,
     restart_grace: Annotated[float | None, typer.Option(help="Seconds a worker being restarted has to exit before it is killed (5).")] = None,
+    heartbeat_timeout: Annotated[float | None, typer.Option(help=(
+        "Seconds a worker process may leave its heartbeat (a ping each second, answered while it scores) "
+        "unanswered before it is taken for hung (stopped, deadlocked) and restarted (5)."))] = None,
     shutdown_timeout: Annotated[float | None, typer.Option(help="Seconds SIGTERM waits for open requests before answering them 503 (30).")] = None,
     log_format: Annotated[str | None, typer.Option(help="text | json")] = None,
     log_level: Annotated[str | None, typer.Option(help="debug | info | warning")] = None,
@@ -146,7 +149,8 @@ def serve_command(
         "limits": {"max_body_bytes": max_body_bytes, "max_batch_samples": max_batch_samples, "max_text_chars": max_text_chars,
                    "max_metadata_depth": max_metadata_depth, "max_metadata_bytes": max_metadata_bytes,
                    "header_timeout_s": header_timeout, "body_timeout_s": body_timeout, "max_connections": max_connections},
-        "pool": {"request_timeout_s": request_timeout, "chunk_deadline_s": chunk_deadline, "restart_grace_s": restart_grace},
+        "pool": {"request_timeout_s": request_timeout, "chunk_deadline_s": chunk_deadline,
+                 "restart_grace_s": restart_grace, "heartbeat_timeout_s": heartbeat_timeout},
         "shutdown_timeout_s": shutdown_timeout,
         "batching": {"max_batch_size": max_batch_size, "max_batch_tokens": max_batch_tokens, "max_wait_ms": max_wait_ms},
     }
@@ -155,8 +159,9 @@ def serve_command(
         settings.check()
         # a blank REWARD_API_KEY reads as unset in the settings: refuse it too, it was meant as a key
         check_api_key(settings.api_key if settings.api_key is not None else os.environ.get("REWARD_API_KEY"))
-    except (ValueError, OSError) as e:
-        raise typer.BadParameter(str(e)) from None
+    except (ValueError, OSError) as e:  # one line (a launcher's log keeps it whole), exit 2 as a bad option
+        typer.echo(f"rl-rewards serve: error: {' '.join(str(e).split())}", err=True)
+        raise typer.Exit(2) from None
     configure_logging(settings)
     banner(settings)
     for note in ignored_settings(settings):  # one log line (the banner wraps it), json logs too

@@ -7,7 +7,8 @@ Exposed at `GET /metrics` in the Prometheus text format:
 `rl_rewards_batch_seconds{reward}` (scoring latency per scorer batch),
 `rl_rewards_worker_restarts_total`, `rl_rewards_chunk_retries_total`;
 faults: `rl_rewards_workers_healthy`, `rl_rewards_chunk_deadline_misses_total` (a worker marked
-unhealthy), `rl_rewards_connections` (open now), `rl_rewards_connections_refused_total` (over
+unhealthy), `rl_rewards_heartbeat_misses_total` (a worker process marked hung: silent for
+`heartbeat_timeout_s`), `rl_rewards_connections` (open now), `rl_rewards_connections_refused_total` (over
 `max_connections`), `rl_rewards_read_timeouts_total{phase}` (headers | body: slow clients cut
 off), and the limits in force as `rl_rewards_limit{limit}`.
 
@@ -57,6 +58,9 @@ class Metrics:
         self.deadline_misses = Counter(
             "rl_rewards_chunk_deadline_misses", "Chunks a worker did not answer within the deadline", registry=r
         )
+        self.heartbeat_misses = Counter(
+            "rl_rewards_heartbeat_misses", "Worker processes marked hung: no heartbeat within the timeout", registry=r
+        )
         self.workers_healthy = Gauge("rl_rewards_workers_healthy", "Workers taking chunks", registry=r,
                                      multiprocess_mode="livesum")
         self.connections = Gauge("rl_rewards_connections", "Open HTTP connections", registry=r,
@@ -82,7 +86,8 @@ class Metrics:
             "max_connections": limits.max_connections, "max_body_bytes": limits.max_body_bytes,
             "max_metadata_depth": limits.max_metadata_depth, "max_metadata_bytes": limits.max_metadata_bytes,
             "request_timeout_s": pool.request_timeout_s, "chunk_deadline_s": pool.chunk_deadline(),
-            "restart_grace_s": pool.restart_grace_s, "shutdown_timeout_s": settings.shutdown_timeout_s,
+            "restart_grace_s": pool.restart_grace_s, "heartbeat_timeout_s": pool.heartbeat_timeout_s,
+            "shutdown_timeout_s": settings.shutdown_timeout_s,
         }
         for name, value in shown.items():
             self.limits.labels(name).set(value)

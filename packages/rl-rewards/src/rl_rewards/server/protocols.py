@@ -96,9 +96,10 @@ def openrlhf_samples(request: wire.OpenRLHFRequest) -> list[Sample]:
 
 def openrlhf_response(results: Sequence[ScoreResult], keys: Sequence[str]) -> wire.OpenRLHFResponse:
     """`keys`: the served reward's component keys (`served_keys`): every response carries
-    exactly `error` and those, whatever failed, so OpenRLHF's per-key lists stay aligned."""
+    exactly `failed` (1.0/0.0, the name `as_openrlhf_reward_func` uses) and those, whatever
+    failed, so OpenRLHF's per-key lists stay aligned."""
     values = [value(r) for r in results]
-    extra = {"error": [0.0 if r.error is None else 1.0 for r in results]}
+    extra = {"failed": [0.0 if r.error is None else 1.0 for r in results]}
     extra.update({key: [r.components.get(key, 0.0) for r in results] for key in keys})
     return wire.OpenRLHFResponse(rewards=values, scores=list(values), extra_logs=extra)
 

@@ -1,6 +1,6 @@
 """`--ray`: workers as Ray actors (extra `rl-rewards[ray]`), behind the same `Router` as worker
 processes — least-loaded routing, the same chunk deadline, a lost or stuck actor's chunks retried
-on another, the actor replaced.
+on another, the actor replaced (no heartbeat: a busy actor could not answer one).
 
 Connects to `RAY_ADDRESS` / `--ray-address` when set, else starts a local Ray instance. Each
 actor asks Ray for `num_gpus = len(its CUDA group)` when `CUDA_VISIBLE_DEVICES` is split into
@@ -85,6 +85,13 @@ class RayWorker:
             raise WorkerLost(f"Ray actor lost: {e}") from None
         finally:
             reply.cancel()  # given up on (abandoned, or the router's deadline): do not wait for it
+
+    def ping(self) -> None:
+        """Actors are not pinged: Ray runs an actor's calls one at a time, so a busy actor could
+        not answer; the chunk deadline covers them."""
+
+    def last_seen(self) -> float:
+        return asyncio.get_running_loop().time()
 
     def abandon(self, reason: str) -> None:
         self._dead = True

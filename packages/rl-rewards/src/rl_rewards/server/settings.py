@@ -26,6 +26,7 @@ The environment variables are those of the CapRL++ launch script, so its users k
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -33,6 +34,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+
+from rl_rewards.spec import spec_from_dict
 
 
 class LimitSettings(msgspec.Struct, kw_only=True, frozen=True):
@@ -74,15 +77,29 @@ class PoolSettings(msgspec.Struct, kw_only=True, frozen=True):
     timeout split over `max_attempts`, so every retry still fits); a worker that misses it is
     marked unhealthy, its chunks go to another worker, and it is restarted: asked to exit, and
     killed if it has not after `restart_grace_s`. Set the deadline above the slowest batch a
-    judge scores, or a busy worker is taken for a hung one."""
+    judge scores, or a busy worker is taken for a hung one.
+
+    A worker process that runs no code at all (SIGSTOPped, or its whole process deadlocked) is
+    caught sooner by its heartbeat: the router pings every worker process each
+    `heartbeat_interval()` (1 s), a thread of the worker answers even while it scores, and a
+    worker silent for `heartbeat_timeout_s` is treated as one that missed its deadline. Raise
+    it only for scorers that hold Python's GIL for longer (a C extension that does not release
+    it). Ray actors are not pinged (Ray runs an actor's calls one at a time): the deadline covers
+    them."""
 
     request_timeout_s: float = 180.0
     chunk_deadline_s: float | None = None
     restart_grace_s: float = 5.0
+    heartbeat_timeout_s: float = 5.0
     max_attempts: int = 3
 
     def chunk_deadline(self) -> float:
         return self.chunk_deadline_s if self.chunk_deadline_s is not None else self.request_timeout_s / self.max_attempts
+
+    def heartbeat_interval(self) -> float:
+        """Seconds between pings: 1 s, or less for a short `heartbeat_timeout_s` (a few pings
+        fit in it, so one late answer is not taken for a hung worker)."""
+        return min(1.0, self.heartbeat_timeout_s / 4)
 
 
 class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
@@ -129,7 +146,13 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
     shutdown_timeout_s: float = 30.0
 
     def check(self) -> None:
-        """Raise ValueError naming the setting when a combination cannot run."""
+        """Raise ValueError naming the setting when a value or a combination cannot run."""
+        bad = _non_finite(msgspec.to_builtins(self), "")
+        if bad is not None:
+            # JSON, which carries the settings to worker processes, turns NaN and inf into null
+            raise ValueError(f"{bad[0]} = {bad[1]} is not a finite number; set a finite value")
+        if self.pool.heartbeat_timeout_s <= 0:
+            raise ValueError(f"heartbeat_timeout_s must be > 0 seconds, got {self.pool.heartbeat_timeout_s}")
         if self.http_processes < 1:
             raise ValueError(f"http_processes must be >= 1, got {self.http_processes}")
         if self.http_processes > 1 and (self.model is not None or self.workers > 0 or self.ray):
@@ -162,6 +185,18 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
             )
         size = len(devices) // self.workers
         return [",".join(devices[i * size : (i + 1) * size]) for i in range(self.workers)]
+
+
+def _non_finite(value: Any, path: str) -> tuple[str, float] | None:
+    """The first NaN or infinite float in `value` (builtins: dicts, lists, numbers), with its path."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _non_finite(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key)
+        if found is not None:
+            return found
+    return None
 
 
 def _paths(raw: str) -> list[str]:
@@ -235,10 +270,13 @@ def load_settings(
     for _, layer in layers:
         merged = _merge(merged, layer)
     try:
-        return msgspec.convert(merged, ServerSettings)
+        settings = msgspec.convert(merged, ServerSettings)
     except msgspec.ValidationError as e:
         sources = ", ".join(name for name, _ in layers)
         raise ValueError(f"invalid server setting: {e} (from {sources})") from None
+    for name, table in settings.rewards.items():  # only the TOML file configures rewards
+        spec_from_dict(dict(table), source=f"{config} [rewards.{name}]")
+    return settings
 
 
 def _drop_none(flags: Mapping[str, Any]) -> dict[str, Any]:

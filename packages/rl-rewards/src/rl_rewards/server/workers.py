@@ -9,10 +9,13 @@ they are scored on the event loop as requests arrive.
 rl_rewards.server.workers`), one per GPU group of `CUDA_VISIBLE_DEVICES` or N CPU workers. Each
 batch goes to the worker with the fewest outstanding samples (CapRL's static chunking kept worker
 0 hot). When a worker dies, its in-flight chunks are retried on another worker and the dead one is
-restarted, so a crash loses no request. A worker that hangs instead (a stuck judge, a SIGSTOP)
-is caught by the chunk deadline (`PoolSettings`): marked unhealthy, its chunks retried elsewhere,
-killed after a grace period and restarted. Router and worker speak length-prefixed msgpack
-(`rl_rewards.wire.WorkRequest` / `WorkReply`) over the worker's stdin/stdout.
+restarted, so a crash loses no request. A worker that hangs instead is caught by the chunk
+deadline (a stuck judge), or within seconds by its heartbeat when the whole process stops running
+(a SIGSTOP, a deadlock): marked unhealthy, its chunks retried elsewhere, killed after a grace
+period and restarted (`PoolSettings`). Router and worker speak length-prefixed msgpack
+(`rl_rewards.wire.WorkRequest` / `WorkReply`) over the worker's stdin/stdout; in the worker, a
+reader thread answers the router's pings at once and queues chunks for the scoring thread, so a
+worker busy with a long chunk still answers its heartbeat.
 """
 
 from __future__ import annotations
@@ -21,11 +24,15 @@ import asyncio
 import contextlib
 import logging
 import os
+import queue
 import struct
 import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
+
+from prometheus_client import Counter
 
 from rl_rewards import wire
 from rl_rewards.samples import Sample, ScoreResult, runs_inline
@@ -124,6 +131,10 @@ class WorkerHandle(Protocol):
     async def stop(self, grace: float) -> None:
         """Ask the worker to exit; kill it if it has not after `grace` seconds."""
     def is_alive(self) -> bool: ...
+    def ping(self) -> None:
+        """Send a liveness probe without waiting for it; its answer, as any answer, moves `last_seen`."""
+    def last_seen(self) -> float:
+        """Event-loop time of the worker's last answer (a worker that cannot be pinged: now)."""
 
 
 class Router:
@@ -133,7 +144,11 @@ class Router:
     A chunk not answered within `PoolSettings.chunk_deadline()` marks its worker unhealthy (it
     leaves `alive()`, so `/health` and `rl_rewards_workers_healthy` drop), fails the worker's
     other chunks so they are retried at once, and restarts it. A request gives up with
-    RuntimeError (the app answers 503) after `request_timeout_s` or `max_attempts` tries."""
+    RuntimeError (the app answers 503) after `request_timeout_s` or `max_attempts` tries.
+
+    A heartbeat catches a worker whose process runs no code (SIGSTOP, deadlock) well before the
+    deadline: every worker is pinged each `PoolSettings.heartbeat_interval()`, and one that has
+    answered nothing for `heartbeat_timeout_s` is treated the same way."""
 
     def __init__(
         self, factory: Callable[[int], WorkerHandle], size: int, metrics: Metrics, pool: PoolSettings | None = None
@@ -149,11 +164,13 @@ class Router:
         self._started = False
         self._next_id = 0
         self._changed = asyncio.Event()
+        self._watcher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await asyncio.gather(*(w.start() for w in self._workers))
         self.rewards = self._workers[0].rewards
         self._started = True
+        self._watcher = asyncio.create_task(self._watch())
 
     def alive(self) -> int:
         """Workers that take chunks now (not dead, not stuck, not restarting)."""
@@ -178,7 +195,8 @@ class Router:
                 reply = await asyncio.wait_for(worker.call(chunk), deadline)
             except TimeoutError:
                 errors.append(f"worker {worker.index}: no answer within {deadline:.1f} s (chunk_deadline_s)")
-                self._suspend(worker, deadline)
+                self._suspend(worker, f"sent no answer in {deadline:.1f} s (chunk_deadline_s)",
+                              self._metrics.deadline_misses)
                 self._count_retry(attempt)
                 continue
             except WorkerLost as e:
@@ -221,14 +239,35 @@ class Router:
                     f"{'; '.join(errors) or 'every worker is restarting'}"
                 ) from None
 
-    def _suspend(self, worker: WorkerHandle, waited: float) -> None:
-        """A worker that missed a deadline: unhealthy now, its chunks retried, restarted."""
+    async def _watch(self) -> None:
+        """The heartbeat: ping every live worker each interval; one silent for `heartbeat_timeout_s`
+        is hung. After a tick that came late (this event loop was blocked, so answers may sit
+        unread in the pipes) nobody is judged until the next one."""
+        loop = asyncio.get_running_loop()
+        timeout, interval = self._pool.heartbeat_timeout_s, self._pool.heartbeat_interval()
+        last_tick = loop.time()
+        while True:
+            await asyncio.sleep(interval)
+            now = loop.time()
+            late, last_tick = now - last_tick > 2 * interval, now
+            for worker in list(self._workers):
+                if not worker.is_alive():
+                    continue
+                silent = now - worker.last_seen()
+                if silent > timeout and not late:
+                    self._suspend(worker, f"answered no heartbeat for {silent:.1f} s (heartbeat_timeout_s={timeout})",
+                                  self._metrics.heartbeat_misses)
+                else:
+                    worker.ping()
+
+    def _suspend(self, worker: WorkerHandle, why: str, counter: Counter) -> None:
+        """A worker that missed its chunk deadline or its heartbeat: unhealthy now, its chunks
+        retried, restarted."""
         if worker.index in self._restarting or self._workers[worker.index] is not worker:
             return
-        log.warning("worker %d sent no answer in %.1f s: marked unhealthy, its chunks go elsewhere; restarting it",
-                    worker.index, waited)
-        self._metrics.deadline_misses.inc()
-        worker.abandon(f"worker {worker.index} missed its chunk deadline ({waited:.1f} s) and is being restarted")
+        log.warning("worker %d %s: marked unhealthy, its chunks go elsewhere; restarting it", worker.index, why)
+        counter.inc()
+        worker.abandon(f"{why}; restarting it")  # the router's error names the worker
         self._restart(worker)
 
     def _restart(self, worker: WorkerHandle) -> None:
@@ -253,6 +292,10 @@ class Router:
             self._changed.set()
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
         for task in list(self._restarting.values()):
             with contextlib.suppress(Exception):
                 await task
@@ -274,6 +317,9 @@ class ProcessWorker:
         self._reader: asyncio.Task[None] | None = None
         self._dead = False
         self._write_lock = asyncio.Lock()
+        self._seen = 0.0  # loop time of the last frame from the worker
+        self._pinging: asyncio.Task[None] | None = None
+        self._ping_id = 0  # pings count down from -1: chunk ids are positive, the hello is 0
 
     @property
     def pid(self) -> int | None:
@@ -292,21 +338,43 @@ class ProcessWorker:
             self._dead = True
             raise RuntimeError(f"worker {self.index} failed to start: {hello.error if hello else 'exited'}")
         self.rewards = hello.rewards
+        self._seen = asyncio.get_running_loop().time()
         self._reader = asyncio.create_task(self._read_loop())
 
     def is_alive(self) -> bool:
         return self._proc is not None and not self._dead
+
+    def last_seen(self) -> float:
+        return self._seen
+
+    def ping(self) -> None:
+        """Send a `Ping` unless the last one is still being written (a stopped worker's full pipe)."""
+        if self.is_alive() and (self._pinging is None or self._pinging.done()):
+            self._ping_id -= 1
+            self._pinging = asyncio.create_task(self._send_ping(wire.Ping(id=self._ping_id)))
+
+    async def _send_ping(self, ping: wire.Ping) -> None:
+        with contextlib.suppress(WorkerLost):  # the read loop and the router see a dead worker
+            await self._send(wire.encode_msgpack(ping))
 
     async def call(self, chunk: wire.ScoreChunk) -> wire.WorkReply:
         if not self.is_alive():
             raise WorkerLost("worker is not running")
         future: asyncio.Future[wire.WorkReply] = asyncio.get_running_loop().create_future()
         self._pending[chunk.id] = future
-        payload = wire.encode_msgpack(chunk)
+        # writing may block on a stopped worker's full pipe: an `abandon` (heartbeat) fails the
+        # future, and the chunk must not wait for the write
+        sending = asyncio.ensure_future(self._send(wire.encode_msgpack(chunk)))
         try:
-            await self._send(payload)
+            either: set[asyncio.Future[Any]] = {sending, future}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if not future.done():
+                sending.result()  # written (or WorkerLost: the pipe is closed)
             return await future
         finally:
+            sending.cancel()  # a write still waiting on the pipe; a finished one's error is the future's too
+            if sending.done() and not sending.cancelled():
+                sending.exception()
             self._pending.pop(chunk.id, None)  # answered, lost, or given up on (chunk deadline)
 
     def _pipes(self) -> tuple[asyncio.StreamWriter, asyncio.StreamReader]:
@@ -339,8 +407,10 @@ class ProcessWorker:
         return wire.decode_msgpack(body, wire.WorkReply)
 
     async def _read_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while (reply := await self._read_frame()) is not None:
-            future = self._pending.pop(reply.id, None)
+            self._seen = loop.time()
+            future = self._pending.pop(reply.id, None)  # None for a ping's answer
             if future is not None and not future.done():
                 future.set_result(reply)
         self._mark_dead()
@@ -372,6 +442,8 @@ class ProcessWorker:
         if self._reader is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
+        if self._pinging is not None:
+            self._pinging.cancel()
         self._mark_dead()
 
 
@@ -399,9 +471,27 @@ def handle(served: dict, request: wire.WorkRequest) -> wire.WorkReply:
         return wire.WorkReply(id=request.id, error=f"{type(e).__name__}: {e}")
 
 
+def _read_requests(source: BinaryIO, out: BinaryIO, lock: threading.Lock, served: dict,
+                   chunks: queue.SimpleQueue[wire.ScoreChunk | None]) -> None:
+    """The worker's reader thread: answers each `Ping` at once (the heartbeat: also while the
+    main thread scores a long chunk; a stopped or deadlocked process answers nothing) and queues
+    chunks for the main thread; None once stdin closes."""
+    try:
+        while header := source.read(_HEADER.size):
+            request = wire.decode_msgpack(source.read(_HEADER.unpack(header)[0]), wire.WorkRequest)
+            if isinstance(request, wire.Ping):
+                with lock:
+                    _write(out, handle(served, request))
+            else:
+                chunks.put(request)
+    finally:
+        chunks.put(None)
+
+
 def worker_main(index: int) -> None:
-    """Serve frames from stdin until it closes. stdout is reserved for frames: anything a
-    library prints goes to stderr."""
+    """Serve frames from stdin until it closes: chunks are scored one at a time on this thread,
+    pings answered by a reader thread. stdout is reserved for frames: anything a library prints
+    goes to stderr."""
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -414,9 +504,14 @@ def worker_main(index: int) -> None:
         _write(out, wire.WorkReply(id=0, error=f"{type(e).__name__}: {e}"))
         return
     _write(out, wire.WorkReply(id=0, rewards=list(served)))
-    while header := source.read(_HEADER.size):
-        body = source.read(_HEADER.unpack(header)[0])
-        _write(out, handle(served, wire.decode_msgpack(body, wire.WorkRequest)))
+    lock = threading.Lock()
+    chunks: queue.SimpleQueue[wire.ScoreChunk | None] = queue.SimpleQueue()
+    threading.Thread(target=_read_requests, args=(source, out, lock, served, chunks), name="rl-rewards-reader",
+                     daemon=True).start()
+    while (chunk := chunks.get()) is not None:
+        reply = handle(served, chunk)
+        with lock:
+            _write(out, reply)
 
 
 if __name__ == "__main__":
