@@ -58,7 +58,7 @@ def _sync(session: nox.Session, package: str, extras: list[str]) -> None:
 
 def _pytest(session: nox.Session, package: str, markers: str, *args: str) -> None:
     session.run(
-        "python", "-m", "pytest", f"packages/{package}/tests", "-m", markers, "-q", *args,
+        "python", "-m", "pytest", f"packages/{package}/tests", "-m", markers, "-q", "--durations=8", *args,
         *session.posargs,
         success_codes=[0, 5] if markers != DEFAULT_MARKERS else [0],
     )
@@ -143,7 +143,7 @@ def app(session: nox.Session, app: str) -> None:
     """An app's default test suite, in an env holding only the app and what it declares
     (`uv run nox -s "app(caption-rl)"`)."""
     _sync(session, app, [])
-    session.run("python", "-m", "pytest", f"apps/{app}/tests", "-m", DEFAULT_MARKERS, "-q", *session.posargs)
+    session.run("python", "-m", "pytest", f"apps/{app}/tests", "-m", DEFAULT_MARKERS, "-q", "--durations=8", *session.posargs)
 
 
 
