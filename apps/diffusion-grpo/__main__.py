@@ -42,6 +42,7 @@ from PIL import Image, ImageDraw, ImageFont
 from rl_core.advantages import group_ids_from_keys, nonzero_advantage_indices
 from rl_core.train import (
     Checkpoint,
+    ConfigError,
     GroupAdvantages,
     ParameterEMA,
     Recipe,
@@ -61,6 +62,7 @@ from rl_models import tiny
 from rl_models.lora import export_lora
 from rl_rewards import SCORERS, Sample, Scorer, ScoreResult, build_reward, register_scorer
 from rl_rewards.client import RemoteScorer
+from rl_rewards.composition import Reward
 from rl_rewards.scorers.media import load_image
 from rl_rollout import ImageSamples
 
@@ -72,6 +74,7 @@ class State:
     family: Family  # the engine, the LoRA model it samples from and the optimizer
     ema: ParameterEMA  # also counts the optimizer steps: the weights' version
     reward: Scorer  # composed in process, or a RemoteScorer
+    weights: dict[str, float]  # the reward's component weights, for train.reward_aggregation=normalize_then_sum
     prompts: list[OCRPrompt]
     eval_prompts: list[OCRPrompt]
     sampler: GroupSampler
@@ -105,7 +108,13 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         ema = ParameterEMA(family.peft, decay=cfg.train.ema_decay, interval=cfg.train.ema_interval)
         reward = RemoteScorer(cfg.reward.url, cfg.reward.server_reward) if cfg.reward.url else build_reward(
             reward_spec(cfg.reward, tiny=cfg.model.path.startswith("tiny:")))
-        return State(cfg, run, family, ema, reward, prompts, eval_prompts, sampler)
+        weights: dict[str, float] = {}
+        if cfg.train.reward_aggregation == "normalize_then_sum":
+            try:
+                weights = cast(Reward, reward).sum_weights()
+            except ValueError as e:
+                raise ConfigError(f"train.reward_aggregation=normalize_then_sum: {e}") from None
+        return State(cfg, run, family, ema, reward, weights, prompts, eval_prompts, sampler)
 
     def start(self, state: State) -> None:
         state.family.start()
@@ -145,12 +154,14 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
     def score(self, state: State, step: int, batch: Batch) -> Scores:
         run = state.run
         files = run.run_dir / "rollouts" / f"step_{step}" / f"rank_{run.rank}" if state.cfg.reward.url else None
-        rewards, parts = score_images(state.reward, batch.images, batch.records, files=files, send_paths=True)
+        rewards, parts, components = score_images(state.reward, batch.images, batch.records, files=files,
+                                                  send_paths=True)
         run.samples.write("train", step, [{"prompt": r.prompt, "target": r.target, "reward": v}
                                           for r, v in zip(batch.records, rewards.tolist(), strict=True)])
         stats = {key: [value] for key, value in image_stats(batch.images).items()}  # equal image counts per process
         return grpo_scores(state.cfg.train, run.accelerator, rewards, batch.group_ids,
-                           [r.prompt for r in batch.records], means({**parts, **stats}, run.accelerator))
+                           [r.prompt for r in batch.records], means({**parts, **stats}, run.accelerator),
+                           components=components, weights=state.weights)
 
     def update(self, state: State, step: int, batch: Batch, advantages: GroupAdvantages) -> dict[str, float]:
         t, run, f, adv, acc = state.cfg.train, state.run, state.family, advantages.advantages, state.run.accelerator
@@ -181,8 +192,8 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
                 for i in range(0, len(records), e.batch_size):
                     prompts = [r.prompt for r in records[i:i + e.batch_size]]
                     images += to_pil(state.family.eval_images(prompts, [e.seed + i + k for k in range(len(prompts))]))
-        rewards, parts = score_images(state.reward, images, records, files=out / "images",
-                                      send_paths=state.cfg.reward.url is not None)
+        rewards, parts, _ = score_images(state.reward, images, records, files=out / "images",
+                                         send_paths=state.cfg.reward.url is not None)
         contact_sheet(images, [f"{r.prompt} | reward {v:.3f}" for r, v in zip(records, rewards.tolist(), strict=True)],
                       out / "contact_sheet.png")
         ok = rewards[torch.isfinite(rewards)]  # [V]
@@ -296,9 +307,10 @@ def contact_sheet(images: Sequence[Image.Image], captions: Sequence[str], path: 
 
 
 def score_images(scorer: Scorer, images: list[Image.Image], records: list[OCRPrompt], *, files: Path | None = None,
-                 send_paths: bool = False) -> tuple[torch.Tensor, dict[str, list[float]]]:
-    """Rewards `[N]` (NaN where scoring failed) and each component's values. `files`: the images
-    are saved there as PNGs, and with `send_paths` sent as paths (a reward server reads files)."""
+                 send_paths: bool = False) -> tuple[torch.Tensor, dict[str, list[float]], list[dict[str, float]]]:
+    """Rewards `[N]` (NaN where scoring failed), each component's values, and each image's
+    components. `files`: the images are saved there as PNGs, and with `send_paths` sent as paths
+    (a reward server reads files)."""
     if files is not None:
         files.mkdir(parents=True, exist_ok=True)
         for i, image in enumerate(images):
@@ -310,7 +322,8 @@ def score_images(scorer: Scorer, images: list[Image.Image], records: list[OCRPro
     for r in results:
         for key, value in r.components.items():
             parts.setdefault(f"reward/{key}", []).append(value)
-    return torch.tensor([math.nan if r.score is None else r.score for r in results]), parts  # [N]
+    rewards = torch.tensor([math.nan if r.score is None else r.score for r in results])  # [N]
+    return rewards, parts, [dict(r.components) for r in results]
 
 
 def means(values: Mapping[str, list[float]], accelerator: Any = None) -> dict[str, float]:
@@ -323,10 +336,12 @@ def means(values: Mapping[str, list[float]], accelerator: Any = None) -> dict[st
 
 
 def grpo_scores(t: TrainConfig, acc: Any, rewards: torch.Tensor, group_ids: torch.Tensor, prompts: list[str],
-                metrics: Mapping[str, float]) -> Scores:
+                metrics: Mapping[str, float], *, components: Sequence[Mapping[str, float]] = (),
+                weights: Mapping[str, float] | None = None) -> Scores:
     """GRPO over every process's groups, normalised as `train.adv_*` say; `train.adv_group_by =
     "prompt"` groups by prompt text instead (Flow-GRPO's per-prompt stat tracker: the prompts of
-    every process are gathered and numbered together)."""
+    every process are gathered and numbered together). `train.reward_aggregation =
+    "normalize_then_sum"` normalises each of the images' `components` by its `weights` instead."""
     if t.adv_group_by == "prompt":
         parts = gather_object([prompts])  # one list per process, in rank order
         start = sum(len(part) for part in parts[: acc.process_index])
@@ -336,8 +351,9 @@ def grpo_scores(t: TrainConfig, acc: Any, rewards: torch.Tensor, group_ids: torc
     stds = [everything[(groups == g) & torch.isfinite(everything)].std().item() for g in groups.unique()
             if ((groups == g) & torch.isfinite(everything)).sum() > 1]
     options = {"scale": t.adv_scale, "eps": t.adv_eps, "clip": t.adv_clip, "std": t.adv_std, "eps_mode": t.adv_eps_mode}
-    return Scores(rewards, group_ids, "grpo", options=options,
-                  metrics={**metrics, "reward/zero_std_group_fraction": sum(s == 0 for s in stds) / max(len(stds), 1)})
+    return Scores(rewards, group_ids, "grpo", options=options, components=components,
+                  metrics={**metrics, "reward/zero_std_group_fraction": sum(s == 0 for s in stds) / max(len(stds), 1)},
+                  aggregation=t.reward_aggregation, weights=weights or {})
 
 
 def export_adapters(model: PeftModel, ema: ParameterEMA, out: Path) -> None:

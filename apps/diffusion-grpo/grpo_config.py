@@ -16,6 +16,7 @@ from rl_core.train import (
     NonNegativeFloat,
     Positive,
     PositiveFloat,
+    RewardAggregationName,
     RunFields,
     UnitInterval,
     UserError,
@@ -107,6 +108,12 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     """A sample's baseline: the mean of its group (the n images of one draw of a prompt; ours,
     VRL) or of every image of the same prompt text in the epoch (Flow-GRPO's per-prompt stat
     tracker: two groups of one prompt share a mean)."""
+    reward_aggregation: RewardAggregationName = "sum_then_normalize"
+    """Several reward components (ocr + brightness, say): `sum_then_normalize` (their weighted sum is
+    the reward, normalised by train.adv_*) or `normalize_then_sum` (GDPO; TRL's
+    multi_objective_aggregation): each component normalised within its group before the weighted
+    sum, then over the batch (train.adv_* do not apply), so a large-scale reward cannot drown a
+    small one. Needs the reward in process (a weighted sum, not reward.url)."""
     zero_adv: Literal["drop", "flow_grpo"] = "drop"
     """Zero-advantage images: `drop` (ours, VRL) trains the rest of each sampled batch in chunks
     of micro_batch_size; `flow_grpo` (Flow-GRPO) puts randomly chosen ones back until the kept
@@ -185,6 +192,9 @@ def check_config(cfg: Config, world_size: int) -> None:
          "step (Flow-GRPO trains int(steps x fraction)); raise it"),
         (r.workers > 0 and world_size > 1 and not r.ray_address, f"rollout.workers={r.workers} with {world_size} "
          "trainer processes needs a running Ray cluster: `ray start --head`, then set RAY_ADDRESS or rollout.ray_address"),
+        (t.reward_aggregation == "normalize_then_sum" and cfg.reward.url is not None,
+         "train.reward_aggregation=normalize_then_sum weighs the reward's components itself: it needs the reward in "
+         "process (reward.url unset)"),
         (r.groups_per_epoch % world_size != 0,
          f"rollout.groups_per_epoch={r.groups_per_epoch} must divide by the {world_size} processes"),
         (t.zero_adv == "flow_grpo" and (images % t.micro_batch_size or images // t.micro_batch_size % t.gradient_accumulation_steps),

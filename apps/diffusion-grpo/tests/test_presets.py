@@ -161,3 +161,26 @@ def test_janus_resolution_must_be_the_checkpoints(app, tmp_path: Path) -> None:
 
     with pytest.raises(UserError, match=r"sampling\.resolution=64: .* 32x32 .* sampling\.resolution=32"):
         setup_state(app, tiny_config(app, "janus", tmp_path, "sampling.resolution=64"))
+
+
+def test_normalize_then_sum_normalises_each_component_in_its_group(app, state) -> None:
+    """train.reward_aggregation=normalize_then_sum: the images' components reach the loop's group
+    advantages with the reward's weights (GDPO), in place of train.adv_* on the weighted sum."""
+    from rl_core.advantages import normalize_then_sum
+
+    cfg = _preset(app, "ours", "train.reward_aggregation=normalize_then_sum")
+    components = [{"ocr": float(i % 2), "brightness": 0.1 * i} for i in range(8)]
+    weights = {"ocr": 1.0, "brightness": 0.1}
+    scores = app.grpo_scores(cfg.train, state.run.accelerator, REWARDS, GROUPS, PROMPTS, {}, components=components,
+                             weights=weights)
+    assert scores.aggregation == "normalize_then_sum" and scores.weights == weights
+    objectives = torch.tensor([[c["brightness"], c["ocr"]] for c in components])  # [8, 2], sorted names
+    expected = normalize_then_sum(objectives, torch.tensor([0.1, 1.0]), GROUPS)
+    from rl_core.train.loop import _objectives
+
+    adv = group_advantages(scores.estimator, scores.rewards, scores.group_ids, accelerator=state.run.accelerator,
+                           options=scores.options, **_objectives(scores)).advantages
+    torch.testing.assert_close(adv, expected, atol=1e-6, rtol=0)
+    with pytest.raises(ConfigError, match="needs the reward in process"):
+        app.check_config(_preset(app, "ours", "train.reward_aggregation=normalize_then_sum",
+                                 "reward.url=http://127.0.0.1:1"), 1)
