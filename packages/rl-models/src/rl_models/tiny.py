@@ -85,7 +85,11 @@ def _check_cached_when_offline(repo_id: str, key: str, *, timeout: float = 5.0) 
     for a minute and fail with a traceback about the network. Online, one metadata request
     (`timeout` seconds) tells a missing model and an unreachable Hub apart."""
     from huggingface_hub import HfApi, constants, snapshot_download
-    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     where = f"{key}={repo_id!r} is no local folder (no such path: {Path(repo_id).absolute()}), and as a hub id"
     try:
