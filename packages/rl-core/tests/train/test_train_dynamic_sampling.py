@@ -72,22 +72,24 @@ def test_merged_token_rewards_are_padded_and_tokens_summed() -> None:
     assert merged.metrics == {"tokens": 24.0, "response/length_mean": 1.0}  # round 1's, every round's tokens
 
 
-# The bandit with lr 1: the first step at which the greedy policy answers all 8 prompts right
-# (eval every step), without and with dynamic sampling (4 rounds at most). Pinned on the 2-core CPU.
-PINNED_SOLVED_AT = {"plain": 26, "dynamic": 18}
+# The bandit with lr 1, 18 steps, evaluated every step (the greedy policy on all 8 prompts): with
+# dynamic sampling (4 rounds at most) it answers every prompt right at step 18; without, it is at
+# 0.75 then (and reaches 1.0 at step 26). Pinned on the 2-core CPU.
+PINNED_EVAL = {"plain": (0.75, None), "dynamic": (1.0, 18)}
 
 
 def test_dynamic_sampling_reaches_the_target_in_fewer_steps(tmp_path: Path) -> None:
-    solved = {}
+    seen = {}
     for name, extra in (("plain", []), ("dynamic", ["train.dynamic_sampling.enable=true",
                                                     "train.dynamic_sampling.max_rounds=4"])):
-        run_dir = bandit.main([f"train.output_dir={tmp_path}", f"train.run_name={name}", "train.max_steps=30",
+        run_dir = bandit.main([f"train.output_dir={tmp_path}", f"train.run_name={name}", "train.max_steps=18",
                                "train.eval_every=1", "train.lr=1.0", *extra])
         assert run_dir is not None
         table = rows(run_dir)
-        solved[name] = next(int(r["step"]) for r in table if float(r["eval/reward/mean"]) >= 1.0)
+        evals = [float(r["eval/reward/mean"]) for r in table]
+        seen[name] = (max(evals), next((int(r["step"]) for r in table if float(r["eval/reward/mean"]) >= 1.0), None))
         assert not unknown_metric_names(table[0])
-    assert solved == PINNED_SOLVED_AT
+    assert seen == PINNED_EVAL
     first = rows(tmp_path / "dynamic")[0]
     assert float(first["dynamic_sampling/rounds"]) == 2  # round 1 had uniform groups: one more round
     assert float(first["dynamic_sampling/kept_groups"]) == 4 and float(first["dynamic_sampling/filled_groups"]) == 0
