@@ -32,7 +32,8 @@ from packaging.utils import canonicalize_name
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "tests", "rewards_no_torch", "third_party", "app", "packaging", "docs"]
+nox.options.sessions = ["lint", "tests", "rewards_no_torch", "third_party", "coinstall_resolve", "coinstall(verl)",
+                        "app", "packaging", "docs"]
 
 # package -> extras its tests need (never vllm: it needs a GPU and is opt-in).
 PACKAGES: dict[str, list[str]] = {
@@ -113,10 +114,11 @@ def rewards_no_torch(session: nox.Session) -> None:
     _pytest(session, "rl-rewards", "no_torch")
 
 
-# verl and OpenRLHF pin transformers below the workspace's (verl 0.9.1: < 5.11; OpenRLHF also
-# needs flash-attn and deepspeed, which do not build on a CPU), so they cannot share uv.lock.
-# Their reward code needs none of that: they are installed without dependencies, plus the few
-# light modules their reward managers, reward loop and Experience code import.
+# verl and OpenRLHF pin transformers below the workspace's (verl 0.9.1: < 5.11; OpenRLHF 0.11.2:
+# 5.15.0, and flash-attn and deepspeed sdists that build only with torch added, see
+# COINSTALL_UV_CONFIG), so they cannot share uv.lock. Their reward code needs none of that: here
+# they are installed without dependencies, plus the few light modules their reward managers,
+# reward loop and Experience code import (`coinstall` installs them with all of theirs).
 THIRD_PARTY_NO_DEPS = ["verl==0.9.1", "openrlhf==0.11.2"]
 THIRD_PARTY_IMPORTS = ["tensordict==0.15.3", "codetiming==1.4.0", "omegaconf==2.4.0", "orjson>=3.10",
                        "pylatexenc==2.11", "aiohttp>=3.9"]
@@ -134,7 +136,70 @@ def third_party(session: nox.Session) -> None:
     session.install(*THIRD_PARTY_IMPORTS)
     for package in ("rl-rewards", "rl-core"):
         session.run("python", "-m", "pytest", f"packages/{package}/tests/third_party", "-m", "third_party", "-q",
+                    f"--ignore=packages/{package}/tests/third_party/test_coinstall.py",  # coinstall's smoke
                     *session.posargs)
+
+
+# `pip install TRAINER rl-core rl-models rl-rewards` must resolve and work, for each trainer (its
+# pin). Resolved from PyPI with the trainer's own dependencies, not from uv.lock: verl 0.9.1 needs
+# transformers < 5.11 and OpenRLHF 0.11.2 pins 5.15.0, below the lock's. rl-rewards without
+# extras: its `hf` extra brings rl-rollout, which still needs transformers >= 5.17.
+COINSTALL = {"verl": "verl==0.9.1", "trl": "trl==1.16.*", "openrlhf": "openrlhf==0.11.2"}
+COINSTALL_OURS = ["./packages/rl-core", "./packages/rl-models", "./packages/rl-rewards"]
+# Resolve as of this date, so that a release on PyPI neither changes what CI tests nor makes it
+# download a new torch; move it forward to check against newer releases.
+COINSTALL_EXCLUDE_NEWER = "2026-11-26"
+# OpenRLHF's flash-attn and deepspeed are sdists whose setup.py imports torch without declaring
+# it: build them against the environment's torch, flash-attn without its CUDA kernels (no nvcc on
+# CI; its Python modules install, as a CPU-only reward process needs).
+COINSTALL_UV_CONFIG = """
+[extra-build-dependencies]
+flash-attn = [{ requirement = "torch", match-runtime = true }, "psutil", "ninja", "packaging", "wheel"]
+deepspeed = [{ requirement = "torch", match-runtime = true }]
+
+[extra-build-variables]
+flash-attn = { FLASH_ATTENTION_SKIP_CUDA_BUILD = "TRUE" }
+deepspeed = { DS_BUILD_OPS = "0" }
+"""
+
+
+def _coinstall(session: nox.Session, tmp: str, *args: str) -> None:
+    """`uv pip install` of `args` and our three packages into the session venv, as pip would:
+    `--no-sources`, so the packages come from their folders and not as workspace links."""
+    config = Path(tmp) / "uv.toml"
+    config.write_text(COINSTALL_UV_CONFIG)
+    session.install("--config-file", str(config), "--no-sources", "--exclude-newer", COINSTALL_EXCLUDE_NEWER,
+                    *args, *COINSTALL_OURS)
+
+
+@nox.session
+def coinstall_resolve(session: nox.Session) -> None:
+    """CI's check that each trainer and our packages resolve together (dry runs, seconds): the
+    environments themselves cost a minute or more each (OpenRLHF's sdists build every time), so
+    CI builds only verl's (`coinstall(verl)`) and the third_party session runs TRL, verl and
+    OpenRLHF's reward code with the lock's versions."""
+    with tempfile.TemporaryDirectory(prefix="rl-coinstall-") as tmp:
+        for requirement in COINSTALL.values():
+            _coinstall(session, tmp, "--dry-run", requirement)
+
+
+@nox.session
+@nox.parametrize("trainer", list(COINSTALL), ids=list(COINSTALL))
+def coinstall(session: nox.Session, trainer: str) -> None:
+    """One environment with a trainer and rl-core, rl-models and rl-rewards, resolved together
+    from PyPI with every dependency, then rl-rewards' adapter smoke for that trainer
+    (tests/third_party/test_coinstall.py), with rl-models' tiny qwen3 built under the
+    transformers the trainer resolved (`nox -s "coinstall(openrlhf)"`)."""
+    with tempfile.TemporaryDirectory(prefix="rl-coinstall-") as tmp:
+        _coinstall(session, tmp, COINSTALL[trainer], "pytest>=8.3")
+        session.run("uv", "pip", "show", trainer, "transformers", "torch", external=True)
+        out = session.run("python", "-m", "pytest", "packages/rl-rewards/tests/third_party/test_coinstall.py",
+                          "-m", "third_party", "-k", f"test_{trainer}_", "-q", "-p", "no:cacheprovider",
+                          *session.posargs, env={"RL_MODELS_CACHE": str(Path(tmp) / "tiny")}, silent=True)
+        summary = str(out).strip().splitlines()[-1]
+        session.log(summary)
+        if "skipped" in summary:  # the test importorskips its trainer: here that must not happen
+            session.error(f"the {trainer} smoke was skipped: its trainer did not import\n{out}")
 
 
 @nox.session

@@ -57,12 +57,13 @@ def compile_decoder_layers(model: torch.nn.Module, **compile_kwargs: Any) -> tor
 
 
 class _CompiledWithoutCache:
-    """A layer's `forward`: the compiled one, or the eager one when a KV cache is passed."""
+    """A layer's `forward`: the compiled one, or the eager one when a KV cache is passed
+    (`past_key_values=`; transformers >= 5.24 names it `cache=`)."""
 
     def __init__(self, eager: Callable[..., Any], compiled: Callable[..., Any]) -> None:
         self.eager, self.compiled = eager, compiled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("past_key_values") is not None:
+        if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
             return self.eager(*args, **kwargs)
         return self.compiled(*args, **kwargs)

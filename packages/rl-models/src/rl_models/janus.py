@@ -59,13 +59,17 @@ def load_janus(
         **pretrained_kwargs(dtype=dtype, device=device, attn_implementation=attn_implementation),
     )
     model.eval()
-    return JanusModel(model, JanusProcessor.from_pretrained(str(path_or_id)))
+    processor = JanusProcessor.from_pretrained(str(path_or_id))
+    # The processor writes this many `<image_placeholder>` per image; the vision tower's config is
+    # the truth. transformers < 5.13 hard-codes Janus-Pro's 576 whatever the processor config says.
+    processor.num_image_tokens = num_image_tokens(model)
+    return JanusModel(model, processor)
 
 
 def generate_image_tokens(model: JanusForConditionalGeneration, **kwargs: object) -> Tensor:
     """transformers' own image sampler, `model.generate(**kwargs, generation_mode="image")` ->
     image-token ids `[B, N]` (the reference our `janus` engine is checked against). Works across
-    transformers >= 5.17: the 5.17 Janus `generate` leaves out `_prepare_static_cache`'s
+    transformers versions: the 5.17 Janus `generate` leaves out `_prepare_static_cache`'s
     `prefill_chunk_size` argument (a TypeError there), so it is filled in from the generation
     config for this call."""
     prepare = type(model)._prepare_static_cache

@@ -33,7 +33,7 @@ class TokenBatch:
         pixel_values, image_grid_thw: image inputs from a Qwen-VL processor (None for text).
         pixel_values_videos, video_grid_thw, second_per_grid_ts: video inputs (Qwen2.5-VL uses
             `second_per_grid_ts`; Qwen3-VL does not).
-        mm_token_type_ids: `[B, T]` modality of each token (transformers >= 5.18 processors).
+        mm_token_type_ids: `[B, T]` modality of each token (as the Qwen-VL processors return it).
     """
 
     input_ids: Tensor  # [B, T]
