@@ -32,8 +32,8 @@ from packaging.utils import canonicalize_name
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "tests", "rewards_no_torch", "third_party", "coinstall_resolve", "coinstall(verl)",
-                        "app", "packaging", "docs"]
+nox.options.sessions = ["lint", "tests", "rewards_no_torch", "third_party", "coinstall_resolve", "app",
+                        "packaging", "docs"]
 
 # package -> extras its tests need (never vllm: it needs a GPU and is opt-in).
 PACKAGES: dict[str, list[str]] = {
@@ -175,9 +175,10 @@ def _coinstall(session: nox.Session, tmp: str, *args: str) -> None:
 @nox.session
 def coinstall_resolve(session: nox.Session) -> None:
     """CI's check that each trainer and our packages resolve together (dry runs, seconds): the
-    environments themselves cost a minute or more each (OpenRLHF's sdists build every time), so
-    CI builds only verl's (`coinstall(verl)`) and the third_party session runs TRL, verl and
-    OpenRLHF's reward code with the lock's versions."""
+    environments themselves cost half a minute to a minute or more each (OpenRLHF's sdists build
+    every time), so they are opt-in (`coinstall(verl)`, `coinstall(trl)`, `coinstall(openrlhf)`;
+    CI's time is near its limit) and the third_party session runs TRL, verl and OpenRLHF's reward
+    code with the lock's versions."""
     with tempfile.TemporaryDirectory(prefix="rl-coinstall-") as tmp:
         for requirement in COINSTALL.values():
             _coinstall(session, tmp, "--dry-run", requirement)

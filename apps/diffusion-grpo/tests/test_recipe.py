@@ -256,6 +256,7 @@ def test_compile_is_refused_where_it_does_not_apply(app) -> None:
 # torch's dynamo reads `.grad` of non-leaf fake tensors while tracing the replay (a UserWarning of
 # its own, an error under this suite's filterwarnings)
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+@pytest.mark.slow  # ~45 s of compiling on 2 cores; rl-rollout's default suite checks compiled sampling = eager
 def test_compiled_blocks_sample_and_replay_within_the_ratio_tolerance(app, tmp_path: Path) -> None:
     """model.compile=true: the blocks compiled for sampling (no grad) and for the replay (grad) are
     different graphs; in float32 on the CPU the first replay still passes the default

@@ -186,20 +186,22 @@ def test_stopped_worker_is_caught_by_its_heartbeat_long_before_the_chunk_deadlin
 
 
 def test_a_worker_busy_with_a_long_chunk_answers_its_heartbeat(tmp_path):
-    """One chunk that takes several heartbeat timeouts to score (100 captions of 200k characters,
-    ~23 ms each): the worker's reader thread answers the pings meanwhile, so it is neither marked
-    hung nor restarted, and the request is answered."""
-    heartbeat = 0.5
-    args = ["--workers", "1", "--heartbeat-timeout", str(heartbeat), *format_only(tmp_path)]
+    """One chunk that takes several heartbeat timeouts to score (200 captions of 200k characters,
+    ~11 ms each on the 2-core dev machine: ~2.2 s against a 0.3 s timeout, margin for a faster
+    machine): the worker's reader thread answers the pings meanwhile, so it is neither marked hung
+    nor restarted, and the request is answered."""
+    heartbeat = 0.3
+    args = ["--workers", "1", "--heartbeat-timeout", str(heartbeat), "--max-body-bytes", str(2**27),
+            *format_only(tmp_path)]
     distinct = ["[00:01] a " * 19_999 + f"[00:{i:02d}]" for i in range(0, 60, 6)]
-    texts = distinct * 10
+    texts = distinct * 20
     with server_process(tmp_path, "busy", args) as server:
         worker = children(server.proc.pid)
         started = time.monotonic()
         r = httpx.post(f"{server.url}/v1/score", json=score_body(texts), timeout=60)
         took = time.monotonic() - started
         assert r.status_code == 200, r.text[:500]
-        assert [x["score"] for x in r.json()["results"]] == [timestamp_format(t) for t in distinct] * 10
+        assert [x["score"] for x in r.json()["results"]] == [timestamp_format(t) for t in distinct] * 20
         assert took > 3 * heartbeat, f"the chunk took only {took:.2f} s: too short to prove anything"
         assert metric(server.url, "rl_rewards_heartbeat_misses_total") == 0
         assert metric(server.url, "rl_rewards_worker_restarts_total") == 0
