@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,8 +21,6 @@ from safetensors.torch import load_file
 
 from rl_core.train import UserError, load_config, unknown_metric_names
 from rl_models import tiny
-from rl_rewards import ScoreResult, register_scorer
-from rl_rewards.registry import SCORERS
 
 METRIC_COLUMNS = [
     "step", "reward/mean", "reward/std", "reward/qa", "reward/format", "reward/length", "reward/failed",
@@ -193,35 +192,23 @@ def test_resume_continues_exactly_where_the_run_stopped(app, tmp_path):
         torch.testing.assert_close(wa[name], wb[name], atol=1e-6, rtol=0, msg=name)
 
 
-class StartsWithAWord:
-    """Learning-test reward: 1 when the caption's first token is a word-start token (its text
-    begins with a space), else 0. A random tiny policy draws one ~20% of the time; the first
-    token is sampled in the same context for every rollout, so a bandit-like signal is learnable
-    in a handful of CPU steps."""
-
-    name = "starts_with_a_word"
-
-    def score(self, samples):
-        return [ScoreResult(score=float(s.completion.startswith(" "))) for s in samples]
+# The embedded default's train reward/mean, measured (2 CPU threads): 0.8026 0.8227 0.8101 1.0932
+# 1.1027 1.1992; the mean of the last 3 steps is 1.132 against 0.812 for the first 3 (+0.320; the
+# judge's qa moves by ~0.02 from step to step, the length term carries the rise).
+DEFAULT_MARGIN = 0.2
 
 
-if "starts_with_a_word" not in SCORERS:
-    register_scorer("starts_with_a_word", StartsWithAWord)
-
-# Measured on the tiny Qwen2.5-VL (seed 0): ~0.2 over the first steps, > 0.5 by step 8.
-LEARN_STEPS, LEARN_MARGIN = 12, 0.2
-
-
-def test_the_tiny_policy_learns_a_rule_reward(app, tmp_path):
-    spec = tmp_path / "learn.toml"
-    spec.write_text('[components.word_start]\nscorer = "starts_with_a_word"\n')
-    run = app.main(tiny_overrides(
-        tmp_path, f"reward.spec={spec}", f"data.train=[\"{DATA / 'caption_qa_images.jsonl'}\"]", "rollout.n=8",
-        "rollout.max_new_tokens=4", "train.batch_size=4", f"train.max_steps={LEARN_STEPS}", "train.lr=3e-2",
-        "train.micro_batch_size=32", "train.export=false"))
+def test_the_embedded_default_learns_within_its_run(app, tmp_path, monkeypatch, capsys):
+    """`uv run apps/caption-rl` as a user runs it, its evals off (measured: the same training
+    rewards with them; the old learning test's CI time): the train reward rises over its 6 steps,
+    and the closing summary quotes the first and the last step."""
+    monkeypatch.chdir(REPO)  # the default's data paths are relative to the root of the clone
+    run = app.main([f"train.output_dir={tmp_path}", "train.eval_freq=0"])
     rewards = [float(r["reward/mean"]) for r in rows(run)]
-    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
-    assert last - first > LEARN_MARGIN, rewards
+    assert len(rewards) == 6, rewards
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last - first > DEFAULT_MARGIN, rewards
+    assert re.search(r"train reward +first [0-9.]+ \(step 1\) +last [0-9.]+ \(step 6\)", capsys.readouterr().out)
 
 
 def test_training_against_a_real_reward_server_that_dies_mid_run(app, tmp_path, reward_server):

@@ -128,6 +128,7 @@ def test_batches_are_checked_against_the_process_count(app) -> None:
     with pytest.raises(ConfigError, match=r"rollout\.groups_per_epoch=3 must divide by the 2 processes"):
         app.RECIPE.check(cfg, 2)
     flow = load_config(app.Config, app.DEFAULT_CONFIG, ["train.zero_adv=flow_grpo", "rollout.groups_per_epoch=4",
+                                                        "rollout.n=4", "rollout.sample_batch_size=4",
                                                         "train.micro_batch_size=4", "train.gradient_accumulation_steps=2"])
     app.RECIPE.check(flow, 2)  # 8 images per process: 2 batches of 4, one optimizer step
     with pytest.raises(ConfigError, match=r"the 4 images per process must divide"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -173,17 +174,25 @@ def test_resume_continues_exactly(tmp_path: Path, e2e_run: Path) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_learning_a_rule_reward(tmp_path: Path) -> None:
-    """Reward = fraction of 'e' characters; REINFORCE++ raises it from ~0.07 by >= 0.2 in 20 steps."""
-    run = app.main(tiny_overrides(tmp_path, **{
-        "reward.judges": "[]", "reward.embedding.model": "null", "reward.rule": f'"{TESTS}/rules/letter_rule.py"',
-        "train.lr": 3e-2, "rollout.n": 8, "train.batch_size": 4, "train.mini_batch_size": 4,
-        "train.micro_batch_size": 32, "train.max_steps": 20, "train.epochs": 100, "train.save_freq": 100,
-        "algo.kl_loss_coef": 0.0,
-    }))
-    rewards = [float(r["reward/mean"]) for r in read_metrics(run)]
-    assert len(rewards) == 20
-    assert sum(rewards[-3:]) / 3 >= sum(rewards[:3]) / 3 + 0.2, rewards
+# The embedded default's train reward/mean, measured (1 and 2 CPU threads alike): 0.169 0.192 0.185
+# 0.181 0.175 0.230 0.190 0.259 0.259 0.326 0.321 0.348 0.393 0.400 0.407 0.449; the mean of the
+# last 3 steps is 0.419 against 0.182 for the first 3 (+0.237; the similarity term moves the mean
+# by up to ~0.04 from step to step, the rule carries the rise).
+DEFAULT_MARGIN = 0.15
+
+
+def test_the_embedded_default_learns_its_rule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`uv run apps/rider-grm` as a user runs it (only the output folder moved): REINFORCE++ raises
+    the rule's share of "e" over the 16 steps, the gated rubric judge sees more replies as it
+    does, and the closing summary quotes the first and the last step."""
+    run = app.main([f'train.output_dir="{tmp_path}"'])
+    rows = read_metrics(run)
+    rewards = [float(r["reward/mean"]) for r in rows]
+    assert len(rewards) == 16, rewards
+    assert sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3 > DEFAULT_MARGIN, rewards
+    assert float(rows[-1]["reward/rule"]) > 2 * float(rows[0]["reward/rule"]), rows
+    assert float(rows[0]["judge/rubric/scored"]) < float(rows[-1]["judge/rubric/scored"])
+    assert re.search(r"train reward +first [0-9.]+ \(step 1\) +last [0-9.]+ \(step 16\)", capsys.readouterr().out)
 
 
 def test_unequal_judge_lists_are_rejected_at_config_load(tmp_path: Path) -> None:
