@@ -141,7 +141,7 @@ def run_caption_rl(policy: Path, out: Path, *, smoke: bool, steps: int, override
         f"train.batch_size={prompts}", f"train.micro_batch_size={micro}", f"train.max_steps={steps}",
         "train.epochs=100", "train.eval_freq=0", "train.save_freq=1000000", "train.export=false",
         f"train.output_dir={out}", "algo.replay_tolerance=0.5", "algo.clip_low=0.2", "algo.clip_high=0.28",
-        "algo.agg=token-mean", "algo.kl_coef=0", *overrides,
+        "algo.agg=token-mean", "algo.kl_coef=0", "train.lr=1e-4", *overrides,
     ])
     with (run / "metrics.csv").open() as f:
         every = list(csv.DictReader(f))

@@ -268,7 +268,7 @@ def test_trains_from_a_save_to_disk_directory(tmp_path: Path) -> None:
     rows.save_to_disk(str(folder))
     run = app.main(tiny_overrides(tmp_path / "out", **{
         "data.train_files": f'["{folder}"]', "data.val_files": f'["{folder}"]',
-        "reward.judges": "[]", "reward.embedding.model": "null", "reward.rule": f'"{TESTS}/rules/letter_rule.py"',
+        "reward.judges": "[]", "reward.embedding.model": "null", "reward.rule": '"rider_rules:letter_e_share"',
         "train.max_steps": 1, "train.samples_to_log": 100,
     }))
     assert [r["step"] for r in read_metrics(run)] == ["1"]
@@ -344,7 +344,7 @@ def test_dynamic_sampling_merges_rounds_and_trains(tmp_path: Path) -> None:
     rounds; the merged batch (old log-probs, records, completions of several rounds) passes the
     first-step engine check and trains."""
     run = app.main(tiny_overrides(tmp_path, **{
-        "reward.judges": "[]", "reward.embedding.model": "null", "reward.rule": f'"{TESTS}/rules/letter_rule.py"',
+        "reward.judges": "[]", "reward.embedding.model": "null", "reward.rule": '"rider_rules:letter_e_share"',
         "train.batch_size": 4, "train.mini_batch_size": 4, "train.max_steps": 2, "train.dynamic_sampling.enable": "true",
         "train.dynamic_sampling.max_rounds": 3, "data.max_response_length": 2}))
     table = read_metrics(run)

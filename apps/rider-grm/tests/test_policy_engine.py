@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TESTS, app, tiny_overrides
+from conftest import app, tiny_overrides
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without CUDA does")
-FAST = {"reward.judges": "[]", "reward.embedding.model": "null", "reward.rule": f'"{TESTS}/rules/letter_rule.py"',
+FAST = {"reward.judges": "[]", "reward.embedding.model": "null", "reward.rule": '"rider_rules:letter_e_share"',
         "train.max_steps": 1}
 
 
