@@ -1,4 +1,5 @@
-"""Loading VeRL-with-RMs reward modules unchanged.
+"""Loading user code named in a config: VeRL-with-RMs reward modules unchanged, and plain
+functions (`load_function`, for the `rule` scorer).
 
 A reward module is any Python module defining
 `rm_preprocess(text_prompts, text_responses, tgt_tokenizer) -> list[str]` (the judge's inputs,
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 REQUIRED = ("rm_preprocess", "rm_postprocess")
 
@@ -57,3 +59,14 @@ def load_reward_module(spec: str) -> RewardModule:
             "rm_postprocess(results) -> list[float]"
         )
     return RewardModule(name=spec, preprocess=module.rm_preprocess, postprocess=module.rm_postprocess)
+
+
+def load_function(path: str) -> Callable[..., Any]:
+    """`"path/to/file.py:fn"` or `"pkg.module:fn"` (`:fn` optional, default `compute_score`, verl's
+    name); the error names the module and the function it lacks."""
+    target, _, name = path.rpartition(":") if ":" in path else (path, "", "")
+    name = name or "compute_score"
+    fn = vars(_import(target)).get(name)
+    if not callable(fn):
+        raise AttributeError(f"{target!r} defines no function {name!r} (function path {path!r})")
+    return fn

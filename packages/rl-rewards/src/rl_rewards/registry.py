@@ -90,6 +90,10 @@ def _embedding_keys(*, completion_field: str | None = None, reference_field: str
     return ("cosine", "malformed") if fields else ("cosine",)
 
 
+def _rule_keys(*, components: tuple[str, ...] | list[str] = (), **_: Any) -> tuple[str, ...]:
+    return tuple(components)
+
+
 _VL_JUDGE_KEYS = ("factuality", "temporal_alignment", "coverage", "hallucination_penalty", "parse_failed")
 
 _BUILTIN: dict[str, tuple[str, ComponentKeys]] = {
@@ -97,6 +101,7 @@ _BUILTIN: dict[str, tuple[str, ComponentKeys]] = {
     "exact_answer": ("rl_rewards.scorers.answer:ExactAnswerScorer", ("has_number",)),
     "length": ("rl_rewards.scorers.length:LengthScorer", ("n_tokens",)),
     "overlong": ("rl_rewards.scorers.overlong:OverlongScorer", ("n_tokens",)),
+    "rule": ("rl_rewards.scorers.rule:RuleScorer", _rule_keys),
     "ocr": ("rl_rewards.scorers.ocr:OcrScorer", ()),
     "clip_score": ("rl_rewards.scorers.vision:ClipScorer", ()),
     "aesthetic": ("rl_rewards.scorers.vision:AestheticScorer", ()),

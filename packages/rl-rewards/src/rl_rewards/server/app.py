@@ -114,8 +114,13 @@ class RewardService:
             return
         self.names = self.pool.rewards
         self.default = self.settings.default_reward or self.names[0]
+        limits = self.settings.max_concurrency()
         for name in self.names:
-            batcher = Batcher(name, self.pool.score, self.settings.batching, self.pool.size, self.metrics)
+            if name in limits:
+                self.metrics.max_concurrency.labels(name).set(limits[name])
+            slots = min(self.pool.size, limits.get(name, self.pool.size))
+            batcher = Batcher(name, self.pool.score, self.settings.batching, slots, self.metrics,
+                              timeout_s=self.settings.pool.request_timeout_s)
             batcher.start()
             self.batchers[name] = batcher
         log.info("ready: rewards %s loaded in %.1fs", self.names, time.perf_counter() - started)

@@ -6,6 +6,11 @@ slot: it takes the first waiting piece, then keeps adding pieces until it holds 
 samples or `max_batch_tokens` estimated tokens, or `max_wait_ms` have passed since it started.
 Because a slot is taken *before* the batch is collected, the pool is never idle while pieces wait,
 and pieces that arrive while every slot is busy make the next batch fuller.
+
+The number of slots is the pool's size (one batch per worker), or fewer where the reward sets
+`max_concurrency` (a judge behind a rate-limited API): pieces beyond it wait in the queue, in
+order. A request not answered within `timeout_s` of its arrival, queue time included, fails with
+RuntimeError (the app answers 503); its pieces still queued leave the queue unscored.
 """
 
 from __future__ import annotations
@@ -40,11 +45,14 @@ class Batcher:
     """Queue and batch loop of one reward. `slots` batches may be in flight at once (one per
     worker, so every worker stays busy)."""
 
-    def __init__(self, reward: str, score: ScoreFn, settings: BatchSettings, slots: int, metrics: Metrics):
+    def __init__(self, reward: str, score: ScoreFn, settings: BatchSettings, slots: int, metrics: Metrics,
+                 timeout_s: float | None = None):
         self.reward = reward
         self._score = score
         self._settings = settings
-        self._slots = asyncio.Semaphore(max(slots, 1))
+        self.slots = max(slots, 1)
+        self._slots = asyncio.Semaphore(self.slots)
+        self._timeout_s = timeout_s
         self._metrics = metrics
         self._queue: deque[_Piece] = deque()
         self._arrived = asyncio.Event()
@@ -68,8 +76,22 @@ class Batcher:
             self._queue.append(piece)
         self._metrics.queue_depth.labels(self.reward).set(self._queued_samples())
         self._arrived.set()
-        parts = await asyncio.gather(*(p.future for p in pieces))
+        try:
+            parts = await asyncio.wait_for(asyncio.gather(*(p.future for p in pieces)), self._timeout_s)
+        except TimeoutError:
+            raise RuntimeError(self._timed_out(pieces)) from None
         return [result for part in parts for result in part]
+
+    def _timed_out(self, pieces: list[_Piece]) -> str:
+        """Take this request's pieces out of the queue (their futures are cancelled: a batch in
+        flight drops their results) and say where the request was."""
+        mine = {id(p) for p in pieces}
+        waiting = sum(len(p.samples) for p in self._queue if id(p) in mine)
+        self._queue = deque(p for p in self._queue if id(p) not in mine)
+        self._metrics.queue_depth.labels(self.reward).set(self._queued_samples())
+        where = (f"; {waiting} of its {sum(len(p.samples) for p in pieces)} sample(s) still waited in the queue "
+                 f"behind {len(self._inflight)} batch(es) in flight (at most {self.slots} at once)") if waiting else ""
+        return f"reward {self.reward!r}: no result within request_timeout_s={self._timeout_s}{where}"
 
     def _queued_samples(self) -> int:
         return sum(len(p.samples) for p in self._queue)
@@ -84,10 +106,12 @@ class Batcher:
             self._metrics.queue_depth.labels(self.reward).set(self._queued_samples())
             task = asyncio.create_task(self._dispatch(batch))
             self._inflight[task] = batch
+            self._metrics.batches_in_flight.labels(self.reward).set(len(self._inflight))
             task.add_done_callback(self._forget)
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         self._inflight.pop(task, None)
+        self._metrics.batches_in_flight.labels(self.reward).set(len(self._inflight))
 
     async def _collect(self) -> list[_Piece]:
         """Take pieces until the batch is full by count or tokens, or the wait window closes."""

@@ -97,7 +97,11 @@ def _parse_options(items: list[str] | None) -> dict[str, Any] | None:
 
 
 def serve_command(
-    config: Annotated[Path | None, typer.Option(help="TOML settings file (flags and env override it).")] = None,
+    config: Annotated[Path | None, typer.Option(help=(
+        "TOML settings file (flags and env override it). Each [rewards.NAME] table is a reward spec, plus "
+        "max_concurrency = N: at most N batches of that reward scored at once across the server's workers "
+        "(more wait in order, up to the request timeout); with --http-processes P, each process schedules its "
+        "own, so N must be >= P."))] = None,
     host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default 18889, env REWARD_PORT).")] = None,
     model: Annotated[str | None, typer.Option(help="Judge checkpoint (env REWARD_MODEL).")] = None,

@@ -3,7 +3,9 @@
 Exposed at `GET /metrics` in the Prometheus text format:
 `rl_rewards_requests_total{route,status}`, `rl_rewards_request_seconds{route}`,
 `rl_rewards_samples_total{reward}`, `rl_rewards_sample_errors_total{reward}`,
-`rl_rewards_batch_size{reward}`, `rl_rewards_queue_depth{reward}`,
+`rl_rewards_batch_size{reward}`, `rl_rewards_queue_depth{reward}` (samples waiting),
+`rl_rewards_batches_in_flight{reward}` (batches being scored), `rl_rewards_max_concurrency{reward}`
+(the reward's `max_concurrency`, where it sets one),
 `rl_rewards_batch_seconds{reward}` (scoring latency per scorer batch),
 `rl_rewards_worker_restarts_total`, `rl_rewards_chunk_retries_total`;
 faults: `rl_rewards_workers_healthy`, `rl_rewards_chunk_deadline_misses_total` (a worker marked
@@ -53,6 +55,10 @@ class Metrics:
         self.batch_seconds = Histogram("rl_rewards_batch_seconds", "Scoring latency per batch", ["reward"], registry=r)
         self.queue_depth = Gauge("rl_rewards_queue_depth", "Samples waiting to be batched", ["reward"], registry=r,
                                  multiprocess_mode="livesum")
+        self.batches_in_flight = Gauge("rl_rewards_batches_in_flight", "Batches being scored", ["reward"],
+                                       registry=r, multiprocess_mode="livesum")
+        self.max_concurrency = Gauge("rl_rewards_max_concurrency", "Most batches of a reward scored at once",
+                                     ["reward"], registry=r, multiprocess_mode="max")
         self.worker_restarts = Counter("rl_rewards_worker_restarts", "Worker processes restarted", registry=r)
         self.chunk_retries = Counter("rl_rewards_chunk_retries", "Chunks retried on another worker", registry=r)
         self.deadline_misses = Counter(

@@ -77,8 +77,8 @@ def _build_default(name: str, settings: ServerSettings) -> Scorer | AsyncScorer 
 def build_served(settings: ServerSettings) -> dict[str, Scorer | AsyncScorer]:
     """Build every served reward (loads the judge model when one is configured)."""
     served: dict[str, Scorer | AsyncScorer] = {}
-    for name, table in settings.rewards.items():
-        served[name] = build_reward(dict(table))
+    for name in settings.rewards:
+        served[name] = build_reward(settings.reward_spec(name))
     if not settings.rewards:
         for name in _default_rule_names():
             scorer = _build_default(name, settings)
@@ -105,7 +105,7 @@ def served_keys(settings: ServerSettings) -> dict[str, list[str]]:
     keys: dict[str, list[str]] = {}
     for name in reward_names(settings):
         if name in settings.rewards:
-            keys[name] = list(spec_keys(spec_from_dict(dict(settings.rewards[name]), source=f"rewards.{name}")))
+            keys[name] = list(spec_keys(spec_from_dict(settings.reward_spec(name), source=f"rewards.{name}")))
         elif name == CAPRL_QA:
             keys[name] = list(scorer_component_keys("caption_qa", {"estimator": "sample", **settings.judge_options}))
         else:

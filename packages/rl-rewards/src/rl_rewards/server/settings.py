@@ -102,6 +102,25 @@ class PoolSettings(msgspec.Struct, kw_only=True, frozen=True):
         return min(1.0, self.heartbeat_timeout_s / 4)
 
 
+SERVING_KEYS = ("max_concurrency",)
+"""Keys of a `[rewards.NAME]` table that say how the server runs the reward, not what it computes:
+
+- `max_concurrency = N`: at most N batches of this reward are scored at once across the server
+  (its worker processes or Ray actors included: one router schedules them all); more wait in the
+  reward's queue, in order, and are answered when scored, or 503 once `request_timeout_s` has
+  passed. For judges behind a rate-limited API. Each server process of `--http-processes` schedules
+  its own, so there N must be at least the number of processes (each scores one batch at a time)."""
+
+
+def _check_serving_keys(table: Mapping[str, Any], where: str) -> None:
+    limit = table.get("max_concurrency")
+    if "max_concurrency" in table and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(
+            f"{where}: max_concurrency = {limit!r} must be an integer >= 1 (the most batches of this reward "
+            "scored at once); leave it out for no limit"
+        )
+
+
 class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
     host: str = "127.0.0.1"
     port: int = 18889
@@ -136,6 +155,8 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
     ray_address: str | None = None
     media_roots: list[str] = []
     rewards: dict[str, dict[str, Any]] = {}
+    """`[rewards.NAME]` tables: a `RewardSpec` each, plus the serving keys of `SERVING_KEYS`
+    (`max_concurrency`), which are not part of the reward's formula (`reward_spec` drops them)."""
     default_reward: str = ""
     openrlhf_reward: str = ""
     limits: LimitSettings = LimitSettings()
@@ -155,12 +176,28 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"heartbeat_timeout_s must be > 0 seconds, got {self.pool.heartbeat_timeout_s}")
         if self.http_processes < 1:
             raise ValueError(f"http_processes must be >= 1, got {self.http_processes}")
+        for name, limit in self.max_concurrency().items():
+            if limit < self.http_processes:
+                raise ValueError(
+                    f"rewards.{name}.max_concurrency = {limit} cannot hold across http_processes={self.http_processes}: "
+                    "each server process schedules its own batches (one at a time), so up to "
+                    f"{self.http_processes} would be scored at once; use http_processes=1 (with --workers N to score "
+                    "several batches at once) or max_concurrency >= http_processes"
+                )
         if self.http_processes > 1 and (self.model is not None or self.workers > 0 or self.ray):
             raise ValueError(
                 f"http_processes={self.http_processes} would load the judge / start the worker pool once per "
                 "process; use http_processes=1 with --workers N to scale model judges (REWARD_MODEL, --workers, --ray)"
             )
         self.gpu_groups()
+
+    def reward_spec(self, name: str) -> dict[str, Any]:
+        """The `RewardSpec` part of `[rewards.NAME]` (its serving keys dropped)."""
+        return {k: v for k, v in self.rewards[name].items() if k not in SERVING_KEYS}
+
+    def max_concurrency(self) -> dict[str, int]:
+        """`max_concurrency` of each `[rewards.NAME]` that sets one."""
+        return {name: table["max_concurrency"] for name, table in self.rewards.items() if "max_concurrency" in table}
 
     def notes(self) -> list[str]:
         """What a user should know at startup about the settings in effect (logged once)."""
@@ -275,7 +312,8 @@ def load_settings(
         sources = ", ".join(name for name, _ in layers)
         raise ValueError(f"invalid server setting: {e} (from {sources})") from None
     for name, table in settings.rewards.items():  # only the TOML file configures rewards
-        spec_from_dict(dict(table), source=f"{config} [rewards.{name}]")
+        _check_serving_keys(table, f"{config} [rewards.{name}]")
+        spec_from_dict(settings.reward_spec(name), source=f"{config} [rewards.{name}]")
     return settings
 
 

@@ -184,7 +184,10 @@ class Router:
         give_up_at = loop.time() + self._pool.request_timeout_s
         errors: list[str] = []
         tried: set[int] = set()
+        timed_out = f"reward {reward!r}: no result within request_timeout_s={self._pool.request_timeout_s}"
         for attempt in range(self._pool.max_attempts):
+            if attempt and loop.time() >= give_up_at:  # a deadline of 0 would take the next worker for a hung one
+                raise RuntimeError(f"{timed_out}: {'; '.join(errors)}")
             worker = await self._pick(tried, give_up_at, errors)
             tried.add(worker.index)
             self._next_id += 1
@@ -197,6 +200,8 @@ class Router:
                 errors.append(f"worker {worker.index}: no answer within {deadline:.1f} s (chunk_deadline_s)")
                 self._suspend(worker, f"sent no answer in {deadline:.1f} s (chunk_deadline_s)",
                               self._metrics.deadline_misses)
+                if deadline < self._pool.chunk_deadline():  # the request's time is over: no other worker to try
+                    raise RuntimeError(f"{timed_out}: {'; '.join(errors)}") from None
                 self._count_retry(attempt)
                 continue
             except WorkerLost as e:
