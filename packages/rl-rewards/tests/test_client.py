@@ -31,11 +31,13 @@ FAST = RetryPolicy(attempts=4, backoff_s=0.01, max_backoff_s=0.05)
 
 
 class Scripted(http.server.BaseHTTPRequestHandler):
-    """Answers POSTs with the statuses in `server.script`, then 200 with `server.ok_body`."""
+    """Answers POSTs with the statuses in `server.script`, then 200 with `server.ok_body`;
+    `server.arrivals` holds when each request came (time.monotonic())."""
 
     def do_POST(self):
         self.rfile.read(int(self.headers["content-length"]))
         self.server.calls += 1
+        self.server.arrivals.append(time.monotonic())
         status, headers, body = self.server.script.pop(0) if self.server.script else (200, {}, self.server.ok_body)
         self.send_response(status)
         for key, value in headers.items():
@@ -51,7 +53,7 @@ class Scripted(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def scripted():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
-    server.calls, server.script = 0, []
+    server.calls, server.script, server.arrivals = 0, [], []
     server.ok_body = json.dumps({"reward": "r", "results": [{"score": 0.5}]}).encode()
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

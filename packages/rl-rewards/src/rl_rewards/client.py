@@ -10,14 +10,20 @@ retried with exponential backoff and full jitter on connection errors, timeouts,
 `RewardRequestError` naming the field or limit. After the last attempt `RewardServerUnavailable`
 says how many attempts were made and what the last failure was. Scoring is a pure function of
 the request, so retrying a POST is safe.
+
+`AsyncRewardClient.stream` scores samples as rollouts finish and yields each result as soon as
+its request is answered (`RewardStream`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import re
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast
 
@@ -242,13 +248,14 @@ class AsyncRewardClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _call(self, method: str, path: str, kind: type[T], body: Any = None) -> T:
+    async def _call(self, method: str, path: str, kind: type[T], body: Any = None, timeout: float | None = None) -> T:
         content = None if body is None else wire.encode_json(body)
+        per_attempt = httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
         last = ""
         for attempt in range(self.retry.attempts):
             retry_after = None
             try:
-                response = await self._http.request(method, path, content=content)
+                response = await self._http.request(method, path, content=content, timeout=per_attempt)
                 outcome = _outcome(response, kind)
                 if not isinstance(outcome, str):
                     return outcome
@@ -259,10 +266,23 @@ class AsyncRewardClient:
                 await asyncio.sleep(self.retry.delay(attempt, retry_after))
         raise RewardServerUnavailable(f"{self.base_url}{path}", self.retry.attempts, last)
 
-    async def score(self, samples: Sequence[Sample], reward: str = "") -> list[ScoreResult]:
+    async def score(self, samples: Sequence[Sample], reward: str = "", timeout: float | None = None) -> list[ScoreResult]:
+        """`RewardClient.score`; `timeout` (s, per attempt) overrides the client's for this call."""
         request = wire.ScoreRequest(samples=list(samples), reward=reward)
-        results = (await self._call("POST", "/v1/score", wire.ScoreResponse, request)).results
+        results = (await self._call("POST", "/v1/score", wire.ScoreResponse, request, timeout)).results
         return _one_each(f"{self.base_url}/v1/score", results, len(samples))
+
+    def stream(
+        self, reward: str = "", *, batch_size: int = 32, max_wait_s: float = 0.005, max_in_flight: int = 8,
+        timeout: float | None = None,
+    ) -> RewardStream:
+        """A `RewardStream` over `/v1/score` for `reward` ("" = the server's default); use it as
+        `async with client.stream(...) as stream`. Samples submitted within `max_wait_s` of each
+        other travel in one request of at most `batch_size`; at most `max_in_flight` requests are
+        open at once (keep it <= the client's `max_connections`); `timeout` (s, per attempt)
+        overrides the client's."""
+        return RewardStream(self, reward, batch_size=batch_size, max_wait_s=max_wait_s,
+                            max_in_flight=max_in_flight, timeout=timeout)
 
     async def get_reward(
         self, prompts: Sequence[wire.CaptionQA], score_mode: _ScoreMode | None = None
@@ -285,6 +305,165 @@ class AsyncRewardClient:
     async def health(self) -> wire.HealthResponse:
         response = await self._http.get("/health")
         return wire.decode_json(response.content, wire.HealthResponse)
+
+
+_SAMPLE_FIELD = re.compile(r"^\$\.samples\[(\d+)\]")
+_Item = tuple[int, ScoreResult]
+
+
+class RewardStream:
+    """Score samples as rollouts finish; get each one's result as soon as its request is answered.
+
+        async with AsyncRewardClient(url) as client, client.stream("caption") as stream:
+            stream.submit(samples)             # -> range of the indices given to these samples
+            ...                                # submit more as they come (from other tasks too)
+            stream.close_submissions()         # nothing more: the iteration ends once all are answered
+            async for index, result in stream: # completion order; each index exactly once
+                ...
+
+    The iteration may run alongside the submitting (a consumer task, or a loop that submits and
+    reads in turn); it ends once `close_submissions()` was called and every submitted sample has
+    been yielded. Samples are coalesced (verl's reward loop and AReaL score per rollout as each
+    finishes; one HTTP request per sample would cost more than a rule takes to score): a request
+    leaves when it holds `batch_size` samples or `max_wait_s` after its first one, and only when
+    one of `max_in_flight` request slots is free, so while the server is busy samples pile up into
+    fuller requests instead of more of them (backpressure). The server batches across requests
+    again.
+
+    Each request is retried as `AsyncRewardClient` retries (the client's `RetryPolicy`:
+    exponential backoff, `Retry-After`, on connection errors, timeouts, 5xx and 429). A request
+    that still fails is not raised: each of its samples is yielded as a failed `ScoreResult`
+    (`score=None`, `error` starting with `request failed:`), never as a reward of 0. A 4xx that
+    names one sample (`$.samples[3]`: a text over the server's limit) fails that sample alone and
+    the rest are sent again. Leaving the `async with` block cancels the requests still open.
+    """
+
+    def __init__(self, client: AsyncRewardClient, reward: str, *, batch_size: int, max_wait_s: float,
+                 max_in_flight: int, timeout: float | None) -> None:
+        for name, value, least in (("batch_size", batch_size, 1), ("max_in_flight", max_in_flight, 1)):
+            if value < least:
+                raise ValueError(f"stream: {name} = {value} must be >= {least}")
+        if max_wait_s < 0 or (timeout is not None and timeout <= 0):
+            raise ValueError(f"stream: max_wait_s = {max_wait_s} must be >= 0 and timeout = {timeout} > 0 (or None)")
+        self._client, self.reward, self.timeout = client, reward, timeout
+        self.batch_size, self.max_wait_s = batch_size, max_wait_s
+        self._slots = asyncio.Semaphore(max_in_flight)
+        self._pending: deque[tuple[int, Sample]] = deque()
+        self._arrived = asyncio.Event()
+        self._results: asyncio.Queue[_Item | BaseException | None] = asyncio.Queue()
+        self._submitted = self._yielded = 0
+        self._closed = self._exited = False
+        self._sender: asyncio.Task[None] | None = None
+        self._requests: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> RewardStream:
+        self._sender = asyncio.create_task(self._send_loop(), name=f"reward-stream-{self.reward}")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._exited = True
+        tasks = [t for t in (self._sender, *self._requests) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def submit(self, samples: Iterable[Sample]) -> range:
+        """Queue `samples` for scoring; returns the indices they get (consecutive, from 0 for the
+        stream's first sample), which the iteration yields with their results."""
+        if self._sender is None or self._exited:
+            raise RuntimeError("submit inside `async with client.stream(...) as stream:`")
+        if self._closed:
+            raise RuntimeError("submit after close_submissions(): this stream takes no more samples")
+        start = self._submitted
+        for sample in samples:
+            self._pending.append((self._submitted, sample))
+            self._submitted += 1
+        self._arrived.set()
+        return range(start, self._submitted)
+
+    def close_submissions(self) -> None:
+        """No more samples: what is queued is sent at once, and the iteration ends after them."""
+        self._closed = True
+        self._arrived.set()
+        self._results.put_nowait(None)  # wakes an iteration waiting with nothing outstanding
+
+    def __aiter__(self) -> RewardStream:
+        return self
+
+    async def __anext__(self) -> _Item:
+        while not (self._closed and self._yielded == self._submitted):
+            if self._exited:
+                raise RuntimeError("the stream was left (`async with` block) before its results were read")
+            item = await self._results.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is not None:
+                self._yielded += 1
+                return item
+        raise StopAsyncIteration
+
+    async def _send_loop(self) -> None:
+        try:
+            while True:
+                await self._slots.acquire()  # before collecting: a busy server gets fuller requests
+                batch = await self._next_batch()
+                if not batch:
+                    return
+                task = asyncio.create_task(self._send(batch))
+                self._requests.add(task)
+                task.add_done_callback(self._request_done)
+        except Exception as e:  # a bug here: the iteration raises it rather than wait for ever
+            self._results.put_nowait(e)
+
+    async def _next_batch(self) -> list[tuple[int, Sample]]:
+        """Up to `batch_size` samples, waiting `max_wait_s` after the first for more; [] once
+        submissions are closed and nothing is left."""
+        while not self._pending:
+            if self._closed:
+                return []
+            self._arrived.clear()
+            await self._arrived.wait()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.max_wait_s
+        while len(self._pending) < self.batch_size and not self._closed:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            self._arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+        return [self._pending.popleft() for _ in range(min(self.batch_size, len(self._pending)))]
+
+    async def _send(self, batch: list[tuple[int, Sample]]) -> None:
+        try:
+            while batch:
+                try:
+                    results = await self._client.score([s for _, s in batch], self.reward, self.timeout)
+                except RewardRequestError as e:
+                    match = _SAMPLE_FIELD.match(e.field or "")
+                    bad = int(match.group(1)) if match else len(batch)
+                    if bad >= len(batch):  # about the whole request (unknown reward, auth)
+                        self._fail(batch, e)
+                        return
+                    self._fail([batch.pop(bad)], e)
+                    continue
+                except (RewardClientError, httpx.HTTPError) as e:
+                    self._fail(batch, e)
+                    return
+                for (index, _), result in zip(batch, results, strict=True):
+                    self._results.put_nowait((index, result))
+                return
+        finally:
+            self._slots.release()
+
+    def _fail(self, batch: list[tuple[int, Sample]], error: Exception) -> None:
+        for index, _ in batch:
+            self._results.put_nowait((index, ScoreResult.failed(f"request failed: {error}")))
+
+    def _request_done(self, task: asyncio.Task[None]) -> None:
+        self._requests.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._results.put_nowait(cast(BaseException, task.exception()))
 
 
 class RemoteScorer:
