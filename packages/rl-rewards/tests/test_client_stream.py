@@ -154,12 +154,14 @@ def test_server_killed_mid_stream_retries_then_fails_samples(tmp_path: Path):
     assert scored is not None and float(scored[1]) >= 1
 
 
-def test_429_retry_after_is_honoured_and_a_lasting_429_fails_the_samples(scripted):  # noqa: F811
-    """The stand-in answers 429 with `Retry-After: 0.3` once: the retry comes no sooner (the
-    policy's own backoff is 1 ms) and the sample is scored. A 429 that never ends: the sample
+def test_408_is_retried_429_retry_after_is_honoured_and_a_lasting_429_fails_the_samples(scripted):  # noqa: F811
+    """The stand-in answers 408 (what our server says to a client too slow to send its body),
+    then 429 with `Retry-After: 0.3`: the retry after the 429 comes no sooner (the policy's own
+    backoff is 1 ms) and the sample is scored. A 429 that never ends: the sample
     is yielded failed with the status, after the policy's attempts."""
     policy = RetryPolicy(attempts=3, backoff_s=0.001, max_backoff_s=5.0)
-    scripted.script = [(429, {"retry-after": "0.3"}, b'{"error": "slow down"}')]
+    scripted.script = [(408, {}, b'{"error": "body not received within body_timeout_s=60"}'),
+                       (429, {"retry-after": "0.3"}, b'{"error": "slow down"}')]
     arrivals = scripted.arrivals
 
     async def one() -> list[tuple[int, ScoreResult]]:
@@ -169,12 +171,12 @@ def test_429_retry_after_is_honoured_and_a_lasting_429_fails_the_samples(scripte
             return [item async for item in stream]
 
     assert asyncio.run(one()) == [(0, ScoreResult(score=0.5))]
-    assert len(arrivals) == 2 and arrivals[1] - arrivals[0] >= 0.3
+    assert len(arrivals) == 3 and arrivals[2] - arrivals[1] >= 0.3
     scripted.script = [(429, {}, b'{"error": "slow down"}')] * policy.attempts
     [(index, result)] = asyncio.run(one())
     assert index == 0 and result.score is None
     assert "gave up after 3 attempt(s)" in (result.error or "") and "HTTP 429" in (result.error or "")
-    assert len(arrivals) == 5
+    assert len(arrivals) == 6
 
 
 def test_stream_settings_and_misuse_are_refused():

@@ -5,8 +5,9 @@
         results = client.score([Sample(completion="[00:01] a dog runs")], reward="timestamp_format")
 
 Connections are pooled (one httpx client per `RewardClient`). Every call has a timeout and is
-retried with exponential backoff and full jitter on connection errors, timeouts, 5xx and 429
-(honouring `Retry-After`), never on another 4xx: a bad request fails at once with
+retried with exponential backoff and full jitter on connection errors, timeouts, 5xx, 408 (the
+server did not get the whole request in time) and 429 (honouring `Retry-After`), never on another
+4xx: a bad request fails at once with
 `RewardRequestError` naming the field or limit. After the last attempt `RewardServerUnavailable`
 says how many attempts were made and what the last failure was. Scoring is a pure function of
 the request, so retrying a POST is safe.
@@ -41,7 +42,7 @@ class RewardClientError(Exception):
 
 
 class RewardRequestError(RewardClientError):
-    """The server refused the request (4xx other than 429): not retried."""
+    """The server refused the request (4xx other than 408 and 429): not retried."""
 
     def __init__(self, status: int, body: wire.ErrorResponse, url: str):
         where = f" (field {body.field})" if body.field else ""
@@ -63,7 +64,7 @@ class RewardResponseError(RewardClientError):
 
 
 class RewardServerUnavailable(RewardClientError):
-    """Every attempt failed with a connection error, timeout, 5xx or 429."""
+    """Every attempt failed with a connection error, timeout, 5xx, 408 or 429."""
 
     def __init__(self, url: str, attempts: int, last: str):
         super().__init__(f"{url}: gave up after {attempts} attempt(s); last failure: {last}")
@@ -86,7 +87,7 @@ class RetryPolicy:
         return random.uniform(0, min(self.max_backoff_s, self.backoff_s * 2**attempt))
 
 
-_RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})  # 408: our server's slow-client cut-off
 
 
 def _outcome(response: httpx.Response, kind: type[T]) -> T | str:
@@ -331,7 +332,7 @@ class RewardStream:
     again.
 
     Each request is retried as `AsyncRewardClient` retries (the client's `RetryPolicy`:
-    exponential backoff, `Retry-After`, on connection errors, timeouts, 5xx and 429). A request
+    exponential backoff, `Retry-After`, on connection errors, timeouts, 5xx, 408 and 429). A request
     that still fails is not raised: each of its samples is yielded as a failed `ScoreResult`
     (`score=None`, `error` starting with `request failed:`), never as a reward of 0. A 4xx that
     names one sample (`$.samples[3]`: a text over the server's limit) fails that sample alone and
