@@ -275,9 +275,11 @@ PINNED = {"even": {"reward/mean": 0.8, "grad_norm": 1.35367, "policy/entropy": 6
           "uneven": {"reward/mean": 0.816667, "grad_norm": 1.44822, "policy/entropy": 6.44872}}
 
 
-# fsdp2 is opt-in (nox -s slow; ~25 s): the default suite proves 2 = 1 with DDP here, and FSDP2's
-# 2 = 1 on rl-core's own test and on diffusion-grpo's and rider-grm's launches
-@pytest.mark.parametrize("case", ["even", "uneven", pytest.param("fsdp2", marks=pytest.mark.slow)])
+# `even` and fsdp2 are opt-in (nox -s slow; ~30 s each): the default suite proves 2 = 1 with DDP
+# on the uneven case (which holds the even one's path plus a skipped record), and FSDP2's 2 = 1 on
+# rl-core's own test and on rider-grm's launch
+@pytest.mark.parametrize("case", [pytest.param("even", marks=pytest.mark.slow), "uneven",
+                                  pytest.param("fsdp2", marks=pytest.mark.slow)])
 def test_two_processes_equal_one_process_with_twice_the_batch(app, tmp_path, case):
     """2 processes x 2 prompts = 1 process x 4 prompts for one full RL step: same rollouts, same
     rewards and advantages (gathered over processes), same loss and the same updated weights.
