@@ -1,18 +1,17 @@
 """arith-grpo: text GRPO on "a + b" with an exact-answer rule, the smallest recipe on the shared trainer loop
-(`rl_core.train.loop` owns all but these hooks). `uv run apps/arith-grpo` trains a tiny Qwen3 on CPU in a minute."""
+(`rl_core.train.loop` owns all but these hooks; `__main__.py` reads the command line and `arith_config.py` the config,
+before this module and torch load). `uv run apps/arith-grpo` trains a tiny Qwen3 on CPU in a minute."""
 
 from __future__ import annotations
 
 import math
 import random
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal
 
 import msgspec
 import torch
+from arith_config import DEFAULT_CONFIG, NAME, Config
 
 from rl_core import train
 from rl_data import GroupSampler
@@ -30,42 +29,6 @@ from rl_rollout.training import (
     response_metrics,
     token_update,
 )
-
-
-class PolicyConfig(msgspec.Struct, kw_only=True, frozen=True):
-    path: str = "Qwen/Qwen3-0.6B"  # `tiny:qwen3` builds a tiny random checkpoint
-    dtype: str = "bfloat16"
-    engine: Literal["auto", "hf", "vllm"] = "auto"  # auto: vllm on a CUDA machine where it imports, else hf
-    n: train.Positive = 8  # answers sampled per prompt
-    temperature: train.PositiveFloat = 1.0
-    max_new_tokens: train.Positive = 16
-
-
-class AlgoConfig(train.PolicyLossFields, kw_only=True, frozen=True):
-    advantage: train.AdvantageName = "grpo"
-    loss: train.PolicyLossName = "ppo_clip"
-    clip_low: train.UnitInterval = 0.2
-    clip_high: train.NonNegativeFloat = 0.2
-
-
-class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
-    partial: float = 0.1  # reward of a wrong number: a format bonus a random policy finds (0 = exact only)
-    spec: str | RewardSpec | None = None  # a RewardSpec replacing the exact-answer rule (file or inline table)
-
-
-class TrainConfig(train.RunFields, kw_only=True, frozen=True):
-    output_dir: str = "runs/arith-grpo"
-    batch_size: train.Positive = 8  # prompts per step, all processes
-    micro_batch_size: train.Positive = 8  # answers per forward/backward
-    max_steps: train.Positive = 100
-    lr: train.PositiveFloat = 1e-5
-
-
-class Config(msgspec.Struct, kw_only=True, frozen=True):
-    policy: PolicyConfig = PolicyConfig()
-    algo: AlgoConfig = AlgoConfig()
-    reward: RewardConfig = RewardConfig()
-    train: TrainConfig = TrainConfig()
 
 
 @dataclass
@@ -90,7 +53,7 @@ class Batch:
 
 
 class ArithGRPO(train.Recipe[Config, State, Batch]):
-    name, config, default_config = "arith-grpo", Config, Path(__file__).resolve().parent / "configs" / "default.toml"
+    name, config, default_config = NAME, Config, DEFAULT_CONFIG
 
     def check(self, cfg: Config, world_size: int) -> None:
         train.check_batch_split(cfg.train.batch_size, world_size)
@@ -168,11 +131,3 @@ class ArithGRPO(train.Recipe[Config, State, Batch]):
 
 
 RECIPE = ArithGRPO()
-
-
-def main(argv: list[str] | None = None) -> Path | None:
-    return train.run(RECIPE, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(train.run_app(RECIPE.name, main))

@@ -1,8 +1,10 @@
 """caption-rl's configuration: one msgspec Struct per TOML table, read by the trainer loop from a
-TOML file, CapRL++'s environment variables (`ENV`) and dotted overrides."""
+TOML file, CapRL++'s environment variables (`ENV`) and dotted overrides. No torch: `__main__.py`
+reads the command line and the config with it, before the recipe (`caption_recipe.py`) loads."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,7 +25,14 @@ from rl_core.train import (
 )
 from rl_rewards.spec import RewardSpec
 
+NAME = "caption-rl"
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.toml"
+
+
+def default_config() -> Path | None:
+    """The config a run without `--config` reads: the embedded tiny default, unless `CAPTION_MODEL`
+    is set (a CapRL++ launch line), which starts from the full-size CapRL++ defaults instead."""
+    return None if "CAPTION_MODEL" in os.environ else DEFAULT_CONFIG
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):

@@ -4,14 +4,13 @@ A Qwen-VL captioner samples `rollout.n` captions per image/video; a judge LLM an
 multiple-choice questions from each caption alone (CapRL's QA reward), plus 0.2 x timestamp
 format (videos) and 0.2 x length; group advantages (GRPO/RLOO); clipped policy-gradient updates.
 The loop owns the schedule; the hooks below say what only captioning knows. `uv run
-apps/caption-rl` runs the embedded tiny default; see README.md next to this file.
+apps/caption-rl` runs the embedded tiny default (`__main__.py` reads the command line and the
+config before this module and torch load); see README.md next to this file.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import msgspec
 import torch
 from accelerate.utils import gather_object
-from caption_config import DEFAULT_CONFIG, ENV, Config
+from caption_config import DEFAULT_CONFIG, ENV, NAME, Config, default_config
 from caption_data import Dataset, Encoded, encode_records, load_records, make_sample
 from caption_model import load_policy, reference_model
 from caption_reward import LocalReward, RemoteReward, RewardUnavailable, build_reward_backend
@@ -43,8 +42,6 @@ from rl_core.train import (
     gathered,
     prepare_policy,
     resolve_sharding,
-    run,
-    run_app,
     sample_seed,
     sharded_state,
 )
@@ -110,15 +107,15 @@ def _scored(s: State, encoded: Encoded, gens: list[Generation]) -> tuple[list[Sc
 
 
 class CaptionRL(Recipe[Config, State, Batch]):
-    name = "caption-rl"
+    name = NAME
     config = Config
     default_config = DEFAULT_CONFIG
     env = ENV
 
     def config_path(self, given: Path | None) -> Path | None:
-        """No `--config`: the embedded tiny default, unless `CAPTION_MODEL` is set (a CapRL++
-        launch line), which starts from the full-size CapRL++ defaults instead."""
-        return given if given is not None or "CAPTION_MODEL" in os.environ else DEFAULT_CONFIG
+        """No `--config`: `caption_config.default_config()` (the embedded tiny default, or none
+        under a CapRL++ launch line)."""
+        return given if given is not None else default_config()
 
     def check(self, cfg: Config, world_size: int) -> None:
         check_batch_split(cfg.train.batch_size, world_size, cfg.train.mini_batch_size)
@@ -290,12 +287,3 @@ class CaptionRL(Recipe[Config, State, Batch]):
 
 
 RECIPE = CaptionRL()
-
-
-def main(argv: list[str] | None = None) -> Path | None:
-    """Run the app; returns the run directory (None after --help)."""
-    return run(RECIPE, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(run_app(RECIPE.name, main))

@@ -1,11 +1,13 @@
 """diffusion-grpo's configuration: one msgspec Struct per TOML table (VRL's knobs, see the
 README's table), VRL's environment variables, the checks between keys (run before any model
-loads) and the prompt sources (a manifest file, a save_to_disk directory or a cached Hub id)."""
+loads) and the prompt sources (a manifest file, a save_to_disk directory or a cached Hub id). No
+torch: `__main__.py` reads the command line and the config with it, before the recipe
+(`grpo_recipe.py`) loads."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 
@@ -21,9 +23,12 @@ from rl_core.train import (
     UnitInterval,
     UserError,
 )
-from rl_data import OCRPrompt, open_source
 from rl_rewards import Component, RewardSpec, load_spec
 
+if TYPE_CHECKING:
+    from rl_data import OCRPrompt
+
+NAME = "diffusion-grpo"
 APP = Path(__file__).resolve().parent
 REPO = APP.parents[1]
 DEFAULT_CONFIG = APP / "configs" / "default.toml"
@@ -216,6 +221,8 @@ def resolve_path(path: str) -> str:
 def read_prompts(source: str, key: str) -> list[OCRPrompt]:
     """The OCR prompts of a manifest file, a save_to_disk directory or a cached Hub id (a `prompt`
     or `text` column); a missing or empty source or a bad line is a `UserError` naming `key`."""
+    from rl_data import open_source  # imported here: it loads pyarrow, which `--help` does not need
+
     try:
         prompts = list(open_source(resolve_path(source), kind="ocr"))
     except (FileNotFoundError, ValueError) as e:  # missing; not a dataset dir; several splits; a bad line

@@ -10,12 +10,13 @@ log-probs kept) -> reward -> GRPO advantages (global std, clip 5) -> update (zer
 dropped or refilled, `plan_micro_batches`; the stored steps replayed: `ppo_clip` + beta x flow KL
 to the LoRA-disabled model, AdamW, EMA) -> log -> checkpoint -> eval (ODE, EMA weights, fixed
 seeds, contact sheet). `model.family = "janus"` trains Janus-Pro image tokens (families.py).
+`__main__.py` reads the command line and the config (`grpo_config.py`) before this module and
+torch load.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import textwrap
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
@@ -30,6 +31,7 @@ from families import FAMILIES, Chunk, Family, Micro, whole_weights
 from grpo_config import (
     DEFAULT_CONFIG,
     ENV,
+    NAME,
     Config,
     TrainConfig,
     check_config,
@@ -52,8 +54,6 @@ from rl_core.train import (
     TrainableState,
     gather_rows,
     replay_update,
-    run,
-    run_app,
     sample_seed,
     sharded_state,
 )
@@ -92,7 +92,7 @@ class Batch:
 
 
 class DiffusionGRPO(Recipe[Config, State, Batch]):
-    name, config, default_config, env = "diffusion-grpo", Config, DEFAULT_CONFIG, ENV
+    name, config, default_config, env = NAME, Config, DEFAULT_CONFIG, ENV
     # the LoRA init is the same on every process (FSDP2 shards each process's own copy; DDP would
     # broadcast rank 0's); sampling noise is seeded per sample
     seed_by_rank = False
@@ -384,12 +384,3 @@ if "brightness" not in SCORERS:  # the app module is imported once per process, 
 
 
 RECIPE = DiffusionGRPO()
-
-
-def main(argv: list[str] | None = None) -> Path | None:
-    """Run the app; returns the run directory (None after --help)."""
-    return run(RECIPE, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(run_app(RECIPE.name, main))

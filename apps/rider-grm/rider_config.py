@@ -1,6 +1,8 @@
 """rider-grm's configuration: the msgspec Structs (TOML + dotted overrides), the seed's shell
 variables and per-judge parallel lists, path resolution, and the checks that run before any model
-loads (`check_config`: rules between keys, the process count, every user file the reward names)."""
+loads (`check_config`: rules between keys, the process count, every user file the reward names).
+No torch at import: `__main__.py` reads the command line and the config with it, before the recipe
+(`rider_recipe.py`) loads; what `check_config` and `resolve_model` need they import when called."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ from typing import Any, Literal
 
 import msgspec
 
-from rl_core.advantages import uses_group_baseline
 from rl_core.train import (
     AdvantageName,
     AggregationName,
@@ -28,11 +29,10 @@ from rl_core.train import (
     UnitInterval,
     check_loss_options,
 )
-from rl_models import tiny
 from rl_rewards.modules import load_reward_module
 from rl_rewards.spec import RewardSpec, load_spec
-from rl_rollout import resolve_engine
 
+NAME = "rider-grm"
 APP_DIR = Path(__file__).resolve().parent
 REPO_ROOT = APP_DIR.parents[1]
 DEFAULT_CONFIG = APP_DIR / "configs" / "default.toml"
@@ -235,6 +235,10 @@ def judge_configs(reward: RewardConfig) -> list[JudgeConfig]:
 def check_config(cfg: Config, world_size: int) -> None:
     """Rules between keys, against the process count, and on what the reward names (the rule and
     every judge module imported, every engine kind possible here), before any model loads."""
+    # torch: imported when the recipe checks, not for --help
+    from rl_core.advantages import uses_group_baseline
+    from rl_rollout import resolve_engine
+
     t, r = cfg.train, cfg.reward
     if uses_group_baseline(cfg.algo.adv_estimator) and cfg.rollout.n < 2:
         raise ConfigError(f"rollout.n={cfg.rollout.n}: algo.adv_estimator={cfg.algo.adv_estimator!r} compares the "
@@ -266,6 +270,8 @@ def check_config(cfg: Config, world_size: int) -> None:
 
 def _check_judge(i: int, judge: JudgeConfig, module_key: str | None) -> None:
     """Judge `i` has what its engine needs, and its module imports and defines both functions."""
+    from rl_rollout import resolve_engine  # torch: imported when the recipe checks, not for --help
+
     where = f"reward.judges[{i}] (engine = {judge.engine!r})"
     if judge.gated_out != "skip" and judge.gate is None:
         raise ConfigError(f"{where} has gated_out = {judge.gated_out!r} but no gate: set gate (e.g. 1.0)")
@@ -335,4 +341,6 @@ def resolve_model(spec: str, key: str = "model.path") -> str:
     """`tiny:<family>[:seed]` -> a tiny random checkpoint folder; a relative folder is tried
     against the working directory, then the repository root (`rl_models.tiny.resolve`; a missing
     one is a user error naming `key`)."""
+    from rl_models import tiny  # torch and transformers
+
     return tiny.resolve(spec if spec.startswith("tiny:") else resolve_path(spec), key=key)

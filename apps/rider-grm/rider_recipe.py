@@ -11,25 +11,33 @@ and reference log-probs, then the policy sleeps as the swap plan says (`swapping
 rule, each judge woken in turn for what its gate lets through, the similarity, folded (`rewarding`,
 `judging`) into token rewards. update: the policy wakes; clipped policy gradient + k3 KL loss, the
 engine synced after each optimizer step; the swap plan decided from the measured peaks.
+`__main__.py` reads the command line and the config (`rider_config.py`) before this module and
+torch load.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import rewarding
 import torch
 from judging import Judge, build_judge, check_served
-from rider_config import DEFAULT_CONFIG, ENV, Config, check_config, judge_configs, resolve_model
+from rider_config import (
+    DEFAULT_CONFIG,
+    ENV,
+    NAME,
+    Config,
+    check_config,
+    judge_configs,
+    resolve_model,
+)
 from swapping import PolicySwap, initial_plan
 
 from rl_core.kl import compute_kl
-from rl_core.train import GroupAdvantages, PinnedOffload, isolated_rng, run, run_app, sample_seed
+from rl_core.train import GroupAdvantages, PinnedOffload, isolated_rng, sample_seed
 from rl_core.train.config import ConfigError
 from rl_core.train.recipe import Checkpoint, Recipe, RunContext, Schedule, Scores
 from rl_core.train.sharding import FullWeights, prepare_policy, resolve_sharding, sharded_state
@@ -73,7 +81,7 @@ class Batch:
 
 
 class RiderGRM(Recipe[Config, State, Batch]):
-    name, config, default_config, env = "rider-grm", Config, DEFAULT_CONFIG, ENV
+    name, config, default_config, env = NAME, Config, DEFAULT_CONFIG, ENV
 
     def check(self, cfg: Config, world_size: int) -> None:
         check_config(cfg, world_size)
@@ -279,12 +287,3 @@ def logprobs(state: State, model: Any, gens: list[Generation]) -> list[torch.Ten
 
 
 RECIPE = RiderGRM()
-
-
-def main(argv: list[str] | None = None) -> Path | None:
-    """Run the app; returns the run directory (None after --help)."""
-    return run(RECIPE, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(run_app(RECIPE.name, main))

@@ -12,6 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 APP = Path(__file__).resolve().parents[1]
 REPO = APP.parents[1]
+sys.path.insert(0, str(APP))  # what `python apps/arith-grpo` does: siblings of __main__ import
 
 
 def _load_app():

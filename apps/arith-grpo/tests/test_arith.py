@@ -3,8 +3,6 @@ numbers, learning, and the one-line errors."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from rl_core.train.testing import (
     assert_resume_is_bit_identical,
     assert_two_processes_equal_one,
     metric_rows,
+    run_cli,
 )
 
 SMALL = ["policy.n=4", "policy.max_new_tokens=4", "train.batch_size=4", "train.micro_batch_size=3", "train.max_steps=2"]
@@ -54,12 +53,20 @@ def test_the_embedded_default_learns_to_answer_with_a_number(tmp_path: Path) -> 
 
 
 def test_a_registry_typo_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(APP / "__main__.py"), "algo.loss=ppo", f"train.output_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    """As `--help` and an unknown key, answered before torch is imported (the command line is read
+    before the recipe loads)."""
+    done = run_cli(APP, "algo.loss=ppo", f"train.output_dir={tmp_path}", cwd=REPO)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "arith-grpo: error: algo.loss: unknown policy loss 'ppo'; valid names: cispo, dual_clip, gspo, ppo_clip, sapo "
         "(from override algo.loss=ppo)"]
     assert not list(tmp_path.iterdir())
+    unknown = run_cli(APP, "train.nope=1", cwd=REPO)
+    assert unknown.returncode == 2 and unknown.stderr.splitlines() == [
+        "arith-grpo: error: unknown config key 'train.nope' (override train.nope=1): no field 'nope' in train; did you "
+        "mean: train.seed, train.run_name, train.lr?"]
+    helped = run_cli(APP, "--help", cwd=REPO)
+    assert helped.returncode == 0 and "algo.loss" in helped.stdout and "arith-grpo: error" not in helped.stderr
+    assert not done.imported_torch and not unknown.imported_torch and not helped.imported_torch
 
 
 def test_dynamic_sampling_keeps_informative_groups_from_more_rounds(tmp_path: Path) -> None:

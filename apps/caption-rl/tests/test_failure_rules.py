@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from conftest import APP, DATA, REPO, tiny_overrides
 
 from rl_core.train import ConfigError, UserError, load_config
+from rl_core.train.testing import run_cli
 from rl_rewards import ScoreResult, register_scorer
 from rl_rewards.registry import SCORERS
 
@@ -148,6 +150,22 @@ def test_user_errors_are_one_line_with_exit_2(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == ("caption-rl: error: dataset file not found: /nope.jsonl "
                                                     "(data.train / data.eval / DATASET)")
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--help"], None),
+    (["train.nope=1"], r"caption-rl: error: unknown config key 'train\.nope' \(override train\.nope=1\): no field"),
+    (["algo.loss=ppo"], r"caption-rl: error: algo\.loss: unknown policy loss 'ppo'; valid names: cispo, "),
+    (["--config", "/nope.toml"], r"caption-rl: error: --config /nope\.toml: no such file$"),
+])
+def test_help_and_config_errors_answer_before_torch_is_imported(argv, line):
+    """The command line and the config are read before the recipe (and torch) loads."""
+    done = run_cli(APP, *argv, cwd=REPO)
+    assert not done.imported_torch
+    if line is None:
+        assert done.returncode == 0 and "algo.loss" in done.stdout and "CAPTION_MODEL" in done.stdout
+    else:
+        assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and re.match(line, done.stderr), done.stderr
 
 
 def test_a_run_where_no_record_can_become_model_input_ends_with_the_reason(app, tmp_path):

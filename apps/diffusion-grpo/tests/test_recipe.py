@@ -9,11 +9,13 @@ import csv
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import (
+    APP,
     CONFIGS,
     advantages,
     checked,
@@ -35,6 +37,9 @@ from rl_core.train import (
     trainable_parameters,
     unknown_metric_names,
 )
+from rl_core.train.testing import run_cli
+
+REPO = APP.parents[1]
 
 
 def _config(app, out: Path, *extra: str):
@@ -176,6 +181,22 @@ def test_help_lists_every_vrl_knob(app, capsys) -> None:
     for key in ("rollout.n", "sampling.guidance_scale", "train.clip_range", "train.kl_beta",
                 "train.gradient_accumulation_steps", "eval.num_steps", "eval.use_ema", "reward.url"):
         assert key in text
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--help"], None),
+    (["train.nope=1"], r"diffusion-grpo: error: unknown config key 'train\.nope' \(override train\.nope=1\): no field"),
+    (["janus.kl=k4"], r"diffusion-grpo: error: janus\.kl: unknown KL estimator 'k4'; valid names: k1, k2, k3, "),
+    (["train.lr=fast"], r"diffusion-grpo: error: train\.lr: expected float, got 'fast' \(from override train\.lr=fast\)$"),
+])
+def test_help_and_config_errors_answer_before_torch_is_imported(argv: list[str], line: str | None) -> None:
+    """The command line and the config are read before the recipe (and torch) loads."""
+    done = run_cli(APP, *argv, cwd=REPO)
+    assert not done.imported_torch
+    if line is None:
+        assert done.returncode == 0 and "train.kl_beta" in done.stdout and "VRL_OUTPUT_DIR" in done.stdout
+    else:
+        assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and re.match(line, done.stderr), done.stderr
 
 
 def test_aesthetic_and_clip_score_rewards_from_the_command_line(app, tmp_path: Path) -> None:

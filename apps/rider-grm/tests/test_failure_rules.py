@@ -17,6 +17,7 @@ from conftest import APP, REPO, TESTS, app, tiny_overrides
 from rider_config import DEFAULT_CONFIG, Config, resolve_model
 
 from rl_core.train import ConfigError, UserError, load_config
+from rl_core.train.testing import run_cli
 
 
 def rows(run: Path) -> list[dict[str, str]]:
@@ -103,6 +104,23 @@ def test_user_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert done.stderr.strip().splitlines()[-1] == "rider-grm: error: data file not found: /nope.parquet " \
                                                    "(data.train_files / data.val_files)"
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--help"], None),
+    (["train.nope=1"], r"rider-grm: error: unknown config key 'train\.nope' \(override train\.nope=1\): no field"),
+    (["algo.kl_loss_type=k4"], r"rider-grm: error: algo\.kl_loss_type: unknown KL estimator 'k4'; valid names: k1, "),
+    (["--resume", "/nope"], r"rider-grm: error: --resume /nope: no complete checkpoint-<step> there$"),
+])
+def test_help_and_config_errors_answer_before_torch_is_imported(argv: list[str], line: str | None) -> None:
+    """The command line, the config and the `--resume` path are read before the recipe (and
+    torch) loads."""
+    done = run_cli(APP, *argv, cwd=REPO)
+    assert not done.imported_torch
+    if line is None:
+        assert done.returncode == 0 and "reward.judges[i].module" in done.stdout and "MODEL_PATH" in done.stdout
+    else:
+        assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and re.match(line, done.stderr), done.stderr
 
 
 def test_resume_refuses_another_run_name(tmp_path: Path) -> None:

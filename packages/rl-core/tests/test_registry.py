@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 
+from rl_core import names
 from rl_core.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from rl_core.kl import KL_ESTIMATORS
 from rl_core.losses import AGGREGATIONS, POLICY_LOSSES
+from rl_core.names import RegistryRef
 from rl_core.registry import Registry, UnknownNameError
 
 
@@ -83,3 +88,23 @@ def test_unknown_estimator_through_the_public_call() -> None:
         compute_advantages(
             "gpro", rewards=torch.ones(2), mask=mask, group_ids=torch.zeros(2, dtype=torch.long)
         )
+
+
+@pytest.mark.parametrize("ref", names.REGISTRIES, ids=lambda ref: ref.attribute)
+def test_builtin_names_match_the_registries(ref: RegistryRef) -> None:
+    """`rl_core.names` (what a config checks before torch is imported) holds each registry's kind
+    and names exactly: the test that keeps the registry's promise that no second list drifts."""
+    registry = ref.resolve()
+    assert (registry.kind, registry.names()) == (ref.kind, list(ref.builtin))
+
+
+def test_a_registry_ref_reads_the_registry_once_its_module_is_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before its module is imported: the built-in names. After: the registry's own, so a name a
+    user registered (here `mine`) is valid too."""
+    ref = RegistryRef("user_losses", "LOSSES", "policy loss", ("ppo_clip",))
+    assert ref.names() == ["ppo_clip"] and "mine" not in ref and ref.loaded() is None
+    registry: Registry = Registry("policy loss")
+    for name in ("ppo_clip", "mine"):
+        registry.add(name, name)
+    monkeypatch.setitem(sys.modules, "user_losses", types.SimpleNamespace(LOSSES=registry))
+    assert ref.names() == ["mine", "ppo_clip"] and "mine" in ref and ref.loaded() is registry

@@ -9,93 +9,130 @@ first-replay check (`update`), the update over replayed samples that image apps 
 (`replay_update`), the `main()` contract with user errors (`app`), and the end of a
 multi-process run (`shutdown`).
 
-Accelerate is imported only where an accelerator is used, never at import time.
+Accelerate is imported only where an accelerator is used, never at import time. The names below
+are imported on first use (PEP 562), each from its module: `from rl_core.train import RunFields,
+parse_run` imports no torch, which is what lets an app read its command line and config before
+torch loads (`parse_run`, `rl_core.train.app`).
 """
 
-from rl_core.train.algo_fields import PolicyLossFields, check_loss_options
-from rl_core.train.app import UserError, run_app
-from rl_core.train.checkpoint import (
-    Stateful,
-    latest_checkpoint,
-    load_checkpoint,
-    resolve_resume,
-    save_checkpoint,
-)
-from rl_core.train.config import (
-    AdvantageName,
-    AggregationName,
-    CliArgs,
-    ConfigError,
-    KLName,
-    NonNegative,
-    NonNegativeFloat,
-    PolicyLossName,
-    Positive,
-    PositiveFloat,
-    RewardAggregationName,
-    RolloutCorrectionName,
-    UnitInterval,
-    config_help,
-    dump_config,
-    flat_config,
-    load_config,
-    parse_cli,
-)
-from rl_core.train.dynamic_sampling import DynamicSampling
-from rl_core.train.ema import ParameterEMA, TrainableState, trainable_parameters
-from rl_core.train.groups import GroupAdvantages, component_means, gather_rows, group_advantages
-from rl_core.train.loop import run, train
-from rl_core.train.metric_names import METRIC_NAMES, unknown_metric_names
-from rl_core.train.metrics import MetricsLogger, PhaseTimer
-from rl_core.train.offload import OptimizerOffload, PinnedOffload
-from rl_core.train.plots import plot_reward_curve
-from rl_core.train.progress import TrainProgress
-from rl_core.train.recipe import (
-    Checkpoint,
-    Recipe,
-    RunContext,
-    RunFields,
-    Schedule,
-    Scores,
-    Skip,
-    check_batch_split,
-    check_group_size,
-)
-from rl_core.train.replay_update import Replay, replay_update
-from rl_core.train.rundir import latest_run, make_run_dir
-from rl_core.train.samples import SampleLog
-from rl_core.train.seeding import (
-    get_rng_state,
-    isolated_rng,
-    sample_seed,
-    seed_everything,
-    set_rng_state,
-)
-from rl_core.train.sharding import (
-    SHARDINGS,
-    FullWeights,
-    ShardedState,
-    ShardingFields,
-    ShardingPlan,
-    accelerator_kwargs,
-    full_state_dict,
-    gathered,
-    is_sharded,
-    prepare_policy,
-    resolve_sharding,
-    shard_model,
-    sharded_state,
-)
-from rl_core.train.shutdown import end_training
-from rl_core.train.update import (
-    NonFiniteError,
-    NonFiniteGuard,
-    ReplayCheck,
-    StepStats,
-    UpdateStats,
-    check_finite_parameters,
-    optimizer_step,
-)
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rl_core.train.algo_fields import PolicyLossFields, check_loss_options
+    from rl_core.train.app import UserError, parse_run, run_app
+    from rl_core.train.checkpoint import Stateful, load_checkpoint, save_checkpoint
+    from rl_core.train.config import (
+        AdvantageName,
+        AggregationName,
+        CliArgs,
+        ConfigError,
+        KLName,
+        NonNegative,
+        NonNegativeFloat,
+        PolicyLossName,
+        Positive,
+        PositiveFloat,
+        RewardAggregationName,
+        RolloutCorrectionName,
+        UnitInterval,
+        config_help,
+        dump_config,
+        flat_config,
+        load_config,
+        parse_cli,
+    )
+    from rl_core.train.ema import ParameterEMA, TrainableState, trainable_parameters
+    from rl_core.train.fields import DynamicSampling, RunFields, ShardingFields
+    from rl_core.train.groups import GroupAdvantages, component_means, gather_rows, group_advantages
+    from rl_core.train.loop import run, train
+    from rl_core.train.metric_names import METRIC_NAMES, unknown_metric_names
+    from rl_core.train.metrics import MetricsLogger, PhaseTimer
+    from rl_core.train.offload import OptimizerOffload, PinnedOffload
+    from rl_core.train.plots import plot_reward_curve
+    from rl_core.train.progress import TrainProgress
+    from rl_core.train.recipe import (
+        Checkpoint,
+        Recipe,
+        RunContext,
+        Schedule,
+        Scores,
+        Skip,
+        check_batch_split,
+        check_group_size,
+    )
+    from rl_core.train.replay_update import Replay, replay_update
+    from rl_core.train.rundir import latest_checkpoint, latest_run, make_run_dir, resolve_resume
+    from rl_core.train.samples import SampleLog
+    from rl_core.train.seeding import (
+        get_rng_state,
+        isolated_rng,
+        sample_seed,
+        seed_everything,
+        set_rng_state,
+    )
+    from rl_core.train.sharding import (
+        SHARDINGS,
+        FullWeights,
+        ShardedState,
+        ShardingPlan,
+        accelerator_kwargs,
+        full_state_dict,
+        gathered,
+        is_sharded,
+        prepare_policy,
+        resolve_sharding,
+        shard_model,
+        sharded_state,
+    )
+    from rl_core.train.shutdown import end_training
+    from rl_core.train.update import (
+        NonFiniteError,
+        NonFiniteGuard,
+        ReplayCheck,
+        StepStats,
+        UpdateStats,
+        check_finite_parameters,
+        optimizer_step,
+    )
+
+# module -> the names it gives this package (the imports above, for type checkers, say the same;
+# tests/train/test_train_app.py checks that they agree)
+_EXPORTS = {
+    "algo_fields": ["PolicyLossFields", "check_loss_options"],
+    "app": ["UserError", "parse_run", "run_app"],
+    "checkpoint": ["Stateful", "load_checkpoint", "save_checkpoint"],
+    "config": ["AdvantageName", "AggregationName", "CliArgs", "ConfigError", "KLName", "NonNegative",
+               "NonNegativeFloat", "PolicyLossName", "Positive", "PositiveFloat", "RewardAggregationName",
+               "RolloutCorrectionName", "UnitInterval", "config_help", "dump_config", "flat_config",
+               "load_config", "parse_cli"],
+    "ema": ["ParameterEMA", "TrainableState", "trainable_parameters"],
+    "fields": ["DynamicSampling", "RunFields", "ShardingFields"],
+    "groups": ["GroupAdvantages", "component_means", "gather_rows", "group_advantages"],
+    "loop": ["run", "train"],
+    "metric_names": ["METRIC_NAMES", "unknown_metric_names"],
+    "metrics": ["MetricsLogger", "PhaseTimer"],
+    "offload": ["OptimizerOffload", "PinnedOffload"],
+    "plots": ["plot_reward_curve"],
+    "progress": ["TrainProgress"],
+    "recipe": ["Checkpoint", "Recipe", "RunContext", "Schedule", "Scores", "Skip", "check_batch_split",
+               "check_group_size"],
+    "replay_update": ["Replay", "replay_update"],
+    "rundir": ["latest_checkpoint", "latest_run", "make_run_dir", "resolve_resume"],
+    "samples": ["SampleLog"],
+    "seeding": ["get_rng_state", "isolated_rng", "sample_seed", "seed_everything", "set_rng_state"],
+    "sharding": ["SHARDINGS", "FullWeights", "ShardedState", "ShardingPlan", "accelerator_kwargs",
+                 "full_state_dict", "gathered", "is_sharded", "prepare_policy", "resolve_sharding",
+                 "shard_model", "sharded_state"],
+    "shutdown": ["end_training"],
+    "update": ["NonFiniteError", "NonFiniteGuard", "ReplayCheck", "StepStats", "UpdateStats",
+               "check_finite_parameters", "optimizer_step"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
     "METRIC_NAMES",
@@ -167,6 +204,7 @@ __all__ = [
     "make_run_dir",
     "optimizer_step",
     "parse_cli",
+    "parse_run",
     "plot_reward_curve",
     "prepare_policy",
     "replay_update",
@@ -184,3 +222,27 @@ __all__ = [
     "trainable_parameters",
     "unknown_metric_names",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rl_core.train' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"rl_core.train.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
+
+
+class _Package(types.ModuleType):
+    """This package: importing a submodule binds it as an attribute of its package, which would
+    hide the function of the same name (`replay_update`) that `__getattr__` gives; so a submodule
+    is not bound over a name the package exports (the eager imports used to rebind it)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not (isinstance(value, types.ModuleType) and _MODULE_OF.get(name) == name):
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

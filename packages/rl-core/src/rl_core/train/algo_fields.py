@@ -8,7 +8,6 @@ import inspect
 
 import msgspec
 
-from rl_core.losses import POLICY_LOSSES
 from rl_core.train.config import (
     ConfigError,
     NonNegativeFloat,
@@ -46,6 +45,9 @@ class PolicyLossFields(msgspec.Struct, kw_only=True, frozen=True):
 
 def check_loss_options(loss: str, options: dict[str, float], *, key: str = "algo.loss_options") -> None:
     """`Recipe.check`'s rule: every option names a keyword of the loss function (before any model loads)."""
+    # imported here: it imports torch, and app configs import this module before torch loads
+    from rl_core.losses import POLICY_LOSSES
+
     params = inspect.signature(POLICY_LOSSES[loss]).parameters
     known = sorted(n for n, p in params.items() if p.kind is p.KEYWORD_ONLY
                    and n not in ("logp", "old_logp", "advantages", "valid", "clip_low", "clip_high"))

@@ -22,7 +22,6 @@ Without an accelerator a single process is assumed.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -32,13 +31,11 @@ import msgspec
 import torch
 
 from rl_core.errors import UserError
-from rl_core.train.rundir import latest_run
+from rl_core.train.rundir import checkpoints, latest_checkpoint, resolve_resume
 from rl_core.train.seeding import get_rng_state, set_rng_state
 from rl_core.train.sharding import ShardedState
 
 __all__ = ["Stateful", "latest_checkpoint", "load_checkpoint", "resolve_resume", "save_checkpoint"]
-
-_NAME = re.compile(r"checkpoint-(\d+)")
 
 
 @runtime_checkable
@@ -84,17 +81,8 @@ def _publish(tmp: Path, final: Path) -> None:
     _fsync(final.parent)
 
 
-def _checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints under `root`, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _NAME.fullmatch(p.name)) and (p / "meta.json").is_file()]
-    return sorted(found)
-
-
 def _prune(root: Path, keep_last: int) -> None:
-    for _, path in _checkpoints(root)[:-keep_last]:
+    for _, path in checkpoints(root)[:-keep_last]:
         trash = path.with_name(f".trash-{path.name}")
         os.replace(path, trash)  # gone from latest_checkpoint's view before the slow delete
         shutil.rmtree(trash)
@@ -167,12 +155,6 @@ def _format(accelerator: Any) -> str:
     return "torch" if accelerator is None else "accelerate"
 
 
-def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The complete `checkpoint-<step>` with the highest step under `root`, or None."""
-    found = _checkpoints(Path(root))
-    return found[-1][1] if found else None
-
-
 def load_checkpoint(
     path: str | os.PathLike[str],
     *,
@@ -211,25 +193,3 @@ def load_checkpoint(
     if accelerator is None:
         set_rng_state(torch.load(path / "rng.pt", weights_only=True))
     return {"step": meta["step"], **meta["extras"]}
-
-
-def resolve_resume(spec: str | os.PathLike[str] | None, runs_root: str | os.PathLike[str]) -> Path | None:
-    """Turn an app's `--resume` value into a checkpoint path.
-
-    None -> None (fresh start). "latest" -> the newest checkpoint of `runs_root/latest`, or None
-    when there is none yet (so a preemptible job can always pass `--resume`). A path may name a
-    checkpoint, a run directory (uses its `checkpoints/`) or a checkpoints directory; finding no
-    checkpoint there raises. The run directory of a checkpoint is `ckpt.parent.parent`.
-    """
-    if spec is None:
-        return None
-    if str(spec) == "latest":
-        run = latest_run(runs_root)
-        return latest_checkpoint(run / "checkpoints") if run is not None else None
-    path = Path(spec)
-    if (path / "meta.json").is_file():
-        return path
-    found = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
-    if found is None:
-        raise FileNotFoundError(f"--resume {spec}: no complete checkpoint-<step> there")
-    return found

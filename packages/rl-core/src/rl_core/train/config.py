@@ -38,11 +38,10 @@ from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 import msgspec
 import yaml
 
-from rl_core.advantages import ADVANTAGE_ESTIMATORS, REWARD_AGGREGATIONS
-from rl_core.kl import KL_ESTIMATORS
-from rl_core.losses import AGGREGATIONS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
+from rl_core import names
+from rl_core.errors import UserError
+from rl_core.names import RegistryRef
 from rl_core.registry import Registry
-from rl_core.train.app import UserError
 
 __all__ = ["AdvantageName", "AggregationName", "CliArgs", "ConfigError", "KLName", "NonNegative", "NonNegativeFloat",
            "PolicyLossName", "Positive", "PositiveFloat", "RewardAggregationName", "RolloutCorrectionName", "UnitInterval", "config_help",
@@ -59,12 +58,13 @@ UnitInterval = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
 # Fields naming a registry entry: the value is checked against the registry when the config loads,
 # so `algo.advantage=nope` stops in a line naming the key and the valid names, before any model loads.
-AdvantageName = Annotated[str, msgspec.Meta(extra={"registry": ADVANTAGE_ESTIMATORS})]
-PolicyLossName = Annotated[str, msgspec.Meta(extra={"registry": POLICY_LOSSES})]
-KLName = Annotated[str, msgspec.Meta(extra={"registry": KL_ESTIMATORS})]
-AggregationName = Annotated[str, msgspec.Meta(extra={"registry": AGGREGATIONS})]
-RewardAggregationName = Annotated[str, msgspec.Meta(extra={"registry": REWARD_AGGREGATIONS})]
-RolloutCorrectionName = Annotated[str, msgspec.Meta(extra={"registry": ROLLOUT_CORRECTIONS})]
+# They hold a `rl_core.names.RegistryRef` (a `Registry` works too): the names without torch.
+AdvantageName = Annotated[str, msgspec.Meta(extra={"registry": names.ADVANTAGE_ESTIMATORS})]
+PolicyLossName = Annotated[str, msgspec.Meta(extra={"registry": names.POLICY_LOSSES})]
+KLName = Annotated[str, msgspec.Meta(extra={"registry": names.KL_ESTIMATORS})]
+AggregationName = Annotated[str, msgspec.Meta(extra={"registry": names.AGGREGATIONS})]
+RewardAggregationName = Annotated[str, msgspec.Meta(extra={"registry": names.REWARD_AGGREGATIONS})]
+RolloutCorrectionName = Annotated[str, msgspec.Meta(extra={"registry": names.ROLLOUT_CORRECTIONS})]
 
 T = TypeVar("T", bound=msgspec.Struct)
 _NULLS = frozenset({"null", "none", "None"})
@@ -110,10 +110,11 @@ def _admits(tp: Any, kind: type) -> bool:
     return False
 
 
-def _registry(tp: Any) -> Registry | None:
+def _registry(tp: Any) -> Registry[Any] | RegistryRef | None:
     """The registry a field's value must name (`AdvantageName`, ...), else None."""
     for meta in _unwrap(tp)[1]:
-        if isinstance(meta, msgspec.Meta) and meta.extra and isinstance(meta.extra.get("registry"), Registry):
+        if isinstance(meta, msgspec.Meta) and meta.extra and isinstance(meta.extra.get("registry"),
+                                                                         Registry | RegistryRef):
             return meta.extra["registry"]
     return None
 

@@ -34,28 +34,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import msgspec
 import torch
 from torch import Tensor
 
-from rl_core.train.config import Positive
+from rl_core.train.fields import DynamicSampling
 
 __all__ = ["DynamicSampling", "GroupFilter", "merge_scores"]
-
-
-class DynamicSampling(msgspec.Struct, kw_only=True, frozen=True):
-    """`train.dynamic_sampling`: DAPO's dynamic sampling (see `rl_core.train.dynamic_sampling`)."""
-
-    enable: bool = False
-    """Drop groups whose samples all scored the same `metric` and refill the batch with more
-    rollout rounds (DAPO; verl filter_groups). Choose it when many groups saturate (all right or
-    all wrong): each step then trains on informative groups only."""
-    metric: str = "reward"
-    """What must differ within a group: `reward` (the total) or a reward component's name (its
-    unweighted value); prefer the raw task metric when the total has shaping terms."""
-    max_rounds: Positive = 3
-    """Rollout rounds per step at most (the first included); a process still short then fills
-    its batch with uniform groups (counted in dynamic_sampling/filled_groups)."""
 
 
 def metric_values(scores: Any, metric: str) -> Tensor:

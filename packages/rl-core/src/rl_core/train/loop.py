@@ -8,11 +8,15 @@
     if __name__ == "__main__":
         sys.exit(run_app(RECIPE.name, main))
 
+`run` is `parse_run` (`rl_core.train.app`: the command line and the config, no torch) then
+`train`; the apps call the two from a `__main__.py` that imports the recipe module only in
+between, so `--help` and config errors answer before torch is imported.
+
 What the loop does, in order, so no app writes it:
 
     start  --help, or the config (defaults < --config FILE < env < key=value; registry names checked)
-           -> the accelerator -> `Recipe.check` (rules between keys, the process count) -> the resume
-           point (`--resume`; a train.run_name naming another run is refused) -> the run directory
+           and the resume point (`--resume`; a train.run_name naming another run is refused)
+           -> the accelerator -> `Recipe.check` (rules between keys, the process count) -> the run directory
            -> seeding -> `Recipe.setup` -> the checkpoint restored -> `Recipe.start` -> trackers
     step k rollout -> reward -> advantages (group statistics over every process) -> update
            -> eval (when due) -> log (metrics.csv, trackers, progress) -> checkpoint (when due) -> plot
@@ -39,15 +43,16 @@ import msgspec
 import torch
 
 from rl_core.errors import UserError
-from rl_core.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from rl_core.train.config import ConfigError, config_help, flat_config, load_config, parse_cli
+from rl_core.train.app import parse_run
+from rl_core.train.checkpoint import load_checkpoint, save_checkpoint
+from rl_core.train.config import ConfigError, flat_config
 from rl_core.train.dynamic_sampling import GroupFilter, merge_scores
 from rl_core.train.groups import component_means, group_advantages
 from rl_core.train.metrics import MetricsLogger, PhaseTimer
 from rl_core.train.plots import plot_reward_curve
 from rl_core.train.progress import TrainProgress
 from rl_core.train.recipe import B, C, Recipe, RunContext, S, Schedule, Scores, Skip, run_fields
-from rl_core.train.rundir import make_run_dir
+from rl_core.train.rundir import make_run_dir, resume_point
 from rl_core.train.samples import SampleLog
 from rl_core.train.seeding import isolated_rng, seed_everything
 from rl_core.train.sharding import accelerator_kwargs
@@ -64,18 +69,11 @@ TRACKER_PACKAGES = {"tensorboard": '"rl-core[tensorboard]"', "wandb": '"rl-core[
 
 def run(recipe: Recipe[C, S, B], argv: Sequence[str] | None = None) -> Path | None:
     """Parse `argv` (`--config FILE`, `--resume [PATH]`, `--help`, `key=value`), load the config
-    and train; returns the run directory (None after --help)."""
-    cli = parse_cli(sys.argv[1:] if argv is None else argv)
-    if cli.help:
-        default = recipe.config_path(None)
-        print(config_help(recipe.config, env=recipe.env, prog=recipe.name,
-                          defaults=load_config(recipe.config, default) if default is not None else None,
-                          defaults_from=f"{default.name} (the embedded default)" if default is not None else ""))
-        return None
-    path = recipe.config_path(cli.config)
-    if path is not None and not Path(path).is_file():
-        raise UserError(f"--config {path}: no such file")
-    return train(recipe, load_config(recipe.config, path, cli.overrides, env=recipe.env), cli.resume)
+    and train; returns the run directory (None after --help). An app whose recipe module imports
+    torch calls `rl_core.train.parse_run` from its `__main__` and then `train`, so `--help` and
+    config errors answer before torch is imported."""
+    parsed = parse_run(recipe.name, recipe.config, recipe.config_path(None), recipe.env, argv)
+    return None if parsed is None else train(recipe, *parsed)
 
 
 def train(recipe: Recipe[C, S, B], cfg: C, resume: str | None = None) -> Path:
@@ -87,7 +85,7 @@ def train(recipe: Recipe[C, S, B], cfg: C, resume: str | None = None) -> Path:
                           "(its recipe has no `merge` hook); set it to false")
     acc = _accelerator(t.sharding, t.fsdp_cpu_offload)
     recipe.check(cfg, acc.num_processes)
-    ckpt, name = _resume_point(resume, t.output_dir, t.run_name)
+    ckpt, name = resume_point(resume, t.output_dir, t.run_name)
     start = int(msgspec.json.decode((ckpt / "meta.json").read_bytes())["step"]) if ckpt is not None else 0
     run_dir = make_run_dir(t.output_dir, name, config=cfg, accelerator=acc)
     seed_everything(t.seed, rank=acc.process_index if recipe.seed_by_rank else 0)
@@ -112,21 +110,6 @@ def _accelerator(sharding: Any, cpu_offload: bool) -> Any:
     # cpu=True without CUDA: `accelerate launch --multi_gpu --num_processes N` then gives N gloo
     # processes on a CPU machine (its `--cpu` flag alone starts one process unless MPI is set up)
     return Accelerator(cpu=not torch.cuda.is_available(), **accelerator_kwargs(sharding=sharding, cpu_offload=cpu_offload))
-
-
-def _resume_point(resume: str | None, output_dir: str, run_name: str | None) -> tuple[Path | None, str | None]:
-    """The checkpoint to resume (None: a fresh start) and the run's name."""
-    try:
-        ckpt = resolve_resume(resume, output_dir)
-    except FileNotFoundError as e:
-        raise UserError(str(e)) from None
-    if ckpt is None:
-        return None, run_name
-    name = ckpt.parent.parent.name
-    if run_name not in (None, name):
-        raise UserError(f"--resume continues run {name!r}, but train.run_name={run_name!r} names another run: "
-                        "drop train.run_name, or resume that run's directory")
-    return ckpt, name
 
 
 def _trackers(acc: Any, names: list[str], run_dir: Path, project: str, cfg: Any) -> None:

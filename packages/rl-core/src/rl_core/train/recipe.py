@@ -31,12 +31,11 @@ import torch
 from torch import Tensor
 
 from rl_core.advantages import uses_group_baseline
-from rl_core.train.config import ConfigError, NonNegative, Positive
-from rl_core.train.dynamic_sampling import DynamicSampling
+from rl_core.train.config import ConfigError
+from rl_core.train.fields import RunFields, run_fields
 from rl_core.train.groups import GroupAdvantages
 from rl_core.train.metrics import PhaseTimer
 from rl_core.train.samples import SampleLog
-from rl_core.train.sharding import ShardingFields
 from rl_core.train.update import NonFiniteGuard
 
 __all__ = ["Checkpoint", "Recipe", "RunContext", "RunFields", "Schedule", "Scores", "Skip", "check_batch_split", "check_group_size", "run_fields"]
@@ -57,35 +56,6 @@ def check_group_size(estimator: str, n: int, *, key: str, n_key: str) -> None:
     if uses_group_baseline(estimator) and n < 2:
         raise ConfigError(f"{n_key}={n}: {key}={estimator!r} compares the samples of one prompt with each other "
                           f"and needs {n_key} >= 2")
-
-
-class RunFields(ShardingFields, kw_only=True, frozen=True):
-    """The `train.*` keys the loop reads, named the same in every app: an app's `TrainConfig`
-    subclasses this (and redefines a field to change its default, e.g. `output_dir`)."""
-
-    output_dir: str = "runs"
-    run_name: str | None = None  # default: run-<date>-<time>; --resume keeps the resumed run's name
-    seed: NonNegative = 0
-    save_freq: Positive = 50  # checkpoint every N steps (and at the last)
-    keep_last: Positive = 2  # checkpoints kept
-    log_with: list[str] = msgspec.field(default_factory=list)
-    """Experiment trackers through Accelerate (tensorboard, wandb, mlflow, trackio, ...), logging
-    into the run directory; the same scalars as metrics.csv."""
-    dynamic_sampling: DynamicSampling = DynamicSampling()
-    """DAPO's dynamic sampling: `enable`, `metric`, `max_rounds` (see the keys below)."""
-    max_nonfinite_steps: Positive = 3
-    """Consecutive optimizer steps with a non-finite loss or gradient (each skipped, weights
-    untouched) after which the run stops with an error."""
-
-
-def run_fields(cfg: msgspec.Struct) -> RunFields:
-    """An app config's `train` table, which every app config has and which subclasses
-    `RunFields` (the loop reads its keys)."""
-    fields = msgspec.structs.asdict(cfg).get("train")
-    if not isinstance(fields, RunFields):
-        raise TypeError(f"{type(cfg).__name__}.train must be a subclass of rl_core.train.RunFields, "
-                        f"got {type(fields).__name__}")
-    return fields
 
 
 C = TypeVar("C", bound=msgspec.Struct)  # the app config: a Struct whose `train` table is a RunFields

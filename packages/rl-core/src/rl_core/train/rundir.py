@@ -1,19 +1,26 @@
 """Run directories: `root/<name>-<timestamp>/` holding config.toml, metrics.csv and
-`checkpoints/checkpoint-<step>/`, with `root/latest` a symlink to the newest run.
+`checkpoints/checkpoint-<step>/`, with `root/latest` a symlink to the newest run; the newest
+complete checkpoint of a run, and the one an app's `--resume` continues (`resume_point`: no
+torch, so a wrong `--resume` is refused before torch is imported; `rl_core.train.checkpoint`
+gives the same names).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from rl_core.errors import UserError
 from rl_core.train.config import dump_config
 
-__all__ = ["latest_run", "make_run_dir"]
+__all__ = ["checkpoints", "latest_checkpoint", "latest_run", "make_run_dir", "resolve_resume", "resume_point"]
+
+_NAME = re.compile(r"checkpoint-(\d+)")
 
 
 def _create_unique(root: Path, name: str) -> Path:
@@ -75,3 +82,56 @@ def latest_run(root: str | os.PathLike[str]) -> Path | None:
     """The run that `root/latest` points at, or None when there is none."""
     link = Path(root) / "latest"
     return link.resolve() if link.is_dir() else None
+
+
+def checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _NAME.fullmatch(p.name)) and (p / "meta.json").is_file()]
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The complete `checkpoint-<step>` with the highest step under `root`, or None."""
+    found = checkpoints(Path(root))
+    return found[-1][1] if found else None
+
+
+def resolve_resume(spec: str | os.PathLike[str] | None, runs_root: str | os.PathLike[str]) -> Path | None:
+    """Turn an app's `--resume` value into a checkpoint path.
+
+    None -> None (fresh start). "latest" -> the newest checkpoint of `runs_root/latest`, or None
+    when there is none yet (so a preemptible job can always pass `--resume`). A path may name a
+    checkpoint, a run directory (uses its `checkpoints/`) or a checkpoints directory; finding no
+    checkpoint there raises. The run directory of a checkpoint is `ckpt.parent.parent`.
+    """
+    if spec is None:
+        return None
+    if str(spec) == "latest":
+        run = latest_run(runs_root)
+        return latest_checkpoint(run / "checkpoints") if run is not None else None
+    path = Path(spec)
+    if (path / "meta.json").is_file():
+        return path
+    found = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
+    if found is None:
+        raise FileNotFoundError(f"--resume {spec}: no complete checkpoint-<step> there")
+    return found
+
+
+def resume_point(resume: str | None, output_dir: str, run_name: str | None) -> tuple[Path | None, str | None]:
+    """The checkpoint an app's `--resume` continues (None: a fresh start) and the run's name; a
+    path without a checkpoint, or a `train.run_name` naming another run, is a `UserError`."""
+    try:
+        ckpt = resolve_resume(resume, output_dir)
+    except FileNotFoundError as e:
+        raise UserError(str(e)) from None
+    if ckpt is None:
+        return None, run_name
+    name = ckpt.parent.parent.name
+    if run_name not in (None, name):
+        raise UserError(f"--resume continues run {name!r}, but train.run_name={run_name!r} names another run: "
+                        "drop train.run_name, or resume that run's directory")
+    return ckpt, name

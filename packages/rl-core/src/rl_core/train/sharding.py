@@ -44,15 +44,15 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
-import msgspec
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from rl_core.train.app import UserError
+from rl_core.errors import UserError
+from rl_core.train.fields import MixedPrecision, Sharding, ShardingFields
 
 __all__ = [
     "SHARDINGS",
@@ -74,31 +74,6 @@ __all__ = [
 
 SHARDINGS = ("none", "fsdp2")
 Opt = TypeVar("Opt", bound=torch.optim.Optimizer)
-Sharding = Literal["none", "fsdp2"]
-MixedPrecision = Literal["none", "bf16"]
-
-
-class ShardingFields(msgspec.Struct, kw_only=True, frozen=True):
-    """The `train.*` settings of sharding, shared by the apps: an app's `TrainConfig` subclasses
-    this (`rl_core.train.config_help` reads the documentation below from here)."""
-
-    sharding: Sharding = "none"
-    """`none`: DDP, every GPU holds the whole trained model and its optimizer state (fastest
-    while that fits). `fsdp2`: weights, gradients and optimizer state sharded over the processes
-    (`torch.distributed.fsdp.fully_shard`, one unit per decoder layer or transformer block plus
-    the root; `rl_core.train.sharding`), for a model that with Adam (~16 bytes/parameter) does
-    not fit one GPU; the rollout (and eval, export) gathers the full weights
-    (`time/weight_gather`). Also turned on by an `accelerate launch` FSDP config (fsdp_version: 2)."""
-    fsdp_cpu_offload: bool = False
-    """fsdp2: keep the weight shards and optimizer state in host memory (the optimizer steps on
-    the CPU, Adam/AdamW with torch's fused kernel): slower; for when even 1/N of the model with
-    Adam does not fit."""
-    fsdp_mixed_precision: MixedPrecision = "none"
-    """fsdp2: `bf16` keeps fp32 master weights, computes in bf16 and reduces gradients in fp32
-    (load the model in float32 or bfloat16); `none` trains in the loaded dtype."""
-    fsdp_activation_checkpointing: bool = False
-    """fsdp2: recompute each decoder layer's (transformer block's) activations in backward (less
-    memory, ~1/3 more compute)."""
 
 
 def is_sharded(module: torch.nn.Module) -> bool:

@@ -10,6 +10,8 @@ its own recipe with a few lines:
 
 Both read the weights the loop checkpointed at the last step (`accelerator.save_state`'s
 `model.safetensors`), so they need `train.save_freq` to reach it (the last step is always saved).
+`run_cli` runs an app as a user types it and says whether torch was imported: `--help` and
+config errors must answer without it (`rl_core.train.parse_run`).
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["assert_resume_is_bit_identical", "assert_two_processes_equal_one", "checkpoint_weights", "launch",
-           "metric_rows"]
+__all__ = ["CliRun", "assert_resume_is_bit_identical", "assert_two_processes_equal_one", "checkpoint_weights",
+           "launch", "metric_rows", "run_cli"]
 
 Main = Callable[[list[str]], Path | None]
 
@@ -66,6 +69,28 @@ def launch(script: Path, args: Sequence[str], *, processes: int = 2, cwd: Path |
     if done.returncode != 0:
         raise AssertionError(f"{script} failed with {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     return done
+
+
+@dataclass(frozen=True)
+class CliRun:
+    """What `run_cli` saw: the exit code, stdout, stderr (without `-X importtime`'s lines) and
+    whether the process imported torch."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    imported_torch: bool
+
+
+def run_cli(app: Path, *args: str, cwd: Path | None = None, timeout: float = 300) -> CliRun:
+    """`python -X importtime APP ARGS...` (an app directory or script, as a user runs it) in a fresh
+    process: its output, and whether torch was among the modules it imported."""
+    done = subprocess.run([sys.executable, "-X", "importtime", str(app), *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout, check=False)
+    lines = done.stderr.splitlines(keepends=True)
+    imports = [line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")]
+    return CliRun(done.returncode, done.stdout, "".join(line for line in lines if not line.startswith("import time:")),
+                  "torch" in imports)
 
 
 def assert_two_processes_equal_one(main: Main, script: Path, overrides: Sequence[str], tmp_path: Path, *,

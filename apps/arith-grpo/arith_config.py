@@ -1,0 +1,52 @@
+"""arith-grpo's configuration: one msgspec Struct per TOML table. No torch: `__main__.py` reads the
+command line and the config with it, and `--help` and config errors answer before the recipe
+(`arith_recipe.py`) and torch load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from rl_core import train
+from rl_rewards import RewardSpec
+
+NAME = "arith-grpo"
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.toml"
+
+
+class PolicyConfig(msgspec.Struct, kw_only=True, frozen=True):
+    path: str = "Qwen/Qwen3-0.6B"  # `tiny:qwen3` builds a tiny random checkpoint
+    dtype: str = "bfloat16"
+    engine: Literal["auto", "hf", "vllm"] = "auto"  # auto: vllm on a CUDA machine where it imports, else hf
+    n: train.Positive = 8  # answers sampled per prompt
+    temperature: train.PositiveFloat = 1.0
+    max_new_tokens: train.Positive = 16
+
+
+class AlgoConfig(train.PolicyLossFields, kw_only=True, frozen=True):
+    advantage: train.AdvantageName = "grpo"
+    loss: train.PolicyLossName = "ppo_clip"
+    clip_low: train.UnitInterval = 0.2
+    clip_high: train.NonNegativeFloat = 0.2
+
+
+class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
+    partial: float = 0.1  # reward of a wrong number: a format bonus a random policy finds (0 = exact only)
+    spec: str | RewardSpec | None = None  # a RewardSpec replacing the exact-answer rule (file or inline table)
+
+
+class TrainConfig(train.RunFields, kw_only=True, frozen=True):
+    output_dir: str = "runs/arith-grpo"
+    batch_size: train.Positive = 8  # prompts per step, all processes
+    micro_batch_size: train.Positive = 8  # answers per forward/backward
+    max_steps: train.Positive = 100
+    lr: train.PositiveFloat = 1e-5
+
+
+class Config(msgspec.Struct, kw_only=True, frozen=True):
+    policy: PolicyConfig = PolicyConfig()
+    algo: AlgoConfig = AlgoConfig()
+    reward: RewardConfig = RewardConfig()
+    train: TrainConfig = TrainConfig()

@@ -1,0 +1,86 @@
+"""The `train.*` tables the trainer loop reads, named the same in every app: `RunFields` (an
+app's `TrainConfig` subclasses it) with its sharding keys (`ShardingFields`) and DAPO's dynamic
+sampling (`DynamicSampling`). Torch-free, so an app's config module imports them and the app
+reads its command line before torch is imported; `rl_core.train.sharding`,
+`rl_core.train.dynamic_sampling` and `rl_core.train.recipe` use them and give the same names.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from rl_core.train.config import NonNegative, Positive
+
+__all__ = ["DynamicSampling", "MixedPrecision", "RunFields", "Sharding", "ShardingFields", "run_fields"]
+
+Sharding = Literal["none", "fsdp2"]
+MixedPrecision = Literal["none", "bf16"]
+
+
+class ShardingFields(msgspec.Struct, kw_only=True, frozen=True):
+    """The `train.*` settings of sharding, shared by the apps: an app's `TrainConfig` subclasses
+    this (`rl_core.train.config_help` reads the documentation below from here)."""
+
+    sharding: Sharding = "none"
+    """`none`: DDP, every GPU holds the whole trained model and its optimizer state (fastest
+    while that fits). `fsdp2`: weights, gradients and optimizer state sharded over the processes
+    (`torch.distributed.fsdp.fully_shard`, one unit per decoder layer or transformer block plus
+    the root; `rl_core.train.sharding`), for a model that with Adam (~16 bytes/parameter) does
+    not fit one GPU; the rollout (and eval, export) gathers the full weights
+    (`time/weight_gather`). Also turned on by an `accelerate launch` FSDP config (fsdp_version: 2)."""
+    fsdp_cpu_offload: bool = False
+    """fsdp2: keep the weight shards and optimizer state in host memory (the optimizer steps on
+    the CPU, Adam/AdamW with torch's fused kernel): slower; for when even 1/N of the model with
+    Adam does not fit."""
+    fsdp_mixed_precision: MixedPrecision = "none"
+    """fsdp2: `bf16` keeps fp32 master weights, computes in bf16 and reduces gradients in fp32
+    (load the model in float32 or bfloat16); `none` trains in the loaded dtype."""
+    fsdp_activation_checkpointing: bool = False
+    """fsdp2: recompute each decoder layer's (transformer block's) activations in backward (less
+    memory, ~1/3 more compute)."""
+
+
+class DynamicSampling(msgspec.Struct, kw_only=True, frozen=True):
+    """`train.dynamic_sampling`: DAPO's dynamic sampling (see `rl_core.train.dynamic_sampling`)."""
+
+    enable: bool = False
+    """Drop groups whose samples all scored the same `metric` and refill the batch with more
+    rollout rounds (DAPO; verl filter_groups). Choose it when many groups saturate (all right or
+    all wrong): each step then trains on informative groups only."""
+    metric: str = "reward"
+    """What must differ within a group: `reward` (the total) or a reward component's name (its
+    unweighted value); prefer the raw task metric when the total has shaping terms."""
+    max_rounds: Positive = 3
+    """Rollout rounds per step at most (the first included); a process still short then fills
+    its batch with uniform groups (counted in dynamic_sampling/filled_groups)."""
+
+
+class RunFields(ShardingFields, kw_only=True, frozen=True):
+    """The `train.*` keys the loop reads, named the same in every app: an app's `TrainConfig`
+    subclasses this (and redefines a field to change its default, e.g. `output_dir`)."""
+
+    output_dir: str = "runs"
+    run_name: str | None = None  # default: run-<date>-<time>; --resume keeps the resumed run's name
+    seed: NonNegative = 0
+    save_freq: Positive = 50  # checkpoint every N steps (and at the last)
+    keep_last: Positive = 2  # checkpoints kept
+    log_with: list[str] = msgspec.field(default_factory=list)
+    """Experiment trackers through Accelerate (tensorboard, wandb, mlflow, trackio, ...), logging
+    into the run directory; the same scalars as metrics.csv."""
+    dynamic_sampling: DynamicSampling = DynamicSampling()
+    """DAPO's dynamic sampling: `enable`, `metric`, `max_rounds` (see the keys below)."""
+    max_nonfinite_steps: Positive = 3
+    """Consecutive optimizer steps with a non-finite loss or gradient (each skipped, weights
+    untouched) after which the run stops with an error."""
+
+
+def run_fields(cfg: msgspec.Struct) -> RunFields:
+    """An app config's `train` table, which every app config has and which subclasses
+    `RunFields` (the loop reads its keys)."""
+    fields = msgspec.structs.asdict(cfg).get("train")
+    if not isinstance(fields, RunFields):
+        raise TypeError(f"{type(cfg).__name__}.train must be a subclass of rl_core.train.RunFields, "
+                        f"got {type(fields).__name__}")
+    return fields
