@@ -179,14 +179,17 @@ def trl_rows(prompts: int) -> list[dict]:
     """The app's prompts and images for TRL: conversational prompt text plus an `image` column
     (TRL puts the image before the text, where the records' `<image>` placeholder is), resized
     to the same pixel budget as the app's `data.max_pixels`."""
-    from caption_parts import load_records, prompt_text, to_messages
+    from caption_data import load_records, prompt_text
+
+    from rl_data import chat_messages
 
     images = REPO / "examples" / "data" / "caption_qa_images.jsonl"
     records = load_records([str(images)], [], eval_size=0, task="image", seed=0).train
     rows = []
     for record in (records * prompts)[:prompts]:
-        [image] = [part["image"] for m in to_messages(record, fps=1.0, max_frames=1, max_pixels=MAX_PIXELS)
-                   for part in m["content"] if part["type"] == "image"]
+        messages = chat_messages(record.prompt, record.images, record.videos, fps=1.0, max_frames=1,
+                                 max_pixels=MAX_PIXELS)
+        [image] = [part["image"] for m in messages for part in m["content"] if part["type"] == "image"]
         rows.append({"prompt": [{"role": "user", "content": prompt_text(record)}], "image": image})
     return rows
 
