@@ -56,6 +56,7 @@ class Chunk:
 
     prompts: tuple[str, ...]
     seeds: tuple[int, ...]
+    window: tuple[int, int] | None = None  # sd3: the stochastic steps [start, stop); None = all
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class Replays:
     units: Callable[[Any], float]
     filler: Any
     tolerance: float | None
+    steps: Sequence[Sequence[int]] = ()  # sd3: the replayed denoising steps of each sampled batch
 
 
 class Family(Protocol):
@@ -132,8 +134,7 @@ class SD3(Family):
         s, pool, colocated = self.cfg.sampling, self.pool, self.cfg.rollout.placement == "colocated"
         kwargs: dict[str, Any] = {
             "num_steps": s.num_steps, "guidance_scale": s.guidance_scale, "height": s.resolution, "width": s.resolution,
-            "noise_level": s.noise_level, "kind": s.kind, "sde_window": tuple(s.sde_window) if s.sde_window else None,
-            "max_sequence_length": s.max_sequence_length}
+            "noise_level": s.noise_level, "kind": s.kind, "max_sequence_length": s.max_sequence_length}
         with whole_weights(self):  # a sharded policy's weights gathered into the engine's copy
             if pool is None:
                 return [sample_chunk(self.engine, chunk, **kwargs) for chunk in chunks]
@@ -148,10 +149,11 @@ class SD3(Family):
 
     def replays(self, samples: Sequence[ImageSamples], adv: Sequence[torch.Tensor], plan: list[list[Micro]]) -> Replays:
         """Every (micro-batch, trained step) pair is one forward and backward, every (sample, step)
-        one unit: Flow-GRPO trains the stochastic steps k < int(num_steps x train.timestep_fraction)."""
+        one unit: Flow-GRPO trains the stochastic steps k < int(num_steps x train.timestep_fraction),
+        each sampled batch its own (a random or sliding SDE window differs between batches)."""
         trajectories, t = cast(Sequence[Trajectory], samples), self.cfg.train
-        first = trajectories[0]
-        steps = [k for k in range(max(1, int(first.num_steps * t.timestep_fraction))) if bool(first.sde_steps[k])]
+        steps = [[k for k in range(max(1, int(traj.num_steps * t.timestep_fraction))) if bool(traj.sde_steps[k])]
+                 for traj in trajectories]
 
         def replay(micro: tuple[int, torch.Tensor, float, int]) -> Replay:
             k, rows, weight, step = micro
@@ -164,9 +166,9 @@ class SD3(Family):
             old = trajectories[k].log_probs[rows, step][:, None]  # [b, 1]
             return Replay(out.log_prob[:, None], old, adv[k][rows], weight, kl=kl)
 
-        window = [[(k, rows, weight, step) for k, rows, weight in micro for step in steps] for micro in plan]
+        window = [[(k, rows, weight, step) for k, rows, weight in micro for step in steps[k]] for micro in plan]
         return Replays(window, replay, units=lambda m: float(len(m[1])) * m[2],
-                       filler=(0, torch.tensor([0]), 0.0, steps[0]), tolerance=t.ratio_tolerance)
+                       filler=(0, torch.tensor([0]), 0.0, steps[0][0]), tolerance=t.ratio_tolerance, steps=steps)
 
     def eval_images(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
         e, s = self.cfg.eval, self.cfg.sampling  # the deterministic ODE sampler, `eval.num_steps` steps
@@ -235,7 +237,8 @@ def sample_chunk(engine: DiffusionEngine, chunk: Chunk, *, max_sequence_length: 
     unique = list(dict.fromkeys(chunk.prompts))
     conditioning = engine.encode(unique, max_sequence_length=max_sequence_length)
     rows = [unique.index(p) for p in chunk.prompts]
-    return engine.sample(list(chunk.prompts), conditioning=conditioning.index(rows), seeds=list(chunk.seeds), **sampling)
+    return engine.sample(list(chunk.prompts), conditioning=conditioning.index(rows), seeds=list(chunk.seeds),
+                         sde_window=chunk.window, **sampling)
 
 
 def sample_chunk_to_cpu(engine: DiffusionEngine, chunk: Chunk, **kwargs: Any) -> Trajectory:

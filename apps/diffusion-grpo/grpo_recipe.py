@@ -37,11 +37,13 @@ from grpo_config import (
     check_config,
     read_prompts,
     reward_spec,
+    window_range,
 )
 from peft import PeftModel
 from PIL import Image, ImageDraw, ImageFont
 
 from rl_core.advantages import group_ids_from_keys, nonzero_advantage_indices
+from rl_core.flow import compute_sde_window
 from rl_core.train import (
     Checkpoint,
     ConfigError,
@@ -144,7 +146,8 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         groups = cfg.rollout.groups_per_epoch // world
         records = [state.prompts[next(iter(state.sampler))] for _ in range(groups * n)]
         seeds = [sample_seed(cfg.train.seed, epoch, ((i // n) * world + run.rank) * n + i % n) for i in range(len(records))]
-        chunks = [Chunk(tuple(r.prompt for r in records[i:i + size]), tuple(seeds[i:i + size]))
+        chunks = [Chunk(tuple(r.prompt for r in records[i:i + size]), tuple(seeds[i:i + size]),
+                        sde_window(cfg, epoch, ((i // n) * world + run.rank) * n + i % n))
                   for i in range(0, len(records), size)]
         state.family.model.eval()
         samples = state.family.collect(chunks, state.ema.steps)
@@ -177,6 +180,10 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
             after_step=state.ema.step, what=f"step {step}: first replay, |log ratio| vs train.ratio_tolerance (bf16 "
                                             "with micro_batch_size != sample_batch_size needs a looser tolerance)")
         trained = sum(len(rows) * weight for micro in plan for _, rows, weight in micro)
+        if job.steps:  # sd3: how many denoising steps a sampled batch replays (its stochastic ones), and which
+            every = [k for steps in job.steps for k in steps]
+            metrics |= {"replay/steps_per_batch": len(every) / len(job.steps), "replay/first_step": min(every),
+                        "replay/last_step": max(every)}
         metrics["adv/trained_samples"] = acc.reduce(torch.tensor(float(trained), device=acc.device), reduction="sum").item()
         return metrics
 
@@ -215,6 +222,21 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
 
     def close(self, state: State) -> None:
         state.family.close()
+
+
+def sde_window(cfg: Config, epoch: int, first: int) -> tuple[int, int] | None:
+    """The stochastic steps of the sampled batch whose first image is sample `first` of the epoch
+    (`sampling.sde_window_mode`); a random window is drawn from (train.seed, epoch, first), so it
+    does not depend on the process count and a resumed run draws it again."""
+    s = cfg.sampling
+    if cfg.model.family != "sd3":
+        return None  # janus samples tokens: no denoising steps
+    if s.sde_window_mode == "fixed":
+        return (s.sde_window[0], s.sde_window[1]) if s.sde_window else None
+    start, limit = window_range(cfg)
+    generator = torch.Generator().manual_seed(sample_seed(cfg.train.seed, epoch, first, 1))
+    return compute_sde_window(s.sde_window_mode, epoch=epoch, limit=limit, size=s.sde_window_size, start=start,
+                              shift_interval=s.shift_interval, stride=s.window_stride, generator=generator)
 
 
 def plan_micro_batches(t: TrainConfig, acc: Any, sizes: list[int], adv: torch.Tensor, epoch: int) -> list[list[Micro]]:

@@ -66,6 +66,9 @@ METRIC_NAMES: dict[str, str] = {
     "lr": "learning rate after the step",
     "replay/engine_diff_mean": "mean |rollout engine log-prob - trainer log-prob| on the first replay",
     "replay/engine_diff_max": "the largest such difference",
+    "replay/steps_per_batch": "denoising steps replayed per sampled batch (diffusion: its SDE window)",
+    "replay/first_step": "the earliest denoising step replayed",
+    "replay/last_step": "the latest denoising step replayed",
     # rollouts
     "rollout/weight_version": "optimizer steps in the weights the step's rollouts were sampled with",
     "rollout/dropped_long": "prompts dropped for exceeding the prompt length limit",
