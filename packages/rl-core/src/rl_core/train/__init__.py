@@ -53,7 +53,16 @@ if TYPE_CHECKING:
     from rl_core.train.metric_names import METRIC_NAMES, unknown_metric_names
     from rl_core.train.metrics import MetricsLogger, PhaseTimer
     from rl_core.train.offload import OptimizerOffload, PinnedOffload
+    from rl_core.train.pipeline import (
+        CopyChannel,
+        PendingRollouts,
+        RolloutPipeline,
+        Sampled,
+        WeightChannel,
+        copy_sharing_frozen,
+    )
     from rl_core.train.plots import plot_reward_curve
+    from rl_core.train.process_state import ProcessState
     from rl_core.train.progress import TrainProgress
     from rl_core.train.recipe import (
         Checkpoint,
@@ -117,7 +126,9 @@ _EXPORTS = {
     "metric_names": ["METRIC_NAMES", "unknown_metric_names"],
     "metrics": ["MetricsLogger", "PhaseTimer"],
     "offload": ["OptimizerOffload", "PinnedOffload"],
+    "pipeline": ["CopyChannel", "PendingRollouts", "RolloutPipeline", "Sampled", "WeightChannel", "copy_sharing_frozen"],
     "plots": ["plot_reward_curve"],
+    "process_state": ["ProcessState"],
     "progress": ["TrainProgress"],
     "recipe": ["Checkpoint", "Recipe", "RunContext", "Schedule", "Scores", "Skip", "check_batch_split",
                "check_group_size"],
@@ -142,6 +153,7 @@ __all__ = [
     "Checkpoint",
     "CliArgs",
     "ConfigError",
+    "CopyChannel",
     "DynamicSampling",
     "FullWeights",
     "GroupAdvantages",
@@ -153,20 +165,24 @@ __all__ = [
     "NonNegativeFloat",
     "OptimizerOffload",
     "ParameterEMA",
+    "PendingRollouts",
     "PhaseTimer",
     "PinnedOffload",
     "PolicyLossFields",
     "PolicyLossName",
     "Positive",
     "PositiveFloat",
+    "ProcessState",
     "Recipe",
     "Replay",
     "ReplayCheck",
     "RewardAggregationName",
     "RolloutCorrectionName",
+    "RolloutPipeline",
     "RunContext",
     "RunFields",
     "SampleLog",
+    "Sampled",
     "Schedule",
     "Scores",
     "ShardedState",
@@ -180,6 +196,7 @@ __all__ = [
     "UnitInterval",
     "UpdateStats",
     "UserError",
+    "WeightChannel",
     "accelerator_kwargs",
     "check_batch_split",
     "check_finite_parameters",
@@ -187,6 +204,7 @@ __all__ = [
     "check_loss_options",
     "component_means",
     "config_help",
+    "copy_sharing_frozen",
     "dump_config",
     "end_training",
     "flat_config",

@@ -13,8 +13,9 @@ the complete new checkpoint or none, and the previous checkpoint untouched. A ch
   RNG state of every process. Then put only objects that were NOT passed to
   `accelerator.prepare` (a sampler, an EMA, ...) into `state`; they are saved by the main process.
 
-A `rl_core.train.sharding.ShardedState` value (a sharded policy and its optimizer) is saved by
-every process into `<name>/` through `torch.distributed.checkpoint`, each rank its own shards.
+A `rl_core.train.ProcessState` value is saved by every process into `<name>/`: a sharded
+policy and its optimizer (`ShardedState`, through `torch.distributed.checkpoint`, each rank its
+own shards), an asynchronous run's rollouts in flight (each rank its own).
 
 Without an accelerator a single process is assumed.
 """
@@ -31,9 +32,9 @@ import msgspec
 import torch
 
 from rl_core.errors import UserError
+from rl_core.train.process_state import ProcessState
 from rl_core.train.rundir import checkpoints, latest_checkpoint, resolve_resume
 from rl_core.train.seeding import get_rng_state, set_rng_state
-from rl_core.train.sharding import ShardedState
 
 __all__ = ["Stateful", "latest_checkpoint", "load_checkpoint", "resolve_resume", "save_checkpoint"]
 
@@ -112,7 +113,7 @@ def save_checkpoint(
     if accelerator is not None and accelerator.project_configuration.automatic_checkpoint_naming:
         raise ValueError("save_checkpoint names checkpoints itself: create the Accelerator "
                          "without ProjectConfiguration(automatic_checkpoint_naming=True)")
-    sharded = {k: v for k, v in state.items() if isinstance(v, ShardedState)}
+    sharded = {k: v for k, v in state.items() if isinstance(v, ProcessState)}
     stateful = {k: v for k, v in state.items() if isinstance(v, Stateful)}
     extras = {k: v for k, v in state.items() if k not in stateful and k not in sharded}
     try:
@@ -175,7 +176,7 @@ def load_checkpoint(
         raise ValueError(f"{path} was saved {'with' if meta['format'] == 'accelerate' else 'without'}"
                          " an accelerator; load it the same way")
     wanted = {k: v for k, v in (state or {}).items() if isinstance(v, Stateful)}
-    shards = {k: v for k, v in (state or {}).items() if isinstance(v, ShardedState)}
+    shards = {k: v for k, v in (state or {}).items() if isinstance(v, ProcessState)}
     held = [*meta["stateful"], *meta.get("sharded", [])]
     missing = sorted(set(wanted) - set(meta["stateful"]) | set(shards) - set(meta.get("sharded", [])))
     if missing:

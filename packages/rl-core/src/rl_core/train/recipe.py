@@ -11,6 +11,9 @@ own typed state. The loop owns the schedule; the recipe says only what is its ow
         def score(self, state, step, batch) -> Scores | Skip: ...  # rewards and group ids
         def update(self, state, step, batch, advantages) -> dict[str, float]: ...
         def evaluate(self, state, step) -> dict[str, float]: ...   # optional
+        def sample(self, state, step) -> Sampled: ...              # asynchronous runs: the rollout thread's part
+        def prepare(self, state, step, sampled) -> Batch: ...      # ... and the trainer's part
+        def weight_channel(self, state) -> WeightChannel: ...      # ... and the engine's weights by version
         def finish(self, state) -> dict[str, str]: ...             # exports, optional
 
 Hooks return what they measure (metrics, scores), never write results into shared state for the
@@ -35,6 +38,7 @@ from rl_core.train.config import ConfigError
 from rl_core.train.fields import RunFields, run_fields
 from rl_core.train.groups import GroupAdvantages
 from rl_core.train.metrics import PhaseTimer
+from rl_core.train.pipeline import WeightChannel
 from rl_core.train.samples import SampleLog
 from rl_core.train.update import NonFiniteGuard
 
@@ -73,6 +77,7 @@ class RunContext:
     timer: PhaseTimer  # `with run.timer("logprob"): ...` inside a hook adds `time/logprob`
     samples: SampleLog  # `run.samples.write("train", step, rows)`: samples/train.jsonl
     guard: NonFiniteGuard  # pass to `optimizer_step`: non-finite steps skipped, too many stop the run
+    stale_start: bool = False  # a resumed asynchronous run: its first steps train on rollouts sampled before it
 
     @property
     def device(self) -> torch.device:
@@ -92,8 +97,9 @@ class RunContext:
 
     def first_step(self, step: int) -> bool:
         """Whether `step` is the first this process trains (a fresh start or a resume): where the
-        rollout engine and the trainer must agree exactly (the first-replay check)."""
-        return step == self.start_step + 1
+        rollout engine and the trainer must agree exactly (the first-replay check). Never for an
+        asynchronous run resumed with rollouts in flight: they are older than its weights."""
+        return step == self.start_step + 1 and not self.stale_start
 
 
 @dataclass(frozen=True)
@@ -208,6 +214,25 @@ class Recipe(ABC, Generic[C, S, B]):
         """The policy update from this process's samples and their advantages (timed as
         `update`); returns its metrics, reduced over every process. A `tokens` entry (prompt +
         completion tokens of every process) becomes `throughput/tokens_per_s` per process."""
+
+    # asynchronous rollouts (`train.max_staleness >= 1`, `rl_core.train.pipeline`): all three needed
+    def sample(self, state: S, step: int) -> Any:
+        """The part of `rollout` that runs on the rollout thread, ahead of the trainer: draw the
+        step's prompts and sample them with the engine. It must not touch the trained weights
+        or the optimizer (the trainer is updating them meanwhile) and must run no collective
+        (no gather or reduce across processes). A recipe that implements it has
+        `rollout = prepare(sample(...))`."""
+        raise NotImplementedError(f"{self.name} has no sample hook")
+
+    def prepare(self, state: S, step: int, sampled: Any) -> B:
+        """The rest of `rollout`, on the trainer's thread, just before the step's reward: what
+        needs the trained weights (old and reference log-probs) or other processes."""
+        return sampled  # type: ignore[no-any-return]
+
+    def weight_channel(self, state: S) -> WeightChannel:
+        """The engine's weights by version (`rl_core.train.WeightChannel`), e.g. the policy
+        engine of `rl_rollout.policy`, switched to a private copy of the weights."""
+        raise NotImplementedError(f"{self.name} has no weight channel")
 
     def merge(self, state: S, groups: Sequence[tuple[B, Sequence[int]]]) -> B:
         """One batch from the groups that dynamic sampling kept (`train.dynamic_sampling`): each
