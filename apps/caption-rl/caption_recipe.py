@@ -34,6 +34,7 @@ from rl_core.train import (
     Schedule,
     Scores,
     Skip,
+    WeightChannel,
     check_batch_split,
     check_finite_parameters,
     check_group_size,
@@ -172,6 +173,14 @@ class CaptionRL(Recipe[Config, State, Batch]):
         return Checkpoint(state={"sampler": s.sampler, **sharded_state(s.policy, s.optimizer)}, trained=s.model)
 
     def rollout(self, s: State, step: int) -> Batch:
+        return self.sample(s, step)
+
+    def weight_channel(self, s: State) -> WeightChannel:
+        return s.engine.weight_channel()
+
+    def sample(self, s: State, step: int) -> Batch:
+        """The step's captions (train.max_staleness >= 1: on the rollout thread, from the
+        engine's own weights; they are reproducible with rollout.per_prompt_seeds)."""
         r = s.cfg.rollout
         picked = s.sampler.next_prompts(s.prompts_per_rank)
         enc = encode_records([s.data.train[i] for i in picked], [s.data.train_where[i] for i in picked], s.processor,

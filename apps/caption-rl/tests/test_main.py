@@ -315,6 +315,28 @@ def test_two_processes_equal_one_process_with_twice_the_batch(app, tmp_path, cas
         assert (tmp_path / "two" / "checkpoints" / "checkpoint-1" / "sharded" / ".metadata").is_file()
 
 
+def test_asynchronous_two_processes_equal_one(app, tmp_path):
+    """train.max_staleness=1 on 2 processes = 1 process with twice the batch, over 2 steps: step 2
+    trains on captions the rollout thread drew from the starting weights (the engine's own copy)
+    while step 1 trained; step 1 is the synchronous one (PINNED["even"])."""
+    data = image_rows(tmp_path)
+    extra = ["train.max_steps=2", "train.max_staleness=1", "algo.rollout_correction=token_truncate"]
+    single = app.main([*one_step(tmp_path, data, "one"), *extra])
+    launch_two(tmp_path, *one_step(tmp_path, data, "two"), *extra)
+    one, two = rows(single), rows(tmp_path / "two")
+    assert [r["rollout/staleness"] for r in one] == [r["rollout/staleness"] for r in two] == ["0.0", "1.0"]
+    for key, value in PINNED["even"].items():
+        assert float(one[0][key]) == pytest.approx(value, abs=2e-4), (key, one[0][key])
+    for a, b in zip(one, two, strict=True):
+        for key in ("reward/mean", "adv/std", "loss/policy", "grad_norm", "policy/entropy", "replay/engine_diff_mean",
+                    "policy/is_ratio_mean"):
+            assert float(b[key]) == pytest.approx(float(a[key]), abs=2e-5), (key, a[key], b[key])
+    assert float(one[1]["replay/engine_diff_mean"]) > 1e-4  # step 2's captions are older than its weights
+    wa, wb = weights(single / "export"), weights(tmp_path / "two" / "export")
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], atol=5e-6, rtol=0, msg=name)
+
+
 def test_fsdp2_without_a_launcher_says_how_to_launch(app, tmp_path):
     """train.sharding=fsdp2 in a plain `python` process: no process group to shard over."""
     with pytest.raises(UserError, match="start the app with `accelerate launch`"):

@@ -18,18 +18,34 @@ owns weight sync (verl's engine layer), so no app asks which engine it has.
 
 `weight_version` counts `sync` calls: the optimizer steps in the weights the next session
 samples with (log it as `rollout/weight_version`).
+
+Asynchronous runs (`train.max_staleness >= 1`): `weight_channel()` switches the engine to weights
+of its own, which change only by version (`rl_core.train.WeightChannel`): the trainer publishes
+a copy after each step, the rollout thread loads the one its step needs. `hf` then decodes with
+a copy of the model (trainable weights its own, frozen ones shared: a LoRA's base is not
+duplicated); `vllm` stays awake and takes each version as a weight push. `sync` only counts
+optimizer steps then; sessions neither sleep nor offload.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
-from transformers import ProcessorMixin
+from transformers import PreTrainedModel, ProcessorMixin
 
-from rl_core.train import FullWeights, OptimizerOffload, gathered, isolated_rng
+from rl_core.train import (
+    CopyChannel,
+    FullWeights,
+    OptimizerOffload,
+    WeightChannel,
+    copy_sharing_frozen,
+    gathered,
+    isolated_rng,
+)
 from rl_rollout.protocol import Engine
 from rl_rollout.registry import resolve_engine
 
@@ -48,20 +64,47 @@ class PolicyEngine:
 
     def __init__(self, engine: Engine, *, kind: str, trained: torch.nn.Module, pad_id: int,
                  full: FullWeights | None = None, optimizer_offload: OptimizerOffload | None = None,
-                 release_cache: Callable[[], None] | None = None) -> None:
+                 release_cache: Callable[[], None] | None = None,
+                 rebuild: Callable[[torch.nn.Module], Engine] | None = None) -> None:
         self.engine, self.kind, self.trained, self.pad_id = engine, kind, trained, pad_id
         self.full, self.optimizer_offload, self.release_cache = full, optimizer_offload, release_cache
+        self.rebuild = rebuild  # hf: an engine over another copy of the model (asynchronous runs)
         self.shares_weights = kind == "hf"
         self.weight_version = 0
+        self.channel: _EngineChannel | None = None  # set by weight_channel(): asynchronous rollouts
 
     @property
     def state(self) -> str:
         """"awake" | "asleep" | "closed" (the engine's)."""
         return self.engine.state
 
+    def weight_channel(self) -> WeightChannel:
+        """Switch to weights of the engine's own, changed only by version (asynchronous runs;
+        see the module doc); returns the `WeightChannel` the trainer loop drives."""
+        if self.channel is not None:
+            return self.channel
+        if self.full is not None:
+            raise ValueError("asynchronous rollouts need an unsharded policy (train.sharding=none)")
+        from rl_models.logprobs import unwrap_peft
+
+        trained = unwrap_peft(self.trained)
+        if self.kind == "hf":
+            if self.rebuild is None:
+                raise ValueError("this hf policy engine cannot be rebuilt over a copy of the model")
+            twin = copy_sharing_frozen(trained)
+            self.engine, self.shares_weights = self.rebuild(twin), False
+            self.channel = _EngineChannel(self, CopyChannel(trained, twin))
+        else:
+            self.engine.wake()  # awake for the whole run: the rollout thread samples while the trainer updates
+            self.channel = _EngineChannel(self, _PushChannel(self.engine, trained))
+        return self.channel
+
     @contextmanager
     def session(self) -> Iterator[Engine]:
         """The engine, ready to sample, for the block; afterwards the trainer has the memory."""
+        if self.channel is not None:  # asynchronous: weights of its own, awake throughout
+            yield self.engine
+            return
         if not self.shares_weights:
             if self.optimizer_offload is not None:
                 self.optimizer_offload.to_host()
@@ -90,6 +133,9 @@ class PolicyEngine:
         """After an optimizer step (`bump=False`: at start-up, when a resumed checkpoint is newer
         than the weights the engine loaded): the next session samples from the trained weights."""
         self.weight_version += int(bump)
+        if self.channel is not None:  # asynchronous: the loop publishes the weights by version
+            self.channel.steps = self.weight_version
+            return
         if self.shares_weights:
             return
         from rl_rollout.colocated import push_weights
@@ -104,7 +150,58 @@ class PolicyEngine:
         self.engine.wake()
 
     def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
         self.engine.close()
+
+
+class _PushChannel:
+    """vLLM's side of a `WeightChannel`: each version a host copy of the merged weights
+    (`rl_models.lora.merged_named_weights`), pushed into the awake engine by `load`."""
+
+    def __init__(self, engine: Engine, trained: torch.nn.Module) -> None:
+        self.engine, self.trained = engine, trained
+        self.versions: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        self._lock = threading.Lock()
+
+    def publish(self, version: int) -> None:
+        from rl_models.lora import merged_named_weights
+
+        weights = [(name, t.detach().to("cpu", copy=True)) for name, t in merged_named_weights(self.trained)]
+        with self._lock:
+            self.versions[version] = weights
+
+    def load(self, version: int, *, prune: bool = True) -> None:
+        with self._lock:
+            weights = self.versions[version]
+            if prune:
+                self.versions = {v: w for v, w in self.versions.items() if v >= version}
+        self.engine.load_weights(weights, version=version)
+
+    def close(self) -> None:
+        with self._lock:
+            self.versions.clear()
+
+
+class _EngineChannel:
+    """The policy engine's `WeightChannel`: the weights by loop step (`inner`), and the engine's
+    `weight_version` set to the optimizer steps those weights hold."""
+
+    def __init__(self, policy: PolicyEngine, inner: WeightChannel) -> None:
+        self.policy, self.inner = policy, inner
+        self.steps = policy.weight_version  # optimizer steps in the trained weights now
+        self.published: dict[int, int] = {}  # loop step -> optimizer steps in its weights
+
+    def publish(self, version: int) -> None:
+        self.inner.publish(version)
+        self.published[version] = self.steps
+
+    def load(self, version: int, *, prune: bool = True) -> None:
+        self.inner.load(version, prune=prune)
+        self.policy.weight_version = self.published[version]
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def build_policy_engine(
@@ -151,9 +248,13 @@ def build_policy_engine(
         decoded = full.model if full is not None else model
         hf = HFEngine(unwrap_peft(decoded), processor, device=device, max_batch_size=max_batch_size, compile=compile,
                       compile_mode=compile_mode)
+        def rebuild(twin: torch.nn.Module) -> HFEngine:  # the same engine over a copy of the model
+            return HFEngine(cast(PreTrainedModel, twin), processor, device=device, max_batch_size=max_batch_size, compile=compile,
+                            compile_mode=compile_mode)
+
         return PolicyEngine(hf, kind="hf", trained=model, pad_id=hf.pad_id, full=full,
                             optimizer_offload=_offload(optimizer, device, offload_optimizer in ("auto", "always"), full),
-                            release_cache=hf.release_cache if release_cache else None)
+                            release_cache=hf.release_cache if release_cache else None, rebuild=rebuild)
     from rl_rollout.colocated import colocated_vllm, vllm_engine_core
 
     with vllm_engine_core(in_process=True), isolated_rng():  # vLLM seeds the global RNGs as it starts
