@@ -156,8 +156,9 @@ class PolicyEngine:
 
 
 class _PushChannel:
-    """vLLM's side of a `WeightChannel`: each version a host copy of the merged weights
-    (`rl_models.lora.merged_named_weights`), pushed into the awake engine by `load`."""
+    """vLLM's side of a `WeightChannel`: each version a copy of the merged weights
+    (`rl_models.lora.merged_named_weights`, on the trainer's device), pushed into the awake
+    engine by `load`."""
 
     def __init__(self, engine: Engine, trained: torch.nn.Module) -> None:
         self.engine, self.trained = engine, trained
@@ -167,7 +168,7 @@ class _PushChannel:
     def publish(self, version: int) -> None:
         from rl_models.lora import merged_named_weights
 
-        weights = [(name, t.detach().to("cpu", copy=True)) for name, t in merged_named_weights(self.trained)]
+        weights = [(name, t.detach().clone()) for name, t in merged_named_weights(self.trained)]
         with self._lock:
             self.versions[version] = weights
 

@@ -66,20 +66,22 @@ class WeightChannel(Protocol):
 class CopyChannel:
     """A `WeightChannel` between the trained module and a copy of it that the rollout samples
     with (the same parameter names): `publish` keeps a copy of the trainable parameters on
-    `store` (host memory by default: N + 1 copies live at most, for N = max_staleness), `load`
-    copies one into `rollout`. Frozen parameters (a LoRA's base) are shared, never copied: build
+    `store` (default: where each parameter is; N + 1 copies live at most, for N =
+    max_staleness; pass "cpu" where device memory is short), `load` copies one into `rollout`. Frozen parameters (a LoRA's base) are shared, never copied: build
     `rollout` with `copy_sharing_frozen`."""
 
-    def __init__(self, trained: torch.nn.Module, rollout: torch.nn.Module, *, store: str | torch.device = "cpu") -> None:
-        self.trained, self.rollout, self.store = trained, rollout, torch.device(store)
+    def __init__(self, trained: torch.nn.Module, rollout: torch.nn.Module, *,
+                 store: str | torch.device | None = None) -> None:
+        self.trained, self.rollout = trained, rollout
+        self.store = torch.device(store) if store is not None else None
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.loaded: int | None = None
         self._lock = threading.Lock()
 
     def publish(self, version: int) -> None:
         with torch.no_grad():
-            copy = {name: p.detach().to(self.store, copy=True) for name, p in self.trained.named_parameters()
-                    if p.requires_grad}
+            copy = {name: p.detach().to(self.store or p.device, copy=True)
+                    for name, p in self.trained.named_parameters() if p.requires_grad}
         with self._lock:
             self.versions[version] = copy
 
