@@ -5,7 +5,8 @@
     python benchmarks/async_rl.py --smoke         # tiny, CPU: prints, appends nothing
 
 The setting is benchmarks/caption_rl.py's (32 images x 8 captions x 256 tokens per step, rule
-reward, bf16 full fine-tuning, one optimizer step per RL step), rollouts seeded per prompt. Each
+reward, bf16 full fine-tuning, one optimizer step per RL step), one engine call per step (not
+seeded per prompt, which would make 32 calls of 8 rows). Each
 run is its own process (clean CUDA peak). Staleness N >= 1 samples step j + 1 on a rollout thread
 (its own CUDA stream, its own copy of the trained weights) while step j updates, with
 `algo.rollout_correction=token_truncate`. Reported: samples/s (all processes' samples per second
@@ -38,7 +39,7 @@ def main() -> None:
     parser.add_argument("--vllm", action="store_true", help="rollout.engine=vllm (colocated, stays awake when async)")
     parser.add_argument("--steps", type=int, default=None, help="training steps (the first two are warm-up)")
     args = parser.parse_args()
-    steps = args.steps or (WARMUP + 2 if args.smoke else WARMUP + 6)
+    steps = args.steps or (WARMUP + 3 if args.smoke else WARMUP + 5)
     figures: dict[int, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         policy = build_policy(Path(tmp) / "policy", args.smoke)
@@ -47,7 +48,7 @@ def main() -> None:
             out = Path(tmp) / f"s{staleness}"
             out.mkdir()
             figures[staleness] = run_side("caption-rl", args.smoke, steps, policy, out,
-                                          ["rollout.per_prompt_seeds=true", *overrides], args.vllm)
+                                          overrides, args.vllm)
     report(figures, smoke=args.smoke, vllm=args.vllm)
 
 
@@ -66,8 +67,8 @@ def report(figures: dict[int, dict], *, smoke: bool, vllm: bool) -> None:
     limit = (rollout + rest) / max(rollout, rest)
     notes = (f"caption-rl at Qwen3-VL-2B shape (random weights, bf16, full fine-tuning, gradient checkpointing), "
              f"32 images x 8 captions x 256 tokens per step, rule reward, rollout.engine={'vllm' if vllm else 'hf'} "
-             "colocated on one GPU, rollouts seeded per prompt, each schedule in its own process; means over the "
-             f"steps after the first {WARMUP}. max_staleness=1: the rollout thread (own CUDA stream, own weight copy) "
+             "colocated on one GPU, each schedule in its own process; means over the "
+             f"steps after the first {WARMUP} (and, asynchronous, before the last: it has nothing to overlap). max_staleness=1: the rollout thread (own CUDA stream, own weight copy) "
              "samples step j+1 while step j trains, algo.rollout_correction=token_truncate. Overlap limit from the "
              f"synchronous run: (rollout {rollout:.2f} s + rest {rest:.2f} s) / max = {limit:.2f}x (one GPU shares "
              "its compute between the two, so less is reachable). Goal: async >= 1.2x sync on one GPU. Seconds per "

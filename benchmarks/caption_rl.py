@@ -150,7 +150,8 @@ def run_caption_rl(policy: Path, out: Path, *, smoke: bool, steps: int, override
     run = _load_app().main(caption_rl_args(policy, out, smoke=smoke, steps=steps, overrides=overrides))
     with (run / "metrics.csv").open() as f:
         every = list(csv.DictReader(f))
-    rows = every[WARMUP:]
+    # an asynchronous run's last step has no next rollout to overlap: left out of its means
+    rows = every[WARMUP:-1] if every[-1].get("rollout/staleness") else every[WARMUP:]
     mean = lambda key: statistics.fmean(float(r[key]) if r.get(key) else 0.0 for r in rows)  # noqa: E731
     figures = {key: mean(key) for key in ("throughput/tokens_per_s", "throughput/samples_per_s", "time/step",
                                           "time/rollout", "time/rollout_wait", "time/reward", "time/logprob",
