@@ -39,6 +39,7 @@ from rl_core.train import (
     check_finite_parameters,
     check_group_size,
     check_loss_options,
+    check_placement,
     component_means,
     gathered,
     prepare_policy,
@@ -51,7 +52,7 @@ from rl_models.lora import export_model
 from rl_models.vl import placeholder_ids
 from rl_rewards import ScoreResult
 from rl_rollout import Generation, SamplingParams, generate_seeded, resolve_engine
-from rl_rollout.policy import PolicyEngine, build_policy_engine
+from rl_rollout.policy import PolicyEngine, build_policy_engine, rollout_device
 from rl_rollout.training import (
     LossOptions,
     Policy,
@@ -131,6 +132,7 @@ class CaptionRL(Recipe[Config, State, Batch]):
         if isinstance(cfg.reward.spec, str) and not Path(cfg.reward.spec).is_file():
             raise ConfigError(f"reward.spec file not found: {cfg.reward.spec}")
         resolve_engine(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: refused now
+        check_placement(cfg.rollout.placement, cfg.rollout.engine, cfg.train.max_staleness)
 
     def setup(self, cfg: Config, run: RunContext) -> State:
         t, r, m = cfg.train, cfg.rollout, cfg.model
@@ -176,7 +178,7 @@ class CaptionRL(Recipe[Config, State, Batch]):
         return self.sample(s, step)
 
     def weight_channel(self, s: State) -> WeightChannel:
-        return s.engine.weight_channel()
+        return s.engine.weight_channel(rollout_device(s.cfg.rollout.placement, s.run.accelerator))
 
     def sample(self, s: State, step: int) -> Batch:
         """The step's captions (train.max_staleness >= 1: on the rollout thread, from the

@@ -39,13 +39,13 @@ from swapping import PolicySwap, initial_plan
 from rl_core.kl import compute_kl
 from rl_core.train import GroupAdvantages, PinnedOffload, WeightChannel, isolated_rng, sample_seed
 from rl_core.train.config import ConfigError
-from rl_core.train.recipe import Checkpoint, Recipe, RunContext, Schedule, Scores
+from rl_core.train.recipe import Checkpoint, Recipe, RunContext, Schedule, Scores, check_placement
 from rl_core.train.sharding import FullWeights, prepare_policy, resolve_sharding, sharded_state
 from rl_data import GroupSampler, JudgeRecord
 from rl_models.text import load_causal_lm
 from rl_rewards.composition import Reward
 from rl_rollout import Generation, SamplingParams, generate_seeded, training
-from rl_rollout.policy import PolicyEngine, build_policy_engine
+from rl_rollout.policy import PolicyEngine, build_policy_engine, rollout_device
 from rl_rollout.prompts import EncodedPrompt
 
 
@@ -95,6 +95,7 @@ class RiderGRM(Recipe[Config, State, Batch]):
 
     def check(self, cfg: Config, world_size: int) -> None:
         check_config(cfg, world_size)
+        check_placement(cfg.rollout.placement, cfg.rollout.engine, cfg.train.max_staleness)
         if cfg.reward.spec is None:
             check_served(judge_configs(cfg.reward))  # servers down, unknown specs
 
@@ -209,7 +210,7 @@ class RiderGRM(Recipe[Config, State, Batch]):
                               "policy off the GPU while the judges score, but asynchronous rollouts sample meanwhile; "
                               "set reward.swap=never (or auto)")
         state.swap.keep_resident(state.judges)
-        return state.engine.weight_channel()
+        return state.engine.weight_channel(rollout_device(state.cfg.rollout.placement, state.run.accelerator))
 
     def score(self, state: State, step: int, batch: Batch) -> Scores:
         """Token rewards `[B, C]`: each sample's score on its last token (NaN: failed), minus

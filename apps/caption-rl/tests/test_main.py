@@ -88,6 +88,19 @@ def test_missing_model_and_dataset_are_clear_errors(app, tmp_path):
 
 
 
+def test_split_placement_needs_asynchronous_rollouts_and_a_gpu_of_its_own(app, tmp_path):
+    with pytest.raises(UserError, match=r"rollout.placement=split samples on its own GPU while the trainer updates: "
+                                        r"it needs train.max_staleness >= 1"):
+        app.main(tiny_overrides(tmp_path, "rollout.placement=split"))
+    assert not list(tmp_path.iterdir())  # refused before any model loads
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        with pytest.raises(UserError, match=rf"rollout.placement=split: process 0 of 1 on this node rolls out on GPU 1, "
+                                            rf"but the node has {gpus} GPU\(s\)"):
+            app.main(tiny_overrides(tmp_path, "rollout.placement=split", "train.max_staleness=1",
+                                    "rollout.engine=hf", "train.max_steps=1"))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without CUDA does")
 def test_vllm_without_cuda_stops_before_loading(app, tmp_path):
     with pytest.raises(UserError, match=r'^rollout\.engine = "vllm" needs a CUDA GPU'):

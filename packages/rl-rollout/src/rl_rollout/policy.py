@@ -38,6 +38,7 @@ import torch
 from transformers import PreTrainedModel, ProcessorMixin
 
 from rl_core.train import (
+    ConfigError,
     CopyChannel,
     FullWeights,
     OptimizerOffload,
@@ -49,7 +50,7 @@ from rl_core.train import (
 from rl_rollout.protocol import Engine
 from rl_rollout.registry import resolve_engine
 
-__all__ = ["PolicyEngine", "build_policy_engine"]
+__all__ = ["PolicyEngine", "build_policy_engine", "rollout_device"]
 
 OffloadOptimizer = Literal["auto", "always", "never"]
 
@@ -65,7 +66,7 @@ class PolicyEngine:
     def __init__(self, engine: Engine, *, kind: str, trained: torch.nn.Module, pad_id: int,
                  full: FullWeights | None = None, optimizer_offload: OptimizerOffload | None = None,
                  release_cache: Callable[[], None] | None = None,
-                 rebuild: Callable[[torch.nn.Module], Engine] | None = None) -> None:
+                 rebuild: Callable[[torch.nn.Module, torch.device], Engine] | None = None) -> None:
         self.engine, self.kind, self.trained, self.pad_id = engine, kind, trained, pad_id
         self.full, self.optimizer_offload, self.release_cache = full, optimizer_offload, release_cache
         self.rebuild = rebuild  # hf: an engine over another copy of the model (asynchronous runs)
@@ -78,9 +79,11 @@ class PolicyEngine:
         """"awake" | "asleep" | "closed" (the engine's)."""
         return self.engine.state
 
-    def weight_channel(self) -> WeightChannel:
+    def weight_channel(self, device: torch.device | None = None) -> WeightChannel:
         """Switch to weights of the engine's own, changed only by version (asynchronous runs;
-        see the module doc); returns the `WeightChannel` the trainer loop drives."""
+        see the module doc); returns the `WeightChannel` the trainer loop drives. `device`: a
+        GPU of the rollout's own (split placement, `hf` only): the engine and its copy of the
+        whole model live there, the trainer keeps its GPU."""
         if self.channel is not None:
             return self.channel
         if self.full is not None:
@@ -91,10 +94,14 @@ class PolicyEngine:
         if self.kind == "hf":
             if self.rebuild is None:
                 raise ValueError("this hf policy engine cannot be rebuilt over a copy of the model")
-            twin = copy_sharing_frozen(trained)
-            self.engine, self.shares_weights = self.rebuild(twin), False
+            where = torch.device(device) if device is not None else next(trained.parameters()).device
+            twin = copy_sharing_frozen(trained, where)
+            self.engine, self.shares_weights = self.rebuild(twin, where), False
             self.channel = _EngineChannel(self, CopyChannel(trained, twin))
         else:
+            if device is not None:
+                raise ValueError("a vLLM policy engine runs on the trainer's GPU (colocated); a rollout GPU of its "
+                                 "own needs rollout.engine=hf")
             self.engine.wake()  # awake for the whole run: the rollout thread samples while the trainer updates
             self.channel = _EngineChannel(self, _PushChannel(self.engine, trained))
         return self.channel
@@ -205,6 +212,24 @@ class _EngineChannel:
         self.inner.close()
 
 
+def rollout_device(placement: str, accelerator: Any, *, key: str = "rollout.placement") -> torch.device | None:
+    """Where an asynchronous run's rollout engine samples: `colocated` -> None (the trainer's
+    GPU); `split` -> a GPU of its own, `cuda:<local rank + local process count>` (the first half
+    of a node's GPUs train, the second half roll out: launch one process per trainer GPU)."""
+    if placement == "colocated":
+        return None
+    import os
+
+    local_rank = int(accelerator.local_process_index)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    wanted = local_rank + local_world
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if wanted >= count:
+        raise ConfigError(f"{key}=split: process {local_rank} of {local_world} on this node rolls out on GPU {wanted}, "
+                          f"but the node has {count} GPU(s); launch one process per trainer GPU (half of them)")
+    return torch.device("cuda", wanted)
+
+
 def build_policy_engine(
     kind: str,
     *,
@@ -249,8 +274,8 @@ def build_policy_engine(
         decoded = full.model if full is not None else model
         hf = HFEngine(unwrap_peft(decoded), processor, device=device, max_batch_size=max_batch_size, compile=compile,
                       compile_mode=compile_mode)
-        def rebuild(twin: torch.nn.Module) -> HFEngine:  # the same engine over a copy of the model
-            return HFEngine(cast(PreTrainedModel, twin), processor, device=device, max_batch_size=max_batch_size, compile=compile,
+        def rebuild(twin: torch.nn.Module, where: torch.device) -> HFEngine:  # the same engine over a copy
+            return HFEngine(cast(PreTrainedModel, twin), processor, device=where, max_batch_size=max_batch_size, compile=compile,
                             compile_mode=compile_mode)
 
         return PolicyEngine(hf, kind="hf", trained=model, pad_id=hf.pad_id, full=full,

@@ -73,6 +73,7 @@ if TYPE_CHECKING:
         Skip,
         check_batch_split,
         check_group_size,
+        check_placement,
     )
     from rl_core.train.replay_update import Replay, replay_update
     from rl_core.train.rundir import latest_checkpoint, latest_run, make_run_dir, resolve_resume
@@ -131,7 +132,7 @@ _EXPORTS = {
     "process_state": ["ProcessState"],
     "progress": ["TrainProgress"],
     "recipe": ["Checkpoint", "Recipe", "RunContext", "Schedule", "Scores", "Skip", "check_batch_split",
-               "check_group_size"],
+               "check_group_size", "check_placement"],
     "replay_update": ["Replay", "replay_update"],
     "rundir": ["latest_checkpoint", "latest_run", "make_run_dir", "resolve_resume"],
     "samples": ["SampleLog"],
@@ -202,6 +203,7 @@ __all__ = [
     "check_finite_parameters",
     "check_group_size",
     "check_loss_options",
+    "check_placement",
     "component_means",
     "config_help",
     "copy_sharing_frozen",

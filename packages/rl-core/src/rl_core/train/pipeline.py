@@ -103,13 +103,18 @@ class CopyChannel:
             self.versions.clear()
 
 
-def copy_sharing_frozen(module: torch.nn.Module) -> torch.nn.Module:
+def copy_sharing_frozen(module: torch.nn.Module, device: torch.device | None = None) -> torch.nn.Module:
     """A deep copy of `module` in eval mode whose frozen parameters are the original's (shared
-    memory) and whose trainable ones are its own: the rollout's copy for a `CopyChannel`."""
+    memory) and whose trainable ones are its own: the rollout's copy for a `CopyChannel`. With a
+    `device` other than the module's (a rollout GPU of its own), everything is copied there."""
     import copy
 
-    shared = {id(p): p for p in module.parameters() if not p.requires_grad}
-    twin = copy.deepcopy(module, memo=dict(shared))
+    here = next(module.parameters()).device
+    if device is not None and torch.device(device) != here:
+        twin = copy.deepcopy(module).to(device)  # nothing shared: the frozen weights must live there too
+    else:
+        shared = {id(p): p for p in module.parameters() if not p.requires_grad}
+        twin = copy.deepcopy(module, memo=dict(shared))
     for p in twin.parameters():
         p.requires_grad_(False)
     return twin.eval()

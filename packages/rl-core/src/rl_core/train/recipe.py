@@ -42,7 +42,7 @@ from rl_core.train.pipeline import WeightChannel
 from rl_core.train.samples import SampleLog
 from rl_core.train.update import NonFiniteGuard
 
-__all__ = ["Checkpoint", "Recipe", "RunContext", "RunFields", "Schedule", "Scores", "Skip", "check_batch_split", "check_group_size", "run_fields"]
+__all__ = ["Checkpoint", "Recipe", "RunContext", "RunFields", "Schedule", "Scores", "Skip", "check_batch_split", "check_group_size", "check_placement", "run_fields"]
 
 
 def check_batch_split(batch_size: int, world_size: int, mini_batch_size: int | None = None, *,
@@ -60,6 +60,18 @@ def check_group_size(estimator: str, n: int, *, key: str, n_key: str) -> None:
     if uses_group_baseline(estimator) and n < 2:
         raise ConfigError(f"{n_key}={n}: {key}={estimator!r} compares the samples of one prompt with each other "
                           f"and needs {n_key} >= 2")
+
+
+def check_placement(placement: str, engine: str, max_staleness: int, *, key: str = "rollout.placement") -> None:
+    """`Recipe.check`'s rule for a rollout GPU of its own (`split`): it samples while the
+    trainer updates, so it needs asynchronous rollouts, and (for now) the `hf` engine."""
+    if placement != "split":
+        return
+    if max_staleness < 1:
+        raise ConfigError(f"{key}=split samples on its own GPU while the trainer updates: it needs "
+                          "train.max_staleness >= 1")
+    if engine == "vllm":
+        raise ConfigError(f"{key}=split needs rollout.engine=hf (a vLLM engine is colocated with its trainer)")
 
 
 C = TypeVar("C", bound=msgspec.Struct)  # the app config: a Struct whose `train` table is a RunFields
