@@ -31,10 +31,12 @@ LAST = 5  # steps averaged for the final reward
 
 def run(out: Path, name: str, staleness: int, seed: int, steps: int) -> list[float]:
     """One arith-grpo run in a fresh process; its train reward per step."""
-    subprocess.run([sys.executable, str(REPO / "apps" / "arith-grpo"), f"train.output_dir={out}",
-                    f"train.run_name={name}", f"train.max_steps={steps}", f"train.seed={seed}",
-                    f"train.max_staleness={staleness}", "algo.rollout_correction=token_truncate"],
-                   check=True, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, str(REPO / "apps" / "arith-grpo"), f"train.output_dir={out}",
+                           f"train.run_name={name}", f"train.max_steps={steps}", f"train.seed={seed}",
+                           f"train.max_staleness={staleness}", "algo.rollout_correction=token_truncate"],
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"arith-grpo {name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     with (out / name / "metrics.csv").open() as f:
         return [float(r["reward/mean"]) for r in csv.DictReader(f)]
 

@@ -148,6 +148,13 @@ def run_caption_rl(policy: Path, out: Path, *, smoke: bool, steps: int, override
     `key=value` settings of the app (`--set`). `time/rollout` of an asynchronous run
     (train.max_staleness >= 1) is the rollout thread's, overlapped with the update."""
     run = _load_app().main(caption_rl_args(policy, out, smoke=smoke, steps=steps, overrides=overrides))
+    figures = run_figures(run)
+    figures["peak_gib"] = _peak_gib()
+    return figures
+
+
+def run_figures(run: Path) -> dict:
+    """Means over the steps after the warm-up of a caption-rl run directory's metrics.csv."""
     with (run / "metrics.csv").open() as f:
         every = list(csv.DictReader(f))
     # an asynchronous run's last step has no next rollout to overlap: left out of its means
@@ -159,7 +166,6 @@ def run_caption_rl(policy: Path, out: Path, *, smoke: bool, steps: int, override
     figures.update({key: max(float(r[key]) for r in rows) for key in rows[0] if key.startswith("memory/")})
     for phase in ("step", "rollout", "update"):  # every step, warm-up included, for the notes
         figures[f"steps/{phase}"] = [round(float(r[f"time/{phase}"]), 1) for r in every]
-    figures["peak_gib"] = _peak_gib()
     return figures
 
 

@@ -44,6 +44,7 @@ from rl_core.train import (
     OptimizerOffload,
     WeightChannel,
     copy_sharing_frozen,
+    finish_copies,
     gathered,
     isolated_rng,
 )
@@ -176,6 +177,7 @@ class _PushChannel:
         from rl_models.lora import merged_named_weights
 
         weights = [(name, t.detach().clone()) for name, t in merged_named_weights(self.trained)]
+        finish_copies(t for _, t in weights)
         with self._lock:
             self.versions[version] = weights
 

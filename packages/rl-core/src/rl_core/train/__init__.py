@@ -60,6 +60,7 @@ if TYPE_CHECKING:
         Sampled,
         WeightChannel,
         copy_sharing_frozen,
+        finish_copies,
     )
     from rl_core.train.plots import plot_reward_curve
     from rl_core.train.process_state import ProcessState
@@ -127,7 +128,8 @@ _EXPORTS = {
     "metric_names": ["METRIC_NAMES", "unknown_metric_names"],
     "metrics": ["MetricsLogger", "PhaseTimer"],
     "offload": ["OptimizerOffload", "PinnedOffload"],
-    "pipeline": ["CopyChannel", "PendingRollouts", "RolloutPipeline", "Sampled", "WeightChannel", "copy_sharing_frozen"],
+    "pipeline": ["CopyChannel", "PendingRollouts", "RolloutPipeline", "Sampled", "WeightChannel", "copy_sharing_frozen",
+                 "finish_copies"],
     "plots": ["plot_reward_curve"],
     "process_state": ["ProcessState"],
     "progress": ["TrainProgress"],
@@ -209,6 +211,7 @@ __all__ = [
     "copy_sharing_frozen",
     "dump_config",
     "end_training",
+    "finish_copies",
     "flat_config",
     "full_state_dict",
     "gather_rows",

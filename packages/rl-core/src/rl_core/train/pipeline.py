@@ -82,6 +82,7 @@ class CopyChannel:
         with torch.no_grad():
             copy = {name: p.detach().to(self.store or p.device, copy=True)
                     for name, p in self.trained.named_parameters() if p.requires_grad}
+        finish_copies(copy.values())
         with self._lock:
             self.versions[version] = copy
 
@@ -101,6 +102,13 @@ class CopyChannel:
     def close(self) -> None:
         with self._lock:
             self.versions.clear()
+
+
+def finish_copies(tensors: Any) -> None:
+    """Wait for the copies just made on this thread's CUDA streams: the rollout thread reads them
+    on a stream of its own, which would not wait for them."""
+    for device in {t.device for t in tensors if t.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
 
 
 def copy_sharing_frozen(module: torch.nn.Module, device: torch.device | None = None) -> torch.nn.Module:
