@@ -283,6 +283,8 @@ class _Loop(Generic[C, S, B]):
         began = time.perf_counter()
         metrics = self._step(step)
         seconds = time.perf_counter() - began
+        if pipeline is not None:
+            pipeline.warmed()
         save = step % self.fields.save_freq == 0 or step == sched.total_steps
         # an asynchronous run: the rollouts the thread may sample before this step's weights are
         # out go into the checkpoint, and the thread waits while the engine evaluates and the

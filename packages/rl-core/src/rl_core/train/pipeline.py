@@ -193,10 +193,16 @@ class RolloutPipeline:
         self._busy = threading.Lock()  # held while the thread loads weights and samples; `paused` takes it
         self._error: BaseException | None = None
         self._stop = False
+        self._warm = False  # set by `warmed` after the trainer's first update
         self._thread = threading.Thread(target=self._work, name="rollout", daemon=True)
 
     def begin(self) -> None:
         """Publish the starting weights and start the thread."""
+        # torch.compile traces with a process-wide flag: a compiled function called on one thread
+        # while the other compiles would raise; it runs eagerly for that moment instead
+        import torch._dynamo
+
+        torch._dynamo.config.error_on_nested_fx_trace = False
         self.publish(self.start)
         self._thread.start()
 
@@ -205,6 +211,12 @@ class RolloutPipeline:
         self.channel.publish(version)
         with self._cond:
             self._published = max(self._published, version)
+            self._cond.notify_all()
+
+    def warmed(self) -> None:
+        """The trainer's first update is done (its kernels compiled): the thread may sample on."""
+        with self._cond:
+            self._warm = True
             self._cond.notify_all()
 
     def get(self, step: int) -> Sampled:
@@ -253,7 +265,9 @@ class RolloutPipeline:
             for step in range(self._first, self.total + 1):
                 version = version_for(step, self.start, self.max_staleness)
                 with self._cond:
-                    while self._published < version and not self._stop:
+                    # the first update compiles the trainer's kernels as the first sample compiled
+                    # the engine's: the second sample waits for it (the same weights either way)
+                    while (self._published < version or (step > self._first and not self._warm)) and not self._stop:
                         self._cond.wait()
                     if self._stop:
                         return
