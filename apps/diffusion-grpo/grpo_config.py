@@ -140,7 +140,8 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     ema_interval: Positive = 8  # optimizer steps between EMA updates
     ratio_tolerance: NonNegativeFloat = 1e-5
     """Max |log ratio| on the first replay of an epoch; above it the run stops (rollout and replay
-    disagree). Raise it for bf16 with micro_batch_size != sample_batch_size."""
+    disagree). Raise it for bf16 with micro_batch_size != sample_batch_size. With
+    train.max_staleness >= 1 only the first epoch is checked (later ones are sampled by older weights)."""
     seed: NonNegative = 42
     save_freq: Positive = 60  # epochs between checkpoints (and at the end)
     output_dir: str = "runs/diffusion-grpo"

@@ -17,7 +17,11 @@ A `rl_core.train.ProcessState` value is saved by every process into `<name>/`: a
 policy and its optimizer (`ShardedState`, through `torch.distributed.checkpoint`, each rank its
 own shards), an asynchronous run's rollouts in flight (each rank its own).
 
-Without an accelerator a single process is assumed.
+Without an accelerator a single process is assumed. `accelerator_state=False` keeps the
+accelerator for coordinating the processes only: the main process writes `state` and its own
+RNG states (`rng.pt`) as a single process would, every process its `ProcessState` values (a
+LoRA-only trainer whose frozen base `save_state` would copy; an asynchronous run of it keeps
+each process's rollouts in flight); load such a checkpoint without the accelerator.
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ def save_checkpoint(
     accelerator: Any = None,
     keep_last: int | None = None,
     write_files: Callable[[Path], None] | None = None,
+    accelerator_state: bool = True,
 ) -> Path:
     """Atomically write `root/checkpoint-<step>` and return its path (see the module doc).
 
@@ -104,20 +109,22 @@ def save_checkpoint(
     `write_files(folder)` (main process) writes more files into the checkpoint before it is
     published (an exported adapter, say), so "latest" never names a checkpoint without them.
     `keep_last=N` deletes all but the newest N checkpoints afterwards. With an accelerator, call
-    it on every process.
+    it on every process; `accelerator_state=False`: without `accelerator.save_state` (module doc).
     """
     if "step" in state:
         raise ValueError("state key 'step' is reserved: the step is the `step` argument")
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-    if accelerator is not None and accelerator.project_configuration.automatic_checkpoint_naming:
+    own_state = accelerator is not None and accelerator_state  # accelerator.save_state writes the RNG states
+    if own_state and accelerator.project_configuration.automatic_checkpoint_naming:
         raise ValueError("save_checkpoint names checkpoints itself: create the Accelerator "
                          "without ProjectConfiguration(automatic_checkpoint_naming=True)")
     sharded = {k: v for k, v in state.items() if isinstance(v, ProcessState)}
     stateful = {k: v for k, v in state.items() if isinstance(v, Stateful)}
     extras = {k: v for k, v in state.items() if k not in stateful and k not in sharded}
     try:
-        meta = msgspec.json.encode({"step": step, "format": _format(accelerator), "stateful": sorted(stateful),
+        meta = msgspec.json.encode({"step": step, "format": _format(accelerator if own_state else None),
+                                    "stateful": sorted(stateful),
                                     "sharded": sorted(sharded), "extras": extras})
     except TypeError as e:
         raise TypeError(f"checkpoint state values must be Stateful or JSON-able: {e}") from e
@@ -130,9 +137,9 @@ def save_checkpoint(
             shutil.rmtree(leftover)
         tmp.mkdir()
     _barrier(accelerator)
-    if accelerator is not None:
+    if own_state:
         accelerator.save_state(str(tmp))
-    else:
+    elif main:
         torch.save(get_rng_state(), tmp / "rng.pt")
     for name, parts in sharded.items():
         parts.save(tmp / name)

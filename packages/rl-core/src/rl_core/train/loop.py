@@ -406,11 +406,9 @@ class _Loop(Generic[C, S, B]):
             if spec.accelerator:
                 save_checkpoint(root, step, state=state, accelerator=self.acc, keep_last=keep,
                                 write_files=spec.write_files)
-            elif self.acc.is_main_process:
-                if self.pipeline is not None and self.acc.num_processes > 1:
-                    raise UserError(f"{self.recipe.name}: an asynchronous run on several processes needs a checkpoint "
-                                    "that every process writes (Checkpoint(accelerator=True))")
-                save_checkpoint(root, step, state=state, keep_last=keep, write_files=spec.write_files)
+            else:  # the main process writes the state; each process its rollouts in flight (asynchronous)
+                save_checkpoint(root, step, state=state, accelerator=self.acc, accelerator_state=False,
+                                keep_last=keep, write_files=spec.write_files)
         self.acc.wait_for_everyone()
 
     def _summary(self, outputs: Mapping[str, str]) -> None:

@@ -161,7 +161,8 @@ class Checkpoint:
     objects (sampler, `sharded_state(...)`, an EMA) and JSON values; `trained`: the module whose
     trainable parameters must be finite before anything is written. `accelerator=True`: every
     process saves through `accelerator.save_state` (the prepared model and optimizer); False:
-    only `state` is written, by the main process (a LoRA-only trainer). `write_files(folder)`
+    only `state` is written, by the main process (a LoRA-only trainer), and an asynchronous
+    run's rollouts in flight by each process. `write_files(folder)`
     adds files inside the checkpoint before it is published (adapters in PEFT format), run
     inside `gather`, which every process enters (a sharded policy gathers its weights there)."""
 
