@@ -88,7 +88,7 @@ def plot(curves: dict[int, list[float]], png: Path, seeds: list[int]) -> None:
                 label="synchronous" if n == 0 else f"max_staleness={n}")
     ax.set_xlabel("step (same samples per step in every schedule)")
     ax.set_ylabel(f"train reward (mean of seeds {seeds})")
-    ax.set_title("arith-grpo: synchronous vs asynchronous rollouts (token_truncate)")
+    ax.set_title("arith-grpo: sync vs async rollouts")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

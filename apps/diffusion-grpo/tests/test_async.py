@@ -117,6 +117,7 @@ def test_an_asynchronous_checkpoint_resumed_synchronously(app, tmp_path: Path) -
     assert float(table[1]["replay/engine_diff_max"]) > 0 and float(table[2]["replay/engine_diff_max"]) == 0
 
 
+@pytest.mark.slow  # ~30 s on 2 cores: opt-in (nox -s slow) to keep the default suite under 30 minutes
 def test_ray_workers_sample_the_scheduled_versions(app, ray_cluster, tmp_path: Path) -> None:
     """rollout.workers=2 (split placement): each rollout pushes the LoRA published for its
     version; the run equals the in-process asynchronous one (to the float rounding of the
