@@ -20,6 +20,8 @@ SMALL = ["policy.n=4", "policy.max_new_tokens=4", "train.batch_size=4", "train.m
 KEYS = ("reward/mean", "reward/std", "adv/std", "loss/policy", "grad_norm", "policy/entropy", "response/length_mean")
 
 
+# opt-in (nox -s slow), for CI time: the asynchronous test below runs this step as its first
+@pytest.mark.slow
 def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path) -> None:
     """One full RL step. Adam's first step moves a weight by about lr x sign(g), so where |g| is
     near Adam's eps, float noise between the two gradient reductions moves it by up to 2 x lr

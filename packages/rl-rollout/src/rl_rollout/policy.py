@@ -140,10 +140,10 @@ class PolicyEngine:
     def sync(self, *, bump: bool = True) -> None:
         """After an optimizer step (`bump=False`: at start-up, when a resumed checkpoint is newer
         than the weights the engine loaded): the next session samples from the trained weights."""
-        self.weight_version += int(bump)
-        if self.channel is not None:  # asynchronous: the loop publishes the weights by version
-            self.channel.steps = self.weight_version
+        if self.channel is not None:  # asynchronous: the loop publishes the weights by version; the
+            self.channel.steps += int(bump)  # rollout thread sets weight_version when it loads one
             return
+        self.weight_version += int(bump)
         if self.shares_weights:
             return
         from rl_rollout.colocated import push_weights
