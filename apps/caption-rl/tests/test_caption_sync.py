@@ -43,3 +43,19 @@ def test_weight_sync_with_real_vllm(app, tmp_path, tuning):
 def test_auto_picks_vllm_and_says_so(app, tmp_path, capfd):
     app.main(tiny_overrides(tmp_path, *FAST, "data.eval_size=0", "train.max_steps=1"))
     assert "rollout.engine: vllm (auto: CUDA device and vLLM found)" in capfd.readouterr().out
+
+
+def test_asynchronous_rollouts_with_real_vllm(app, tmp_path):
+    """train.max_staleness=1: the engine stays awake, the rollout thread samples step j + 1 while
+    step j trains, and each version of the weights reaches vLLM as a push between its requests: step
+    j samples with the weights after step j - 2 (optimizer steps 0, 0, 1, 2), never newer, never
+    older. Step 1 samples with the weights it trains, so its engine gap is kernels only."""
+    run = app.main(tiny_overrides(tmp_path, "rollout.engine=vllm", *FAST, "model.lora_rank=0", "train.lr=1e-3",
+                                  "data.eval_size=0", "train.max_steps=4", "train.max_staleness=1",
+                                  "algo.rollout_correction=token_truncate"))
+    rows = app_rows(run)
+    assert [float(r["rollout/weight_version"]) for r in rows] == [0.0, 0.0, 1.0, 2.0]
+    assert [float(r["rollout/staleness"]) for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert float(rows[0]["replay/engine_diff_mean"]) < 1e-2, rows[0]
+    for row in rows:
+        assert 0.0 <= float(row["replay/engine_kl"]) < 1.0, row  # finite, and the push landed (else it grows)
