@@ -117,6 +117,10 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     trainer's GPU (or the CPU), always loaded. auto: vllm on a CUDA machine where vLLM imports
     and the run has one process, else hf; the pick and why are printed at start."""
     judge_gpu_memory_utilization: UnitInterval = 0.25  # vllm judge: GPU fraction for weights + KV cache while awake
+    judge_engine_options: dict[str, Any] = {}
+    """vllm judge: more `vllm.LLM` arguments, e.g. `{enforce_eager = true}`; `max_model_len`
+    defaults to 16384 (or the judge's own maximum when lower): judge prompt + caption fit, and the
+    KV cache of one such sequence fits the memory share (Qwen3-4B-2507's own 262,144 would not)."""
     qa_estimator: Literal["exact", "sample"] = "exact"  # see rl_rewards.scorers.caption_qa
     qa_num: Positive = 8  # questions drawn per caption (estimator=sample)
     format_weight: NonNegativeFloat = 0.2  # x timestamp-format reward, video rows

@@ -6,6 +6,7 @@ server still down after its retries skips the step."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from caption_config import RewardConfig
 
@@ -17,6 +18,7 @@ from rl_rewards.spec import Component, RewardSpec
 from rl_rollout import Engine, resolve_engine
 
 JUDGE_ENGINE_KEY = "reward.judge_engine"
+JUDGE_MAX_MODEL_LEN = 16384  # vllm judge: a ~1.2k-token judge prompt around a caption of up to 4096 tokens, with room
 
 
 class RewardUnavailable(RuntimeError):
@@ -48,6 +50,17 @@ def resolve_judge_engine(engine: str, world_size: int) -> tuple[str, str]:
     return resolve_engine(engine, key=JUDGE_ENGINE_KEY)
 
 
+def vllm_judge_options(r: RewardConfig, judge: str) -> dict[str, Any]:
+    """`vllm.LLM` arguments of the judge: its memory share, a `max_model_len` whose KV cache fits
+    it (vLLM refuses to start when one sequence of the model's own maximum does not), then
+    `reward.judge_engine_options`."""
+    from transformers import AutoConfig
+
+    longest = AutoConfig.from_pretrained(judge).max_position_embeddings
+    return {"gpu_memory_utilization": r.judge_gpu_memory_utilization,
+            "max_model_len": min(JUDGE_MAX_MODEL_LEN, longest)} | r.judge_engine_options
+
+
 class LocalReward:
     """The reward in process: `reward.spec` for every row, or `caprl_spec` per task with one
     judge engine shared by the image and the video QA scorer (`qa_estimator`, `answer_parser`
@@ -69,7 +82,7 @@ class LocalReward:
         judge = tiny.resolve(r.judge, key="reward.judge")
         kind, why = resolve_judge_engine(r.judge_engine, world_size)
         print(f"caption_qa judge {r.judge}: engine {why}")
-        options = {"gpu_memory_utilization": r.judge_gpu_memory_utilization} if kind == "vllm" else {}
+        options = vllm_judge_options(r, judge) if kind == "vllm" else {}
         # its own engine-core process: built before the policy's engine, which may run one in this process
         engine = load_engine(kind, judge, key=JUDGE_ENGINE_KEY, in_process=False, **options)
         tokenizer = load_tokenizer(judge)
