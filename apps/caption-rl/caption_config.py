@@ -91,10 +91,13 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Sample each prompt's group with its own seed, drawn from (train.seed, step, record index):
     the same rollouts whatever the process count or batch split (the 2-process = 1-process
     tests rely on it). Slower: one engine call per prompt instead of one per batch."""
-    compile_mode: str = "default"
+    compile_mode: str = "auto"
     """hf engine on CUDA: torch.compile mode of the decode step. `default` (fused kernels) lets
     the KV cache be freed during the update; `reduce-overhead` (CUDA graphs) pins the cache's
-    addresses, so keep it allocated (`release_cache = false`): faster decode, more memory."""
+    addresses, so keep it allocated (`release_cache = false`): faster decode, more memory. auto:
+    `default`, and `reduce-overhead` with train.max_staleness >= 1 (the rollout engine keeps its
+    cache then; fewer launches leave the trainer's thread more of the interpreter: on 2 GPUs,
+    split, 1.38x synchronous DDP against 1.11x with `default`)."""
     release_cache: bool = True  # hf: free the KV cache before the update (memory for training)
     offload_optimizer: Literal["auto", "always", "never"] = "auto"
     """Move the optimizer state (Adam moments: 2x the trained weights) to pinned host memory while
