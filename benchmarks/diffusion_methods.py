@@ -42,13 +42,14 @@ METHODS: dict[str, list[str]] = {
                        "sampling.sde_window_range=[0,3]", "sampling.shift_interval=3", "sampling.window_stride=1"],
 }
 NFT = "DiffusionNFT"
+NFT_TINY: list[str] = []  # DiffusionNFT's own settings on the tiny task, beside train.method=nft
 
 
 def nft_overrides() -> list[str] | None:
     """DiffusionNFT's settings for the tiny task, where the app has it (None before)."""
     help_text = subprocess.run([sys.executable, str(REPO / "apps" / "diffusion-grpo"), "--help"],
                                capture_output=True, text=True).stdout
-    return ["algo.method=nft"] if "algo.method" in help_text and "nft" in help_text else None
+    return ["train.method=nft", *NFT_TINY] if "train.method" in help_text and "nft" in help_text else None
 
 
 def run(out: Path, name: str, seed: int, epochs: int, overrides: list[str]) -> tuple[list[float], list[float]]:
