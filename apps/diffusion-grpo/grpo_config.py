@@ -122,7 +122,7 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     weight_decay: NonNegativeFloat = 1e-4
     max_grad_norm: PositiveFloat = 1.0
     clip_range: UnitInterval = 1e-4  # PPO ratio clip (SD3: 1e-4; log-probs are per-element means; janus: per token, 0.2)
-    kl_beta: NonNegativeFloat = 0.04  # flow KL (janus: per-token janus.kl) to the LoRA-disabled model; 0 skips the reference forward
+    kl_beta: NonNegativeFloat = 0.04  # flow KL (janus: per-token janus.kl; nft: velocity MSE) to the LoRA-disabled model; 0 skips the reference forward
     adv_scale: Literal["batch", "group"] = "batch"  # std over the whole batch (Flow-GRPO global std)
     adv_clip: PositiveFloat = 5.0
     adv_eps: PositiveFloat = 1e-4

@@ -10,6 +10,8 @@ log-probs kept) -> reward -> GRPO advantages (global std, clip 5) -> update (zer
 dropped or refilled, `plan_micro_batches`; the stored steps replayed: `ppo_clip` + beta x flow KL
 to the LoRA-disabled model, AdamW, EMA) -> log -> checkpoint -> eval (ODE, EMA weights, fixed
 seeds, contact sheet). `model.family = "janus"` trains Janus-Pro image tokens (families.py).
+`train.method = "nft"` replaces the update with DiffusionNFT's (nft.py): an old policy samples with
+any sampler, the clean images are trained on the forward process, every scored image counts.
 `train.max_staleness >= 1` samples on the loop's rollout thread (`sample`) from the weights of
 an earlier step (`weight_channel`, families.py) while the trainer updates.
 `__main__.py` reads the command line and the config (`grpo_config.py`) before this module and
