@@ -12,6 +12,8 @@ the eval images.
   (a worker holding another version refuses). VRL's placements: `split` (actors on GPUs of their
   own), `colocated` (on the trainer's GPU, asleep during the update), or a running cluster
   (`rollout.ray_address`, env RAY_ADDRESS).
+  With `train.method = "nft"` (DiffusionNFT, `nft.py`) an `OldPolicy` (a LoRA copy over the same
+  frozen base) samples the rollouts, in process.
 - `janus`: token-level GRPO on Janus-Pro image tokens (VRL's autoregressive trainer). A unit is
   an image token carrying its sample's advantage; KL = `janus.kl` per token to the LoRA-disabled
   model.

@@ -74,6 +74,7 @@ from rl_rewards.client import RemoteScorer
 from rl_rewards.composition import Reward
 from rl_rewards.scorers.media import load_image
 from rl_rollout import ImageSamples
+from rl_rollout.diffusion import Trajectory
 
 
 @dataclass
@@ -224,7 +225,8 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         n, world = state.cfg.rollout.n, run.world_size
         plan = chunked_steps(t, run.accelerator, sizes, advantages.valid.nonzero().flatten())
         places = torch.tensor([sample_index(i, n, world, run.rank) for i in range(sum(sizes))])  # [N]
-        metrics = nft_update(state.cfg, run.accelerator, run.guard, cast(SD3, state.family), cast(Any, batch.samples),
+        metrics = nft_update(state.cfg, run.accelerator, run.guard, cast(SD3, state.family),
+                             cast(Sequence[Trajectory], batch.samples),
                              advantages.advantages.split(sizes), places.split(sizes), plan, epoch=step - 1,
                              optimizer_steps=lambda: state.ema.steps, after_step=state.ema.step)
         trained = sum(len(rows) * weight for micro in plan for _, rows, weight in micro)
