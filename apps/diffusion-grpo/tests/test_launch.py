@@ -50,7 +50,7 @@ ONE_EPOCH = ("train.epochs=1", "train.save_freq=1", "train.kl_beta=0.04")
 
 # sd3 + fsdp2 is opt-in (nox -s slow), for CI time: test_ray_rollout.py trains a sharded LoRA in
 # the default suite, and FSDP2's 2 = 1 is proven on rl-core's loop and rider-grm
-# nft is opt-in too (102 and 145 s measured on the 2 shared cores): its update's 2 = 1 rests on the same
+# nft is opt-in too (65-145 s measured on the 2 shared cores): its update's 2 = 1 rests on the same
 # per-place draws and global unit counts, and its accumulation case runs in the default suite
 @pytest.mark.parametrize(("run", "sharding"), [("sd3", "none"), pytest.param("sd3", "fsdp2", marks=pytest.mark.slow),
                                                ("janus", "none"), pytest.param("nft", "none", marks=pytest.mark.slow)])

@@ -68,7 +68,7 @@ def test_janus_policy_learns_a_token_reward(app, tmp_path: Path) -> None:
 NFT_MARGIN = 0.003
 
 
-@pytest.mark.slow  # 72 s measured on the 2 cores shared with other jobs (the GRPO default: 18 s)
+@pytest.mark.slow  # 72 s and 381 s measured on the 2 cores shared with other jobs (the GRPO default: 18-21 s)
 def test_diffusion_nft_gets_brighter(app, tmp_path: Path) -> None:
     """train.method=nft (ODE sampling by the old policy, CFG-free, beta 1, upstream's default
     decay) on the embedded default: the last 3 epochs' train reward beats the first epoch's, which
