@@ -12,6 +12,8 @@ the eval images.
   (a worker holding another version refuses). VRL's placements: `split` (actors on GPUs of their
   own), `colocated` (on the trainer's GPU, asleep during the update), or a running cluster
   (`rollout.ray_address`, env RAY_ADDRESS).
+  With `train.method = "nft"` (DiffusionNFT, `nft.py`) an `OldPolicy` (a LoRA copy over the same
+  frozen base) samples the rollouts, in process.
 - `janus`: token-level GRPO on Janus-Pro image tokens (VRL's autoregressive trainer). A unit is
   an image token carrying its sample's advantage; KL = `janus.kl` per token to the LoRA-disabled
   model.
@@ -93,6 +95,7 @@ class Family(Protocol):
     optimizer: torch.optim.Optimizer
     full: FullWeights | None = None  # a sharded model's whole copy, which the engine samples from
     weights: RolloutWeights | None = None  # asynchronous runs: the rollout's weights by version
+    old: OldPolicy | None = None  # train.method = "nft" (sd3): DiffusionNFT's old policy, which samples
 
     def weight_channel(self, steps: Callable[[], int]) -> RolloutWeights:
         """Switch the rollout to weights of its own, changed only by version (asynchronous runs;
@@ -136,7 +139,9 @@ class SD3(Family):
         self.model, self.optimizer, _ = prepare_policy(acc, self.peft, optimizer, None, plan)
         if self.full is not None:  # the engine samples from the copy's LoRA-injected transformer
             self.engine.pipeline.transformer = cast(PeftModel, self.full.model).get_base_model()
-        self.rollout_engine = self.engine  # in-process rollouts: an engine of their own when asynchronous
+        # train.method = "nft": the old policy samples (asynchronous rollouts: an engine of their own)
+        self.old = OldPolicy(self.peft, self.engine) if t.method == "nft" else None
+        self.rollout_engine = self.old.engine if self.old is not None else self.engine
 
     def start(self) -> None:
         if self.cfg.rollout.workers:
@@ -281,6 +286,35 @@ class Janus(Family):
     def eval_images(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
         return self.engine.sample(prompts, guidance_scale=self.cfg.eval.guidance_scale,
                                   temperature=self.cfg.janus.temperature, seeds=seeds).images
+
+
+class OldPolicy:
+    """DiffusionNFT's old policy (`train.method = "nft"`): a copy of the LoRA model whose frozen
+    base is the trainer's (`copy_sharing_frozen`), starting at the trained LoRA. It samples the
+    rollouts (`engine`, sharing the trainer's text encoders and VAE) and gives `v_old` in the loss;
+    after each epoch `move_towards` pulls it towards the trained LoRA. A checkpoint `Stateful`."""
+
+    def __init__(self, peft: PeftModel, engine: DiffusionEngine) -> None:
+        self.model = cast(PeftModel, copy_sharing_frozen(peft))
+        self.engine = engine_over(engine, self.model.get_base_model())
+        self.trained, self.params = lora_params(peft), lora_params(self.model)  # the same names
+
+    @torch.no_grad()
+    def move_towards(self, decay: float) -> None:
+        """`old <- decay old + (1 - decay) trained` (upstream's order of operations)."""
+        for name, p in self.params.items():
+            p.copy_(p * decay + self.trained[name].detach() * (1.0 - decay))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().cpu().clone() for name, p in self.params.items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        if set(state) != set(self.params):
+            raise ValueError(f"its old-policy LoRA is not this model's ({len(state)} vs {len(self.params)} tensors): "
+                             "another LoRA rank or target modules?")
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(state[name])
 
 
 class RolloutWeights:

@@ -65,7 +65,10 @@ class SamplingConfig(msgspec.Struct, kw_only=True, frozen=True):
     num_steps: Positive = 10  # training rollout steps
     guidance_scale: NonNegativeFloat = 4.5
     noise_level: PositiveFloat = 0.7  # SDE `a` (0.7 Flow-GRPO sde; 0.8 for cps)
-    kind: Literal["sde", "cps"] = "sde"
+    kind: Literal["sde", "cps", "ode"] = "sde"
+    """The sampler: `sde` (Flow-GRPO) or `cps` (coefficients-preserving) steps carry the
+    log-probabilities GRPO trains on; `ode` (the deterministic Euler ODE) has none and is for
+    train.method = "nft", which trains on the clean images of any sampler."""
     sde_window: list[int] | None = None
     """[start, stop): stochastic steps with sde_window_mode "fixed"; other steps use the ODE. None = all."""
     sde_window_mode: Literal["fixed", "random", "sliding"] = "fixed"
@@ -105,12 +108,21 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class TrainConfig(RunFields, kw_only=True, frozen=True):
+    method: Literal["grpo", "nft"] = "grpo"
+    """`grpo`: Flow-GRPO (with the SDE windows of Flow-GRPO-Fast and MixGRPO): a PPO ratio on the
+    SDE sampler's per-step log-probabilities. `nft`: DiffusionNFT (Zheng et al. 2025), negative-aware fine-tuning on the
+    forward process: the clean images of any sampler (sampling.kind = "ode" is its choice, CFG-free)
+    are noised again and trained with a velocity loss between an implicit positive and negative
+    policy, weighted by the reward; an old policy, moved towards the trained one after each epoch
+    ([nft] table), samples. Choose `nft` for a deterministic or few-step sampler, no CFG and no
+    log-probabilities (its paper reports up to 25x Flow-GRPO's efficiency); it needs model.family =
+    "sd3" and no Ray workers, FSDP2 or asynchronous rollouts (README: DiffusionNFT)."""
     epochs: Positive = 100_000  # one epoch is one step of the trainer loop
     lr: PositiveFloat = 3e-4
     weight_decay: NonNegativeFloat = 1e-4
     max_grad_norm: PositiveFloat = 1.0
     clip_range: UnitInterval = 1e-4  # PPO ratio clip (SD3: 1e-4; log-probs are per-element means; janus: per token, 0.2)
-    kl_beta: NonNegativeFloat = 0.04  # flow KL (janus: per-token janus.kl) to the LoRA-disabled model; 0 skips the reference forward
+    kl_beta: NonNegativeFloat = 0.04  # flow KL (janus: per-token janus.kl; nft: velocity MSE) to the LoRA-disabled model; 0 skips the reference forward
     adv_scale: Literal["batch", "group"] = "batch"  # std over the whole batch (Flow-GRPO global std)
     adv_clip: PositiveFloat = 5.0
     adv_eps: PositiveFloat = 1e-4
@@ -130,7 +142,7 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     sum, then over the batch (train.adv_* do not apply), so a large-scale reward cannot drown a
     small one. Needs the reward in process (a weighted sum, not reward.url)."""
     zero_adv: Literal["drop", "flow_grpo"] = "drop"
-    """Zero-advantage images: `drop` (ours, VRL) trains the rest of each sampled batch in chunks
+    """Zero-advantage images (train.method = "grpo"): `drop` (ours, VRL) trains the rest of each sampled batch in chunks
     of micro_batch_size; `flow_grpo` (Flow-GRPO) puts randomly chosen ones back until the kept
     count divides into the epoch's batches, shuffles, and trains equal batches. See README."""
     micro_batch_size: Positive = 8  # images per replay forward (= sample_batch_size keeps ratio bit-exact)
@@ -155,6 +167,22 @@ class EvalConfig(msgspec.Struct, kw_only=True, frozen=True):
     seed: int = 20260504
     use_ema: bool = True
     batch_size: Positive = 8
+
+
+class NFTConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Knobs of train.method = "nft" only (DiffusionNFT; the advantages are train.adv_*'s,
+    train.adv_clip also scales the loss, train.kl_beta weighs the velocity MSE to the LoRA-disabled
+    model, train.timestep_fraction x sampling.num_steps is how many noise levels each image is
+    trained at)."""
+
+    beta: PositiveFloat = 1.0
+    """Step of the implicit policies v+- = v_old +- beta (v - v_old) (upstream `config.beta`: 1
+    by default, 0.1 for OCR and multi-reward)."""
+    old_decay_start: NonNegative = 0  # optimizer steps before the old policy lags (upstream decay_type 1: 0; 2: 75)
+    old_decay_rate: NonNegativeFloat = 0.001  # its lag per optimizer step after that (1: 0.001; 2: 0.0075)
+    old_decay_max: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.5
+    """After each epoch old <- decay old + (1 - decay) trained, decay = min((steps - start) x rate,
+    max) (`rl_core.flow.compute_nft_decay`; upstream decay_type 1: 0.5; 2: 0.999)."""
 
 
 class JanusConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -184,6 +212,7 @@ class Config(msgspec.Struct, kw_only=True, frozen=True):
     reward: RewardConfig = RewardConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    nft: NFTConfig = NFTConfig()
     janus: JanusConfig = JanusConfig()
 
 
@@ -210,6 +239,7 @@ def check_config(cfg: Config, world_size: int) -> None:
          f"sampling.sde_window={cfg.sampling.sde_window} is the fixed window: with sampling.sde_window_mode="
          f"{cfg.sampling.sde_window_mode!r} set sampling.sde_window_range (and sde_window_size) instead"),
         *window_problems(cfg),
+        *nft_problems(cfg),
         (r.workers > 0 and world_size > 1 and not r.ray_address, f"rollout.workers={r.workers} with {world_size} "
          "trainer processes needs a running Ray cluster: `ray start --head`, then set RAY_ADDRESS or rollout.ray_address"),
         (t.reward_aggregation == "normalize_then_sum" and cfg.reward.url is not None,
@@ -226,6 +256,30 @@ def check_config(cfg: Config, world_size: int) -> None:
         if bad:
             raise ConfigError(message)
     reward_spec(cfg.reward, tiny=m.path.startswith("tiny:"))  # a bad spec file or weights stop here too
+
+
+def nft_problems(cfg: Config) -> list[tuple[bool, str]]:
+    """train.method against the rest (a `check_config` rule list): GRPO needs log-probabilities;
+    DiffusionNFT's old policy lives in the trainer's SD3 engine."""
+    t, r, s = cfg.train, cfg.rollout, cfg.sampling
+    if t.method == "grpo":
+        return [(s.kind == "ode", "sampling.kind='ode' samples no log-probability: train.method='grpo' needs 'sde' or "
+                 "'cps' (or choose train.method='nft', which trains on the clean images of any sampler)")]
+    why = "train.method='nft' (DiffusionNFT)"
+    return [
+        (cfg.model.family != "sd3", f"{why} trains SD3's velocity: model.family={cfg.model.family!r} is not done; "
+         "set model.family='sd3' or train.method='grpo'"),
+        (t.max_staleness > 0, f"train.max_staleness={t.max_staleness}: {why} samples with its old policy, which "
+         "asynchronous rollouts do not publish; set train.max_staleness=0 or train.method='grpo'"),
+        (r.workers > 0, f"rollout.workers={r.workers}: {why} samples with its old policy in the trainer's engine; "
+         "set rollout.workers=0"),
+        (t.sharding != "none", f"train.sharding={t.sharding!r}: {why} keeps an unsharded old policy; set "
+         "train.sharding='none'"),
+        (s.guidance_scale > 1, f"sampling.guidance_scale={s.guidance_scale}: {why} is CFG-free (it trains the "
+         "conditional velocity its samples came from); set sampling.guidance_scale=1"),
+        (t.zero_adv != "drop", f"train.zero_adv={t.zero_adv!r} picks GRPO's images: {why} trains every scored image "
+         "(advantage 0 is r = 0.5); leave train.zero_adv='drop'"),
+    ]
 
 
 def window_range(cfg: Config) -> tuple[int, int]:

@@ -10,6 +10,8 @@ log-probs kept) -> reward -> GRPO advantages (global std, clip 5) -> update (zer
 dropped or refilled, `plan_micro_batches`; the stored steps replayed: `ppo_clip` + beta x flow KL
 to the LoRA-disabled model, AdamW, EMA) -> log -> checkpoint -> eval (ODE, EMA weights, fixed
 seeds, contact sheet). `model.family = "janus"` trains Janus-Pro image tokens (families.py).
+`train.method = "nft"` replaces the update with DiffusionNFT's (nft.py): an old policy samples with
+any sampler, the clean images are trained on the forward process, every scored image counts.
 `train.max_staleness >= 1` samples on the loop's rollout thread (`sample`) from the weights of
 an earlier step (`weight_channel`, families.py) while the trainer updates.
 `__main__.py` reads the command line and the config (`grpo_config.py`) before this module and
@@ -30,7 +32,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 from accelerate.utils import gather_object
-from families import FAMILIES, Chunk, Family, Micro, whole_weights
+from families import FAMILIES, SD3, Chunk, Family, Micro, whole_weights
 from grpo_config import (
     DEFAULT_CONFIG,
     ENV,
@@ -42,6 +44,7 @@ from grpo_config import (
     reward_spec,
     window_range,
 )
+from nft import nft_update
 from peft import PeftModel
 from PIL import Image, ImageDraw, ImageFont
 
@@ -71,6 +74,7 @@ from rl_rewards.client import RemoteScorer
 from rl_rewards.composition import Reward
 from rl_rewards.scorers.media import load_image
 from rl_rollout import ImageSamples
+from rl_rollout.diffusion import Trajectory
 
 
 @dataclass
@@ -135,7 +139,10 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         transformer, GBs): the LoRA, optimizer, EMA and sampler are all the state there is. A
         sharded one saves its LoRA and optimizer shards on every process (DCP, frozen base left
         out). The PEFT `lora/` and `lora_ema/` are written from whole weights inside it."""
-        f, kept = state.family, {"ema": state.ema, "sampler": state.sampler}
+        f = state.family
+        kept: dict[str, Any] = {"ema": state.ema, "sampler": state.sampler}
+        if f.old is not None:  # train.method = "nft"
+            kept["nft_old"] = f.old
         saved = {**kept, **sharded_state(f.peft, f.optimizer, trainable_only=True)} if f.full else {
             "lora": TrainableState(f.peft), "optimizer": f.optimizer, **kept}
         whole = cast(PeftModel, f.full.model) if f.full else f.peft  # whole inside `gather`
@@ -155,9 +162,9 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         n, size, world = cfg.rollout.n, cfg.rollout.sample_batch_size, run.world_size
         groups = cfg.rollout.groups_per_epoch // world
         records = [state.prompts[next(iter(state.sampler))] for _ in range(groups * n)]
-        seeds = [sample_seed(cfg.train.seed, epoch, ((i // n) * world + run.rank) * n + i % n) for i in range(len(records))]
+        seeds = [sample_seed(cfg.train.seed, epoch, sample_index(i, n, world, run.rank)) for i in range(len(records))]
         chunks = [Chunk(tuple(r.prompt for r in records[i:i + size]), tuple(seeds[i:i + size]),
-                        sde_window(cfg, epoch, ((i // n) * world + run.rank) * n + i % n))
+                        sde_window(cfg, epoch, sample_index(i, n, world, run.rank)))
                   for i in range(0, len(records), size)]
         weights = state.family.weights
         version = weights.loaded if weights is not None else state.ema.steps
@@ -189,9 +196,11 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
     def update(self, state: State, step: int, batch: Batch, advantages: GroupAdvantages) -> dict[str, float]:
         t, run, f, adv, acc = state.cfg.train, state.run, state.family, advantages.advantages, state.run.accelerator
         metrics = {"rollout/weight_version": batch.version, **(f.full.pop_metrics() if f.full else {})}
+        sizes = [len(s.prompts) for s in batch.samples]
+        if t.method == "nft":  # every scored image trains, whatever its advantage (0 is r = 1/2)
+            return metrics | self.nft(state, step, batch, advantages, sizes)
         if not acc.reduce(torch.tensor(float((adv != 0).sum()), device=acc.device), reduction="sum").item():
             return metrics  # every group scored its images alike: no signal, no update
-        sizes = [len(s.prompts) for s in batch.samples]
         plan = plan_micro_batches(t, acc, sizes, adv, step - 1)
         job = f.replays(batch.samples, adv.split(sizes), plan)
         # stale rollouts (older weights sampled them): the first replay's |log ratio| is logged, not checked
@@ -206,6 +215,22 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
             every = [k for steps in job.steps for k in steps]
             metrics |= {"replay/steps_per_batch": len(every) / len(job.steps), "replay/first_step": min(every),
                         "replay/last_step": max(every)}
+        metrics["adv/trained_samples"] = acc.reduce(torch.tensor(float(trained), device=acc.device), reduction="sum").item()
+        return metrics
+
+    def nft(self, state: State, step: int, batch: Batch, advantages: GroupAdvantages,
+            sizes: list[int]) -> dict[str, float]:
+        """DiffusionNFT's update (`nft.py`) over the scored images, in micro-batches as `drop` plans them."""
+        run, t = state.run, state.cfg.train
+        n, world = state.cfg.rollout.n, run.world_size
+        plan = chunked_steps(t, run.accelerator, sizes, advantages.valid.nonzero().flatten())
+        places = torch.tensor([sample_index(i, n, world, run.rank) for i in range(sum(sizes))])  # [N]
+        metrics = nft_update(state.cfg, run.accelerator, run.guard, cast(SD3, state.family),
+                             cast(Sequence[Trajectory], batch.samples),
+                             advantages.advantages.split(sizes), places.split(sizes), plan, epoch=step - 1,
+                             optimizer_steps=lambda: state.ema.steps, after_step=state.ema.step)
+        trained = sum(len(rows) * weight for micro in plan for _, rows, weight in micro)
+        acc = run.accelerator
         metrics["adv/trained_samples"] = acc.reduce(torch.tensor(float(trained), device=acc.device), reduction="sum").item()
         return metrics
 
@@ -246,6 +271,11 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         state.family.close()
 
 
+def sample_index(i: int, n: int, world: int, rank: int) -> int:
+    """Local image i's place in the epoch: group g of rank r is the (g x world + r)-th prompt."""
+    return ((i // n) * world + rank) * n + i % n
+
+
 def sde_window(cfg: Config, epoch: int, first: int) -> tuple[int, int] | None:
     """The stochastic steps of the sampled batch whose first image is sample `first` of the epoch
     (`sampling.sde_window_mode`); a random window is drawn from (train.seed, epoch, first), so it
@@ -273,7 +303,14 @@ def plan_micro_batches(t: TrainConfig, acc: Any, sizes: list[int], adv: torch.Te
     """
     if t.zero_adv == "flow_grpo":
         return flow_grpo_steps(t, acc, sizes, adv, epoch)
-    plan = by_trajectory((adv != 0).nonzero().flatten(), sizes, t.micro_batch_size)
+    return chunked_steps(t, acc, sizes, (adv != 0).nonzero().flatten())
+
+
+def chunked_steps(t: TrainConfig, acc: Any, sizes: list[int], rows: torch.Tensor) -> list[list[Micro]]:
+    """This process's sorted sample indices `rows` `[b]` in chunks of `micro_batch_size` of one
+    trajectory each, `gradient_accumulation_steps` chunks per optimizer step; a process with fewer
+    chunks repeats its last one with weight 0, so the steps line up."""
+    plan = by_trajectory(rows, sizes, t.micro_batch_size)
     count = acc.gather(torch.tensor([len(plan)], device=acc.device)).max().item()
     filler = (plan[-1][0], plan[-1][1], 0.0) if plan else (0, torch.tensor([0]), 0.0)
     plan += [filler] * (count - len(plan))

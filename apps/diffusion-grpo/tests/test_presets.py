@@ -224,3 +224,24 @@ def test_window_presets_load_and_train_their_upstream_windows(app) -> None:
     assert (mix.sampling.num_steps, mix.rollout.n, mix.train.lr, mix.train.kl_beta, mix.train.clip_range) == (25, 12, 1e-5, 0, 1e-4)
     assert [app.sde_window(mix, e, 0) for e in (0, 24, 25, 50, 500, 574, 575)] == [
         (0, 4), (0, 4), (1, 5), (2, 6), (20, 23), (22, 23), (0, 4)]
+
+
+def test_diffusion_nft_preset_carries_upstreams_numbers(app) -> None:
+    """diffusion_nft.toml: DiffusionNFT's sd3_ocr (config/nft.py on config/base.py). Upstream sizes
+    the epoch for 8 GPUs: 48 prompts x 24 images, 144 per GPU in 16 batches of 9, two optimizer
+    steps of 8 batches each; on 8 processes the preset gives the same."""
+    cfg = checked(app, "--config", str(EXAMPLES / "diffusion_nft.toml"))
+    app.RECIPE.check(cfg, 8)
+    s, r, t, n, e = cfg.sampling, cfg.rollout, cfg.train, cfg.nft, cfg.eval
+    assert (t.method, s.kind, s.guidance_scale, s.num_steps, s.resolution) == ("nft", "ode", 1.0, 10, 512)
+    assert (r.n, r.groups_per_epoch, r.sample_batch_size, t.micro_batch_size) == (24, 48, 9, 9)
+    per_process = r.groups_per_epoch // 8 * r.n
+    assert (per_process, per_process // t.micro_batch_size // t.gradient_accumulation_steps) == (144, 2)
+    assert (n.beta, n.old_decay_start, n.old_decay_rate, n.old_decay_max) == (0.1, 75, 0.0075, 0.999)
+    assert (t.lr, t.weight_decay, t.max_grad_norm, t.kl_beta, t.adv_clip, t.timestep_fraction) == (
+        3e-4, 1e-4, 1.0, 1e-4, 5.0, 0.99)
+    assert (t.adv_scale, t.adv_std, t.adv_eps, t.adv_eps_mode, t.adv_group_by) == (
+        "batch", "population", 1e-4, "add", "prompt")
+    assert (t.ema_decay, t.ema_interval, t.save_freq, t.seed) == (0.9, 1, 30, 42)
+    assert (e.every, e.num_steps, e.guidance_scale, e.batch_size) == (10, 40, 1.0, 16)
+    assert (cfg.model.lora_rank, cfg.model.lora_alpha, cfg.reward.components) == (32, 64, {"ocr": 1.0})

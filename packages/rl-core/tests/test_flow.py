@@ -6,7 +6,17 @@ import re
 import pytest
 import torch
 
-from rl_core.flow import compute_ratio_guard, compute_sde_window, flow_kl, host_randn, sde_step
+from rl_core.flow import (
+    compute_nft_decay,
+    compute_nft_loss,
+    compute_nft_optimality,
+    compute_ratio_guard,
+    compute_sde_window,
+    flow_kl,
+    flow_noise,
+    host_randn,
+    sde_step,
+)
 from rl_core.losses import compute_policy_loss
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)  # 0.918939
@@ -325,3 +335,126 @@ def test_ratio_guard_is_eps_times_the_mean_shift_for_sde_steps() -> None:
     torch.testing.assert_close(weight, 1 / dt.abs())
     with pytest.raises(ValueError, match="stochastic step"):
         compute_ratio_guard(logp=new.log_prob, old_logp=old.log_prob, mean=new.mean, old_mean=old.mean, step_std=0.0, dt=dt)
+
+
+def test_flow_noise_is_the_forward_interpolation() -> None:
+    # x0 = (1, 0), eps = (0, 2): sigma .5 -> (.5, 1); per-sample sigmas 0 and 1 give x0 and eps
+    x0, eps = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 2.0]])
+    torch.testing.assert_close(flow_noise(x0, eps, 0.5), torch.tensor([[0.5, 1.0]]))
+    both = flow_noise(torch.cat([x0, x0]), torch.cat([eps, eps]), torch.tensor([0.0, 1.0]))
+    torch.testing.assert_close(both, torch.tensor([[1.0, 0.0], [0.0, 2.0]]))
+
+
+def test_nft_optimality_clips_then_maps_to_the_unit_interval() -> None:
+    # clip 5: r = clamp(adv, -5, 5) / 10 + .5
+    adv = torch.tensor([-7.0, -5.0, -2.5, 0.0, 2.5, 5.0, 10.0])
+    assert compute_nft_optimality(adv, 5.0).tolist() == [0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    assert compute_nft_optimality(torch.tensor([1.0]), 2.0).tolist() == [0.75]
+    with pytest.raises(ValueError, match="clip must be > 0"):
+        compute_nft_optimality(adv, 0.0)
+
+
+def test_nft_decay_follows_upstreams_two_schedules() -> None:
+    type1 = {"start": 0, "rate": 0.001, "limit": 0.5}  # upstream decay_type 1 (its default)
+    assert [compute_nft_decay(s, **type1) for s in (0, 100, 499, 500, 10_000)] == pytest.approx([0, 0.1, 0.499, 0.5, 0.5])
+    type2 = {"start": 75, "rate": 0.0075, "limit": 0.999}  # decay_type 2 (its OCR config)
+    assert [compute_nft_decay(s, **type2) for s in (0, 74, 75, 100, 208, 10_000)] == pytest.approx(
+        [0, 0, 0, 0.1875, 0.9975, 0.999])
+    with pytest.raises(ValueError, match="limit < 1"):
+        compute_nft_decay(0, start=0, rate=0.1, limit=1.0)
+
+
+def _nft(beta: float, **kw):
+    # x0 = (1, 0), eps = (0, 2), t = .5 -> x_t = (.5, 1); v_old = (-1, 1), v = (-1, 2), v_ref = (-1, 0)
+    v = torch.tensor([[-1.0, 2.0]], requires_grad=True)
+    loss, metrics = compute_nft_loss(velocity=v, old_velocity=torch.tensor([[-1.0, 1.0]]),
+                                     clean=torch.tensor([[1.0, 0.0]]), noisy=torch.tensor([[0.5, 1.0]]), sigma=0.5,
+                                     advantages=torch.tensor([2.5]), beta=beta, adv_clip=5.0, **kw)
+    return v, loss, metrics
+
+
+def test_nft_loss_hand_worked_beta_one() -> None:
+    # beta 1: v+ = v = (-1, 2) predicts x0 = x_t - .5 v+ = (1, 0) exactly: error 0, weight floored
+    # at 1e-5, L+ = 0. v- = 2 v_old - v = (-1, 0): x0- = (1, 1), error (0, 1), weight .5,
+    # L- = mean(0, 1 / .5) = 1. r = 2.5 / 10 + .5 = .75: loss = 5 x (.75 x 0 + .25 x 1) / 1 = 1.25
+    _, loss, metrics = _nft(1.0)
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, torch.tensor([1.25], dtype=torch.float64))
+    assert (metrics["positive"], metrics["negative"], metrics["kl"]) == (0.0, 1.0, 0.0)
+    assert metrics["old_deviation"] == 0.5  # mean((v - v_old)^2) = (0 + 1) / 2
+
+
+def test_nft_loss_hand_worked_value_and_gradient() -> None:
+    # beta .5: v+ = .5 v + .5 v_old = (-1, 1.5): x0+ = (1, .25), error (0, .25), w+ = .125,
+    #   L+ = mean(0, .0625 / .125) = .25
+    # v- = 1.5 v_old - .5 v = (-1, .5): x0- = (1, .75), error (0, .75), w- = .375, L- = mean(0, 1.5) = .75
+    # policy = 5 x (.75 x .25 + .25 x .75) / .5 = 3.75; KL = mean((0, 2)^2) = 2, x .1 = .2: loss 3.95
+    # gradient in v[1] (the weights carry none): d x0+/dv = -t beta = -.25, d x0-/dv = +.25
+    #   dL+/dv[1] = .25 x -.25 / .125 = -.5,  dL-/dv[1] = .75 x .25 / .375 = .5
+    #   policy: 5 / .5 x (.75 x -.5 + .25 x .5) = -2.5;  KL: .1 x (2 - 0) = .2  ->  -2.3; v[0]: 0
+    v, loss, metrics = _nft(0.5, ref_velocity=torch.tensor([[-1.0, 0.0]]), kl_beta=0.1)
+    torch.testing.assert_close(loss, torch.tensor([3.95], dtype=torch.float64))
+    assert metrics["positive"] == pytest.approx(0.25) and metrics["negative"] == pytest.approx(0.75)
+    assert (metrics["policy"], metrics["kl"]) == (pytest.approx(3.75), 2.0)
+    loss.sum().backward()
+    torch.testing.assert_close(v.grad, torch.tensor([[0.0, -2.3]]))
+
+
+def _upstream_nft_loss(forward_prediction, old_prediction, ref_forward_prediction, x0, xt, t, advantages, *,
+                       beta: float, adv_clip_max: float, train_beta: float):
+    """DiffusionNFT's loss as its training loop computes it, re-expressed from NVlabs/DiffusionNFT
+    (commit 24af555) `scripts/train_nft_sd3.py`, `main()`, the inner loop over timesteps
+    (`adv_mode = "all"`): `policy_loss + config.train.beta * kl_div_loss`, means over the batch."""
+    dims = tuple(range(1, x0.ndim))
+    t_expanded = t.view(-1, *([1] * (len(x0.shape) - 1)))
+    advantages_clip = torch.clamp(advantages, -adv_clip_max, adv_clip_max)
+    r = torch.clamp((advantages_clip / adv_clip_max) / 2.0 + 0.5, 0, 1)
+    positive_prediction = beta * forward_prediction + (1 - beta) * old_prediction.detach()
+    implicit_negative_prediction = (1.0 + beta) * old_prediction.detach() - beta * forward_prediction
+    x0_prediction = xt - t_expanded * positive_prediction
+    with torch.no_grad():
+        weight_factor = torch.abs(x0_prediction.double() - x0.double()).mean(dim=dims, keepdim=True).clip(min=0.00001)
+    positive_loss = ((x0_prediction - x0) ** 2 / weight_factor).mean(dim=dims)
+    negative_x0_prediction = xt - t_expanded * implicit_negative_prediction
+    with torch.no_grad():
+        negative_weight_factor = torch.abs(negative_x0_prediction.double() - x0.double()).mean(
+            dim=dims, keepdim=True).clip(min=0.00001)
+    negative_loss = ((negative_x0_prediction - x0) ** 2 / negative_weight_factor).mean(dim=dims)
+    ori_policy_loss = r * positive_loss / beta + (1.0 - r) * negative_loss / beta
+    policy_loss = (ori_policy_loss * adv_clip_max).mean()
+    kl_div_loss = ((forward_prediction - ref_forward_prediction) ** 2).mean(dim=dims)
+    return policy_loss + train_beta * torch.mean(kl_div_loss)
+
+
+@pytest.mark.parametrize(("beta", "train_beta"), [(1.0, 0.0001), (0.1, 0.0001), (0.1, 0.0)])
+def test_nft_loss_equals_upstreams_on_the_same_tensors(beta: float, train_beta: float) -> None:
+    """Upstream's sd3 configs: beta 1 (default), 0.1 (OCR, multi-reward); train.beta 1e-4. Our
+    per-sample loss summed and divided by the batch is upstream's loss, and so is its gradient."""
+    g = torch.Generator().manual_seed(0)
+    shape = (4, 3, 8, 8)
+    x0, eps = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    t = torch.rand(4, generator=g) * 0.9 + 0.05
+    xt = flow_noise(x0, eps, t)
+    old, ref = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    v_ours = (old + 0.3 * torch.randn(shape, generator=g)).requires_grad_()
+    v_theirs = v_ours.detach().clone().requires_grad_()
+    advantages = torch.tensor([-7.0, -1.3, 0.4, 6.0])  # two beyond the clip of 5
+    loss, _ = compute_nft_loss(velocity=v_ours, old_velocity=old, clean=x0, noisy=xt, sigma=t, advantages=advantages,
+                               beta=beta, adv_clip=5.0, ref_velocity=ref, kl_beta=train_beta)
+    theirs = _upstream_nft_loss(v_theirs, old, ref, x0, xt, t, advantages, beta=beta, adv_clip_max=5.0,
+                                train_beta=train_beta)
+    ours = loss.sum() / len(loss)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=0)  # float64: only the order of the sums differs
+    ours.backward()
+    theirs.backward()
+    torch.testing.assert_close(v_ours.grad, v_theirs.grad, rtol=1e-6, atol=1e-9)
+
+
+def test_nft_loss_input_errors() -> None:
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"old_velocity \(2, 4\) must match clean \(2, 3\)"):
+        compute_nft_loss(velocity=x, old_velocity=torch.zeros(2, 4), clean=x, noisy=x, sigma=0.5,
+                         advantages=torch.zeros(2), beta=1.0, adv_clip=5.0)
+    with pytest.raises(ValueError, match="beta must be > 0"):
+        compute_nft_loss(velocity=x, old_velocity=x, clean=x, noisy=x, sigma=0.5, advantages=torch.zeros(2),
+                         beta=0.0, adv_clip=5.0)

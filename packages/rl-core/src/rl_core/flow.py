@@ -26,6 +26,10 @@ step where `sigma_next = 0`) is deterministic: `next_latents = mean` and `log_pr
 Replay: pass the stored `next_latents` and the step scores that sample instead of drawing one.
 The same float32 function is used for rollout and replay, so the first on-policy replay gives
 ratio exactly 1 (store `next_latents` as returned, in float32).
+
+DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117) needs no step log-probability: it trains on
+the *forward* process of the clean samples (`flow_noise`), with `compute_nft_loss`,
+`compute_nft_optimality` and the old policy's schedule `compute_nft_decay`.
 """
 
 from __future__ import annotations
@@ -36,7 +40,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["SDEStep", "compute_ratio_guard", "compute_sde_window", "flow_kl", "host_randn", "sde_step"]
+__all__ = [
+    "SDEStep",
+    "compute_nft_decay",
+    "compute_nft_loss",
+    "compute_nft_optimality",
+    "compute_ratio_guard",
+    "compute_sde_window",
+    "flow_kl",
+    "flow_noise",
+    "host_randn",
+    "sde_step",
+]
 
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -315,3 +330,110 @@ def compute_ratio_guard(
     bias = ((mean.float() - old_mean.float()) ** 2).mean(dim=tuple(range(1, mean.dim()))) / (2 * s**2)  # [B]
     log_ratio = (logp.float() - old_logp.float() + bias) * s  # [B]
     return log_ratio, 1 / step
+
+
+# DiffusionNFT's floor on the adaptive weight (`.clip(min=0.00001)` upstream): an exact x0
+# prediction would otherwise divide zero by zero
+_NFT_WEIGHT_MIN = 1e-5
+
+
+def flow_noise(clean: Tensor, noise: Tensor, sigma: float | Tensor) -> Tensor:
+    """The forward process of flow matching, `x_t = (1 - sigma) x_0 + sigma eps`, float32
+    `[B, ...]` from `clean` `x_0` and `noise` `eps` `[B, ...]` and `sigma` (scalar or `[B]`, in
+    [0, 1]; 1 = pure noise, the sampler's start). DiffusionNFT trains on it."""
+    if clean.shape != noise.shape:
+        raise ValueError(f"clean {tuple(clean.shape)} and noise {tuple(noise.shape)} differ in shape")
+    batch = clean.shape[0]
+    s = _per_sample(sigma, batch, clean.device, "sigma").view((batch,) + (1,) * (clean.dim() - 1))  # [B, 1...]
+    return (1 - s) * clean.float() + s * noise.float()  # [B, ...]
+
+
+def compute_nft_optimality(advantages: Tensor, clip: float) -> Tensor:
+    """DiffusionNFT's optimality probability `r` `[B]` in [0, 1] of each sample from its
+    advantage `[B]`: clipped to `[-clip, clip]`, then `r = adv / (2 clip) + 1/2` (upstream:
+    `(clamp(adv, -5, 5) / 5) / 2 + 0.5`). Example, `clip = 5`: advantages -7, -2.5, 0, 2.5, 5
+    give r = 0, 0.25, 0.5, 0.75, 1. `r` weighs the positive (1) against the negative (0) policy."""
+    if clip <= 0:
+        raise ValueError(f"clip must be > 0, got {clip}")
+    return (advantages.float().clamp(-clip, clip) / clip / 2 + 0.5).clamp(0, 1)  # [B]
+
+
+def compute_nft_decay(step: int, *, start: int, rate: float, limit: float) -> float:
+    """How much of the old (sampling) policy DiffusionNFT keeps when it moves it towards the
+    trained one after an epoch: `old <- decay old + (1 - decay) trained`, with `step` the
+    optimizer steps taken so far and `decay = 0` before `start`, then `min((step - start) rate,
+    limit)` (upstream's `return_decay`). `decay = 0` samples with the trained policy itself.
+
+    Upstream's `decay_type` 1 (its default) is `start=0, rate=0.001, limit=0.5`: after 100 steps
+    0.1, from 500 on 0.5. `decay_type` 2 (its OCR config) is `start=75, rate=0.0075, limit=0.999`:
+    0 up to step 75, 0.1875 at 100, 0.999 from about 208 on: an old policy that nearly stops
+    moving, pick it for a reward that is easy to over-optimise."""
+    if start < 0 or rate < 0 or not 0 <= limit < 1:
+        raise ValueError(f"need start >= 0, rate >= 0 and 0 <= limit < 1, got {start}, {rate}, {limit}")
+    return 0.0 if step < start else min((step - start) * rate, limit)
+
+
+def compute_nft_loss(
+    *,
+    velocity: Tensor,
+    old_velocity: Tensor,
+    clean: Tensor,
+    noisy: Tensor,
+    sigma: float | Tensor,
+    advantages: Tensor,
+    beta: float,
+    adv_clip: float,
+    ref_velocity: Tensor | None = None,
+    kl_beta: float = 0.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """DiffusionNFT's loss (Zheng et al. 2025, "Online Diffusion Reinforcement with Forward
+    Process"; `scripts/train_nft_sd3.py` of NVlabs/DiffusionNFT), per sample: returns
+    `(loss [B], metrics)`; sum it over samples and divide by the global sample count.
+
+    Inputs: the trained policy's `velocity` `[B, ...]` (with gradients) and the old (sampling)
+    policy's `old_velocity` (no gradient) at the forward-noised `noisy` = `flow_noise(clean,
+    eps, sigma)`; `clean` `x_0` `[B, ...]`; `sigma` scalar or `[B]`; `advantages` `[B]`. The
+    implicit policies are `v+ = (1 - beta) v_old + beta v` and `v- = (1 + beta) v_old - beta v`;
+    each is scored by its x0 prediction `x_t - sigma v`:
+
+        L+- = mean over elements of |x0(v+-) - x_0|^2 / w+-,   w+- = mean |x0(v+-) - x_0| (no gradient, >= 1e-5)
+        loss = adv_clip / beta x (r L+ + (1 - r) L-) + kl_beta x mean |v - ref_velocity|^2
+
+    with `r = compute_nft_optimality(advantages, adv_clip)`: a good sample (r near 1) pulls the
+    positive policy to it, a bad one (r near 0) pushes the negative one, i.e. the trained policy
+    away from it. The adaptive weight `w` (upstream computes it in float64, as here; the loss is
+    then float64) makes every sample's term scale-free. The KL term is upstream's `train.beta` x
+    the velocity MSE to the reference (the LoRA-disabled model), skipped when `ref_velocity` is
+    None. Pick NFT over GRPO (`sde_step` + `ppo_clip`) when the sampler should be any solver (ODE,
+    few steps, no CFG) and no per-step log-probability is wanted: only the clean samples are kept.
+    """
+    shape = clean.shape
+    for name, other in (("velocity", velocity), ("old_velocity", old_velocity), ("noisy", noisy)):
+        if other.shape != shape:
+            raise ValueError(f"{name} {tuple(other.shape)} must match clean {tuple(shape)}")
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0 (the implicit policies' step), got {beta}")
+    batch, dims = shape[0], tuple(range(1, clean.dim()))
+    s = _per_sample(sigma, batch, clean.device, "sigma").view((batch,) + (1,) * (clean.dim() - 1))  # [B, 1...]
+    v, v_old = velocity.float(), old_velocity.detach().float()  # [B, ...]
+    x0, xt = clean.float(), noisy.float()  # [B, ...]
+    r = compute_nft_optimality(advantages.to(clean.device), adv_clip)  # [B]
+
+    def scored(v_implicit: Tensor) -> Tensor:
+        prediction = xt - s * v_implicit  # [B, ...] the implicit policy's x0 prediction
+        with torch.no_grad():
+            error = prediction.detach().double() - x0.double()  # [B, ...]
+            weight = error.abs().mean(dim=dims, keepdim=True).clamp(min=_NFT_WEIGHT_MIN)  # [B, 1...]
+        return ((prediction - x0) ** 2 / weight).mean(dim=dims)  # [B] float64
+
+    positive = scored(beta * v + (1 - beta) * v_old)  # [B]
+    negative = scored((1 + beta) * v_old - beta * v)  # [B]
+    policy = (r * positive / beta + (1 - r) * negative / beta) * adv_clip  # [B], upstream's order of operations
+    kl = torch.zeros_like(policy)  # [B]
+    if ref_velocity is not None and kl_beta > 0:
+        kl = ((v - ref_velocity.detach().float()) ** 2).mean(dim=dims)  # [B]
+    loss = policy + kl_beta * kl  # [B]
+    metrics = {"policy": float(policy.detach().mean()), "kl": float(kl.detach().mean()),
+               "positive": float(positive.detach().mean()), "negative": float(negative.detach().mean()),
+               "old_deviation": float(((v.detach() - v_old) ** 2).mean())}
+    return loss, metrics

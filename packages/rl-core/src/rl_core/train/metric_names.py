@@ -70,6 +70,10 @@ METRIC_NAMES: dict[str, str] = {
     "replay/steps_per_batch": "denoising steps replayed per sampled batch (diffusion: its SDE window)",
     "replay/first_step": "the earliest denoising step replayed",
     "replay/last_step": "the latest denoising step replayed",
+    "nft/positive_loss": "DiffusionNFT: mean adaptive-weighted x0 error of the implicit positive policy (rl_core.flow.compute_nft_loss)",
+    "nft/negative_loss": "DiffusionNFT: the same for the implicit negative policy",
+    "nft/old_deviation": "DiffusionNFT: mean squared difference between the trained and the old policy's velocity",
+    "nft/old_decay": "DiffusionNFT: the share of the old policy kept when it moved towards the trained one after the step",
     # rollouts
     "rollout/weight_version": "optimizer steps in the weights the step's rollouts were sampled with",
     "rollout/staleness": "asynchronous runs: steps between the weights that sampled the step's rollouts and the trainer's (at most train.max_staleness)",
