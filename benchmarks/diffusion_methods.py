@@ -12,7 +12,8 @@ images per epoch, so reward against epoch is reward against images; seconds are 
 `time/step` of the run (sampling, reward and update; not the evals, which are off). Scaled to 4
 sampling steps, Flow-GRPO trains every stochastic step; Fast 1 step at a random place in the first
 half ([0, 2), upstream 2 of 10 in [0, 5)); MixGRPO a window of 1 sliding by 1 step every 3 epochs
-over [0, 3) (upstream 4 of 25, every 25 iterations); DiffusionNFT its own forward-process loss.
+over [0, 3) (upstream 4 of 25, every 25 iterations); DiffusionNFT (`train.method=nft`) its own
+forward-process loss on images its old policy sampled by the ODE without CFG, at beta 1 and lr 0.1.
 Reported per method: the rise (mean train reward of the last 3 epochs minus the first 3, mean over
 seeds) and the seconds per epoch. The tiny model's brightness moves little in absolute terms (see
 apps/diffusion-grpo/tests/test_learning.py): compare the rises with each other.
@@ -42,14 +43,17 @@ METHODS: dict[str, list[str]] = {
                        "sampling.sde_window_range=[0,3]", "sampling.shift_interval=3", "sampling.window_stride=1"],
 }
 NFT = "DiffusionNFT"
-NFT_TINY: list[str] = []  # DiffusionNFT's own settings on the tiny task, beside train.method=nft
+# DiffusionNFT's settings on the tiny task (apps/diffusion-grpo/tests/test_learning.py): the old
+# policy samples by the ODE without CFG (upstream's way), beta 1 (upstream's OCR 0.1 stays flat on the
+# tiny model), lr 0.1 (0.05 for the others, the default's)
+NFT_TINY = ["sampling.kind=ode", "sampling.guidance_scale=1", "train.lr=0.1"]
 
 
 def nft_overrides() -> list[str] | None:
     """DiffusionNFT's settings for the tiny task, where the app has it (None before)."""
     help_text = subprocess.run([sys.executable, str(REPO / "apps" / "diffusion-grpo"), "--help"],
                                capture_output=True, text=True).stdout
-    return ["train.method=nft", *NFT_TINY] if "train.method" in help_text and "nft" in help_text else None
+    return ["train.method=nft", *NFT_TINY] if "train.method" in help_text else None
 
 
 def run(out: Path, name: str, seed: int, epochs: int, overrides: list[str]) -> tuple[list[float], list[float]]:
@@ -103,7 +107,7 @@ def main() -> None:
              " / ".join(f"{rise(c):+.4f}" for c in rewards[m]), f"{per_epoch(mean_seconds[m]):.2f}",
              f"{per_epoch(mean_seconds[m]) / base:.2f}x"] for m in methods]
     png = args.png.relative_to(REPO) if args.png.is_relative_to(REPO) else args.png
-    notes = (f"diffusion-grpo's embedded default (tiny random SD3, brightness reward, 32 images per epoch, lr 0.05), "
+    notes = (f"diffusion-grpo's embedded default (tiny random SD3, brightness reward, 32 images per epoch, lr 0.05; NFT lr 0.1), "
              f"{args.epochs} epochs, seeds {args.seeds}, CPU; each method a config choice of the app (the overrides "
              f"are in benchmarks/diffusion_methods.py). Curves (mean over seeds): {png}. "
              + ("DiffusionNFT not in the app yet: not run." if nft is None else ""))
