@@ -205,9 +205,11 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return json_error(500, f"internal error: {type(exc).__name__}; see the server log")
 
 
-def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
+def build_app(settings: ServerSettings, pool: Pool | None = None, service: RewardService | None = None) -> Starlette:
+    """The server's app; `service` replaces the default scoring service (`--backend ray-serve`'s
+    ingress passes one that calls the reward deployments)."""
     check_api_key(settings.api_key)
-    service = RewardService(settings, pool)
+    service = service or RewardService(settings, pool)
     keys = served_keys(settings)  # per reward, the component keys of every result
     service.metrics.show_limits(settings)
 

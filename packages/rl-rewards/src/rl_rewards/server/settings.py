@@ -21,7 +21,7 @@ The environment variables are those of the CapRL++ launch script, so its users k
 | `CUDA_VISIBLE_DEVICES` | `cuda_visible_devices` | split into one contiguous group per worker |
 | `REWARD_API_KEY` | `api_key` | bearer token required on scoring routes |
 | `REWARD_HTTP_PROCESSES` | `http_processes` | server processes sharing the port (rule rewards; ours, not CapRL's) |
-| `RAY_ADDRESS` | `ray_address` | Ray cluster for `--ray` (unset: a local one) |
+| `RAY_ADDRESS` | `ray_address` | Ray cluster for `--ray` and `--backend ray-serve` (unset: a local one) |
 """
 
 from __future__ import annotations
@@ -66,6 +66,65 @@ class BatchSettings(msgspec.Struct, kw_only=True, frozen=True):
     max_batch_size: int = 256
     max_batch_tokens: int = 262_144
     max_wait_ms: float = 2.0
+
+
+class DeploymentSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How one reward runs as a Ray Serve deployment (`--backend ray-serve`).
+
+    - Replicas: `num_replicas` copies, or, with both `min_replicas` and `max_replicas`, Ray Serve's
+      autoscaler between them, aiming at `target_ongoing_requests` calls in flight per replica.
+      Rules scale with CPUs; a judge with replicas, one model copy each.
+    - Resources: `num_cpus` and `num_gpus` each replica reserves on the cluster (`ray_actor_options`);
+      `num_gpus = 1` gives each judge replica a GPU of its own (Ray sets its `CUDA_VISIBLE_DEVICES`),
+      `0.5` packs two replicas on one GPU.
+    - Batching (`@serve.batch` in each replica): calls from concurrent requests are scored together
+      once they hold `max_batch_size` samples or `max_batch_tokens` estimated tokens, or
+      `batch_wait_ms` after the first arrived; unset, `[batching]`'s `max_batch_size`,
+      `max_batch_tokens` and `max_wait_ms` apply. Raise `batch_wait_ms` for GPU judges (fuller
+      forwards), keep it ~1 ms for rules.
+    - `max_ongoing_requests`: calls a replica holds at once, the batch being scored and those
+      waiting for the next one (unset: the batch size, so single-sample requests can fill a batch;
+      Ray Serve's default, 5, would cap a batch at 5 requests); more wait in the ingress."""
+
+    num_replicas: int = 1
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    target_ongoing_requests: float = 2.0
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    max_ongoing_requests: int | None = None
+    max_batch_size: int | None = None
+    max_batch_tokens: int | None = None
+    batch_wait_ms: float | None = None
+
+
+class RayServeSettings(DeploymentSettings, kw_only=True, frozen=True):
+    """`[ray_serve]`: the deployment settings of every reward, and `[ray_serve.rewards.NAME]`
+    tables that change some of them for one reward (e.g. `num_gpus = 1` for the judge only)."""
+
+    rewards: dict[str, dict[str, Any]] = {}
+
+    def deployment(self, name: str) -> DeploymentSettings:
+        """The settings of reward `name`'s deployment: `[ray_serve]`, then its own table.
+        ValueError naming the table and the bad key or value."""
+        shared = {k: v for k, v in msgspec.structs.asdict(self).items() if k != "rewards"}
+        try:
+            merged = msgspec.convert({**shared, **self.rewards.get(name, {})}, DeploymentSettings)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"[ray_serve.rewards.{name}]: {e}") from None
+        low, high = merged.min_replicas, merged.max_replicas
+        if (low is None) != (high is None):
+            raise ValueError(f"ray_serve deployment {name!r}: set both min_replicas and max_replicas (autoscaling) "
+                             "or neither (num_replicas)")
+        if (low is not None and high is not None and not 0 <= low <= high) or high == 0:
+            raise ValueError(f"ray_serve deployment {name!r}: need 0 <= min_replicas <= max_replicas and "
+                             f"max_replicas >= 1, got {low} and {high}")
+        if merged.num_replicas < 1 or (merged.max_ongoing_requests or 1) < 1 or merged.target_ongoing_requests <= 0:
+            raise ValueError(f"ray_serve deployment {name!r}: num_replicas and max_ongoing_requests must be >= 1, "
+                             "target_ongoing_requests > 0")
+        if merged.num_cpus < 0 or merged.num_gpus < 0:
+            raise ValueError(f"ray_serve deployment {name!r}: num_cpus and num_gpus must be >= 0")
+        return merged
 
 
 class PoolSettings(msgspec.Struct, kw_only=True, frozen=True):
@@ -165,9 +224,23 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
     log_format: Literal["text", "json"] = "text"
     log_level: str = "info"
     shutdown_timeout_s: float = 30.0
+    backend: Literal["uvicorn", "ray-serve"] = "uvicorn"
+    """`uvicorn`: this process serves HTTP and scores (in-process, `workers` processes or `ray`
+    actors). `ray-serve` (extra `rl-rewards[ray-serve]`): a Ray Serve application on a local Ray
+    or `ray_address`, each reward a deployment with replicas (`ray_serve`), this app its ingress."""
+    ray_serve: RayServeSettings = RayServeSettings()
+    scorers: dict[str, str] = {}
+    """Your own scorers, `NAME = "package.module:Factory"`: registered (`register_scorer`) in every
+    process that builds rewards (this one, each worker, actor or replica) before `[rewards]` name
+    them; the module must be importable there."""
 
     def check(self) -> None:
         """Raise ValueError naming the setting when a value or a combination cannot run."""
+        if self.backend == "ray-serve" and (self.workers > 0 or self.ray or self.http_processes > 1):
+            raise ValueError(
+                "backend=ray-serve scales with Ray Serve replicas ([ray_serve] num_replicas, min_replicas/max_replicas, "
+                "num_gpus); drop workers/REWARD_NUM_WORKERS, --ray and http_processes"
+            )
         bad = _non_finite(msgspec.to_builtins(self), "")
         if bad is not None:
             # JSON, which carries the settings to worker processes, turns NaN and inf into null

@@ -1,0 +1,357 @@
+"""`--backend ray-serve`: the reward server as a Ray Serve application, through the real CLI.
+
+One `rl-rewards serve --backend ray-serve` for the whole module (it starts its own local Ray, as
+on one machine), next to a default (uvicorn) server with the same config and API key; both answer
+real HTTP on 127.0.0.1. The config serves rules and `probe`, a scorer of `serve_probes.py` on 2
+replicas that scores a sample with the size of the scorer call it came in and logs each call's
+process id. The CapRL++ judge (a tiny random checkpoint: importing torch twice doubles the start
+on 2 cores) gets its own pair of servers in an opt-in `slow` test. Not `no_torch`, except the test
+of the missing extra: Ray Serve is an extra (`rl-rewards[ray-serve]`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import metric, server_process
+
+from rl_rewards.rules import timestamp_format
+from rl_rewards.server.settings import load_settings
+
+try:
+    import ray  # noqa: F401
+
+    with warnings.catch_warnings():  # Ray Serve 2.60 declares its pydantic fields the pre-2.0 way
+        warnings.filterwarnings("ignore", "Using extra keyword arguments on `Field`", DeprecationWarning)
+        from ray import serve  # noqa: F401  # the extra's own import: skip without it
+    HAS_SERVE = True
+except ImportError:
+    HAS_SERVE = False
+
+needs_serve = pytest.mark.skipif(not HAS_SERVE, reason='needs Ray Serve: pip install "rl-rewards[ray-serve]"')
+HAS_JUDGE = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("rl_models") is not None
+
+HERE = Path(__file__).resolve().parent  # serve_probes.py
+# On a busy 2-core machine the raylet's default wait for its agents' port files is too short.
+SLOW_HOST = {"RAY_raylet_start_wait_time_s": "180", "RAY_agent_register_timeout_ms": "180000"}
+READY_S = 300  # a local Ray, Ray Serve and 5 replica processes on a busy 2-core machine
+KEY = "serve-test-key"
+AUTH = {"authorization": f"Bearer {KEY}"}
+CONFIG = """
+[scorers]
+call_probe = "serve_probes:CallProbe"
+
+[rewards.answer.components.answer]
+scorer = "exact_answer"
+[rewards.caption.components.format]
+scorer = "timestamp_format"
+weight = 0.2
+[rewards.caption.components.length]
+scorer = "length"
+weight = 0.2
+options = {{ tokenizer = "whitespace", l1 = 8, l2 = 16 }}
+[rewards.probe.components.calls]
+scorer = "call_probe"
+options = {{ log = "{log}", delay_s = 0.2 }}
+
+[ray_serve]
+num_cpus = 0.25                 # of the local Ray's logical CPUs (one per core)
+[ray_serve.rewards.probe]
+num_replicas = 2
+batch_wait_ms = 300             # concurrent requests' calls wait for each other this long
+"""
+REWARD_REPLICAS = 4  # answer, caption, probe x2
+
+
+@contextlib.contextmanager
+def server_pair(tmp: Path, config: str, env: dict[str, str], args: list[str]) -> Iterator[dict[str, str]]:
+    """{"uvicorn": url, "ray-serve": url}: the same config (`--config`), environment and flags,
+    both started at once; the ray-serve one must stop with exit 0 (application deleted, local Ray
+    stopped)."""
+    (tmp / "server.toml").write_text(config)
+    pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
+    env = {"REWARD_API_KEY": KEY, "PYTHONPATH": pythonpath, **SLOW_HOST, **env}  # the replicas inherit it
+    args = ["--config", str(tmp / "server.toml"), *args]
+    procs = {
+        "uvicorn": server_process(tmp, "uvicorn", args, env, ready_timeout=READY_S),
+        "ray-serve": server_process(tmp, "ray-serve", [*args, "--backend", "ray-serve"], env, ready_timeout=READY_S),
+    }
+    started = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        for proc in procs.values():
+            stack.callback(proc.stop)
+            proc.start(wait=False)
+        for proc in procs.values():
+            proc.wait_ready()
+        print(f"\nboth servers ready in {time.monotonic() - started:.1f} s")
+        yield {name: proc.url for name, proc in procs.items()}
+        stopping = time.monotonic()
+        assert procs["ray-serve"].stop() == 0
+        print(f"\nray-serve server stopped in {time.monotonic() - stopping:.1f} s")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """`server_pair` of CONFIG, and "calls": the probe's log."""
+    tmp = tmp_path_factory.mktemp("ray-serve")
+    calls = tmp / "calls.log"
+    calls.touch()
+    with server_pair(tmp, CONFIG.format(log=calls), {}, []) as urls:
+        yield {"calls": calls, **urls}
+
+
+def post(url: str, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, headers=AUTH if headers is None else headers, timeout=120)
+
+
+def concurrently(url: str, bodies: list[dict]) -> list[httpx.Response]:
+    """POST every body to /v1/score at once."""
+    async def main() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=len(bodies))
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(client.post("/v1/score", json=b) for b in bodies))
+
+    return asyncio.run(main())
+
+
+def scores(response: httpx.Response) -> list[float]:
+    assert response.status_code == 200, response.text
+    results = response.json()["results"]
+    assert all(r["error"] is None for r in results), results
+    return [r["score"] for r in results]
+
+
+ANSWERS = [("the answer is 42", "42"), ("it is 41", "42"), ("no number", "7"), ("3.0", "3"), ("5", "five")]
+CAPTIONS = ["[00:01] a red circle [00:04] it fades", "[00:09] a dog [00:02] runs", "no stamps at all " * 5]
+QA = [["What colour is the circle?\n   - A) red\n   - B) blue\n   - C) green", "A"],
+      ["Is it moving?\n   - A) yes\n   - B) no", "B"]]
+
+
+@needs_serve
+def test_same_requests_get_the_same_answers_as_the_uvicorn_server(servers):
+    """/v1/score (rules, a failed sample, an unknown reward), OpenRLHF's route, and CapRL++'s
+    /get_reward (here without a judge: the same 422) through both backends."""
+    requests = [
+        ("/v1/score", {"reward": "answer", "samples": [{"completion": c, "reference": r} for c, r in ANSWERS]}),
+        ("/v1/score", {"reward": "caption", "samples": [{"completion": c} for c in CAPTIONS]}),
+        ("/openrlhf/get_reward", {"query": ["Q: 6*7? A: 42", "Q: 1+1? A: 3"], "prompts": ["Q: 6*7? A:", "Q: 1+1? A:"],
+                                  "labels": ["42", "2"]}),
+        ("/v1/score", {"reward": "nope", "samples": [{"completion": "x"}]}),
+        ("/get_reward", {"prompts": [[c, QA] for c in CAPTIONS], "query": [], "labels": []}),
+    ]
+    for path, body in requests:
+        ours, theirs = post(servers["ray-serve"], path, body), post(servers["uvicorn"], path, body)
+        assert (ours.status_code, ours.json()) == (theirs.status_code, theirs.json()), path
+    answer = post(servers["ray-serve"], *requests[0]).json()["results"]
+    assert [r["score"] for r in answer] == [1.0, 0.0, 0.0, 1.0, None]  # so the comparison can fail
+    assert "not a number" in answer[4]["error"]
+    caption = post(servers["ray-serve"], *requests[1]).json()["results"]
+    assert [r["components"]["format"] for r in caption] == [timestamp_format(c) for c in CAPTIONS]
+    openrlhf = post(servers["ray-serve"], *requests[2]).json()
+    assert openrlhf["rewards"] == [1.0, 0.0] and openrlhf["extra_logs"]["failed"] == [0.0, 0.0]
+    no_judge = post(servers["ray-serve"], *requests[4])
+    assert no_judge.status_code == 422 and "no judge configured" in no_judge.json()["error"]
+
+
+JUDGE_CONFIG = """
+[rewards.length.components.length]
+scorer = "length"
+options = { tokenizer = "whitespace" }
+[ray_serve]
+num_cpus = 0.25
+"""
+
+
+@pytest.mark.slow
+@needs_serve
+@pytest.mark.skipif(not HAS_JUDGE, reason="the CapRL++ judge needs rl-rewards[hf]")
+def test_caprl_judge_through_ray_serve_matches_the_uvicorn_server(tmp_path):
+    """CapRL++'s /get_reward (video task: the judge's qa rewards plus the format reward, two
+    deployments) through both backends, the judge a tiny random checkpoint on the CPU."""
+    env = {"REWARD_MODEL": "tiny:qwen3", "REWARD_QA_NUM": "4"}  # each server builds or reuses the cached checkpoint
+    args = ["--judge-option", "estimator=exact", "--judge-option", 'engine_options={"device": "cpu"}']
+    with server_pair(tmp_path, JUDGE_CONFIG, env, args) as urls:
+        body = {"prompts": [[c, QA] for c in CAPTIONS], "query": [], "labels": []}
+        ours, theirs = post(urls["ray-serve"], "/get_reward", body), post(urls["uvicorn"], "/get_reward", body)
+        health = httpx.get(f"{urls['ray-serve']}/health", timeout=10).json()
+    assert ours.status_code == theirs.status_code == 200, ours.text
+    ours_json, theirs_json = ours.json(), theirs.json()
+    assert set(ours_json) == set(theirs_json) == {"rewards", "qa_rewards", "format_rewards"}
+    assert ours_json["format_rewards"] == theirs_json["format_rewards"] == [timestamp_format(c) for c in CAPTIONS]
+    for key in ("qa_rewards", "rewards"):  # the judge's float math may batch differently
+        assert ours_json[key] == pytest.approx(theirs_json[key], abs=1e-5), key
+    assert len(set(ours_json["qa_rewards"])) > 1  # a random judge, but not a constant one
+    assert health["rewards"] == ["length", "caption_qa", "timestamp_format"] and health["workers_alive"] == 3
+
+
+@needs_serve
+def test_auth_health_and_metrics(servers):
+    url = servers["ray-serve"]
+    body = {"reward": "caption", "samples": [{"completion": "[00:01] a dog"}]}
+    for headers in ({}, {"authorization": "Bearer wrong"}):
+        ours, theirs = post(url, "/v1/score", body, headers), post(servers["uvicorn"], "/v1/score", body, headers)
+        assert ours.status_code == theirs.status_code == 401
+        assert ours.json() == theirs.json()
+    assert post(url, "/get_reward", {"prompts": []}, {}).status_code == 401
+    health = httpx.get(f"{url}/health", timeout=10)  # no key needed
+    assert health.status_code == 200, health.text
+    info = health.json()
+    assert info["ready"] is True and info["error"] is None
+    assert info["rewards"] == httpx.get(f"{servers['uvicorn']}/health", timeout=10).json()["rewards"]
+    assert info["workers"] == info["workers_alive"] == REWARD_REPLICAS
+    before = metric(url, "rl_rewards_samples_total", reward="caption")
+    assert scores(post(url, "/v1/score", {**body, "samples": body["samples"] * 3})) == [0.2 * 1.0 + 0.2 * 1.0] * 3
+    assert metric(url, "rl_rewards_samples_total", reward="caption") == before + 3
+    assert metric(url, "rl_rewards_requests_total", route="/v1/score", status="401") >= 2
+    assert metric(url, "rl_rewards_batch_size_count", reward="caption") >= 1
+
+
+class Calls:
+    """The probe's log: `(pid, samples)` of each scorer call since `Calls(path)` was made."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = path, path.stat().st_size
+
+    def read(self) -> list[tuple[int, int]]:
+        with self.path.open() as f:
+            f.seek(self.offset)
+            return [(int(pid), int(n)) for pid, n in (line.split() for line in f.read().splitlines())]
+
+
+def probe(n: int) -> dict:
+    return {"reward": "probe", "samples": [{"completion": f"sample {i}"} for i in range(n)]}
+
+
+@needs_serve
+def test_two_replicas_share_the_requests(servers):
+    calls = Calls(servers["calls"])
+    for response in concurrently(servers["ray-serve"], [probe(4)] * 32):
+        scores(response)
+    samples = Counter()
+    for pid, n in calls.read():
+        samples[pid] += n
+    print(f"\nsamples per replica process: {dict(samples)}")
+    assert sum(samples.values()) == 32 * 4
+    assert len(samples) == 2 and min(samples.values()) >= 4, samples  # each scored at least a whole request
+
+
+@needs_serve
+def test_concurrent_single_sample_requests_are_batched_in_the_replica(servers):
+    """Each request is one call to the deployment (the ingress does not batch); a sample's score
+    is the size of the scorer call it came in: more than one, so `@serve.batch` merged calls."""
+    url, calls = servers["ray-serve"], Calls(servers["calls"])
+    before = metric(url, "rl_rewards_batch_size_count", reward="probe")
+    sizes = [scores(r)[0] for r in concurrently(url, [probe(1)] * 24)]
+    batches = [n for _, n in calls.read()]
+    print(f"\n24 single-sample requests were scored in {len(batches)} scorer call(s) of {sorted(batches)} samples")
+    assert sum(batches) == 24 and len(batches) < 24
+    assert max(sizes) > 1 and sorted(set(sizes)) == sorted(set(batches))
+    assert metric(url, "rl_rewards_batch_size_count", reward="probe") - before == len(batches)
+
+
+@needs_serve
+def test_a_replica_killed_under_load_loses_no_request(servers):
+    """8 clients send 8-sample requests to `probe` (2 replicas, busy 0.2 s a batch) for 3 s; after
+    0.5 s, one replica is SIGKILLed as it starts a batch: every request is answered 200 with real
+    scores (the calls lost with the replica are sent again, to the other one); a new replica
+    takes requests."""
+    url, calls = servers["ray-serve"], Calls(servers["calls"])
+    for response in concurrently(url, [probe(1)] * 16):
+        scores(response)
+    replicas = {pid for pid, _ in calls.read()}
+    assert len(replicas) == 2
+    victim = min(replicas)
+    retries = metric(url, "rl_rewards_chunk_retries_total")
+
+    async def load() -> tuple[list[httpx.Response], float]:
+        stop_at = time.monotonic() + 3.0
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as client:
+            async def client_loop() -> list[httpx.Response]:
+                answered = []
+                while time.monotonic() < stop_at:
+                    answered.append(await client.post("/v1/score", json=probe(8)))
+                return answered
+
+            loops = [asyncio.create_task(client_loop()) for _ in range(8)]
+            await asyncio.sleep(0.5)
+            started = Calls(servers["calls"])
+            while victim not in {pid for pid, _ in started.read()}:  # the victim holds a batch now
+                await asyncio.sleep(0.005)
+            os.kill(victim, signal.SIGKILL)
+            killed_at = time.monotonic()
+            return [r for answered in await asyncio.gather(*loops) for r in answered], killed_at
+
+    responses, killed_at = asyncio.run(load())
+    statuses = Counter(r.status_code for r in responses)
+    assert statuses == {200: len(responses)}, statuses
+    served = [s for r in responses for s in scores(r)]
+    assert all(s >= 1 for s in served)  # a batch size: never a 0 reward
+    assert metric(url, "rl_rewards_chunk_retries_total") > retries  # calls lost with the victim were sent again
+    new: set[int] = set()
+    while not new and time.monotonic() - killed_at < 120:  # the replacement replica runs and takes requests
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        if health["workers_alive"] == REWARD_REPLICAS:
+            calls = Calls(servers["calls"])
+            for response in concurrently(url, [probe(1)] * 16):
+                scores(response)
+            new = {pid for pid, _ in calls.read()} - replicas
+        else:
+            time.sleep(0.2)
+    recovery = time.monotonic() - killed_at
+    print(f"\n{len(responses)} requests ({len(served)} samples) under load, 0 lost; replica pid {victim} killed; "
+          f"replacement pid {sorted(new)} took requests {recovery:.1f} s after the kill")
+    assert new, f"no new replica took requests within {recovery:.0f} s"
+
+
+@needs_serve
+def test_ray_serve_settings_that_cannot_run_are_refused(tmp_path):
+    """Through the CLI: exit 2 and one line naming the table; and the checks behind it."""
+    from rl_rewards.server.ray_serve import check_ray_serve
+
+    config = tmp_path / "server.toml"
+    config.write_text("[ray_serve.rewards.judge]\nnum_gpus = 1\n")
+    run = subprocess.run([sys.executable, "-m", "rl_rewards.cli", "serve", "--backend", "ray-serve", "--config",
+                          str(config)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        "rl-rewards serve: error: [ray_serve.rewards.judge] names no served reward; served rewards: "
+        + ", ".join(["timestamp_format", "length", *(["ocr"] if importlib.util.find_spec("rapidocr") else [])])
+    )
+    for toml, error in [
+        ("[ray_serve]\nmin_replicas = 1\n", "set both min_replicas and max_replicas"),
+        ("[ray_serve.rewards.length]\nmin_replicas = 3\nmax_replicas = 2\n", "0 <= min_replicas <= max_replicas"),
+        ("[ray_serve.rewards.length]\nnum_gpu = 1\n", "[ray_serve.rewards.length]: Object contains unknown field `num_gpu`"),
+        ("[ray_serve.rewards.length]\nbatch_wait_ms = -1\n", "batch_wait_ms >= 0"),
+    ]:
+        config.write_text(toml)
+        with pytest.raises(ValueError) as caught:
+            check_ray_serve(load_settings(config, {"backend": "ray-serve"}, environ={}))
+        assert error in str(caught.value)
+    with pytest.raises(ValueError, match="scales with Ray Serve replicas"):
+        load_settings(None, {"backend": "ray-serve", "workers": 2}, environ={}).check()
+
+
+@pytest.mark.no_torch
+def test_backend_ray_serve_without_the_extra_names_it():
+    """Where Ray Serve is not installed (`ray.serve` made unimportable here, as without the
+    extra), `rl-rewards serve --backend ray-serve` says what to install: exit 2, one line."""
+    code = ("import sys; sys.modules['ray.serve'] = None; sys.argv = ['rl-rewards', 'serve', '--backend', 'ray-serve']; "
+            "from rl_rewards.cli import app; app()")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines() == [
+        'rl-rewards serve: error: --backend ray-serve needs Ray Serve: pip install "rl-rewards[ray-serve]"; in a clone '
+        "of the repository: uv sync --all-packages --extra ray-serve"
+    ]
