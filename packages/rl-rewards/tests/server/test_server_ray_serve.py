@@ -334,6 +334,9 @@ def test_ray_serve_settings_that_cannot_run_are_refused(tmp_path):
         ("[ray_serve.rewards.length]\nmin_replicas = 3\nmax_replicas = 2\n", "0 <= min_replicas <= max_replicas"),
         ("[ray_serve.rewards.length]\nnum_gpu = 1\n", "[ray_serve.rewards.length]: Object contains unknown field `num_gpu`"),
         ("[ray_serve.rewards.length]\nbatch_wait_ms = -1\n", "batch_wait_ms >= 0"),
+        ('[rewards.judge]\nmax_concurrency = 2\n[rewards.judge.components.n]\nscorer = "length"\n'
+         "[ray_serve.rewards.judge]\nmin_replicas = 1\nmax_replicas = 4\n",
+         "[rewards.judge] max_concurrency = 2 but its deployment may run 4 replicas"),
     ]:
         config.write_text(toml)
         with pytest.raises(ValueError) as caught:

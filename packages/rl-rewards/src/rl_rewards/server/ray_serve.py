@@ -302,6 +302,8 @@ class ReplicaService(RewardService):
             return
         self.names = self.pool.rewards
         self.default = self.settings.default_reward or self.names[0]
+        for name, limit in self.settings.max_concurrency().items():  # held by the replica count (check_ray_serve)
+            self.metrics.max_concurrency.labels(name).set(limit)
         log.info("ready: rewards %s served by their Ray Serve deployments", self.names)
 
     def ready(self) -> bool:
@@ -349,11 +351,20 @@ def check_ray_serve(settings: ServerSettings) -> None:
         raise ValueError(f"[ray_serve.rewards.{unknown[0]}] names no served reward; served rewards: {', '.join(names)}")
     if INGRESS in names:
         raise ValueError(f"a reward named {INGRESS!r} would share the ingress deployment's name; rename it")
+    limits = settings.max_concurrency()
     for name in names:
         budget = batch_budget(settings, name)  # also checks the reward's [ray_serve] table
         if budget.size < 1 or budget.tokens < 1 or budget.wait_s < 0:
             raise ValueError(f"ray_serve deployment {name!r}: max_batch_size and max_batch_tokens must be >= 1 and "
                              f"batch_wait_ms >= 0, got {budget.size}, {budget.tokens}, {budget.wait_s * 1000:g}")
+        deployment = settings.ray_serve.deployment(name)
+        most = deployment.num_replicas if deployment.max_replicas is None else deployment.max_replicas
+        if name in limits and most > limits[name]:
+            # a replica scores one batch at a time: the reward's replicas bound its batches at once
+            raise ValueError(
+                f"[rewards.{name}] max_concurrency = {limits[name]} but its deployment may run {most} replicas, each "
+                f"scoring a batch at once; set [ray_serve.rewards.{name}] num_replicas (or max_replicas) <= {limits[name]}"
+            )
 
 
 def reward_deployment(settings: ServerSettings, name: str) -> Any:
