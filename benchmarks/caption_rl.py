@@ -127,13 +127,11 @@ class DevicePeak:
         return self.peak / 2**30 if torch.cuda.is_available() else float("nan")
 
 
-def run_caption_rl(policy: Path, out: Path, *, smoke: bool, steps: int, overrides: list[str]) -> dict[str, float]:
-    """The app's own loop (`apps/caption-rl`), figures from its metrics.csv; `overrides` are extra
-    `key=value` settings of the app (`--set`)."""
-    app = _load_app()
+def caption_rl_args(policy: Path, out: Path, *, smoke: bool, steps: int, overrides: list[str]) -> list[str]:
+    """The app's command line for this benchmark's setting; `overrides` come last (`--set`)."""
     images = REPO / "examples" / "data" / "caption_qa_images.jsonl"
     prompts, n, tokens, micro = SMOKE if smoke else FULL
-    run = app.main([
+    return [
         f"model.path={policy}", "model.dtype=bfloat16", "model.gradient_checkpointing=true",
         f"data.train=[\"{images}\"]", f"data.max_pixels={MAX_PIXELS}",
         f"rollout.n={n}", f"rollout.max_new_tokens={tokens}", f"rollout.max_batch_size={prompts * n}",
@@ -142,17 +140,32 @@ def run_caption_rl(policy: Path, out: Path, *, smoke: bool, steps: int, override
         "train.epochs=100", "train.eval_freq=0", "train.save_freq=1000000", "train.export=false",
         f"train.output_dir={out}", "algo.replay_tolerance=0.5", "algo.clip_low=0.2", "algo.clip_high=0.28",
         "algo.agg=token-mean", "algo.kl_coef=0", "train.lr=1e-4", *overrides,
-    ])
+    ]
+
+
+def run_caption_rl(policy: Path, out: Path, *, smoke: bool, steps: int, overrides: list[str]) -> dict[str, float]:
+    """The app's own loop (`apps/caption-rl`), figures from its metrics.csv; `overrides` are extra
+    `key=value` settings of the app (`--set`). `time/rollout` of an asynchronous run
+    (train.max_staleness >= 1) is the rollout thread's, overlapped with the update."""
+    run = _load_app().main(caption_rl_args(policy, out, smoke=smoke, steps=steps, overrides=overrides))
+    figures = run_figures(run)
+    figures["peak_gib"] = _peak_gib()
+    return figures
+
+
+def run_figures(run: Path) -> dict:
+    """Means over the steps after the warm-up of a caption-rl run directory's metrics.csv."""
     with (run / "metrics.csv").open() as f:
         every = list(csv.DictReader(f))
-    rows = every[WARMUP:]
-    mean = lambda key: statistics.fmean(float(r[key]) for r in rows)  # noqa: E731
-    figures = {key: mean(key) for key in ("throughput/tokens_per_s", "time/step", "time/generate", "time/reward",
-                                          "time/logprob", "time/update", "response/length_mean")}
+    # an asynchronous run's last step has no next rollout to overlap: left out of its means
+    rows = every[WARMUP:-1] if every[-1].get("rollout/staleness") else every[WARMUP:]
+    mean = lambda key: statistics.fmean(float(r[key]) if r.get(key) else 0.0 for r in rows)  # noqa: E731
+    figures = {key: mean(key) for key in ("throughput/tokens_per_s", "throughput/samples_per_s", "time/step",
+                                          "time/rollout", "time/rollout_wait", "time/reward", "time/logprob",
+                                          "time/update", "response/length_mean", "rollout/staleness")}
     figures.update({key: max(float(r[key]) for r in rows) for key in rows[0] if key.startswith("memory/")})
-    for phase in ("step", "generate", "update"):  # every step, warm-up included, for the notes
+    for phase in ("step", "rollout", "update"):  # every step, warm-up included, for the notes
         figures[f"steps/{phase}"] = [round(float(r[f"time/{phase}"]), 1) for r in every]
-    figures["peak_gib"] = _peak_gib()
     return figures
 
 
@@ -301,10 +314,10 @@ def main() -> None:
 def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool, vllm: bool = False) -> None:
     if vllm:  # vLLM's memory is outside torch's allocator: compare what the device had in use
         ours, theirs = {**ours, "peak_gib": ours["device_peak_gib"]}, {**theirs, "peak_gib": theirs["device_peak_gib"]}
-    header = ["trainer", "tokens/s", "s/step", "generate s", "reward s", "logprob s", "update s", "caption tokens",
+    header = ["trainer", "tokens/s", "s/step", "rollout s", "reward s", "logprob s", "update s", "caption tokens",
               "peak GiB"]
     table = [["caption-rl", f"{ours['throughput/tokens_per_s']:.0f}", f"{ours['time/step']:.2f}",
-              f"{ours['time/generate']:.2f}", f"{ours['time/reward']:.3f}", f"{ours['time/logprob']:.2f}",
+              f"{ours['time/rollout']:.2f}", f"{ours['time/reward']:.3f}", f"{ours['time/logprob']:.2f}",
               f"{ours['time/update']:.2f}", f"{ours['response/length_mean']:.0f}", f"{ours['peak_gib']:.1f}"],
              ["trl GRPOTrainer", f"{theirs['throughput/tokens_per_s']:.0f}", f"{theirs['time/step']:.2f}", "", "", "", "",
               f"{theirs['response/length_mean']:.0f}", f"{theirs['peak_gib']:.1f}"]]
@@ -324,7 +337,7 @@ def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool, vll
              "(dapo token-mean, clip 0.2/0.28, beta 0) and reward, each trainer in its own process. tokens/s is "
              "verl's: (prompt + response tokens) / step seconds / GPUs; TRL's from its num_tokens log. Goal: "
              ">= 1.5x TRL's throughput at no more peak memory.")
-    notes += (f" Seconds per step, warm-up included: caption-rl {ours['steps/step']} (generate {ours['steps/generate']},"
+    notes += (f" Seconds per step, warm-up included: caption-rl {ours['steps/step']} (rollout {ours['steps/rollout']},"
               f" update {ours['steps/update']}); TRL {theirs['steps/step']}.")
     phases = {k.removeprefix("memory/").removesuffix("_peak_gib"): v for k, v in ours.items() if k.startswith("memory/")}
     if phases and on_gpu:

@@ -89,6 +89,9 @@ class ArithGRPO(train.Recipe[Config, State, Batch]):
         return train.Checkpoint(state={"sampler": s.sampler}, trained=s.model)
 
     def rollout(self, s: State, step: int) -> Batch:
+        return self.sample(s, step)
+
+    def sample(self, s: State, step: int) -> Batch:  # train.max_staleness >= 1: on the rollout thread
         p, picked = s.cfg.policy, s.sampler.next_prompts(s.cfg.train.batch_size // s.run.world_size)
         prompts = [[{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}]
                    for a, b in (s.problems[i] for i in picked)]
@@ -97,6 +100,9 @@ class ArithGRPO(train.Recipe[Config, State, Batch]):
                                                                    max_new_tokens=p.max_new_tokens),
                                    [train.sample_seed(s.cfg.train.seed, step, i) for i in picked])
         return Batch(picked, gens, s.engine.weight_version)
+
+    def weight_channel(self, s: State) -> train.WeightChannel:
+        return s.engine.weight_channel()
 
     def score(self, s: State, step: int, batch: Batch) -> train.Scores:
         results = s.reward.score([Sample(completion=g.text, reference=sum(s.problems[batch.picked[g.request_index]]),

@@ -34,10 +34,12 @@ from rl_core.train import (
     Schedule,
     Scores,
     Skip,
+    WeightChannel,
     check_batch_split,
     check_finite_parameters,
     check_group_size,
     check_loss_options,
+    check_placement,
     component_means,
     gathered,
     prepare_policy,
@@ -50,7 +52,7 @@ from rl_models.lora import export_model
 from rl_models.vl import placeholder_ids
 from rl_rewards import ScoreResult
 from rl_rollout import Generation, SamplingParams, generate_seeded, resolve_engine
-from rl_rollout.policy import PolicyEngine, build_policy_engine
+from rl_rollout.policy import PolicyEngine, build_policy_engine, rollout_device
 from rl_rollout.training import (
     LossOptions,
     Policy,
@@ -130,6 +132,7 @@ class CaptionRL(Recipe[Config, State, Batch]):
         if isinstance(cfg.reward.spec, str) and not Path(cfg.reward.spec).is_file():
             raise ConfigError(f"reward.spec file not found: {cfg.reward.spec}")
         resolve_engine(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: refused now
+        check_placement(cfg.rollout.placement, cfg.rollout.engine, cfg.train.max_staleness)
 
     def setup(self, cfg: Config, run: RunContext) -> State:
         t, r, m = cfg.train, cfg.rollout, cfg.model
@@ -172,6 +175,14 @@ class CaptionRL(Recipe[Config, State, Batch]):
         return Checkpoint(state={"sampler": s.sampler, **sharded_state(s.policy, s.optimizer)}, trained=s.model)
 
     def rollout(self, s: State, step: int) -> Batch:
+        return self.sample(s, step)
+
+    def weight_channel(self, s: State) -> WeightChannel:
+        return s.engine.weight_channel(rollout_device(s.cfg.rollout.placement, s.run.accelerator))
+
+    def sample(self, s: State, step: int) -> Batch:
+        """The step's captions (train.max_staleness >= 1: on the rollout thread, from the
+        engine's own weights; they are reproducible with rollout.per_prompt_seeds)."""
         r = s.cfg.rollout
         picked = s.sampler.next_prompts(s.prompts_per_rank)
         enc = encode_records([s.data.train[i] for i in picked], [s.data.train_where[i] for i in picked], s.processor,

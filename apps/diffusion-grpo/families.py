@@ -15,12 +15,21 @@ the eval images.
 - `janus`: token-level GRPO on Janus-Pro image tokens (VRL's autoregressive trainer). A unit is
   an image token carrying its sample's advantage; KL = `janus.kl` per token to the LoRA-disabled
   model.
+
+Asynchronous rollouts (`train.max_staleness >= 1`): `weight_channel` gives the loop the rollout's
+weights by version (`RolloutWeights`). In process (both families) the rollout thread samples with
+an engine of its own over a copy of the LoRA model whose frozen base is the trainer's (shared
+memory, `copy_sharing_frozen`); the trainer's engine keeps the eval. With Ray workers each
+published LoRA is kept as a host copy and pushed to the workers, with its optimizer-step count,
+by the rollout that needs it; colocated workers then stay awake (they sample during the update).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, cast
@@ -28,13 +37,18 @@ from typing import Any, Protocol, cast
 import torch
 from grpo_config import Config, ModelConfig, RolloutConfig
 from peft import PeftModel
+from transformers import JanusForConditionalGeneration
 
 from rl_core.flow import flow_kl
 from rl_core.kl import compute_kl
 from rl_core.train import (
+    ConfigError,
+    CopyChannel,
     FullWeights,
     Replay,
     UserError,
+    WeightChannel,
+    copy_sharing_frozen,
     gathered,
     prepare_policy,
     resolve_sharding,
@@ -56,6 +70,7 @@ class Chunk:
 
     prompts: tuple[str, ...]
     seeds: tuple[int, ...]
+    window: tuple[int, int] | None = None  # sd3: the stochastic steps [start, stop); None = all
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,7 @@ class Replays:
     units: Callable[[Any], float]
     filler: Any
     tolerance: float | None
+    steps: Sequence[Sequence[int]] = ()  # sd3: the replayed denoising steps of each sampled batch
 
 
 class Family(Protocol):
@@ -76,6 +92,11 @@ class Family(Protocol):
     model: torch.nn.Module  # what the optimizer steps through (DDP-wrapped, or sharded in place)
     optimizer: torch.optim.Optimizer
     full: FullWeights | None = None  # a sharded model's whole copy, which the engine samples from
+    weights: RolloutWeights | None = None  # asynchronous runs: the rollout's weights by version
+
+    def weight_channel(self, steps: Callable[[], int]) -> RolloutWeights:
+        """Switch the rollout to weights of its own, changed only by version (asynchronous runs;
+        see the module doc); `steps()`: the optimizer steps in the trained weights now."""
 
     def start(self) -> None:
         """Start rollout workers, once the starting weights are in place (none by default)."""
@@ -115,6 +136,7 @@ class SD3(Family):
         self.model, self.optimizer, _ = prepare_policy(acc, self.peft, optimizer, None, plan)
         if self.full is not None:  # the engine samples from the copy's LoRA-injected transformer
             self.engine.pipeline.transformer = cast(PeftModel, self.full.model).get_base_model()
+        self.rollout_engine = self.engine  # in-process rollouts: an engine of their own when asynchronous
 
     def start(self) -> None:
         if self.cfg.rollout.workers:
@@ -128,19 +150,37 @@ class SD3(Family):
 
                 ray.shutdown()
 
+    def weight_channel(self, steps: Callable[[], int]) -> RolloutWeights:
+        if self.full is not None:
+            raise ConfigError(f"train.max_staleness={self.cfg.train.max_staleness}: asynchronous rollouts need "
+                              f"train.sharding='none' (got {self.cfg.train.sharding!r})")
+        inner: WeightChannel
+        if self.pool is not None:
+            if self.cfg.rollout.placement == "colocated":
+                self.pool.wake()  # awake for the whole run: the workers sample while the trainer updates
+            inner = LoraVersions(self.engine.transformer)
+        else:
+            twin = copy_sharing_frozen(self.peft)
+            self.rollout_engine = engine_over(self.engine, cast(PeftModel, twin).get_base_model())
+            inner = CopyChannel(self.peft, twin)
+        self.weights = RolloutWeights(inner, steps)
+        return self.weights
+
     def collect(self, chunks: list[Chunk], version: int) -> Sequence[ImageSamples]:
-        s, pool, colocated = self.cfg.sampling, self.pool, self.cfg.rollout.placement == "colocated"
+        s, pool, weights = self.cfg.sampling, self.pool, self.weights
+        colocated = self.cfg.rollout.placement == "colocated" and weights is None  # asynchronous: awake throughout
         kwargs: dict[str, Any] = {
             "num_steps": s.num_steps, "guidance_scale": s.guidance_scale, "height": s.resolution, "width": s.resolution,
-            "noise_level": s.noise_level, "kind": s.kind, "sde_window": tuple(s.sde_window) if s.sde_window else None,
-            "max_sequence_length": s.max_sequence_length}
+            "noise_level": s.noise_level, "kind": s.kind, "max_sequence_length": s.max_sequence_length}
         with whole_weights(self):  # a sharded policy's weights gathered into the engine's copy
             if pool is None:
-                return [sample_chunk(self.engine, chunk, **kwargs) for chunk in chunks]
+                return [sample_chunk(self.rollout_engine, chunk, **kwargs) for chunk in chunks]
             if colocated:
                 pool.wake()
             if pool.version != version:  # the workers' LoRA synced to this version (each refuses another)
-                pool.load_weights({n: p.detach() for n, p in lora_params(self.engine.transformer).items()}, version)
+                lora = (cast(LoraVersions, weights.inner).loaded if weights is not None else
+                        {n: p.detach() for n, p in lora_params(self.engine.transformer).items()})
+                pool.load_weights(lora, version)
         rollout = pool.map(sample_chunk_to_cpu, chunks, **kwargs)
         if colocated:
             pool.sleep()  # VRL colocated: actors release the GPU before the update
@@ -148,10 +188,11 @@ class SD3(Family):
 
     def replays(self, samples: Sequence[ImageSamples], adv: Sequence[torch.Tensor], plan: list[list[Micro]]) -> Replays:
         """Every (micro-batch, trained step) pair is one forward and backward, every (sample, step)
-        one unit: Flow-GRPO trains the stochastic steps k < int(num_steps x train.timestep_fraction)."""
+        one unit: Flow-GRPO trains the stochastic steps k < int(num_steps x train.timestep_fraction),
+        each sampled batch its own (a random or sliding SDE window differs between batches)."""
         trajectories, t = cast(Sequence[Trajectory], samples), self.cfg.train
-        first = trajectories[0]
-        steps = [k for k in range(max(1, int(first.num_steps * t.timestep_fraction))) if bool(first.sde_steps[k])]
+        steps = [[k for k in range(max(1, int(traj.num_steps * t.timestep_fraction))) if bool(traj.sde_steps[k])]
+                 for traj in trajectories]
 
         def replay(micro: tuple[int, torch.Tensor, float, int]) -> Replay:
             k, rows, weight, step = micro
@@ -164,9 +205,9 @@ class SD3(Family):
             old = trajectories[k].log_probs[rows, step][:, None]  # [b, 1]
             return Replay(out.log_prob[:, None], old, adv[k][rows], weight, kl=kl)
 
-        window = [[(k, rows, weight, step) for k, rows, weight in micro for step in steps] for micro in plan]
+        window = [[(k, rows, weight, step) for k, rows, weight in micro for step in steps[k]] for micro in plan]
         return Replays(window, replay, units=lambda m: float(len(m[1])) * m[2],
-                       filler=(0, torch.tensor([0]), 0.0, steps[0]), tolerance=t.ratio_tolerance)
+                       filler=(0, torch.tensor([0]), 0.0, steps[0][0]), tolerance=t.ratio_tolerance, steps=steps)
 
     def eval_images(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
         e, s = self.cfg.eval, self.cfg.sampling  # the deterministic ODE sampler, `eval.num_steps` steps
@@ -194,11 +235,23 @@ class Janus(Family):
         optimizer = torch.optim.AdamW(trainable_parameters(self.peft).values(), lr=cfg.train.lr,
                                       weight_decay=cfg.train.weight_decay)
         self.model, self.optimizer = acc.prepare(JanusImagePolicy(self.peft), optimizer)
+        self.rollout_engine = self.engine  # an engine of its own when asynchronous
+
+    def weight_channel(self, steps: Callable[[], int]) -> RolloutWeights:
+        """The rollout thread's engine decodes with a copy of the LoRA model (its own KV cache and
+        processor)."""
+        twin, e = copy_sharing_frozen(self.peft), self.engine
+        self.rollout_engine = JanusEngine(cast(JanusForConditionalGeneration, cast(PeftModel, twin).get_base_model()),
+                                          copy.deepcopy(e.processor), device=e.device, max_batch_size=e.max_batch_size,
+                                          compile=e.compile, compile_mode=e.compile_mode, logprobs=e.logprobs,
+                                          chunk_size=e.chunk_size)
+        self.weights = RolloutWeights(CopyChannel(self.peft, twin), steps)
+        return self.weights
 
     def collect(self, chunks: list[Chunk], version: int) -> Sequence[ImageSamples]:
         """Image tokens drawn with CFG (`sampling.guidance_scale`) at `janus.temperature`."""
-        return [self.engine.sample(list(c.prompts), guidance_scale=self.cfg.sampling.guidance_scale,
-                                   temperature=self.cfg.janus.temperature, seeds=c.seeds) for c in chunks]
+        return [self.rollout_engine.sample(list(c.prompts), guidance_scale=self.cfg.sampling.guidance_scale,
+                                           temperature=self.cfg.janus.temperature, seeds=c.seeds) for c in chunks]
 
     def replays(self, samples: Sequence[ImageSamples], adv: Sequence[torch.Tensor], plan: list[list[Micro]]) -> Replays:
         """Each micro-batch is one forward and backward over its images' N tokens."""
@@ -230,12 +283,82 @@ class Janus(Family):
                                   temperature=self.cfg.janus.temperature, seeds=seeds).images
 
 
+class RolloutWeights:
+    """An asynchronous run's `WeightChannel` (`rl_core.train.pipeline`): `inner` keeps the trained
+    LoRA by loop step (a `CopyChannel` into the rollout engine's copy, or `LoraVersions` for Ray
+    workers); `steps()`, the optimizer steps in the trained weights at each publish, becomes
+    `loaded` at `load`: the version a rollout reports (`Batch.version`)."""
+
+    def __init__(self, inner: WeightChannel, steps: Callable[[], int]) -> None:
+        self.inner, self.steps = inner, steps
+        self.published: dict[int, int] = {}  # loop step -> optimizer steps in its weights
+        self.loaded = 0
+        self._lock = threading.Lock()
+
+    def publish(self, version: int) -> None:
+        self.inner.publish(version)
+        with self._lock:
+            self.published[version] = self.steps()
+
+    def load(self, version: int, *, prune: bool = True) -> None:
+        self.inner.load(version, prune=prune)
+        with self._lock:
+            self.loaded = self.published[version]
+            if prune:
+                self.published = {v: n for v, n in self.published.items() if v >= version}
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class LoraVersions:
+    """The trained LoRA by loop step as host copies, for Ray workers: `load` picks the copy that
+    the next rollout pushes (`SD3.collect`), so only the rollout thread talks to the workers."""
+
+    def __init__(self, transformer: torch.nn.Module) -> None:
+        self.transformer = transformer
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}
+        self.loaded: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def publish(self, version: int) -> None:
+        with torch.no_grad():
+            held = {n: p.detach().to("cpu", copy=True) for n, p in lora_params(self.transformer).items()}
+        with self._lock:
+            self.versions[version] = held
+
+    def load(self, version: int, *, prune: bool = True) -> None:
+        with self._lock:
+            self.loaded = self.versions[version]
+            if prune:
+                self.versions = {v: w for v, w in self.versions.items() if v >= version}
+
+    def close(self) -> None:
+        with self._lock:
+            self.versions.clear()
+
+
+def engine_over(engine: DiffusionEngine, transformer: torch.nn.Module) -> DiffusionEngine:
+    """An engine sampling with `transformer` that shares `engine`'s text encoders and VAE, for
+    the rollout thread. Its scheduler and tokenizers are its own: sampling sets the scheduler's
+    timesteps, and a fast tokenizer's call sets its padding and truncation, while the trainer's
+    engine may encode (its unconditional embeddings, at the first replay)."""
+    for block in getattr(transformer, "transformer_blocks", []):  # a copy made after a compiled forward
+        block.__dict__.pop("forward", None)  # would call the original block's compiled forward
+    pipeline = engine.pipeline
+    own = {name: copy.deepcopy(part) for name, part in pipeline.components.items()
+           if name == "scheduler" or name.startswith("tokenizer")}
+    parts = {**pipeline.components, **own, "transformer": transformer}
+    return DiffusionEngine(type(pipeline)(**parts), device=engine.device, compile=engine.compile)
+
+
 def sample_chunk(engine: DiffusionEngine, chunk: Chunk, *, max_sequence_length: int, **sampling: Any) -> Trajectory:
     """Encode the chunk's distinct prompts once, then sample one image per row with its seed."""
     unique = list(dict.fromkeys(chunk.prompts))
     conditioning = engine.encode(unique, max_sequence_length=max_sequence_length)
     rows = [unique.index(p) for p in chunk.prompts]
-    return engine.sample(list(chunk.prompts), conditioning=conditioning.index(rows), seeds=list(chunk.seeds), **sampling)
+    return engine.sample(list(chunk.prompts), conditioning=conditioning.index(rows), seeds=list(chunk.seeds),
+                         sde_window=chunk.window, **sampling)
 
 
 def sample_chunk_to_cpu(engine: DiffusionEngine, chunk: Chunk, **kwargs: Any) -> Trajectory:

@@ -67,7 +67,17 @@ class SamplingConfig(msgspec.Struct, kw_only=True, frozen=True):
     noise_level: PositiveFloat = 0.7  # SDE `a` (0.7 Flow-GRPO sde; 0.8 for cps)
     kind: Literal["sde", "cps"] = "sde"
     sde_window: list[int] | None = None
-    """[start, stop): stochastic steps (Flow-GRPO-Fast); other steps use the ODE. None = all."""
+    """[start, stop): stochastic steps with sde_window_mode "fixed"; other steps use the ODE. None = all."""
+    sde_window_mode: Literal["fixed", "random", "sliding"] = "fixed"
+    """Which steps are stochastic, hence trained (`rl_core.flow.compute_sde_window`): `fixed` =
+    sde_window; `random` (Flow-GRPO-Fast) = sde_window_size steps at a random place in
+    sde_window_range, drawn per sampled batch; `sliding` (MixGRPO) = sde_window_size steps whose
+    first moves by window_stride every shift_interval epochs, back to the start after the last."""
+    sde_window_size: Positive = 2  # random/sliding: stochastic steps per trajectory (Fast: 2; MixGRPO: 4)
+    sde_window_range: list[int] | None = None
+    """random/sliding: [start, limit) the window stays in; None = [0, int(num_steps x train.timestep_fraction))."""
+    shift_interval: Positive = 25  # sliding: epochs between window moves (MixGRPO iters_per_group)
+    window_stride: Positive = 1  # sliding: steps the window moves by (MixGRPO prog_overlap_step)
     max_sequence_length: Positive = 128  # T5 tokens
 
 
@@ -130,7 +140,8 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     ema_interval: Positive = 8  # optimizer steps between EMA updates
     ratio_tolerance: NonNegativeFloat = 1e-5
     """Max |log ratio| on the first replay of an epoch; above it the run stops (rollout and replay
-    disagree). Raise it for bf16 with micro_batch_size != sample_batch_size."""
+    disagree). Raise it for bf16 with micro_batch_size != sample_batch_size. With
+    train.max_staleness >= 1 only the first epoch is checked (later ones are sampled by older weights)."""
     seed: NonNegative = 42
     save_freq: Positive = 60  # epochs between checkpoints (and at the end)
     output_dir: str = "runs/diffusion-grpo"
@@ -195,6 +206,10 @@ def check_config(cfg: Config, world_size: int) -> None:
         (m.family == "sd3" and int(cfg.sampling.num_steps * t.timestep_fraction) == 0,
          f"train.timestep_fraction={t.timestep_fraction} x sampling.num_steps={cfg.sampling.num_steps} trains no "
          "step (Flow-GRPO trains int(steps x fraction)); raise it"),
+        (cfg.sampling.sde_window_mode != "fixed" and cfg.sampling.sde_window is not None,
+         f"sampling.sde_window={cfg.sampling.sde_window} is the fixed window: with sampling.sde_window_mode="
+         f"{cfg.sampling.sde_window_mode!r} set sampling.sde_window_range (and sde_window_size) instead"),
+        *window_problems(cfg),
         (r.workers > 0 and world_size > 1 and not r.ray_address, f"rollout.workers={r.workers} with {world_size} "
          "trainer processes needs a running Ray cluster: `ray start --head`, then set RAY_ADDRESS or rollout.ray_address"),
         (t.reward_aggregation == "normalize_then_sum" and cfg.reward.url is not None,
@@ -211,6 +226,32 @@ def check_config(cfg: Config, world_size: int) -> None:
         if bad:
             raise ConfigError(message)
     reward_spec(cfg.reward, tiny=m.path.startswith("tiny:"))  # a bad spec file or weights stop here too
+
+
+def window_range(cfg: Config) -> tuple[int, int]:
+    """[start, limit) of a random or sliding SDE window: sampling.sde_window_range, else the trained steps."""
+    s = cfg.sampling
+    if s.sde_window_range is not None:
+        start, limit = s.sde_window_range
+        return start, limit
+    return 0, max(1, int(s.num_steps * cfg.train.timestep_fraction))
+
+
+def window_problems(cfg: Config) -> list[tuple[bool, str]]:
+    """The random/sliding window's range against the steps (a `check_config` rule list)."""
+    s = cfg.sampling
+    if s.sde_window_mode == "fixed" or cfg.model.family != "sd3":
+        return []
+    if s.sde_window_range is not None and len(s.sde_window_range) != 2:
+        return [(True, f"sampling.sde_window_range={s.sde_window_range} must be [start, limit)")]
+    start, limit = window_range(cfg)
+    trained = max(1, int(s.num_steps * cfg.train.timestep_fraction))
+    return [
+        (not 0 <= start < limit <= trained, f"sampling.sde_window_range=[{start}, {limit}) must lie in the "
+         f"{trained} trained steps [0, int(sampling.num_steps x train.timestep_fraction)), non-empty"),
+        (s.sde_window_mode == "random" and start + s.sde_window_size > limit,
+         f"sampling.sde_window_size={s.sde_window_size} does not fit in sampling.sde_window_range=[{start}, {limit})"),
+    ]
 
 
 def resolve_path(path: str) -> str:

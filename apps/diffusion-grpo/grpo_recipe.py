@@ -10,12 +10,15 @@ log-probs kept) -> reward -> GRPO advantages (global std, clip 5) -> update (zer
 dropped or refilled, `plan_micro_batches`; the stored steps replayed: `ppo_clip` + beta x flow KL
 to the LoRA-disabled model, AdamW, EMA) -> log -> checkpoint -> eval (ODE, EMA weights, fixed
 seeds, contact sheet). `model.family = "janus"` trains Janus-Pro image tokens (families.py).
+`train.max_staleness >= 1` samples on the loop's rollout thread (`sample`) from the weights of
+an earlier step (`weight_channel`, families.py) while the trainer updates.
 `__main__.py` reads the command line and the config (`grpo_config.py`) before this module and
 torch load.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import textwrap
 from collections.abc import Mapping, Sequence
@@ -37,11 +40,13 @@ from grpo_config import (
     check_config,
     read_prompts,
     reward_spec,
+    window_range,
 )
 from peft import PeftModel
 from PIL import Image, ImageDraw, ImageFont
 
 from rl_core.advantages import group_ids_from_keys, nonzero_advantage_indices
+from rl_core.flow import compute_sde_window
 from rl_core.train import (
     Checkpoint,
     ConfigError,
@@ -52,6 +57,7 @@ from rl_core.train import (
     Schedule,
     Scores,
     TrainableState,
+    WeightChannel,
     gather_rows,
     replay_update,
     sample_seed,
@@ -89,6 +95,7 @@ class Batch:
     group_ids: torch.Tensor  # [N] global group index
     images: list[Image.Image]
     version: int  # optimizer steps in the weights that sampled them
+    on_policy: bool = True  # sampled by the weights the trainer holds: the first replay's ratio is checked
 
 
 class DiffusionGRPO(Recipe[Config, State, Batch]):
@@ -136,20 +143,36 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
                           write_files=lambda folder: export_adapters(whole, state.ema, folder))
 
     def rollout(self, state: State, step: int) -> Batch:
+        state.family.model.eval()
+        return self.sample(state, step)
+
+    def sample(self, state: State, step: int) -> Batch:
         """n copies of each of this process's prompts, one seed per sample: it depends on the
         group's place in the epoch's prompt order (group g of rank r is the (g * world + r)-th
-        prompt) and the index in the group, not on the process count."""
+        prompt) and the index in the group, not on the process count. `train.max_staleness >= 1`:
+        on the rollout thread, with the rollout's own weights (`weight_channel`)."""
         cfg, run, epoch = state.cfg, state.run, step - 1
         n, size, world = cfg.rollout.n, cfg.rollout.sample_batch_size, run.world_size
         groups = cfg.rollout.groups_per_epoch // world
         records = [state.prompts[next(iter(state.sampler))] for _ in range(groups * n)]
         seeds = [sample_seed(cfg.train.seed, epoch, ((i // n) * world + run.rank) * n + i % n) for i in range(len(records))]
-        chunks = [Chunk(tuple(r.prompt for r in records[i:i + size]), tuple(seeds[i:i + size]))
+        chunks = [Chunk(tuple(r.prompt for r in records[i:i + size]), tuple(seeds[i:i + size]),
+                        sde_window(cfg, epoch, ((i // n) * world + run.rank) * n + i % n))
                   for i in range(0, len(records), size)]
-        state.family.model.eval()
-        samples = state.family.collect(chunks, state.ema.steps)
+        weights = state.family.weights
+        version = weights.loaded if weights is not None else state.ema.steps
+        samples = state.family.collect(chunks, version)
         images = [image for s in samples for image in to_pil(s.images)]
-        return Batch(samples, records, torch.arange(len(records)) // n + run.rank * groups, images, state.ema.steps)
+        return Batch(samples, records, torch.arange(len(records)) // n + run.rank * groups, images, version)
+
+    def prepare(self, state: State, step: int, sampled: Batch) -> Batch:
+        """The trajectories need nothing more: their log-probs, the sampling weights', are the PPO
+        ratio's old ones (Flow-GRPO's), so the ratio corrects the staleness. The first replay is
+        checked against them only where the trainer's weights sampled them (`RunContext.first_step`)."""
+        return dataclasses.replace(sampled, on_policy=state.run.first_step(step))
+
+    def weight_channel(self, state: State) -> WeightChannel:
+        return state.family.weight_channel(lambda: state.ema.steps)
 
     def score(self, state: State, step: int, batch: Batch) -> Scores:
         run = state.run
@@ -171,12 +194,18 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         sizes = [len(s.prompts) for s in batch.samples]
         plan = plan_micro_batches(t, acc, sizes, adv, step - 1)
         job = f.replays(batch.samples, adv.split(sizes), plan)
+        # stale rollouts (older weights sampled them): the first replay's |log ratio| is logged, not checked
+        tolerance = job.tolerance if batch.on_policy or job.tolerance is None else math.inf
         metrics |= replay_update(
             acc, f.model, f.optimizer, job.plan, job.replay, units=job.units, clip_range=t.clip_range,
-            kl_beta=t.kl_beta, grad_clip=t.max_grad_norm, guard=run.guard, filler=job.filler, tolerance=job.tolerance,
+            kl_beta=t.kl_beta, grad_clip=t.max_grad_norm, guard=run.guard, filler=job.filler, tolerance=tolerance,
             after_step=state.ema.step, what=f"step {step}: first replay, |log ratio| vs train.ratio_tolerance (bf16 "
                                             "with micro_batch_size != sample_batch_size needs a looser tolerance)")
         trained = sum(len(rows) * weight for micro in plan for _, rows, weight in micro)
+        if job.steps:  # sd3: how many denoising steps a sampled batch replays (its stochastic ones), and which
+            every = [k for steps in job.steps for k in steps]
+            metrics |= {"replay/steps_per_batch": len(every) / len(job.steps), "replay/first_step": min(every),
+                        "replay/last_step": max(every)}
         metrics["adv/trained_samples"] = acc.reduce(torch.tensor(float(trained), device=acc.device), reduction="sum").item()
         return metrics
 
@@ -215,6 +244,21 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
 
     def close(self, state: State) -> None:
         state.family.close()
+
+
+def sde_window(cfg: Config, epoch: int, first: int) -> tuple[int, int] | None:
+    """The stochastic steps of the sampled batch whose first image is sample `first` of the epoch
+    (`sampling.sde_window_mode`); a random window is drawn from (train.seed, epoch, first), so it
+    does not depend on the process count and a resumed run draws it again."""
+    s = cfg.sampling
+    if cfg.model.family != "sd3":
+        return None  # janus samples tokens: no denoising steps
+    if s.sde_window_mode == "fixed":
+        return (s.sde_window[0], s.sde_window[1]) if s.sde_window else None
+    start, limit = window_range(cfg)
+    generator = torch.Generator().manual_seed(sample_seed(cfg.train.seed, epoch, first, 1))
+    return compute_sde_window(s.sde_window_mode, epoch=epoch, limit=limit, size=s.sde_window_size, start=start,
+                              shift_interval=s.shift_interval, stride=s.window_stride, generator=generator)
 
 
 def plan_micro_batches(t: TrainConfig, acc: Any, sizes: list[int], adv: torch.Tensor, epoch: int) -> list[list[Micro]]:

@@ -37,15 +37,15 @@ from rider_config import (
 from swapping import PolicySwap, initial_plan
 
 from rl_core.kl import compute_kl
-from rl_core.train import GroupAdvantages, PinnedOffload, isolated_rng, sample_seed
+from rl_core.train import GroupAdvantages, PinnedOffload, WeightChannel, isolated_rng, sample_seed
 from rl_core.train.config import ConfigError
-from rl_core.train.recipe import Checkpoint, Recipe, RunContext, Schedule, Scores
+from rl_core.train.recipe import Checkpoint, Recipe, RunContext, Schedule, Scores, check_placement
 from rl_core.train.sharding import FullWeights, prepare_policy, resolve_sharding, sharded_state
 from rl_data import GroupSampler, JudgeRecord
 from rl_models.text import load_causal_lm
 from rl_rewards.composition import Reward
 from rl_rollout import Generation, SamplingParams, generate_seeded, training
-from rl_rollout.policy import PolicyEngine, build_policy_engine
+from rl_rollout.policy import PolicyEngine, build_policy_engine, rollout_device
 from rl_rollout.prompts import EncodedPrompt
 
 
@@ -80,11 +80,22 @@ class Batch:
     judges_awake: int  # judge engines awake while the policy generated (0 when swapping)
 
 
+@dataclass(frozen=True)
+class Sampled:
+    """One step's samples before the trainer's log-probs (`RiderGRM.sample`)."""
+
+    records: list[JudgeRecord]  # [B]
+    gens: list[Generation]  # [B]
+    weight_version: int
+    judges_awake: int
+
+
 class RiderGRM(Recipe[Config, State, Batch]):
     name, config, default_config, env = NAME, Config, DEFAULT_CONFIG, ENV
 
     def check(self, cfg: Config, world_size: int) -> None:
         check_config(cfg, world_size)
+        check_placement(cfg.rollout.placement, cfg.rollout.engine, cfg.train.max_staleness)
         if cfg.reward.spec is None:
             check_served(judge_configs(cfg.reward))  # servers down, unknown specs
 
@@ -157,14 +168,28 @@ class RiderGRM(Recipe[Config, State, Batch]):
                           trained=state.run.accelerator.unwrap_model(state.policy))
 
     def rollout(self, state: State, step: int) -> Batch:
+        state.swap.wake(state.run.timer)  # a dynamic-sampling round rolls out again after the last round's offload
+        batch = self.prepare(state, step, self.sample(state, step))
+        state.swap.offload(state.run.timer)
+        return batch
+
+    def sample(self, state: State, step: int) -> Sampled:
+        """The step's samples (train.max_staleness >= 1: on the rollout thread, from the engine's
+        own weights); reproducible with rollout.per_prompt_seeds."""
         cfg, run = state.cfg, state.run
         n = cfg.rollout.n
-        state.swap.wake(run.timer)  # a dynamic-sampling round rolls out again after the last round's offload
         indices = next(iter(state.sampler.batches(cfg.train.batch_size // run.world_size)))[::n]  # one per group
         records = [state.train[i] for i in indices]
         seeds = [sample_seed(cfg.train.seed, step, i) for i in indices] if cfg.rollout.per_prompt_seeds else None
         version = state.engine.weight_version
         gens, awake = generate(state, records, n, cfg.rollout.temperature, seeds)
+        return Sampled([r for r in records for _ in range(n)], gens, version, awake)
+
+    def prepare(self, state: State, step: int, sampled: Sampled) -> Batch:
+        """The trainer's log-probs of the samples (the PPO ratio's old ones: with staleness, the
+        weights the trainer holds now, and the engine's gap is `algo.rollout_correction`'s), and
+        the reference's."""
+        cfg, run, gens = state.cfg, state.run, sampled.gens
         with run.timer("logprob"):  # through the Policy: a sharded one gathers its weights in its forward
             old = logprobs(state, run.accelerator.unwrap_model(state.policy), gens)
         ref = None
@@ -175,8 +200,17 @@ class RiderGRM(Recipe[Config, State, Batch]):
                 ref = logprobs(state, state.ref, gens)
                 if state.ref_offload is not None:
                     state.ref_offload.to_host()
-        state.swap.offload(run.timer)
-        return Batch([r for r in records for _ in range(n)], gens, old, ref, version, awake)
+        return Batch(sampled.records, gens, old, ref, sampled.weight_version, sampled.judges_awake)
+
+    def weight_channel(self, state: State) -> WeightChannel:
+        """The engine's own weights by version; the policy then stays resident (`reward.swap`
+        `auto` becomes `never`: the rollout thread samples while the judges score)."""
+        if state.cfg.reward.swap == "always" and state.swap.plan.offload_policy:
+            raise ConfigError(f"train.max_staleness={state.cfg.train.max_staleness}: reward.swap=always moves the "
+                              "policy off the GPU while the judges score, but asynchronous rollouts sample meanwhile; "
+                              "set reward.swap=never (or auto)")
+        state.swap.keep_resident(state.judges)
+        return state.engine.weight_channel(rollout_device(state.cfg.rollout.placement, state.run.accelerator))
 
     def score(self, state: State, step: int, batch: Batch) -> Scores:
         """Token rewards `[B, C]`: each sample's score on its last token (NaN: failed), minus

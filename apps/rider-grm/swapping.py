@@ -94,6 +94,12 @@ class PolicySwap:
         self.memory_fraction = memory_fraction
         self.offloaded = False  # between `offload` and `wake`
 
+    def keep_resident(self, judges: Sequence[Judge]) -> None:
+        """Never swap from now on (`never`): asynchronous rollouts sample while the judges score."""
+        self.plan, self.pending = PLANS["never"], False
+        for judge in judges:
+            judge.swap = self.plan.sleep_judges
+
     def offload(self, timer: PhaseTimer) -> None:
         if not self.plan.offload_policy or self.offloaded:
             return

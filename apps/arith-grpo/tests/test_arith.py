@@ -20,6 +20,8 @@ SMALL = ["policy.n=4", "policy.max_new_tokens=4", "train.batch_size=4", "train.m
 KEYS = ("reward/mean", "reward/std", "adv/std", "loss/policy", "grad_norm", "policy/entropy", "response/length_mean")
 
 
+# opt-in (nox -s slow), for CI time: the asynchronous test below runs this step as its first
+@pytest.mark.slow
 def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path) -> None:
     """One full RL step. Adam's first step moves a weight by about lr x sign(g), so where |g| is
     near Adam's eps, float noise between the two gradient reductions moves it by up to 2 x lr
@@ -30,6 +32,19 @@ def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path) ->
 
 def test_resume_is_bit_identical(tmp_path: Path) -> None:
     assert_resume_is_bit_identical(app.main, SMALL, tmp_path, steps=3, keys=KEYS)
+
+
+def test_asynchronous_two_processes_equal_one(tmp_path: Path) -> None:
+    """train.max_staleness=1: step 2 trains on rollouts of the starting weights, sampled on the
+    rollout thread from the engine's own copy while step 1 trained; the same on 2 processes."""
+    assert_two_processes_equal_one(app.main, APP / "__main__.py", [*SMALL, "train.max_staleness=1",
+                                                                   "algo.rollout_correction=token_truncate"],
+                                   tmp_path, keys=(*KEYS, "rollout/staleness", "replay/engine_diff_mean"), atol=2e-5,
+                                   cwd=REPO)
+    table = metric_rows(tmp_path / "one")
+    assert [r["rollout/staleness"] for r in table] == ["0.0", "1.0"]
+    assert float(table[1]["replay/engine_diff_mean"]) > 1e-3  # trained on since: the trainer moved off the engine
+    assert float(table[1]["policy/is_ratio_mean"]) != 1.0  # the correction weighs the stale tokens
 
 
 # one process, SMALL, seed 0 (pinned on the 2-core CPU)

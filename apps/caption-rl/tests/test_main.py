@@ -88,6 +88,19 @@ def test_missing_model_and_dataset_are_clear_errors(app, tmp_path):
 
 
 
+def test_split_placement_needs_asynchronous_rollouts_and_a_gpu_of_its_own(app, tmp_path):
+    with pytest.raises(UserError, match=r"rollout.placement=split samples on its own GPU while the trainer updates: "
+                                        r"it needs train.max_staleness >= 1"):
+        app.main(tiny_overrides(tmp_path, "rollout.placement=split"))
+    assert not list(tmp_path.iterdir())  # refused before any model loads
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        with pytest.raises(UserError, match=rf"rollout.placement=split: process 0 of 1 on this node rolls out on GPU 1, "
+                                            rf"but the node has {gpus} GPU\(s\)"):
+            app.main(tiny_overrides(tmp_path, "rollout.placement=split", "train.max_staleness=1",
+                                    "rollout.engine=hf", "train.max_steps=1"))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without CUDA does")
 def test_vllm_without_cuda_stops_before_loading(app, tmp_path):
     with pytest.raises(UserError, match=r'^rollout\.engine = "vllm" needs a CUDA GPU'):
@@ -313,6 +326,28 @@ def test_two_processes_equal_one_process_with_twice_the_batch(app, tmp_path, cas
     if case == "fsdp2":
         assert float(b["time/weight_gather"]) > 0
         assert (tmp_path / "two" / "checkpoints" / "checkpoint-1" / "sharded" / ".metadata").is_file()
+
+
+def test_asynchronous_two_processes_equal_one(app, tmp_path):
+    """train.max_staleness=1 on 2 processes = 1 process with twice the batch, over 2 steps: step 2
+    trains on captions the rollout thread drew from the starting weights (the engine's own copy)
+    while step 1 trained; step 1 is the synchronous one (PINNED["even"])."""
+    data = image_rows(tmp_path)
+    extra = ["train.max_steps=2", "train.max_staleness=1", "algo.rollout_correction=token_truncate"]
+    single = app.main([*one_step(tmp_path, data, "one"), *extra])
+    launch_two(tmp_path, *one_step(tmp_path, data, "two"), *extra)
+    one, two = rows(single), rows(tmp_path / "two")
+    assert [r["rollout/staleness"] for r in one] == [r["rollout/staleness"] for r in two] == ["0.0", "1.0"]
+    for key, value in PINNED["even"].items():
+        assert float(one[0][key]) == pytest.approx(value, abs=2e-4), (key, one[0][key])
+    for a, b in zip(one, two, strict=True):
+        for key in ("reward/mean", "adv/std", "loss/policy", "grad_norm", "policy/entropy", "replay/engine_diff_mean",
+                    "policy/is_ratio_mean"):
+            assert float(b[key]) == pytest.approx(float(a[key]), abs=2e-5), (key, a[key], b[key])
+    assert float(one[1]["replay/engine_diff_mean"]) > 1e-4  # step 2's captions are older than its weights
+    wa, wb = weights(single / "export"), weights(tmp_path / "two" / "export")
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], atol=5e-6, rtol=0, msg=name)
 
 
 def test_fsdp2_without_a_launcher_says_how_to_launch(app, tmp_path):

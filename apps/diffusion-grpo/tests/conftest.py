@@ -30,6 +30,15 @@ def app():
     return _load_app()
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster on 2 CPUs for a module's tests (`rollout.workers > 0`)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
 # model.family -> the config its tiny runs start from
 CONFIGS = {"sd3": APP / "configs" / "default.toml", "janus": APP / "configs" / "janus_tiny.toml"}
 

@@ -185,3 +185,42 @@ def test_normalize_then_sum_normalises_each_component_in_its_group(app, state) -
     with pytest.raises(ConfigError, match="needs the reward in process"):
         app.check_config(_preset(app, "ours", "train.reward_aggregation=normalize_then_sum",
                                  "reward.url=http://127.0.0.1:1"), 1)
+
+
+@pytest.mark.parametrize(("mode", "step", "replayed"), [("random", 1, 2), ("sliding", 3, 1)])
+def test_sde_window_epoch_trains_only_its_steps(app, state, mode: str, step: int, replayed: int) -> None:
+    """One epoch of the tiny run (4 sampling steps, trained k < 3) with a 2-step window: each
+    sampled batch is stochastic (non-zero log-probs) inside its window and sampled with the ODE
+    (log-prob 0, nothing to replay) outside it, and the update replays the window's steps only.
+    `random` (Flow-GRPO-Fast): 2 steps at a drawn place. `sliding` (MixGRPO), moved every epoch:
+    the third epoch (step 3) is the last place, [2, 3), cut to 1 step."""
+    sampling = msgspec.structs.replace(state.cfg.sampling, sde_window_mode=mode, sde_window_size=2, shift_interval=1)
+    train = msgspec.structs.replace(state.cfg.train, kl_beta=0.0)  # no reference forward: a shorter test
+    preset = dataclasses.replace(state, cfg=msgspec.structs.replace(state.cfg, sampling=sampling, train=train))
+    batch = app.RECIPE.rollout(preset, step)
+    windows = [app.sde_window(preset.cfg, step - 1, first) for first in (0, 4)]  # one per sampled batch of 4
+    assert all(stop - start == replayed for start, stop in windows)
+    for traj, (start, stop) in zip(batch.samples, windows, strict=True):
+        assert traj.sde_steps.nonzero().flatten().tolist() == list(range(start, stop))
+        assert bool((traj.log_probs[:, start:stop] != 0).all())
+        assert traj.log_probs[:, :start].abs().sum() == 0 and traj.log_probs[:, stop:].abs().sum() == 0
+    stats = app.RECIPE.update(preset, step, batch, advantages(app, preset, batch, torch.tensor([0, 0.25, 0.5, 1] * 2)))
+    assert stats["replay/steps_per_batch"] == replayed
+    assert (stats["replay/first_step"], stats["replay/last_step"]) == (min(w[0] for w in windows), max(w[1] - 1 for w in windows))
+    assert stats["replay/engine_diff_max"] <= preset.cfg.train.ratio_tolerance
+
+
+def test_window_presets_load_and_train_their_upstream_windows(app) -> None:
+    """flow_grpo_fast.toml: flow_grpo.toml's recipe with a random 2-step window in [0, 5) (first
+    step 0..3); mixgrpo.toml: a 4-step window sliding by 1 every 25 epochs in [0, 23), so epoch
+    50 trains [2, 6), epoch 500 (place 20) [20, 23), epoch 575 (place 23 = back to 0) [0, 4)."""
+    fast = checked(app, "--config", str(EXAMPLES / "flow_grpo_fast.toml"))
+    flow = _preset(app, "flow_grpo")
+    assert msgspec.structs.replace(fast.sampling, sde_window_mode="fixed", sde_window_size=2, sde_window_range=None) \
+        == flow.sampling and fast.train.lr == flow.train.lr and fast.rollout == flow.rollout
+    assert {app.sde_window(fast, 0, first)[0] for first in range(0, 400, 8)} == {0, 1, 2, 3}
+    assert all(stop - start == 2 for start, stop in (app.sde_window(fast, e, 0) for e in range(20)))
+    mix = checked(app, "--config", str(EXAMPLES / "mixgrpo.toml"))
+    assert (mix.sampling.num_steps, mix.rollout.n, mix.train.lr, mix.train.kl_beta, mix.train.clip_range) == (25, 12, 1e-5, 0, 1e-4)
+    assert [app.sde_window(mix, e, 0) for e in (0, 24, 25, 50, 500, 574, 575)] == [
+        (0, 4), (0, 4), (1, 5), (2, 6), (20, 23), (22, 23), (0, 4)]

@@ -20,14 +20,6 @@ def _rows(run_dir: Path) -> list[dict[str, str]]:
         return [r for r in csv.DictReader(f) if r.get("reward/mean")]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_ray_workers_train_like_the_in_process_engine(app, ray_cluster, tmp_path: Path) -> None:
     runs = {}
     for workers in (2, 0):

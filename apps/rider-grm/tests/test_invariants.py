@@ -51,32 +51,47 @@ def one_step(tmp_path: Path, name: str, **extra: object) -> list[str]:
 PINNED = {"reward/mean": 1.055692, "grad_norm": 0.73106, "policy/entropy": 6.45467}
 
 
-@pytest.mark.parametrize("sharding", ["none", "fsdp2"])
-def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path, sharding: str) -> None:
+ASYNC = {"train.max_staleness": 1, "train.max_steps": 2, "train.save_freq": 2,
+         "algo.rollout_correction": '"token_truncate"'}
+
+
+# `none` is opt-in (nox -s slow), for CI time: `async` runs the same first step, pinned, then a stale one
+@pytest.mark.parametrize("case", [pytest.param("none", marks=pytest.mark.slow), "fsdp2", "async"])
+def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path, case: str) -> None:
     """DDP, or FSDP2 (`train.sharding=fsdp2`: weights, gradients and Adam state sharded over the
-    2 gloo processes, the rollout decoding from gathered full weights) = 1 unsharded process."""
-    single = app.main(one_step(tmp_path, "one"))
+    2 gloo processes, the rollout decoding from gathered full weights) = 1 unsharded process.
+    `async` (`train.max_staleness=1`, DDP): step 2 trains on samples the rollout thread drew from
+    the starting weights while step 1 trained; its first step is the synchronous one."""
+    extra = ASYNC if case == "async" else {}
+    steps = 2 if case == "async" else 1
+    single = app.main(one_step(tmp_path, "one", **extra))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    sharding = "fsdp2" if case == "fsdp2" else "none"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(APP / "__main__.py"),
-           *one_step(tmp_path, "two", **{"train.sharding": f'"{sharding}"'})]
+           *one_step(tmp_path, "two", **{"train.sharding": f'"{sharding}"', **extra})]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
-    [a], [b] = rows(single), rows(tmp_path / "two")
-    assert (a["world_size"], b["world_size"]) == ("1", "2")
+    one, two = rows(single), rows(tmp_path / "two")
+    assert len(one) == len(two) == steps and (one[0]["world_size"], two[0]["world_size"]) == ("1", "2")
     for key, value in PINNED.items():
-        assert float(a[key]) == pytest.approx(value, abs=2e-4), (key, a[key])
-    for key in ("reward/mean", "reward/std", "adv/std", "loss/policy", "loss/kl", "grad_norm",
-                "policy/entropy", "replay/engine_diff_mean"):
-        assert float(b[key]) == pytest.approx(float(a[key]), abs=2e-5), (key, a[key], b[key])
-    wa, wb = weights(single, 1), weights(tmp_path / "two", 1)
+        assert float(one[0][key]) == pytest.approx(value, abs=2e-4), (key, one[0][key])
+    keys = ["reward/mean", "reward/std", "adv/std", "loss/policy", "loss/kl", "grad_norm", "policy/entropy",
+            "replay/engine_diff_mean"]
+    for a, b in zip(one, two, strict=True):
+        for key in keys + (["rollout/staleness", "policy/is_ratio_mean"] if case == "async" else []):
+            assert float(b[key]) == pytest.approx(float(a[key]), abs=2e-5), (key, a[key], b[key])
+    if case == "async":
+        assert [r["rollout/staleness"] for r in one] == ["0.0", "1.0"]
+        assert float(one[1]["replay/engine_diff_mean"]) > 1e-4  # step 2's samples are older than its weights
+    wa, wb = weights(single, steps), weights(tmp_path / "two", steps)
     start = load_file(Path(tiny.build("qwen3")) / "model.safetensors")
     assert max((wa[f"model.{k}"] - v).abs().max().item() for k, v in start.items()) > 1e-4  # the step moved them
     assert set(wa) <= set(wb)  # (the sharded state also names the tied lm_head, which safetensors drops)
     for name in wa:
         torch.testing.assert_close(wb[name], wa[name], atol=5e-6, rtol=0, msg=name)
-    if sharding == "fsdp2":
-        assert float(b["time/weight_gather"]) > 0
+    if case == "fsdp2":
+        assert float(two[0]["time/weight_gather"]) > 0
 
 
 def test_gradient_accumulation_equals_one_micro_batch(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from rl_core.flow import flow_kl, host_randn, sde_step
+from rl_core.flow import compute_ratio_guard, compute_sde_window, flow_kl, host_randn, sde_step
 from rl_core.losses import compute_policy_loss
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)  # 0.918939
@@ -267,3 +267,61 @@ def test_flow_kl_with_dt_is_the_exact_gaussian_kl_of_two_sde_steps() -> None:
         torch.distributions.Normal(ref.mean, step_std),
     ).mean(dim=(1, 2, 3))
     torch.testing.assert_close(flow_kl(pol.mean, ref.mean, pol.std, dt=sigma_next - sigma), exact)
+
+
+def test_sliding_window_moves_every_shift_interval_and_rolls_back() -> None:
+    # MixGRPO's progressive window: limit 8, 4 steps, stride 1, moved every 25 epochs; the first
+    # step runs 0..7 (8 positions), the last windows are cut at 8, epoch 200 starts over
+    window = {e: compute_sde_window("sliding", epoch=e, limit=8, size=4, shift_interval=25) for e in (0, 24, 25, 50, 100, 175, 199, 200)}
+    assert window == {0: (0, 4), 24: (0, 4), 25: (1, 5), 50: (2, 6), 100: (4, 8), 175: (7, 8), 199: (7, 8), 200: (0, 4)}
+    # stride 2 from step 1 below 9: first steps 1, 3, 5, 7 -> 4 positions
+    got = [compute_sde_window("sliding", epoch=e, limit=9, size=2, start=1, stride=2) for e in range(5)]
+    assert got == [(1, 3), (3, 5), (5, 7), (7, 9), (1, 3)]
+
+
+def test_fixed_and_random_windows() -> None:
+    assert compute_sde_window("fixed", epoch=7, limit=9, size=2) == (0, 2)
+    assert compute_sde_window("fixed", epoch=7, limit=9, size=4, start=7) == (7, 9)  # cut at the limit
+    # Flow-GRPO-Fast: 2 steps whose first is uniform over 0..3 inside [0, 5)
+    g = torch.Generator().manual_seed(0)
+    firsts = [compute_sde_window("random", epoch=0, limit=5, size=2, generator=g)[0] for _ in range(400)]
+    assert set(firsts) == {0, 1, 2, 3} and all(80 <= firsts.count(k) <= 120 for k in range(4))
+    again = torch.Generator().manual_seed(0)
+    assert compute_sde_window("random", epoch=0, limit=5, size=2, generator=again)[0] == firsts[0]
+    with pytest.raises(ValueError, match="does not fit"):
+        compute_sde_window("random", epoch=0, limit=5, size=3, start=3)
+    with pytest.raises(ValueError, match="'fixed', 'random' or 'sliding'"):
+        compute_sde_window("mix", epoch=0, limit=5, size=2)
+
+
+def test_ratio_guard_hand_worked_one_element() -> None:
+    # step std s = .5 x sqrt(.25) = .25; x' = .2, old mean .1, new mean .3: both log densities
+    # are -(.1)^2 / (2 x .0625) = -.08, so the raw log ratio is 0; the bias .2^2 / .125 = .32,
+    # times s: .08 = eps x (mean - old_mean) with eps = (.2 - .1) / .25 = .4; weight 1 / .25 = 4
+    x_next, old, new = 0.2, 0.1, 0.3
+    logp, old_logp = torch.tensor([-((x_next - new) ** 2) / 0.125]), torch.tensor([-((x_next - old) ** 2) / 0.125])
+    log_ratio, weight = compute_ratio_guard(logp=logp, old_logp=old_logp, mean=one(new), old_mean=one(old),
+                                            step_std=0.25, dt=-0.25)
+    torch.testing.assert_close(log_ratio, torch.tensor([0.08]))
+    torch.testing.assert_close(weight, torch.tensor([4.0]))
+
+
+def test_ratio_guard_is_eps_times_the_mean_shift_for_sde_steps() -> None:
+    """Through `sde_step`: the sample drawn under the old velocity, scored under a new one; the
+    guarded log ratio equals the loop reference mean_i eps_i (mean_i - old_mean_i)."""
+    g = torch.Generator().manual_seed(0)
+    latents, v_old = torch.randn(3, 2, 4, 4, generator=g), torch.randn(3, 2, 4, 4, generator=g)
+    v_new = v_old + 0.1 * torch.randn(3, 2, 4, 4, generator=g)
+    sigma, sigma_next = torch.tensor([0.9, 0.6, 0.3]), torch.tensor([0.8, 0.5, 0.1])
+    old = sde_step(velocity=v_old, latents=latents, sigma=sigma, sigma_next=sigma_next, generator=g)
+    new = sde_step(velocity=v_new, latents=latents, sigma=sigma, sigma_next=sigma_next, next_latents=old.next_latents)
+    dt = sigma_next - sigma
+    step_std = old.std * dt.abs().sqrt()  # [B]
+    log_ratio, weight = compute_ratio_guard(logp=new.log_prob, old_logp=old.log_prob, mean=new.mean, old_mean=old.mean,
+                                            step_std=step_std, dt=dt)
+    for b in range(3):
+        eps = (old.next_latents[b] - old.mean[b]) / step_std[b]
+        torch.testing.assert_close(log_ratio[b], (eps * (new.mean[b] - old.mean[b])).mean(), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(weight, 1 / dt.abs())
+    with pytest.raises(ValueError, match="stochastic step"):
+        compute_ratio_guard(logp=new.log_prob, old_logp=old.log_prob, mean=new.mean, old_mean=old.mean, step_std=0.0, dt=dt)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["SDEStep", "flow_kl", "host_randn", "sde_step"]
+__all__ = ["SDEStep", "compute_ratio_guard", "compute_sde_window", "flow_kl", "host_randn", "sde_step"]
 
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -229,3 +229,89 @@ def flow_kl(
     if dt is not None:
         var = var * _per_sample(dt, batch, device, "dt").abs()  # [B]
     return sq / (2 * var)
+
+
+def compute_sde_window(
+    mode: str,
+    *,
+    epoch: int,
+    limit: int,
+    size: int,
+    start: int = 0,
+    shift_interval: int = 1,
+    stride: int = 1,
+    generator: torch.Generator | None = None,
+) -> tuple[int, int]:
+    """The stochastic (trained) steps `[first, stop)` of one trajectory, inside `[start, limit)`.
+
+    Steps outside the window are sampled with the deterministic ODE, so only the window's steps
+    have a log-probability and are replayed: the update costs `size` forwards per sample instead
+    of `limit`.
+
+    - `fixed`: `[start, start + size)`, every epoch.
+    - `random` (Flow-GRPO-Fast, `sde_window_size` / `sde_window_range`): the first step drawn
+      uniformly from `start .. limit - size` with `generator`; pick it for the cheapest update
+      that still sees every step over many trajectories.
+    - `sliding` (MixGRPO's `progressive` strategy with `prog_overlap` and `roll_back`): the first
+      step is `start + stride x j` with `j = (epoch // shift_interval) mod P`, `P` the number of
+      first steps below `limit`, so the window moves from high noise to low every `shift_interval`
+      epochs and rolls back to `start`; the last windows are cut at `limit`. Pick it to train the
+      early (high-noise) steps first, as MixGRPO does.
+
+    Example: `limit=8, size=4, stride=1, shift_interval=25`: epochs 0-24 train [0, 4), 25-49
+    [1, 5), ..., epochs 175-199 train [7, 8), epoch 200 [0, 4) again.
+    """
+    if not 0 <= start < limit:
+        raise ValueError(f"need 0 <= start < limit, got start={start} limit={limit}")
+    if size < 1 or shift_interval < 1 or stride < 1:
+        raise ValueError(f"size, shift_interval and stride must be >= 1, got {size}, {shift_interval}, {stride}")
+    if mode == "fixed":
+        return start, min(start + size, limit)
+    if mode == "random":
+        if start + size > limit:
+            raise ValueError(f"a window of {size} steps does not fit in [{start}, {limit})")
+        first = int(torch.randint(start, limit - size + 1, (1,), generator=generator))
+        return first, first + size
+    if mode == "sliding":
+        positions = (limit - 1 - start) // stride + 1
+        first = start + (epoch // shift_interval) % positions * stride
+        return first, min(first + size, limit)
+    raise ValueError(f"mode must be 'fixed', 'random' or 'sliding', got {mode!r}")
+
+
+def compute_ratio_guard(
+    *,
+    logp: Tensor,
+    old_logp: Tensor,
+    mean: Tensor,
+    old_mean: Tensor,
+    step_std: Tensor | float,
+    dt: Tensor | float,
+) -> tuple[Tensor, Tensor]:
+    """GRPO-Guard's RatioNorm (Wang et al. 2025, arXiv 2510.22319; `config.rationorm` of its
+    `train_sd3_GRPO_Guard.py`): the log importance ratio of one SDE step re-centred and
+    re-scaled, and the step's loss weight. Returns `(log_ratio [B], weight [B])`.
+
+    With `x' = old_mean + s eps` (`s` = `step_std`, the per-element std `sigma_t sqrt(|dt|)` of an
+    `sde` step), the per-element-mean log ratio is `-|mean - old_mean|^2 / (2 s^2) + eps .
+    (mean - old_mean) / s`: its mean is negative and grows as `s` shrinks, so late (low-noise)
+    steps sit below 1 and the clip lets them push the policy harder. RatioNorm adds the bias back
+    and multiplies by `s`: `log_ratio = (logp - old_logp + |mean - old_mean|^2 / (2 s^2)) s`,
+    which is `mean over elements of eps (mean - old_mean)` (zero mean, one scale for every step).
+    The gradient re-weighting divides the step's policy loss by `|dt|` (`weight = 1 / |dt|`).
+
+    Pick it to stop the implicit over-optimisation of Flow-GRPO on late steps. Inputs: `logp`,
+    `old_logp` `[B]`; `mean`, `old_mean` `[B, ...]` (the rollout's transition mean); `step_std`
+    and `dt` scalars or `[B]`. Upstream averages `sigma_t` and `sqrt(dt)` over the batch, which
+    is the same when the batch's rows share the step (as here: a micro-batch replays one step).
+    """
+    if mean.shape != old_mean.shape:
+        raise ValueError(f"mean {tuple(mean.shape)} and old_mean {tuple(old_mean.shape)} differ in shape")
+    batch, device = mean.shape[0], mean.device
+    s = _per_sample(step_std, batch, device, "step_std")  # [B]
+    step = _per_sample(dt, batch, device, "dt").abs()  # [B]
+    if bool((s <= 0).any() | (step <= 0).any()):
+        raise ValueError("GRPO-Guard needs a stochastic step: step_std > 0 and dt != 0")
+    bias = ((mean.float() - old_mean.float()) ** 2).mean(dim=tuple(range(1, mean.dim()))) / (2 * s**2)  # [B]
+    log_ratio = (logp.float() - old_logp.float() + bias) * s  # [B]
+    return log_ratio, 1 / step

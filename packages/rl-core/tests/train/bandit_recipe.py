@@ -24,6 +24,7 @@ from rl_core.losses import compute_policy_loss
 from rl_core.train import (
     AdvantageName,
     Checkpoint,
+    CopyChannel,
     GroupAdvantages,
     NonNegative,
     PolicyLossName,
@@ -39,6 +40,7 @@ from rl_core.train import (
     UpdateStats,
     check_batch_split,
     check_group_size,
+    copy_sharing_frozen,
     optimizer_step,
     run,
     run_app,
@@ -77,6 +79,7 @@ class State:
     run: RunContext
     policy: torch.nn.Module  # prepared (DDP with several processes)
     optimizer: torch.optim.Optimizer
+    sampler: torch.nn.Module | None = None  # the rollout thread's copy of the weights (train.max_staleness >= 1)
     round: tuple[int, int] = (0, -1)  # (step, rollout round of that step): dynamic sampling's extra rounds
 
 
@@ -111,6 +114,18 @@ class Bandit(Recipe[Config, State, Batch]):
         return Checkpoint(state={}, trained=state.policy)
 
     def rollout(self, state: State, step: int) -> Batch:
+        return self._draw(state, step, state.policy)
+
+    def sample(self, state: State, step: int) -> Batch:  # the rollout thread: its own copy of the weights
+        assert state.sampler is not None
+        return self._draw(state, step, state.sampler)
+
+    def weight_channel(self, state: State) -> CopyChannel:
+        trained = state.run.accelerator.unwrap_model(state.policy)
+        state.sampler = copy_sharing_frozen(trained)
+        return CopyChannel(trained, state.sampler)
+
+    def _draw(self, state: State, step: int, model: torch.nn.Module) -> Batch:
         t, run = state.cfg.train, state.run
         per_rank = t.batch_size // run.world_size
         state.round = (step, state.round[1] + 1 if state.round[0] == step else 0)
@@ -118,7 +133,7 @@ class Bandit(Recipe[Config, State, Batch]):
         order = torch.randperm(PROMPTS, generator=torch.Generator().manual_seed(sample_seed(t.seed, step, *again)))
         mine = order[run.rank * per_rank:(run.rank + 1) * per_rank].repeat_interleave(t.n)  # [B]
         with torch.no_grad():
-            logp = torch.log_softmax(state.policy(_onehot(mine)), dim=-1)  # [B, A]
+            logp = torch.log_softmax(model(_onehot(mine)), dim=-1)  # [B, A]
         draws = [torch.multinomial(logp[i].exp(), 1, generator=torch.Generator().manual_seed(
             sample_seed(t.seed, step, int(p), i % t.n, *again)))[0] for i, p in enumerate(mine.tolist())]
         answers = torch.stack(draws)  # [B]

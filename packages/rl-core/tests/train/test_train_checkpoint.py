@@ -287,3 +287,34 @@ def test_accelerate_automatic_checkpoint_naming_is_refused(tmp_path: Path) -> No
     with pytest.raises(ValueError, match="automatic_checkpoint_naming"):
         save_checkpoint(tmp_path / "ck", 1, state={}, accelerator=accelerator)
     assert not (tmp_path / "ck").exists()
+
+
+def test_accelerator_for_coordination_only_writes_a_plain_checkpoint(tmp_path: Path) -> None:
+    """`accelerator_state=False` (a LoRA-only trainer): no `save_state` (no model.safetensors),
+    the main process's RNG in rng.pt, a `ProcessState` per process; loaded without the accelerator."""
+    from accelerate import Accelerator
+
+    from rl_core.train.process_state import ProcessState
+
+    class PerProcess(ProcessState):
+        def __init__(self, rank: int, value: int = 0) -> None:
+            self.rank, self.value = rank, value
+
+        def save(self, folder: Path) -> None:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"rank{self.rank}.txt").write_text(str(self.value))
+
+        def load(self, folder: Path) -> None:
+            self.value = int((folder / f"rank{self.rank}.txt").read_text())
+
+    seed_everything(0)
+    model, _, _, data = _build(0)
+    path = save_checkpoint(tmp_path, 1, state={"model": model, "data": data, "mine": PerProcess(0, 7)},
+                           accelerator=Accelerator(cpu=True), accelerator_state=False)
+    assert sorted(p.name for p in path.iterdir()) == ["data.pt", "meta.json", "mine", "model.pt", "rng.pt"]
+    expected = torch.rand(3)  # the first draw after the save
+    torch.rand(5)
+    mine = PerProcess(0)
+    info = load_checkpoint(path, state={"model": model, "data": data, "mine": mine})
+    assert info == {"step": 1} and mine.value == 7
+    assert torch.equal(torch.rand(3), expected)  # the RNG state came back

@@ -18,22 +18,40 @@ owns weight sync (verl's engine layer), so no app asks which engine it has.
 
 `weight_version` counts `sync` calls: the optimizer steps in the weights the next session
 samples with (log it as `rollout/weight_version`).
+
+Asynchronous runs (`train.max_staleness >= 1`): `weight_channel()` switches the engine to weights
+of its own, which change only by version (`rl_core.train.WeightChannel`): the trainer publishes
+a copy after each step, the rollout thread loads the one its step needs. `hf` then decodes with
+a copy of the model (trainable weights its own, frozen ones shared: a LoRA's base is not
+duplicated); `vllm` stays awake and takes each version as a weight push. `sync` only counts
+optimizer steps then; sessions neither sleep nor offload.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
-from transformers import ProcessorMixin
+from transformers import PreTrainedModel, ProcessorMixin
 
-from rl_core.train import FullWeights, OptimizerOffload, gathered, isolated_rng
+from rl_core.train import (
+    ConfigError,
+    CopyChannel,
+    FullWeights,
+    OptimizerOffload,
+    WeightChannel,
+    copy_sharing_frozen,
+    finish_copies,
+    gathered,
+    isolated_rng,
+)
 from rl_rollout.protocol import Engine
 from rl_rollout.registry import resolve_engine
 
-__all__ = ["PolicyEngine", "build_policy_engine"]
+__all__ = ["PolicyEngine", "build_policy_engine", "rollout_device"]
 
 OffloadOptimizer = Literal["auto", "always", "never"]
 
@@ -48,20 +66,53 @@ class PolicyEngine:
 
     def __init__(self, engine: Engine, *, kind: str, trained: torch.nn.Module, pad_id: int,
                  full: FullWeights | None = None, optimizer_offload: OptimizerOffload | None = None,
-                 release_cache: Callable[[], None] | None = None) -> None:
+                 release_cache: Callable[[], None] | None = None,
+                 rebuild: Callable[[torch.nn.Module, torch.device], Engine] | None = None) -> None:
         self.engine, self.kind, self.trained, self.pad_id = engine, kind, trained, pad_id
         self.full, self.optimizer_offload, self.release_cache = full, optimizer_offload, release_cache
+        self.rebuild = rebuild  # hf: an engine over another copy of the model (asynchronous runs)
         self.shares_weights = kind == "hf"
         self.weight_version = 0
+        self.channel: _EngineChannel | None = None  # set by weight_channel(): asynchronous rollouts
 
     @property
     def state(self) -> str:
         """"awake" | "asleep" | "closed" (the engine's)."""
         return self.engine.state
 
+    def weight_channel(self, device: torch.device | None = None) -> WeightChannel:
+        """Switch to weights of the engine's own, changed only by version (asynchronous runs;
+        see the module doc); returns the `WeightChannel` the trainer loop drives. `device`: a
+        GPU of the rollout's own (split placement, `hf` only): the engine and its copy of the
+        whole model live there, the trainer keeps its GPU."""
+        if self.channel is not None:
+            return self.channel
+        if self.full is not None:
+            raise ValueError("asynchronous rollouts need an unsharded policy (train.sharding=none)")
+        from rl_models.logprobs import unwrap_peft
+
+        trained = unwrap_peft(self.trained)
+        if self.kind == "hf":
+            if self.rebuild is None:
+                raise ValueError("this hf policy engine cannot be rebuilt over a copy of the model")
+            where = torch.device(device) if device is not None else next(trained.parameters()).device
+            twin = copy_sharing_frozen(trained, where)
+            self.engine, self.shares_weights = self.rebuild(twin, where), False
+            self.channel = _EngineChannel(self, CopyChannel(trained, twin))
+        else:
+            if device is not None:
+                raise ValueError("a vLLM policy engine runs on the trainer's GPU (colocated); a rollout GPU of its "
+                                 "own needs rollout.engine=hf")
+            self.engine.wake()  # awake for the whole run: the rollout thread samples while the trainer updates
+            self.channel = _EngineChannel(self, _PushChannel(self.engine, trained))
+        return self.channel
+
     @contextmanager
     def session(self) -> Iterator[Engine]:
         """The engine, ready to sample, for the block; afterwards the trainer has the memory."""
+        if self.channel is not None:  # asynchronous: weights of its own, awake throughout
+            yield self.engine
+            return
         if not self.shares_weights:
             if self.optimizer_offload is not None:
                 self.optimizer_offload.to_host()
@@ -89,6 +140,9 @@ class PolicyEngine:
     def sync(self, *, bump: bool = True) -> None:
         """After an optimizer step (`bump=False`: at start-up, when a resumed checkpoint is newer
         than the weights the engine loaded): the next session samples from the trained weights."""
+        if self.channel is not None:  # asynchronous: the loop publishes the weights by version; the
+            self.channel.steps += int(bump)  # rollout thread sets weight_version when it loads one
+            return
         self.weight_version += int(bump)
         if self.shares_weights:
             return
@@ -104,7 +158,78 @@ class PolicyEngine:
         self.engine.wake()
 
     def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
         self.engine.close()
+
+
+class _PushChannel:
+    """vLLM's side of a `WeightChannel`: each version a copy of the merged weights
+    (`rl_models.lora.merged_named_weights`, on the trainer's device), pushed into the awake
+    engine by `load`."""
+
+    def __init__(self, engine: Engine, trained: torch.nn.Module) -> None:
+        self.engine, self.trained = engine, trained
+        self.versions: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        self._lock = threading.Lock()
+
+    def publish(self, version: int) -> None:
+        from rl_models.lora import merged_named_weights
+
+        weights = [(name, t.detach().clone()) for name, t in merged_named_weights(self.trained)]
+        finish_copies(t for _, t in weights)
+        with self._lock:
+            self.versions[version] = weights
+
+    def load(self, version: int, *, prune: bool = True) -> None:
+        with self._lock:
+            weights = self.versions[version]
+            if prune:
+                self.versions = {v: w for v, w in self.versions.items() if v >= version}
+        self.engine.load_weights(weights, version=version)
+
+    def close(self) -> None:
+        with self._lock:
+            self.versions.clear()
+
+
+class _EngineChannel:
+    """The policy engine's `WeightChannel`: the weights by loop step (`inner`), and the engine's
+    `weight_version` set to the optimizer steps those weights hold."""
+
+    def __init__(self, policy: PolicyEngine, inner: WeightChannel) -> None:
+        self.policy, self.inner = policy, inner
+        self.steps = policy.weight_version  # optimizer steps in the trained weights now
+        self.published: dict[int, int] = {}  # loop step -> optimizer steps in its weights
+
+    def publish(self, version: int) -> None:
+        self.inner.publish(version)
+        self.published[version] = self.steps
+
+    def load(self, version: int, *, prune: bool = True) -> None:
+        self.inner.load(version, prune=prune)
+        self.policy.weight_version = self.published[version]
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def rollout_device(placement: str, accelerator: Any, *, key: str = "rollout.placement") -> torch.device | None:
+    """Where an asynchronous run's rollout engine samples: `colocated` -> None (the trainer's
+    GPU); `split` -> a GPU of its own, `cuda:<local rank + local process count>` (the first half
+    of a node's GPUs train, the second half roll out: launch one process per trainer GPU)."""
+    if placement == "colocated":
+        return None
+    import os
+
+    local_rank = int(accelerator.local_process_index)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    wanted = local_rank + local_world
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if wanted >= count:
+        raise ConfigError(f"{key}=split: process {local_rank} of {local_world} on this node rolls out on GPU {wanted}, "
+                          f"but the node has {count} GPU(s); launch one process per trainer GPU (half of them)")
+    return torch.device("cuda", wanted)
 
 
 def build_policy_engine(
@@ -151,9 +276,13 @@ def build_policy_engine(
         decoded = full.model if full is not None else model
         hf = HFEngine(unwrap_peft(decoded), processor, device=device, max_batch_size=max_batch_size, compile=compile,
                       compile_mode=compile_mode)
+        def rebuild(twin: torch.nn.Module, where: torch.device) -> HFEngine:  # the same engine over a copy
+            return HFEngine(cast(PreTrainedModel, twin), processor, device=where, max_batch_size=max_batch_size, compile=compile,
+                            compile_mode=compile_mode)
+
         return PolicyEngine(hf, kind="hf", trained=model, pad_id=hf.pad_id, full=full,
                             optimizer_offload=_offload(optimizer, device, offload_optimizer in ("auto", "always"), full),
-                            release_cache=hf.release_cache if release_cache else None)
+                            release_cache=hf.release_cache if release_cache else None, rebuild=rebuild)
     from rl_rollout.colocated import colocated_vllm, vllm_engine_core
 
     with vllm_engine_core(in_process=True), isolated_rng():  # vLLM seeds the global RNGs as it starts

@@ -53,7 +53,17 @@ if TYPE_CHECKING:
     from rl_core.train.metric_names import METRIC_NAMES, unknown_metric_names
     from rl_core.train.metrics import MetricsLogger, PhaseTimer
     from rl_core.train.offload import OptimizerOffload, PinnedOffload
+    from rl_core.train.pipeline import (
+        CopyChannel,
+        PendingRollouts,
+        RolloutPipeline,
+        Sampled,
+        WeightChannel,
+        copy_sharing_frozen,
+        finish_copies,
+    )
     from rl_core.train.plots import plot_reward_curve
+    from rl_core.train.process_state import ProcessState
     from rl_core.train.progress import TrainProgress
     from rl_core.train.recipe import (
         Checkpoint,
@@ -64,6 +74,7 @@ if TYPE_CHECKING:
         Skip,
         check_batch_split,
         check_group_size,
+        check_placement,
     )
     from rl_core.train.replay_update import Replay, replay_update
     from rl_core.train.rundir import latest_checkpoint, latest_run, make_run_dir, resolve_resume
@@ -117,10 +128,13 @@ _EXPORTS = {
     "metric_names": ["METRIC_NAMES", "unknown_metric_names"],
     "metrics": ["MetricsLogger", "PhaseTimer"],
     "offload": ["OptimizerOffload", "PinnedOffload"],
+    "pipeline": ["CopyChannel", "PendingRollouts", "RolloutPipeline", "Sampled", "WeightChannel", "copy_sharing_frozen",
+                 "finish_copies"],
     "plots": ["plot_reward_curve"],
+    "process_state": ["ProcessState"],
     "progress": ["TrainProgress"],
     "recipe": ["Checkpoint", "Recipe", "RunContext", "Schedule", "Scores", "Skip", "check_batch_split",
-               "check_group_size"],
+               "check_group_size", "check_placement"],
     "replay_update": ["Replay", "replay_update"],
     "rundir": ["latest_checkpoint", "latest_run", "make_run_dir", "resolve_resume"],
     "samples": ["SampleLog"],
@@ -142,6 +156,7 @@ __all__ = [
     "Checkpoint",
     "CliArgs",
     "ConfigError",
+    "CopyChannel",
     "DynamicSampling",
     "FullWeights",
     "GroupAdvantages",
@@ -153,20 +168,24 @@ __all__ = [
     "NonNegativeFloat",
     "OptimizerOffload",
     "ParameterEMA",
+    "PendingRollouts",
     "PhaseTimer",
     "PinnedOffload",
     "PolicyLossFields",
     "PolicyLossName",
     "Positive",
     "PositiveFloat",
+    "ProcessState",
     "Recipe",
     "Replay",
     "ReplayCheck",
     "RewardAggregationName",
     "RolloutCorrectionName",
+    "RolloutPipeline",
     "RunContext",
     "RunFields",
     "SampleLog",
+    "Sampled",
     "Schedule",
     "Scores",
     "ShardedState",
@@ -180,15 +199,19 @@ __all__ = [
     "UnitInterval",
     "UpdateStats",
     "UserError",
+    "WeightChannel",
     "accelerator_kwargs",
     "check_batch_split",
     "check_finite_parameters",
     "check_group_size",
     "check_loss_options",
+    "check_placement",
     "component_means",
     "config_help",
+    "copy_sharing_frozen",
     "dump_config",
     "end_training",
+    "finish_copies",
     "flat_config",
     "full_state_dict",
     "gather_rows",

@@ -13,10 +13,15 @@ the complete new checkpoint or none, and the previous checkpoint untouched. A ch
   RNG state of every process. Then put only objects that were NOT passed to
   `accelerator.prepare` (a sampler, an EMA, ...) into `state`; they are saved by the main process.
 
-A `rl_core.train.sharding.ShardedState` value (a sharded policy and its optimizer) is saved by
-every process into `<name>/` through `torch.distributed.checkpoint`, each rank its own shards.
+A `rl_core.train.ProcessState` value is saved by every process into `<name>/`: a sharded
+policy and its optimizer (`ShardedState`, through `torch.distributed.checkpoint`, each rank its
+own shards), an asynchronous run's rollouts in flight (each rank its own).
 
-Without an accelerator a single process is assumed.
+Without an accelerator a single process is assumed. `accelerator_state=False` keeps the
+accelerator for coordinating the processes only: the main process writes `state` and its own
+RNG states (`rng.pt`) as a single process would, every process its `ProcessState` values (a
+LoRA-only trainer whose frozen base `save_state` would copy; an asynchronous run of it keeps
+each process's rollouts in flight); load such a checkpoint without the accelerator.
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ import msgspec
 import torch
 
 from rl_core.errors import UserError
+from rl_core.train.process_state import ProcessState
 from rl_core.train.rundir import checkpoints, latest_checkpoint, resolve_resume
 from rl_core.train.seeding import get_rng_state, set_rng_state
-from rl_core.train.sharding import ShardedState
 
 __all__ = ["Stateful", "latest_checkpoint", "load_checkpoint", "resolve_resume", "save_checkpoint"]
 
@@ -96,6 +101,7 @@ def save_checkpoint(
     accelerator: Any = None,
     keep_last: int | None = None,
     write_files: Callable[[Path], None] | None = None,
+    accelerator_state: bool = True,
 ) -> Path:
     """Atomically write `root/checkpoint-<step>` and return its path (see the module doc).
 
@@ -103,20 +109,22 @@ def save_checkpoint(
     `write_files(folder)` (main process) writes more files into the checkpoint before it is
     published (an exported adapter, say), so "latest" never names a checkpoint without them.
     `keep_last=N` deletes all but the newest N checkpoints afterwards. With an accelerator, call
-    it on every process.
+    it on every process; `accelerator_state=False`: without `accelerator.save_state` (module doc).
     """
     if "step" in state:
         raise ValueError("state key 'step' is reserved: the step is the `step` argument")
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-    if accelerator is not None and accelerator.project_configuration.automatic_checkpoint_naming:
+    own_state = accelerator is not None and accelerator_state  # accelerator.save_state writes the RNG states
+    if own_state and accelerator.project_configuration.automatic_checkpoint_naming:
         raise ValueError("save_checkpoint names checkpoints itself: create the Accelerator "
                          "without ProjectConfiguration(automatic_checkpoint_naming=True)")
-    sharded = {k: v for k, v in state.items() if isinstance(v, ShardedState)}
+    sharded = {k: v for k, v in state.items() if isinstance(v, ProcessState)}
     stateful = {k: v for k, v in state.items() if isinstance(v, Stateful)}
     extras = {k: v for k, v in state.items() if k not in stateful and k not in sharded}
     try:
-        meta = msgspec.json.encode({"step": step, "format": _format(accelerator), "stateful": sorted(stateful),
+        meta = msgspec.json.encode({"step": step, "format": _format(accelerator if own_state else None),
+                                    "stateful": sorted(stateful),
                                     "sharded": sorted(sharded), "extras": extras})
     except TypeError as e:
         raise TypeError(f"checkpoint state values must be Stateful or JSON-able: {e}") from e
@@ -129,9 +137,9 @@ def save_checkpoint(
             shutil.rmtree(leftover)
         tmp.mkdir()
     _barrier(accelerator)
-    if accelerator is not None:
+    if own_state:
         accelerator.save_state(str(tmp))
-    else:
+    elif main:
         torch.save(get_rng_state(), tmp / "rng.pt")
     for name, parts in sharded.items():
         parts.save(tmp / name)
@@ -175,7 +183,7 @@ def load_checkpoint(
         raise ValueError(f"{path} was saved {'with' if meta['format'] == 'accelerate' else 'without'}"
                          " an accelerator; load it the same way")
     wanted = {k: v for k, v in (state or {}).items() if isinstance(v, Stateful)}
-    shards = {k: v for k, v in (state or {}).items() if isinstance(v, ShardedState)}
+    shards = {k: v for k, v in (state or {}).items() if isinstance(v, ProcessState)}
     held = [*meta["stateful"], *meta.get("sharded", [])]
     missing = sorted(set(wanted) - set(meta["stateful"]) | set(shards) - set(meta.get("sharded", [])))
     if missing:

@@ -71,6 +71,13 @@ class RunFields(ShardingFields, kw_only=True, frozen=True):
     into the run directory; the same scalars as metrics.csv."""
     dynamic_sampling: DynamicSampling = DynamicSampling()
     """DAPO's dynamic sampling: `enable`, `metric`, `max_rounds` (see the keys below)."""
+    max_staleness: NonNegative = 0
+    """0: each step rolls out, scores and updates in series (synchronous). N >= 1: a rollout
+    thread samples up to N steps ahead while the trainer updates, so step j trains on rollouts
+    from the weights of step j - 1 - N (`rollout/staleness`); choose 1 when rollout and update
+    take similar time, and correct the gap with `algo.rollout_correction` (e.g.
+    `token_truncate`). Needs a recipe with the `sample`/`prepare`/`weight_channel` hooks; not
+    with dynamic sampling or fsdp2 sharding yet. A resume needs the same process count."""
     max_nonfinite_steps: Positive = 3
     """Consecutive optimizer steps with a non-finite loss or gradient (each skipped, weights
     untouched) after which the run stops with an error."""

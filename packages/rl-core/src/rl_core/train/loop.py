@@ -35,6 +35,7 @@ import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic
@@ -49,6 +50,7 @@ from rl_core.train.config import ConfigError, flat_config
 from rl_core.train.dynamic_sampling import GroupFilter, merge_scores
 from rl_core.train.groups import component_means, group_advantages
 from rl_core.train.metrics import MetricsLogger, PhaseTimer
+from rl_core.train.pipeline import PendingRollouts, RolloutPipeline, Sampled
 from rl_core.train.plots import plot_reward_curve
 from rl_core.train.progress import TrainProgress
 from rl_core.train.recipe import B, C, Recipe, RunContext, S, Schedule, Scores, Skip, run_fields
@@ -83,14 +85,19 @@ def train(recipe: Recipe[C, S, B], cfg: C, resume: str | None = None) -> Path:
     if t.dynamic_sampling.enable and type(recipe).merge is Recipe.merge:
         raise ConfigError(f"train.dynamic_sampling.enable: {recipe.name} cannot merge rollout rounds "
                           "(its recipe has no `merge` hook); set it to false")
+    if t.max_staleness:
+        _check_asynchronous(recipe, t)
     acc = _accelerator(t.sharding, t.fsdp_cpu_offload)
     recipe.check(cfg, acc.num_processes)
     ckpt, name = resume_point(resume, t.output_dir, t.run_name)
     start = int(msgspec.json.decode((ckpt / "meta.json").read_bytes())["step"]) if ckpt is not None else 0
     run_dir = make_run_dir(t.output_dir, name, config=cfg, accelerator=acc)
     seed_everything(t.seed, rank=acc.process_index if recipe.seed_by_rank else 0)
+    pending = PendingRollouts(acc.process_index, acc.num_processes)
+    if ckpt is not None and (ckpt / PIPELINE).is_dir():  # an asynchronous run's rollouts in flight
+        pending.load(ckpt / PIPELINE)
     context = RunContext(acc, run_dir, start, PhaseTimer(), SampleLog(run_dir, main=acc.is_main_process, start_step=start),
-                         NonFiniteGuard(t.max_nonfinite_steps))
+                         NonFiniteGuard(t.max_nonfinite_steps), stale_start=bool(pending.items))
     state = recipe.setup(cfg, context)
     try:
         if ckpt is not None:
@@ -99,9 +106,28 @@ def train(recipe: Recipe[C, S, B], cfg: C, resume: str | None = None) -> Path:
             acc.print(f"resumed from {ckpt} at step {start}")
         recipe.start(state)
         _trackers(acc, t.log_with, run_dir, recipe.name, cfg)
-        return _Loop(recipe, state, context, recipe.schedule(state), cfg).fit()
+        return _Loop(recipe, state, context, recipe.schedule(state), cfg, pending.items).fit()
     finally:
         recipe.close(state)
+
+
+PIPELINE = "pipeline"  # the checkpoint folder of an asynchronous run's rollouts in flight
+
+
+def _check_asynchronous(recipe: Recipe[Any, Any, Any], t: Any) -> None:
+    """`train.max_staleness >= 1` needs the recipe's asynchronous hooks, and (for now) neither
+    dynamic sampling nor a sharded policy (its weight gather is a collective)."""
+    key = f"train.max_staleness={t.max_staleness}"
+    missing = [h for h in ("sample", "weight_channel") if getattr(type(recipe), h) is getattr(Recipe, h)]
+    if missing:
+        raise ConfigError(f"{key}: {recipe.name} cannot roll out asynchronously (its recipe has no "
+                          f"{' or '.join(missing)} hook); set it to 0")
+    if t.dynamic_sampling.enable:
+        raise ConfigError(f"{key}: asynchronous rollouts do not combine with train.dynamic_sampling.enable yet; "
+                          "set one of them off")
+    if t.sharding != "none":
+        raise ConfigError(f"{key}: asynchronous rollouts need train.sharding=none for now (a sharded policy "
+                          "gathers its weights with every process)")
 
 
 def _accelerator(sharding: Any, cpu_offload: bool) -> Any:
@@ -192,6 +218,7 @@ class _Record:
     reasons: list[str] = field(default_factory=list)
     rewards: list[tuple[int, float]] = field(default_factory=list)
     evals: list[tuple[int, float]] = field(default_factory=list)
+    staleness: dict[int, int] = field(default_factory=dict)  # steps per rollout staleness
 
     def add(self, step: int, metrics: Mapping[str, Any]) -> None:
         if "skipped" in metrics:
@@ -200,6 +227,9 @@ class _Record:
             if metrics["skipped"]:
                 self.reasons.append(f"step {step}: {metrics.get('error', '')}")
         self.failed += float(metrics.get("reward/failed", 0.0))
+        if "rollout/staleness" in metrics:
+            age = int(metrics["rollout/staleness"])
+            self.staleness[age] = self.staleness.get(age, 0) + 1
         for key, out in (("reward/mean", self.rewards), ("eval/reward/mean", self.evals)):
             value = metrics.get(key)
             if value is not None and math.isfinite(float(value)):
@@ -207,11 +237,21 @@ class _Record:
 
 
 class _Loop(Generic[C, S, B]):
-    def __init__(self, recipe: Recipe[C, S, B], state: S, run: RunContext, schedule: Schedule, cfg: C) -> None:
+    def __init__(self, recipe: Recipe[C, S, B], state: S, run: RunContext, schedule: Schedule, cfg: C,
+                 pending: list[Sampled]) -> None:
         self.recipe, self.state, self.run, self.schedule, self.cfg = recipe, state, run, schedule, cfg
         self.acc, self.timer, self.fields = run.accelerator, run.timer, run_fields(cfg)
         self.logger = MetricsLogger(run.run_dir, accelerator=self.acc, start_step=run.start_step)
         self.record = _Record()
+        # the rollouts a resumed asynchronous run had in flight: the rollout thread hands them out
+        # first, or (resumed with train.max_staleness=0) the loop does
+        self.pending = {} if self.fields.max_staleness else {p.step: p for p in pending}
+        self.pipeline: RolloutPipeline | None = None
+        if self.fields.max_staleness:
+            self.pipeline = RolloutPipeline(lambda step: recipe.sample(state, step), recipe.weight_channel(state),
+                                            start=run.start_step, total=schedule.total_steps,
+                                            max_staleness=self.fields.max_staleness, pending=pending, timer=self.timer,
+                                            device=self.acc.device)
 
     def fit(self) -> Path:
         sched, start, acc = self.schedule, self.run.start_step, self.acc
@@ -220,28 +260,16 @@ class _Loop(Generic[C, S, B]):
         if sched.eval_at_start and start == 0:
             metrics = self._evaluate(0)
             self._log(0, metrics)
-        with TrainProgress(sched.total_steps, initial=start, show=("reward/mean", "eval/reward/mean"),
-                           accelerator=acc) as bar:
-            for step in range(start + 1, sched.total_steps + 1):
-                began = time.perf_counter()
-                metrics = self._step(step)
-                seconds = time.perf_counter() - began
-                if self._eval_due(step):
-                    metrics |= self._evaluate(step)
-                samples, tokens = metrics.pop("samples", 0.0), metrics.pop("tokens", None)
-                self.record.samples += samples
-                metrics |= self.timer.pop()  # a checkpoint's time/checkpoint lands in the next step's row
-                metrics |= {"time/step": seconds, "world_size": acc.num_processes,
-                            "throughput/samples_per_s": samples / seconds}
-                if tokens is not None:  # a text recipe's prompt + completion tokens of every process
-                    metrics["throughput/tokens_per_s"] = tokens / (seconds * acc.num_processes)
-                self._log(step, metrics)  # logged before the checkpoint: a resume never loses a logged step
-                bar.update(step, metrics)
-                if step % self.fields.save_freq == 0 or step == sched.total_steps:
-                    with self.timer("checkpoint"):
-                        self._save(step)
-                if acc.is_main_process:
-                    plot_reward_curve(self.run.run_dir, title=f"{self.recipe.name}: {self.run.run_dir.name}")
+        try:
+            if self.pipeline is not None:
+                self.pipeline.begin()
+            with TrainProgress(sched.total_steps, initial=start, show=("reward/mean", "eval/reward/mean"),
+                               accelerator=acc) as bar:
+                for step in range(start + 1, sched.total_steps + 1):
+                    self._fit_step(step, bar)
+        finally:
+            if self.pipeline is not None:
+                self.pipeline.close()
         outputs = dict(self.recipe.finish(self.state))
         end_training(acc)  # every process waits for the main one's exports
         if self.record.steps and not self.record.trained:
@@ -250,15 +278,62 @@ class _Loop(Generic[C, S, B]):
         self._summary(outputs)
         return self.run.run_dir
 
+    def _fit_step(self, step: int, bar: TrainProgress) -> None:
+        acc, sched, pipeline = self.acc, self.schedule, self.pipeline
+        began = time.perf_counter()
+        metrics = self._step(step)
+        seconds = time.perf_counter() - began
+        if pipeline is not None:
+            pipeline.warmed()
+        save = step % self.fields.save_freq == 0 or step == sched.total_steps
+        # an asynchronous run: the rollouts the thread may sample before this step's weights are
+        # out go into the checkpoint, and the thread waits while the engine evaluates and the
+        # checkpoint is written
+        pending = pipeline.pending(step) if pipeline is not None and save else []
+        hold = pipeline.paused() if pipeline is not None and (save or self._eval_due(step)) else nullcontext()
+        with hold:
+            if pipeline is not None:
+                pipeline.publish(step)
+            if self._eval_due(step):
+                metrics |= self._evaluate(step)
+            samples, tokens = metrics.pop("samples", 0.0), metrics.pop("tokens", None)
+            self.record.samples += samples
+            metrics |= self.timer.pop()  # a checkpoint's time/checkpoint lands in the next step's row
+            metrics |= {"time/step": seconds, "world_size": acc.num_processes,
+                        "throughput/samples_per_s": samples / seconds}
+            if tokens is not None:  # a text recipe's prompt + completion tokens of every process
+                metrics["throughput/tokens_per_s"] = tokens / (seconds * acc.num_processes)
+            self._log(step, metrics)  # logged before the checkpoint: a resume never loses a logged step
+            bar.update(step, metrics)
+            if save:
+                with self.timer("checkpoint"):
+                    self._save(step, pending)
+        if acc.is_main_process:
+            plot_reward_curve(self.run.run_dir, title=f"{self.recipe.name}: {self.run.run_dir.name}")
+
+    def _rollout(self, step: int) -> tuple[B, dict[str, float]]:
+        """The step's batch: rolled out now (synchronous), or from the rollout thread or a
+        resumed checkpoint, then prepared on this thread (asynchronous)."""
+        recipe, state = self.recipe, self.state
+        sampled = self.pending.pop(step, None)
+        if sampled is None and self.pipeline is None:
+            with self.timer("rollout"):
+                return recipe.rollout(state, step), {}
+        if sampled is None:
+            with self.timer("rollout_wait"):
+                sampled = self.pipeline.get(step)  # type: ignore[union-attr]
+        with self.timer("prepare"):
+            batch = recipe.prepare(state, step, sampled.value)
+        return batch, {**sampled.times, "rollout/staleness": float(step - 1 - sampled.version)}
+
     def _step(self, step: int) -> dict[str, Any]:
         recipe, state, timer = self.recipe, self.state, self.timer
-        with timer("rollout"):
-            batch = recipe.rollout(state, step)
+        batch, sampled = self._rollout(step)
         with timer("reward"):
             scores = recipe.score(state, step, batch)
         if isinstance(scores, Skip):
             print(f"{recipe.name}: step {step} skipped: {scores.reason}", file=sys.stderr)
-            return {"skipped": 1, "error": scores.reason[:300]}
+            return {"skipped": 1, "error": scores.reason[:300], **sampled}
         generated, extra = float(scores.rewards.shape[0]), dict[str, float]()
         if self.fields.dynamic_sampling.enable:
             batch, scores, generated, extra = self._dynamic_sampling(step, batch, scores)
@@ -269,7 +344,8 @@ class _Loop(Generic[C, S, B]):
             update = recipe.update(state, step, batch, adv)
         samples = self.acc.reduce(torch.tensor(generated, device=self.acc.device), "sum").item()
         components = component_means(scores.components, self.acc)
-        return {"skipped": 0, **adv.metrics, **components, **scores.metrics, **extra, **update, "samples": samples}
+        return {"skipped": 0, **sampled, **adv.metrics, **components, **scores.metrics, **extra, **update,
+                "samples": samples}
 
     def _dynamic_sampling(self, step: int, batch: B, scores: Scores) -> tuple[B, Scores, float, dict[str, float]]:
         """DAPO's dynamic sampling (`rl_core.train.dynamic_sampling`): more rounds until every
@@ -303,6 +379,8 @@ class _Loop(Generic[C, S, B]):
         return (s.eval_every > 0 and step % s.eval_every == 0) or (s.eval_at_end and step == s.total_steps)
 
     def _evaluate(self, step: int) -> dict[str, Any]:
+        if self.pipeline is not None and step > self.run.start_step:  # with the trainer's weights (thread paused)
+            self.pipeline.channel.load(step, prune=False)
         with isolated_rng(), self.timer("eval"), self.timer.scope("eval/"):
             metrics = self.recipe.evaluate(self.state, step)
         return {f"eval/{k}": v for k, v in metrics.items()}
@@ -316,16 +394,21 @@ class _Loop(Generic[C, S, B]):
         if self.acc.is_main_process and self.fields.log_with:
             _samples_to_trackers(self.acc.trackers, step, samples)
 
-    def _save(self, step: int) -> None:
+    def _save(self, step: int, pending: list[Sampled]) -> None:
         spec = self.recipe.checkpoint(self.state)
         check_finite_parameters(spec.trained, f"checkpoint at step {step}")
         root, keep = self.run.run_dir / "checkpoints", self.fields.keep_last
+        state = dict(spec.state)
+        if self.pipeline is not None:
+            state[PIPELINE] = PendingRollouts(self.acc.process_index, self.acc.num_processes)
+            state[PIPELINE].items = pending
         with spec.gather:  # every process: a sharded policy gathers its whole weights here
             if spec.accelerator:
-                save_checkpoint(root, step, state=spec.state, accelerator=self.acc, keep_last=keep,
+                save_checkpoint(root, step, state=state, accelerator=self.acc, keep_last=keep,
                                 write_files=spec.write_files)
-            elif self.acc.is_main_process:
-                save_checkpoint(root, step, state=spec.state, keep_last=keep, write_files=spec.write_files)
+            else:  # the main process writes the state; each process its rollouts in flight (asynchronous)
+                save_checkpoint(root, step, state=state, accelerator=self.acc, accelerator_state=False,
+                                keep_last=keep, write_files=spec.write_files)
         self.acc.wait_for_everyone()
 
     def _summary(self, outputs: Mapping[str, str]) -> None:
@@ -340,6 +423,9 @@ class _Loop(Generic[C, S, B]):
                 lines.append(f"  {label:<16}first {points[0][1]:.4g} (step {points[0][0]})  last {points[-1][1]:.4g} "
                              f"(step {points[-1][0]})  best {best[1]:.4g} (step {best[0]})")
         lines.append(f"  {'failed rewards':<16}{r.failed:g}")
+        if r.staleness:
+            lines.append(f"  {'staleness':<16}" + ", ".join(f"{age}: {count} step{'s' * (count != 1)}"
+                                                               for age, count in sorted(r.staleness.items())))
         for label, where in {"run directory": str(d), "metrics": str(d / "metrics.csv"),
                              "reward curve": str(d / "reward_curve.png"), "samples": str(d / "samples"),
                              "checkpoints": str(d / "checkpoints"), **outputs}.items():

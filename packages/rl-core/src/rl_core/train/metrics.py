@@ -13,9 +13,11 @@ import csv
 import io
 import numbers
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -100,10 +102,20 @@ def _cuda_sync() -> bool:
     """Synchronize CUDA if it is in use; returns whether it is."""
     # Kernels run asynchronously: without a sync, a phase would be charged for only the time
     # to launch its kernels and the next phase for the rest.
+    # Only this thread's stream: an asynchronous rollout thread (`train.max_staleness`) keeps
+    # its kernels running on a stream of its own meanwhile.
     if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
         return True
     return False
+
+
+@dataclass
+class _ThreadTimes:
+    totals: dict[str, float] = field(default_factory=dict)
+    peaks: dict[str, float] = field(default_factory=dict)
+    prefix: str = ""
+    running: list[float] = field(default_factory=list)  # the peak seen so far by each open phase, outermost first
 
 
 class PhaseTimer:
@@ -121,13 +133,43 @@ class PhaseTimer:
     names the phases of a block with a prefix (`time/eval/rollout`), so an eval's rollout is not
     added to the training rollout's time. `peak_gib(phase)` reads a phase's peak of this step
     before `pop()` (rider-grm's swap plan decides from them).
+
+    Each thread keeps its own totals: the rollout thread of an asynchronous run
+    (`train.max_staleness`) times its phases apart from the trainer's, and `pop()` returns the
+    calling thread's. Only the thread that made the timer reads memory peaks (the allocator's
+    counters are per device).
     """
 
     def __init__(self) -> None:
-        self.totals: dict[str, float] = {}
-        self.peaks: dict[str, float] = {}
-        self._prefix = ""
-        self._running: list[float] = []  # the peak seen so far by each open phase, outermost first
+        self._local = threading.local()
+        self._owner = threading.get_ident()
+
+    @property
+    def _mine(self) -> _ThreadTimes:
+        mine = getattr(self._local, "times", None)
+        if mine is None:
+            mine = self._local.times = _ThreadTimes()
+        return mine
+
+    @property
+    def totals(self) -> dict[str, float]:
+        return self._mine.totals
+
+    @property
+    def peaks(self) -> dict[str, float]:
+        return self._mine.peaks
+
+    @property
+    def _prefix(self) -> str:
+        return self._mine.prefix
+
+    @_prefix.setter
+    def _prefix(self, value: str) -> None:
+        self._mine.prefix = value
+
+    @property
+    def _running(self) -> list[float]:
+        return self._mine.running
 
     @contextmanager
     def scope(self, prefix: str) -> Iterator[None]:
@@ -141,7 +183,7 @@ class PhaseTimer:
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
         phase = self._prefix + phase
-        cuda = _cuda_sync()
+        cuda = _cuda_sync() and threading.get_ident() == self._owner
         if cuda:
             if self._running:  # the enclosing phase's peak so far, before the counter is reset
                 self._running[-1] = max(self._running[-1], torch.cuda.max_memory_allocated() / 2**30)
@@ -151,7 +193,7 @@ class PhaseTimer:
         try:
             yield
         finally:
-            cuda = _cuda_sync()
+            cuda = _cuda_sync() and threading.get_ident() == self._owner
             self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - start
             inner = self._running.pop()
             if cuda:
@@ -169,5 +211,5 @@ class PhaseTimer:
         resets the totals."""
         out = {f"time/{phase}": seconds for phase, seconds in self.totals.items()}
         out.update({f"memory/{phase}_peak_gib": gib for phase, gib in self.peaks.items()})
-        self.totals, self.peaks = {}, {}
+        self._mine.totals, self._mine.peaks = {}, {}
         return out

@@ -11,6 +11,9 @@ own typed state. The loop owns the schedule; the recipe says only what is its ow
         def score(self, state, step, batch) -> Scores | Skip: ...  # rewards and group ids
         def update(self, state, step, batch, advantages) -> dict[str, float]: ...
         def evaluate(self, state, step) -> dict[str, float]: ...   # optional
+        def sample(self, state, step) -> Sampled: ...              # asynchronous runs: the rollout thread's part
+        def prepare(self, state, step, sampled) -> Batch: ...      # ... and the trainer's part
+        def weight_channel(self, state) -> WeightChannel: ...      # ... and the engine's weights by version
         def finish(self, state) -> dict[str, str]: ...             # exports, optional
 
 Hooks return what they measure (metrics, scores), never write results into shared state for the
@@ -35,10 +38,11 @@ from rl_core.train.config import ConfigError
 from rl_core.train.fields import RunFields, run_fields
 from rl_core.train.groups import GroupAdvantages
 from rl_core.train.metrics import PhaseTimer
+from rl_core.train.pipeline import WeightChannel
 from rl_core.train.samples import SampleLog
 from rl_core.train.update import NonFiniteGuard
 
-__all__ = ["Checkpoint", "Recipe", "RunContext", "RunFields", "Schedule", "Scores", "Skip", "check_batch_split", "check_group_size", "run_fields"]
+__all__ = ["Checkpoint", "Recipe", "RunContext", "RunFields", "Schedule", "Scores", "Skip", "check_batch_split", "check_group_size", "check_placement", "run_fields"]
 
 
 def check_batch_split(batch_size: int, world_size: int, mini_batch_size: int | None = None, *,
@@ -58,6 +62,18 @@ def check_group_size(estimator: str, n: int, *, key: str, n_key: str) -> None:
                           f"and needs {n_key} >= 2")
 
 
+def check_placement(placement: str, engine: str, max_staleness: int, *, key: str = "rollout.placement") -> None:
+    """`Recipe.check`'s rule for a rollout GPU of its own (`split`): it samples while the
+    trainer updates, so it needs asynchronous rollouts, and (for now) the `hf` engine."""
+    if placement != "split":
+        return
+    if max_staleness < 1:
+        raise ConfigError(f"{key}=split samples on its own GPU while the trainer updates: it needs "
+                          "train.max_staleness >= 1")
+    if engine == "vllm":
+        raise ConfigError(f"{key}=split needs rollout.engine=hf (a vLLM engine is colocated with its trainer)")
+
+
 C = TypeVar("C", bound=msgspec.Struct)  # the app config: a Struct whose `train` table is a RunFields
 S = TypeVar("S")
 B = TypeVar("B")
@@ -73,6 +89,7 @@ class RunContext:
     timer: PhaseTimer  # `with run.timer("logprob"): ...` inside a hook adds `time/logprob`
     samples: SampleLog  # `run.samples.write("train", step, rows)`: samples/train.jsonl
     guard: NonFiniteGuard  # pass to `optimizer_step`: non-finite steps skipped, too many stop the run
+    stale_start: bool = False  # a resumed asynchronous run: its first steps train on rollouts sampled before it
 
     @property
     def device(self) -> torch.device:
@@ -92,8 +109,9 @@ class RunContext:
 
     def first_step(self, step: int) -> bool:
         """Whether `step` is the first this process trains (a fresh start or a resume): where the
-        rollout engine and the trainer must agree exactly (the first-replay check)."""
-        return step == self.start_step + 1
+        rollout engine and the trainer must agree exactly (the first-replay check). Never for an
+        asynchronous run resumed with rollouts in flight: they are older than its weights."""
+        return step == self.start_step + 1 and not self.stale_start
 
 
 @dataclass(frozen=True)
@@ -143,7 +161,8 @@ class Checkpoint:
     objects (sampler, `sharded_state(...)`, an EMA) and JSON values; `trained`: the module whose
     trainable parameters must be finite before anything is written. `accelerator=True`: every
     process saves through `accelerator.save_state` (the prepared model and optimizer); False:
-    only `state` is written, by the main process (a LoRA-only trainer). `write_files(folder)`
+    only `state` is written, by the main process (a LoRA-only trainer), and an asynchronous
+    run's rollouts in flight by each process. `write_files(folder)`
     adds files inside the checkpoint before it is published (adapters in PEFT format), run
     inside `gather`, which every process enters (a sharded policy gathers its weights there)."""
 
@@ -208,6 +227,25 @@ class Recipe(ABC, Generic[C, S, B]):
         """The policy update from this process's samples and their advantages (timed as
         `update`); returns its metrics, reduced over every process. A `tokens` entry (prompt +
         completion tokens of every process) becomes `throughput/tokens_per_s` per process."""
+
+    # asynchronous rollouts (`train.max_staleness >= 1`, `rl_core.train.pipeline`): all three needed
+    def sample(self, state: S, step: int) -> Any:
+        """The part of `rollout` that runs on the rollout thread, ahead of the trainer: draw the
+        step's prompts and sample them with the engine. It must not touch the trained weights
+        or the optimizer (the trainer is updating them meanwhile) and must run no collective
+        (no gather or reduce across processes). A recipe that implements it has
+        `rollout = prepare(sample(...))`."""
+        raise NotImplementedError(f"{self.name} has no sample hook")
+
+    def prepare(self, state: S, step: int, sampled: Any) -> B:
+        """The rest of `rollout`, on the trainer's thread, just before the step's reward: what
+        needs the trained weights (old and reference log-probs) or other processes."""
+        return sampled  # type: ignore[no-any-return]
+
+    def weight_channel(self, state: S) -> WeightChannel:
+        """The engine's weights by version (`rl_core.train.WeightChannel`), e.g. the policy
+        engine of `rl_rollout.policy`, switched to a private copy of the weights."""
+        raise NotImplementedError(f"{self.name} has no weight channel")
 
     def merge(self, state: S, groups: Sequence[tuple[B, Sequence[int]]]) -> B:
         """One batch from the groups that dynamic sampling kept (`train.dynamic_sampling`): each

@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor
 
 from rl_core.errors import UserError
 from rl_core.train.fields import MixedPrecision, Sharding, ShardingFields
+from rl_core.train.process_state import ProcessState
 
 __all__ = [
     "SHARDINGS",
@@ -306,7 +307,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
-class ShardedState:
+class ShardedState(ProcessState):
     """A sharded model and its optimizer, saved and loaded by every process through
     `torch.distributed.checkpoint` (each rank writes and reads its own shards; `save_checkpoint`
     and `load_checkpoint` call `save`/`load` for state values of this type).

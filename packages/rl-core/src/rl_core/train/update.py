@@ -214,11 +214,13 @@ class ReplayCheck:
     different distributions (other prompts, media, weights, dtype or step function)."""
 
     def __init__(self) -> None:
-        self.total, self.count, self.max = 0.0, 0, 0.0
+        self.total, self.count, self.max, self.kl = 0.0, 0, 0.0, 0.0
 
     def add(self, trainer: torch.Tensor, engine: torch.Tensor) -> None:
         """Same-shape log-probs of the trained units (padding already removed)."""
-        d = (trainer.detach().float().cpu() - engine.detach().float().cpu()).abs()  # [N]
+        signed = trainer.detach().float().cpu() - engine.detach().float().cpu()  # [N] log(trainer / engine)
+        self.kl += float((torch.expm1(signed) - signed).sum())  # k3 of KL(engine || trainer), on engine samples
+        d = signed.abs()  # [N]
         self.total += float(d.sum())
         self.count += d.numel()
         self.max = max(self.max, float(d.max())) if d.numel() else self.max
@@ -231,8 +233,9 @@ class ReplayCheck:
     def verify(self, accelerator: Any, tolerance: float, what: str) -> dict[str, float]:
         """Raise when the mean difference exceeds `tolerance`; returns the metrics."""
         mean, peak = self.reduce(accelerator)
+        kl, count = _reduce(accelerator, [self.kl, float(self.count)], "sum")
         if not mean <= tolerance:
             raise RuntimeError(f"{what}: mean |engine logp - trainer logp| = {mean:.3g} > tolerance {tolerance} "
                                f"(max {peak:.3g}): the rollout engine and the training model disagree (prompts, "
                                "media, weights, dtype or step function differ)")
-        return {"replay/engine_diff_mean": mean, "replay/engine_diff_max": peak}
+        return {"replay/engine_diff_mean": mean, "replay/engine_diff_max": peak, "replay/engine_kl": kl / max(count, 1.0)}

@@ -1,0 +1,132 @@
+"""caption-rl synchronous against asynchronous (`train.max_staleness`) on one GPU, colocated.
+
+    python benchmarks/async_rl.py                 # Qwen3-VL-2B shape, hf engine, one GPU
+    python benchmarks/async_rl.py --vllm          # the same with rollout.engine=vllm
+    python benchmarks/async_rl.py --smoke         # tiny, CPU: prints, appends nothing
+    python benchmarks/async_rl.py --two-gpus      # 2 GPUs: DDP synchronous vs split asynchronous
+
+The setting is benchmarks/caption_rl.py's (32 images x 8 captions x 256 tokens per step, rule
+reward, bf16 full fine-tuning, one optimizer step per RL step), one engine call per step (not
+seeded per prompt, which would make 32 calls of 8 rows). Each
+run is its own process (clean CUDA peak). Staleness N >= 1 samples step j + 1 on a rollout thread
+(its own CUDA stream, its own copy of the trained weights) while step j updates, with
+`algo.rollout_correction=token_truncate`. Reported: samples/s (all processes' samples per second
+of step time), seconds per step and per phase, and the overlap limit beside it: with rollout R
+and the rest of the step U (reward, log-probs, update) in series, overlapping them at best gives
+(R + U) / max(R, U) — when one GPU runs both, less, since they share its compute.
+
+`--two-gpus`: the same batch on 2 GPUs, synchronous DDP (2 processes, 16 prompts each) against
+asynchronous split placement (1 trainer process on GPU 0, its rollout engine on GPU 1:
+`rollout.placement=split`, `rollout.engine=hf`), each launched with `accelerate launch`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from caption_rl import APP, WARMUP, build_policy, caption_rl_args, run_figures, run_side
+from results import append_results
+
+SETTINGS = {0: [], 1: ["train.max_staleness=1", "algo.rollout_correction=token_truncate"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU; prints, appends nothing")
+    parser.add_argument("--vllm", action="store_true", help="rollout.engine=vllm (colocated, stays awake when async)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (the first two are warm-up)")
+    parser.add_argument("--two-gpus", action="store_true", help="DDP synchronous vs split asynchronous on 2 GPUs")
+    args = parser.parse_args()
+    steps = args.steps or (WARMUP + 3 if args.smoke else WARMUP + 5)
+    if args.two_gpus:
+        two_gpus(steps)
+        return
+    figures: dict[int, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        policy = build_policy(Path(tmp) / "policy", args.smoke)
+        gc.collect()
+        for staleness, overrides in SETTINGS.items():
+            out = Path(tmp) / f"s{staleness}"
+            out.mkdir()
+            figures[staleness] = run_side("caption-rl", args.smoke, steps, policy, out,
+                                          overrides, args.vllm)
+    report(figures, smoke=args.smoke, vllm=args.vllm)
+
+
+def report(figures: dict[int, dict], *, smoke: bool, vllm: bool) -> None:
+    sync = figures[0]
+    header = ["schedule", "samples/s", "s/step", "rollout s", "waited s", "reward s", "logprob s", "update s",
+              "peak GiB", "vs sync"]
+    rows = []
+    for staleness, f in figures.items():
+        peak = f["device_peak_gib"] if vllm else f["peak_gib"]
+        rows.append([f"max_staleness={staleness}", f"{f['throughput/samples_per_s']:.2f}", f"{f['time/step']:.2f}",
+                     f"{f['time/rollout']:.2f}", f"{f['time/rollout_wait']:.2f}" if staleness else "",
+                     f"{f['time/reward']:.3f}", f"{f['time/logprob']:.2f}", f"{f['time/update']:.2f}", f"{peak:.1f}",
+                     f"{f['throughput/samples_per_s'] / sync['throughput/samples_per_s']:.2f}x"])
+    rollout, rest = sync["time/rollout"], sync["time/step"] - sync["time/rollout"]
+    limit = (rollout + rest) / max(rollout, rest)
+    notes = (f"caption-rl at Qwen3-VL-2B shape (random weights, bf16, full fine-tuning, gradient checkpointing), "
+             f"32 images x 8 captions x 256 tokens per step, rule reward, rollout.engine={'vllm' if vllm else 'hf'} "
+             "colocated on one GPU, each schedule in its own process; means over the "
+             f"steps after the first {WARMUP} (and, asynchronous, before the last: it has nothing to overlap). max_staleness=1: the rollout thread (own CUDA stream, own weight copy) "
+             "samples step j+1 while step j trains, algo.rollout_correction=token_truncate. Overlap limit from the "
+             f"synchronous run: (rollout {rollout:.2f} s + rest {rest:.2f} s) / max = {limit:.2f}x (one GPU shares "
+             "its compute between the two, so less is reachable). Goal: async >= 1.2x sync on one GPU. Seconds per "
+             "step, warm-up included: " + "; ".join(f"N={n}: {f['steps/step']}" for n, f in figures.items()) + ".")
+    title = (f"caption-rl asynchronous vs synchronous on one GPU ({'vLLM' if vllm else 'hf'} engine, "
+             "Qwen3-VL-2B shape)")
+    if smoke:
+        print(json.dumps({"header": header, "rows": rows, "notes": notes}, indent=1))
+        return
+    append_results(title, header, rows, notes)
+
+
+def launch(processes: int, policy: Path, out: Path, steps: int, overrides: list[str]) -> dict:
+    """caption-rl under `accelerate launch` with `processes` processes; figures from metrics.csv."""
+    import subprocess
+
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                *(["--multi_gpu"] if processes > 1 else [])]
+    subprocess.run([*launcher, str(APP / "__main__.py"),
+                    *caption_rl_args(policy, out, smoke=False, steps=steps, overrides=overrides)], check=True)
+    [run] = [d for d in out.iterdir() if d.is_dir() and d.name.startswith("run-")]
+    return run_figures(run)
+
+
+def two_gpus(steps: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        policy = build_policy(Path(tmp) / "policy", False)
+        gc.collect()
+        sync = launch(2, policy, Path(tmp) / "ddp", steps, ["rollout.engine=hf"])
+        split = launch(1, policy, Path(tmp) / "split", steps, ["rollout.engine=hf", "rollout.placement=split",
+                                                                *SETTINGS[1]])
+    header = ["schedule on 2 GPUs", "samples/s", "s/step", "rollout s", "waited s", "update s", "vs sync"]
+    rows = [[name, f"{f['throughput/samples_per_s']:.2f}", f"{f['time/step']:.2f}", f"{f['time/rollout']:.2f}",
+             f"{f['time/rollout_wait']:.2f}" if name.startswith("split") else "", f"{f['time/update']:.2f}",
+             f"{f['throughput/samples_per_s'] / sync['throughput/samples_per_s']:.2f}x"]
+            for name, f in (("DDP synchronous (2 processes)", sync), ("split asynchronous, max_staleness=1", split))]
+    notes = ("caption-rl at Qwen3-VL-2B shape (random weights, bf16, full fine-tuning, gradient checkpointing), 32 "
+             "images x 8 captions x 256 tokens per step on 2 GPUs, hf engine. DDP: 2 processes of 16 prompts, each "
+             "rolling out and training in series on its GPU. Split: 1 trainer process (GPU 0) with its rollout "
+             "engine on GPU 1 sampling the next step meanwhile (rollout.placement=split, max_staleness=1, "
+             f"token_truncate). Means over the steps after the first {WARMUP} (split: before the last). Goal (issue "
+             "31): async split >= 1.8x our synchronous run on the same 2 GPUs. Seconds per step, warm-up included: "
+             f"DDP {sync['steps/step']}; split {split['steps/step']}.")
+    append_results("caption-rl on 2 GPUs: synchronous DDP vs asynchronous split placement (Qwen3-VL-2B shape)",
+                   header, rows, notes)
+
+
+if __name__ == "__main__":
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+    main()
