@@ -17,7 +17,8 @@ One deployment per served reward (`reward_names`), named after it, and an ingres
 Ray Serve's HTTP proxy takes the connections (`host`/`port`; one per cluster, on the head node),
 so uvicorn's guards of the `uvicorn` backend (`serving.py`: read deadlines, the connection cap,
 the drain) are Ray Serve's own here; a replica that stops running is found by Ray Serve's health
-check (every `heartbeat_interval()`, `heartbeat_timeout_s`) and replaced.
+check (every `heartbeat_interval()`; `HEALTH_CHECKS_MISSED` in a row, about `heartbeat_timeout_s`)
+and replaced; the calls it held are sent again after `chunk_deadline_s`.
 
 From Python: `serve.run(serve_application(settings), name=APP_NAME, route_prefix="/")` on a
 connected Ray; `rl-rewards serve --backend ray-serve` is `run_ray_serve`.
@@ -72,6 +73,13 @@ STATUS_WAIT_S = 5.0
 CONSTRUCTOR_TRIES = 3
 """A replica whose reward cannot be built (a missing judge) is tried this often, then the launch
 fails naming the error (Ray Serve's default, 20, would reload a broken judge for minutes)."""
+HEALTH_CHECKS_MISSED = 3
+"""Ray Serve replaces a replica after this many failed health checks in a row (its
+`REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD`): each check gets a third of `heartbeat_timeout_s`, so a
+replica that stops running is replaced about `heartbeat_timeout_s` after, as a worker process is."""
+STOP_POLL_S = 0.2
+"""A stopping replica looks for open requests this often (Ray Serve's default, 2 s, kept an idle
+replica, and so `serve.delete` at shutdown, waiting 2 s)."""
 
 
 # ----------------------------------------------------------------------------- reward replicas
@@ -376,8 +384,9 @@ def reward_deployment(settings: ServerSettings, name: str) -> Any:
         # a replica holds a whole batch of single-sample calls by default
         "max_ongoing_requests": batch_budget(settings, name).size if d.max_ongoing_requests is None else d.max_ongoing_requests,
         "health_check_period_s": pool.heartbeat_interval(),
-        "health_check_timeout_s": pool.heartbeat_timeout_s,
+        "health_check_timeout_s": pool.heartbeat_timeout_s / HEALTH_CHECKS_MISSED,
         "graceful_shutdown_timeout_s": settings.shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": STOP_POLL_S,
         "max_constructor_retry_count": CONSTRUCTOR_TRIES,
     }
     if d.min_replicas is None:
@@ -398,7 +407,7 @@ def serve_application(settings: ServerSettings) -> Any:
         name=INGRESS, num_replicas=1,
         ray_actor_options={"num_cpus": 0},  # parses JSON and waits on the replicas
         max_ongoing_requests=settings.limits.max_connections,
-        graceful_shutdown_timeout_s=settings.shutdown_timeout_s,
+        graceful_shutdown_timeout_s=settings.shutdown_timeout_s, graceful_shutdown_wait_loop_s=STOP_POLL_S,
         max_constructor_retry_count=CONSTRUCTOR_TRIES,
     )(RewardIngress)
     return ingress.bind(payload, handles)
