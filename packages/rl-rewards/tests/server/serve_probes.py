@@ -13,8 +13,9 @@ from rl_rewards.samples import Sample, ScoreResult
 
 class CallProbe:
     """Each sample's score is the number of samples in the scorer call it came in. A call
-    appends `<pid> <samples>` to the file `log` as it starts (one short write: whole lines from
-    several processes), then sleeps `delay_s`: a replica busy with its batch for a while."""
+    appends `<pid> <samples> <time.monotonic()>` to the file `log` as it starts (one short write:
+    whole lines from several processes; the monotonic clock is the machine's, shared by its
+    processes), then sleeps `delay_s`: a replica busy with its batch for a while."""
 
     name = "call_probe"
 
@@ -24,6 +25,6 @@ class CallProbe:
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
         with open(self.log, "a") as f:
-            f.write(f"{os.getpid()} {len(samples)}\n")
+            f.write(f"{os.getpid()} {len(samples)} {time.monotonic():.6f}\n")
         time.sleep(self.delay_s)
         return [ScoreResult(score=float(len(samples))) for _ in samples]
