@@ -66,6 +66,14 @@ JSON = "application/json"
 
 
 def make_pool(settings: ServerSettings, metrics: Metrics) -> Pool:
+    if settings.interpreters():  # rewards in environments of their own: see `environments`
+        from rl_rewards.server.environments import EnvironmentPool, serves_others
+
+        return EnvironmentPool(settings, _own_pool(settings, metrics) if serves_others(settings) else None, metrics)
+    return _own_pool(settings, metrics)
+
+
+def _own_pool(settings: ServerSettings, metrics: Metrics) -> Pool:
     if settings.ray:
         from rl_rewards.server.ray_pool import ray_router
 

@@ -78,11 +78,15 @@ def _build_default(name: str, settings: ServerSettings) -> Scorer | AsyncScorer 
 
 
 def build_served(settings: ServerSettings) -> dict[str, Scorer | AsyncScorer]:
-    """Build every served reward (loads the judge model when one is configured)."""
+    """Build every served reward (loads the judge model when one is configured), except those
+    scored in an environment of their own (`[rewards.NAME] python`, built there: see
+    `rl_rewards.server.environments`): their scorers may not even import here."""
     register_scorers(settings)
     served: dict[str, Scorer | AsyncScorer] = {}
+    elsewhere = settings.interpreters()
     for name in settings.rewards:
-        served[name] = build_reward(settings.reward_spec(name))
+        if name not in elsewhere:
+            served[name] = build_reward(settings.reward_spec(name))
     if not settings.rewards:
         for name in _default_rule_names():
             scorer = _build_default(name, settings)

@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from rl_rewards.server.interpreters import check_python, resolve_python
 from rl_rewards.spec import spec_from_dict
 
 
@@ -161,23 +162,59 @@ class PoolSettings(msgspec.Struct, kw_only=True, frozen=True):
         return min(1.0, self.heartbeat_timeout_s / 4)
 
 
-SERVING_KEYS = ("max_concurrency",)
+SERVING_KEYS = ("max_concurrency", "python")
 """Keys of a `[rewards.NAME]` table that say how the server runs the reward, not what it computes:
 
 - `max_concurrency = N`: at most N batches of this reward are scored at once across the server
   (its worker processes or Ray actors included: one router schedules them all); more wait in the
   reward's queue, in order, and are answered when scored, or 503 once `request_timeout_s` has
   passed. For judges behind a rate-limited API. Each server process of `--http-processes` schedules
-  its own, so there N must be at least the number of processes (each scores one batch at a time)."""
+  its own, so there N must be at least the number of processes (each scores one batch at a time).
+- `python = "/path/to/venv/bin/python"`: the reward is scored in worker processes of its own,
+  started with that interpreter (`rl_rewards.server.interpreters`): one environment per reward
+  where a scorer's dependencies clash with the server's. As many as `workers` (at least 1), the
+  same GPU groups; the other rewards are served as without it. A path relative to the config
+  file's folder, or a command on PATH; checked at start (it must import rl-rewards, at this
+  server's version). Not with `ray`, `backend = "ray-serve"` or `http_processes` > 1."""
 
 
-def _check_serving_keys(table: Mapping[str, Any], where: str) -> None:
+def _check_serving_keys(table: Mapping[str, Any], where: str, config: Path | None) -> dict[str, Any]:
+    """`table` with its serving keys checked and `python` made an absolute path; ValueError
+    naming the file, the line, the reward (`where`: its table) and the field."""
     limit = table.get("max_concurrency")
     if "max_concurrency" in table and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(
-            f"{where}: max_concurrency = {limit!r} must be an integer >= 1 (the most batches of this reward "
-            "scored at once); leave it out for no limit"
+            f"{_at(config, where, 'max_concurrency')}: max_concurrency = {limit!r} must be an integer >= 1 (the most "
+            "batches of this reward scored at once); leave it out for no limit"
         )
+    if "python" not in table:
+        return dict(table)
+    raw = table["python"]
+    at = f"{_at(config, where, 'python')}: python = {raw!r}:"
+    if not isinstance(raw, str) or not raw.strip():
+        raise ValueError(f"{at} must be the path of a Python interpreter, e.g. /opt/venvs/judge/bin/python")
+    try:
+        python = resolve_python(raw, Path(config).parent if config is not None else Path.cwd())
+        check_python(python)
+    except ValueError as e:
+        raise ValueError(f"{at} {e}") from None
+    return {**table, "python": python}
+
+
+def _at(config: Path | None, table: str, key: str) -> str:
+    """`FILE:LINE [table]` of `key` in the config file (without the line where it is not found
+    as `key = ...` under a `[table]` header)."""
+    if config is None:
+        return f"[{table}]"
+    current, number = None, None
+    for i, line in enumerate(Path(config).read_text().splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith("[") and not stripped.startswith("[["):
+            current = stripped.strip("[] ").split("]")[0].strip()
+        elif current == table and stripped.split("=")[0].strip() == key:
+            number = i
+            break
+    return f"{config}{f':{number}' if number else ''} [{table}]"
 
 
 class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
@@ -241,6 +278,14 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
                 "backend=ray-serve scales with Ray Serve replicas ([ray_serve] num_replicas, min_replicas/max_replicas, "
                 "num_gpus); drop workers/REWARD_NUM_WORKERS, --ray and http_processes"
             )
+        for name in self.interpreters():
+            how = ("backend=ray-serve" if self.backend == "ray-serve" else "--ray" if self.ray
+                   else f"http_processes={self.http_processes}" if self.http_processes > 1 else None)
+            if how is not None:
+                raise ValueError(
+                    f"[rewards.{name}] python: the reward's own worker processes run under the default backend with "
+                    f"http_processes=1 (--workers N or none); {how} cannot start them: drop one of the two"
+                )
         bad = _non_finite(msgspec.to_builtins(self), "")
         if bad is not None:
             # JSON, which carries the settings to worker processes, turns NaN and inf into null
@@ -271,6 +316,10 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
     def max_concurrency(self) -> dict[str, int]:
         """`max_concurrency` of each `[rewards.NAME]` that sets one."""
         return {name: table["max_concurrency"] for name, table in self.rewards.items() if "max_concurrency" in table}
+
+    def interpreters(self) -> dict[str, str]:
+        """`python` of each `[rewards.NAME]` that sets one: scored by worker processes of that interpreter."""
+        return {name: table["python"] for name, table in self.rewards.items() if "python" in table}
 
     def notes(self) -> list[str]:
         """What a user should know at startup about the settings in effect (logged once)."""
@@ -384,10 +433,11 @@ def load_settings(
     except msgspec.ValidationError as e:
         sources = ", ".join(name for name, _ in layers)
         raise ValueError(f"invalid server setting: {e} (from {sources})") from None
+    rewards: dict[str, dict[str, Any]] = {}
     for name, table in settings.rewards.items():  # only the TOML file configures rewards
-        _check_serving_keys(table, f"{config} [rewards.{name}]")
+        rewards[name] = _check_serving_keys(table, f"rewards.{name}", config)
         spec_from_dict(settings.reward_spec(name), source=f"{config} [rewards.{name}]")
-    return settings
+    return msgspec.structs.replace(settings, rewards=rewards)
 
 
 def _drop_none(flags: Mapping[str, Any]) -> dict[str, Any]:
