@@ -301,7 +301,9 @@ class Fault(NamedTuple):
 async def fault(calls: Calls, victim: int, sig: signal.Signals, known: set[int], within_s: float = 120) -> Fault:
     """Send `sig` to replica `victim` as it starts a batch (its log line appears), then wait for a
     replica process not in `known` to start one: the replacement Ray Serve started."""
+    waiting = time.monotonic()
     while victim not in {call.pid for call in calls.read()}:
+        assert time.monotonic() - waiting < within_s, f"replica {victim} took no call within {within_s:.0f} s"
         await asyncio.sleep(0.005)
     os.kill(victim, sig)
     at = time.monotonic()
