@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 from typer.testing import CliRunner
 
@@ -81,26 +82,28 @@ def test_a_reward_with_its_own_python_is_scored_by_workers_of_that_environment(t
     assert health["rewards"] == ["there", "here"] and health["workers"] == health["workers_alive"] == 1
 
 
-def test_a_python_that_cannot_run_the_reward_is_refused_naming_file_line_reward_and_field(tmp_path):
+def test_a_python_that_cannot_run_the_reward_is_refused_naming_file_line_reward_and_field(tmp_path, monkeypatch):
     """One line each: no such file, no such command, no rl-rewards there, another version there;
     through the CLI exit 2; and not with backends that do not start worker processes."""
-    bare = make_env(tmp_path / "bare", None, rl_rewards_here=False)
-    old = make_env(tmp_path / "old", None, rl_rewards_here=False)
-    [old_site] = (tmp_path / "old" / "lib").glob("python*/site-packages")
-    (old_site / "rl_rewards" / "server").mkdir(parents=True)
-    (old_site / "rl_rewards" / "__init__.py").write_text('__version__ = "0.0.1"\n')
-    (old_site / "rl_rewards" / "server" / "__init__.py").write_text("")
-    (old_site / "rl_rewards" / "server" / "workers.py").write_text("")
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # the interpreter is checked with this environment
+    venv = make_env(tmp_path / "venv", None, rl_rewards_here=False)
+    [own] = (tmp_path / "venv" / "lib").glob("python*/site-packages")
+    old = {"rl_rewards/__init__.py": '__version__ = "0.0.1"\n', "rl_rewards/server/__init__.py": "",
+           "rl_rewards/server/workers.py": ""}  # written after the case without rl-rewards
     install = f'-m pip install "rl-rewards=={rl_rewards.__version__}"'
     config = tmp_path / "server.toml"
     for python, error in [
         ("/no/such/venv/bin/python", "no such file"),
         ("no-such-python3", "no such command on PATH; give the interpreter's path, e.g. /opt/venvs/judge/bin/python"),
-        (bare, f"rl_rewards does not import there (ModuleNotFoundError: No module named 'rl_rewards'); install it "
-               f"there: {bare} {install}"),
-        (old, f"it has rl-rewards '0.0.1', this server '{rl_rewards.__version__}' (the server and its workers must "
-              f"run the same version); install it there: {old} {install}"),
+        (venv, f"rl_rewards does not import there (ModuleNotFoundError: No module named 'rl_rewards'); install it "
+               f"there: {venv} {install}"),
+        (venv, f"it has rl-rewards '0.0.1', this server '{rl_rewards.__version__}' (the server and its workers "
+               f"must run the same version); install it there: {venv} {install}"),
     ]:
+        if error.startswith("it has"):  # the same venv, now with an rl_rewards of another version
+            for path, text in old.items():
+                (own / path).parent.mkdir(parents=True, exist_ok=True)
+                (own / path).write_text(text)
         config.write_text(CONFIG.format(python=python))
         with pytest.raises(ValueError) as caught:
             load_settings(config, environ={})
@@ -108,11 +111,11 @@ def test_a_python_that_cannot_run_the_reward_is_refused_naming_file_line_reward_
     run = CliRunner().invoke(cli, ["serve", "--config", str(config)])
     assert run.exit_code == 2, run.output
     assert run.stderr.strip().splitlines() == [f"rl-rewards serve: error: {config}:4 [rewards.there]: python = "
-                                               f"{old!r}: it has rl-rewards '0.0.1', this server "
-                                               f"'{rl_rewards.__version__}' (the server and its workers must run "
-                                               f"the same version); install it there: {old} {install}"]
+                                               f"{python!r}: {error}"]
     config.write_text(CONFIG.format(python=sys.executable))
+    settings = load_settings(config, environ={})
+    settings.check()
     for flags, how in [({"backend": "ray-serve"}, "backend=ray-serve"), ({"ray": True}, "--ray"),
                        ({"http_processes": 2}, "http_processes=2")]:
         with pytest.raises(ValueError, match=f"^\\[rewards.there\\] python: .*; {how} cannot start them"):
-            load_settings(config, flags, environ={}).check()
+            msgspec.structs.replace(settings, **flags).check()
