@@ -103,25 +103,36 @@ def launch(processes: int, policy: Path, out: Path, steps: int, overrides: list[
     return run_figures(run)
 
 
+SPLIT = ["rollout.engine=hf", "rollout.placement=split", *SETTINGS[1]]
+# the rollout thread's decode as CUDA graphs: one launch per token instead of one per kernel, so it
+# holds the interpreter lock (shared with the trainer's thread) far less
+SPLIT_GRAPHS = [*SPLIT, "rollout.compile_mode=reduce-overhead", "rollout.release_cache=false"]
+
+
 def two_gpus(steps: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         policy = build_policy(Path(tmp) / "policy", False)
         gc.collect()
-        sync = launch(2, policy, Path(tmp) / "ddp", steps, ["rollout.engine=hf"])
-        split = launch(1, policy, Path(tmp) / "split", steps, ["rollout.engine=hf", "rollout.placement=split",
-                                                                *SETTINGS[1]])
-    header = ["schedule on 2 GPUs", "samples/s", "s/step", "rollout s", "waited s", "update s", "vs sync"]
+        runs = {"DDP synchronous (2 processes)": launch(2, policy, Path(tmp) / "ddp", steps, ["rollout.engine=hf"]),
+                "split asynchronous, max_staleness=1": launch(1, policy, Path(tmp) / "split", steps, SPLIT),
+                "split asynchronous, decode as CUDA graphs": launch(1, policy, Path(tmp) / "graphs", steps,
+                                                                    SPLIT_GRAPHS)}
+    sync = runs["DDP synchronous (2 processes)"]
+    header = ["schedule on 2 GPUs", "samples/s", "s/step", "rollout s", "waited s", "prepare s", "update s", "vs sync"]
     rows = [[name, f"{f['throughput/samples_per_s']:.2f}", f"{f['time/step']:.2f}", f"{f['time/rollout']:.2f}",
-             f"{f['time/rollout_wait']:.2f}" if name.startswith("split") else "", f"{f['time/update']:.2f}",
-             f"{f['throughput/samples_per_s'] / sync['throughput/samples_per_s']:.2f}x"]
-            for name, f in (("DDP synchronous (2 processes)", sync), ("split asynchronous, max_staleness=1", split))]
+             f"{f['time/rollout_wait']:.2f}" if name.startswith("split") else "", f"{f.get('time/prepare', 0.0):.2f}",
+             f"{f['time/update']:.2f}", f"{f['throughput/samples_per_s'] / sync['throughput/samples_per_s']:.2f}x"]
+            for name, f in runs.items()]
     notes = ("caption-rl at Qwen3-VL-2B shape (random weights, bf16, full fine-tuning, gradient checkpointing), 32 "
              "images x 8 captions x 256 tokens per step on 2 GPUs, hf engine. DDP: 2 processes of 16 prompts, each "
              "rolling out and training in series on its GPU. Split: 1 trainer process (GPU 0) with its rollout "
              "engine on GPU 1 sampling the next step meanwhile (rollout.placement=split, max_staleness=1, "
-             f"token_truncate). Means over the steps after the first {WARMUP} (split: before the last). Goal (issue "
-             "31): async split >= 1.8x our synchronous run on the same 2 GPUs. Seconds per step, warm-up included: "
-             f"DDP {sync['steps/step']}; split {split['steps/step']}.")
+             "token_truncate), its decode compiled as fused kernels (default) or as CUDA graphs "
+             "(rollout.compile_mode=reduce-overhead). Means over the steps after the first "
+             f"{WARMUP} (split: before the last). Goal (issue 31): async split >= 1.8x our synchronous run on the "
+             "same 2 GPUs. Seconds per step, warm-up included: "
+             + "; ".join(f"{name}: {f['steps/step']} (update {f['steps/update']}, rollout {f['steps/rollout']})"
+                         for name, f in runs.items()) + ".")
     append_results("caption-rl on 2 GPUs: synchronous DDP vs asynchronous split placement (Qwen3-VL-2B shape)",
                    header, rows, notes)
 

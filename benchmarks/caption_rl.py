@@ -161,7 +161,7 @@ def run_figures(run: Path) -> dict:
     rows = every[WARMUP:-1] if every[-1].get("rollout/staleness") else every[WARMUP:]
     mean = lambda key: statistics.fmean(float(r[key]) if r.get(key) else 0.0 for r in rows)  # noqa: E731
     figures = {key: mean(key) for key in ("throughput/tokens_per_s", "throughput/samples_per_s", "time/step",
-                                          "time/rollout", "time/rollout_wait", "time/reward", "time/logprob",
+                                          "time/rollout", "time/rollout_wait", "time/prepare", "time/reward", "time/logprob",
                                           "time/update", "response/length_mean", "rollout/staleness")}
     figures.update({key: max(float(r[key]) for r in rows) for key in rows[0] if key.startswith("memory/")})
     for phase in ("step", "rollout", "update"):  # every step, warm-up included, for the notes

@@ -22,7 +22,13 @@ from accelerate.utils import gather_object
 from caption_config import DEFAULT_CONFIG, ENV, NAME, Config, default_config
 from caption_data import Dataset, Encoded, encode_records, load_records, make_sample
 from caption_model import load_policy, reference_model
-from caption_reward import LocalReward, RemoteReward, RewardUnavailable, build_reward_backend
+from caption_reward import (
+    LocalReward,
+    RemoteReward,
+    RewardUnavailable,
+    build_reward_backend,
+    resolve_judge_engine,
+)
 
 from rl_core.train import (
     Checkpoint,
@@ -132,6 +138,8 @@ class CaptionRL(Recipe[Config, State, Batch]):
         if isinstance(cfg.reward.spec, str) and not Path(cfg.reward.spec).is_file():
             raise ConfigError(f"reward.spec file not found: {cfg.reward.spec}")
         resolve_engine(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: refused now
+        if not (cfg.reward.url or cfg.reward.host or cfg.reward.spec is not None):  # the judge in process
+            resolve_judge_engine(cfg.reward.judge_engine, world_size)
         check_placement(cfg.rollout.placement, cfg.rollout.engine, cfg.train.max_staleness)
 
     def setup(self, cfg: Config, run: RunContext) -> State:
@@ -141,7 +149,7 @@ class CaptionRL(Recipe[Config, State, Batch]):
                                 activation_checkpointing=t.fsdp_activation_checkpointing)
         data = load_records(cfg.data.train, cfg.data.eval, eval_size=cfg.data.eval_size, task=cfg.data.task, seed=t.seed)
         model, processor, policy_path = load_policy(m)
-        reward = build_reward_backend(cfg.reward, policy_path=policy_path, seed=t.seed)
+        reward = build_reward_backend(cfg.reward, policy_path=policy_path, seed=t.seed, world_size=run.world_size)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.lr,
                                       weight_decay=t.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / (t.warmup_steps + 1)))
@@ -295,6 +303,7 @@ class CaptionRL(Recipe[Config, State, Batch]):
 
     def close(self, s: State) -> None:
         s.engine.close()
+        s.reward.close()
 
 
 RECIPE = CaptionRL()

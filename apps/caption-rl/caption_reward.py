@@ -6,6 +6,7 @@ server still down after its retries skips the step."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from caption_config import RewardConfig
 
@@ -14,6 +15,10 @@ from rl_models import tiny
 from rl_rewards import Sample, ScoreResult, build_reward
 from rl_rewards.client import RetryPolicy, RewardClient, RewardClientError
 from rl_rewards.spec import Component, RewardSpec
+from rl_rollout import Engine, resolve_engine
+
+JUDGE_ENGINE_KEY = "reward.judge_engine"
+JUDGE_MAX_MODEL_LEN = 16384  # vllm judge: a ~1.2k-token judge prompt around a caption of up to 4096 tokens, with room
 
 
 class RewardUnavailable(RuntimeError):
@@ -32,22 +37,58 @@ def caprl_spec(r: RewardConfig, task: str, length_tokenizer: str) -> RewardSpec:
     return RewardSpec(components=components)
 
 
+def resolve_judge_engine(engine: str, world_size: int) -> tuple[str, str]:
+    """`(engine, why)` for `reward.judge_engine` (`rl_rollout.resolve_engine`): a vLLM judge
+    serves one training process (its engine core, a process of its own, would start on GPU 0
+    for every rank), so `auto` is hf with several and `vllm` is refused there."""
+    if world_size > 1 and engine == "vllm":
+        raise UserError(f'{JUDGE_ENGINE_KEY} = "vllm" serves one training process and this run has {world_size}: '
+                        f'each would start its judge on GPU 0; use {JUDGE_ENGINE_KEY} = "hf" (or "auto"), or a '
+                        "reward server (reward.url)")
+    if world_size > 1 and engine == "auto":
+        return "hf", f"hf (auto: {world_size} training processes, a vLLM judge serves one)"
+    return resolve_engine(engine, key=JUDGE_ENGINE_KEY)
+
+
+def vllm_judge_options(r: RewardConfig, judge: str) -> dict[str, Any]:
+    """`vllm.LLM` arguments of the judge: its memory share, a `max_model_len` whose KV cache fits
+    it (vLLM refuses to start when one sequence of the model's own maximum does not), then
+    `reward.judge_engine_options`."""
+    from transformers import AutoConfig
+
+    longest = AutoConfig.from_pretrained(judge).max_position_embeddings
+    return {"gpu_memory_utilization": r.judge_gpu_memory_utilization,
+            "max_model_len": min(JUDGE_MAX_MODEL_LEN, longest)} | r.judge_engine_options
+
+
 class LocalReward:
     """The reward in process: `reward.spec` for every row, or `caprl_spec` per task with one
     judge engine shared by the image and the video QA scorer (`qa_estimator`, `answer_parser`
-    and `qa_prompt_file` pick CapRL++'s server formulas: see the README)."""
+    and `qa_prompt_file` pick CapRL++'s server formulas: see the README). A vLLM judge is asleep
+    (weights in host memory, no KV cache) but while it scores, so the trainer and the policy's
+    engine have the GPU; an hf judge stays loaded, as before."""
 
-    def __init__(self, r: RewardConfig, *, length_tokenizer: str, seed: int) -> None:
+    def __init__(self, r: RewardConfig, *, length_tokenizer: str, seed: int, world_size: int = 1) -> None:
         self.weights: dict[str, float] = {}  # every task's component weights (normalize_then_sum)
+        self.swapped: Engine | None = None  # the judge woken for each score call
         if r.spec is not None:
             self.by_task = dict.fromkeys(("image", "video"), build_reward(r.spec))
             self._weigh()
             return
         from rl_rewards.scorers.caption_qa import CaptionQAScorer
-        from rl_rewards.scorers.engines import load_engine, load_tokenizer
+        from rl_rewards.scorers.engines import load_tokenizer
+        from rl_rollout import load_engine
 
         judge = tiny.resolve(r.judge, key="reward.judge")
-        engine, tokenizer = load_engine(judge), load_tokenizer(judge)
+        kind, why = resolve_judge_engine(r.judge_engine, world_size)
+        print(f"caption_qa judge {r.judge}: engine {why}")
+        options = vllm_judge_options(r, judge) if kind == "vllm" else {}
+        # its own engine-core process: built before the policy's engine, which may run one in this process
+        engine = load_engine(kind, judge, key=JUDGE_ENGINE_KEY, in_process=False, **options)
+        tokenizer = load_tokenizer(judge)
+        if kind == "vllm":
+            engine.sleep()
+            self.swapped = engine
         self.by_task = {task: build_reward(caprl_spec(r, task, length_tokenizer), scorers={"qa": CaptionQAScorer(
             engine, tokenizer, task=task, estimator=r.qa_estimator, qa_num=r.qa_num, seed=seed,
             answer_parser=r.answer_parser, prompt_template=r.qa_prompt_file)}) for task in ("image", "video")}
@@ -62,12 +103,22 @@ class LocalReward:
                 return
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
-        results: list[ScoreResult | None] = [None] * len(samples)
-        for task, reward in self.by_task.items():
-            todo = [i for i, s in enumerate(samples) if s.metadata["task"] == task]
-            for i, result in zip(todo, reward.score([samples[i] for i in todo]), strict=True):
-                results[i] = result
-        return [r for r in results if r is not None]
+        if self.swapped is not None:
+            self.swapped.wake()
+        try:
+            results: list[ScoreResult | None] = [None] * len(samples)
+            for task, reward in self.by_task.items():
+                todo = [i for i, s in enumerate(samples) if s.metadata["task"] == task]
+                for i, result in zip(todo, reward.score([samples[i] for i in todo]), strict=True):
+                    results[i] = result
+            return [r for r in results if r is not None]
+        finally:
+            if self.swapped is not None:
+                self.swapped.sleep()
+
+    def close(self) -> None:
+        if self.swapped is not None:
+            self.swapped.close()
 
 
 class RemoteReward:
@@ -109,9 +160,14 @@ class RemoteReward:
                                    components=components))
         return out
 
+    def close(self) -> None:
+        self.client.close()
 
-def build_reward_backend(r: RewardConfig, *, policy_path: str, seed: int) -> LocalReward | RemoteReward:
+
+def build_reward_backend(r: RewardConfig, *, policy_path: str, seed: int, world_size: int) -> LocalReward | RemoteReward:
     """A server when `reward.url` (or `reward.host`) is set, else the reward in process."""
     url = r.url or (f"http://{r.host}:{r.port}/get_reward" if r.host else None)
     tokenizer = r.length_tokenizer or policy_path
-    return RemoteReward(r, url, length_tokenizer=tokenizer) if url else LocalReward(r, length_tokenizer=tokenizer, seed=seed)
+    if url:
+        return RemoteReward(r, url, length_tokenizer=tokenizer)
+    return LocalReward(r, length_tokenizer=tokenizer, seed=seed, world_size=world_size)

@@ -1,6 +1,8 @@
 """The `vllm` rollout path on a real vLLM (opt-in `-m vllm`, needs a GPU): a colocated engine
 asleep during the update, the policy's weights pushed after every optimizer step (LoRA merged,
-or full fine-tuning), images and videos; and `rollout.engine=auto` picking vLLM there."""
+or full fine-tuning), images and videos; and `rollout.engine=auto` picking vLLM there. The
+in-process QA judge on vLLM (`reward.judge_engine=auto` picks it there): beside a vLLM policy
+engine in one run, and scoring as the hf judge does."""
 
 from __future__ import annotations
 
@@ -43,3 +45,61 @@ def test_weight_sync_with_real_vllm(app, tmp_path, tuning):
 def test_auto_picks_vllm_and_says_so(app, tmp_path, capfd):
     app.main(tiny_overrides(tmp_path, *FAST, "data.eval_size=0", "train.max_steps=1"))
     assert "rollout.engine: vllm (auto: CUDA device and vLLM found)" in capfd.readouterr().out
+
+
+def test_asynchronous_rollouts_with_real_vllm(app, tmp_path):
+    """train.max_staleness=1: the engine stays awake, the rollout thread samples step j + 1 while
+    step j trains, and each version of the weights reaches vLLM as a push between its requests: step
+    j samples with the weights after step j - 2 (optimizer steps 0, 0, 1, 2), never newer, never
+    older. Step 1 samples with the weights it trains, so its engine gap is kernels only."""
+    run = app.main(tiny_overrides(tmp_path, "rollout.engine=vllm", *FAST, "model.lora_rank=0", "train.lr=1e-3",
+                                  "data.eval_size=0", "train.max_steps=4", "train.max_staleness=1",
+                                  "algo.rollout_correction=token_truncate"))
+    rows = app_rows(run)
+    assert [float(r["rollout/weight_version"]) for r in rows] == [0.0, 0.0, 1.0, 2.0]
+    assert [float(r["rollout/staleness"]) for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert float(rows[0]["replay/engine_diff_mean"]) < 1e-2, rows[0]
+    for row in rows:
+        assert 0.0 <= float(row["replay/engine_kl"]) < 1.0, row  # finite, and the push landed (else it grows)
+
+
+JUDGE_FAST = ["reward.spec=null", "reward.judge=tiny:qwen3", "reward.judge_gpu_memory_utilization=0.2",
+              "reward.judge_engine_options.enforce_eager=true"]
+
+
+def test_in_process_judge_on_vllm_beside_a_vllm_policy_engine(app, tmp_path, capsys):
+    """The judge's engine core runs in a process of its own, built before the policy's
+    in-process one (two engine cores cannot share a process); it sleeps outside the reward
+    phase, so both fit one GPU with the trainer."""
+    run = app.main(tiny_overrides(tmp_path, "rollout.engine=vllm", *FAST, *JUDGE_FAST, "data.eval_size=0",
+                                  "train.max_steps=2"))
+    assert "caption_qa judge tiny:qwen3: engine vllm (auto: CUDA device and vLLM found)\n" in capsys.readouterr().out
+    rows = app_rows(run)
+    assert len(rows) == 2
+    for row in rows:
+        assert float(row["reward/failed"]) == 0 and 0 <= float(row["reward/qa"]) <= 1, row
+
+
+def test_in_process_judge_on_vllm_scores_as_the_hf_judge():
+    """The same QA rewards from the judge on vLLM as on hf (vLLM's scoring itself is compared
+    with hf's in rl-rollout's test_vllm; here: the app's wiring), and the vLLM judge is asleep
+    before and after each score call."""
+    from caption_config import RewardConfig
+    from caption_data import load_records, make_sample
+    from caption_reward import LocalReward
+    from conftest import DATA
+
+    data = load_records([str(DATA / "caption_qa_images.jsonl")], [], eval_size=0, task="auto", seed=0)
+    samples = [make_sample(row, caption) for row, caption in zip(data.train[:4], [
+        "a red circle on a white table", "a blue square", "nothing to see", "a green triangle and a red circle"], strict=True)]
+    base = {"judge": "tiny:qwen3", "length_l1": 8, "length_l2": 24}
+    hf = LocalReward(RewardConfig(**base, judge_engine="hf"), length_tokenizer="whitespace", seed=0)
+    on_vllm = LocalReward(RewardConfig(**base, judge_gpu_memory_utilization=0.2,
+                                       judge_engine_options={"enforce_eager": True}), length_tokenizer="whitespace", seed=0)
+    assert on_vllm.swapped is not None and on_vllm.swapped.state == "asleep"
+    expected, got = hf.score(samples), on_vllm.score(samples)
+    assert on_vllm.swapped.state == "asleep"
+    assert all(r.error is None for r in expected + got)
+    # vLLM's kernels (and its dtype="auto" choice) differ from hf's float32 forward: rl-rollout's test_vllm's 2e-2 bound
+    assert [r.components["qa"] for r in got] == pytest.approx([r.components["qa"] for r in expected], abs=2e-2)
+    on_vllm.close()

@@ -105,11 +105,14 @@ def test_split_placement_needs_asynchronous_rollouts_and_a_gpu_of_its_own(app, t
 def test_vllm_without_cuda_stops_before_loading(app, tmp_path):
     with pytest.raises(UserError, match=r'^rollout\.engine = "vllm" needs a CUDA GPU'):
         app.main(tiny_overrides(tmp_path, "rollout.engine=vllm"))
+    with pytest.raises(UserError, match=r'^reward\.judge_engine = "vllm" needs a CUDA GPU, and torch sees none'):
+        app.main(tiny_overrides(tmp_path, "rollout.engine=hf", "reward.spec=null", "reward.judge_engine=vllm"))
     assert not list(tmp_path.iterdir())  # no run directory, nothing loaded or written
 
-def test_end_to_end_images_and_a_video_with_the_qa_judge(app, tmp_path):
-    """The CapRL++ reward in process (tiny Qwen3 judge): every trainable tensor changes, every
-    metric column is written, and every output exists."""
+def test_end_to_end_images_and_a_video_with_the_qa_judge(app, tmp_path, capsys):
+    """The CapRL++ reward in process (tiny Qwen3 judge, `reward.judge_engine` left at auto, which
+    says what it picked): every trainable tensor changes, every metric column is written, and
+    every output exists."""
     run = app.main(tiny_overrides(
         tmp_path, f"data.train=[\"{mixed_dataset(tmp_path)}\"]", f"data.eval=[\"{DATA / 'caption_qa_videos.jsonl'}\"]",
         "reward.spec=null", "reward.judge=tiny:qwen3", "reward.length_l1=4", "reward.length_l2=12",
@@ -130,6 +133,8 @@ def test_end_to_end_images_and_a_video_with_the_qa_judge(app, tmp_path):
                  "checkpoints/checkpoint-2/meta.json", "export/processor_config.json"):
         assert (run / path).is_file(), path
     assert len((run / "samples" / "eval-step-000002.jsonl").read_text().splitlines()) == 3  # the 3 eval videos
+    if not torch.cuda.is_available():
+        assert "caption_qa judge tiny:qwen3: engine hf (auto: no CUDA device, vLLM needs one)\n" in capsys.readouterr().out
 
 
 def test_lora_with_a_kl_term_against_the_adapter_disabled_reference(app, tmp_path):

@@ -144,3 +144,23 @@ def test_a_sharded_policy_is_refused(app, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"train\.max_staleness=1: asynchronous rollouts need train\.sharding=none"):
         train(app, load_config(app.Config, app.DEFAULT_CONFIG, tiny_overrides(
             tmp_path, "train.max_staleness=1", 'train.sharding="fsdp2"')))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("family", ["sd3", "janus"])
+def test_staleness_on_a_gpu(app, tmp_path: Path, family: str) -> None:
+    """On CUDA the rollout thread samples on a CUDA stream of its own, from its copy of the LoRA
+    model, while the trainer updates on the default stream: the copies must be finished before that
+    stream reads them. 3 epochs at staleness 1 follow the schedule (epochs 1 and 2 sample the
+    starting weights, epoch 3 those after epoch 1's optimizer steps), with finite losses and the
+    first epoch's replay within the ratio check's bound."""
+    run = train(app, tiny_config(app, family, tmp_path, "train.epochs=3", "train.save_freq=1",
+                                 "train.max_staleness=1"))
+    r = rows(run)
+    assert [float(x["rollout/staleness"]) for x in r] == [0, 1, 1]
+    assert [float(x["rollout/weight_version"]) for x in r] == [0, 0, float(r[0]["optimizer_steps"])]
+    assert float(r[0]["optimizer_steps"]) >= 1
+    assert float(r[0]["replay/engine_diff_max"]) <= 1e-5
+    for x in r:
+        assert torch.isfinite(torch.tensor([float(x["loss/total"]), float(x["grad_norm"])])).all(), x

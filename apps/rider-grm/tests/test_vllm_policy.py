@@ -75,3 +75,18 @@ def test_policy_and_two_judges_all_on_vllm(tmp_path: Path) -> None:
         assert float(row["replay/engine_diff_mean"]) < 1e-2, row
         for name in ("score", "consistency"):
             assert float(row[f"reward/{name}"]) == float(row[f"reward/{name}"])  # finite, scored
+
+
+def test_asynchronous_rollouts_with_real_vllm(tmp_path: Path) -> None:
+    """train.max_staleness=1 with the policy on vLLM: the engine stays awake (reward.swap auto ->
+    never), the rollout thread samples step j + 1 while step j trains, and step j samples with the
+    weights pushed after step j - 2 (optimizer steps 0, 0, 1, 2)."""
+    run = app.main(tiny_overrides(tmp_path, **POLICY, **{
+        "rollout.engine": '"vllm"', "reward.judges": HF_JUDGES, "train.lr": 1e-3, "train.max_steps": 4,
+        "train.max_staleness": 1, "algo.rollout_correction": '"token_truncate"', "train.save_freq": 100}))
+    rows = read_metrics(run)
+    assert [float(r["rollout/weight_version"]) for r in rows] == [0.0, 0.0, 1.0, 2.0]
+    assert [float(r["rollout/staleness"]) for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert float(rows[0]["replay/engine_diff_mean"]) < 1e-2, rows[0]
+    for row in rows:
+        assert 0.0 <= float(row["replay/engine_kl"]) < 1.0, row

@@ -25,7 +25,7 @@ from rl_core.train import (
     copy_sharing_frozen,
     unknown_metric_names,
 )
-from rl_core.train.pipeline import version_for
+from rl_core.train.pipeline import compile_across_threads, version_for
 from rl_core.train.testing import assert_two_processes_equal_one
 
 SCRIPT = Path(bandit.__file__)
@@ -194,3 +194,48 @@ def test_the_thread_waits_for_the_weights_it_needs() -> None:
     assert done.wait(10) and got[0].version == 2
     pipe.close()
     assert loaded == [0, 0, 1, 2]
+
+
+def test_a_compiled_call_runs_compiled_while_another_thread_traces() -> None:
+    """A trace marks the whole process as FX tracing: without `compile_across_threads` (which
+    the pipeline holds from begin to close), a compiled function called on another thread meanwhile
+    runs its uncompiled code; vLLM's flex attention then builds a dense score matrix (131 GiB
+    asked for on an H200 with a tiny model)."""
+    compiled_runs: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]):  # counts runs of the compiled graph
+        def run(*args: torch.Tensor):
+            compiled_runs.append(1)
+            return gm.forward(*args)  # not gm(...): symbolic_trace patches Module.__call__ process-wide
+        return run
+
+    double = torch.compile(lambda x: x * 2 + 1, backend=backend)
+    x = torch.ones(3)
+    double(x)
+    tracing, release = threading.Event(), threading.Event()
+
+    class Traced(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            tracing.set()
+            release.wait(timeout=30)
+            return x + 1
+
+    def runs_while_another_thread_traces() -> int:
+        tracing.clear(), release.clear()
+        tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(Traced(),))
+        tracer.start()
+        assert tracing.wait(timeout=30)
+        before = len(compiled_runs)
+        try:
+            assert torch.equal(double(x), x * 2 + 1)
+        finally:
+            release.set()
+            tracer.join()
+        return len(compiled_runs) - before
+
+    with torch._dynamo.config.patch(error_on_nested_fx_trace=False):
+        assert runs_while_another_thread_traces() == 0  # torch's fallback: the uncompiled code ran
+    with compile_across_threads():
+        assert runs_while_another_thread_traces() == 1
+    with pytest.raises(RuntimeError, match="symbolically trace"):  # torch's default (a 2-GPU run stopped on it)
+        runs_while_another_thread_traces()

@@ -131,6 +131,9 @@ class HealthResponse(msgspec.Struct, kw_only=True):
     error: str | None = None
     """Why the rewards could not be loaded (what was tried); null while loading and once ready.
     `rl-rewards serve` exits with status 1 right after such a failure."""
+    judge_engine: str | None = None
+    """The CapRL judge's engine (`hf` | `vllm`; `auto` resolved when the server started, or
+    `auto` under `--ray`, where each actor resolves it); null without a judge."""
 
 
 class ErrorResponse(msgspec.Struct, kw_only=True):

@@ -103,9 +103,15 @@ def vl_judge(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(request, tmp_path_factory, qa_judge):
+def server_logs(tmp_path_factory):
+    """The folder of the servers' logs (`NAME.log`)."""
+    return tmp_path_factory.mktemp("caprl")
+
+
+@pytest.fixture(scope="module")
+def servers(request, server_logs, qa_judge):
     """Three servers, started together: qa/video, qa/image, vl_judge (media root: VIDEOS)."""
-    tmp = tmp_path_factory.mktemp("caprl")
+    tmp = server_logs
     qa_env = {"REWARD_MODEL": qa_judge, "REWARD_QA_NUM": "4", "FORMAT_REWARD_WEIGHT": "0.2"}
     procs = {
         "video": server_process(tmp, "video", QA_ARGS, {**qa_env, "REWARD_TASK": "video"}, ready_timeout=300),
@@ -157,6 +163,15 @@ def test_qa_image_task_has_no_format_reward_and_uses_the_image_prompt(servers, q
     assert out["rewards"] == out["qa_rewards"]
     video = get_reward(servers["video"], body).json()["qa_rewards"]
     assert max(abs(a - b) for a, b in zip(out["qa_rewards"], video, strict=True)) > 1e-4  # other prompt
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine auto may pick vLLM")
+def test_judge_engine_auto_picks_hf_here_says_why_in_the_log_and_in_health(servers, server_logs, qa_judge):
+    """No REWARD_ENGINE: `auto`, resolved once by the server process, logged with its reason."""
+    health = httpx.get(f"{servers['video']}/health", timeout=5).json()
+    assert health["judge"] == "caption_qa" and health["judge_engine"] == "hf"
+    log = (server_logs / "video.log").read_text()
+    assert f"caption_qa judge {qa_judge}: engine hf (auto: no CUDA device, vLLM needs one)" in log
 
 
 def test_bad_sample_is_its_own_error(servers):

@@ -173,3 +173,22 @@ def test_a_non_finite_server_setting_is_refused_naming_it():
         load_settings(flags={"judge_options": {"temperature": float("inf")}}, environ={}).check()
     with pytest.raises(ValueError, match=r"^pool.request_timeout_s = inf is not a finite number"):
         load_settings(flags={"pool": {"request_timeout_s": float("inf")}}, environ={}).check()
+
+
+def test_serve_refuses_engine_vllm_where_it_cannot_run_in_one_line_naming_the_key():
+    """`--engine vllm` (or REWARD_ENGINE=vllm) on a machine without CUDA or vLLM: exit 2 at
+    start with the reason, not a judge load failing in a worker. Without rl-rewards[hf] the
+    judge cannot load at all and that failure names the install command instead
+    (test_server_load)."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine: vLLM may run here")
+    from typer.testing import CliRunner
+
+    from rl_rewards.cli import app
+
+    done = CliRunner().invoke(app, ["serve", "--model", "/models/judge", "--engine", "vllm"], env={"REWARD_ENGINE": None})
+    assert done.exit_code == 2, done.output
+    assert done.stderr == ('rl-rewards serve: error: --engine / REWARD_ENGINE = "vllm" needs a CUDA GPU, and torch '
+                           'sees none on this machine: use --engine / REWARD_ENGINE = "hf" (or "auto", which picks hf '
+                           'here)\n')

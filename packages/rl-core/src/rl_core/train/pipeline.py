@@ -42,7 +42,8 @@ import torch
 
 from rl_core.train.process_state import ProcessState
 
-__all__ = ["CopyChannel", "PendingRollouts", "RolloutPipeline", "Sampled", "WeightChannel", "copy_sharing_frozen", "version_for"]
+__all__ = ["CopyChannel", "PendingRollouts", "RolloutPipeline", "Sampled", "WeightChannel", "compile_across_threads",
+           "copy_sharing_frozen", "version_for"]
 
 
 @runtime_checkable
@@ -128,6 +129,19 @@ def copy_sharing_frozen(module: torch.nn.Module, device: torch.device | None = N
     return twin.eval()
 
 
+def compile_across_threads() -> Any:
+    """torch._dynamo settings for two threads that both run `torch.compile`d code (a context
+    manager). A trace marks the whole process as "FX tracing" (`torch.fx._symbolic_trace`'s
+    flag is a module global), and a compiled function called on the other thread meanwhile would
+    raise or, with `error_on_nested_fx_trace` off, run its uncompiled code: for flex attention
+    (vLLM's kernel for small heads) that materialises the whole score matrix, tens of GiB. With
+    `force_compile_during_fx_trace` the call takes its compiled code (or compiles, which dynamo's
+    compile lock serialises with the other thread's trace)."""
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(error_on_nested_fx_trace=False, force_compile_during_fx_trace=True)
+
+
 def version_for(step: int, start: int, max_staleness: int) -> int:
     """The step whose weights sample the rollouts of `step` (`start`: the step the run began
     or resumed at, whose weights are the first published)."""
@@ -194,15 +208,13 @@ class RolloutPipeline:
         self._error: BaseException | None = None
         self._stop = False
         self._warm = False  # set by `warmed` after the trainer's first update
+        self._compile_config: Any = None  # `compile_across_threads`, from begin to close
         self._thread = threading.Thread(target=self._work, name="rollout", daemon=True)
 
     def begin(self) -> None:
         """Publish the starting weights and start the thread."""
-        # torch.compile traces with a process-wide flag: a compiled function called on one thread
-        # while the other compiles would raise; it runs eagerly for that moment instead
-        import torch._dynamo
-
-        torch._dynamo.config.error_on_nested_fx_trace = False
+        self._compile_config = compile_across_threads()
+        self._compile_config.__enter__()
         self.publish(self.start)
         self._thread.start()
 
@@ -254,6 +266,9 @@ class RolloutPipeline:
         if self._thread.is_alive():
             self._thread.join()
         self.channel.close()
+        if self._compile_config is not None:
+            self._compile_config.__exit__(None, None, None)
+            self._compile_config = None
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -503,7 +503,7 @@ class CaptionQAScorer:
 def build_caption_qa(
     *,
     model: str,
-    engine: str = "hf",
+    engine: str = "auto",
     engine_options: dict[str, Any] | None = None,
     tokenizer: str | None = None,
     estimator: Literal["exact", "sample"] = "exact",
@@ -518,10 +518,11 @@ def build_caption_qa(
     answer_parser: Literal["strict", "caprl"] = "strict",
     prompt_template: str | None = None,
 ) -> CaptionQAScorer:
-    """`caption_qa` from a config: judge checkpoint `model` served by `engine` (`hf`, `vllm`,
-    `openai`), tokenizer from `tokenizer` (default: `model`). Other options: `CaptionQAScorer`."""
+    """`caption_qa` from a config: judge checkpoint `model` served by `engine` (`auto`: vllm on a
+    CUDA machine where vLLM imports, else hf, logged; `hf`, `vllm`, `openai`), tokenizer from
+    `tokenizer` (default: `model`). Other options: `CaptionQAScorer`."""
     return CaptionQAScorer(
-        load_engine(model, engine, engine_options), load_tokenizer(tokenizer or model),
+        load_engine(model, engine, engine_options, who="caption_qa judge"), load_tokenizer(tokenizer or model),
         estimator=estimator, task=task, temperature=temperature, permutations=permutations, qa_num=qa_num,
         max_new_tokens=max_new_tokens, seed=seed, chat_template=chat_template,
         chat_template_kwargs=chat_template_kwargs, answer_parser=answer_parser, prompt_template=prompt_template,

@@ -106,7 +106,7 @@ def build_judge(
     *,
     module: str,
     model: str,
-    engine: str = "hf",
+    engine: str = "auto",
     engine_options: dict[str, Any] | None = None,
     tokenizer: str | None = None,
     temperature: float = 0.0,
@@ -119,7 +119,7 @@ def build_judge(
     """`judge` from a config: the module is checked before the judge model is loaded."""
     reward_module = load_reward_module(module)
     return JudgeScorer(
-        load_engine(model, engine, engine_options), load_tokenizer(tokenizer or model), reward_module,
+        load_engine(model, engine, engine_options, who="judge"), load_tokenizer(tokenizer or model), reward_module,
         temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
         completion_field=completion_field, on_malformed=on_malformed,
     )

@@ -119,11 +119,11 @@ class VLJudgeScorer:
 
 
 def build_vl_judge(
-    *, model: str, engine: str = "hf", engine_options: dict[str, Any] | None = None, fps: float = 2.0,
+    *, model: str, engine: str = "auto", engine_options: dict[str, Any] | None = None, fps: float = 2.0,
     max_frames: int = 32, max_pixels: int | None = 448 * 448, temperature: float = 0.0, max_new_tokens: int = 256,
 ) -> VLJudgeScorer:
     """`vl_judge` from a config: VLM checkpoint `model` served by `engine`."""
     return VLJudgeScorer(
-        load_engine(model, engine, engine_options), fps=fps, max_frames=max_frames, max_pixels=max_pixels,
+        load_engine(model, engine, engine_options, who="vl_judge"), fps=fps, max_frames=max_frames, max_pixels=max_pixels,
         temperature=temperature, max_new_tokens=max_new_tokens,
     )

@@ -7,7 +7,7 @@ Routes (scoring routes require the bearer token when an API key is configured):
 | `POST /get_reward` | CapRL++ (qa and vl_judge), drop-in |
 | `POST /openrlhf/get_reward` | OpenRLHF remote reward model (`--reward.remote_url http://HOST:PORT/openrlhf/get_reward`; older OpenRLHF: `--remote_rm_url`) |
 | `POST /v1/score` | native: samples + reward name -> ScoreResults |
-| `GET /health` | 200 `{"ready": true, ...}` once every reward is loaded, else 503 (`error`: why loading failed) |
+| `GET /health` | 200 `{"ready": true, ...}` once every reward is loaded, else 503 (`error`: why loading failed; `judge_engine`: the judge's engine, `hf` or `vllm`) |
 | `GET /metrics` | Prometheus text |
 
 Loading happens in the background after startup, so `/health` answers (503) while a judge loads.
@@ -288,6 +288,7 @@ def build_app(settings: ServerSettings, pool: Pool | None = None, service: Rewar
             ready=service.ready(), rewards=service.names or reward_names(settings), score_mode=settings.score_mode,
             judge=judge_name(settings), workers=service.pool.size, workers_alive=service.pool.alive(), pid=os.getpid(),
             keys=keys, default_reward=service.default or settings.default_reward, error=service.load_error,
+            judge_engine=settings.engine if judge_name(settings) is not None else None,
         )
         return Response(wire.encode_json(info), status_code=200 if info.ready else 503, media_type=JSON)
 

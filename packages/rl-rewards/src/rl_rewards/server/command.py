@@ -24,7 +24,7 @@ from rich.table import Table
 
 from rl_rewards.server.http_processes import serve_processes
 from rl_rewards.server.limits import check_api_key
-from rl_rewards.server.rewards import reward_names
+from rl_rewards.server.rewards import resolve_judge_engine, reward_names
 from rl_rewards.server.serving import serve
 from rl_rewards.server.settings import ServerSettings, load_settings, to_json
 from rl_rewards.server.workers import SETTINGS_ENV
@@ -165,6 +165,7 @@ def serve_command(
     try:
         settings = load_settings(config, flags)
         settings.check()
+        settings, engine_note = resolve_judge_engine(settings)
         # a blank REWARD_API_KEY reads as unset in the settings: refuse it too, it was meant as a key
         check_api_key(settings.api_key if settings.api_key is not None else os.environ.get("REWARD_API_KEY"))
         if settings.backend == "ray-serve":  # without the extra, the ImportError names it
@@ -180,6 +181,8 @@ def serve_command(
         logging.getLogger("rl_rewards.server").warning(note)
     for note in settings.notes():
         logging.getLogger("rl_rewards.server").info(note)
+    if engine_note is not None:
+        logging.getLogger("rl_rewards.server").info(engine_note)
     run(settings)
 
 

@@ -40,6 +40,33 @@ def judge_name(settings: ServerSettings) -> str | None:
     return CAPRL_QA if settings.score_mode == "qa" else CAPRL_VL_JUDGE
 
 
+ENGINE_KEY = "--engine / REWARD_ENGINE"
+
+
+def resolve_judge_engine(settings: ServerSettings) -> tuple[ServerSettings, str | None]:
+    """The settings with the CapRL judge's `engine` resolved once, in the server process, and
+    the log line saying which engine and why (None when there is nothing to resolve here).
+
+    `auto` becomes `vllm` on a CUDA machine where vLLM imports, else `hf`, so every worker runs
+    the same engine and `/health` reports it (`judge_engine`); `vllm` where it cannot run is a
+    ValueError naming `--engine / REWARD_ENGINE` and the reason. Left as given:
+    with `--ray` (each actor resolves `auto` on its own node, logged there), and without
+    rl-rewards[hf] (loading the judge then fails naming that install command)."""
+    judge = judge_name(settings)
+    if judge is None or settings.ray:
+        return settings, None
+    try:
+        from rl_core.errors import UserError
+        from rl_rollout import resolve_engine  # imports torch: only with a judge configured
+    except ImportError:
+        return settings, None
+    try:
+        kind, why = resolve_engine(settings.engine, key=ENGINE_KEY)
+    except UserError as e:  # a bad setting, as the other settings errors: `serve` exits 2 with it
+        raise ValueError(str(e)) from None
+    return msgspec.structs.replace(settings, engine=kind), f"{judge} judge {settings.model}: engine {why}"
+
+
 def reward_names(settings: ServerSettings) -> list[str]:
     """Names of the rewards the server will try to serve, in order, without building them (the
     optional default `ocr` may drop out when it cannot be built)."""

@@ -5,7 +5,7 @@ The environment variables are those of the CapRL++ launch script, so its users k
 | variable | field | note |
 |---|---|---|
 | `REWARD_MODEL` | `model` | judge checkpoint for `score_mode` (qa: text LLM, vl_judge: VLM) |
-| `REWARD_ENGINE` | `engine` | judge engine: `auto` (default: vLLM on a CUDA machine where it imports, else hf), `hf`, `vllm`; ours |
+| `REWARD_ENGINE` | `engine` | judge engine: `auto` (default: vLLM on a CUDA machine where it imports, else hf), `hf`, `vllm`; the pick is logged and in `/health` (`judge_engine`); ours |
 | `REWARD_PORT` | `port` | default 18889 |
 | `REWARD_WORKER_BASE` | `worker_base_port` | not needed, ignored (a startup warning says so): workers use pipes, no ports |
 | `REWARD_NUM_WORKERS` | `workers` | worker processes (0 = score in the server process) |
