@@ -11,8 +11,15 @@ import pytest
 
 from rl_rewards.server.process import ServerProcess
 
-# On a busy 2-core machine the raylet's default wait for its agents' port files is too short.
-RAY_SLOW_HOST = {"RAY_raylet_start_wait_time_s": "180", "RAY_agent_register_timeout_ms": "180000"}
+RAY_TEST_ENV = {
+    # on a busy 2-core machine the raylet's default wait for its agents' port files is too short
+    "RAY_raylet_start_wait_time_s": "180", "RAY_agent_register_timeout_ms": "180000",
+    # under `uv run nox` (CI), Ray's uv hook would start every worker as `uv run python` in a copy
+    # of the repository, and that `uv run` re-syncs the workspace into the test environment
+    # (its editable installs then point into /tmp/ray, and packages the session does not declare
+    # appear in it); workers run this interpreter instead
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+}
 _ray_last_item: list[str] = []  # node id of the last test of the last module using `ray_cluster`
 
 
@@ -24,10 +31,11 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[str]:
     it, not at the session's end (idle Ray and Ray Serve processes keep taking CPU from the tests
     after them): see `pytest_runtest_teardown`."""
     ray = pytest.importorskip("ray")
-    # The raylet and agents read RAY_SLOW_HOST as they start; the workers import test scorers
-    # (`serve_probes`) from this folder, as a user's `[scorers]` module must be importable on each node.
+    # Ray reads RAY_TEST_ENV as it starts (servers joining the cluster inherit it); the workers
+    # import test scorers (`serve_probes`) from this folder, as a user's `[scorers]` module must
+    # be importable on each node.
     pythonpath = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
-    environ = {**RAY_SLOW_HOST, "PYTHONPATH": pythonpath}
+    environ = {**RAY_TEST_ENV, "PYTHONPATH": pythonpath}
     saved = {key: os.environ.get(key) for key in environ}
     os.environ.update(environ)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -2,7 +2,7 @@
 
 Not `no_torch`: Ray is an extra. The router is exercised in-process (an actor killed mid-load: its chunk is retried, the actor
 restarted) and through a real `rl-rewards serve --ray` process joined to the same cluster. Waits are sized for a busy
-2-core machine: Ray's own start-up waits (RAY_SLOW_HOST), the server's readiness wait, and a bound on each scenario."""
+2-core machine: Ray's own start-up waits (RAY_TEST_ENV), the server's readiness wait, and a bound on each scenario."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import httpx
 import pytest
-from conftest import RAY_SLOW_HOST, metric, server_process
+from conftest import RAY_TEST_ENV, metric, server_process
 from typer.testing import CliRunner
 
 from rl_rewards.cli import app as cli
@@ -95,7 +95,7 @@ def server_pair(tmp: Path, config: str, env: dict[str, str], args: list[str],
     Ray stopped)."""
     (tmp / "server.toml").write_text(config)
     pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
-    env = {"REWARD_API_KEY": KEY, "PYTHONPATH": pythonpath, **RAY_SLOW_HOST, **env}  # the replicas inherit it
+    env = {"REWARD_API_KEY": KEY, "PYTHONPATH": pythonpath, **RAY_TEST_ENV, **env}  # the replicas inherit it
     args = ["--config", str(tmp / "server.toml"), *args]
     ray_args = ["--backend", "ray-serve", *(["--ray-address", ray_address] if ray_address else [])]
     procs = {
