@@ -14,10 +14,7 @@ from rl_rewards.server.process import ServerProcess
 RAY_TEST_ENV = {
     # on a busy 2-core machine the raylet's default wait for its agents' port files is too short
     "RAY_raylet_start_wait_time_s": "180", "RAY_agent_register_timeout_ms": "180000",
-    # under `uv run nox` (CI), Ray's uv hook would start every worker as `uv run python` in a copy
-    # of the repository, and that `uv run` re-syncs the workspace into the test environment
-    # (its editable installs then point into /tmp/ray, and packages the session does not declare
-    # appear in it); workers run this interpreter instead
+    # servers started on their own (not from these tests' process): see tests/conftest.py
     "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
 }
 _ray_last_item: list[str] = []  # node id of the last test of the last module using `ray_cluster`
