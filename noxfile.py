@@ -41,7 +41,7 @@ PACKAGES: dict[str, list[str]] = {
     "rl-data": ["datasets"],
     "rl-models": ["diffusers"],
     "rl-rollout": ["diffusers", "ray"],
-    "rl-rewards": ["hf", "ocr", "vision", "ray"],
+    "rl-rewards": ["hf", "ocr", "vision", "ray", "ray-serve"],
 }
 DEFAULT_MARKERS = "not gpu and not slow and not vllm"
 # Every app: a folder of apps/ with a __main__.py (and its own pyproject.toml, a workspace member).

@@ -13,9 +13,18 @@ client costs the same for both and little.
 GPU part (`--gpu --model PATH`): caption_qa `exact` through the server (CapRL `/get_reward` qa
 requests) vs the same scorer in-process — the server's overhead on judge throughput.
 
+Ray Serve part (`--backend ray-serve`, needs `rl-rewards[ray-serve]`): for each replica count of
+`--replicas` (1,2,4,8), the reward on N Ray Serve replicas (`--backend ray-serve`, a local Ray
+each) vs the multi-process server with N workers (`--workers N`), `--clients` (64) concurrent
+clients: samples/s, p50 and p99. Rules on the CPU by default; with `--gpu --model PATH` the
+caption_qa judge, one GPU per replica (`num_gpus = 1`) vs one per worker (`CUDA_VISIBLE_DEVICES`),
+CapRL qa requests of `--captions-per-request` captions x 8 questions.
+
     python benchmarks/reward_server.py            # CPU, appends to RESULTS.md
     python benchmarks/reward_server.py --smoke    # seconds, prints only
     python benchmarks/reward_server.py --gpu --model /models/Qwen3-4B-Instruct-2507
+    python benchmarks/reward_server.py --backend ray-serve --replicas 1,2 --smoke      # CPU rules
+    python benchmarks/reward_server.py --backend ray-serve --gpu --model /models/Qwen3-4B-Instruct-2507
 """
 
 from __future__ import annotations
@@ -157,8 +166,10 @@ async def _one_client(host: str, port: int, request: bytes, stop_at: float, late
     return done
 
 
-def load(url: str, path: str, body: bytes, seconds: float, clients: int) -> tuple[float, float, float]:
-    """(samples/s, p50 ms, p99 ms) with `clients` keep-alive connections for `seconds`."""
+def load(url: str, path: str, body: bytes, seconds: float, clients: int,
+         per_request: int = CAPTIONS_PER_REQUEST) -> tuple[float, float, float]:
+    """(samples/s, p50 ms, p99 ms) with `clients` keep-alive connections for `seconds`
+    (`per_request` samples a request)."""
     host, port = url.removeprefix("http://").split(":")
     request = (
         f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
@@ -177,7 +188,7 @@ def load(url: str, path: str, body: bytes, seconds: float, clients: int) -> tupl
     requests = asyncio.run(main())
     elapsed = time.perf_counter() - started - min(1.0, seconds / 4)
     q = statistics.quantiles(latencies, n=100)
-    return requests * CAPTIONS_PER_REQUEST / elapsed, q[49] * 1000, q[98] * 1000
+    return requests * per_request / elapsed, q[49] * 1000, q[98] * 1000
 
 
 def _wait(url: str, path: str = "/health", timeout: float = 60) -> None:
@@ -311,6 +322,69 @@ def gpu_benchmark(model: str, captions: int, qa_per_caption: int, rounds: int) -
     ]
 
 
+# ----------------------------------------------------------------------------- Ray Serve part
+
+
+def ray_serve_benchmark(replicas: list[int], clients: int, seconds: float, model: str | None,
+                        per_request: int) -> list[list[object]]:
+    """For each N of `replicas`: the multi-process server with N workers, then the Ray Serve
+    backend with N replicas of the scored reward, under the same load (`clients` connections).
+    `model`: the caption_qa judge on one GPU per worker/replica; None: the rules on the CPU."""
+    import httpx
+
+    from rl_rewards.server.process import ServerProcess
+
+    if model is None:
+        captions = make_captions(per_request)
+        reward, path = "caption", "/v1/score"
+        body = json.dumps({"reward": reward, "samples": [{"completion": c} for c in captions]}).encode()
+        expected: list[float] | None = [rule_score(c) for c in captions]
+        base_args, toml, cpus = ["--max-wait-ms", "1"], REWARD_TOML, 0.1  # logical CPUs: N replicas fit any machine
+    else:
+        qa = [[f"Question {j}?\n   - A) red\n   - B) blue\n   - C) green\n   - D) none", "A"] for j in range(8)]
+        reward, path, expected = "caption_qa", "/get_reward", None
+        body = json.dumps({"prompts": [[c, qa] for c in make_captions(per_request)], "query": [], "labels": []}).encode()
+        base_args = ["--model", model, "--judge-option", "estimator=exact", "--task", "video", "--max-wait-ms", "5"]
+        # served: the judge and the video format reward (a configured reward keeps the default rules out)
+        toml, cpus = '[rewards.timestamp_format.components.format]\nscorer = "timestamp_format"\n', 1.0
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in replicas:
+            figures = {}
+            for backend in ("workers", "ray-serve"):
+                config = Path(tmp) / f"{backend}-{n}.toml"
+                env: dict[str, str] = {}
+                if backend == "workers":
+                    config.write_text(toml)
+                    args = [*base_args, "--config", str(config), "--workers", str(n), "--log-level", "warning"]
+                    if model is not None:
+                        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n))
+                else:
+                    gpus = "\nnum_gpus = 1" if model is not None else ""
+                    config.write_text(f"{toml}\n[ray_serve]\nnum_cpus = {cpus}\nbatch_wait_ms = 5\n"
+                                      f"[ray_serve.rewards.{reward}]\nnum_replicas = {n}{gpus}\n")
+                    args = [*base_args, "--config", str(config), "--backend", "ray-serve", "--log-level", "warning"]
+                label = f"{backend} x{n}"
+                progress(f"{label}: starting")
+                log_path = Path(tmp) / f"{backend}-{n}.log"
+                with ServerProcess(args, env=env, ready_timeout=900, log_path=log_path) as server:
+                    first = httpx.post(f"{server.url}{path}", content=body, timeout=900)
+                    first.raise_for_status()
+                    if expected is not None:
+                        got = [r["score"] for r in first.json()["results"]]
+                        assert all(math.isclose(a, b) for a, b in zip(got, expected, strict=True)), f"{label}: wrong rewards"
+                    figures[backend] = load(server.url, path, body, seconds, clients, per_request)
+                progress(f"{label}: {figures[backend][0]:.0f} samples/s, p50 {figures[backend][1]:.1f} ms, "
+                         f"p99 {figures[backend][2]:.1f} ms")
+            base = figures["workers"][0]
+            for backend, name in (("workers", f"rl-rewards serve --workers {n}"),
+                                  ("ray-serve", f"rl-rewards serve --backend ray-serve, {n} replica(s)")):
+                rate, p50, p99 = figures[backend]
+                rows.append([name, n, f"{rate:.1f}" if model else f"{rate:.0f}", f"{p50:.1f}", f"{p99:.1f}",
+                             f"{rate / base:.2f}x"])
+    return rows
+
+
 def _fast_http() -> str:
     import importlib.util
 
@@ -326,6 +400,12 @@ def main() -> None:
     parser.add_argument("--model", help="judge checkpoint for --gpu")
     parser.add_argument("--captions", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--backend", choices=["uvicorn", "ray-serve"], default="uvicorn",
+                        help="ray-serve: Ray Serve replicas vs --workers, for each of --replicas")
+    parser.add_argument("--replicas", default="1,2,4,8", help="replica/worker counts for --backend ray-serve")
+    parser.add_argument("--clients", type=int, default=64, help="concurrent clients for --backend ray-serve")
+    parser.add_argument("--captions-per-request", type=int, default=None,
+                        help="--backend ray-serve: samples per request (64 rules, 8 judge captions)")
     parser.add_argument("--role", choices=["worker", "master"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker-url", help=argparse.SUPPRESS)
@@ -333,9 +413,22 @@ def main() -> None:
     if args.role:
         serve_role(args.role, args.port, args.worker_url)
         return
-    if args.gpu:
-        if not args.model:
-            parser.error("--gpu needs --model PATH (the judge checkpoint)")
+    if args.gpu and not args.model:
+        parser.error("--gpu needs --model PATH (the judge checkpoint)")
+    if args.backend == "ray-serve":
+        replicas = [int(n) for n in args.replicas.split(",")]
+        per_request = args.captions_per_request or (8 if args.gpu else CAPTIONS_PER_REQUEST)
+        seconds = 3.0 if args.smoke else args.seconds
+        rows = ray_serve_benchmark(replicas, args.clients, seconds, args.model if args.gpu else None, per_request)
+        unit = "captions/s" if args.gpu else "samples/s"
+        header = ["setup", "replicas/workers", unit, "p50 ms", "p99 ms", "vs --workers N"]
+        what = (f"caption_qa exact (one GPU per worker/replica), CapRL qa requests of {per_request} captions x 8 questions"
+                if args.gpu else f"rules (format + length), {per_request} captions/request")
+        title = f"Reward server: Ray Serve replicas vs worker processes, {what}, {args.clients} clients"
+        notes = (f"{seconds:.0f} s per setup after 1 s warm-up; the multi-process server (`--workers N`) and the Ray "
+                 f"Serve backend (N replicas of the reward, a local Ray each) in the same run, on this machine's "
+                 f"{os.cpu_count()} cores; the ratio is against --workers N.")
+    elif args.gpu:
         n = 8 if args.smoke else args.captions
         rows = gpu_benchmark(args.model, n, 8, 1 if args.smoke else args.rounds)
         header = ["setup", "captions/s", "vs in-process"]

@@ -2,11 +2,61 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 from rl_rewards.server.process import ServerProcess
+
+RAY_TEST_ENV = {
+    # on a busy 2-core machine the raylet's default wait for its agents' port files is too short
+    "RAY_raylet_start_wait_time_s": "180", "RAY_agent_register_timeout_ms": "180000",
+    # servers started on their own (not from these tests' process): see tests/conftest.py
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+}
+_ray_last_item: list[str] = []  # node id of the last test of the last module using `ray_cluster`
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The GCS address of one local Ray cluster (2 CPUs; this process is its first driver) for
+    every test module that needs one (`--ray` actors, `--backend ray-serve`): starting Ray takes
+    ~10 s of a 2-core machine, once. It stops after the last test of the last module that uses
+    it, not at the session's end (idle Ray and Ray Serve processes keep taking CPU from the tests
+    after them): see `pytest_runtest_teardown`."""
+    ray = pytest.importorskip("ray")
+    # Ray reads RAY_TEST_ENV as it starts (servers joining the cluster inherit it); the workers
+    # import test scorers (`serve_probes`) from this folder, as a user's `[scorers]` module must
+    # be importable on each node.
+    pythonpath = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    environ = {**RAY_TEST_ENV, "PYTHONPATH": pythonpath}
+    saved = {key: os.environ.get(key) for key in environ}
+    os.environ.update(environ)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # its users' module fixtures (a server joined to it) stop after their module's last test
+    modules = {item.path for item in request.session.items if "ray_cluster" in item.fixturenames}
+    _ray_last_item[:] = [item.nodeid for item in request.session.items if item.path in modules][-1:]
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()  # a no-op once stopped after its last test
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key)
+        else:
+            os.environ[key] = value
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    """After the last test of the last module that uses `ray_cluster` (and that module's fixtures:
+    servers joined to the cluster stop first), stop the cluster."""
+    yield
+    if _ray_last_item == [item.nodeid]:
+        import ray
+
+        ray.shutdown()
 
 
 def server_process(

@@ -141,10 +141,10 @@ def test_a_request_waiting_for_its_turn_gets_503_at_the_request_timeout(server):
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "1.5", "true", '"2"'])
-def test_a_bad_max_concurrency_is_refused_naming_the_field_and_file(tmp_path, value):
+def test_a_bad_max_concurrency_is_refused_naming_the_field_file_and_line(tmp_path, value):
     path = config(tmp_path, {"judge": f"max_concurrency = {value}"})
-    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))} \[rewards.judge\]: max_concurrency = .* must be an "
-                       r"integer >= 1"):
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:2 \[rewards.judge\]: max_concurrency = .* must be an "
+                       r"integer >= 1"):  # line 2: under [rewards.judge]
         load_settings(path, environ={})
 
 

@@ -1,8 +1,8 @@
-"""`--ray`: workers as Ray actors on a local Ray cluster (one cluster for the module: slow to start).
+"""`--ray`: workers as Ray actors on a local Ray cluster (`ray_cluster`: one for the session's Ray tests, slow to start).
 
 Not `no_torch`: Ray is an extra. The router is exercised in-process (an actor killed mid-load: its chunk is retried, the actor
 restarted) and through a real `rl-rewards serve --ray` process joined to the same cluster. Waits are sized for a busy
-2-core machine: Ray's own start-up waits (SLOW_HOST), the server's readiness wait, and a bound on each scenario."""
+2-core machine: Ray's own start-up waits (RAY_TEST_ENV), the server's readiness wait, and a bound on each scenario."""
 
 from __future__ import annotations
 
@@ -24,33 +24,17 @@ from rl_rewards.server.settings import PoolSettings, ServerSettings
 ray = pytest.importorskip("ray")
 from rl_rewards.server.ray_pool import RayRouter  # noqa: E402
 
-# On a busy 2-core machine the raylet's default wait for its agents' port files is too short.
-SLOW_HOST = {"RAY_raylet_start_wait_time_s": "180", "RAY_agent_register_timeout_ms": "180000"}
 # Starting an actor (a fresh Python process importing rl_rewards and loading the default rewards) takes
 # seconds when the machine is busy; nothing here should take minutes unless something is stuck.
 ACTOR_WAIT_S = 300
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    saved = {k: os.environ.get(k) for k in SLOW_HOST}
-    os.environ.update(SLOW_HOST)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key)
-        else:
-            os.environ[key] = value
 
 
 def texts(seed: int, n: int = 32) -> list[str]:
     return [f"[00:{(seed + i) % 70:02d}] a [00:{(seed * i) % 60:02d}] b" for i in range(n)]
 
 
-def test_ray_router_retries_a_chunk_of_a_killed_actor(cluster):
-    settings = ServerSettings(workers=2, ray=True, ray_address=cluster)
+def test_ray_router_retries_a_chunk_of_a_killed_actor(ray_cluster):
+    settings = ServerSettings(workers=2, ray=True, ray_address=ray_cluster)
     metrics = Metrics()
 
     async def scenario() -> list[bool]:
@@ -72,11 +56,11 @@ def test_ray_router_retries_a_chunk_of_a_killed_actor(cluster):
     assert metrics.worker_restarts._value.get() >= 1
 
 
-def test_ray_router_replaces_an_actor_that_stops_answering(cluster):
+def test_ray_router_replaces_an_actor_that_stops_answering(ray_cluster):
     """Actor 0 SIGSTOPped (alive to Ray, silent to us): its chunks miss the 2 s deadline and are
     retried on actor 1, every result is right, the router reports one healthy worker, kills the
     stuck actor and starts a new one in its place."""
-    settings = ServerSettings(workers=2, ray=True, ray_address=cluster,
+    settings = ServerSettings(workers=2, ray=True, ray_address=ray_cluster,
                               pool=PoolSettings(chunk_deadline_s=2.0, restart_grace_s=0.5))
     metrics = Metrics()
 
@@ -114,9 +98,9 @@ def test_ray_router_replaces_an_actor_that_stops_answering(cluster):
 
 
 @pytest.fixture(scope="module")
-def ray_server(cluster, tmp_path_factory):
+def ray_server(ray_cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ray")
-    args = ["--ray", "--workers", "2", "--ray-address", cluster]
+    args = ["--ray", "--workers", "2", "--ray-address", ray_cluster]
     # ready = both actors built; they queue for the cluster's 2 CPUs behind any actor still dying
     with server_process(tmp, "ray", args, ready_timeout=ACTOR_WAIT_S) as proc:
         yield proc

@@ -66,6 +66,14 @@ JSON = "application/json"
 
 
 def make_pool(settings: ServerSettings, metrics: Metrics) -> Pool:
+    if settings.interpreters():  # rewards in environments of their own: see `environments`
+        from rl_rewards.server.environments import EnvironmentPool, serves_others
+
+        return EnvironmentPool(settings, _own_pool(settings, metrics) if serves_others(settings) else None, metrics)
+    return _own_pool(settings, metrics)
+
+
+def _own_pool(settings: ServerSettings, metrics: Metrics) -> Pool:
     if settings.ray:
         from rl_rewards.server.ray_pool import ray_router
 
@@ -205,9 +213,11 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return json_error(500, f"internal error: {type(exc).__name__}; see the server log")
 
 
-def build_app(settings: ServerSettings, pool: Pool | None = None) -> Starlette:
+def build_app(settings: ServerSettings, pool: Pool | None = None, service: RewardService | None = None) -> Starlette:
+    """The server's app; `service` replaces the default scoring service (`--backend ray-serve`'s
+    ingress passes one that calls the reward deployments)."""
     check_api_key(settings.api_key)
-    service = RewardService(settings, pool)
+    service = service or RewardService(settings, pool)
     keys = served_keys(settings)  # per reward, the component keys of every result
     service.metrics.show_limits(settings)
 

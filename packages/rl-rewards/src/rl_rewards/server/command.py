@@ -114,7 +114,11 @@ def serve_command(
     workers: Annotated[int | None, typer.Option(help="Worker processes; 0 scores in the server process (env REWARD_NUM_WORKERS).")] = None,
     http_processes: Annotated[int | None, typer.Option(help="Server processes sharing the port, for rule rewards on several cores (env REWARD_HTTP_PROCESSES; not with a judge).")] = None,
     ray: Annotated[bool | None, typer.Option("--ray/--no-ray", help="Run workers as Ray actors (rl-rewards[ray]).")] = None,
-    ray_address: Annotated[str | None, typer.Option(help="Ray cluster address (env RAY_ADDRESS; unset: local).")] = None,
+    ray_address: Annotated[str | None, typer.Option(help="Ray cluster address for --ray and --backend ray-serve (env RAY_ADDRESS; unset: a local Ray).")] = None,
+    backend: Annotated[str | None, typer.Option(help=(
+        "uvicorn (default) | ray-serve: each reward a Ray Serve deployment with replicas, batching in the replicas "
+        "([ray_serve] in --config; pip install \"rl-rewards[ray-serve]\").")
+    )] = None,
     api_key: Annotated[str | None, typer.Option(help="Bearer token for scoring routes (env REWARD_API_KEY).")] = None,
     media_root: Annotated[list[Path] | None, typer.Option(help="Directory requests may read media from (repeatable).")] = None,
     default_reward: Annotated[str | None, typer.Option(help="Reward used when a request names none.")] = None,
@@ -146,7 +150,7 @@ def serve_command(
         "qa_num": qa_num, "format_reward_weight": format_reward_weight,
         "judge_options": _parse_options(judge_option), "workers": workers, "ray": ray,
         "http_processes": http_processes,
-        "ray_address": ray_address, "api_key": api_key,
+        "ray_address": ray_address, "backend": backend, "api_key": api_key,
         "media_roots": [str(p) for p in media_root] if media_root else None,
         "default_reward": default_reward, "openrlhf_reward": openrlhf_reward,
         "log_format": log_format, "log_level": log_level,
@@ -164,7 +168,11 @@ def serve_command(
         settings, engine_note = resolve_judge_engine(settings)
         # a blank REWARD_API_KEY reads as unset in the settings: refuse it too, it was meant as a key
         check_api_key(settings.api_key if settings.api_key is not None else os.environ.get("REWARD_API_KEY"))
-    except (ValueError, OSError) as e:  # one line (a launcher's log keeps it whole), exit 2 as a bad option
+        if settings.backend == "ray-serve":  # without the extra, the ImportError names it
+            from rl_rewards.server.ray_serve import check_ray_serve
+
+            check_ray_serve(settings)
+    except (ValueError, OSError, ImportError) as e:  # one line (a launcher's log keeps it whole), exit 2 as a bad option
         typer.echo(f"rl-rewards serve: error: {' '.join(str(e).split())}", err=True)
         raise typer.Exit(2) from None
     configure_logging(settings)
@@ -184,12 +192,17 @@ def run(settings: ServerSettings) -> None:
 
     With `http_processes > 1`, that many server processes listen on the same port (see
     `serve_processes`); each builds the settings from the environment and its own rewards, and
-    their Prometheus metrics are written to a shared folder so `/metrics` reports all of them."""
+    their Prometheus metrics are written to a shared folder so `/metrics` reports all of them.
+    With `backend = "ray-serve"`, a Ray Serve application instead (`rl_rewards.server.ray_serve`)."""
     from rl_rewards.server.app import build_app
 
     started = time.perf_counter()
     common = {"log_config": None, "access_log": False, "lifespan": "on"}
-    if settings.http_processes > 1:
+    if settings.backend == "ray-serve":
+        from rl_rewards.server.ray_serve import run_ray_serve
+
+        run_ray_serve(settings)
+    elif settings.http_processes > 1:
         with tempfile.TemporaryDirectory(prefix="rl-rewards-metrics-") as metrics_dir:
             os.environ[SETTINGS_ENV] = to_json(settings).decode()
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir

@@ -25,12 +25,14 @@ class ServerProcess:
 
     `args` are `rl-rewards serve` flags (`--port` is added unless given); `env` entries are added
     to this process's environment (CapRL variables, `REWARD_API_KEY`). Output goes to `log_path`
-    (a temp-free default: inherited stderr)."""
+    (a temp-free default: inherited stderr). `python` runs the server: this interpreter, or that
+    of another environment with rl-rewards (and the rewards' dependencies) installed."""
 
     def __init__(
         self, args: list[str] | None = None, *, env: dict[str, str] | None = None, port: int | None = None,
-        log_path: Path | None = None, ready_timeout: float = 60.0,
+        log_path: Path | None = None, ready_timeout: float = 60.0, python: str = sys.executable,
     ) -> None:
+        self.python = python
         self.args = list(args or [])
         self.port = port or free_port()
         self.env = dict(os.environ, **(env or {}))
@@ -43,7 +45,7 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, wait: bool = True) -> ServerProcess:
-        cmd = [sys.executable, "-m", "rl_rewards.cli", "serve", "--port", str(self.port), *self.args]
+        cmd = [self.python, "-m", "rl_rewards.cli", "serve", "--port", str(self.port), *self.args]
         out = self.log_path.open("ab") if self.log_path is not None else None
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None)
         if out is not None:

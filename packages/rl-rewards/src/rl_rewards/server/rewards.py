@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import msgspec
 
+from rl_rewards import registry
 from rl_rewards.composition import build_reward, score_isolated, spec_keys
 from rl_rewards.registry import build_scorer, scorer_component_keys
 from rl_rewards.samples import AsyncScorer, Sample, Scorer, ScoreResult
@@ -104,26 +105,63 @@ def _build_default(name: str, settings: ServerSettings) -> Scorer | AsyncScorer 
 
 
 def build_served(settings: ServerSettings) -> dict[str, Scorer | AsyncScorer]:
-    """Build every served reward (loads the judge model when one is configured)."""
+    """Build every served reward (loads the judge model when one is configured), except those
+    scored in an environment of their own (`[rewards.NAME] python`, built there: see
+    `rl_rewards.server.environments`): their scorers may not even import here."""
+    register_scorers(settings)
     served: dict[str, Scorer | AsyncScorer] = {}
+    elsewhere = settings.interpreters()
     for name in settings.rewards:
-        served[name] = build_reward(settings.reward_spec(name))
+        if name not in elsewhere:
+            served[name] = build_reward(settings.reward_spec(name))
     if not settings.rewards:
         for name in _default_rule_names():
             scorer = _build_default(name, settings)
             if scorer is not None:
                 served[name] = scorer
     judge = judge_name(settings)
-    if judge == CAPRL_QA and CAPRL_QA not in served:
-        # CapRL's own estimator by default (drop-in); `--judge-option estimator=exact` for training
-        options = {"model": settings.model, "engine": settings.engine, "task": settings.task, "qa_num": settings.qa_num, "estimator": "sample",
-                   "answer_parser": settings.answer_parser, "prompt_template": settings.qa_prompt_file}
-        served[CAPRL_QA] = build_scorer("caption_qa", **{**options, **settings.judge_options})
-    elif judge == CAPRL_VL_JUDGE and CAPRL_VL_JUDGE not in served:
-        served[CAPRL_VL_JUDGE] = build_scorer("vl_judge", **{"model": settings.model, "engine": settings.engine, **settings.judge_options})
+    if judge is not None and judge not in served:
+        served[judge] = _build_judge(judge, settings)
     if judge is not None and CAPRL_FORMAT not in served:
         served[CAPRL_FORMAT] = build_scorer(CAPRL_FORMAT, **_format_options(settings))
     return served
+
+
+def _build_judge(name: str, settings: ServerSettings) -> Scorer | AsyncScorer:
+    """The CapRL judge served as `name` (`judge_name`): caption_qa or vl_judge on `settings.model`."""
+    if name == CAPRL_QA:
+        # CapRL's own estimator by default (drop-in); `--judge-option estimator=exact` for training
+        options = {"model": settings.model, "engine": settings.engine, "task": settings.task, "qa_num": settings.qa_num, "estimator": "sample",
+                   "answer_parser": settings.answer_parser, "prompt_template": settings.qa_prompt_file}
+        return build_scorer("caption_qa", **{**options, **settings.judge_options})
+    return build_scorer("vl_judge", **{"model": settings.model, "engine": settings.engine, **settings.judge_options})
+
+
+def build_named(settings: ServerSettings, name: str) -> Scorer | AsyncScorer:
+    """Served reward `name` (one of `reward_names`) built alone, as `build_served` builds it: a
+    Ray Serve replica holds its own reward only (a rule's replica loads no judge)."""
+    if name in settings.rewards:  # through build_served, which reads a [rewards.NAME] table
+        alone = msgspec.structs.replace(settings, rewards={name: settings.rewards[name]}, model=None)
+        return build_served(alone)[name]
+    register_scorers(settings)
+    if name == judge_name(settings):
+        return _build_judge(name, settings)
+    scorer = _build_default(name, settings)
+    if scorer is None:
+        raise RuntimeError(f"the default reward {name!r} cannot be built here (see the warning logged above)")
+    return scorer
+
+
+def register_scorers(settings: ServerSettings) -> None:
+    """Register the settings' own scorers (`[scorers]`, NAME = "module:Factory") in this process;
+    one already registered under the same path (an earlier build here) is kept."""
+    for name, path in settings.scorers.items():
+        if registry.SCORERS.get(name) == registry.LazyFactory(path):
+            continue
+        if name in registry.SCORERS:
+            raise ValueError(f"[scorers] {name} = {path!r}: {name!r} is already a scorer "
+                             f"({registry.SCORERS[name]!r}); give yours another name")
+        registry.register_scorer(name, path)
 
 
 def served_keys(settings: ServerSettings) -> dict[str, list[str]]:

@@ -21,7 +21,7 @@ The environment variables are those of the CapRL++ launch script, so its users k
 | `CUDA_VISIBLE_DEVICES` | `cuda_visible_devices` | split into one contiguous group per worker |
 | `REWARD_API_KEY` | `api_key` | bearer token required on scoring routes |
 | `REWARD_HTTP_PROCESSES` | `http_processes` | server processes sharing the port (rule rewards; ours, not CapRL's) |
-| `RAY_ADDRESS` | `ray_address` | Ray cluster for `--ray` (unset: a local one) |
+| `RAY_ADDRESS` | `ray_address` | Ray cluster for `--ray` and `--backend ray-serve` (unset: a local one) |
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from rl_rewards.server.interpreters import check_python, resolve_python
 from rl_rewards.spec import spec_from_dict
 
 
@@ -66,6 +67,65 @@ class BatchSettings(msgspec.Struct, kw_only=True, frozen=True):
     max_batch_size: int = 256
     max_batch_tokens: int = 262_144
     max_wait_ms: float = 2.0
+
+
+class DeploymentSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How one reward runs as a Ray Serve deployment (`--backend ray-serve`).
+
+    - Replicas: `num_replicas` copies, or, with both `min_replicas` and `max_replicas`, Ray Serve's
+      autoscaler between them, aiming at `target_ongoing_requests` calls in flight per replica.
+      Rules scale with CPUs; a judge with replicas, one model copy each.
+    - Resources: `num_cpus` and `num_gpus` each replica reserves on the cluster (`ray_actor_options`);
+      `num_gpus = 1` gives each judge replica a GPU of its own (Ray sets its `CUDA_VISIBLE_DEVICES`),
+      `0.5` packs two replicas on one GPU.
+    - Batching (`@serve.batch` in each replica): calls from concurrent requests are scored together
+      once they hold `max_batch_size` samples or `max_batch_tokens` estimated tokens, or
+      `batch_wait_ms` after the first arrived; unset, `[batching]`'s `max_batch_size`,
+      `max_batch_tokens` and `max_wait_ms` apply. Raise `batch_wait_ms` for GPU judges (fuller
+      forwards), keep it ~1 ms for rules.
+    - `max_ongoing_requests`: calls a replica holds at once, the batch being scored and those
+      waiting for the next one (unset: the batch size, so single-sample requests can fill a batch;
+      Ray Serve's default, 5, would cap a batch at 5 requests); more wait in the ingress."""
+
+    num_replicas: int = 1
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    target_ongoing_requests: float = 2.0
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    max_ongoing_requests: int | None = None
+    max_batch_size: int | None = None
+    max_batch_tokens: int | None = None
+    batch_wait_ms: float | None = None
+
+
+class RayServeSettings(DeploymentSettings, kw_only=True, frozen=True):
+    """`[ray_serve]`: the deployment settings of every reward, and `[ray_serve.rewards.NAME]`
+    tables that change some of them for one reward (e.g. `num_gpus = 1` for the judge only)."""
+
+    rewards: dict[str, dict[str, Any]] = {}
+
+    def deployment(self, name: str) -> DeploymentSettings:
+        """The settings of reward `name`'s deployment: `[ray_serve]`, then its own table.
+        ValueError naming the table and the bad key or value."""
+        shared = {k: v for k, v in msgspec.structs.asdict(self).items() if k != "rewards"}
+        try:
+            merged = msgspec.convert({**shared, **self.rewards.get(name, {})}, DeploymentSettings)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"[ray_serve.rewards.{name}]: {e}") from None
+        low, high = merged.min_replicas, merged.max_replicas
+        if (low is None) != (high is None):
+            raise ValueError(f"ray_serve deployment {name!r}: set both min_replicas and max_replicas (autoscaling) "
+                             "or neither (num_replicas)")
+        if (low is not None and high is not None and not 0 <= low <= high) or high == 0:
+            raise ValueError(f"ray_serve deployment {name!r}: need 0 <= min_replicas <= max_replicas and "
+                             f"max_replicas >= 1, got {low} and {high}")
+        if merged.num_replicas < 1 or (merged.max_ongoing_requests or 1) < 1 or merged.target_ongoing_requests <= 0:
+            raise ValueError(f"ray_serve deployment {name!r}: num_replicas and max_ongoing_requests must be >= 1, "
+                             "target_ongoing_requests > 0")
+        if merged.num_cpus < 0 or merged.num_gpus < 0:
+            raise ValueError(f"ray_serve deployment {name!r}: num_cpus and num_gpus must be >= 0")
+        return merged
 
 
 class PoolSettings(msgspec.Struct, kw_only=True, frozen=True):
@@ -102,23 +162,59 @@ class PoolSettings(msgspec.Struct, kw_only=True, frozen=True):
         return min(1.0, self.heartbeat_timeout_s / 4)
 
 
-SERVING_KEYS = ("max_concurrency",)
+SERVING_KEYS = ("max_concurrency", "python")
 """Keys of a `[rewards.NAME]` table that say how the server runs the reward, not what it computes:
 
 - `max_concurrency = N`: at most N batches of this reward are scored at once across the server
   (its worker processes or Ray actors included: one router schedules them all); more wait in the
   reward's queue, in order, and are answered when scored, or 503 once `request_timeout_s` has
   passed. For judges behind a rate-limited API. Each server process of `--http-processes` schedules
-  its own, so there N must be at least the number of processes (each scores one batch at a time)."""
+  its own, so there N must be at least the number of processes (each scores one batch at a time).
+- `python = "/path/to/venv/bin/python"`: the reward is scored in worker processes of its own,
+  started with that interpreter (`rl_rewards.server.interpreters`): one environment per reward
+  where a scorer's dependencies clash with the server's. As many as `workers` (at least 1), the
+  same GPU groups; the other rewards are served as without it. A path relative to the config
+  file's folder, or a command on PATH; checked at start (it must import rl-rewards, at this
+  server's version). Not with `ray`, `backend = "ray-serve"` or `http_processes` > 1."""
 
 
-def _check_serving_keys(table: Mapping[str, Any], where: str) -> None:
+def _check_serving_keys(table: Mapping[str, Any], where: str, config: Path | None) -> dict[str, Any]:
+    """`table` with its serving keys checked and `python` made an absolute path; ValueError
+    naming the file, the line, the reward (`where`: its table) and the field."""
     limit = table.get("max_concurrency")
     if "max_concurrency" in table and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(
-            f"{where}: max_concurrency = {limit!r} must be an integer >= 1 (the most batches of this reward "
-            "scored at once); leave it out for no limit"
+            f"{_at(config, where, 'max_concurrency')}: max_concurrency = {limit!r} must be an integer >= 1 (the most "
+            "batches of this reward scored at once); leave it out for no limit"
         )
+    if "python" not in table:
+        return dict(table)
+    raw = table["python"]
+    at = f"{_at(config, where, 'python')}: python = {raw!r}:"
+    if not isinstance(raw, str) or not raw.strip():
+        raise ValueError(f"{at} must be the path of a Python interpreter, e.g. /opt/venvs/judge/bin/python")
+    try:
+        python = resolve_python(raw, Path(config).parent if config is not None else Path.cwd())
+        check_python(python)
+    except ValueError as e:
+        raise ValueError(f"{at} {e}") from None
+    return {**table, "python": python}
+
+
+def _at(config: Path | None, table: str, key: str) -> str:
+    """`FILE:LINE [table]` of `key` in the config file (without the line where it is not found
+    as `key = ...` under a `[table]` header)."""
+    if config is None:
+        return f"[{table}]"
+    current, number = None, None
+    for i, line in enumerate(Path(config).read_text().splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith("[") and not stripped.startswith("[["):
+            current = stripped.strip("[] ").split("]")[0].strip()
+        elif current == table and stripped.split("=")[0].strip() == key:
+            number = i
+            break
+    return f"{config}{f':{number}' if number else ''} [{table}]"
 
 
 class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
@@ -165,9 +261,31 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
     log_format: Literal["text", "json"] = "text"
     log_level: str = "info"
     shutdown_timeout_s: float = 30.0
+    backend: Literal["uvicorn", "ray-serve"] = "uvicorn"
+    """`uvicorn`: this process serves HTTP and scores (in-process, `workers` processes or `ray`
+    actors). `ray-serve` (extra `rl-rewards[ray-serve]`): a Ray Serve application on a local Ray
+    or `ray_address`, each reward a deployment with replicas (`ray_serve`), this app its ingress."""
+    ray_serve: RayServeSettings = RayServeSettings()
+    scorers: dict[str, str] = {}
+    """Your own scorers, `NAME = "package.module:Factory"`: registered (`register_scorer`) in every
+    process that builds rewards (this one, each worker, actor or replica) before `[rewards]` name
+    them; the module must be importable there."""
 
     def check(self) -> None:
         """Raise ValueError naming the setting when a value or a combination cannot run."""
+        if self.backend == "ray-serve" and (self.workers > 0 or self.ray or self.http_processes > 1):
+            raise ValueError(
+                "backend=ray-serve scales with Ray Serve replicas ([ray_serve] num_replicas, min_replicas/max_replicas, "
+                "num_gpus); drop workers/REWARD_NUM_WORKERS, --ray and http_processes"
+            )
+        for name in self.interpreters():
+            how = ("backend=ray-serve" if self.backend == "ray-serve" else "--ray" if self.ray
+                   else f"http_processes={self.http_processes}" if self.http_processes > 1 else None)
+            if how is not None:
+                raise ValueError(
+                    f"[rewards.{name}] python: the reward's own worker processes run under the default backend with "
+                    f"http_processes=1 (--workers N or none); {how} cannot start them: drop one of the two"
+                )
         bad = _non_finite(msgspec.to_builtins(self), "")
         if bad is not None:
             # JSON, which carries the settings to worker processes, turns NaN and inf into null
@@ -198,6 +316,10 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
     def max_concurrency(self) -> dict[str, int]:
         """`max_concurrency` of each `[rewards.NAME]` that sets one."""
         return {name: table["max_concurrency"] for name, table in self.rewards.items() if "max_concurrency" in table}
+
+    def interpreters(self) -> dict[str, str]:
+        """`python` of each `[rewards.NAME]` that sets one: scored by worker processes of that interpreter."""
+        return {name: table["python"] for name, table in self.rewards.items() if "python" in table}
 
     def notes(self) -> list[str]:
         """What a user should know at startup about the settings in effect (logged once)."""
@@ -311,10 +433,11 @@ def load_settings(
     except msgspec.ValidationError as e:
         sources = ", ".join(name for name, _ in layers)
         raise ValueError(f"invalid server setting: {e} (from {sources})") from None
+    rewards: dict[str, dict[str, Any]] = {}
     for name, table in settings.rewards.items():  # only the TOML file configures rewards
-        _check_serving_keys(table, f"{config} [rewards.{name}]")
+        rewards[name] = _check_serving_keys(table, f"rewards.{name}", config)
         spec_from_dict(settings.reward_spec(name), source=f"{config} [rewards.{name}]")
-    return settings
+    return msgspec.structs.replace(settings, rewards=rewards)
 
 
 def _drop_none(flags: Mapping[str, Any]) -> dict[str, Any]:

@@ -309,14 +309,16 @@ class Router:
 
 
 class ProcessWorker:
-    """A worker subprocess; its stdout carries only reply frames (its logs go to stderr)."""
+    """A worker subprocess of interpreter `python` (this one by default; a reward's own
+    environment: `[rewards.NAME] python`); its stdout carries only reply frames (its logs go to stderr)."""
 
-    def __init__(self, index: int, settings: ServerSettings, cuda_devices: str | None) -> None:
+    def __init__(self, index: int, settings: ServerSettings, cuda_devices: str | None, python: str = sys.executable) -> None:
         self.index = index
         self.load = 0
         self.rewards: list[str] = []
         self._settings = settings
         self._cuda = cuda_devices
+        self._python = python
         self._proc: asyncio.subprocess.Process | None = None
         self._pending: dict[int, asyncio.Future[wire.WorkReply]] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -335,7 +337,7 @@ class ProcessWorker:
         if self._cuda is not None:
             env["CUDA_VISIBLE_DEVICES"] = self._cuda
         self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "rl_rewards.server.workers", str(self.index),
+            self._python, "-m", "rl_rewards.server.workers", str(self.index),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env, limit=1 << 30,
         )
         hello = await self._read_frame()  # sent once the rewards are built
@@ -452,9 +454,9 @@ class ProcessWorker:
         self._mark_dead()
 
 
-def process_router(settings: ServerSettings, metrics: Metrics) -> Router:
+def process_router(settings: ServerSettings, metrics: Metrics, python: str = sys.executable) -> Router:
     groups = settings.gpu_groups()
-    return Router(lambda i: ProcessWorker(i, settings, groups[i]), settings.workers, metrics, settings.pool)
+    return Router(lambda i: ProcessWorker(i, settings, groups[i], python), settings.workers, metrics, settings.pool)
 
 
 # ----------------------------------------------------------------------------- worker process

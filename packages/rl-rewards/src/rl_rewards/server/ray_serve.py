@@ -1,0 +1,504 @@
+"""`--backend ray-serve`: the reward server as a Ray Serve application (extra `rl-rewards[ray-serve]`).
+
+One deployment per served reward (`reward_names`), named after it, and an ingress deployment:
+
+- **Reward deployments** (`RewardReplica`): each replica builds its own reward only (a judge's
+  replica loads one model copy; `num_gpus` from `[ray_serve]` gives it a GPU) and scores batches
+  formed by `@serve.batch` from the calls of concurrent requests (mosec-style dynamic batching,
+  sized in samples and estimated tokens as `Batcher` sizes them). Replicas: `num_replicas`, or
+  Ray Serve's autoscaler between `min_replicas` and `max_replicas`.
+- **Ingress** (`RewardIngress`, one replica): the very starlette app of `build_app` — routes,
+  auth, limits, `/health`, `/metrics` — whose scoring service (`ReplicaService`) sends each
+  request's samples to the reward's deployment through its `DeploymentHandle`, in pieces of at
+  most one batch, instead of batching them itself. A call lost with its replica (killed, crashed,
+  node gone) or not answered within `chunk_deadline_s` is sent again, up to `max_attempts` times
+  within `request_timeout_s`; then the request gets 503 (never a silent 0 reward).
+
+Ray Serve's HTTP proxy takes the connections (`host`/`port`; one per cluster, on the head node),
+so uvicorn's guards of the `uvicorn` backend (`serving.py`: read deadlines, the connection cap,
+the drain) are Ray Serve's own here; a replica that stops running is found by Ray Serve's health
+check (every `heartbeat_interval()`; `HEALTH_CHECKS_MISSED` in a row, about `heartbeat_timeout_s`)
+and replaced; the calls it held are sent again after `chunk_deadline_s`.
+
+From Python: `serve.run(serve_application(settings), name=APP_NAME, route_prefix="/")` on a
+connected Ray; `rl-rewards serve --backend ray-serve` is `run_ray_serve`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+from starlette.applications import Starlette
+
+from rl_rewards import wire
+from rl_rewards.composition import score_isolated
+from rl_rewards.samples import Sample, ScoreResult, runs_inline
+from rl_rewards.server import protocols
+from rl_rewards.server.app import RewardService, build_app
+from rl_rewards.server.batching import estimate_tokens
+from rl_rewards.server.limits import HTTPProblem
+from rl_rewards.server.metrics import Metrics
+from rl_rewards.server.rewards import build_named, reward_names
+from rl_rewards.server.settings import ServerSettings, from_json, to_json
+
+try:
+    import ray
+    from ray import serve
+    from ray.exceptions import RayError
+    from ray.serve.exceptions import RayServeException
+    from ray.serve.handle import DeploymentHandle
+except ImportError as e:  # without the extra
+    raise ImportError(
+        '--backend ray-serve needs Ray Serve: pip install "rl-rewards[ray-serve]"; in a clone of the repository: '
+        "uv sync --all-packages --extra ray-serve"
+    ) from e
+
+log = logging.getLogger("rl_rewards.server")
+
+APP_NAME = "rl-rewards"
+"""The Serve application's name on the cluster (one rl-rewards server per Ray cluster)."""
+INGRESS = "ingress"
+"""The ingress deployment's name (reward deployments are named after their rewards)."""
+STATUS_WAIT_S = 5.0
+"""At shutdown, how long Ray Serve has to answer before it is taken for stopped with us."""
+CONSTRUCTOR_TRIES = 3
+"""A replica whose reward cannot be built (a missing judge) is tried this often, then the launch
+fails naming the error (Ray Serve's default, 20, would reload a broken judge for minutes)."""
+HEALTH_CHECKS_MISSED = 3
+"""Ray Serve replaces a replica after this many failed health checks in a row (its
+`REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD`): each check gets a third of `heartbeat_timeout_s`, so a
+replica that stops running is replaced about `heartbeat_timeout_s` after, as a worker process is."""
+STOP_POLL_S = 0.2
+"""A stopping replica looks for open requests this often (Ray Serve's default, 2 s, kept an idle
+replica, and so `serve.delete` at shutdown, waiting 2 s)."""
+
+
+# ----------------------------------------------------------------------------- reward replicas
+
+
+class Piece(NamedTuple):
+    """Samples of one request sent in one call to a reward's deployment (msgpack `list[Sample]`),
+    with what `@serve.batch` needs to size a batch without decoding them."""
+
+    payload: bytes
+    n_samples: int
+    load: float
+    """The piece's estimated tokens in samples: tokens * max_batch_size / max_batch_tokens, at most
+    max_batch_size (a sample over the token budget is scored alone, as `Batcher` does)."""
+
+
+class Reply(NamedTuple):
+    results: bytes
+    """msgpack `list[ScoreResult]`, one per sample of the piece, in order."""
+    batch_size: int
+    """Samples in the scorer call the piece was part of; 0 on all but that batch's first piece,
+    so the ingress observes each batch once."""
+    batch_seconds: float
+
+
+class Budget(NamedTuple):
+    """A reward's batch limits under Ray Serve: its `[ray_serve]` values, else `[batching]`'s."""
+
+    size: int
+    tokens: int
+    wait_s: float
+
+
+def batch_budget(settings: ServerSettings, reward: str) -> Budget:
+    deployment, batching = settings.ray_serve.deployment(reward), settings.batching
+    return Budget(
+        size=batching.max_batch_size if deployment.max_batch_size is None else deployment.max_batch_size,
+        tokens=batching.max_batch_tokens if deployment.max_batch_tokens is None else deployment.max_batch_tokens,
+        wait_s=(batching.max_wait_ms if deployment.batch_wait_ms is None else deployment.batch_wait_ms) / 1000,
+    )
+
+
+def batch_size(pieces: list[Piece]) -> int:
+    """A batch's size for `@serve.batch`: its samples, or its tokens counted in samples, whichever
+    is more, so the batch closes at max_batch_size samples or max_batch_tokens tokens."""
+    return max(sum(p.n_samples for p in pieces), math.ceil(sum(p.load for p in pieces)))
+
+
+def split(samples: Sequence[Sample], budget: Budget) -> list[Piece]:
+    """Cut one request's samples into pieces that each fit a batch, by count and tokens."""
+    pieces: list[Piece] = []
+    start, tokens = 0, 0
+    for i, sample in enumerate(samples):
+        cost = estimate_tokens(sample)
+        if i > start and (i - start == budget.size or tokens + cost > budget.tokens):
+            pieces.append(_piece(samples[start:i], tokens, budget))
+            start, tokens = i, 0
+        tokens += cost
+    if start < len(samples):
+        pieces.append(_piece(samples[start:], tokens, budget))
+    return pieces
+
+
+def _piece(samples: Sequence[Sample], tokens: int, budget: Budget) -> Piece:
+    load = min(tokens * budget.size / budget.tokens, float(budget.size))
+    return Piece(wire.encode_msgpack(list(samples)), len(samples), load)
+
+
+class RewardReplica:
+    """One replica of a reward's deployment: builds that reward (a judge loads its model here)
+    and scores the batches `@serve.batch` forms from concurrent calls, one batch at a time, in a
+    thread of its own (model scorers are not thread-safe; rules run on the event loop)."""
+
+    def __init__(self, settings_json: bytes, reward: str) -> None:
+        settings = from_json(settings_json)
+        self._scorer = build_named(settings, reward)
+        self._inline = runs_inline(self._scorer)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl-rewards-score")
+        budget = batch_budget(settings, reward)
+        self.score.set_max_batch_size(budget.size)  # type: ignore[attr-defined]  # @serve.batch's setters
+        self.score.set_batch_wait_timeout_s(budget.wait_s)  # type: ignore[attr-defined]
+
+    @serve.batch(batch_size_fn=batch_size)
+    async def score(self, pieces: list[Piece]) -> list[Reply]:
+        samples = [s for p in pieces for s in wire.decode_msgpack(p.payload, list[Sample])]
+        started = time.perf_counter()
+        if self._inline:
+            results = score_isolated(self._scorer, samples)
+        else:
+            loop = asyncio.get_running_loop()
+            results = await loop.run_in_executor(self._executor, score_isolated, self._scorer, samples)
+        seconds = time.perf_counter() - started
+        replies, offset = [], 0
+        for i, piece in enumerate(pieces):
+            part = results[offset : offset + piece.n_samples]
+            offset += piece.n_samples
+            replies.append(Reply(wire.encode_msgpack(part), len(samples) if i == 0 else 0, seconds))
+        return replies
+
+
+# ----------------------------------------------------------------------------- ingress
+
+
+class ReplicaPool:
+    """The reward deployments as the ingress's service scores through them (a `Pool`).
+
+    `score` cuts a request into pieces of at most one batch and calls the reward's deployment
+    once per piece; a call whose replica died, or that is not answered within `chunk_deadline_s`,
+    is sent again (Ray Serve routes it to a live replica). `size` and `alive()` (`/health`'s
+    `workers`, `workers_alive`) count the reward replicas, from Ray Serve's status each second."""
+
+    inline: frozenset[str] = frozenset()
+
+    def __init__(self, settings: ServerSettings, handles: dict[str, DeploymentHandle], metrics: Metrics) -> None:
+        self.rewards = list(handles)
+        self.size = 0
+        self._settings = settings
+        self._handles = handles
+        self._metrics = metrics
+        self._budgets = {name: batch_budget(settings, name) for name in handles}
+        deployments = {name: settings.ray_serve.deployment(name) for name in handles}
+        self._floor = {name: d.num_replicas if d.min_replicas is None else d.min_replicas
+                       for name, d in deployments.items()}
+        self._running: dict[str, int] = {}
+        self._watcher: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self._refresh()
+        self._watcher = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await self._refresh()
+            except Exception:  # the controller is busy or restarting: keep the last counts
+                log.debug("reading Ray Serve's status failed", exc_info=True)
+
+    async def _refresh(self) -> None:
+        status = await asyncio.to_thread(serve.status)
+        app = status.applications.get(serve.get_replica_context().app_name)
+        deployments = app.deployments if app is not None else {}
+        states = {name: deployments[name].replica_states if name in deployments else {} for name in self.rewards}
+        self._running = {name: sum(n for state, n in s.items() if state == "RUNNING") for name, s in states.items()}
+        self.size = sum(n for s in states.values() for state, n in s.items() if state not in ("STOPPING", "STOPPED"))
+
+    def alive(self) -> int:
+        return sum(self._running.values())
+
+    def ready(self) -> bool:
+        """Every reward has a running replica (one autoscaled down to 0 replicas needs none)."""
+        return all(self._running.get(name, 0) > 0 for name in self.rewards if self._floor[name] > 0)
+
+    async def score(self, reward: str, samples: list[Sample]) -> list[ScoreResult]:
+        if not samples:
+            return []
+        give_up_at = asyncio.get_running_loop().time() + self._settings.pool.request_timeout_s
+        parts = await asyncio.gather(*(self._call(reward, p, give_up_at) for p in split(samples, self._budgets[reward])))
+        return [result for part in parts for result in part]
+
+    async def _call(self, reward: str, piece: Piece, give_up_at: float) -> list[ScoreResult]:
+        loop, pool = asyncio.get_running_loop(), self._settings.pool
+        errors: list[str] = []
+        for attempt in range(pool.max_attempts):
+            remaining = give_up_at - loop.time()
+            if remaining <= 0:
+                errors.append(f"request_timeout_s={pool.request_timeout_s} passed")
+                break
+            deadline = min(pool.chunk_deadline(), remaining)
+            response = self._handles[reward].score.remote(piece)
+            try:
+                reply: Reply = await asyncio.wait_for(_answer(response), deadline)
+            except TimeoutError:
+                response.cancel()
+                self._metrics.deadline_misses.inc()
+                errors.append(f"no answer within {deadline:.1f} s (chunk_deadline_s)")
+            except (RayError, RayServeException) as e:  # the replica died, or the call failed there
+                errors.append(f"{type(e).__name__}: {next(iter(str(e).strip().splitlines()), '')}")
+            else:
+                results: list[ScoreResult] = wire.decode_msgpack(reply.results, list[ScoreResult])
+                self._observe(reward, results, reply)
+                return results
+            if attempt + 1 < pool.max_attempts:
+                self._metrics.chunk_retries.inc()
+            log.warning("reward %r: a call to its deployment failed (%s)%s", reward, errors[-1],
+                        "; sending it again" if attempt + 1 < pool.max_attempts else "")
+        raise RuntimeError(f"reward {reward!r}: a call to its deployment failed {len(errors)} time(s): {'; '.join(errors)}")
+
+    def _observe(self, reward: str, results: list[ScoreResult], reply: Reply) -> None:
+        metrics = self._metrics
+        metrics.samples.labels(reward).inc(len(results))
+        errors = sum(r.error is not None for r in results)
+        if errors:
+            metrics.sample_errors.labels(reward).inc(errors)
+        if reply.batch_size:
+            metrics.batch_size.labels(reward).observe(reply.batch_size)
+            metrics.batch_seconds.labels(reward).observe(reply.batch_seconds)
+
+    def score_inline(self, reward: str, samples: list[Sample]) -> list[ScoreResult]:
+        raise RuntimeError("under Ray Serve every reward is scored by its deployment; nothing is inline")
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+
+
+async def _answer(response: Any) -> Reply:
+    return await response
+
+
+class ReplicaService(RewardService):
+    """The app's scoring service under Ray Serve. No `Batcher` here: each reward's replicas
+    batch (`@serve.batch`), so a request's samples go straight to its reward's deployment."""
+
+    def __init__(self, settings: ServerSettings, handles: dict[str, DeploymentHandle]) -> None:
+        metrics = Metrics()
+        super().__init__(settings, ReplicaPool(settings, handles, metrics))
+        self.metrics = metrics  # the pool counts retries and batches in the app's metrics
+
+    async def _load(self) -> None:
+        try:
+            await self.pool.start()
+        except Exception as e:
+            self.load_error = f"reading Ray Serve's status failed: {type(e).__name__}: {e}"
+            log.error("%s", self.load_error)
+            return
+        self.names = self.pool.rewards
+        self.default = self.settings.default_reward or self.names[0]
+        for name, limit in self.settings.max_concurrency().items():  # held by the replica count (check_ray_serve)
+            self.metrics.max_concurrency.labels(name).set(limit)
+        log.info("ready: rewards %s served by their Ray Serve deployments", self.names)
+
+    def ready(self) -> bool:
+        return bool(self.names) and self.pool.ready()
+
+    def check_served(self, name: str) -> None:
+        if not self.names:
+            raise HTTPProblem(503, self.load_error or "the server is still loading its rewards; poll GET /health")
+        if name not in self.names:
+            raise HTTPProblem(
+                404, f"unknown reward {name!r}; served rewards: {', '.join(self.names)}", field="$.reward"
+            )
+
+    async def score(self, name: str, prepared: Sequence[protocols.Prepared]) -> list[ScoreResult]:
+        self.check_served(name)
+        samples = [p for p in prepared if isinstance(p, Sample)]
+        try:
+            scored = await self.pool.score(name, samples)
+        except RuntimeError as e:
+            raise HTTPProblem(503, f"not scored: {e}") from None
+        return protocols.merge(prepared, scored)
+
+
+@serve.ingress()
+class RewardIngress:
+    """The application's ingress: the server's starlette app (`build_app`), built in the replica,
+    its service calling the reward deployments through their handles."""
+
+    def __init__(self, settings_json: bytes, handles: dict[str, DeploymentHandle]) -> None:
+        self._settings = from_json(settings_json)
+        self._handles = handles
+
+    def __serve_build_asgi_app__(self) -> Starlette:
+        return build_app(self._settings, service=ReplicaService(self._settings, self._handles))
+
+
+# ----------------------------------------------------------------------------- the application
+
+
+def check_ray_serve(settings: ServerSettings) -> None:
+    """ValueError naming the setting when the application cannot be built from `settings`."""
+    names = reward_names(settings)
+    unknown = sorted(set(settings.ray_serve.rewards) - set(names))
+    if unknown:
+        raise ValueError(f"[ray_serve.rewards.{unknown[0]}] names no served reward; served rewards: {', '.join(names)}")
+    if INGRESS in names:
+        raise ValueError(f"a reward named {INGRESS!r} would share the ingress deployment's name; rename it")
+    limits = settings.max_concurrency()
+    for name in names:
+        budget = batch_budget(settings, name)  # also checks the reward's [ray_serve] table
+        if budget.size < 1 or budget.tokens < 1 or budget.wait_s < 0:
+            raise ValueError(f"ray_serve deployment {name!r}: max_batch_size and max_batch_tokens must be >= 1 and "
+                             f"batch_wait_ms >= 0, got {budget.size}, {budget.tokens}, {budget.wait_s * 1000:g}")
+        deployment = settings.ray_serve.deployment(name)
+        most = deployment.num_replicas if deployment.max_replicas is None else deployment.max_replicas
+        if name in limits and most > limits[name]:
+            # a replica scores one batch at a time: the reward's replicas bound its batches at once
+            raise ValueError(
+                f"[rewards.{name}] max_concurrency = {limits[name]} but its deployment may run {most} replicas, each "
+                f"scoring a batch at once; set [ray_serve.rewards.{name}] num_replicas (or max_replicas) <= {limits[name]}"
+            )
+
+
+def reward_deployment(settings: ServerSettings, name: str) -> Any:
+    """The Ray Serve deployment of reward `name` (`RewardReplica` with its `[ray_serve]` settings)."""
+    d, pool = settings.ray_serve.deployment(name), settings.pool
+    options: dict[str, Any] = {
+        "name": name,
+        "ray_actor_options": {"num_cpus": d.num_cpus, "num_gpus": d.num_gpus},
+        # a replica holds a whole batch of single-sample calls by default
+        "max_ongoing_requests": batch_budget(settings, name).size if d.max_ongoing_requests is None else d.max_ongoing_requests,
+        "health_check_period_s": pool.heartbeat_interval(),
+        "health_check_timeout_s": pool.heartbeat_timeout_s / HEALTH_CHECKS_MISSED,
+        "graceful_shutdown_timeout_s": settings.shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": STOP_POLL_S,
+        "max_constructor_retry_count": CONSTRUCTOR_TRIES,
+    }
+    if d.min_replicas is None:
+        options["num_replicas"] = d.num_replicas
+    else:
+        options["autoscaling_config"] = {"min_replicas": d.min_replicas, "max_replicas": d.max_replicas,
+                                         "target_ongoing_requests": d.target_ongoing_requests}
+    return serve.deployment(**options)(RewardReplica)
+
+
+def serve_application(settings: ServerSettings) -> Any:
+    """The server as a Ray Serve application (`serve.run` it): one deployment per served reward
+    and the ingress. ValueError naming the setting when it cannot be built."""
+    check_ray_serve(settings)
+    payload = to_json(settings)
+    handles = {name: reward_deployment(settings, name).bind(payload, name) for name in reward_names(settings)}
+    ingress = serve.deployment(
+        name=INGRESS, num_replicas=1,
+        ray_actor_options={"num_cpus": 0},  # parses JSON and waits on the replicas
+        max_ongoing_requests=settings.limits.max_connections,
+        graceful_shutdown_timeout_s=settings.shutdown_timeout_s, graceful_shutdown_wait_loop_s=STOP_POLL_S,
+        max_constructor_retry_count=CONSTRUCTOR_TRIES,
+    )(RewardIngress)
+    return ingress.bind(payload, handles)
+
+
+def run_ray_serve(settings: ServerSettings) -> None:
+    """`rl-rewards serve --backend ray-serve`: connect to `ray_address` (or start a local Ray),
+    start Ray Serve's HTTP proxy on `host`:`port`, run the application, and serve until
+    SIGINT/SIGTERM; then delete the application (Ray Serve lets open requests finish, up to
+    `shutdown_timeout_s`), stop a local Ray, exit 0. A reward that cannot be built exits 1."""
+    local = settings.ray_address is None
+    init: dict[str, Any] = {"include_dashboard": False} if local else {}
+    ray.init(address=settings.ray_address, **init)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    error: str | None = None
+    try:
+        serve.start(http_options={"host": settings.host, "port": settings.port}, proxy_location="HeadOnly")
+        error = _deploy(settings, stop)
+        if error is None and not stop.is_set():
+            log.info("listening on http://%s:%d (Ray Serve application %r on %s)", settings.host, settings.port,
+                     APP_NAME, settings.ray_address or "a local Ray")
+            stop.wait()
+    finally:
+        # a terminal's Ctrl-C (or a SIGTERM to the process group) stops a local Ray's processes
+        # too: only a Ray Serve that still answers is asked to delete the application
+        answering = _within(STATUS_WAIT_S, "reading Ray Serve's status", serve.status)
+        if answering:
+            log.info("shutting down: deleting the Ray Serve application (open requests finish first)")
+            _within(settings.shutdown_timeout_s, "deleting the application", lambda: serve.delete(APP_NAME))
+        if local:
+            if answering:
+                _within(STATUS_WAIT_S, "stopping Ray Serve", serve.shutdown)
+            ray.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if error is not None:
+        raise SystemExit(f"rl-rewards serve: error: loading the rewards failed: {error}")
+
+
+def _within(seconds: float, what: str, step: Callable[[], object]) -> bool:
+    """Run `step` (`what` it does, for the log) in a thread for at most `seconds`; whether it
+    finished without an error (one left running is abandoned: its Ray may be gone)."""
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            step()
+        except Exception as e:
+            failed.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="rl-rewards-shutdown", daemon=True).start()
+    if not done.wait(seconds):
+        log.warning("shutting down: %s did not finish within %.0f s; going on", what, seconds)
+        return False
+    if failed:
+        log.warning("shutting down: %s failed: %s: %s", what, type(failed[0]).__name__, failed[0])
+    return not failed
+
+
+def _deploy(settings: ServerSettings, stop: threading.Event) -> str | None:
+    """Run the application (in a thread, so a signal can interrupt a deploy waiting for
+    resources); the error that failed it, or None once it runs or a signal came first."""
+    failed: list[str] = []
+    done = threading.Event()
+
+    def deploy() -> None:
+        try:
+            serve.run(serve_application(settings), name=APP_NAME, route_prefix="/",
+                      logging_config={"log_level": settings.log_level.upper(), "enable_access_log": False})
+        except Exception as e:
+            failed.append(_why(e))
+        finally:
+            done.set()
+
+    threading.Thread(target=deploy, name="rl-rewards-deploy", daemon=True).start()
+    while not done.wait(0.2):
+        if stop.is_set():
+            return None
+    return failed[0] if failed else None
+
+
+def _why(error: Exception) -> str:
+    """Why the application failed: the last line of each failed deployment's error (a replica's
+    constructor traceback ends with the exception), else `error` itself."""
+    app = serve.status().applications.get(APP_NAME)
+    reasons = [] if app is None else [
+        f"{name}: {[line for line in d.message.splitlines() if line.strip()][-1].strip()}"
+        for name, d in app.deployments.items() if d.status == "DEPLOY_FAILED" and d.message.strip()
+    ]
+    return "; ".join(reasons) or f"{type(error).__name__}: {' '.join(str(error).split())}"
