@@ -57,12 +57,18 @@ def _sync(session: nox.Session, package: str, extras: list[str]) -> None:
     session.run_install(*args, env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location})
 
 
+# Ray starts its workers with `uv run` when it finds one among its parent processes (as under `uv run
+# nox`), which re-syncs the whole workspace into the session's venv: tests start them with the
+# session's interpreter instead, so each session keeps exactly what it installed.
+TEST_ENV = {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+
+
 def _pytest(session: nox.Session, package: str, markers: str, *args: str, required: bool = True) -> None:
     """pytest over one package's tests; `required`: "no tests collected" (exit 5) fails the session."""
     session.run(
         "python", "-m", "pytest", f"packages/{package}/tests", "-m", markers, "-q", "--durations=8", *args,
         *session.posargs,
-        success_codes=[0] if required else [0, 5],
+        success_codes=[0] if required else [0, 5], env=TEST_ENV,
     )
 
 
@@ -216,7 +222,8 @@ def app(session: nox.Session, app: str) -> None:
     """An app's default test suite, in an env holding only the app and what it declares
     (`uv run nox -s "app(caption-rl)"`)."""
     _sync(session, app, [])
-    session.run("python", "-m", "pytest", f"apps/{app}/tests", "-m", DEFAULT_MARKERS, "-q", "--durations=8", *session.posargs)
+    session.run("python", "-m", "pytest", f"apps/{app}/tests", "-m", DEFAULT_MARKERS, "-q", "--durations=8", *session.posargs,
+                env=TEST_ENV)
 
 
 
