@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.results import append_results, markdown_table
+from benchmarks.results import append_results, markdown_table, seconds_from_fresh_process
 
 ALONE_MARK = "caption-qa-vllm-alone: "  # the fresh-process peer's result line on stdout (vLLM logs there too)
 PEER_TOLERANCE = 0.10  # the peer in this run may differ from vLLM alone by this much
@@ -103,13 +102,7 @@ def vllm_alone(path: Path, args: argparse.Namespace) -> float:
     fresh process: the peer as its users run it."""
     cmd = [sys.executable, __file__, "--vllm-alone", str(path), "--captions", str(args.captions),
            "--caption-tokens", str(args.caption_tokens), "--questions", str(args.questions), "--qa-num", str(args.qa_num)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    if done.returncode:
-        raise RuntimeError(f"vLLM alone exited with {done.returncode}: {done.stderr[-600:]}")
-    found = [line for line in done.stdout.splitlines() if line.startswith(ALONE_MARK)]
-    if not found:
-        raise RuntimeError(f"vLLM alone printed no result: {(done.stdout + done.stderr)[-600:]}")
-    return float(json.loads(found[-1].removeprefix(ALONE_MARK))["seconds"])
+    return seconds_from_fresh_process(cmd, ALONE_MARK)
 
 
 def vllm_alone_main(args: argparse.Namespace) -> None:

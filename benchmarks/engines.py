@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,7 +47,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen3Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import append_results, markdown_table
+from results import append_results, markdown_table, seconds_from_fresh_process
 
 from rl_models import tiny
 from rl_rollout import SamplingParams
@@ -327,14 +326,8 @@ def vllm_alone(keep: Path, s: Sizes, repeats: int, *, multiprocessing: bool) -> 
     """Median seconds of the fixed-length batch with vLLM alone in a fresh process (no HF model,
     no compiled engine beside it): the peer as its users run it."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0"}
-    done = subprocess.run([sys.executable, __file__, "--vllm-alone", str(keep), "--repeats", str(repeats)],
-                          capture_output=True, text=True, env=env, timeout=900)
-    if done.returncode:
-        raise RuntimeError(f"vLLM alone exited with {done.returncode}: {done.stderr[-600:]}")
-    found = [line for line in done.stdout.splitlines() if line.startswith(ALONE_MARK)]
-    if not found:
-        raise RuntimeError(f"vLLM alone printed no result: {(done.stdout + done.stderr)[-600:]}")
-    return float(json.loads(found[-1].removeprefix(ALONE_MARK))["seconds"])
+    return seconds_from_fresh_process([sys.executable, __file__, "--vllm-alone", str(keep), "--repeats", str(repeats)],
+                                      ALONE_MARK, env=env)
 
 
 def vllm_alone_main(path: str, repeats: int) -> None:

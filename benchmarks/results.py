@@ -7,7 +7,9 @@ baseline measured in the same run.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import platform
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -57,3 +59,15 @@ def append_results(
     with path.open("a") as f:
         f.write(block)
     return block
+
+
+def seconds_from_fresh_process(cmd: Sequence[str], mark: str, *, env: dict[str, str] | None = None) -> float:
+    """Run a benchmark's peer alone in a fresh process (`cmd`) and return the `seconds` of the
+    JSON object on its last stdout line starting with `mark` (the peer's own logs share stdout)."""
+    done = subprocess.run(list(cmd), capture_output=True, text=True, env=env, timeout=900)
+    if done.returncode:
+        raise RuntimeError(f"{cmd[1]} alone exited with {done.returncode}: {done.stderr[-600:]}")
+    found = [line for line in done.stdout.splitlines() if line.startswith(mark)]
+    if not found:
+        raise RuntimeError(f"{cmd[1]} alone printed no result: {(done.stdout + done.stderr)[-600:]}")
+    return float(json.loads(found[-1].removeprefix(mark))["seconds"])
