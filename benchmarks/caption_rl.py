@@ -162,7 +162,8 @@ def run_figures(run: Path) -> dict:
     mean = lambda key: statistics.fmean(float(r[key]) if r.get(key) else 0.0 for r in rows)  # noqa: E731
     figures = {key: mean(key) for key in ("throughput/tokens_per_s", "throughput/samples_per_s", "time/step",
                                           "time/rollout", "time/rollout_wait", "time/prepare", "time/reward", "time/logprob",
-                                          "time/update", "response/length_mean", "rollout/staleness")}
+                                          "time/update", "time/rollout_wake", "time/rollout_sleep", "time/weight_sync",
+                                          "response/length_mean", "rollout/staleness")}
     figures.update({key: max(float(r[key]) for r in rows) for key in rows[0] if key.startswith("memory/")})
     for phase in ("step", "rollout", "update"):  # every step, warm-up included, for the notes
         figures[f"steps/{phase}"] = [round(float(r[f"time/{phase}"]), 1) for r in every]
@@ -339,6 +340,9 @@ def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool, vll
              ">= 1.5x TRL's throughput at no more peak memory.")
     notes += (f" Seconds per step, warm-up included: caption-rl {ours['steps/step']} (rollout {ours['steps/rollout']},"
               f" update {ours['steps/update']}); TRL {theirs['steps/step']}.")
+    notes += (f" caption-rl's engine layer per step: wake {ours['time/rollout_wake']:.2f} s and sleep "
+              f"{ours['time/rollout_sleep']:.2f} s (inside rollout s), weight push {ours['time/weight_sync']:.2f} s "
+              "(inside update s).")
     phases = {k.removeprefix("memory/").removesuffix("_peak_gib"): v for k, v in ours.items() if k.startswith("memory/")}
     if phases and on_gpu:
         notes += " caption-rl peak GiB per phase: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()) + "."

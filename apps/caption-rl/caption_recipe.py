@@ -159,7 +159,8 @@ class CaptionRL(Recipe[Config, State, Batch]):
             r.engine, model=model, processor=processor, path=policy_path, dtype=m.dtype, device=acc.device,
             seed=run.rank, world_size=run.world_size, full=full, optimizer=optimizer,
             offload_optimizer=r.offload_optimizer, release_cache=r.release_cache, max_batch_size=r.max_batch_size,
-            compile_mode=r.compile_mode, gpu_memory_utilization=r.gpu_memory_utilization, engine_options=r.engine_options)
+            compile_mode=r.compile_mode, gpu_memory_utilization=r.gpu_memory_utilization, engine_options=r.engine_options,
+            timer=run.timer)
         sampler = GroupSampler(len(data.train), r.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
         frozen = (load_policy(m, trainable=False)[0].to(acc.device)
                   if cfg.algo.kl_coef > 0 and m.lora_rank == 0 else None)

@@ -131,7 +131,8 @@ class RiderGRM(Recipe[Config, State, Batch]):
             seed=sample_seed(t.seed, run.rank) % 2**31, world_size=run.world_size, full=full,
             max_batch_size=r.max_batch_size, compile=r.compile, gpu_memory_utilization=r.gpu_memory_utilization,
             engine_options={"max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
-                            **r.engine_options})  # verl's context length, not the model's full one
+                            **r.engine_options},  # verl's context length, not the model's full one
+            timer=run.timer)
         for judge in judges:
             judge.policy = engine  # counts the judge's calls made with the policy's engine awake
         swap = PolicySwap(engine, model, optimizer, acc.device, mode=mode, memory_fraction=cfg.reward.swap_memory_fraction,

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rl_core.errors import UserError
+from rl_core.train import PhaseTimer
 from rl_models import tiny
 from rl_models.text import load_causal_lm
 from rl_rollout import ImageEngine, SamplingParams, build_image_engine, load_engine
@@ -31,6 +32,25 @@ def test_an_hf_session_samples_from_the_trained_module_and_frees_its_cache() -> 
     with engine.session() as sampler:
         second = sampler.generate(["Hi"], SamplingParams(max_new_tokens=4, seed=1))
     assert engine.weight_version == 1 and first[0].logprobs != second[0].logprobs
+
+
+def test_the_engine_layer_times_its_own_phases() -> None:
+    """Session start/end and weight moves are phases of the trainer's timer (metrics.csv
+    `time/rollout_wake`, ...), so a slow rollout says whether decoding or the engine's
+    housekeeping took the time."""
+    model, tokenizer = load_causal_lm(str(tiny.build("qwen3")), dtype="float32")
+    timer = PhaseTimer()
+    engine = build_policy_engine("hf", model=model, processor=tokenizer, path="", dtype="float32",
+                                 device=torch.device("cpu"), seed=0, compile=False, timer=timer)
+    with timer("rollout"), engine.session() as sampler:
+        sampler.generate(["Hi"], SamplingParams(max_new_tokens=2, seed=1))
+    times = timer.pop()
+    assert {"time/rollout", "time/rollout_wake", "time/rollout_sleep"} <= times.keys()
+    assert times["time/rollout_wake"] + times["time/rollout_sleep"] <= times["time/rollout"]
+    channel = engine.weight_channel()  # asynchronous: the trainer publishes versions, the rollout loads them
+    channel.publish(1)
+    channel.load(1)
+    assert {"time/weight_publish", "time/weight_sync"} <= timer.pop().keys()
 
 
 def test_one_builder_for_every_kind_from_a_checkpoint() -> None:

@@ -19,6 +19,13 @@ owns weight sync (verl's engine layer), so no app asks which engine it has.
 `weight_version` counts `sync` calls: the optimizer steps in the weights the next session
 samples with (log it as `rollout/weight_version`).
 
+`timer` (the trainer's `rl_core.train.PhaseTimer`, or any `timer(name)` context manager) times
+the engine layer's own work as phases: `rollout_wake` and `rollout_sleep` (a session's start and
+end: vLLM's wake and sleep, the optimizer state's trips to host memory), and `weight_sync` (a
+push after an optimizer step; an asynchronous run's version loads on the rollout thread, and
+`weight_publish` is the trainer's copy of each version). Inside
+the app's `rollout` phase, generation is what the first two leave.
+
 Asynchronous runs (`train.max_staleness >= 1`): `weight_channel()` switches the engine to weights
 of its own, which change only by version (`rl_core.train.WeightChannel`): the trainer publishes
 a copy after each step, the rollout thread loads the one its step needs. `hf` then decodes with
@@ -31,7 +38,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal, cast
 
 import torch
@@ -54,6 +61,11 @@ from rl_rollout.registry import resolve_engine
 __all__ = ["PolicyEngine", "build_policy_engine", "rollout_device"]
 
 OffloadOptimizer = Literal["auto", "always", "never"]
+PhaseTimer = Callable[[str], AbstractContextManager[Any]]
+
+
+def _untimed(name: str) -> AbstractContextManager[Any]:
+    return nullcontext()
 
 
 class PolicyEngine:
@@ -67,8 +79,9 @@ class PolicyEngine:
     def __init__(self, engine: Engine, *, kind: str, trained: torch.nn.Module, pad_id: int,
                  full: FullWeights | None = None, optimizer_offload: OptimizerOffload | None = None,
                  release_cache: Callable[[], None] | None = None,
-                 rebuild: Callable[[torch.nn.Module, torch.device], Engine] | None = None) -> None:
-        self.engine, self.kind, self.trained, self.pad_id = engine, kind, trained, pad_id
+                 rebuild: Callable[[torch.nn.Module, torch.device], Engine] | None = None,
+                 timer: PhaseTimer = _untimed) -> None:
+        self.engine, self.kind, self.trained, self.pad_id, self.timer = engine, kind, trained, pad_id, timer
         self.full, self.optimizer_offload, self.release_cache = full, optimizer_offload, release_cache
         self.rebuild = rebuild  # hf: an engine over another copy of the model (asynchronous runs)
         self.shares_weights = kind == "hf"
@@ -114,28 +127,32 @@ class PolicyEngine:
             yield self.engine
             return
         if not self.shares_weights:
-            if self.optimizer_offload is not None:
-                self.optimizer_offload.to_host()
-            self.engine.wake()
+            with self.timer("rollout_wake"):
+                if self.optimizer_offload is not None:
+                    self.optimizer_offload.to_host()
+                self.engine.wake()
             try:
                 yield self.engine
             finally:
-                self.engine.sleep()
-                if self.optimizer_offload is not None:
-                    self.optimizer_offload.to_device()
+                with self.timer("rollout_sleep"):
+                    self.engine.sleep()
+                    if self.optimizer_offload is not None:
+                        self.optimizer_offload.to_device()
             return
         model = self.full.model if self.full is not None else self.trained
         model.eval()
-        if self.optimizer_offload is not None:
-            self.optimizer_offload.to_host()
+        with self.timer("rollout_wake"):
+            if self.optimizer_offload is not None:
+                self.optimizer_offload.to_host()
         try:
             with gathered(self.full, model):  # a sharded policy's full weights, this session only
                 yield self.engine
         finally:
-            if self.release_cache is not None:
-                self.release_cache()
-            if self.optimizer_offload is not None:
-                self.optimizer_offload.to_device()
+            with self.timer("rollout_sleep"):
+                if self.release_cache is not None:
+                    self.release_cache()
+                if self.optimizer_offload is not None:
+                    self.optimizer_offload.to_device()
 
     def sync(self, *, bump: bool = True) -> None:
         """After an optimizer step (`bump=False`: at start-up, when a resumed checkpoint is newer
@@ -148,7 +165,7 @@ class PolicyEngine:
             return
         from rl_rollout.colocated import push_weights
 
-        with gathered(self.full, self.trained) as model:  # a sharded policy's, gathered and freed after
+        with self.timer("weight_sync"), gathered(self.full, self.trained) as model:  # a sharded policy's, freed after
             push_weights(self.engine, model, version=self.weight_version)
 
     def sleep(self) -> None:
@@ -203,11 +220,13 @@ class _EngineChannel:
         self.published: dict[int, int] = {}  # loop step -> optimizer steps in its weights
 
     def publish(self, version: int) -> None:
-        self.inner.publish(version)
+        with self.policy.timer("weight_publish"):  # the trainer's copy of this version
+            self.inner.publish(version)
         self.published[version] = self.steps
 
     def load(self, version: int, *, prune: bool = True) -> None:
-        self.inner.load(version, prune=prune)
+        with self.policy.timer("weight_sync"):  # on the rollout thread: into the engine's weights
+            self.inner.load(version, prune=prune)
         self.policy.weight_version = self.published[version]
 
     def close(self) -> None:
@@ -252,6 +271,7 @@ def build_policy_engine(
     gpu_memory_utilization: float = 0.3,
     engine_options: dict[str, Any] | None = None,
     key: str = "rollout.engine",
+    timer: PhaseTimer = _untimed,
 ) -> PolicyEngine:
     """The policy's engine for a configured `kind` (`auto`, `hf`, `vllm`; `auto` resolves as
     `rl_rollout.resolve_engine` says and prints why).
@@ -270,7 +290,8 @@ def build_policy_engine(
     awake and keeps its KV cache anyway: one launch per token holds the interpreter lock, which
     the rollout thread shares with the trainer's, far less (on 2 H200s, split placement: 1.38x
     our synchronous DDP run with CUDA graphs, 1.11x with fused kernels). `gpu_memory_utilization`,
-    `engine_options` (more `vllm.LLM` arguments), `seed`: `vllm`'s."""
+    `engine_options` (more `vllm.LLM` arguments), `seed`: `vllm`'s. `timer`: times the engine
+    layer's phases (see the module doc); pass the trainer's `run.timer`."""
     resolved, why = resolve_engine(kind, key=key)
     if kind == "auto":
         print(f"{key}: {why}")
@@ -288,7 +309,7 @@ def build_policy_engine(
 
         return PolicyEngine(hf, kind="hf", trained=model, pad_id=hf.pad_id, full=full,
                             optimizer_offload=_offload(optimizer, device, offload_optimizer in ("auto", "always"), full),
-                            release_cache=hf.release_cache if release_cache else None, rebuild=rebuild)
+                            release_cache=hf.release_cache if release_cache else None, rebuild=rebuild, timer=timer)
     from rl_rollout.colocated import colocated_vllm, vllm_engine_core
 
     with vllm_engine_core(in_process=True), isolated_rng():  # vLLM seeds the global RNGs as it starts
@@ -298,7 +319,7 @@ def build_policy_engine(
     tokenizer = processor.tokenizer if isinstance(processor, ProcessorMixin) else processor
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return PolicyEngine(engine, kind="vllm", trained=model, pad_id=int(pad), full=full,
-                        optimizer_offload=_offload(optimizer, device, offload_optimizer == "always", full))
+                        optimizer_offload=_offload(optimizer, device, offload_optimizer == "always", full), timer=timer)
 
 
 def _offload(optimizer: torch.optim.Optimizer | None, device: torch.device, wanted: bool,

@@ -19,7 +19,7 @@ METRIC_NAMES: dict[str, str] = {
     "step": "the optimizer-step cycle the row belongs to (rollout, reward, update); eval-only rows before training are step 0",
     "skipped": "1 when the step made no update (the reward service failed after its retries, no rollout anywhere), else 0",
     "error": "why the step was skipped",
-    "time/<phase>": "seconds in a phase: rollout, reward, advantages, update, eval, checkpoint, step, and a recipe's own (logprob, weight_gather, ...); asynchronous runs: rollout (on the rollout thread, overlapped), rollout_wait (the trainer waiting for it), prepare",
+    "time/<phase>": "seconds in a phase: rollout, reward, advantages, update, eval, checkpoint, step, and a recipe's own (logprob, weight_gather, ...); the rollout engine's: rollout_wake and rollout_sleep (inside rollout), weight_sync (a weight push into the engine), weight_publish (an asynchronous run's copy of each version); asynchronous runs: rollout (on the rollout thread, overlapped), rollout_wait (the trainer waiting for it), prepare",
     "time/<phase>/<phase>": "seconds in a phase inside an eval (time/eval/rollout)",
     "memory/<phase>_peak_gib": "peak CUDA memory allocated during a phase (GiB)",
     "memory/<phase>/<phase>_peak_gib": "the same for a phase inside an eval",

@@ -1,0 +1,199 @@
+"""Where caption-rl's vLLM rollout step spends its time, against vLLM run alone.
+
+    python benchmarks/vllm_rollout.py            # one H100/H200, ~5 minutes (three vLLM starts)
+    python benchmarks/vllm_rollout.py --smoke    # tiny shapes; still needs a GPU and vLLM
+
+The setting of `benchmarks/caption_rl.py --vllm`: a random-weight policy at Qwen3-VL-2B shape,
+32 images x 8 captions x 256 tokens per step, `gpu_memory_utilization` 0.3, `max_model_len`
+2048, the sampled tokens' log-probs returned. Three engines, each timed over `ROUNDS` rounds
+after one warm-up round:
+
+1. caption-rl's colocated engine (`rl_rollout.policy.build_policy_engine("vllm", ...)`, engine
+   core in this process, sleep mode), one RL step's engine work split into its parts: wake,
+   generate (the app's chat messages with images), sleep, and the weight push after the
+   optimizer step; then the same engine generating text-only prompts of the same token length
+   (no image processing, no vision encoder), which isolates the images' cost.
+2. vLLM alone in a fresh process with its defaults (engine core in a process of its own, no
+   sleep mode), the same requests.
+3. vLLM alone in a fresh process with its engine core in the caller's thread
+   (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, what an in-process weight push needs), the same requests.
+
+The differences between the rows say what the colocated pattern costs: (1) vs (3) is sleep mode
+and the app's wrapper, (3) vs (2) is the in-thread engine core, and the text-only row is the
+images' share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO))
+
+from caption_rl import FULL, MAX_PIXELS, SMOKE, VLLM_MAX_LEN, VLLM_MEMORY, build_policy, trl_rows  # noqa: E402
+
+ROUNDS = 3
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Any) -> tuple[float, Any]:
+    _sync()
+    began = time.perf_counter()
+    out = fn()
+    _sync()
+    return time.perf_counter() - began, out
+
+
+def requests(policy: Path, smoke: bool) -> tuple[list[Any], Any]:
+    """The app's chat messages (one image, at most `MAX_PIXELS`, and the caption prompt each)
+    and the sampling parameters of one RL step."""
+    from rl_rollout import SamplingParams
+
+    prompts, n, tokens, _ = SMOKE if smoke else FULL
+    messages = [[{"role": "user", "content": [{"type": "image", "image": row["image"]},
+                                              {"type": "text", "text": row["prompt"][0]["content"]}]}]
+                for row in trl_rows(prompts)]
+    return messages, SamplingParams(n=n, temperature=1.0, max_new_tokens=tokens, seed=0)
+
+
+def text_only(gens: list[Any]) -> list[list[int]]:
+    """Token-id prompts as long as the image prompts were in vLLM (image tokens included), made
+    of random text ids: the same prefill and decode, without image processing or vision encoder."""
+    lengths = {g.request_index: len(g.prompt_ids) for g in gens}
+    torch.manual_seed(0)
+    return [torch.randint(1000, 20000, (lengths[i],)).tolist() for i in sorted(lengths)]
+
+
+def colocated(policy: Path, smoke: bool) -> dict[str, Any]:
+    """caption-rl's engine work of one RL step, part by part (row 1)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from rl_rollout.colocated import push_weights
+    from rl_rollout.policy import build_policy_engine
+
+    model = AutoModelForImageTextToText.from_pretrained(policy, dtype=torch.bfloat16).cuda()
+    processor = AutoProcessor.from_pretrained(policy)
+    messages, params = requests(policy, smoke)
+    engine = build_policy_engine("vllm", model=model, processor=processor, path=str(policy), dtype="bfloat16",
+                                 device=torch.device("cuda"), seed=0, max_batch_size=len(messages) * params.n,
+                                 gpu_memory_utilization=VLLM_MEMORY, engine_options={"max_model_len": VLLM_MAX_LEN})
+    vllm = engine.engine
+    parts: dict[str, list[float]] = {"wake": [], "generate": [], "sleep": [], "weight push": [], "generate text-only": []}
+    tokens: list[float] = []
+    for round_ in range(ROUNDS + 1):
+        wake, _ = timed(vllm.wake)
+        seconds, gens = timed(lambda: vllm.generate(messages, params))
+        ids = text_only(gens)
+        plain, _ = timed(lambda ids=ids: vllm.generate(ids, params))
+        sleep, _ = timed(vllm.sleep)
+        push, _ = timed(lambda v=round_ + 1: push_weights(vllm, model, version=v))
+        if round_ == 0:
+            continue  # warm-up: the first generate of a shape, the first wake
+        for key, value in zip(parts, (wake, seconds, sleep, push, plain), strict=True):
+            parts[key].append(value)
+        tokens.append(sum(len(g.completion_ids) for g in gens))
+    engine.close()
+    return {key: statistics.fmean(values) for key, values in parts.items()} | {"tokens": statistics.fmean(tokens)}
+
+
+def alone(policy: Path, smoke: bool, in_thread: bool) -> dict[str, Any]:
+    """vLLM by itself, no sleep mode, the same requests (rows 2 and 3): `LLM.generate` timed."""
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_thread else "1"
+    from rl_rollout.vllm import VLLMEngine
+
+    messages, params = requests(policy, smoke)
+    engine = VLLMEngine(str(policy), dtype="bfloat16", gpu_memory_utilization=VLLM_MEMORY, seed=0,
+                        max_num_seqs=len(messages) * params.n, max_model_len=VLLM_MAX_LEN, enable_sleep_mode=False)
+    prompts = [engine._prompt(m, i) for i, m in enumerate(messages)]
+    sampling = engine._sampling(params)
+    times, tokens = [], []
+    for round_ in range(ROUNDS + 1):
+        seconds, outs = timed(lambda: engine.llm.generate(prompts, sampling, use_tqdm=False))
+        if round_:
+            times.append(seconds)
+            tokens.append(sum(len(s.token_ids) for o in outs for s in o.outputs))
+    return {"generate": statistics.fmean(times), "tokens": statistics.fmean(tokens)}
+
+
+def child(args: argparse.Namespace) -> None:
+    figures = colocated(args.policy, args.smoke) if args.child == "colocated" else alone(
+        args.policy, args.smoke, in_thread=args.child == "alone-in-thread")
+    args.result.write_text(json.dumps(figures))
+    print(f"{args.child}: {json.dumps(figures)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (GPU and vLLM still needed); appends nothing")
+    parser.add_argument("--child", choices=("colocated", "alone", "alone-in-thread"), help=argparse.SUPPRESS)
+    parser.add_argument("--policy", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    if not torch.cuda.is_available():
+        raise SystemExit("vllm_rollout.py needs a CUDA GPU and vLLM")
+    figures: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        policy = build_policy(Path(tmp) / "policy", args.smoke)
+        torch.cuda.empty_cache()
+        for side in ("colocated", "alone", "alone-in-thread"):  # each in a fresh process
+            result = Path(tmp) / f"{side}.json"
+            subprocess.run([sys.executable, __file__, "--child", side, "--policy", str(policy), "--result", str(result),
+                            *(["--smoke"] if args.smoke else [])], check=True)
+            figures[side] = json.loads(result.read_text())
+    report(figures, smoke=args.smoke)
+
+
+def report(figures: dict[str, dict[str, Any]], *, smoke: bool) -> None:
+    from benchmarks.results import append_results, markdown_table
+
+    ours, alone_mp, alone_thread = figures["colocated"], figures["alone"], figures["alone-in-thread"]
+    step = ours["wake"] + ours["generate"] + ours["sleep"] + ours["weight push"]
+    row = lambda name, seconds, tokens="": [name, f"{seconds:.2f}", f"{tokens / seconds:,.0f}" if tokens else "",  # noqa: E731
+                                            f"{seconds / alone_mp['generate']:.2f}x"]
+    header = ["what", "seconds", "caption tokens/s", "vs vLLM alone (generate)"]
+    table = [
+        row("caption-rl colocated engine: wake (weights and KV cache back)", ours["wake"]),
+        row("caption-rl colocated engine: generate, 32 images x 8 captions", ours["generate"], ours["tokens"]),
+        row("caption-rl colocated engine: generate, text-only prompts of the same lengths", ours["generate text-only"],
+            ours["tokens"]),
+        row("caption-rl colocated engine: sleep", ours["sleep"]),
+        row("caption-rl colocated engine: weight push (after the optimizer step)", ours["weight push"]),
+        row("caption-rl colocated engine: the step's engine work (wake + generate + sleep + push)", step, ours["tokens"]),
+        row("vLLM alone, fresh process, defaults (engine core process, no sleep mode)", alone_mp["generate"],
+            alone_mp["tokens"]),
+        row("vLLM alone, fresh process, engine core in the caller's thread", alone_thread["generate"],
+            alone_thread["tokens"]),
+    ]
+    notes = (f"Random weights at Qwen3-VL-2B shape, bf16; {FULL[0]} images x {FULL[1]} captions x {FULL[2]} tokens "
+             f"(T=1, sampled tokens' log-probs); gpu_memory_utilization {VLLM_MEMORY}, max_model_len {VLLM_MAX_LEN}, "
+             f"max_num_seqs {FULL[0] * FULL[1]}; means over {ROUNDS} rounds after one warm-up, each engine in a "
+             "fresh process. The text-only row feeds random token ids of each image prompt's text length (no image "
+             f"processing and no vision encoder, the same prompt lengths as the image prompts had in vLLM). Images at most {MAX_PIXELS} pixels.")
+    if smoke:
+        print(markdown_table(header, table))
+        print(notes)
+        return
+    append_results("caption-rl's vLLM rollout, part by part, vs vLLM alone (Qwen3-VL-2B shape)", header, table, notes)
+
+
+if __name__ == "__main__":
+    main()
