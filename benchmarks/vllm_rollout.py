@@ -142,6 +142,8 @@ def child(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (GPU and vLLM still needed); appends nothing")
+    parser.add_argument("--only", action="append", choices=("colocated", "alone", "alone-in-thread"),
+                        help="run only these engines (repeatable); prints their figures, appends nothing")
     parser.add_argument("--child", choices=("colocated", "alone", "alone-in-thread"), help=argparse.SUPPRESS)
     parser.add_argument("--policy", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -154,11 +156,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         policy = build_policy(Path(tmp) / "policy", args.smoke)
         torch.cuda.empty_cache()
-        for side in ("colocated", "alone", "alone-in-thread"):  # each in a fresh process
+        for side in args.only or ("colocated", "alone", "alone-in-thread"):  # each in a fresh process
             result = Path(tmp) / f"{side}.json"
             subprocess.run([sys.executable, __file__, "--child", side, "--policy", str(policy), "--result", str(result),
                             *(["--smoke"] if args.smoke else [])], check=True)
             figures[side] = json.loads(result.read_text())
+    if args.only:
+        print(json.dumps(figures))
+        return
     report(figures, smoke=args.smoke)
 
 
