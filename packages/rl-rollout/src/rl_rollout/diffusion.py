@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
