@@ -347,7 +347,7 @@ class Candidates:
                 logp = max(float((a.log_probs - b.log_probs).abs().max()) for a, b in zip(got, ref, strict=True))
                 diffs = [f"{image:.3g}", f"{logp:.3g}", f"{replay_diff[label]:.3g}"]
             rows.append([label, f"{rate:.2f}", f"{self.seconds[peer_label] / median:.2f}x",
-                         f"{self.seconds[plain_label] / median:.2f}x", f"{tflops:.1f}",
+                         f"{self.seconds[plain_label] / median:.2f}x", f"{tflops:.3g}",
                          f"{100 * tflops * 1e12 / self.peak:.0f}%" if self.peak == self.peak else "n/a",
                          f"{self.first[label]:.1f}", *diffs])
         return rows
@@ -386,6 +386,8 @@ def rollout_rows(engine, conditioning, negative, args, progress: Callable[[str],
             progress("(a) engine, eager + CUDA graphs")
             c.measure("engine eager + cuda_graphs", c.ours)
             engine.cuda_graphs = False
+        else:
+            c.skip("engine eager + cuda_graphs", "needs CUDA")
         progress("(a) plain pipeline, compiled blocks (compiling)")
         engine.compile = True
         engine._sync_compiled()  # the same regional compile the engine runs, applied to the shared transformer
@@ -491,7 +493,7 @@ def main() -> None:
                "fullgraph=True, dynamic=False), default mode, applied to the transformer the plain pipeline shares: "
                "the peer runs the same compiled blocks. Each option alone on the compiled engine, then the "
                f"fastest together ({', '.join(f'{k}={v}' for k, v in fastest.items())}). TFLOP/s: the transformer's FLOPs per image (torch.utils.flop_counter "
-               f"over one CFG forward: {args.flops_per_image / 1e12:.2f} TFLOP per image) x images/s; bf16 peak 989 "
+               f"over one CFG forward: {args.flops_per_image / 1e12:.3g} TFLOP per image) x images/s; bf16 peak 989 "
                "TFLOP/s dense (H100 SXM, H200). Diffs are against the bf16 eager engine on the same seeds; the last "
                "column replays each variant's first batch through the bf16 eager engine (the first training "
                "replay's |log ratio|; train.ratio_tolerance 5e-2 in bf16). CFG is one batched forward already.")
