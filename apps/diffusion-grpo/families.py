@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol, cast
 
 import torch
-from grpo_config import Config, ModelConfig, RolloutConfig
+from grpo_config import Config, ModelConfig, RolloutConfig, SamplingConfig
 from peft import PeftModel
 from transformers import JanusForConditionalGeneration
 
@@ -59,7 +59,7 @@ from rl_core.train import (
 from rl_models.janus import JanusImagePolicy, image_size, reference_image_token_logprobs
 from rl_models.lora import add_lora
 from rl_rollout import ImageSamples, build_image_engine
-from rl_rollout.diffusion import DiffusionEngine, PromptEmbeddings, Trajectory
+from rl_rollout.diffusion import DiffusionEngine, PromptEmbeddings, SampleBatch, Trajectory
 from rl_rollout.janus import ImageRollout, JanusEngine
 from rl_rollout.ray_pool import EngineSpec, RolloutPool, connect, ship_module
 
@@ -122,12 +122,12 @@ class SD3(Family):
     owns_ray = False  # this process started Ray (and stops it)
 
     def __init__(self, cfg: Config, acc: Any, path: str) -> None:
-        m, t = cfg.model, cfg.train
+        m, t, s = cfg.model, cfg.train, cfg.sampling
         self.cfg, self.acc, self.path = cfg, acc, path
         # model.compile: blocks compiled for sampling and replay (first replay |log ratio| ~4e-4 in bf16)
         self.engine = cast(DiffusionEngine, build_image_engine(
             "sd3", path=path, dtype=m.dtype, device=acc.device, text_encoder_dtype=m.text_encoder_dtype,
-            compile=m.compile))
+            compile=m.compile, **rollout_options(s)))
         self.engine.transformer.requires_grad_(False)
         self.peft = add_lora(self.engine.transformer, family="sd3", r=m.lora_rank, alpha=m.lora_alpha,
                              target_modules=m.lora_targets)
@@ -145,7 +145,8 @@ class SD3(Family):
 
     def start(self) -> None:
         if self.cfg.rollout.workers:
-            self.pool, self.owns_ray = start_workers(self.cfg.rollout, self.cfg.model, self.path, self.acc)
+            self.pool, self.owns_ray = start_workers(self.cfg.rollout, self.cfg.model, self.path, self.acc,
+                                                     self.cfg.sampling)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -179,7 +180,7 @@ class SD3(Family):
             "noise_level": s.noise_level, "kind": s.kind, "max_sequence_length": s.max_sequence_length}
         with whole_weights(self):  # a sharded policy's weights gathered into the engine's copy
             if pool is None:
-                return [sample_chunk(self.rollout_engine, chunk, **kwargs) for chunk in chunks]
+                return sample_chunks(self.rollout_engine, chunks, **kwargs)
             if colocated:
                 pool.wake()
             if pool.version != version:  # the workers' LoRA synced to this version (each refuses another)
@@ -383,7 +384,9 @@ def engine_over(engine: DiffusionEngine, transformer: torch.nn.Module) -> Diffus
     own = {name: copy.deepcopy(part) for name, part in pipeline.components.items()
            if name == "scheduler" or name.startswith("tokenizer")}
     parts = {**pipeline.components, **own, "transformer": transformer}
-    return DiffusionEngine(type(pipeline)(**parts), device=engine.device, compile=engine.compile)
+    return DiffusionEngine(type(pipeline)(**parts), device=engine.device, compile=engine.compile,
+                           cuda_graphs=engine.cuda_graphs, attention_backend=engine.attention_backend,
+                           overlap_decode=engine.overlap_decode)
 
 
 def sample_chunk(engine: DiffusionEngine, chunk: Chunk, *, max_sequence_length: int, **sampling: Any) -> Trajectory:
@@ -393,6 +396,25 @@ def sample_chunk(engine: DiffusionEngine, chunk: Chunk, *, max_sequence_length: 
     rows = [unique.index(p) for p in chunk.prompts]
     return engine.sample(list(chunk.prompts), conditioning=conditioning.index(rows), seeds=list(chunk.seeds),
                          sde_window=chunk.window, **sampling)
+
+
+def sample_chunks(engine: DiffusionEngine, chunks: list[Chunk], *, max_sequence_length: int,
+                  **sampling: Any) -> list[Trajectory]:
+    """`sample_chunk` for each chunk, through `sample_many` (sampling.overlap_decode overlaps each
+    chunk's VAE decode with the next chunk's denoising)."""
+    batches = []
+    for chunk in chunks:
+        unique = list(dict.fromkeys(chunk.prompts))
+        conditioning = engine.encode(unique, max_sequence_length=max_sequence_length)
+        batches.append(SampleBatch(chunk.prompts, conditioning=conditioning.index([unique.index(p) for p in chunk.prompts]),
+                                   seeds=chunk.seeds, sde_window=chunk.window))
+    return engine.sample_many(batches, max_sequence_length=max_sequence_length, **sampling)
+
+
+def rollout_options(sampling: SamplingConfig) -> dict[str, Any]:
+    """The engine's rollout options from the [sampling] table (rl_rollout.diffusion's docstring)."""
+    return {"cuda_graphs": sampling.cuda_graphs, "attention_backend": sampling.attention_backend,
+            "overlap_decode": sampling.overlap_decode}
 
 
 def sample_chunk_to_cpu(engine: DiffusionEngine, chunk: Chunk, **kwargs: Any) -> Trajectory:
@@ -413,11 +435,12 @@ def lora_params(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 
 def build_lora_engine(path: str, *, dtype: str, text_encoder_dtype: str | None, lora_rank: int,
-                      lora_alpha: float, lora_targets: list[str] | None, compile: bool = False) -> DiffusionEngine:
+                      lora_alpha: float, lora_targets: list[str] | None, compile: bool = False,
+                      **options: Any) -> DiffusionEngine:
     """A worker's pipeline with the trainer's LoRA layout (weights by `load_lora`), on its GPU."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = DiffusionEngine.from_pretrained(path, dtype=dtype, device=device, text_encoder_dtype=text_encoder_dtype,
-                                             compile=compile)  # model.compile, as the trainer's engine
+                                             compile=compile, **options)  # as the trainer's engine
     engine.transformer.requires_grad_(False)
     add_lora(engine.transformer, family="sd3", r=lora_rank, alpha=lora_alpha, target_modules=lora_targets)
     return engine
@@ -429,7 +452,8 @@ def load_lora(engine: DiffusionEngine, state: Mapping[str, torch.Tensor]) -> Non
             p.copy_(state[name])
 
 
-def start_workers(rollout: RolloutConfig, model: ModelConfig, path: str, acc: Any) -> tuple[RolloutPool, bool]:
+def start_workers(rollout: RolloutConfig, model: ModelConfig, path: str, acc: Any,
+                  sampling: SamplingConfig) -> tuple[RolloutPool, bool]:
     """`rollout.workers` actors per trainer process, placed as `rollout.placement` says, and
     whether this process started Ray (and stops it)."""
     address, colocated = rollout.ray_address, rollout.placement == "colocated"
@@ -451,7 +475,7 @@ def start_workers(rollout: RolloutConfig, model: ModelConfig, path: str, acc: An
     spec = EngineSpec(factory=build_lora_engine, load_weights=load_lora, kwargs={
         "path": path, "dtype": model.dtype, "text_encoder_dtype": model.text_encoder_dtype,
         "lora_rank": model.lora_rank, "lora_alpha": model.lora_alpha, "lora_targets": model.lora_targets,
-        "compile": model.compile})
+        "compile": model.compile, **rollout_options(sampling)})
     pool = RolloutPool(spec, rollout.workers, num_cpus=1.0, num_gpus=gpus, address=address)
     if colocated:
         pool.sleep()

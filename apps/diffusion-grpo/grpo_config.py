@@ -82,6 +82,12 @@ class SamplingConfig(msgspec.Struct, kw_only=True, frozen=True):
     shift_interval: Positive = 25  # sliding: epochs between window moves (MixGRPO iters_per_group)
     window_stride: Positive = 1  # sliding: steps the window moves by (MixGRPO prog_overlap_step)
     max_sequence_length: Positive = 128  # T5 tokens
+    # sd3 rollout options (rl_rollout.diffusion; benchmarks/diffusion_grpo.py measures each): None/"auto"
+    # = the engine's measured CUDA choice (AUTO_ON_CUDA), off on CPU; CUDA-only choices fail on CPU
+    cuda_graphs: bool | None = None  # replay each sampling step's CFG forward as a captured CUDA graph
+    attention_backend: Literal["auto", "default", "flash", "cudnn", "efficient", "math"] = "auto"
+    """SDPA kernel of the joint attention, for the rollout and the replay alike (ratio 1 kept)."""
+    overlap_decode: bool | None = None  # VAE-decode a batch on a side stream while the next denoises
 
 
 class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):

@@ -171,6 +171,8 @@ def test_config_errors_name_the_key(app, tmp_path: Path) -> None:
         _config(app, tmp_path, "train.lrr=1")
     with pytest.raises(ConfigError, match=r"sampling\.kind"):
         _config(app, tmp_path, "sampling.kind=ddim")
+    with pytest.raises(ConfigError, match=r"sampling\.attention_backend"):
+        _config(app, tmp_path, "sampling.attention_backend=sage")
     with pytest.raises(UserError, match="no non-zero weight"):
         checked(app, "reward.components={ocr=0.0}")
 

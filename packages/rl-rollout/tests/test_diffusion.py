@@ -10,7 +10,7 @@ from peft import PeftModel
 
 from rl_models import tiny
 from rl_models.lora import add_lora
-from rl_rollout.diffusion import DiffusionEngine
+from rl_rollout.diffusion import AUTO_ON_CUDA, DiffusionEngine, SampleBatch, resolve_options
 
 PROMPTS = ['a sign that says "hello"', 'a poster reading "rl"']
 SIZE = 32  # pixels; latents are SIZE / vae_scale_factor
@@ -211,3 +211,104 @@ def test_sampling_never_waits_for_the_gpu(compile: bool) -> None:
     finally:  # also when setting the mode raised: later tests must not run under it
         torch.cuda.set_sync_debug_mode("default")
     assert traj.latents.is_cuda and bool(torch.isfinite(traj.log_probs).all())
+
+
+# -- rollout options (benchmarks/diffusion_grpo.py measures each on CUDA) --------------------------
+
+
+@pytest.mark.parametrize("backend, atol", [("flash", 0.0), ("math", 1e-5)])
+def test_attention_backends_sample_what_the_default_does(engine: DiffusionEngine, backend: str, atol: float) -> None:
+    """On CPU PyTorch's default pick for these inputs is the flash kernel: `flash` is bit-equal,
+    `math` (softmax(QK^T)V in plain ops) equal within float32 rounding; replay runs the same
+    backend, so the first replay's ratio is still exactly 1."""
+    default = _sample(engine)
+    engine.attention_backend = backend
+    try:
+        chosen = _sample(engine)
+        replayed = engine.replay(chosen, 1)
+    finally:
+        engine.attention_backend = "default"
+    _assert_same_sample(chosen, default, atol=atol)
+    torch.testing.assert_close(replayed.log_prob.detach(), chosen.log_probs[:, 1], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="attention_backend='fast' is not one of"):
+        engine.attention_backend = "fast"
+        _sample(engine)
+    engine.attention_backend = "default"
+
+
+def test_sample_many_returns_what_each_sample_call_does(engine: DiffusionEngine) -> None:
+    """One trajectory per batch, bit-equal to that batch's own `sample` call (same code path as
+    `overlap_decode`, which moves only the decode to a side stream on CUDA)."""
+    first, second = SampleBatch(PROMPTS, seeds=[1, 2]), SampleBatch(PROMPTS[::-1], seeds=[3, 4], sde_window=(1, 3))
+    many = engine.sample_many([first, second], num_steps=4, height=SIZE, width=SIZE)
+    for batch, traj in zip([first, second], many, strict=True):
+        alone = engine.sample(batch.prompts, seeds=batch.seeds, sde_window=batch.sde_window, num_steps=4,
+                              height=SIZE, width=SIZE)
+        _assert_same_sample(traj, alone, atol=0.0)
+        assert traj.prompts == tuple(batch.prompts)
+    assert many[1].sde_steps.tolist() == [False, True, True, False]
+
+
+def test_cuda_only_options_are_refused_on_cpu_and_auto_turns_them_off() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_options(cpu, cuda_graphs=None, attention_backend="auto", overlap_decode=None) == (
+        False, "default", False)
+    assert resolve_options(cuda, cuda_graphs=None, attention_backend="auto", overlap_decode=None) == (
+        AUTO_ON_CUDA["cuda_graphs"], AUTO_ON_CUDA["attention_backend"], AUTO_ON_CUDA["overlap_decode"])
+    assert resolve_options(cuda, cuda_graphs=True, attention_backend="cudnn", overlap_decode=True) == (
+        True, "cudnn", True)
+    assert resolve_options(cpu, cuda_graphs=False, attention_backend="math", overlap_decode=False) == (
+        False, "math", False)
+    for options, match in [
+        ({"cuda_graphs": True}, r"cuda_graphs=True needs a CUDA device \(got cpu\)"),
+        ({"overlap_decode": True}, r"overlap_decode=True needs a CUDA device"),
+        ({"attention_backend": "cudnn"}, r"attention_backend='cudnn' needs a CUDA device"),
+        ({"attention_backend": "efficient"}, r"attention_backend='efficient' needs a CUDA device"),
+        ({"attention_backend": "sage"}, r"attention_backend='sage' is not one of: auto, default, flash"),
+    ]:
+        kwargs = {"cuda_graphs": None, "attention_backend": "auto", "overlap_decode": None, **options}
+        with pytest.raises(ValueError, match=match):
+            resolve_options(cpu, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning")
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_graphs_and_overlapped_decode_sample_what_the_plain_loop_does(compile: bool) -> None:
+    """Graphed forwards replay the same kernels on the same inputs: bit-equal latents, log-probs
+    and images; a LoRA added after the capture is seen (the graph is captured again); the
+    overlapped decode returns the images of the sequential one; a graphed `sample` never syncs."""
+    engine = DiffusionEngine.from_pretrained(str(tiny.build("sd3")), dtype=torch.float32, device="cuda",
+                                             compile=compile, cuda_graphs=False, overlap_decode=False)
+    conditioning = engine.encode(PROMPTS)
+    plain = _sample(engine, conditioning=conditioning)
+    engine.cuda_graphs = True
+    graphed = _sample(engine, conditioning=conditioning)  # captures
+    _assert_same_sample(graphed, plain, atol=0.0)
+    torch.cuda.synchronize()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.cuda.set_sync_debug_mode("error")
+        again = _sample(engine, conditioning=conditioning)  # replays
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _assert_same_sample(again, plain, atol=0.0)
+    batches = [SampleBatch(PROMPTS, conditioning=conditioning, seeds=[1, 2]),
+               SampleBatch(PROMPTS, conditioning=conditioning, seeds=[3, 4])]
+    sequential = engine.sample_many(batches, num_steps=4, height=SIZE, width=SIZE)
+    engine.overlap_decode = True
+    overlapped = engine.sample_many(batches, num_steps=4, height=SIZE, width=SIZE)
+    for a, b in zip(overlapped, sequential, strict=True):
+        _assert_same_sample(a, b, atol=0.0)
+    engine.transformer.requires_grad_(False)
+    lora = add_lora(engine.transformer, family="sd3", r=4, alpha=8)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    graphed_lora = _sample(engine, conditioning=conditioning)
+    engine.cuda_graphs = False
+    _assert_same_sample(graphed_lora, _sample(engine, conditioning=conditioning), atol=0.0)
+    assert not torch.allclose(graphed_lora.images, plain.images, atol=1e-3)

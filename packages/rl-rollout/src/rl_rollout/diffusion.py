@@ -24,21 +24,41 @@ the whole model. Every forward of the transformer then runs the compiled blocks:
 replay whether it goes through the transformer, its peft model or a DDP wrapper of it. Compiled
 and eager forwards agree within rounding, not bit for bit, and the compiled no-grad (sampling) and
 grad (replay) graphs can round differently too: watch the first replay's log ratio
-(diffusion-grpo's `train.ratio_tolerance`), or pass `compile=False` for a ratio of exactly 1. No
-CUDA graphs: at Flow-GRPO's shape (16 CFG rows of 1024 + 333 tokens) the forward is GPU-bound
-once the loop does not wait on the host.
+(diffusion-grpo's `train.ratio_tolerance`), or pass `compile=False` for a ratio of exactly 1.
+
+Rollout options (each `None`/`"auto"` = the choice in `AUTO_ON_CUDA` on CUDA, off on CPU; each
+measured alone in benchmarks/diffusion_grpo.py against the compiled plain pipeline):
+- `cuda_graphs`: the CFG forward of each sampling step (every kernel of the transformer, one
+  launch) is captured once per batch shape in a `torch.cuda.CUDAGraph` and replayed; the SDE
+  step's few elementwise kernels stay outside (their noise comes from the host generators). Same
+  kernels, same inputs: the images equal the ungraphed forward's. Only `sample`/`sample_many` use
+  it (replay needs gradients). A graph reads the weights where they were at capture: the engine
+  recaptures when the transformer's modules or parameter storage change (LoRA added, sleep/wake,
+  an FSDP2 gather into new storage); in-place updates (optimizer steps, weight pushes) are seen.
+  It cannot see a peft adapter switched off around `sample` (a Python branch inside the graph):
+  call `reset_graphs()` after such a switch. CUDA only.
+- `attention_backend`: the SDPA kernel of the joint attention, for sampling and replay alike (so
+  the first replay's ratio stays 1): `default` (PyTorch's pick), `flash`, `cudnn` (cuDNN
+  attention, Hopper), `efficient`, `math`. `cudnn` and `efficient` need CUDA. Compiled blocks bake
+  the backend in at compile time (dynamo does not guard on it): changing the attribute after a
+  compiled forward resets torch.compile's caches.
+- `overlap_decode`: `sample_many` decodes batch k with the VAE on a side CUDA stream while batch
+  k + 1 denoises; the last decode is waited for before it returns. CUDA only.
+CFG needs no option: `[uncond; cond]` already run as one batched forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rl_core.flow import SDEStep, host_randn, sde_step
 from rl_models.diffusion import load_sd3
@@ -52,9 +72,24 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
         'rl_rollout.diffusion needs diffusers: pip install "rl-rollout[diffusers]"; in a clone of the repository: uv sync --all-packages --extra diffusers'
     ) from error
 
-__all__ = ["DiffusionEngine", "PromptEmbeddings", "Trajectory"]
+__all__ = ["AUTO_ON_CUDA", "DiffusionEngine", "PromptEmbeddings", "SampleBatch", "Trajectory"]
 
 SamplerKind = Literal["sde", "cps", "ode"]
+
+# the SDPA kernels `attention_backend` names ("default": no restriction, PyTorch picks)
+ATTENTION_BACKENDS: dict[str, SDPBackend | None] = {
+    "default": None,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+_CUDA_ONLY_BACKENDS = ("cudnn", "efficient")
+
+# What `None` / "auto" resolves to on CUDA (on CPU every option is off / "default"). Set from
+# benchmarks/diffusion_grpo.py's rows on an H100/H200: an option is on here only where it was
+# faster than without it, with the images and log-probs inside the stated tolerance.
+AUTO_ON_CUDA: dict[str, Any] = {"cuda_graphs": False, "attention_backend": "default", "overlap_decode": False}
 
 # Graphs of the compiled block code (torch._dynamo's recompile limit, 8 by default, counts them per
 # code object, so over all blocks): up to 3 block kinds (plain, SD3.5 dual-attention, the last) x
@@ -107,6 +142,52 @@ class Trajectory:
         return self.timesteps.shape[0]
 
 
+@dataclass(frozen=True)
+class SampleBatch:
+    """One sampling batch of `DiffusionEngine.sample_many`: `sample`'s per-batch arguments."""
+
+    prompts: Sequence[str]
+    conditioning: PromptEmbeddings | None = None
+    seeds: Sequence[int] | None = None
+    sde_window: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class _Graph:
+    """A captured CFG forward: copy into `inputs`, replay `graph`, read `output` (static buffers)."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, Tensor]
+    output: Tensor
+
+
+def resolve_options(
+    device: torch.device, *, cuda_graphs: bool | None, attention_backend: str, overlap_decode: bool | None
+) -> tuple[bool, str, bool]:
+    """`(cuda_graphs, attention_backend, overlap_decode)` with `None`/"auto" resolved for `device`
+    (`AUTO_ON_CUDA` on CUDA, off on CPU); a CUDA-only choice on another device is refused."""
+    cuda = device.type == "cuda"
+    if attention_backend != "auto" and attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"attention_backend={attention_backend!r} is not one of: auto, {', '.join(ATTENTION_BACKENDS)}"
+        )
+    for name, value in (("cuda_graphs", cuda_graphs), ("overlap_decode", overlap_decode)):
+        if value and not cuda:
+            raise ValueError(f"{name}=True needs a CUDA device (got {device}); pass None (auto) or False")
+    if attention_backend in _CUDA_ONLY_BACKENDS and not cuda:
+        raise ValueError(
+            f"attention_backend={attention_backend!r} needs a CUDA device (got {device}); "
+            "use 'auto', 'default', 'flash' or 'math'"
+        )
+    auto: dict[str, Any] = AUTO_ON_CUDA if cuda else {"cuda_graphs": False, "attention_backend": "default",
+                                                      "overlap_decode": False}
+    return (
+        auto["cuda_graphs"] if cuda_graphs is None else cuda_graphs,
+        auto["attention_backend"] if attention_backend == "auto" else attention_backend,
+        auto["overlap_decode"] if overlap_decode is None else overlap_decode,
+    )
+
+
 class DiffusionEngine:
     """Flow-GRPO sampling and replay over an SD3 pipeline's parts.
 
@@ -122,6 +203,9 @@ class DiffusionEngine:
     forward: a copy's blocks would keep calling the original blocks' compiled forward. If
     compiling a forward fails, the engine warns and runs eagerly from then on (a backward graph
     compiles inside `loss.backward()`, outside the engine: its errors are not caught).
+
+    `cuda_graphs`, `attention_backend` and `overlap_decode` are the rollout options of the module
+    docstring (`None`/"auto": `AUTO_ON_CUDA` on CUDA, off on CPU); set the attributes to switch.
     """
 
     def __init__(
@@ -130,13 +214,21 @@ class DiffusionEngine:
         *,
         device: str | torch.device = "cpu",
         compile: bool | None = None,
+        cuda_graphs: bool | None = None,
+        attention_backend: str = "auto",
+        overlap_decode: bool | None = None,
     ):
         self.pipeline = pipeline
         self.device = torch.device(device)
+        self.cuda_graphs, self.attention_backend, self.overlap_decode = resolve_options(
+            self.device, cuda_graphs=cuda_graphs, attention_backend=attention_backend, overlap_decode=overlap_decode
+        )
         self.pipeline.to(self.device)
         self.pipeline.set_progress_bar_config(disable=True)
         self.compile = self.device.type == "cuda" if compile is None else compile
         self._compiled: list[torch.nn.Module] = []  # the blocks whose forward is compiled now
+        self._compiled_backend = self.attention_backend  # the SDPA backend the compiled graphs baked in
+        self._graphs: dict[tuple[Any, ...], _Graph] = {}  # captured CFG forwards, by shapes and weights
         self._negative: dict[int, PromptEmbeddings] = {}
         self._asleep = False
 
@@ -149,12 +241,16 @@ class DiffusionEngine:
         device: str | torch.device = "cpu",
         text_encoder_dtype: str | torch.dtype | None = None,
         compile: bool | None = None,
+        cuda_graphs: bool | None = None,
+        attention_backend: str = "auto",
+        overlap_decode: bool | None = None,
     ) -> DiffusionEngine:
         """Load a diffusers SD3/SD3.5 folder or hub id (e.g. stabilityai/stable-diffusion-3.5-medium)
         through `rl_models.diffusion.load_sd3`; `text_encoder_dtype` keeps the encoders in another
         dtype (bf16 encoders next to an fp32 transformer)."""
         pipeline = load_sd3(path, dtype=dtype, text_encoder_dtype=text_encoder_dtype)
-        return cls(pipeline, device=device, compile=compile)
+        return cls(pipeline, device=device, compile=compile, cuda_graphs=cuda_graphs,
+                   attention_backend=attention_backend, overlap_decode=overlap_decode)
 
     @property
     def transformer(self) -> torch.nn.Module:
@@ -275,9 +371,10 @@ class DiffusionEngine:
         off and reruns the forward eagerly."""
         self._sync_compiled()
         if not self._compiled:
-            return model(**inputs)[0]
+            with self._attention():
+                return model(**inputs)[0]
         try:
-            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT), self._attention():
                 return model(**inputs)[0]
         except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as error:
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
@@ -289,13 +386,25 @@ class DiffusionEngine:
             )
             self.compile = False
             self._sync_compiled()
-            return model(**inputs)[0]
+            with self._attention():
+                return model(**inputs)[0]
+
+    def _attention(self) -> contextlib.AbstractContextManager[None]:
+        """The SDPA backend restriction of `attention_backend` (none for "default")."""
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not one of: {', '.join(ATTENTION_BACKENDS)}")
+        backend = ATTENTION_BACKENDS[self.attention_backend]
+        return contextlib.nullcontext() if backend is None else sdpa_kernel([backend])
 
     def _sync_compiled(self) -> None:
         """Compile the blocks of the current transformer if `self.compile`, else restore them.
         Each block's `forward` is replaced by its compiled self (module hooks, e.g. FSDP2's, stay
         outside the graph); all blocks share the compiled code and its cache of graphs."""
         blocks = list(self.pipeline.transformer.transformer_blocks) if self.compile else []
+        if self._compiled and self._compiled_backend != self.attention_backend:
+            torch.compiler.reset()  # the compiled graphs call the old backend's kernel, unguarded
+            self._graphs.clear()
+        self._compiled_backend = self.attention_backend
         if len(blocks) == len(self._compiled) and all(a is b for a, b in zip(blocks, self._compiled, strict=True)):
             return
         for block in self._compiled:
@@ -359,26 +468,92 @@ class DiffusionEngine:
         gives one seed per prompt (default 0, 1, ...): the initial noise and every step's noise
         come from that sample's generator, so a sample is reproducible whatever the batch.
         """
+        batch = SampleBatch(prompts, conditioning=conditioning, seeds=seeds, sde_window=sde_window)
+        return self.sample_many([batch], num_steps=num_steps, guidance_scale=guidance_scale, height=height,
+                                width=width, noise_level=noise_level, kind=kind,
+                                max_sequence_length=max_sequence_length)[0]
+
+    @torch.no_grad()
+    def sample_many(
+        self,
+        batches: Sequence[SampleBatch],
+        *,
+        num_steps: int = 10,
+        guidance_scale: float = 4.5,
+        height: int = 512,
+        width: int = 512,
+        noise_level: float = 0.7,
+        kind: SamplerKind = "sde",
+        max_sequence_length: int = 128,
+    ) -> list[Trajectory]:
+        """`sample` for each batch in turn, with the shared arguments; one trajectory per batch,
+        each equal to its own `sample` call. Choose it over a loop of `sample` calls where a
+        rollout has several batches: with `overlap_decode` the VAE decode of batch k runs on a
+        side CUDA stream while batch k + 1 denoises (the images are ready when this returns)."""
+        side = torch.cuda.Stream(self.device) if self.overlap_decode else None
+        main = torch.cuda.current_stream(self.device) if side is not None else None
+        out: list[Trajectory] = []
+        for batch in batches:
+            traj = self._denoise(batch, num_steps=num_steps, guidance_scale=guidance_scale, height=height,
+                                 width=width, noise_level=noise_level, kind=kind,
+                                 max_sequence_length=max_sequence_length)
+            final = traj.latents[:, -1]  # [B, C, h, w]
+            if side is None or main is None:
+                out.append(replace(traj, images=self.decode(final)))
+                continue
+            side.wait_stream(main)  # the decode reads this batch's last latents
+            with torch.cuda.stream(side):
+                images = self.decode(final)  # [B, 3, H, W], made on the side stream
+            traj.latents.record_stream(side)  # the allocator keeps them until the decode is done
+            out.append(replace(traj, images=images))
+        if side is not None and main is not None:
+            main.wait_stream(side)  # every image is ready for the caller's stream
+            for traj in out:
+                traj.images.record_stream(main)
+        return out
+
+    def _denoise(
+        self,
+        batch: SampleBatch,
+        *,
+        num_steps: int,
+        guidance_scale: float,
+        height: int,
+        width: int,
+        noise_level: float,
+        kind: SamplerKind,
+        max_sequence_length: int,
+    ) -> Trajectory:
+        """The sampling loop of one batch; `images` is left empty (`sample_many` decodes)."""
+        prompts = batch.prompts
         if not prompts:
             raise ValueError("sample() needs at least one prompt")
-        batch = len(prompts)
-        seeds = list(range(batch)) if seeds is None else list(seeds)
-        if len(seeds) != batch:
-            raise ValueError(f"got {len(seeds)} seeds for {batch} prompts")
+        size = len(prompts)
+        seeds = list(range(size)) if batch.seeds is None else list(batch.seeds)
+        if len(seeds) != size:
+            raise ValueError(f"got {len(seeds)} seeds for {size} prompts")
+        conditioning = batch.conditioning
         if conditioning is None:
             conditioning = self.encode(prompts, max_sequence_length=max_sequence_length)
         generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
-        latents = self.initial_noise(batch, height, width, generators)  # [B, C, h, w]
+        latents = self.initial_noise(size, height, width, generators)  # [B, C, h, w]
         patch = self._transformer_config.patch_size
         seq_len = (latents.shape[-2] // patch) * (latents.shape[-1] // patch)
         sigmas = self.schedule(num_steps, seq_len)  # [S + 1]
-        sde_steps = self._sde_mask(num_steps, kind, sde_window)  # [S]
+        sde_steps = self._sde_mask(num_steps, kind, batch.sde_window)  # [S]
         embeds, pooled = self._text_inputs(conditioning, guidance_scale)
+        graph = self._graph(latents, embeds, pooled, guidance_scale) if self.cuda_graphs else None
         states, log_probs = [latents], []
         # nothing in the loop waits for the device: sigmas are host numbers, filled on the device
         for k, stochastic in enumerate(sde_steps.tolist()):
-            sigma = torch.full((batch,), float(sigmas[k]), device=self.device)  # [B]
-            velocity = self._velocity(latents, sigma, embeds, pooled, guidance_scale)  # [B, C, h, w]
+            if graph is None:
+                sigma = torch.full((size,), float(sigmas[k]), device=self.device)  # [B]
+                velocity = self._velocity(latents, sigma, embeds, pooled, guidance_scale)  # [B, C, h, w]
+            else:
+                graph.inputs["latents"].copy_(latents)
+                graph.inputs["sigma"].fill_(float(sigmas[k]))
+                graph.graph.replay()
+                velocity = graph.output  # [B, C, h, w], overwritten by the next replay (after this step)
             if stochastic:
                 step = sde_step(
                     velocity=velocity,
@@ -392,7 +567,7 @@ class DiffusionEngine:
                 latents, log_prob = step.next_latents, step.log_prob  # [B, C, h, w], [B]
             else:
                 latents = latents + velocity * (sigmas[k + 1] - sigmas[k])  # Euler ODE step
-                log_prob = torch.zeros(batch, device=self.device)  # [B]
+                log_prob = torch.zeros(size, device=self.device)  # [B]
             states.append(latents)
             log_probs.append(log_prob)
         return Trajectory(
@@ -403,11 +578,54 @@ class DiffusionEngine:
             timesteps=sigmas[:-1] * self.pipeline.scheduler.config.num_train_timesteps,
             log_probs=torch.stack(log_probs, dim=1),  # [B, S]
             sde_steps=sde_steps,
-            images=self.decode(latents),
+            images=torch.empty(0),
             guidance_scale=guidance_scale,
             noise_level=noise_level,
             kind=kind,
         )
+
+    # -- CUDA graphs ---------------------------------------------------------------------------
+
+    def _graph(self, latents: Tensor, embeds: Tensor, pooled: Tensor, guidance_scale: float) -> _Graph:
+        """The captured CFG forward for these shapes and the current weights, its text inputs set
+        to `embeds` `[B or 2B, L, D]`, `pooled` `[B or 2B, P]`. Captured at the first use: two
+        warm-up forwards on a side stream (compiling, cuBLAS handles), then the capture."""
+        self._sync_compiled()  # compiled or not is part of what the graph recorded
+        transformer = self.transformer
+        weights = tuple(t.data_ptr() for t in (*transformer.parameters(), *transformer.buffers()))
+        key = (tuple(latents.shape), tuple(embeds.shape), tuple(pooled.shape), embeds.dtype, guidance_scale,
+               tuple(map(id, transformer.modules())), weights, self.compile, self.attention_backend)
+        if key not in self._graphs:
+            if any(k[5:7] != key[5:7] for k in self._graphs):
+                self._graphs.clear()  # other modules or storage: those graphs would read stale weights
+            self._graphs[key] = self._capture(latents, embeds, pooled, guidance_scale)
+        graph = self._graphs[key]
+        graph.inputs["embeds"].copy_(embeds)
+        graph.inputs["pooled"].copy_(pooled)
+        return graph
+
+    def _capture(self, latents: Tensor, embeds: Tensor, pooled: Tensor, guidance_scale: float) -> _Graph:
+        inputs = {"latents": latents.clone(), "sigma": torch.ones(latents.shape[0], device=self.device),
+                  "embeds": embeds.clone(), "pooled": pooled.clone()}  # static: [B, C, h, w], [B], text
+
+        def forward() -> Tensor:
+            return self._velocity(inputs["latents"], inputs["sigma"], inputs["embeds"], inputs["pooled"],
+                                  guidance_scale)  # [B, C, h, w]
+
+        main, side = torch.cuda.current_stream(self.device), torch.cuda.Stream(self.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forward()
+        main.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # a rollout thread beside training
+            output = forward()
+        return _Graph(graph, inputs, output)
+
+    def reset_graphs(self) -> None:
+        """Drop the captured forwards (and their memory); the next `sample` captures again."""
+        self._graphs.clear()
 
     @staticmethod
     def _sde_mask(num_steps: int, kind: SamplerKind, window: tuple[int, int] | None) -> Tensor:
@@ -473,6 +691,7 @@ class DiffusionEngine:
     def sleep(self) -> None:
         """Move every part to CPU and free the accelerator's cache (no-op on CPU)."""
         self.pipeline.to("cpu")
+        self._graphs.clear()  # their memory; the weights come back elsewhere anyway
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         self._asleep = True
