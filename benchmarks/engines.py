@@ -47,13 +47,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen3Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import append_results, markdown_table, seconds_from_fresh_process
+from results import append_results, hbm_bandwidth, markdown_table, seconds_from_fresh_process
 
 from rl_models import tiny
 from rl_rollout import SamplingParams
 from rl_rollout.hf import HFEngine
 
-BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # bytes/s, docs/reference.md §5
 ALONE_MARK = "vllm-alone-result: "  # the fresh-process row's line on stdout (vLLM logs there too)
 
 
@@ -109,7 +108,7 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: 
 
 def roofline(model: torch.nn.Module, config: Qwen3Config, s: Sizes, device: torch.device) -> float | None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    bandwidth = next((bw for key, bw in BANDWIDTH.items() if key in name), None)
+    bandwidth = hbm_bandwidth(name)
     if bandwidth is None:
         return None
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -14,6 +14,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
+# HBM bytes/s by device-name substring, first match wins (docs/reference.md §5: H100 SXM, H200)
+BANDWIDTH = {"H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H100": 3.35e12, "H200": 4.8e12}
+
+
+def hbm_bandwidth(device_name: str) -> float | None:
+    """HBM bytes/s of a card by its `torch.cuda.get_device_name`, None for one not in `BANDWIDTH`."""
+    return next((bw for key, bw in BANDWIDTH.items() if key in device_name), None)
 
 
 def environment() -> dict[str, str]:

@@ -30,6 +30,21 @@ def test_grouped_decode_attention_equals_sdpa_with_repeated_heads(steps: int) ->
     torch.testing.assert_close(got, ref.transpose(1, 2), rtol=0, atol=1e-5)
 
 
+def test_grouped_decode_attention_reads_only_the_slots_its_mask_covers() -> None:
+    """A 2-slot mask over a 4-slot cache whose last two slots hold NaN: only the first two are
+    read. Query heads 1 and 2 share the one KV head; scores q * k = [0, ln 3] and [0, 2 ln 3],
+    softmax [1/4, 3/4] and [1/10, 9/10] over values [10, 20]: 17.5 and 19."""
+    nan, ln3 = float("nan"), float(torch.log(torch.tensor(3.0)))
+    query = torch.tensor([1.0, 2.0]).view(1, 2, 1, 1)  # [B=1, Hq=2, T=1, D=1]
+    key = torch.tensor([0.0, ln3, nan, nan]).view(1, 1, 4, 1)  # [B, Hkv=1, L=4, D]
+    value = torch.tensor([10.0, 20.0, nan, nan]).view(1, 1, 4, 1)
+    bounded, _ = grouped_decode_attention(torch.nn.Module(), query, key, value,
+                                          torch.ones(1, 1, 1, 2, dtype=torch.bool), scaling=1.0)
+    torch.testing.assert_close(bounded.flatten(), torch.tensor([17.5, 19.0]))
+    whole = torch.tensor([True, True, False, False]).view(1, 1, 1, 4)  # masked, yet read: 0 * NaN
+    assert torch.isnan(grouped_decode_attention(torch.nn.Module(), query, key, value, whole, scaling=1.0)[0]).all()
+
+
 def test_engine_decodes_the_same_with_the_models_own_attention(qwen3_path: Path) -> None:
     """Left-padded rows, sampled at T=1: tokens equal, log-probs to float32 rounding."""
     params = SamplingParams(n=2, max_new_tokens=12, seed=5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from rl_models import tiny
 from rl_models.janus import JanusImagePolicy, generate_image_tokens, load_janus
@@ -50,13 +51,31 @@ def test_first_replay_is_bit_identical_with_lora(lora_engine: JanusEngine, guida
 
 @pytest.mark.parametrize("guidance_scale", [5.0, 1.0])
 def test_decode_logprobs_equal_teacher_forced(lora_engine: JanusEngine, guidance_scale: float) -> None:
-    """The decode loop's own log-probs (KV cache, one token at a time) equal the teacher-forced
-    recomputation within float32 rounding, with and without CFG."""
-    decoding = JanusEngine(lora_engine.model, lora_engine.processor, device="cpu", logprobs="decode")
+    """The sampling forward's own log-probs (KV cache, one token at a time, the cache read in
+    blocks of 8 slots: 32, 40, 48 of 64 for 28 prompt + 16 image tokens) equal the
+    teacher-forced recomputation within float32 rounding, with and without CFG."""
+    decoding = JanusEngine(lora_engine.model, lora_engine.processor, device="cpu", logprobs="decode", kv_block=8)
     out = decoding.sample(PROMPTS, guidance_scale=guidance_scale, seeds=[7, 8, 9])
     again = lora_engine.sample(PROMPTS, guidance_scale=guidance_scale, seeds=[7, 8, 9])  # "rescore"
     assert torch.equal(out.tokens.image_ids, again.tokens.image_ids)
     torch.testing.assert_close(out.log_probs, again.log_probs, rtol=0, atol=2e-5)
+    recomputed = decoding.replay(out.tokens, guidance_scale=guidance_scale, temperature=1.0)  # [B, N]
+    torch.testing.assert_close(out.log_probs, recomputed, rtol=0, atol=2e-5)
+
+
+def test_reading_the_cache_to_the_filled_length_draws_what_the_full_read_does(lora_engine: JanusEngine) -> None:
+    """Decode attention bounded to the filled length (blocks of 8) and over the 64-slot cache
+    (block 4096: 63 slots, all but the one no token reaches): the same tokens, and the same
+    log-probs (the empty slots add exact zeros; bitwise on the CPUs we ran, asserted to 1e-6)."""
+    out = {}
+    for block in (8, 4096):
+        engine = JanusEngine(lora_engine.model, lora_engine.processor, device="cpu", logprobs="decode", kv_block=block)
+        out[block] = engine.sample(PROMPTS, seeds=[7, 8, 9])
+        assert engine._cache is not None and engine._cache.get_max_length() == 64
+    assert torch.equal(out[8].tokens.image_ids, out[4096].tokens.image_ids)
+    torch.testing.assert_close(out[8].log_probs, out[4096].log_probs, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="kv_block must be >= 1, got 0"):
+        JanusEngine(lora_engine.model, lora_engine.processor, device="cpu", kv_block=0)
 
 
 def test_a_samples_tokens_depend_on_its_seed_not_the_batch(lora_engine: JanusEngine) -> None:
@@ -74,7 +93,7 @@ def test_greedy_limit_matches_transformers_generate() -> None:
     """At a vanishing temperature the engine's draw is the argmax of the CFG logits, so it must
     reproduce `generate(generation_mode="image", do_sample=False, guidance_scale=5)` token for
     token: same unconditional prompt, positions, cache and guidance."""
-    engine = build_image_engine("janus", path=str(tiny.build("janus")), dtype="float32", device="cpu")
+    engine = build_image_engine("janus", path=str(tiny.build("janus")), dtype="float32", device="cpu", kv_block=8)
     assert isinstance(engine, JanusEngine)
     prompt = PROMPTS[0]
     text = engine.processor.apply_chat_template(
@@ -100,12 +119,16 @@ def test_draw_is_an_inverse_cdf_draw() -> None:
 
 @pytest.mark.slow
 def test_compiled_decode_step_draws_the_same_tokens(lora_engine: JanusEngine) -> None:
-    """The compiled step (inductor on CPU; CUDA adds graphs) samples what the eager one does."""
+    """The compiled step (inductor on CPU; CUDA adds graphs) samples what the eager one does,
+    reading the cache in blocks of 8: three lengths (32, 40, 48), one compiled graph."""
     compiled = JanusEngine(lora_engine.model, lora_engine.processor, device="cpu", compile=True,
-                           compile_mode="default", logprobs="decode")
+                           compile_mode="default", logprobs="decode", kv_block=8)
     eager = JanusEngine(lora_engine.model, lora_engine.processor, device="cpu", logprobs="decode")
+    graphs = counters["stats"]["unique_graphs"]
     a, b = compiled.sample(PROMPTS, seeds=[1, 2, 3]), eager.sample(PROMPTS, seeds=[1, 2, 3])
+    assert counters["stats"]["unique_graphs"] == graphs + 1
     assert torch.equal(a.tokens.image_ids, b.tokens.image_ids)
     torch.testing.assert_close(a.log_probs, b.log_probs, rtol=0, atol=1e-4)
     again = compiled.sample(PROMPTS, seeds=[1, 2, 3])  # the cache is reused, nothing recompiles
     assert torch.equal(again.tokens.image_ids, a.tokens.image_ids)
+    assert counters["stats"]["unique_graphs"] == graphs + 1

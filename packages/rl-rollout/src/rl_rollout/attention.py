@@ -7,9 +7,12 @@ and reads 4x the KV cache per layer. Two replacements, each registered with tran
 `AttentionInterface` and switched on only while the engine runs (`attention_implementation`),
 so a model shared with a trainer keeps its own attention everywhere else:
 
-- `grouped_decode`: one new token per row against the whole static cache. The query heads of a
+- `grouped_decode`: one new token per row against the static cache. The query heads of a
   KV head are folded into that head's rows of one batched matmul, so each key and value is read
-  once; softmax in float32 over a boolean key mask `[B, 1, 1, L]`.
+  once; softmax in float32 over a boolean key mask `[B, 1, 1, Lk]`. The mask's length bounds
+  the read: a mask shorter than the cache (`Lk < L`, e.g. the filled length rounded up to a
+  block) reads only the first Lk slots, so decode traffic follows the context, not the
+  preallocated length (`rl_rollout.janus` passes the bound; `hf` passes the whole cache).
 - `packed_flex`: `torch.nn.attention.flex_attention` with a `BlockMask`, for shared-prefix
   scoring. Blocks the mask leaves empty are skipped, so packing many prompts and their suffixes
   into one long row costs the attention each prompt needs, not the square of the row.
@@ -41,23 +44,25 @@ def grouped_decode_attention(
 ) -> tuple[torch.Tensor, None]:
     """Attention of T new tokens per row over the cache, without repeating KV heads.
 
-    query: [B, Hq, T, D]; key, value: [B, Hkv, L, D]; attention_mask: boolean [B, 1, T, L]
-    (True = attend; T = 1 in decode) or None. Returns ([B, T, Hq, D], None) as transformers'
-    attention functions do.
+    query: [B, Hq, T, D]; key, value: [B, Hkv, L, D]; attention_mask: boolean [B, 1, T, Lk]
+    (True = attend; T = 1 in decode; Lk <= L: only the first Lk cache slots are read) or None.
+    Returns ([B, T, Hq, D], None) as transformers' attention functions do.
     """
+    if attention_mask is not None:  # unconditional slice (a no-op at Lk = L): no guard on Lk under compile
+        key, value = key[:, :, : attention_mask.shape[-1]], value[:, :, : attention_mask.shape[-1]]  # [B, Hkv, Lk, D]
     bsz, heads, steps, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     scale = scaling if scaling is not None else dim**-0.5
     q = query.reshape(bsz, kv_heads, groups * steps, dim)  # [B, Hkv, G*T, D]; head h = kv * G + g
-    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # [B, Hkv, G*T, L]
+    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # [B, Hkv, G*T, Lk]
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:
             raise TypeError("grouped_decode_attention takes a boolean mask (True = attend)")
-        # [B, 1, T, L] -> [B, 1, G*T, L]: every group of a KV head sees the same keys
+        # [B, 1, T, Lk] -> [B, 1, G*T, Lk]: every group of a KV head sees the same keys
         mask = attention_mask.expand(bsz, 1, steps, -1).repeat(1, 1, groups, 1)
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)  # [B, Hkv, G*T, L]
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)  # [B, Hkv, G*T, Lk]
     out = torch.matmul(probs, value)  # [B, Hkv, G*T, D]
     return out.reshape(bsz, heads, steps, dim).transpose(1, 2), None  # [B, T, Hq, D]
 

@@ -9,6 +9,13 @@ batch of 2B rows; each of the N image tokens is drawn from `softmax((u + s * (c 
 turns the N codes into pixels. The engine runs its own decode loop over a `StaticCache`, with
 the one-token decode step (language model + generation head + CFG mix) compiled on CUDA.
 
+Decode attention (`rl_rollout.attention.grouped_decode_attention`) reads the cache only up to
+the filled length rounded up to `kv_block` slots, not to its preallocated length: at Janus-Pro-7B
+shape the KV cache of a 64-image call (128 rows) is ~4 GB per 64 slots, more than the weights
+over a 576-token image, and a full-length read costs ~1.9x the mean context. Each rounded
+length is one shape of the compiled step (its length dimension is marked dynamic, so it
+compiles once; CUDA graphs record one graph per length).
+
 Seeds: each sample draws its N uniforms from its own `torch.Generator` seeded with its seed, and
 a token is the inverse-CDF draw at that uniform (no other randomness), so a sample's tokens
 depend on its seed and its logits only, never on the other rows of the batch or on the batch
@@ -21,9 +28,10 @@ Log-probs (`logprobs=`):
   The trainer's first replay of the same rows in the same batch then has an importance ratio of
   exactly 1 (bit-identical in float32, as the SD3 path), at the cost of one forward over the
   batch (no KV cache; small next to N decode steps).
-- `"decode"`: the log-probs of the decode steps themselves (no extra forward); they differ from
-  a teacher-forced recomputation in the last bits (float32) or ~1e-2 (bf16): KV-cached one-token
-  matmuls round differently, and a compiled step fuses differently.
+- `"decode"`: the log-probs of the draws themselves, from the sampling forward (no extra
+  forward); they differ from a teacher-forced recomputation in the last bits (float32) or ~1e-2
+  (bf16): KV-cached one-token matmuls round differently, and a compiled step fuses differently.
+  Pick it when the trainer tolerates that mismatch (a ratio tolerance, or a rollout correction).
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from rl_models.janus import (
     num_image_tokens,
     unconditional_prompt_ids,
 )
+from rl_rollout.attention import GROUPED_DECODE, attention_implementation
 
 __all__ = ["ImageRollout", "JanusEngine"]
 
@@ -87,6 +96,9 @@ class JanusEngine:
     compile: compile the decode step (default: on CUDA only); `compile_mode` as `torch.compile`
         (`"reduce-overhead"` adds CUDA graphs; the cache is kept between calls so they replay).
     logprobs: `"rescore"` or `"decode"` (module docstring).
+    kv_block: decode attention reads the cache up to the filled length rounded up to a multiple
+        of this many slots. Smaller reads fewer empty slots but gives the compiled step more
+        shapes (one CUDA graph each); 64 wastes ~3% of a 7B step's traffic with ~11 graphs.
     """
 
     def __init__(
@@ -100,15 +112,19 @@ class JanusEngine:
         compile_mode: str = "reduce-overhead",
         logprobs: LogprobMode = "rescore",
         chunk_size: int = 1024,
+        kv_block: int = 64,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if kv_block < 1:
+            raise ValueError(f"kv_block must be >= 1, got {kv_block}")
         if logprobs not in ("rescore", "decode"):
             raise ValueError(f"logprobs must be 'rescore' or 'decode', got {logprobs!r}")
         self.device = torch.device(device) if device is not None else model.device
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # see HFEngine
         self.processor = processor
         self.max_batch_size, self.logprobs, self.chunk_size = max_batch_size, logprobs, chunk_size
+        self.kv_block = kv_block
         self.num_tokens = num_image_tokens(model)
         self.compile = self.device.type == "cuda" if compile is None else compile
         self.compile_mode = compile_mode
@@ -229,7 +245,8 @@ class JanusEngine:
     def _decode_step(self, tokens: Tensor, attention_mask: Tensor, position_ids: Tensor, cache: StaticCache,
                      guidance_scale: float, use_cfg: bool) -> Tensor:
         """CFG logits `[B, V]` (float32) of the next image token after feeding `tokens` `[B]`
-        (both rows with CFG). attention_mask: `[R, L]` over the whole cache; position_ids `[R, 1]`."""
+        (both rows with CFG). attention_mask: boolean `[R, 1, 1, Lk]` of the slots each row
+        reads (Lk bounds the read, `grouped_decode_attention`); position_ids `[R, 1]`."""
         step = torch.cat([tokens, tokens]) if use_cfg else tokens  # [R]
         embeds = self.model.prepare_embeddings_for_image_generation(step[:, None])  # [R, 1, H]
         hidden = self.model.model.language_model(
@@ -245,28 +262,40 @@ class JanusEngine:
 
     def _decode(self, batch: ImageTokenBatch, uniforms: Tensor, guidance_scale: float,
                 temperature: float) -> tuple[Tensor, Tensor]:
-        """Prefill `[cond; uncond]`, then N decode steps: tokens `[B, N]`, log-probs `[B, N]`."""
+        """Prefill `[cond; uncond]`, then N decode steps: tokens `[B, N]`, log-probs `[B, N]`
+        (those of the draws, the sampling forward's own)."""
         use_cfg = guidance_scale > 1
         ids = torch.cat([batch.prompt_ids, batch.uncond_ids]) if use_cfg else batch.prompt_ids  # [R, P]
         mask = batch.prompt_mask.repeat(2, 1) if use_cfg else batch.prompt_mask  # [R, P]
         rows, width = ids.shape
         cache = self._static_cache(rows, width + self.num_tokens)
-        future = torch.ones(rows, cache.get_max_length() - width, dtype=mask.dtype, device=self.device)
-        full_mask = torch.cat([mask, future], dim=1)  # [R, L]; later slots are hidden by causality
+        length = cache.get_max_length()
+        future = torch.ones(rows, length - width, dtype=mask.dtype, device=self.device)
         positions = (mask.long().cumsum(-1) - 1).clamp_min(0)  # [R, P]
         next_pos = mask.long().sum(-1)  # [R]
         hidden = self.model.model.language_model(
-            inputs_embeds=self.model.get_input_embeddings()(ids), attention_mask=full_mask,
+            inputs_embeds=self.model.get_input_embeddings()(ids),
+            attention_mask=torch.cat([mask, future], dim=1),  # [R, L]; later slots are hidden by causality
             position_ids=positions, past_key_values=cache, use_cache=True,
         ).last_hidden_state  # [R, P, H]
         logits = self._logits(hidden[:, -1], guidance_scale, use_cfg)  # [B, V]
+        # decode: boolean key mask [R, 1, 1, L]; step t opens slot width + t (its own token)
+        keys = torch.cat([mask.bool(), torch.zeros_like(future, dtype=torch.bool)], dim=1)[:, None, None]
         batch_size = len(batch.prompt_ids)
         tokens = torch.zeros(batch_size, self.num_tokens, dtype=torch.long, device=self.device)  # [B, N]
         logprobs = torch.zeros(batch_size, self.num_tokens, dtype=torch.float32, device=self.device)  # [B, N]
-        for t in range(self.num_tokens):
-            tokens[:, t], logprobs[:, t] = draw(logits, uniforms[:, t], temperature)
-            if t + 1 < self.num_tokens:
-                logits = self._step(tokens[:, t], full_mask, (next_pos + t)[:, None], cache, guidance_scale, use_cfg)
+        with attention_implementation(self.model.model.language_model.config, GROUPED_DECODE):
+            for t in range(self.num_tokens):
+                tokens[:, t], logprobs[:, t] = draw(logits, uniforms[:, t], temperature)
+                if t + 1 == self.num_tokens:
+                    break
+                keys[..., width + t] = True
+                # slots filled (width + t + 1 <= L - 1: the last token is never fed back), rounded
+                # up; below L, since a slice to L would be contiguous and compile a second graph
+                read = min(length - 1, -(-(width + t + 1) // self.kv_block) * self.kv_block)
+                step_mask = keys[..., :read].clone()  # [R, 1, 1, read]; contiguous, as every length's
+                torch._dynamo.maybe_mark_dynamic(step_mask, 3)  # one compile for every length
+                logits = self._step(tokens[:, t], step_mask, (next_pos + t)[:, None], cache, guidance_scale, use_cfg)
         return tokens, logprobs
 
     @torch.no_grad()
