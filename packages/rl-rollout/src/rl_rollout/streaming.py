@@ -82,8 +82,8 @@ def generate_scored(engine: Engine, requests: Sequence[Prompt], params: Sampling
     if seeds is not None and len(seeds) != len(requests):
         raise ValueError(f"got {len(seeds)} seeds for {len(requests)} requests")
     if not stream:
-        gens = engine.generate(requests, params) if seeds is None else generate_seeded(engine, requests, params, seeds)
-        return ScoredRollout(gens, None, score)
+        batch = engine.generate(requests, params) if seeds is None else generate_seeded(engine, requests, params, seeds)
+        return ScoredRollout(batch, None, score)
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl-rollout-score")
     gens: list[Generation] = []
     chunks: list[Future[Sequence[R]]] = []
