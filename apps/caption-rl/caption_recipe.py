@@ -59,6 +59,7 @@ from rl_models.vl import placeholder_ids
 from rl_rewards import ScoreResult
 from rl_rollout import Generation, SamplingParams, generate_seeded, resolve_engine
 from rl_rollout.policy import PolicyEngine, build_policy_engine, rollout_device
+from rl_rollout.streaming import ScoredRollout, generate_scored
 from rl_rollout.training import (
     LossOptions,
     Policy,
@@ -91,6 +92,7 @@ class State:
     placeholders: frozenset[int]  # vision placeholder tokens a drifted policy can sample
     bad_records: ReadStats = field(default_factory=ReadStats)  # records that failed to become model input
     prompts_per_rank: int = 0  # train.batch_size / processes
+    stream: bool = False  # reward.stream in effect: a served reward, synchronous rollouts
 
 
 @dataclass(frozen=True)
@@ -100,18 +102,30 @@ class Batch:
     encoded: Encoded  # the step's records as model input
     generations: list[Generation]  # rollout.n per kept record, request-major
     weight_version: int  # optimizer steps in the weights the engine sampled with
+    scored: ScoredRollout[Scored] | None = None  # reward.stream: the rewards, scored while the batch sampled
 
 
-def _scored(s: State, encoded: Encoded, gens: list[Generation]) -> tuple[list[ScoreResult], list[dict[str, Any]], str]:
-    """The rewards of `gens`, their sample-log rows, and the error of a reward server down
-    after its retries (every sample then failed)."""
+Scored = tuple[ScoreResult, str]  # a caption's reward, and the error of a server down after its retries ("" if up)
+
+
+def _score(s: State, encoded: Encoded, gens: list[Generation]) -> list[Scored]:
+    """The rewards of `gens` (one server request; `generate_scored` calls it per chunk)."""
     samples = [make_sample(encoded.records[g.request_index], g.text, len(g.completion_ids)) for g in gens]
     try:
-        results, error = s.reward.score(samples), ""
+        return [(result, "") for result in s.reward.score(samples)]
     except RewardUnavailable as e:
-        results, error = [ScoreResult.failed(str(e)) for _ in samples], f"rank {s.run.rank}: {e}"
-    return results, [{"prompt": x.prompt, "caption": x.completion, "reward": res.score, "components": res.components,
-                      "error": res.error} for x, res in zip(samples, results, strict=True)], error
+        return [(ScoreResult.failed(str(e)), f"rank {s.run.rank}: {e}") for _ in samples]
+
+
+def _scored(s: State, encoded: Encoded, gens: list[Generation], scored: list[Scored] | None = None,
+            ) -> tuple[list[ScoreResult], list[dict[str, Any]], str]:
+    """The rewards of `gens` (`scored`: already scored, else now), their sample-log rows, and the
+    error of a reward server down after its retries (its samples then failed)."""
+    scored = _score(s, encoded, gens) if scored is None else scored
+    results, error = [r for r, _ in scored], next((e for _, e in scored if e), "")
+    prompts = [make_sample(encoded.records[g.request_index], g.text).prompt for g in gens]
+    return results, [{"prompt": p, "caption": g.text, "reward": res.score, "components": res.components,
+                      "error": res.error} for p, g, res in zip(prompts, gens, results, strict=True)], error
 
 
 class CaptionRL(Recipe[Config, State, Batch]):
@@ -165,7 +179,8 @@ class CaptionRL(Recipe[Config, State, Batch]):
         frozen = (load_policy(m, trainable=False)[0].to(acc.device)
                   if cfg.algo.kl_coef > 0 and m.lora_rank == 0 else None)
         return State(cfg, run, data, model, policy, processor, engine, optimizer, scheduler, reward, sampler, frozen,
-                     full, placeholder_ids(model.config), prompts_per_rank=t.batch_size // run.world_size)
+                     full, placeholder_ids(model.config), prompts_per_rank=t.batch_size // run.world_size,
+                     stream=cfg.reward.stream and isinstance(reward, RemoteReward) and t.max_staleness == 0)
 
     def start(self, s: State) -> None:
         s.engine.sync(bump=False)  # a separate engine loaded the initial weights: a resumed policy is newer
@@ -197,22 +212,27 @@ class CaptionRL(Recipe[Config, State, Batch]):
         enc = encode_records([s.data.train[i] for i in picked], [s.data.train_where[i] for i in picked], s.processor,
                              s.cfg.data, r.max_prompt_length, s.bad_records)
         params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
+        # each group from its own seed: independent of the process count and batch split
+        seeds = [sample_seed(s.cfg.train.seed, step, picked[i]) for i in enc.positions] if r.per_prompt_seeds else None
+        scored = None
         with s.engine.session() as engine:
-            if r.per_prompt_seeds:  # each group from its own seed: independent of the process count and batch split
-                seeds = [sample_seed(s.cfg.train.seed, step, picked[i]) for i in enc.positions]
+            if s.stream:  # the server scores each prompt's captions while the next prompt samples
+                scored = generate_scored(engine, enc.messages, params, lambda _, gens: _score(s, enc, gens), seeds=seeds)
+                generations = scored.generations
+            elif seeds is not None:
                 generations = generate_seeded(engine, enc.messages, params, seeds)
             else:
                 generations = engine.generate(enc.messages, params)
         for g in generations:
             if g.prompt_ids != enc.prompts[g.request_index].ids:
                 raise RuntimeError(f"prompt {g.request_index}: the engine encoded it differently from the trainer")
-        return Batch(enc, generations, s.engine.weight_version)
+        return Batch(enc, generations, s.engine.weight_version, scored)
 
     def score(self, s: State, step: int, batch: Batch) -> Scores | Skip:
         """Rewards of every caption, or a reason (agreed over processes) to skip the step. A
         caption that sampled a vision placeholder token is left out like a failed reward."""
         acc, gens = s.run.accelerator, batch.generations
-        results, rows, error = _scored(s, batch.encoded, gens)
+        results, rows, error = _scored(s, batch.encoded, gens, batch.scored.results() if batch.scored else None)
         if not error and results and all(x.score is None for x in results):
             error = f"rank {s.run.rank}: every sample failed to score; first error: {results[0].error}"
         if not gens:

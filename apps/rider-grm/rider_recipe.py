@@ -44,9 +44,11 @@ from rl_core.train.sharding import FullWeights, prepare_policy, resolve_sharding
 from rl_data import GroupSampler, JudgeRecord
 from rl_models.text import load_causal_lm
 from rl_rewards.composition import Reward
+from rl_rewards.samples import ScoreResult
 from rl_rollout import Generation, SamplingParams, generate_seeded, training
 from rl_rollout.policy import PolicyEngine, build_policy_engine, rollout_device
 from rl_rollout.prompts import EncodedPrompt
+from rl_rollout.streaming import ChunkScorer, ScoredRollout, generate_scored
 
 
 @dataclass
@@ -66,6 +68,7 @@ class State:
     sampler: GroupSampler
     train: list[JudgeRecord]
     val: list[JudgeRecord]
+    stream: bool = False  # reward.stream in effect: every judge served, synchronous rollouts
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class Batch:
     ref: list[torch.Tensor] | None  # [B] x [C_i] the reference's (KL loss or KL in the reward), else None
     weight_version: int  # optimizer steps in the weights the samples were drawn with
     judges_awake: int  # judge engines awake while the policy generated (0 when swapping)
+    scored: ScoredRollout[ScoreResult] | None = None  # reward.stream: scored while the batch sampled
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ class Sampled:
     gens: list[Generation]  # [B]
     weight_version: int
     judges_awake: int
+    scored: ScoredRollout[ScoreResult] | None = None
 
 
 class RiderGRM(Recipe[Config, State, Batch]):
@@ -144,8 +149,10 @@ class RiderGRM(Recipe[Config, State, Batch]):
                               "components: give reward.spec with combine = \"sum\" (the reward.judges shorthand "
                               "folds them in order)")
         sampler = GroupSampler(len(train), r.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
+        stream = (cfg.reward.stream and bool(judges) and all(j.engine is None for j in judges)
+                  and t.max_staleness == 0)
         return State(cfg, run, policy, model, optimizer, ref, ref_offload, engine, full, judges, reward, swap, sampler,
-                     train, val)
+                     train, val, stream)
 
     def start(self, state: State) -> None:
         state.engine.sync(bump=False)  # a vLLM engine: the resumed weights may be newer than what it loaded
@@ -183,8 +190,9 @@ class RiderGRM(Recipe[Config, State, Batch]):
         records = [state.train[i] for i in indices]
         seeds = [sample_seed(cfg.train.seed, step, i) for i in indices] if cfg.rollout.per_prompt_seeds else None
         version = state.engine.weight_version
-        gens, awake = generate(state, records, n, cfg.rollout.temperature, seeds)
-        return Sampled([r for r in records for _ in range(n)], gens, version, awake)
+        score = _chunk_scorer(state, records, len(records) * n) if state.stream else None
+        gens, awake, scored = generate(state, records, n, cfg.rollout.temperature, seeds, score)
+        return Sampled([r for r in records for _ in range(n)], gens, version, awake, scored)
 
     def prepare(self, state: State, step: int, sampled: Sampled) -> Batch:
         """The trainer's log-probs of the samples (the PPO ratio's old ones: with staleness, the
@@ -201,7 +209,7 @@ class RiderGRM(Recipe[Config, State, Batch]):
                 ref = logprobs(state, state.ref, gens)
                 if state.ref_offload is not None:
                     state.ref_offload.to_host()
-        return Batch(sampled.records, gens, old, ref, sampled.weight_version, sampled.judges_awake)
+        return Batch(sampled.records, gens, old, ref, sampled.weight_version, sampled.judges_awake, sampled.scored)
 
     def weight_channel(self, state: State) -> WeightChannel:
         """The engine's own weights by version; the policy then stays resident (`reward.swap`
@@ -218,7 +226,10 @@ class RiderGRM(Recipe[Config, State, Batch]):
         `kl_coef` x KL(old || ref) per token with `algo.kl_in_reward` (verl's `apply_kl_penalty`)."""
         cfg, run = state.cfg, state.run
         samples = rewarding.make_samples(batch.records, batch.gens, offset=run.rank * len(batch.gens))
-        results, logs = rewarding.score(state.reward, state.judges, samples)
+        if batch.scored is not None:  # scored while it sampled: the judges' logs hold every chunk
+            results, logs = batch.scored.results(), {judge.name: judge.pop() for judge in state.judges}
+        else:
+            results, logs = rewarding.score(state.reward, state.judges, samples)
         run.samples.write("train", step, rewarding.sample_rows(samples, results, logs, cfg.train.samples_to_log))
         width = max(1, max(len(g.completion_ids) for g in batch.gens))
         mask, rewards = torch.zeros(len(batch.gens), width), torch.zeros(len(batch.gens), width)  # [B, C] x2
@@ -281,7 +292,7 @@ class RiderGRM(Recipe[Config, State, Batch]):
         run = state.run
         shard = state.val[run.rank :: run.world_size] or state.val[:1]
         with run.timer("rollout"):
-            gens, _ = generate(state, shard, 1, state.cfg.rollout.val_temperature)
+            gens, _, _ = generate(state, shard, 1, state.cfg.rollout.val_temperature)
             state.swap.offload(run.timer)
         samples = rewarding.make_samples(shard, gens, offset=10**9 + run.rank * len(gens))
         with run.timer("reward"):
@@ -296,17 +307,31 @@ class RiderGRM(Recipe[Config, State, Batch]):
         state.engine.close()
 
 
-def generate(state: State, records: list[JudgeRecord], n: int, temperature: float,
-             seeds: list[int] | None = None) -> tuple[list[Generation], int]:
-    """`n` samples per record from the policy's engine, and how many judge engines were awake
-    meanwhile. `seeds`: one engine call per prompt with its own seed (`rollout.per_prompt_seeds`)."""
+def generate(state: State, records: list[JudgeRecord], n: int, temperature: float, seeds: list[int] | None = None,
+             score: ChunkScorer[ScoreResult] | None = None,
+             ) -> tuple[list[Generation], int, ScoredRollout[ScoreResult] | None]:
+    """`n` samples per record from the policy's engine, how many judge engines were awake
+    meanwhile, and with `score` their rewards, scored as they finish (`generate_scored`).
+    `seeds`: one engine call per prompt with its own seed (`rollout.per_prompt_seeds`)."""
     awake = sum(j.state() == "awake" for j in state.judges)
     r = state.cfg.rollout
     params = SamplingParams(n=n, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
                             max_new_tokens=state.cfg.data.max_response_length)
     prompts = [rewarding.messages(x) for x in records]
     with state.engine.session() as engine:
-        return (engine.generate(prompts, params) if seeds is None else generate_seeded(engine, prompts, params, seeds)), awake
+        if score is not None:
+            scored = generate_scored(engine, prompts, params, score, seeds=seeds, timer=state.run.timer)
+            return scored.generations, awake, scored
+        return (engine.generate(prompts, params) if seeds is None else generate_seeded(engine, prompts, params, seeds)), awake, None
+
+
+def _chunk_scorer(state: State, records: list[JudgeRecord], width: int) -> ChunkScorer[ScoreResult]:
+    """The reward of a chunk of this process's `width` samples (`records`: one per prompt), with
+    the sample ids `score` gives them (rank * width + row)."""
+    def score(first: int, gens: list[Generation]) -> list[ScoreResult]:
+        chunk = [records[g.request_index] for g in gens]
+        return state.reward.score(rewarding.make_samples(chunk, gens, offset=state.run.rank * width + first))
+    return score
 
 
 def to_rollouts(gens: list[Generation], valid: list[bool]) -> list[training.Rollout]:

@@ -19,6 +19,7 @@ from rl_rewards.server.process import ServerProcess, free_port
 
 MODULE = TESTS / "judges" / "length_judge.py"
 SPEC = "length_judge"
+SLOW = "slow_rule"  # a rule that takes 20 ms a sample (tests/rules/slow_rule.py)
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         f"[rewards.{SPEC}.components.judge]\nscorer = \"judge\"\n"
         f"options = {{ module = \"{MODULE}\", model = \"{tiny.build('qwen3', seed=1)}\", temperature = 1.0, "
         "max_new_tokens = 4, seed = 7 }\n"
+        f"[rewards.{SLOW}.components.rule]\nscorer = \"rule\"\n"
+        f"options = {{ function = \"{TESTS / 'rules' / 'slow_rule.py'}:compute_score\" }}\n"
     )
     env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = ServerProcess(["--config", str(config)], env=env, log_path=tmp / "server.log", ready_timeout=300)
@@ -99,6 +102,27 @@ def test_served_judge_scores_like_the_same_judge_in_process(server: str, tmp_pat
     # training samples and the passing evaluation samples, nothing else
     sent = 1 + int(rows_b[0]["judge/j/scored"]) + int(rows_b[0]["eval/judge/j/scored"])
     assert served_samples(server) - before == sent
+
+
+def test_streamed_scoring_gives_the_after_batch_rewards(server: str, tmp_path: Path) -> None:
+    """reward.stream (the default): each prompt's samples go to the server as soon as they are
+    sampled (rollout.per_prompt_seeds), scored while the next prompt samples; the step is the
+    same as with the samples scored after the whole batch: rewards, sample rows, the update."""
+    def step(name: str, stream: bool) -> Path:
+        return app.main(tiny_overrides(tmp_path / name, **{
+            "reward.judges": judge_table(engine="server", url=server, spec=SLOW), "reward.stream": str(stream).lower(),
+            "reward.rule": f'"{TESTS}/rules/parity_rule.py"', "reward.embedding.model": "null",
+            "rollout.per_prompt_seeds": "true", "train.max_steps": 1, "train.samples_to_log": 100,
+            "train.batch_size": 4}))
+
+    streamed, after = step("streamed", True), step("after", False)
+    a, b = metrics(streamed)[0], metrics(after)[0]
+    assert float(a["judge/j/scored"]) > 0 and a["reward/failed"] == "0.0"
+    for key in ("reward/mean", "reward/std", "reward/j", "judge/j/scored", "loss/policy", "grad_norm"):
+        assert a[key] == b[key], key
+    assert train_rows(streamed) == train_rows(after)
+    assert float(a["time/judge_j_score"]) > 0  # the worker's judge phase is in the step's row
+    print(f"\ntime/reward streamed {float(a['time/reward']):.3f} s, after the batch {float(b['time/reward']):.3f} s")
 
 
 def test_unknown_spec_fails_at_startup_listing_the_served_ones(server: str, tmp_path: Path) -> None:

@@ -56,7 +56,7 @@ KEY = "serve-test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
 CHUNK_DEADLINE_S = 2.0
 HEARTBEAT_TIMEOUT_S = 3.0
-TRIES = 6
+TRIES = 3  # the default max_attempts
 CONFIG = """
 [scorers]
 call_probe = "serve_probes:CallProbe"
@@ -64,9 +64,7 @@ call_probe = "serve_probes:CallProbe"
 [pool]
 chunk_deadline_s = {deadline}       # a call held by a hung replica is sent again after this
 heartbeat_timeout_s = {heartbeat}   # Ray Serve replaces a replica silent to its health checks this long
-# a retry may go back to the hung replica until Ray Serve has taken it out (5-6 s after the signal
-# on 2 busy cores, health checks included): the tries must outlast that
-max_attempts = {tries}
+max_attempts = {tries}              # the default: a retry never goes back to the hung replica
 
 [rewards.rules.components.answer]
 scorer = "exact_answer"
@@ -336,11 +334,12 @@ def test_a_replica_killed_and_one_stopped_under_load_lose_no_request(servers):
     """8 clients send 8-sample requests to `probe` (2 replicas, busy 0.2 s a batch) the whole time.
     One replica is SIGKILLed as it starts a batch; once its replacement takes calls, the other is
     SIGSTOPped (hung: its process runs no code) as it starts one. Every request is answered 200
-    with real scores, none later than its tries of the chunk deadline: the calls lost with the
-    killed replica are sent again at once, those held by the stopped one after `chunk_deadline_s`
-    (a try may go back to it until Ray Serve takes it out: hence TRIES); Ray Serve replaces the
-    killed one, and the stopped one once it missed its health checks for about
-    `heartbeat_timeout_s`. Recovery: from the signal to the replacement's first call."""
+    with real scores, with the default 3 tries: the calls lost with the killed replica are sent
+    again at once, those held by the stopped one after `chunk_deadline_s`, to another replica
+    (the ingress's router probes the replicas' queues, and the stopped one answers no probe:
+    `INGRESS_ENV`); Ray Serve replaces the killed
+    one, and the stopped one once it missed its health checks for about `heartbeat_timeout_s`.
+    Recovery: from the signal to the replacement's first call."""
     url = servers["ray-serve"]
     first, second = sorted(replica_pids(url, servers["calls"]))
     names = ("rl_rewards_chunk_retries_total", "rl_rewards_chunk_deadline_misses_total")
@@ -380,7 +379,9 @@ def test_a_replica_killed_and_one_stopped_under_load_lose_no_request(servers):
     after = {name: metric(url, name) for name in names}
     assert after[names[0]] >= before[names[0]] + 2  # calls of the killed and of the stopped replica sent again
     assert after[names[1]] > before[names[1]]  # those of the stopped one after the chunk deadline
-    assert slowest < TRIES * CHUNK_DEADLINE_S + 2  # no request hung on the stopped replica beyond its tries
+    # every request answered within its 3 tries (before INGRESS_ENV a retry could go back to the
+    # stopped replica: about 1 request in 200 lost all 3 so)
+    assert slowest < TRIES * CHUNK_DEADLINE_S
 
 
 @needs_serve

@@ -206,6 +206,14 @@ class PhaseTimer:
         """The peak GiB of `phase` in this step so far (None: not entered, or no CUDA)."""
         return self.peaks.get(phase)
 
+    def add(self, measured: Mapping[str, float]) -> None:
+        """Add another thread's `pop()` (its `time/<phase>` seconds) to this thread's totals: the
+        phases of a worker that scored while this thread sampled land in the step that used them."""
+        for key, seconds in measured.items():
+            if key.startswith("time/"):
+                phase = key.removeprefix("time/")
+                self.totals[phase] = self.totals.get(phase, 0.0) + seconds
+
     def pop(self) -> dict[str, float]:
         """`{"time/<phase>": seconds, "memory/<phase>_peak_gib": GiB}` since the last pop;
         resets the totals."""

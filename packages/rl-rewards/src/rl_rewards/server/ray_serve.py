@@ -18,7 +18,9 @@ Ray Serve's HTTP proxy takes the connections (`host`/`port`; one per cluster, on
 so uvicorn's guards of the `uvicorn` backend (`serving.py`: read deadlines, the connection cap,
 the drain) are Ray Serve's own here; a replica that stops running is found by Ray Serve's health
 check (every `heartbeat_interval()`; `HEALTH_CHECKS_MISSED` in a row, about `heartbeat_timeout_s`)
-and replaced; the calls it held are sent again after `chunk_deadline_s`.
+and replaced; the calls it held are sent again after `chunk_deadline_s`, to another replica (the
+ingress's router probes the replicas' queues before each call, and a hung one answers no probe:
+`INGRESS_ENV`).
 
 From Python: `serve.run(serve_application(settings), name=APP_NAME, route_prefix="/")` on a
 connected Ray; `rl-rewards serve --backend ray-serve` is `run_ray_serve`.
@@ -80,6 +82,15 @@ replica that stops running is replaced about `heartbeat_timeout_s` after, as a w
 STOP_POLL_S = 0.2
 """A stopping replica looks for open requests this often (Ray Serve's default, 2 s, kept an idle
 replica, and so `serve.delete` at shutdown, waiting 2 s)."""
+INGRESS_ENV = {"RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S": "0"}
+"""The ingress's router asks the replicas for their queue lengths before each call (a probe of
+~1 ms, given up after `RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S`, 0.1 s) instead of trusting
+its cache of them. Ray Serve's router picks the replica with the shorter queue in its cache and
+refreshes an entry's age whenever a call is sent to or leaves that replica: the entry of a hung
+replica (SIGSTOP, a wedged driver) keeps the length it had, stays fresh as calls to it are sent
+and cancelled at `chunk_deadline_s`, and so keeps drawing the retries of its own lost calls
+until Ray Serve's health check takes it out (about 1 request in 200 lost its 3 tries so under
+load). A hung replica does not answer the probe: it is passed over from its first missed one."""
 
 
 # ----------------------------------------------------------------------------- reward replicas
@@ -405,7 +416,8 @@ def serve_application(settings: ServerSettings) -> Any:
     handles = {name: reward_deployment(settings, name).bind(payload, name) for name in reward_names(settings)}
     ingress = serve.deployment(
         name=INGRESS, num_replicas=1,
-        ray_actor_options={"num_cpus": 0},  # parses JSON and waits on the replicas
+        # parses JSON and waits on the replicas; its router probes them (INGRESS_ENV)
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": INGRESS_ENV}},
         max_ongoing_requests=settings.limits.max_connections,
         graceful_shutdown_timeout_s=settings.shutdown_timeout_s, graceful_shutdown_wait_loop_s=STOP_POLL_S,
         max_constructor_retry_count=CONSTRUCTOR_TRIES,
