@@ -285,6 +285,8 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="extra caption-rl setting, e.g. --set rollout.compile_mode=reduce-overhead (repeatable)")
     parser.add_argument("--vllm", action="store_true", help="both trainers roll out with a colocated vLLM (GPU)")
+    parser.add_argument("--only", choices=("caption-rl", "trl"),
+                        help="run one trainer only; prints its figures, appends nothing")
     parser.add_argument("--side", choices=("caption-rl", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--policy", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -307,6 +309,11 @@ def main() -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the children measure their own peaks; this process keeps no weights
+        if args.only:
+            side = run_side(args.only, args.smoke, steps, policy, Path(tmp),
+                            args.overrides if args.only == "caption-rl" else [], args.vllm)
+            print(json.dumps(side))
+            return
         ours = run_side("caption-rl", args.smoke, steps, policy, Path(tmp), args.overrides, args.vllm)
         theirs = run_side("trl", args.smoke, steps, policy, Path(tmp), [], args.vllm)
     report(ours, theirs, smoke=args.smoke, vllm=args.vllm)

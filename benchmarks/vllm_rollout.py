@@ -174,7 +174,7 @@ def report(figures: dict[str, dict[str, Any]], *, smoke: bool) -> None:
     step = ours["wake"] + ours["generate"] + ours["sleep"] + ours["weight push"]
     row = lambda name, seconds, tokens="": [name, f"{seconds:.2f}", f"{tokens / seconds:,.0f}" if tokens else "",  # noqa: E731
                                             f"{seconds / alone_mp['generate']:.2f}x"]
-    header = ["what", "seconds", "caption tokens/s", "vs vLLM alone (generate)"]
+    header = ["what", "seconds", "caption tokens/s", "seconds / vLLM alone's (defaults)"]
     table = [
         row("caption-rl colocated engine: wake (weights and KV cache back)", ours["wake"]),
         row("caption-rl colocated engine: generate, 32 images x 8 captions", ours["generate"], ours["tokens"]),
@@ -191,8 +191,9 @@ def report(figures: dict[str, dict[str, Any]], *, smoke: bool) -> None:
     notes = (f"Random weights at Qwen3-VL-2B shape, bf16; {FULL[0]} images x {FULL[1]} captions x {FULL[2]} tokens "
              f"(T=1, sampled tokens' log-probs); gpu_memory_utilization {VLLM_MEMORY}, max_model_len {VLLM_MAX_LEN}, "
              f"max_num_seqs {FULL[0] * FULL[1]}; means over {ROUNDS} rounds after one warm-up, each engine in a "
-             "fresh process. The text-only row feeds random token ids of each image prompt's text length (no image "
-             f"processing and no vision encoder, the same prompt lengths as the image prompts had in vLLM). Images at most {MAX_PIXELS} pixels.")
+             "fresh process. The text-only row feeds random token ids, as many as each image prompt had in vLLM "
+             "(image tokens included): the same prefill and decode without image processing or vision encoder. "
+             f"Images at most {MAX_PIXELS} pixels.")
     if smoke:
         print(markdown_table(header, table))
         print(notes)
