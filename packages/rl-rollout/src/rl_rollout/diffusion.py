@@ -88,6 +88,9 @@ class Trajectory:
     - `log_probs` `[B, S]` float32: log-prob of each stochastic step (0 on ODE steps).
     - `sde_steps` `[S]` bool: which steps were stochastic (the trainable ones).
     - `images` `[B, 3, H, W]` float32 in [0, 1].
+    - `means` `[B, S, C, h, w]` float32 or None: each step's transition mean (an ODE step's is
+      its result), kept only when `sample(keep_means=True)`: GRPO-Guard's RatioNorm
+      (`rl_core.flow.compute_ratio_guard`) needs the rollout's mean of every replayed step.
     """
 
     prompts: tuple[str, ...]
@@ -101,6 +104,7 @@ class Trajectory:
     guidance_scale: float
     noise_level: float
     kind: SamplerKind
+    means: Tensor | None = None
 
     @property
     def num_steps(self) -> int:
@@ -351,8 +355,10 @@ class DiffusionEngine:
         sde_window: tuple[int, int] | None = None,
         seeds: Sequence[int] | None = None,
         max_sequence_length: int = 128,
+        keep_means: bool = False,
     ) -> Trajectory:
-        """Sample one image per prompt and keep the trajectory.
+        """Sample one image per prompt and keep the trajectory (with `keep_means`, also each
+        step's transition mean: one more latent-sized float32 tensor per step, for GRPO-Guard).
 
         `sde_window=(start, stop)` samples steps `start <= k < stop` stochastically and the others
         with the ODE (default: every step when `kind` is `sde`/`cps`, none for `ode`). `seeds`
@@ -374,7 +380,7 @@ class DiffusionEngine:
         sigmas = self.schedule(num_steps, seq_len)  # [S + 1]
         sde_steps = self._sde_mask(num_steps, kind, sde_window)  # [S]
         embeds, pooled = self._text_inputs(conditioning, guidance_scale)
-        states, log_probs = [latents], []
+        states, log_probs, means = [latents], [], []
         # nothing in the loop waits for the device: sigmas are host numbers, filled on the device
         for k, stochastic in enumerate(sde_steps.tolist()):
             sigma = torch.full((batch,), float(sigmas[k]), device=self.device)  # [B]
@@ -389,12 +395,14 @@ class DiffusionEngine:
                     kind=kind,
                     generator=generators,
                 )
-                latents, log_prob = step.next_latents, step.log_prob  # [B, C, h, w], [B]
+                latents, log_prob, mean = step.next_latents, step.log_prob, step.mean  # [B, C, h, w], [B], [B, C, h, w]
             else:
-                latents = latents + velocity * (sigmas[k + 1] - sigmas[k])  # Euler ODE step
+                latents = mean = latents + velocity * (sigmas[k + 1] - sigmas[k])  # Euler ODE step
                 log_prob = torch.zeros(batch, device=self.device)  # [B]
             states.append(latents)
             log_probs.append(log_prob)
+            if keep_means:
+                means.append(mean)
         return Trajectory(
             prompts=tuple(prompts),
             conditioning=conditioning,
@@ -407,6 +415,7 @@ class DiffusionEngine:
             guidance_scale=guidance_scale,
             noise_level=noise_level,
             kind=kind,
+            means=torch.stack(means, dim=1) if keep_means else None,  # [B, S, C, h, w]
         )
 
     @staticmethod
