@@ -29,6 +29,7 @@ by the rollout that needs it; colocated workers then stay awake (they sample dur
 from __future__ import annotations
 
 import copy
+import math
 import os
 import sys
 import threading
@@ -41,7 +42,7 @@ from grpo_config import Config, ModelConfig, RolloutConfig, SamplingConfig
 from peft import PeftModel
 from transformers import JanusForConditionalGeneration
 
-from rl_core.flow import flow_kl
+from rl_core.flow import SDEStep, compute_ratio_guard, flow_kl
 from rl_core.kl import compute_kl
 from rl_core.train import (
     ConfigError,
@@ -177,7 +178,8 @@ class SD3(Family):
         colocated = self.cfg.rollout.placement == "colocated" and weights is None  # asynchronous: awake throughout
         kwargs: dict[str, Any] = {
             "num_steps": s.num_steps, "guidance_scale": s.guidance_scale, "height": s.resolution, "width": s.resolution,
-            "noise_level": s.noise_level, "kind": s.kind, "max_sequence_length": s.max_sequence_length}
+            "noise_level": s.noise_level, "kind": s.kind, "max_sequence_length": s.max_sequence_length,
+            "keep_means": self.cfg.train.ratio_norm}  # GRPO-Guard's RatioNorm needs the rollout's step means
         with whole_weights(self):  # a sharded policy's weights gathered into the engine's copy
             if pool is None:
                 return sample_chunks(self.rollout_engine, chunks, **kwargs)
@@ -209,7 +211,9 @@ class SD3(Family):
                     ref = self.engine.replay(trajectories[k], step, rows=rows, model=self.peft)
                 kl = flow_kl(out.mean, ref.mean, out.std)[:, None]  # [b, 1]
             old = trajectories[k].log_probs[rows, step][:, None]  # [b, 1]
-            return Replay(out.log_prob[:, None], old, adv[k][rows], weight, kl=kl)
+            if not t.ratio_norm:
+                return Replay(out.log_prob[:, None], old, adv[k][rows], weight, kl=kl)
+            return Replay(out.log_prob[:, None], old, adv[k][rows], weight, kl=kl, **guarded(trajectories[k], step, rows, out))
 
         window = [[(k, rows, weight, step) for k, rows, weight in micro for step in steps[k]] for micro in plan]
         return Replays(window, replay, units=lambda m: float(len(m[1])) * m[2],
@@ -389,6 +393,19 @@ def engine_over(engine: DiffusionEngine, transformer: torch.nn.Module) -> Diffus
                            overlap_decode=engine.overlap_decode)
 
 
+def guarded(traj: Trajectory, step: int, rows: torch.Tensor, out: SDEStep) -> dict[str, Any]:
+    """GRPO-Guard's RatioNorm of replayed step `step` of `rows` (`out`: its replay): the
+    re-centred, re-scaled log ratio `[b, 1]` and the policy loss's scale 1 / |dt|, upstream's
+    `policy_loss / sqrt_dt.mean() ** 2` (`rl_core.flow.compute_ratio_guard`)."""
+    means = cast(torch.Tensor, traj.means)  # kept: SD3.collect samples with keep_means under train.ratio_norm
+    sigma, sigma_next = float(traj.sigmas[step]), float(traj.sigmas[step + 1])
+    old_mean = means[rows.to(means.device), step]  # [b, C, h, w]
+    log_ratio, _ = compute_ratio_guard(logp=out.log_prob, old_logp=traj.log_probs[rows, step], mean=out.mean,
+                                       old_mean=old_mean, step_std=out.std * math.sqrt(sigma - sigma_next),
+                                       dt=sigma_next - sigma)  # [b]
+    return {"log_ratio": log_ratio[:, None], "policy_scale": 1 / (sigma - sigma_next)}
+
+
 def sample_chunk(engine: DiffusionEngine, chunk: Chunk, *, max_sequence_length: int, **sampling: Any) -> Trajectory:
     """Encode the chunk's distinct prompts once, then sample one image per row with its seed."""
     unique = list(dict.fromkeys(chunk.prompts))
@@ -426,7 +443,7 @@ def to_device(traj: Trajectory, device: torch.device) -> Trajectory:
     """The per-sample tensors on `device` (the schedule stays on CPU, as the engine returns it)."""
     cond = PromptEmbeddings(traj.conditioning.embeds.to(device), traj.conditioning.pooled.to(device))
     return replace(traj, conditioning=cond, latents=traj.latents.to(device), log_probs=traj.log_probs.to(device),
-                   images=traj.images.to(device))
+                   images=traj.images.to(device), means=None if traj.means is None else traj.means.to(device))
 
 
 def lora_params(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

@@ -127,6 +127,15 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     lr: PositiveFloat = 3e-4
     weight_decay: NonNegativeFloat = 1e-4
     max_grad_norm: PositiveFloat = 1.0
+    ratio_norm: bool = False
+    """GRPO-Guard's RatioNorm (Wang et al. 2025, arXiv 2510.22319; upstream `config.rationorm`):
+    each replayed SDE step's log ratio gets its mean-shift bias |mean - old_mean|^2 / (2 s^2) added
+    back and is multiplied by the step's std s, and the step's policy loss is divided by |dt|
+    (`rl_core.flow.compute_ratio_guard`). Plain Flow-GRPO's ratios sit below 1 on the low-noise
+    steps, so the clip lets those steps over-optimise the reward; choose it to train every step
+    under one ratio scale (its presets clip at 2e-6: examples/diffusion-grpo/grpo_guard.toml).
+    The rollout then keeps each step's mean (one more latent per step). sd3, train.method =
+    "grpo", sampling.kind = "sde" only."""
     clip_range: UnitInterval = 1e-4  # PPO ratio clip (SD3: 1e-4; log-probs are per-element means; janus: per token, 0.2)
     kl_beta: NonNegativeFloat = 0.04  # flow KL (janus: per-token janus.kl; nft: velocity MSE) to the LoRA-disabled model; 0 skips the reference forward
     adv_scale: Literal["batch", "group"] = "batch"  # std over the whole batch (Flow-GRPO global std)
@@ -246,6 +255,7 @@ def check_config(cfg: Config, world_size: int) -> None:
          f"{cfg.sampling.sde_window_mode!r} set sampling.sde_window_range (and sde_window_size) instead"),
         *window_problems(cfg),
         *nft_problems(cfg),
+        *guard_problems(cfg),
         (r.workers > 0 and world_size > 1 and not r.ray_address, f"rollout.workers={r.workers} with {world_size} "
          "trainer processes needs a running Ray cluster: `ray start --head`, then set RAY_ADDRESS or rollout.ray_address"),
         (t.reward_aggregation == "normalize_then_sum" and cfg.reward.url is not None,
@@ -285,6 +295,23 @@ def nft_problems(cfg: Config) -> list[tuple[bool, str]]:
          "conditional velocity its samples came from); set sampling.guidance_scale=1"),
         (t.zero_adv != "drop", f"train.zero_adv={t.zero_adv!r} picks GRPO's images: {why} trains every scored image "
          "(advantage 0 is r = 0.5); leave train.zero_adv='drop'"),
+    ]
+
+
+def guard_problems(cfg: Config) -> list[tuple[bool, str]]:
+    """train.ratio_norm against the rest (a `check_config` rule list): RatioNorm re-scales the
+    ratio of one Flow-GRPO SDE step, so it needs SD3, GRPO and the `sde` sampler."""
+    if not cfg.train.ratio_norm:
+        return []
+    why = "train.ratio_norm=true (GRPO-Guard) re-scales the ratio of an SD3 SDE step"
+    return [
+        (cfg.model.family != "sd3", f"{why}: model.family={cfg.model.family!r} trains per-token ratios; set "
+         "train.ratio_norm=false"),
+        (cfg.train.method != "grpo", f"{why}: train.method={cfg.train.method!r} has no ratio; set "
+         "train.ratio_norm=false"),
+        (cfg.model.family == "sd3" and cfg.train.method == "grpo" and cfg.sampling.kind != "sde",
+         f"{why}: sampling.kind={cfg.sampling.kind!r} is not done (upstream's form is the sde step's); set "
+         "sampling.kind='sde'"),
     ]
 
 

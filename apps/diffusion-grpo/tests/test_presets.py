@@ -245,3 +245,20 @@ def test_diffusion_nft_preset_carries_upstreams_numbers(app) -> None:
     assert (t.ema_decay, t.ema_interval, t.save_freq, t.seed) == (0.9, 1, 30, 42)
     assert (e.every, e.num_steps, e.guidance_scale, e.batch_size) == (10, 40, 1.0, 16)
     assert (cfg.model.lora_rank, cfg.model.lora_alpha, cfg.reward.components) == (32, 64, {"ocr": 1.0})
+
+
+def test_grpo_guard_preset_carries_upstreams_numbers(app) -> None:
+    """grpo_guard.toml: GRPO-Guard's general_ocr_sd3_rationorm. Upstream sizes the epoch for 16
+    GPUs: 48 prompts x 24 images, 72 per GPU in 8 batches of 9, two optimizer steps of 4 batches;
+    on 16 processes the preset gives the same, and RatioNorm is on."""
+    cfg = checked(app, "--config", str(EXAMPLES / "grpo_guard.toml"))
+    app.RECIPE.check(cfg, 16)
+    s, r, t = cfg.sampling, cfg.rollout, cfg.train
+    assert (t.method, t.ratio_norm, s.kind, s.guidance_scale, s.num_steps, s.noise_level) == ("grpo", True, "sde", 4.5, 10, 0.7)
+    assert (r.n, r.groups_per_epoch, r.sample_batch_size, t.micro_batch_size) == (24, 48, 9, 9)
+    per_process = r.groups_per_epoch // 16 * r.n
+    assert (per_process, per_process // t.micro_batch_size // t.gradient_accumulation_steps) == (72, 2)
+    assert (t.lr, t.clip_range, t.kl_beta, t.timestep_fraction) == (1e-4, 2e-6, 0.0, 0.99)
+    assert (t.adv_scale, t.adv_std, t.adv_eps, t.adv_group_by, t.zero_adv) == ("group", "population", 1e-4, "prompt",
+                                                                               "flow_grpo")
+    assert (cfg.eval.every, cfg.eval.num_steps, t.save_freq, cfg.reward.components) == (30, 40, 30, {"ocr": 1.0})

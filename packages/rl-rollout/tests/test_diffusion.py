@@ -56,6 +56,35 @@ def test_replay_at_unchanged_weights_gives_ratio_exactly_one(
         assert torch.equal(ratio, torch.ones_like(ratio))
 
 
+def test_kept_means_are_the_steps_transition_means(engine: DiffusionEngine) -> None:
+    """`keep_means` (GRPO-Guard's RatioNorm needs them): an SDE step's kept mean is the one its
+    replay at unchanged weights computes, bit for bit; an ODE step's is its result. Not kept by
+    default."""
+    assert _sample(engine).means is None
+    traj = _sample(engine, sde_window=(1, 3), keep_means=True)
+    assert traj.means.shape == (2, 4, *traj.latents.shape[2:]) and traj.means.dtype == torch.float32
+    for step in (1, 2):
+        assert torch.equal(engine.replay(traj, step).mean, traj.means[:, step])
+    assert torch.equal(traj.means[:, 0], traj.latents[:, 1]) and torch.equal(traj.means[:, 3], traj.latents[:, 4])
+
+
+def test_guidance_one_runs_the_conditional_branch_only(engine: DiffusionEngine) -> None:
+    """CFG-free training (Flow-GRPO's `train.cfg = False` with guidance 1): every transformer
+    forward of the rollout and of the replay sees the 2 prompts' rows, not 4 ([uncond; cond])."""
+    rows: list[int] = []
+    hook = engine.transformer.register_forward_pre_hook(
+        lambda _, args, kwargs: rows.append(kwargs["hidden_states"].shape[0]), with_kwargs=True)
+    try:
+        traj = _sample(engine, guidance_scale=1.0)
+        engine.replay(traj, 1)
+        assert rows == [2] * 5 and traj.guidance_scale == 1.0
+        rows.clear()
+        engine.replay(_sample(engine), 1)
+        assert rows == [4] * 5
+    finally:
+        hook.remove()
+
+
 def test_replay_carries_gradient_to_the_transformer(engine: DiffusionEngine) -> None:
     traj = _sample(engine)
     engine.transformer.zero_grad(set_to_none=True)

@@ -116,3 +116,34 @@ def test_the_kl_term_sums_as_token_mean_aggregation_does() -> None:
     expected = aggregate(kls[0], torch.ones_like(kls[0]), "token-mean", num_valid=num_valid)
     assert metrics["loss/kl"] == float(expected)
     assert float(kls[0].sum() / num_valid) != float(expected)  # a flat sum would not be bit-identical
+
+
+def test_a_log_ratio_replaces_the_ratio_and_policy_scale_scales_the_policy_loss() -> None:
+    """GRPO-Guard's route: at the sampling weights (ratio 1) exp(x / 2) has gradient 1/2 of x's,
+    so `log_ratio = (logp - old) / 2` with `policy_scale = 2` takes the plain step exactly; the
+    first-replay check still reads `logp` against `old_logp` (a shifted old log-prob stops it)."""
+    def run(halve: bool, old_shift: float = 0.0, tolerance: float | None = 1e-6):
+        acc = Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2, bias=False)
+        with torch.no_grad():
+            old = torch.nn.functional.logsigmoid(model(X)) + old_shift  # [8, 2]
+        model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5))
+
+        def replay(rows: list[int]) -> Replay:
+            logp = torch.nn.functional.logsigmoid(model(X[rows]))  # [b, 2]
+            if not halve:
+                return Replay(logp, old[rows], ADV[rows])
+            return Replay(logp, old[rows], ADV[rows], log_ratio=(logp - old[rows] + old_shift) / 2, policy_scale=2.0)
+
+        metrics = replay_update(acc, model, optimizer, [[list(range(8))]], replay, units=lambda m: 2.0 * len(m),
+                                clip_range=0.2, kl_beta=0.0, grad_clip=None, guard=NonFiniteGuard(), filler=[0],
+                                tolerance=tolerance, what="guarded replay")
+        return acc.unwrap_model(model).weight.detach().clone(), metrics
+
+    plain, plain_metrics = run(halve=False)
+    halved, halved_metrics = run(halve=True)
+    torch.testing.assert_close(halved, plain, atol=1e-7, rtol=0)
+    assert halved_metrics["loss/policy"] == pytest.approx(2 * plain_metrics["loss/policy"])  # 2 x -mean(adv x 1)
+    with pytest.raises(RuntimeError, match=r"guarded replay: mean \|engine logp - trainer logp\| = 0.001"):
+        run(halve=True, old_shift=1e-3)

@@ -123,6 +123,9 @@ class Trajectory:
     - `log_probs` `[B, S]` float32: log-prob of each stochastic step (0 on ODE steps).
     - `sde_steps` `[S]` bool: which steps were stochastic (the trainable ones).
     - `images` `[B, 3, H, W]` float32 in [0, 1].
+    - `means` `[B, S, C, h, w]` float32 or None: each step's transition mean (an ODE step's is
+      its result), kept only when `sample(keep_means=True)`: GRPO-Guard's RatioNorm
+      (`rl_core.flow.compute_ratio_guard`) needs the rollout's mean of every replayed step.
     """
 
     prompts: tuple[str, ...]
@@ -136,6 +139,7 @@ class Trajectory:
     guidance_scale: float
     noise_level: float
     kind: SamplerKind
+    means: Tensor | None = None
 
     @property
     def num_steps(self) -> int:
@@ -460,8 +464,10 @@ class DiffusionEngine:
         sde_window: tuple[int, int] | None = None,
         seeds: Sequence[int] | None = None,
         max_sequence_length: int = 128,
+        keep_means: bool = False,
     ) -> Trajectory:
-        """Sample one image per prompt and keep the trajectory.
+        """Sample one image per prompt and keep the trajectory (with `keep_means`, also each
+        step's transition mean: one more latent-sized float32 tensor per step, for GRPO-Guard).
 
         `sde_window=(start, stop)` samples steps `start <= k < stop` stochastically and the others
         with the ODE (default: every step when `kind` is `sde`/`cps`, none for `ode`). `seeds`
@@ -471,7 +477,7 @@ class DiffusionEngine:
         batch = SampleBatch(prompts, conditioning=conditioning, seeds=seeds, sde_window=sde_window)
         return self.sample_many([batch], num_steps=num_steps, guidance_scale=guidance_scale, height=height,
                                 width=width, noise_level=noise_level, kind=kind,
-                                max_sequence_length=max_sequence_length)[0]
+                                max_sequence_length=max_sequence_length, keep_means=keep_means)[0]
 
     @torch.no_grad()
     def sample_many(
@@ -485,6 +491,7 @@ class DiffusionEngine:
         noise_level: float = 0.7,
         kind: SamplerKind = "sde",
         max_sequence_length: int = 128,
+        keep_means: bool = False,
     ) -> list[Trajectory]:
         """`sample` for each batch in turn, with the shared arguments; one trajectory per batch,
         each equal to its own `sample` call. Choose it over a loop of `sample` calls where a
@@ -496,7 +503,7 @@ class DiffusionEngine:
         for batch in batches:
             traj = self._denoise(batch, num_steps=num_steps, guidance_scale=guidance_scale, height=height,
                                  width=width, noise_level=noise_level, kind=kind,
-                                 max_sequence_length=max_sequence_length)
+                                 max_sequence_length=max_sequence_length, keep_means=keep_means)
             final = traj.latents[:, -1]  # [B, C, h, w]
             if side is None or main is None:
                 out.append(replace(traj, images=self.decode(final)))
@@ -523,6 +530,7 @@ class DiffusionEngine:
         noise_level: float,
         kind: SamplerKind,
         max_sequence_length: int,
+        keep_means: bool,
     ) -> Trajectory:
         """The sampling loop of one batch; `images` is left empty (`sample_many` decodes)."""
         prompts = batch.prompts
@@ -543,7 +551,7 @@ class DiffusionEngine:
         sde_steps = self._sde_mask(num_steps, kind, batch.sde_window)  # [S]
         embeds, pooled = self._text_inputs(conditioning, guidance_scale)
         graph = self._graph(latents, embeds, pooled, guidance_scale) if self.cuda_graphs else None
-        states, log_probs = [latents], []
+        states, log_probs, means = [latents], [], []
         # nothing in the loop waits for the device: sigmas are host numbers, filled on the device
         for k, stochastic in enumerate(sde_steps.tolist()):
             if graph is None:
@@ -564,12 +572,14 @@ class DiffusionEngine:
                     kind=kind,
                     generator=generators,
                 )
-                latents, log_prob = step.next_latents, step.log_prob  # [B, C, h, w], [B]
+                latents, log_prob, mean = step.next_latents, step.log_prob, step.mean  # [B, C, h, w], [B], [B, C, h, w]
             else:
-                latents = latents + velocity * (sigmas[k + 1] - sigmas[k])  # Euler ODE step
+                latents = mean = latents + velocity * (sigmas[k + 1] - sigmas[k])  # Euler ODE step
                 log_prob = torch.zeros(size, device=self.device)  # [B]
             states.append(latents)
             log_probs.append(log_prob)
+            if keep_means:
+                means.append(mean)
         return Trajectory(
             prompts=tuple(prompts),
             conditioning=conditioning,
@@ -582,6 +592,7 @@ class DiffusionEngine:
             guidance_scale=guidance_scale,
             noise_level=noise_level,
             kind=kind,
+            means=torch.stack(means, dim=1) if keep_means else None,  # [B, S, C, h, w]
         )
 
     # -- CUDA graphs ---------------------------------------------------------------------------

@@ -44,6 +44,11 @@ class Replay:
     advantages: Tensor  # [b] one advantage per sample, broadcast over its units
     weight: float = 1.0  # 0: a filler micro-batch that trains nothing
     kl: Tensor | None = None  # [b, U] per-unit KL to the reference, with gradients
+    log_ratio: Tensor | None = None
+    """[b, U] with gradients: the clipped objective's log ratio in place of `logp - old_logp`
+    (GRPO-Guard's RatioNorm, `rl_core.flow.compute_ratio_guard`); `logp` and `old_logp` still
+    feed the first-replay check."""
+    policy_scale: float = 1.0  # multiplies the micro-batch's policy loss, not its KL (GRPO-Guard: 1 / |dt|)
 
 
 def replay_update(
@@ -79,9 +84,12 @@ def replay_update(
         if tolerance is not None and stats.steps == 0 and r.weight:
             check.add(r.logp.detach(), r.old_logp)
         adv = r.advantages.to(r.logp.device, r.logp.dtype)[:, None].expand_as(r.logp)  # [b, U]
-        policy, metrics = compute_policy_loss("ppo_clip", logp=r.logp, old_logp=r.old_logp.to(r.logp.device), advantages=adv,
+        logp, old = ((r.logp, r.old_logp.to(r.logp.device)) if r.log_ratio is None
+                     else (r.log_ratio, torch.zeros_like(r.log_ratio)))  # [b, U] each: ratio = exp(logp - old)
+        policy, metrics = compute_policy_loss("ppo_clip", logp=logp, old_logp=old, advantages=adv,
                                               mask=torch.ones_like(r.logp), clip_low=clip_range,
                                               clip_high=clip_range, num_valid=num_valid)
+        policy = policy * r.policy_scale
         # summed per sample, then over samples: the order of `rl_core.losses.aggregate("token-mean")`, so the KL
         # term is bit-identical to the policy loss's own reduction of per-unit values
         kl = r.kl.sum(dim=-1).sum() / num_valid if r.kl is not None and kl_beta > 0 else torch.zeros((), device=r.logp.device)
