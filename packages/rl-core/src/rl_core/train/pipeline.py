@@ -251,6 +251,22 @@ class RolloutPipeline:
                 self._cond.wait(timeout=1.0)
             return [self._ready[s] for s in range(after + 1, last + 1)]
 
+    def fresh(self, step: int, sample: Callable[[int], Any]) -> Sampled:
+        """One more rollout round of `step` (dynamic sampling), sampled on the trainer's thread
+        from the trainer's weights, those after step `step - 1` (staleness 0). It first waits
+        for the thread's rollouts of steps `step + 1 .. step + N` (those it may sample before
+        the weights of `step` are out): the recipe's sampler then draws the round's prompts at a
+        fixed place in its sequence, after those steps' and before step `step + N + 1`'s,
+        whatever the timing, so the run stays reproducible and a resume exact."""
+        with self._cond:
+            self._warm = True  # the trainer waits for this round: no first update to keep apart from
+            self._cond.notify_all()
+        self.pending(step)
+        with self.paused():
+            self.channel.load(step - 1, prune=False)
+            value = sample(step)
+        return Sampled(step, step - 1, value)
+
     @contextmanager
     def paused(self) -> Iterator[None]:
         """The thread neither loads weights nor samples inside the block (an evaluation uses
