@@ -245,6 +245,9 @@ def check_config(cfg: Config, world_size: int) -> None:
          "family only; set rollout.workers=0 for model.family='janus'"),
         (m.family == "janus" and t.sharding != "none", f"train.sharding={t.sharding!r} shards the SD3 transformer; "
          "model.family='janus' trains with DDP (FSDP2 for Janus is not done): set train.sharding='none'"),
+        (t.max_staleness > 0 and t.sharding != "none", f"train.max_staleness={t.max_staleness}: asynchronous rollouts "
+         f"of diffusion-grpo need train.sharding='none' (got {t.sharding!r}): its sharded LoRA is not published to a "
+         "rollout copy yet"),
         (m.compile and (m.family != "sd3" or t.sharding != "none"), "model.compile=true compiles the SD3 transformer's "
          f"blocks: it needs model.family='sd3' and train.sharding='none' (got {m.family!r}, {t.sharding!r})"),
         (m.family == "sd3" and int(cfg.sampling.num_steps * t.timestep_fraction) == 0,

@@ -141,7 +141,8 @@ def test_ray_workers_sample_the_scheduled_versions(app, ray_cluster, tmp_path: P
 
 
 def test_a_sharded_policy_is_refused(app, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"train\.max_staleness=1: asynchronous rollouts need train\.sharding=none"):
+    with pytest.raises(ConfigError, match=r"train\.max_staleness=1: asynchronous rollouts of diffusion-grpo need "
+                                          r"train\.sharding='none'"):
         train(app, load_config(app.Config, app.DEFAULT_CONFIG, tiny_overrides(
             tmp_path, "train.max_staleness=1", 'train.sharding="fsdp2"')))
 

@@ -55,18 +55,22 @@ ASYNC = {"train.max_staleness": 1, "train.max_steps": 2, "train.save_freq": 2,
          "algo.rollout_correction": '"token_truncate"'}
 
 
-# `none` is opt-in (nox -s slow), for CI time: `async` runs the same first step, pinned, then a stale one
-@pytest.mark.parametrize("case", [pytest.param("none", marks=pytest.mark.slow), "fsdp2", "async"])
+# `none` is opt-in (nox -s slow), for CI time: `async` runs the same first step, pinned, then a stale one;
+# `fsdp2-async` (~1 min) too: `fsdp2` and `async` each run in the default suite
+@pytest.mark.parametrize("case", [pytest.param("none", marks=pytest.mark.slow), "fsdp2", "async",
+                                  pytest.param("fsdp2-async", marks=pytest.mark.slow)])
 def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path, case: str) -> None:
     """DDP, or FSDP2 (`train.sharding=fsdp2`: weights, gradients and Adam state sharded over the
     2 gloo processes, the rollout decoding from gathered full weights) = 1 unsharded process.
     `async` (`train.max_staleness=1`, DDP): step 2 trains on samples the rollout thread drew from
-    the starting weights while step 1 trained; its first step is the synchronous one."""
-    extra = ASYNC if case == "async" else {}
-    steps = 2 if case == "async" else 1
+    the starting weights while step 1 trained; its first step is the synchronous one.
+    `fsdp2-async`: both; each process's rollout copy is whole, each version all-gathered by the
+    trainer threads of both processes."""
+    extra = ASYNC if "async" in case else {}
+    steps = 2 if "async" in case else 1
     single = app.main(one_step(tmp_path, "one", **extra))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    sharding = "fsdp2" if case == "fsdp2" else "none"
+    sharding = "fsdp2" if case.startswith("fsdp2") else "none"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(APP / "__main__.py"),
            *one_step(tmp_path, "two", **{"train.sharding": f'"{sharding}"', **extra})]
@@ -79,9 +83,9 @@ def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path, ca
     keys = ["reward/mean", "reward/std", "adv/std", "loss/policy", "loss/kl", "grad_norm", "policy/entropy",
             "replay/engine_diff_mean"]
     for a, b in zip(one, two, strict=True):
-        for key in keys + (["rollout/staleness", "policy/is_ratio_mean"] if case == "async" else []):
+        for key in keys + (["rollout/staleness", "policy/is_ratio_mean"] if "async" in case else []):
             assert float(b[key]) == pytest.approx(float(a[key]), abs=2e-5), (key, a[key], b[key])
-    if case == "async":
+    if "async" in case:
         assert [r["rollout/staleness"] for r in one] == ["0.0", "1.0"]
         assert float(one[1]["replay/engine_diff_mean"]) > 1e-4  # step 2's samples are older than its weights
     wa, wb = weights(single, steps), weights(tmp_path / "two", steps)
@@ -92,6 +96,8 @@ def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path, ca
         torch.testing.assert_close(wb[name], wa[name], atol=5e-6, rtol=0, msg=name)
     if case == "fsdp2":
         assert float(two[0]["time/weight_gather"]) > 0
+    if case.startswith("fsdp2"):  # the shards of both processes, through DCP
+        assert (tmp_path / "two" / "checkpoints" / f"checkpoint-{steps}" / "sharded").is_dir()
 
 
 def test_gradient_accumulation_equals_one_micro_batch(tmp_path: Path) -> None:

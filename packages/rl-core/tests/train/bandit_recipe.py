@@ -79,8 +79,26 @@ class State:
     run: RunContext
     policy: torch.nn.Module  # prepared (DDP with several processes)
     optimizer: torch.optim.Optimizer
+    rounds: Rounds
     sampler: torch.nn.Module | None = None  # the rollout thread's copy of the weights (train.max_staleness >= 1)
-    round: tuple[int, int] = (0, -1)  # (step, rollout round of that step): dynamic sampling's extra rounds
+
+
+class Rounds:
+    """The rollout rounds drawn so far per step (dynamic sampling's extra rounds draw anew), in
+    the checkpoint: an asynchronous run's holds round 1 of the steps after it, already drawn."""
+
+    def __init__(self) -> None:
+        self.count: dict[int, int] = {}
+
+    def next(self, step: int) -> int:
+        self.count[step] = self.count.get(step, -1) + 1
+        return self.count[step]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": dict(self.count)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = dict(state["count"])
 
 
 @dataclass(frozen=True)
@@ -103,7 +121,7 @@ class Bandit(Recipe[Config, State, Batch]):
         model = torch.nn.Linear(PROMPTS, cfg.train.answers, bias=False)
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.train.lr)
         policy, optimizer = run.accelerator.prepare(model, optimizer)
-        return State(cfg, run, policy, optimizer)
+        return State(cfg, run, policy, optimizer, Rounds())
 
     def schedule(self, state: State) -> Schedule:
         t = state.cfg.train
@@ -111,7 +129,7 @@ class Bandit(Recipe[Config, State, Batch]):
                         eval_at_end=t.eval_every > 0)
 
     def checkpoint(self, state: State) -> Checkpoint:
-        return Checkpoint(state={}, trained=state.policy)
+        return Checkpoint(state={"rounds": state.rounds}, trained=state.policy)
 
     def rollout(self, state: State, step: int) -> Batch:
         return self._draw(state, step, state.policy)
@@ -128,8 +146,7 @@ class Bandit(Recipe[Config, State, Batch]):
     def _draw(self, state: State, step: int, model: torch.nn.Module) -> Batch:
         t, run = state.cfg.train, state.run
         per_rank = t.batch_size // run.world_size
-        state.round = (step, state.round[1] + 1 if state.round[0] == step else 0)
-        again = (state.round[1],) if state.round[1] else ()  # a dynamic-sampling round draws anew
+        again = (r,) if (r := state.rounds.next(step)) else ()  # a dynamic-sampling round draws anew
         order = torch.randperm(PROMPTS, generator=torch.Generator().manual_seed(sample_seed(t.seed, step, *again)))
         mine = order[run.rank * per_rank:(run.rank + 1) * per_rank].repeat_interleave(t.n)  # [B]
         with torch.no_grad():

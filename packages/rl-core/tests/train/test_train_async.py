@@ -115,10 +115,46 @@ def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path) ->
     torch.testing.assert_close(bandit.weights(tmp_path / "two"), bandit.weights(tmp_path / "one"), atol=1e-7, rtol=0)
 
 
+DYNAMIC = ("train.dynamic_sampling.enable=true", "train.dynamic_sampling.max_rounds=3")
+# Dynamic sampling on the bandit (batch 4 x 4, seed 0, 5 steps, one process, pinned on the 2-core
+# CPU): 4 groups per round, 4 kept, so a step of r rounds drops 4r - 4. Round 1 comes from the
+# rollout thread (the weights of step j - 1 - N), the further rounds from the trainer's weights
+# (staleness 0). Steps 2-4 keep a group of round 1: staleness min(j - 1, N); step 5's round 1 is
+# all uniform (3 rounds, 8 dropped), its batch comes from rounds 2 and 3 alone: staleness 0 and
+# the engine's log-probs are exactly the trainer's. The draws are the synchronous run's (rewards).
+DS_ROUNDS, DS_DROPPED, DS_REWARDS = [2, 2, 2, 2, 3], [4, 4, 4, 4, 8], [0.375, 0.375, 0.3125, 0.5625, 0.3125]
+DS_STALENESS = {1: [0, 1, 1, 1, 0], 2: [0, 1, 2, 2, 0]}
+
+
+def test_dynamic_sampling_rounds_of_an_asynchronous_run_sample_the_trainers_weights(tmp_path: Path) -> None:
+    for n, staleness in DS_STALENESS.items():
+        table = rows(go(tmp_path, f"s{n}", f"train.max_staleness={n}", *DYNAMIC))
+        assert not unknown_metric_names(table[0])
+        assert [float(r["dynamic_sampling/rounds"]) for r in table] == DS_ROUNDS
+        assert [float(r["dynamic_sampling/dropped_groups"]) for r in table] == DS_DROPPED
+        assert [float(r["dynamic_sampling/kept_groups"]) for r in table] == [4.0] * 5
+        assert [float(r["rollout/staleness"]) for r in table] == staleness
+        assert [float(r["reward/mean"]) for r in table] == DS_REWARDS
+        diffs = [float(r["replay/engine_diff_mean"]) for r in table]
+        assert diffs[0] == diffs[4] == 0.0 and min(diffs[1:4]) > 1e-3  # stale rows only where staleness > 0
+
+
+def test_resume_of_an_asynchronous_dynamic_sampling_run_is_bit_identical(tmp_path: Path) -> None:
+    """Checkpoint 2 holds round 1 of step 3 (N = 1), sampled before the weights of step 2; its
+    further rounds are drawn after the resume, from those weights, as in the uninterrupted run."""
+    extra = ("train.max_staleness=1", "train.save_freq=1", "train.keep_last=9", *DYNAMIC)
+    straight = go(tmp_path, "straight", *extra)
+    cut = tmp_path / "cut"
+    shutil.copytree(straight, cut)
+    resumed = go(tmp_path, "cut", *extra, resume=str(cut / "checkpoints" / "checkpoint-2"))
+    keys = ("reward/mean", "loss/policy", "grad_norm", "rollout/staleness", "replay/engine_diff_mean",
+            "dynamic_sampling/rounds", "dynamic_sampling/dropped_groups")
+    for a, b in zip(rows(straight), rows(resumed), strict=True):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    torch.testing.assert_close(bandit.weights(resumed), bandit.weights(straight), atol=0, rtol=0)
+
+
 def test_refused_before_setup(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"max_staleness=1: asynchronous rollouts do not combine with "
-                                          r"train.dynamic_sampling.enable"):
-        go(tmp_path, "ds", "train.max_staleness=1", "train.dynamic_sampling.enable=true")
     with pytest.raises(ConfigError, match=r"max_staleness=1: bandit cannot roll out asynchronously \(its recipe "
                                           r"has no sample or weight_channel hook\)"):
         class Plain(bandit.Bandit):

@@ -31,11 +31,18 @@ of its own, which change only by version (`rl_core.train.WeightChannel`): the tr
 a copy after each step, the rollout thread loads the one its step needs. `hf` then decodes with
 a copy of the model (trainable weights its own, frozen ones shared: a LoRA's base is not
 duplicated); `vllm` stays awake and takes each version as a weight push. `sync` only counts
-optimizer steps then; sessions neither sleep nor offload.
+optimizer steps then; sessions neither sleep nor offload. A sharded policy (`full`, FSDP2)
+publishes whole weights, gathered by every process on the trainer's thread (the rollout thread
+runs no collective): `hf` decodes with a whole copy of the model of its own on every process
+(built from one `FullWeights` gather; its frozen weights too, as the sharded ones cannot be
+shared), each version the trainable parameters all-gathered; `vllm` gets each version from
+`FullWeights`, as a synchronous push does. That whole copy stays for the run, where a
+synchronous run fills `FullWeights` for each session only: budget the model once more per GPU.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -100,16 +107,19 @@ class PolicyEngine:
         whole model live there, the trainer keeps its GPU."""
         if self.channel is not None:
             return self.channel
-        if self.full is not None:
-            raise ValueError("asynchronous rollouts need an unsharded policy (train.sharding=none)")
         from rl_models.logprobs import unwrap_peft
 
         trained = unwrap_peft(self.trained)
         if self.kind == "hf":
             if self.rebuild is None:
                 raise ValueError("this hf policy engine cannot be rebuilt over a copy of the model")
-            where = torch.device(device) if device is not None else next(trained.parameters()).device
-            twin = copy_sharing_frozen(trained, where)
+            if self.full is not None:  # sharded: a whole copy of its own, from one gather on every process
+                where = torch.device(device) if device is not None else next(self.full.model.parameters()).device
+                with self.full.gathered() as whole:
+                    twin = copy.deepcopy(unwrap_peft(whole)).to(where).requires_grad_(False).eval()
+            else:
+                where = torch.device(device) if device is not None else next(trained.parameters()).device
+                twin = copy_sharing_frozen(trained, where)
             self.engine, self.shares_weights = self.rebuild(twin, where), False
             self.channel = _EngineChannel(self, CopyChannel(trained, twin))
         else:
@@ -117,7 +127,7 @@ class PolicyEngine:
                 raise ValueError("a vLLM policy engine runs on the trainer's GPU (colocated); a rollout GPU of its "
                                  "own needs rollout.engine=hf")
             self.engine.wake()  # awake for the whole run: the rollout thread samples while the trainer updates
-            self.channel = _EngineChannel(self, _PushChannel(self.engine, trained))
+            self.channel = _EngineChannel(self, _PushChannel(self.engine, trained, self.full))
         return self.channel
 
     @contextmanager
@@ -182,18 +192,19 @@ class PolicyEngine:
 
 class _PushChannel:
     """vLLM's side of a `WeightChannel`: each version a copy of the merged weights
-    (`rl_models.lora.merged_named_weights`, on the trainer's device), pushed into the awake
-    engine by `load`."""
+    (`rl_models.lora.merged_named_weights`, on the trainer's device; a sharded policy's gathered
+    by `full` on every process), pushed into the awake engine by `load`."""
 
-    def __init__(self, engine: Engine, trained: torch.nn.Module) -> None:
-        self.engine, self.trained = engine, trained
+    def __init__(self, engine: Engine, trained: torch.nn.Module, full: FullWeights | None = None) -> None:
+        self.engine, self.trained, self.full = engine, trained, full
         self.versions: dict[int, list[tuple[str, torch.Tensor]]] = {}
         self._lock = threading.Lock()
 
     def publish(self, version: int) -> None:
         from rl_models.lora import merged_named_weights
 
-        weights = [(name, t.detach().clone()) for name, t in merged_named_weights(self.trained)]
+        with gathered(self.full, self.trained) as model:  # the copies outlive the gather
+            weights = [(name, t.detach().clone()) for name, t in merged_named_weights(model)]
         finish_copies(t for _, t in weights)
         with self._lock:
             self.versions[version] = weights

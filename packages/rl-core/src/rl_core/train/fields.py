@@ -76,8 +76,10 @@ class RunFields(ShardingFields, kw_only=True, frozen=True):
     thread samples up to N steps ahead while the trainer updates, so step j trains on rollouts
     from the weights of step j - 1 - N (`rollout/staleness`); choose 1 when rollout and update
     take similar time, and correct the gap with `algo.rollout_correction` (e.g.
-    `token_truncate`). Needs a recipe with the `sample`/`prepare`/`weight_channel` hooks; not
-    with dynamic sampling or fsdp2 sharding yet. A resume needs the same process count."""
+    `token_truncate`). Needs a recipe with the `sample`/`prepare`/`weight_channel` hooks. With
+    dynamic sampling the further rounds sample the trainer's current weights (staleness 0); with
+    fsdp2 every process gathers each version whole for its rollout copy (the model once more per
+    GPU). A resume needs the same process count."""
     max_nonfinite_steps: Positive = 3
     """Consecutive optimizer steps with a non-finite loss or gradient (each skipped, weights
     untouched) after which the run stops with an error."""

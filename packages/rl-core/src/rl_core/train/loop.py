@@ -115,19 +115,11 @@ PIPELINE = "pipeline"  # the checkpoint folder of an asynchronous run's rollouts
 
 
 def _check_asynchronous(recipe: Recipe[Any, Any, Any], t: Any) -> None:
-    """`train.max_staleness >= 1` needs the recipe's asynchronous hooks, and (for now) neither
-    dynamic sampling nor a sharded policy (its weight gather is a collective)."""
-    key = f"train.max_staleness={t.max_staleness}"
+    """`train.max_staleness >= 1` needs the recipe's asynchronous hooks."""
     missing = [h for h in ("sample", "weight_channel") if getattr(type(recipe), h) is getattr(Recipe, h)]
     if missing:
-        raise ConfigError(f"{key}: {recipe.name} cannot roll out asynchronously (its recipe has no "
-                          f"{' or '.join(missing)} hook); set it to 0")
-    if t.dynamic_sampling.enable:
-        raise ConfigError(f"{key}: asynchronous rollouts do not combine with train.dynamic_sampling.enable yet; "
-                          "set one of them off")
-    if t.sharding != "none":
-        raise ConfigError(f"{key}: asynchronous rollouts need train.sharding=none for now (a sharded policy "
-                          "gathers its weights with every process)")
+        raise ConfigError(f"train.max_staleness={t.max_staleness}: {recipe.name} cannot roll out asynchronously (its "
+                          f"recipe has no {' or '.join(missing)} hook); set it to 0")
 
 
 def _accelerator(sharding: Any, cpu_offload: bool) -> Any:
@@ -311,24 +303,38 @@ class _Loop(Generic[C, S, B]):
         if acc.is_main_process:
             plot_reward_curve(self.run.run_dir, title=f"{self.recipe.name}: {self.run.run_dir.name}")
 
-    def _rollout(self, step: int) -> tuple[B, dict[str, float]]:
+    def _rollout(self, step: int) -> tuple[B, dict[str, float], int | None]:
         """The step's batch: rolled out now (synchronous), or from the rollout thread or a
-        resumed checkpoint, then prepared on this thread (asynchronous)."""
+        resumed checkpoint, then prepared on this thread (asynchronous); and the step whose
+        weights sampled it (None: the trainer's own, synchronous)."""
         recipe, state = self.recipe, self.state
         sampled = self.pending.pop(step, None)
         if sampled is None and self.pipeline is None:
             with self.timer("rollout"):
-                return recipe.rollout(state, step), {}
+                return recipe.rollout(state, step), {}, None
         if sampled is None:
             with self.timer("rollout_wait"):
                 sampled = self.pipeline.get(step)  # type: ignore[union-attr]
         with self.timer("prepare"):
             batch = recipe.prepare(state, step, sampled.value)
-        return batch, {**sampled.times, "rollout/staleness": float(step - 1 - sampled.version)}
+        return batch, {**sampled.times, "rollout/staleness": float(step - 1 - sampled.version)}, sampled.version
+
+    def _extra_round(self, step: int) -> tuple[B, int]:
+        """Dynamic sampling's next round of `step` and the step whose weights sampled it (always
+        `step - 1`, the trainer's): rolled out now (synchronous), or (asynchronous) sampled on
+        this thread (`RolloutPipeline.fresh`) and prepared."""
+        recipe, state = self.recipe, self.state
+        if self.pipeline is None:
+            with self.timer("rollout"):
+                return recipe.rollout(state, step), step - 1
+        with self.timer("rollout"):
+            sampled = self.pipeline.fresh(step, lambda s: recipe.sample(state, s))
+        with self.timer("prepare"):
+            return recipe.prepare(state, step, sampled.value), sampled.version
 
     def _step(self, step: int) -> dict[str, Any]:
         recipe, state, timer = self.recipe, self.state, self.timer
-        batch, sampled = self._rollout(step)
+        batch, sampled, version = self._rollout(step)
         with timer("reward"):
             scores = recipe.score(state, step, batch)
         if isinstance(scores, Skip):
@@ -336,7 +342,9 @@ class _Loop(Generic[C, S, B]):
             return {"skipped": 1, "error": scores.reason[:300], **sampled}
         generated, extra = float(scores.rewards.shape[0]), dict[str, float]()
         if self.fields.dynamic_sampling.enable:
-            batch, scores, generated, extra = self._dynamic_sampling(step, batch, scores)
+            batch, scores, generated, extra = self._dynamic_sampling(step, batch, scores, version)
+            if version is not None:  # asynchronous: the oldest rollout trained on, of any process
+                sampled["rollout/staleness"] = extra.pop("rollout/staleness")
         with timer("advantages"):
             adv = group_advantages(scores.estimator, scores.rewards, scores.group_ids, accelerator=self.acc,
                                    mask=scores.mask, options=scores.options, **_objectives(scores))
@@ -347,18 +355,22 @@ class _Loop(Generic[C, S, B]):
         return {"skipped": 0, **sampled, **adv.metrics, **components, **scores.metrics, **extra, **update,
                 "samples": samples}
 
-    def _dynamic_sampling(self, step: int, batch: B, scores: Scores) -> tuple[B, Scores, float, dict[str, float]]:
+    def _dynamic_sampling(self, step: int, batch: B, scores: Scores,
+                          version: int | None) -> tuple[B, Scores, float, dict[str, float]]:
         """DAPO's dynamic sampling (`rl_core.train.dynamic_sampling`): more rounds until every
-        process holds as many informative groups as it rolled out, or `max_rounds` ran."""
+        process holds as many informative groups as it rolled out, or `max_rounds` ran. In an
+        asynchronous run round 1 is the rollout thread's (the weights of step `version`) and
+        the further rounds sample the trainer's weights (`_extra_round`); the metrics then hold
+        `rollout/staleness`, the age of the oldest round any process kept a group of."""
         ds, acc, recipe = self.fields.dynamic_sampling, self.acc, self.recipe
         groups = GroupFilter(ds.metric)
         batches, rounds = [batch], [scores]
+        versions = [step - 1 if version is None else version]  # the step whose weights sampled each round
         groups.add(0, scores)
         _check_metric(ds.metric, scores, acc)
         while len(rounds) < ds.max_rounds and acc.reduce(torch.tensor(float(groups.short), device=acc.device),
                                                           "sum").item() > 0:
-            with self.timer("rollout"):
-                more = recipe.rollout(self.state, step)
+            more, more_version = self._extra_round(step)
             with self.timer("reward"):
                 scored = recipe.score(self.state, step, more)
             if isinstance(scored, Skip):  # agreed over processes: train on what the earlier rounds gave
@@ -367,12 +379,17 @@ class _Loop(Generic[C, S, B]):
                 break
             batches.append(more)
             rounds.append(scored)
+            versions.append(more_version)
             groups.add(len(rounds) - 1, scored)
         chosen, _ = groups.selection()
         merged = recipe.merge(self.state, [(batches[r], rows) for r, rows in chosen])
         merged_scores = merge_scores([(rounds[r], rows) for r, rows in chosen], rounds,
                                      group_offset=acc.process_index * 1_000_000)
-        return merged, merged_scores, float(sum(s.rewards.shape[0] for s in rounds)), groups.metrics(len(rounds), acc)
+        metrics = groups.metrics(len(rounds), acc)
+        if version is not None:
+            oldest = max((step - 1 - versions[r] for r, _ in chosen), default=0)
+            metrics["rollout/staleness"] = acc.reduce(torch.tensor(float(oldest), device=acc.device), "max").item()
+        return merged, merged_scores, float(sum(s.rewards.shape[0] for s in rounds)), metrics
 
     def _eval_due(self, step: int) -> bool:
         s = self.schedule

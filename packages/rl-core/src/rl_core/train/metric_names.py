@@ -76,7 +76,7 @@ METRIC_NAMES: dict[str, str] = {
     "nft/old_decay": "DiffusionNFT: the share of the old policy kept when it moved towards the trained one after the step",
     # rollouts
     "rollout/weight_version": "optimizer steps in the weights the step's rollouts were sampled with",
-    "rollout/staleness": "asynchronous runs: steps between the weights that sampled the step's rollouts and the trainer's (at most train.max_staleness)",
+    "rollout/staleness": "asynchronous runs: steps between the weights that sampled the step's rollouts and the trainer's (at most train.max_staleness; with dynamic sampling the oldest kept round's, further rounds being 0)",
     "rollout/dropped_long": "prompts dropped for exceeding the prompt length limit",
     "response/length_mean": "mean completion length (tokens)",
     "response/length_max": "longest completion (tokens)",

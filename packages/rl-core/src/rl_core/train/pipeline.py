@@ -69,7 +69,13 @@ class CopyChannel:
     with (the same parameter names): `publish` keeps a copy of the trainable parameters on
     `store` (default: where each parameter is; N + 1 copies live at most, for N =
     max_staleness; pass "cpu" where device memory is short), `load` copies one into `rollout`. Frozen parameters (a LoRA's base) are shared, never copied: build
-    `rollout` with `copy_sharing_frozen`."""
+    `rollout` with `copy_sharing_frozen`.
+
+    A sharded `trained` (FSDP2: DTensor parameters) publishes whole weights: each trainable
+    parameter all-gathered (`full_tensor`, a collective: every process publishes each version,
+    as the loop does) into the rollout copy's dtype (bf16 rollout weights from fp32 master
+    weights); `rollout` is then a whole copy of its own (`rl_rollout.policy` builds it from
+    `FullWeights`)."""
 
     def __init__(self, trained: torch.nn.Module, rollout: torch.nn.Module, *,
                  store: str | torch.device | None = None) -> None:
@@ -78,10 +84,14 @@ class CopyChannel:
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.loaded: int | None = None
         self._lock = threading.Lock()
+        self._dtypes = {name: p.dtype for name, p in rollout.named_parameters()}
 
     def publish(self, version: int) -> None:
+        from torch.distributed.tensor import DTensor
+
         with torch.no_grad():
-            copy = {name: p.detach().to(self.store or p.device, copy=True)
+            copy = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().to(  # [*shape] whole
+                        self.store or p.device, self._dtypes[name], copy=True)
                     for name, p in self.trained.named_parameters() if p.requires_grad}
         finish_copies(copy.values())
         with self._lock:
@@ -250,6 +260,22 @@ class RolloutPipeline:
                 self._raise_if_failed()
                 self._cond.wait(timeout=1.0)
             return [self._ready[s] for s in range(after + 1, last + 1)]
+
+    def fresh(self, step: int, sample: Callable[[int], Any]) -> Sampled:
+        """One more rollout round of `step` (dynamic sampling), sampled on the trainer's thread
+        from the trainer's weights, those after step `step - 1` (staleness 0). It first waits
+        for the thread's rollouts of steps `step + 1 .. step + N` (those it may sample before
+        the weights of `step` are out): the recipe's sampler then draws the round's prompts at a
+        fixed place in its sequence, after those steps' and before step `step + N + 1`'s,
+        whatever the timing, so the run stays reproducible and a resume exact."""
+        with self._cond:
+            self._warm = True  # the trainer waits for this round: no first update to keep apart from
+            self._cond.notify_all()
+        self.pending(step)
+        with self.paused():
+            self.channel.load(step - 1, prune=False)
+            value = sample(step)
+        return Sampled(step, step - 1, value)
 
     @contextmanager
     def paused(self) -> Iterator[None]:
