@@ -25,6 +25,13 @@ CapRL qa requests of `--captions-per-request` captions x 8 questions.
     python benchmarks/reward_server.py --gpu --model /models/Qwen3-4B-Instruct-2507
     python benchmarks/reward_server.py --backend ray-serve --replicas 1,2 --smoke      # CPU rules
     python benchmarks/reward_server.py --backend ray-serve --gpu --model /models/Qwen3-4B-Instruct-2507
+    python benchmarks/reward_server.py --backend judge-batching --smoke                  # tiny judge, CPU
+    python benchmarks/reward_server.py --backend judge-batching --gpu --model /models/Qwen3-4B-Instruct-2507
+
+Judge batching part (`--backend judge-batching`): one judge replica (caption_qa exact; the tiny
+random Qwen3 of `rl_models.tiny` on the CPU by default, `--gpu --model PATH` on one GPU) under
+Ray Serve, `--clients` clients each sending single samples: `@serve.batch` with max_batch_size
+`--batch-size` vs max_batch_size 1 (batching off).
 """
 
 from __future__ import annotations
@@ -347,7 +354,7 @@ def ray_serve_benchmark(replicas: list[int], clients: int, seconds: float, model
         base_args = ["--model", model, "--judge-option", "estimator=exact", "--task", "video", "--max-wait-ms", "5"]
         # served: the judge and the video format reward (a configured reward keeps the default rules out)
         toml, cpus = '[rewards.timestamp_format.components.format]\nscorer = "timestamp_format"\n', 1.0
-    rows = []
+    rows, single = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for n in replicas:
             figures = {}
@@ -361,7 +368,9 @@ def ray_serve_benchmark(replicas: list[int], clients: int, seconds: float, model
                         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n))
                 else:
                     gpus = "\nnum_gpus = 1" if model is not None else ""
+                    ingress = n if model is None else 1  # rules: an ingress replica parses as fast as a replica scores
                     config.write_text(f"{toml}\n[ray_serve]\nnum_cpus = {cpus}\nbatch_wait_ms = 5\n"
+                                      f"ingress_replicas = {ingress}\n"
                                       f"[ray_serve.rewards.{reward}]\nnum_replicas = {n}{gpus}\n")
                     args = [*base_args, "--config", str(config), "--backend", "ray-serve", "--log-level", "warning"]
                 label = f"{backend} x{n}"
@@ -373,6 +382,8 @@ def ray_serve_benchmark(replicas: list[int], clients: int, seconds: float, model
                     if expected is not None:
                         got = [r["score"] for r in first.json()["results"]]
                         assert all(math.isclose(a, b) for a, b in zip(got, expected, strict=True)), f"{label}: wrong rewards"
+                    if backend == "ray-serve":
+                        time.sleep(HAPROXY_SETTLE_S)
                     figures[backend] = load(server.url, path, body, seconds, clients, per_request)
                 progress(f"{label}: {figures[backend][0]:.0f} samples/s, p50 {figures[backend][1]:.1f} ms, "
                          f"p99 {figures[backend][2]:.1f} ms")
@@ -380,9 +391,72 @@ def ray_serve_benchmark(replicas: list[int], clients: int, seconds: float, model
             for backend, name in (("workers", f"rl-rewards serve --workers {n}"),
                                   ("ray-serve", f"rl-rewards serve --backend ray-serve, {n} replica(s)")):
                 rate, p50, p99 = figures[backend]
+                first_n, first_rate = single.setdefault(backend, (n, rate))  # the smallest count's row
                 rows.append([name, n, f"{rate:.1f}" if model else f"{rate:.0f}", f"{p50:.1f}", f"{p99:.1f}",
-                             f"{rate / base:.2f}x"])
+                             f"{rate / (n / first_n * first_rate):.2f}", f"{rate / base:.2f}x"])
     return rows
+
+
+JUDGE_QUESTIONS = 4
+HAPROXY_SETTLE_S = 5.0
+"""After a Ray Serve server answers: HAProxy reloads its config as the deployments settle, and a
+reload closes the keep-alive connections open then (the load generator does not reconnect)."""
+
+
+def judge_batching_benchmark(model: str, gpu: bool, clients: int, seconds: float,
+                             batch_size: int) -> list[list[object]]:
+    """One judge replica under Ray Serve, `clients` concurrent clients each sending one sample
+    (a caption and its questions) a request: `@serve.batch` batching (`max_batch_size`
+    `batch_size`) vs batching off (`max_batch_size = 1`: the replica scores one call at a time)."""
+    import httpx
+
+    from rl_rewards.server.process import ServerProcess
+
+    qa = [[f"Question {j}?\n   - A) red\n   - B) blue\n   - C) green\n   - D) none", "A"] for j in range(JUDGE_QUESTIONS)]
+    caption = make_captions(1)[0]
+    body = json.dumps({"reward": "caption_qa", "samples": [{"completion": caption, "reference": qa}]}).encode()
+    device = [] if gpu else ["--judge-option", 'engine_options={"device": "cpu"}']
+    args = ["--model", model, "--judge-option", "estimator=exact", *device, "--task", "video",
+            "--backend", "ray-serve", "--log-level", "warning"]
+    toml = '[rewards.timestamp_format.components.format]\nscorer = "timestamp_format"\n'
+    resources = "num_gpus = 1" if gpu else "num_cpus = 1"
+    figures = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in (batch_size, 1):
+            config = Path(tmp) / f"judge-{size}.toml"
+            config.write_text(f"{toml}\n[ray_serve]\nnum_cpus = 0.1\n[ray_serve.rewards.caption_qa]\n{resources}\n"
+                              f"max_batch_size = {size}\nbatch_wait_ms = {5 if size > 1 else 0}\n"
+                              # both hold every client's call: with 1, Ray Serve's router keeps the rest and
+                              # retries them with backoff, and the replica idles between calls
+                              f"max_ongoing_requests = {batch_size}\n")
+            progress(f"judge, max_batch_size {size}: starting")
+            with ServerProcess([*args, "--config", str(config)], env={"OMP_NUM_THREADS": "1"}, ready_timeout=900,
+                               log_path=Path(tmp) / f"judge-{size}.log") as server:
+                first = httpx.post(f"{server.url}/v1/score", content=body, timeout=900)
+                first.raise_for_status()
+                assert first.json()["results"][0]["error"] is None, first.text
+                time.sleep(HAPROXY_SETTLE_S)
+                figures[size] = load(server.url, "/v1/score", body, seconds, clients, 1)
+                batches = metric_sum(server.url, "rl_rewards_batch_size", "caption_qa")
+            progress(f"judge, max_batch_size {size}: {figures[size][0]:.1f} samples/s, p50 {figures[size][1]:.0f} ms, "
+                     f"mean batch {batches:.1f}")
+            figures[size] = (*figures[size], batches)
+    base = figures[1][0]
+    return [[f"1 judge replica, max_batch_size {size}" + (" (batching off)" if size == 1 else ""), size,
+             f"{figures[size][0]:.1f}", f"{figures[size][1]:.0f}", f"{figures[size][2]:.0f}", f"{figures[size][3]:.1f}",
+             f"{figures[size][0] / base:.2f}x"] for size in (1, batch_size)]
+
+
+def metric_sum(url: str, histogram: str, reward: str) -> float:
+    """Mean of a histogram of the server's /metrics for one reward (_sum / _count)."""
+    import httpx
+
+    values = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        for part in ("_sum", "_count"):
+            if line.startswith(f'{histogram}{part}{{reward="{reward}"}}'):
+                values[part] = float(line.rsplit(" ", 1)[1])
+    return values["_sum"] / values["_count"] if values.get("_count") else 0.0
 
 
 def _fast_http() -> str:
@@ -400,8 +474,10 @@ def main() -> None:
     parser.add_argument("--model", help="judge checkpoint for --gpu")
     parser.add_argument("--captions", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--backend", choices=["uvicorn", "ray-serve"], default="uvicorn",
-                        help="ray-serve: Ray Serve replicas vs --workers, for each of --replicas")
+    parser.add_argument("--backend", choices=["uvicorn", "ray-serve", "judge-batching"], default="uvicorn",
+                        help="ray-serve: Ray Serve replicas vs --workers, for each of --replicas; judge-batching: "
+                             "a judge replica with @serve.batch vs max_batch_size 1 (--model, default tiny:qwen3)")
+    parser.add_argument("--batch-size", type=int, default=64, help="judge-batching: max_batch_size when batching")
     parser.add_argument("--replicas", default="1,2,4,8", help="replica/worker counts for --backend ray-serve")
     parser.add_argument("--clients", type=int, default=64, help="concurrent clients for --backend ray-serve")
     parser.add_argument("--captions-per-request", type=int, default=None,
@@ -413,7 +489,7 @@ def main() -> None:
     if args.role:
         serve_role(args.role, args.port, args.worker_url)
         return
-    if args.gpu and not args.model:
+    if args.gpu and not args.model and args.backend != "judge-batching":
         parser.error("--gpu needs --model PATH (the judge checkpoint)")
     if args.backend == "ray-serve":
         replicas = [int(n) for n in args.replicas.split(",")]
@@ -421,13 +497,28 @@ def main() -> None:
         seconds = 3.0 if args.smoke else args.seconds
         rows = ray_serve_benchmark(replicas, args.clients, seconds, args.model if args.gpu else None, per_request)
         unit = "captions/s" if args.gpu else "samples/s"
-        header = ["setup", "replicas/workers", unit, "p50 ms", "p99 ms", "vs --workers N"]
+        header = ["setup", "replicas/workers", unit, "p50 ms", "p99 ms", "scaling efficiency", "vs --workers N"]
         what = (f"caption_qa exact (one GPU per worker/replica), CapRL qa requests of {per_request} captions x 8 questions"
                 if args.gpu else f"rules (format + length), {per_request} captions/request")
         title = f"Reward server: Ray Serve replicas vs worker processes, {what}, {args.clients} clients"
         notes = (f"{seconds:.0f} s per setup after 1 s warm-up; the multi-process server (`--workers N`) and the Ray "
-                 f"Serve backend (N replicas of the reward, a local Ray each) in the same run, on this machine's "
-                 f"{os.cpu_count()} cores; the ratio is against --workers N.")
+                 f"Serve backend (N replicas of the reward, a local Ray each, Ray Serve's HAProxy mode"
+                 f"{', N ingress replicas' if not args.gpu else ''}) in the same run, on this machine's "
+                 f"{os.cpu_count()} cores. Scaling efficiency: samples/s / (N / N0 x samples/s at the smallest "
+                 f"count N0 = {replicas[0]}) of the same backend (goal for Ray Serve: >= 0.85 at 8); the ratio is "
+                 "against --workers N.")
+    elif args.backend == "judge-batching":
+        model = args.model or "tiny:qwen3"
+        seconds = 3.0 if args.smoke else args.seconds
+        rows = judge_batching_benchmark(model, args.gpu, args.clients, seconds, args.batch_size)
+        header = ["setup", "max_batch_size", "samples/s", "p50 ms", "p99 ms", "mean batch", "vs batching off"]
+        where = "one GPU" if args.gpu else "the CPU (1 logical CPU, OMP_NUM_THREADS=1)"
+        title = (f"Reward server: Ray Serve dynamic batching of a judge ({model} on {where}), "
+                 f"{args.clients} clients x 1 sample")
+        notes = (f"caption_qa exact, {JUDGE_QUESTIONS} questions per caption, one sample per request (`/v1/score`), "
+                 f"{seconds:.0f} s per setup after 1 s warm-up; one judge replica, `[ray_serve.rewards.caption_qa]` "
+                 f"max_batch_size {args.batch_size} (batch_wait_ms 5) vs 1 (batch_wait_ms 0), both max_ongoing_requests "
+                 f"{args.batch_size}, each in its own local Ray; mean batch from `rl_rewards_batch_size`. Goal: batching >= 4x batching off.")
     elif args.gpu:
         n = 8 if args.smoke else args.captions
         rows = gpu_benchmark(args.model, n, 8, 1 if args.smoke else args.rounds)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import warnings
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
@@ -33,19 +35,34 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[str]:
     # be importable on each node.
     pythonpath = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
     environ = {**RAY_TEST_ENV, "PYTHONPATH": pythonpath}
-    saved = {key: os.environ.get(key) for key in environ}
-    os.environ.update(environ)
+    serve_env = {}
+    if importlib.util.find_spec("ray.serve") is not None:  # Ray Serve in the mode a local `--backend ray-serve` runs in
+        with warnings.catch_warnings():  # Ray Serve 2.60 declares its pydantic fields the pre-2.0 way
+            warnings.filterwarnings("ignore", "Using extra keyword arguments on `Field`", DeprecationWarning)
+            from rl_rewards.server.ray_serve import throughput_env
+
+        serve_env = throughput_env()
+    saved = {key: os.environ.get(key) for key in {**environ, **serve_env}}
+    os.environ.update({**environ, **serve_env})
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # the cluster's processes took them as it started; a server starting a Ray of its own picks
+    # its own HAProxy ports (these would be taken)
+    for key in serve_env:
+        _restore(key, saved[key])
     # its users' module fixtures (a server joined to it) stop after their module's last test
     modules = {item.path for item in request.session.items if "ray_cluster" in item.fixturenames}
     _ray_last_item[:] = [item.nodeid for item in request.session.items if item.path in modules][-1:]
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()  # a no-op once stopped after its last test
     for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key)
-        else:
-            os.environ[key] = value
+        _restore(key, value)
+
+
+def _restore(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
 
 
 @pytest.hookimpl(wrapper=True)

@@ -116,7 +116,7 @@ class PolicyEngine:
             if self.full is not None:  # sharded: a whole copy of its own, from one gather on every process
                 where = torch.device(device) if device is not None else next(self.full.model.parameters()).device
                 with self.full.gathered() as whole:
-                    twin = copy.deepcopy(unwrap_peft(whole)).to(where).requires_grad_(False).eval()
+                    twin = cast(torch.nn.Module, copy.deepcopy(unwrap_peft(whole))).to(where).requires_grad_(False).eval()
             else:
                 where = torch.device(device) if device is not None else next(trained.parameters()).device
                 twin = copy_sharing_frozen(trained, where)

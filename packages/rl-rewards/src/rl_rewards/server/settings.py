@@ -101,14 +101,21 @@ class DeploymentSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unkno
 
 class RayServeSettings(DeploymentSettings, kw_only=True, frozen=True):
     """`[ray_serve]`: the deployment settings of every reward, and `[ray_serve.rewards.NAME]`
-    tables that change some of them for one reward (e.g. `num_gpus = 1` for the judge only)."""
+    tables that change some of them for one reward (e.g. `num_gpus = 1` for the judge only).
+
+    `ingress_replicas`: replicas of the ingress (routes, auth, limits, JSON), each taking a share
+    of the connections. One ingress replica parses about as many samples per second as one rule
+    replica scores, so rules scale past 2 replicas only with more of them; a judge needs one.
+    With more than one, `/metrics` and the connection limit are per ingress replica (a scrape
+    reads the replica that answered it)."""
 
     rewards: dict[str, dict[str, Any]] = {}
+    ingress_replicas: int = 1
 
     def deployment(self, name: str) -> DeploymentSettings:
         """The settings of reward `name`'s deployment: `[ray_serve]`, then its own table.
         ValueError naming the table and the bad key or value."""
-        shared = {k: v for k, v in msgspec.structs.asdict(self).items() if k != "rewards"}
+        shared = {k: v for k, v in msgspec.structs.asdict(self).items() if k not in ("rewards", "ingress_replicas")}
         try:
             merged = msgspec.convert({**shared, **self.rewards.get(name, {})}, DeploymentSettings)
         except msgspec.ValidationError as e:
