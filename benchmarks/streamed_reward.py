@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import os
 import statistics
 import sys
@@ -31,6 +30,7 @@ sys.path.insert(0, str(APP))
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results import append_results  # noqa: E402
+from benchmarks.rider_grm import load_app  # noqa: E402
 from rl_rewards.server.process import ServerProcess  # noqa: E402
 
 SPEC = "slow"
@@ -42,13 +42,6 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return len(solution_str) % 7 / 7
 """
 
-
-def load_app():
-    spec = importlib.util.spec_from_file_location("rider_grm_app", APP / "__main__.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["rider_grm_app"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def run(app, out: Path, url: str, stream: bool, args: argparse.Namespace) -> dict[str, list[float]]:
