@@ -197,25 +197,31 @@ class SD3(Family):
     def replays(self, samples: Sequence[ImageSamples], adv: Sequence[torch.Tensor], plan: list[list[Micro]]) -> Replays:
         """Every (micro-batch, trained step) pair is one forward and backward, every (sample, step)
         one unit: Flow-GRPO trains the stochastic steps k < int(num_steps x train.timestep_fraction),
-        each sampled batch its own (a random or sliding SDE window differs between batches)."""
+        each sampled batch its own (a random or sliding SDE window differs between batches). The
+        plan's rows of an optimizer step are replayed in forwards of `train.micro_batch_size` rows
+        across sampled batches of one schedule (`pack_rows`): Flow-GRPO's shuffled batches mix
+        sampled batches, and a forward per sampled batch would run ragged, smaller forwards, each
+        new size a new graph of the compiled blocks (a recompile in every epoch)."""
         trajectories, t = cast(Sequence[Trajectory], samples), self.cfg.train
         steps = [[k for k in range(max(1, int(traj.num_steps * t.timestep_fraction))) if bool(traj.sde_steps[k])]
                  for traj in trajectories]
+        sources, advs, packed = pack_rows(trajectories, adv, steps, plan, t.micro_batch_size)
 
         def replay(micro: tuple[int, torch.Tensor, float, int]) -> Replay:
             k, rows, weight, step = micro
-            out = self.engine.replay(trajectories[k], step, rows=rows, model=self.model)
+            traj = sources[k][0]
+            out = self.engine.replay(traj, step, rows=rows, model=self.model)
             kl = None
             if t.kl_beta > 0:
                 with torch.no_grad(), self.peft.disable_adapter():
-                    ref = self.engine.replay(trajectories[k], step, rows=rows, model=self.peft)
+                    ref = self.engine.replay(traj, step, rows=rows, model=self.peft)
                 kl = flow_kl(out.mean, ref.mean, out.std)[:, None]  # [b, 1]
-            old = trajectories[k].log_probs[rows, step][:, None]  # [b, 1]
+            old = traj.log_probs[rows, step][:, None]  # [b, 1]
             if not t.ratio_norm:
-                return Replay(out.log_prob[:, None], old, adv[k][rows], weight, kl=kl)
-            return Replay(out.log_prob[:, None], old, adv[k][rows], weight, kl=kl, **guarded(trajectories[k], step, rows, out))
+                return Replay(out.log_prob[:, None], old, advs[k][rows], weight, kl=kl)
+            return Replay(out.log_prob[:, None], old, advs[k][rows], weight, kl=kl, **guarded(traj, step, rows, out))
 
-        window = [[(k, rows, weight, step) for k, rows, weight in micro for step in steps[k]] for micro in plan]
+        window = [[(k, rows, weight, step) for k, rows, weight in micro for step in sources[k][1]] for micro in packed]
         return Replays(window, replay, units=lambda m: float(len(m[1])) * m[2],
                        filler=(0, torch.tensor([0]), 0.0, steps[0][0]), tolerance=t.ratio_tolerance, steps=steps)
 
@@ -391,6 +397,67 @@ def engine_over(engine: DiffusionEngine, transformer: torch.nn.Module) -> Diffus
     return DiffusionEngine(type(pipeline)(**parts), device=engine.device, compile=engine.compile,
                            cuda_graphs=engine.cuda_graphs, attention_backend=engine.attention_backend,
                            overlap_decode=engine.overlap_decode)
+
+
+def pack_rows(trajectories: Sequence[Trajectory], adv: Sequence[torch.Tensor], steps: Sequence[Sequence[int]],
+              plan: list[list[Micro]], size: int) -> tuple[list[tuple[Trajectory, Sequence[int]]],
+                                                          list[torch.Tensor], list[list[Micro]]]:
+    """`plan` with each optimizer step's rows regrouped into micro-batches of at most `size` rows
+    that may span sampled batches: the rows of one weight and one schedule (the same trained
+    `steps`, sigmas, guidance, noise level and sampler), in plan order, cut every `size` rows.
+    Returns the replayed sources, (trajectory, its trained steps) each (the sampled batches,
+    then one joined batch per micro-batch that spans several), their advantages `[b]` and the
+    plan over them. The loss is unchanged (a micro-batch's loss is its units' sum over the step's
+    unit count); only rounding differs. Filler micro-batches (weight 0) are kept as they are."""
+    sources = [(traj, s) for traj, s in zip(trajectories, steps, strict=True)]
+    advs = list(adv)
+
+    def schedule(k: int) -> int:  # the first sampled batch replayed alike
+        return next(j for j in range(k + 1) if same_schedule(trajectories[j], trajectories[k], steps[j], steps[k]))
+
+    packed = []
+    for micro_batches in plan:
+        groups: dict[tuple[float, int], list[tuple[int, int]]] = {}
+        kept: list[Micro] = []
+        for k, rows, weight in micro_batches:
+            if not weight:
+                kept.append((k, rows, weight))
+                continue
+            groups.setdefault((weight, schedule(k)), []).extend((k, int(r)) for r in rows)
+        for (weight, _), pairs in groups.items():
+            for start in range(0, len(pairs), size):
+                chunk = pairs[start:start + size]
+                ks = list(dict.fromkeys(k for k, _ in chunk))
+                parts = [(k, torch.tensor([r for j, r in chunk if j == k])) for k in ks]  # [b_k] rows each
+                if len(parts) == 1:
+                    kept.append((parts[0][0], parts[0][1], weight))
+                    continue
+                sources.append((join_rows([(trajectories[k], rows) for k, rows in parts]), steps[ks[0]]))
+                advs.append(torch.cat([adv[k][rows.to(adv[k].device)] for k, rows in parts]))  # [b]
+                kept.append((len(sources) - 1, torch.arange(len(chunk)), weight))
+        packed.append(kept)
+    return sources, advs, packed
+
+
+def same_schedule(a: Trajectory, b: Trajectory, steps_a: Sequence[int], steps_b: Sequence[int]) -> bool:
+    """Whether rows of `a` and `b` can be replayed in one forward: the same trained steps at the
+    same noise levels, guidance, noise level and sampler."""
+    return (list(steps_a) == list(steps_b) and torch.equal(a.sigmas, b.sigmas)
+            and (a.guidance_scale, a.noise_level, a.kind, a.means is None) == (b.guidance_scale, b.noise_level, b.kind,
+                                                                               b.means is None))
+
+
+def join_rows(parts: Sequence[tuple[Trajectory, torch.Tensor]]) -> Trajectory:
+    """One trajectory of the rows `[b_i]` of each of `parts`' trajectories (of one schedule:
+    `same_schedule`), in order: what a sampled batch of those images would have kept."""
+    def cat(field: Callable[[Trajectory], torch.Tensor]) -> torch.Tensor:
+        return torch.cat([field(traj)[rows.to(field(traj).device)] for traj, rows in parts])  # [b, ...]
+
+    first = parts[0][0]
+    return replace(first, prompts=tuple(traj.prompts[r] for traj, rows in parts for r in rows.tolist()),
+                   conditioning=PromptEmbeddings(cat(lambda x: x.conditioning.embeds), cat(lambda x: x.conditioning.pooled)),
+                   latents=cat(lambda x: x.latents), log_probs=cat(lambda x: x.log_probs), images=cat(lambda x: x.images),
+                   means=None if first.means is None else cat(lambda x: cast(torch.Tensor, x.means)))
 
 
 def guarded(traj: Trajectory, step: int, rows: torch.Tensor, out: SDEStep) -> dict[str, Any]:

@@ -341,7 +341,8 @@ def flow_grpo_steps(t: TrainConfig, acc: Any, sizes: list[int], adv: torch.Tenso
 
 def by_trajectory(rows: torch.Tensor, sizes: list[int], size: int) -> list[Micro]:
     """This process's sorted sample indices `[b]` -> micro-batches of at most `size` rows of one
-    trajectory each (a forward replays one trajectory); trajectories with no row get none."""
+    trajectory each; trajectories with no row get none. (SD3 regroups each optimizer step's
+    rows into forwards across trajectories: `families.pack_rows`.)"""
     out, start = [], 0
     for k, n in enumerate(sizes):
         mine = rows[(rows >= start) & (rows < start + n)] - start  # [b_k]

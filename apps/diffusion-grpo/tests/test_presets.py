@@ -262,3 +262,40 @@ def test_grpo_guard_preset_carries_upstreams_numbers(app) -> None:
     assert (t.adv_scale, t.adv_std, t.adv_eps, t.adv_group_by, t.zero_adv) == ("group", "population", 1e-4, "prompt",
                                                                                "flow_grpo")
     assert (cfg.eval.every, cfg.eval.num_steps, t.save_freq, cfg.reward.components) == (30, 40, 30, {"ocr": 1.0})
+
+
+# dynamo reads `.grad` of non-leaf fake tensors while tracing the replay (its own UserWarning)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_flow_grpo_replay_compiles_no_new_block_graph_after_the_first_epoch(app, state) -> None:
+    """Flow-GRPO's shuffled batches mix sampled batches; the update replays each optimizer step's
+    rows in forwards of train.micro_batch_size rows, so the compiled blocks see the same shapes in
+    every epoch and the second compiles nothing. (A forward per sampled batch ran 2 + 2 rows here in
+    epoch 1 and 1 + 3 in epoch 2, a new graph per new size in every epoch: at SD3.5-M shape the
+    update took ~6x the replay benchmark's.) The blocks are compiled as `DiffusionEngine(compile=
+    True)` compiles them (`fullgraph=True, dynamic=False`) with dynamo's `eager` backend: the same
+    guards and recompiles without inductor's code generation, minutes on a CPU (that compile:
+    test_recipe.py's `test_compiled_blocks_sample_and_replay_within_the_ratio_tolerance`, slow)."""
+    from torch._dynamo.utils import counters
+
+    train = msgspec.structs.replace(state.cfg.train, zero_adv="flow_grpo", micro_batch_size=2,
+                                    gradient_accumulation_steps=2)
+    preset = dataclasses.replace(state, cfg=msgspec.structs.replace(state.cfg, train=train))
+    blocks = state.family.engine.transformer.transformer_blocks
+    torch._dynamo.reset()
+    for block in blocks:
+        block.forward = torch.compile(block.forward, fullgraph=True, dynamic=False, backend="eager")
+    graphs = []
+    try:
+        for step in (1, 2):
+            before = counters["stats"]["unique_graphs"]
+            with torch.compiler.set_stance("fail_on_recompile" if step == 2 else "default"):
+                batch = app.RECIPE.rollout(preset, step)
+                adv = advantages(app, preset, batch, torch.tensor([0, 0.25, 0.5, 1, 1, 0.5, 0, 0.75]))
+                stats = app.RECIPE.update(preset, step, batch, adv)
+            graphs.append(counters["stats"]["unique_graphs"] - before)
+            assert stats["optimizer_steps"] == 2
+    finally:
+        for block in blocks:
+            del block.forward  # back to the eager forward for the module's other tests
+        torch._dynamo.reset()
+    assert graphs == [6, 0]  # sampling (no grad), replay (grad), LoRA-off reference x the 2 tiny block kinds
