@@ -112,8 +112,8 @@ take it out (Ray Serve's 30 s, meant for load balancers on other machines, held 
 
 HIGH_THROUGHPUT = "RL_REWARDS_RAY_SERVE_HIGH_THROUGHPUT"
 """Set to 1 for `serve --backend ray-serve` to start its local Ray in the high-throughput mode
-(`throughput_env`). Opt-in: in one of two CI runs HAProxy failed to start (port in use while a
-previous server on the same port was going away), where Ray Serve's Python proxy has not failed."""
+(`throughput_env`). Opt-in: in a CI run the HAProxy process of a stopped server outlived it
+(Ray's shutdown left it running) and kept the port, so the next server on that port failed."""
 
 
 def throughput_env() -> dict[str, str]:
