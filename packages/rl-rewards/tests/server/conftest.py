@@ -7,6 +7,7 @@ import os
 import warnings
 from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -53,7 +54,7 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[str]:
     modules = {item.path for item in request.session.items if "ray_cluster" in item.fixturenames}
     _ray_last_item[:] = [item.nodeid for item in request.session.items if item.path in modules][-1:]
     yield ray.get_runtime_context().gcs_address
-    ray.shutdown()  # a no-op once stopped after its last test
+    _stop_ray(ray)  # a no-op once stopped after its last test
     for key, value in saved.items():
         _restore(key, value)
 
@@ -73,7 +74,19 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if _ray_last_item == [item.nodeid]:
         import ray
 
-        ray.shutdown()
+        _stop_ray(ray)
+
+
+def _stop_ray(ray: Any) -> None:
+    """Shut the cluster down, and the high-throughput mode's HAProxy with it (as `serve` does)."""
+    if not ray.is_initialized():
+        return
+    node_id = ray.get_runtime_context().get_node_id()
+    ray.shutdown()
+    if importlib.util.find_spec("ray.serve") is not None:
+        from rl_rewards.server.ray_serve import stop_haproxy
+
+        stop_haproxy(node_id)
 
 
 def server_process(

@@ -11,8 +11,9 @@ One deployment per served reward (`reward_names`), named after it, and an ingres
   auth, limits, `/health`, `/metrics` — whose scoring service (`ReplicaService`) sends each
   request's samples to the reward's deployment through its `DeploymentHandle`, in pieces of at
   most one batch, instead of batching them itself. A call lost with its replica (killed, crashed,
-  node gone) or not answered within `chunk_deadline_s` is sent again, up to `max_attempts` times
-  within `request_timeout_s`; then the request gets 503 (never a silent 0 reward).
+  node gone) or not answered within `chunk_deadline_s` is sent again (the late one stays pending:
+  the first answer wins), up to `max_attempts` tries within `request_timeout_s`; then the request
+  gets 503 (never a silent 0 reward).
 
 Ray Serve's HTTP proxy takes the connections (`host`/`port`; one per cluster, on the head node),
 so uvicorn's guards of the `uvicorn` backend (`serving.py`: read deadlines, the connection cap,
@@ -39,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from starlette.applications import Starlette
@@ -113,7 +115,8 @@ take it out (Ray Serve's 30 s, meant for load balancers on other machines, held 
 HIGH_THROUGHPUT = "RL_REWARDS_RAY_SERVE_HIGH_THROUGHPUT"
 """Set to 1 for `serve --backend ray-serve` to start its local Ray in the high-throughput mode
 (`throughput_env`). Opt-in: in a CI run the HAProxy process of a stopped server outlived it
-(Ray's shutdown left it running) and kept the port, so the next server on that port failed."""
+(Ray's shutdown left it running) and kept the port, so the next server on that port failed;
+`stop_haproxy` now stops such a one after the local Ray's shutdown."""
 
 
 def throughput_env() -> dict[str, str]:
@@ -131,6 +134,42 @@ def throughput_env() -> dict[str, str]:
             # took Ray Serve's first default port, and one's HAProxy reached the other's ingress
             "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http + 64),
             "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc), "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc + 64)}
+
+
+def stop_haproxy(node_id: str, grace_s: float = 2.0) -> list[int]:
+    """Stop the HAProxy processes Ray Serve's high-throughput mode started for the local Ray node
+    `node_id` (their config lives in a folder named after the node) once that Ray is shut down:
+    Ray's shutdown kills HAProxy's manager actor, and the HAProxy child can outlive it holding the
+    server's port. SIGTERM, then SIGKILL after `grace_s`. The PIDs found (Linux; elsewhere none)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            args = cmdline.read_bytes().split(b"\0")
+            if args and Path(os.fsdecode(args[0])).name.startswith("haproxy") and any(f"/{node_id}/".encode() in a for a in args):
+                found.append(int(cmdline.parent.name))
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [pid for pid in found if _signal(pid, sig)]
+        deadline = time.monotonic() + grace_s
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+            alive = [pid for pid in alive if _signal(pid, 0)]
+        if not alive:
+            break
+    if found:
+        log.info("stopped the HAProxy process(es) %s that outlived the local Ray", found)
+    return found
+
+
+def _signal(pid: int, sig: int) -> bool:
+    """Send `sig` to `pid`: whether it was there (a zombie child counts as gone)."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+    return True
 
 
 # ----------------------------------------------------------------------------- reward replicas
@@ -292,32 +331,70 @@ class ReplicaPool:
         return [result for part in parts for result in part]
 
     async def _call(self, reward: str, piece: Piece, give_up_at: float) -> list[ScoreResult]:
+        """Score `piece` on the reward's deployment, hedged: a call that misses `chunk_deadline_s`
+        stays pending while the piece is sent again, and the first answer of any try wins (the
+        others are cancelled). A call lost with its replica is sent again at once. A miss is most
+        often a hung replica (its call never answers), but on a loaded machine it can be a busy
+        one: its late answer is still taken. At most `max_attempts` tries; once the last is sent,
+        every pending try is waited for until `request_timeout_s` (cutting one short would only
+        fail the request sooner: a router still sending calls to a hung replica it has not yet
+        taken out, Ray Serve's probe of it timing out each time, can hold a try for seconds)."""
         loop, pool = asyncio.get_running_loop(), self._settings.pool
         errors: list[str] = []
-        for attempt in range(pool.max_attempts):
-            remaining = give_up_at - loop.time()
-            if remaining <= 0:
-                errors.append(f"request_timeout_s={pool.request_timeout_s} passed")
-                break
-            deadline = min(pool.chunk_deadline(), remaining)
-            response = self._handles[reward].score.remote(piece)
-            try:
-                reply: Reply = await asyncio.wait_for(_answer(response), deadline)
-            except TimeoutError:
+        pending: dict[asyncio.Task[Reply], Any] = {}  # a try's task -> its DeploymentResponse
+        try:
+            for attempt in range(pool.max_attempts):
+                remaining = give_up_at - loop.time()
+                if remaining <= 0:
+                    errors.append(f"request_timeout_s={pool.request_timeout_s} passed")
+                    break
+                response = self._handles[reward].score.remote(piece)
+                pending[asyncio.ensure_future(_answer(response))] = response
+                last = attempt + 1 == pool.max_attempts  # no try left to send: wait for any answer
+                reply = await (self._first_answer(pending, remaining, errors, final=True) if last else
+                               self._first_answer(pending, min(pool.chunk_deadline(), remaining), errors))
+                if reply is not None:
+                    results: list[ScoreResult] = wire.decode_msgpack(reply.results, list[ScoreResult])
+                    self._observe(reward, results, reply)
+                    return results
+                if attempt + 1 < pool.max_attempts:
+                    self._metrics.chunk_retries.inc()
+                log.warning("reward %r: a call to its deployment failed (%s)%s", reward, errors[-1],
+                            "; sending it again" if attempt + 1 < pool.max_attempts else "")
+        finally:
+            for task, response in pending.items():  # the tries still out (hung or slower than the winner)
                 response.cancel()
-                self._metrics.deadline_misses.inc()
-                errors.append(f"no answer within {deadline:.1f} s (chunk_deadline_s)")
-            except (RayError, RayServeException) as e:  # the replica died, or the call failed there
-                errors.append(f"{type(e).__name__}: {next(iter(str(e).strip().splitlines()), '')}")
-            else:
-                results: list[ScoreResult] = wire.decode_msgpack(reply.results, list[ScoreResult])
-                self._observe(reward, results, reply)
-                return results
-            if attempt + 1 < pool.max_attempts:
-                self._metrics.chunk_retries.inc()
-            log.warning("reward %r: a call to its deployment failed (%s)%s", reward, errors[-1],
-                        "; sending it again" if attempt + 1 < pool.max_attempts else "")
+                task.cancel()
         raise RuntimeError(f"reward {reward!r}: a call to its deployment failed {len(errors)} time(s): {'; '.join(errors)}")
+
+    async def _first_answer(self, pending: dict[asyncio.Task[Reply], Any], seconds: float, errors: list[str],
+                            final: bool = False) -> Reply | None:
+        """Wait up to `seconds` for any pending try to answer: its reply; None once the newest try
+        failed (its error appended to `errors`; `final`: once every try failed) or `seconds`
+        passed (a miss appended). Failed tries leave `pending`; a missed one stays in it (a busy
+        replica may still answer)."""
+        loop = asyncio.get_running_loop()
+        newest, until = next(reversed(pending)), loop.time() + seconds
+        while pending:
+            done, _ = await asyncio.wait(pending, timeout=max(0.0, until - loop.time()), return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                self._metrics.deadline_misses.inc()
+                errors.append(f"no answer within {seconds:.1f} s ({'request_timeout_s' if final else 'chunk_deadline_s'})")
+                return None
+            for task in done:
+                del pending[task]
+            for task in done:
+                if task.exception() is None:
+                    return task.result()
+            for task in done:
+                if not isinstance(task.exception(), RayError | RayServeException):
+                    raise task.exception()  # type: ignore[misc]  # ours, not a lost replica's
+            if newest in done:  # the replica died, or the call failed there; an older try's failure
+                e = newest.exception()  # (a hung replica taken out) leaves the newest to wait on
+                errors.append(f"{type(e).__name__}: {next(iter(str(e).strip().splitlines()), '')}")
+                if not (final and pending):
+                    return None
+        return None
 
     def _observe(self, reward: str, results: list[ScoreResult], reply: Reply) -> None:
         metrics = self._metrics
@@ -498,7 +575,9 @@ def run_ray_serve(settings: ServerSettings) -> None:
         if local:
             if answering:
                 _within(STATUS_WAIT_S, "stopping Ray Serve", serve.shutdown)
+            node_id = ray.get_runtime_context().get_node_id()
             ray.shutdown()
+            stop_haproxy(node_id)  # the high-throughput mode's, where one outlived its manager
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if error is not None:
