@@ -49,7 +49,7 @@ from rl_core.train.checkpoint import load_checkpoint, save_checkpoint
 from rl_core.train.config import ConfigError, flat_config
 from rl_core.train.dynamic_sampling import GroupFilter, merge_scores
 from rl_core.train.groups import component_means, group_advantages
-from rl_core.train.metrics import MetricsLogger, PhaseTimer
+from rl_core.train.metrics import CompileWatch, MetricsLogger, PhaseTimer
 from rl_core.train.pipeline import PendingRollouts, RolloutPipeline, Sampled
 from rl_core.train.plots import plot_reward_curve
 from rl_core.train.progress import TrainProgress
@@ -235,6 +235,7 @@ class _Loop(Generic[C, S, B]):
         self.acc, self.timer, self.fields = run.accelerator, run.timer, run_fields(cfg)
         self.logger = MetricsLogger(run.run_dir, accelerator=self.acc, start_step=run.start_step)
         self.record = _Record()
+        self.compiles = CompileWatch()  # from here: a compile in the recipe's setup counts in step 1 too
         # the rollouts a resumed asynchronous run had in flight: the rollout thread hands them out
         # first, or (resumed with train.max_staleness=0) the loop does
         self.pending = {} if self.fields.max_staleness else {p.step: p for p in pending}
@@ -291,6 +292,9 @@ class _Loop(Generic[C, S, B]):
             samples, tokens = metrics.pop("samples", 0.0), metrics.pop("tokens", None)
             self.record.samples += samples
             metrics |= self.timer.pop()  # a checkpoint's time/checkpoint lands in the next step's row
+            compiled = self.compiles.pop()  # the most any process compiled
+            metrics |= dict(zip(compiled, acc.reduce(torch.tensor(list(compiled.values()), device=acc.device),
+                                                     "max").tolist(), strict=True))
             metrics |= {"time/step": seconds, "world_size": acc.num_processes,
                         "throughput/samples_per_s": samples / seconds}
             if tokens is not None:  # a text recipe's prompt + completion tokens of every process

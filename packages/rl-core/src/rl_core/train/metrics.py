@@ -13,6 +13,7 @@ import csv
 import io
 import numbers
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MetricsLogger", "PhaseTimer"]
+__all__ = ["CompileWatch", "MetricsLogger", "PhaseTimer"]
 
 Scalar = int | float | str
 
@@ -221,3 +222,29 @@ class PhaseTimer:
         out.update({f"memory/{phase}_peak_gib": gib for phase, gib in self.peaks.items()})
         self._mine.totals, self._mine.peaks = {}, {}
         return out
+
+
+class CompileWatch:
+    """What `torch.compile` did since the last `pop()`, in this whole process (every thread):
+    `compile/graphs`, the graphs dynamo built (a first compile or a recompile: a new shape, a
+    guard that failed), and `time/compile`, the seconds dynamo and inductor spent building them
+    (inside whichever phase triggered it: update, logprob, rollout). A step much slower than its
+    neighbours with `compile/graphs` > 0 recompiled; `TORCH_LOGS=recompiles` names the guard.
+    Zeros until torch._dynamo is imported (nothing compiled)."""
+
+    def __init__(self) -> None:
+        self._last = self._totals()
+
+    @staticmethod
+    def _totals() -> tuple[int, float]:
+        utils = sys.modules.get("torch._dynamo.utils")
+        if utils is None:
+            return 0, 0.0
+        graphs = int(utils.counters["stats"]["unique_graphs"])
+        seconds = float(sum(getattr(utils, "compilation_time_metrics", {}).get("_compile.compile_inner", ())))
+        return graphs, seconds
+
+    def pop(self) -> dict[str, float]:
+        (graphs, seconds), (graphs0, seconds0) = self._totals(), self._last
+        self._last = (graphs, seconds)
+        return {"compile/graphs": float(graphs - graphs0), "time/compile": seconds - seconds0}
