@@ -192,3 +192,18 @@ def test_the_run_plot_has_a_panel_per_logged_family(tmp_path) -> None:
     out = plot_reward_curve(tmp_path, title="app: run-1")
     assert out == tmp_path / "reward_curve.png" and out.stat().st_size > 10_000
     assert not list(tmp_path.glob(".*tmp*"))  # written through a temporary file, renamed
+
+
+def test_compile_watch_counts_the_graphs_built_since_the_last_pop():
+    """A first compile, a call that reuses its graph, a recompile for a new shape (dynamo's
+    automatic dynamic shapes), then a call the dynamic graph serves: 1, 0, 1, 0 graphs."""
+    from rl_core.train.metrics import CompileWatch
+
+    watch = CompileWatch()
+    double = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    seen = []
+    for rows in (3, 3, 5, 7):
+        double(torch.ones(rows))
+        seen.append(watch.pop())
+    assert [row["compile/graphs"] for row in seen] == [1.0, 0.0, 1.0, 0.0]
+    assert seen[0]["time/compile"] > 0 and seen[1]["time/compile"] == 0
