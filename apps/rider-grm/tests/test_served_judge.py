@@ -125,6 +125,47 @@ def test_streamed_scoring_gives_the_after_batch_rewards(server: str, tmp_path: P
     print(f"\ntime/reward streamed {float(a['time/reward']):.3f} s, after the batch {float(b['time/reward']):.3f} s")
 
 
+def test_streamed_scoring_in_an_asynchronous_run_gives_the_after_batch_steps(server: str, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """train.max_staleness=1: the rollout thread's samples are scored on its scoring worker, one
+    request per prompt as it is sampled, not on the trainer's thread; the reward phase takes
+    their rewards. The 2 steps (step 2 sampled from the starting weights and held in flight by
+    checkpoint 1, pickled with its rewards) equal those scored after the batch on the trainer's
+    thread: rewards, judge counters (each step's own, from its chunks), sample rows, the update."""
+    import rider_recipe
+
+    real, threads = rider_recipe.score_now, []
+
+    def score_now(state: object, samples: list) -> tuple:  # the real scoring; records where it ran
+        threads.append(threading.current_thread().name)
+        return real(state, samples)
+
+    monkeypatch.setattr(rider_recipe, "score_now", score_now)
+
+    def steps(name: str, stream: bool) -> tuple[Path, list[str]]:
+        threads.clear()
+        out = app.main(tiny_overrides(tmp_path / name, **{
+            "reward.judges": judge_table(engine="server", url=server, spec=SLOW), "reward.stream": str(stream).lower(),
+            "reward.rule": f'"{TESTS}/rules/parity_rule.py"', "reward.embedding.model": "null",
+            "rollout.per_prompt_seeds": "true", "train.max_steps": 2, "train.save_freq": 1, "train.max_staleness": 1,
+            "algo.rollout_correction": '"token_truncate"', "train.samples_to_log": 100, "train.batch_size": 4}))
+        return out, list(threads)
+
+    (streamed, where), (after, after_where) = steps("streamed", True), steps("after", False)
+    # 2 steps x 4 prompts, each its own chunk on a worker of the rollout thread; the evaluation here
+    assert where == ["rl-rollout-score_0"] * 8 + ["MainThread"], where
+    assert after_where == ["MainThread"] * 3, after_where
+    a, b = metrics(streamed), metrics(after)
+    assert [r["step"] for r in a] == ["1", "2"] and a[1]["rollout/staleness"] == "1.0"
+    assert float(a[0]["judge/j/scored"]) > 0 and float(a[1]["judge/j/scored"]) > 0
+    for x, y in zip(a, b, strict=True):
+        for key in ("reward/mean", "reward/std", "reward/j", "judge/j/scored", "loss/policy", "grad_norm",
+                    "rollout/staleness"):
+            assert x[key] == y[key], (x["step"], key)
+    assert train_rows(streamed) == train_rows(after)
+    print(f"\ntime/reward streamed {[r['time/reward'] for r in a]} s, after the batch {[r['time/reward'] for r in b]} s")
+
+
 def test_unknown_spec_fails_at_startup_listing_the_served_ones(server: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=rf"does not serve spec 'nope'; it serves {SPEC}"):
         run(tmp_path, judge_table(engine="server", url=server, spec="nope"))
