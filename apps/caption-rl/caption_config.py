@@ -147,13 +147,14 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     retries: Positive = 5  # attempts per server call; then the step is skipped
     timeout: PositiveFloat = 180.0  # seconds per server call
     stream: bool = True
-    """A reward server (`url` / `host`) in a synchronous run (train.max_staleness = 0): the
-    captions go to the server as the engine finishes them, scored on a thread while the policy
-    samples on (`rl_rollout.streaming`). With rollout.per_prompt_seeds each prompt's captions are
-    sent as soon as they are sampled, so the server scores prompt i while prompt i+1 generates;
-    without, the batch is one engine call and one request. The rewards equal the after-batch ones
-    (the same captions, each scored on its own); false: score after the whole batch, in the
-    reward phase."""
+    """A reward server (`url` / `host`): the captions go to the server as the engine finishes
+    them, scored on a thread while the policy samples on (`rl_rollout.streaming`); with
+    train.max_staleness >= 1 the rollout thread's captions are scored so too, while the trainer
+    updates, and the reward phase takes their rewards. With rollout.per_prompt_seeds each
+    prompt's captions are sent as soon as they are sampled, so the server scores prompt i while
+    prompt i+1 generates; without, the batch is one engine call and one request. The rewards
+    equal the after-batch ones (the same captions, each scored on its own); false: score after
+    the whole batch, in the reward phase."""
 
 
 class AlgoConfig(PolicyLossFields, kw_only=True, frozen=True):

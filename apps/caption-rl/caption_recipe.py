@@ -92,7 +92,7 @@ class State:
     placeholders: frozenset[int]  # vision placeholder tokens a drifted policy can sample
     bad_records: ReadStats = field(default_factory=ReadStats)  # records that failed to become model input
     prompts_per_rank: int = 0  # train.batch_size / processes
-    stream: bool = False  # reward.stream in effect: a served reward, synchronous rollouts
+    stream: bool = False  # reward.stream in effect: a served reward
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,15 @@ Scored = tuple[ScoreResult, str]  # a caption's reward, and the error of a serve
 
 
 def _score(s: State, encoded: Encoded, gens: list[Generation]) -> list[Scored]:
-    """The rewards of `gens` (one server request; `generate_scored` calls it per chunk)."""
+    """The rewards of `gens` (one server request; `generate_scored` calls it per chunk).
+
+    Called from two threads at once in an asynchronous run with reward.stream: the rollout
+    thread's scoring worker, and this thread (an evaluation; a dynamic-sampling round's own
+    worker). `RemoteReward` takes that unlocked: its `RewardClient` keeps no state per call over
+    one `httpx.Client`, which httpx documents as shareable between threads; the length reward's
+    composition keeps its state per call, and its tokenizer is only read (the same arguments every
+    call, so transformers never reconfigures the Rust tokenizer, what raises tokenizers' "Already
+    borrowed" when another thread encodes)."""
     samples = [make_sample(encoded.records[g.request_index], g.text, len(g.completion_ids)) for g in gens]
     try:
         return [(result, "") for result in s.reward.score(samples)]
@@ -180,7 +188,7 @@ class CaptionRL(Recipe[Config, State, Batch]):
                   if cfg.algo.kl_coef > 0 and m.lora_rank == 0 else None)
         return State(cfg, run, data, model, policy, processor, engine, optimizer, scheduler, reward, sampler, frozen,
                      full, placeholder_ids(model.config), prompts_per_rank=t.batch_size // run.world_size,
-                     stream=cfg.reward.stream and isinstance(reward, RemoteReward) and t.max_staleness == 0)
+                     stream=cfg.reward.stream and isinstance(reward, RemoteReward))
 
     def start(self, s: State) -> None:
         s.engine.sync(bump=False)  # a separate engine loaded the initial weights: a resumed policy is newer

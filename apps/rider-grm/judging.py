@@ -71,6 +71,16 @@ class JudgeLog:
     errors: dict[int, str] = field(default_factory=dict)  # sample uid -> parse error
     policy_awake: int = 0  # times the policy engine was awake while this judge was
 
+    def add(self, other: JudgeLog) -> None:
+        """Count `other` here too: another chunk of the same step (`reward.stream`)."""
+        self.scored += other.scored
+        self.failures += other.failures
+        self.request_failures += other.request_failures
+        self.judged |= other.judged
+        self.raw.update(other.raw)
+        self.errors.update(other.errors)
+        self.policy_awake += other.policy_awake
+
     def record(self, samples: Sequence[Sample], results: Sequence[ScoreResult], raw: Sequence[str] | None, *,
                parse_failures: bool = True) -> None:
         """`parse_failures=False`: the failed results are a failed request's, counted there, not twice."""

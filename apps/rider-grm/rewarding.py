@@ -152,6 +152,15 @@ def score(reward: Reward, judges: list[Judge], samples: list[Sample]) -> tuple[l
     return reward.score(samples), {judge.name: judge.pop() for judge in judges}
 
 
+def merge_logs(judges: list[Judge], logs: Sequence[dict[str, JudgeLog]]) -> dict[str, JudgeLog]:
+    """One step's judge logs from its chunks' (`reward.stream`), each judge's counted once per chunk."""
+    out = {judge.name: JudgeLog() for judge in judges}
+    for chunk in logs:
+        for name, log in chunk.items():
+            out[name].add(log)
+    return out
+
+
 def reward_metrics(results: list[ScoreResult], logs: dict[str, JudgeLog]) -> dict[str, float]:
     """Over every process: the combined reward's mean and std over the samples that scored (the
     raw scores, before `algo.kl_in_reward` shapes them), the failed samples, each component's mean (`reward/<component>`, unweighted) and each judge's counters."""

@@ -167,13 +167,14 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     rule, judges and embedding, its components built from the rl-rewards registry and resident
     (never swapped): for a reward the shorthand keys, which compile to a "fold" spec, cannot say."""
     stream: bool = True
-    """Every judge served (`engine = "server"`) in a synchronous run (train.max_staleness = 0):
-    the samples are scored as the engine finishes them, on a thread, while the policy samples on
-    and computes its log-probs (`rl_rollout.streaming`). With rollout.per_prompt_seeds each
-    prompt's samples go to the servers as soon as they are sampled; without, the batch is one
-    engine call, scored while the log-probs run. The rewards equal the after-batch ones (the same
-    samples, each scored on its own; a judge's gate reads the same rule score); false: score
-    after the whole batch, in the reward phase."""
+    """Every judge served (`engine = "server"`): the samples are scored as the engine finishes
+    them, on a thread, while the policy samples on and computes its log-probs
+    (`rl_rollout.streaming`); with train.max_staleness >= 1 the rollout thread's samples are
+    scored so too, while the trainer updates, and the reward phase takes their rewards. With
+    rollout.per_prompt_seeds each prompt's samples go to the servers as soon as they are sampled;
+    without, the batch is one engine call, scored while the log-probs run. The rewards equal the
+    after-batch ones (the same samples, each scored on its own; a judge's gate reads the same rule
+    score); false: score after the whole batch, in the reward phase."""
 
 
 class AlgoConfig(PolicyLossFields, kw_only=True, frozen=True):

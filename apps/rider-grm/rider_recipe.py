@@ -18,13 +18,14 @@ torch load.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import rewarding
 import torch
-from judging import Judge, build_judge, check_served
+from judging import Judge, JudgeLog, build_judge, check_served
 from rider_config import (
     DEFAULT_CONFIG,
     ENV,
@@ -44,11 +45,13 @@ from rl_core.train.sharding import FullWeights, prepare_policy, resolve_sharding
 from rl_data import GroupSampler, JudgeRecord
 from rl_models.text import load_causal_lm
 from rl_rewards.composition import Reward
-from rl_rewards.samples import ScoreResult
+from rl_rewards.samples import Sample, ScoreResult
 from rl_rollout import Generation, SamplingParams, generate_seeded, training
 from rl_rollout.policy import PolicyEngine, build_policy_engine, rollout_device
 from rl_rollout.prompts import EncodedPrompt
 from rl_rollout.streaming import ChunkScorer, ScoredRollout, generate_scored
+
+Scored = tuple[ScoreResult, dict[str, JudgeLog]]  # a sample's reward; a chunk's first row carries its judges' logs
 
 
 @dataclass
@@ -68,7 +71,16 @@ class State:
     sampler: GroupSampler
     train: list[JudgeRecord]
     val: list[JudgeRecord]
-    stream: bool = False  # reward.stream in effect: every judge served, synchronous rollouts
+    stream: bool = False  # reward.stream in effect: every judge served
+    # One scoring at a time (the composed reward and the pop of its judges' logs). With
+    # reward.stream and train.max_staleness >= 1 the rollout thread's samples are scored on a
+    # worker thread while this one may score too (an evaluation; a dynamic-sampling round, whose
+    # own worker scores it). The served judges' clients would take both at once (httpx.Client is
+    # documented as shareable between threads; RewardClient keeps no state per call), but each
+    # `Judge` records into one `JudgeLog` that `pop` hands out whole: two scorings at once would
+    # count one's samples and raw outputs in the other's step. The rule (a user's compute_score)
+    # and an in-process similarity model are not known to be thread-safe either.
+    scoring: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass(frozen=True)
@@ -81,7 +93,7 @@ class Batch:
     ref: list[torch.Tensor] | None  # [B] x [C_i] the reference's (KL loss or KL in the reward), else None
     weight_version: int  # optimizer steps in the weights the samples were drawn with
     judges_awake: int  # judge engines awake while the policy generated (0 when swapping)
-    scored: ScoredRollout[ScoreResult] | None = None  # reward.stream: scored while the batch sampled
+    scored: ScoredRollout[Scored] | None = None  # reward.stream: scored while the batch sampled
 
 
 @dataclass(frozen=True)
@@ -92,7 +104,7 @@ class Sampled:
     gens: list[Generation]  # [B]
     weight_version: int
     judges_awake: int
-    scored: ScoredRollout[ScoreResult] | None = None
+    scored: ScoredRollout[Scored] | None = None
 
 
 class RiderGRM(Recipe[Config, State, Batch]):
@@ -149,8 +161,7 @@ class RiderGRM(Recipe[Config, State, Batch]):
                               "components: give reward.spec with combine = \"sum\" (the reward.judges shorthand "
                               "folds them in order)")
         sampler = GroupSampler(len(train), r.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
-        stream = (cfg.reward.stream and bool(judges) and all(j.engine is None for j in judges)
-                  and t.max_staleness == 0)
+        stream = cfg.reward.stream and bool(judges) and all(j.engine is None for j in judges)
         return State(cfg, run, policy, model, optimizer, ref, ref_offload, engine, full, judges, reward, swap, sampler,
                      train, val, stream)
 
@@ -226,10 +237,11 @@ class RiderGRM(Recipe[Config, State, Batch]):
         `kl_coef` x KL(old || ref) per token with `algo.kl_in_reward` (verl's `apply_kl_penalty`)."""
         cfg, run = state.cfg, state.run
         samples = rewarding.make_samples(batch.records, batch.gens, offset=run.rank * len(batch.gens))
-        if batch.scored is not None:  # scored while it sampled: the judges' logs hold every chunk
-            results, logs = batch.scored.results(), {judge.name: judge.pop() for judge in state.judges}
+        if batch.scored is not None:  # scored while it sampled (on the rollout thread's worker, asynchronous)
+            scored = batch.scored.results()
+            results, logs = [r for r, _ in scored], rewarding.merge_logs(state.judges, [log for _, log in scored])
         else:
-            results, logs = rewarding.score(state.reward, state.judges, samples)
+            results, logs = score_now(state, samples)
         run.samples.write("train", step, rewarding.sample_rows(samples, results, logs, cfg.train.samples_to_log))
         width = max(1, max(len(g.completion_ids) for g in batch.gens))
         mask, rewards = torch.zeros(len(batch.gens), width), torch.zeros(len(batch.gens), width)  # [B, C] x2
@@ -296,7 +308,7 @@ class RiderGRM(Recipe[Config, State, Batch]):
             state.swap.offload(run.timer)
         samples = rewarding.make_samples(shard, gens, offset=10**9 + run.rank * len(gens))
         with run.timer("reward"):
-            results, logs = rewarding.score(state.reward, state.judges, samples)
+            results, logs = score_now(state, samples)
         state.swap.wake(run.timer)
         run.samples.write("eval", step, rewarding.sample_rows(samples, results, logs, state.cfg.train.samples_to_log))
         return rewarding.reward_metrics(results, logs)
@@ -308,8 +320,8 @@ class RiderGRM(Recipe[Config, State, Batch]):
 
 
 def generate(state: State, records: list[JudgeRecord], n: int, temperature: float, seeds: list[int] | None = None,
-             score: ChunkScorer[ScoreResult] | None = None,
-             ) -> tuple[list[Generation], int, ScoredRollout[ScoreResult] | None]:
+             score: ChunkScorer[Scored] | None = None,
+             ) -> tuple[list[Generation], int, ScoredRollout[Scored] | None]:
     """`n` samples per record from the policy's engine, how many judge engines were awake
     meanwhile, and with `score` their rewards, scored as they finish (`generate_scored`).
     `seeds`: one engine call per prompt with its own seed (`rollout.per_prompt_seeds`)."""
@@ -325,12 +337,19 @@ def generate(state: State, records: list[JudgeRecord], n: int, temperature: floa
         return (engine.generate(prompts, params) if seeds is None else generate_seeded(engine, prompts, params, seeds)), awake, None
 
 
-def _chunk_scorer(state: State, records: list[JudgeRecord], width: int) -> ChunkScorer[ScoreResult]:
+def score_now(state: State, samples: list[Sample]) -> tuple[list[ScoreResult], dict[str, JudgeLog]]:
+    """The rewards of `samples` and what each judge did for them, alone (`State.scoring`)."""
+    with state.scoring:
+        return rewarding.score(state.reward, state.judges, samples)
+
+
+def _chunk_scorer(state: State, records: list[JudgeRecord], width: int) -> ChunkScorer[Scored]:
     """The reward of a chunk of this process's `width` samples (`records`: one per prompt), with
-    the sample ids `score` gives them (rank * width + row)."""
-    def score(first: int, gens: list[Generation]) -> list[ScoreResult]:
+    the sample ids `score` gives them (rank * width + row); the chunk's judge logs on its first row."""
+    def score(first: int, gens: list[Generation]) -> list[Scored]:
         chunk = [records[g.request_index] for g in gens]
-        return state.reward.score(rewarding.make_samples(chunk, gens, offset=state.run.rank * width + first))
+        results, logs = score_now(state, rewarding.make_samples(chunk, gens, offset=state.run.rank * width + first))
+        return [(result, logs if i == 0 else {}) for i, result in enumerate(results)]
     return score
 
 

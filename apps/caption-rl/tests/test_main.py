@@ -255,6 +255,56 @@ def test_training_against_a_real_reward_server_that_dies_mid_run(app, tmp_path, 
     assert (run / "checkpoints" / "checkpoint-3" / "meta.json").is_file()
 
 
+def test_streamed_rewards_in_an_asynchronous_run(app, tmp_path, reward_server, monkeypatch):
+    """train.max_staleness=1 with a reward server: the rollout thread's captions go to the server
+    from its scoring worker, one request per prompt as it is sampled, not from the trainer's
+    thread; the 2 steps (step 2 held in flight by checkpoint 1, pickled with its rewards) equal
+    those scored after the batch. Then the server dies before a step is scored: the step is
+    skipped with the error, as when the trainer's thread scores."""
+    import caption_recipe
+
+    url, proc = reward_server
+    real, threads = caption_recipe._score, []
+
+    def score(s, encoded, gens):  # the real scoring; records where it ran, kills the server on call `kill_at`
+        threads.append(threading.current_thread().name)
+        if len(threads) == kill_at:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        return real(s, encoded, gens)
+
+    monkeypatch.setattr(caption_recipe, "_score", score)
+
+    def steps(name: str, stream: bool, count: int = 2) -> tuple[Path, list[str]]:
+        threads.clear()
+        run = app.main(tiny_overrides(tmp_path / name, "reward.spec=null", f"reward.url={url}", "reward.retries=2",
+                                      f"data.train=[\"{DATA / 'caption_qa_videos.jsonl'}\"]", "data.eval_size=0",
+                                      "rollout.n=2", "rollout.per_prompt_seeds=true", f"train.max_steps={count}",
+                                      "train.save_freq=1", "train.max_staleness=1",
+                                      "algo.rollout_correction=token_truncate", f"reward.stream={str(stream).lower()}"))
+        return run, list(threads)
+
+    kill_at = 0
+    (streamed, where), (after, after_where) = steps("streamed", True), steps("after", False)
+    assert where == ["rl-rollout-score_0"] * 4, where  # 2 steps x 2 prompts, each its own request
+    assert after_where == ["MainThread"] * 2, after_where
+    a, b = rows(streamed), rows(after)
+    assert [r["skipped"] for r in a] == ["0", "0"] and a[1]["rollout/staleness"] == "1.0"
+    for x, y in zip(a, b, strict=True):
+        for key in ("reward/mean", "reward/qa", "reward/format", "reward/length", "loss/policy", "grad_norm",
+                    "rollout/staleness"):
+            assert x[key] == y[key], (x["step"], key)
+    samples = [(streamed / "samples" / "train.jsonl").read_text(), (after / "samples" / "train.jsonl").read_text()]
+    assert samples[0] == samples[1]
+    kill_at = 1  # one step, killed before its first prompt is scored: the run ends with nothing trained
+    with pytest.raises(UserError, match="no step trained; every step was skipped"):
+        steps("killed", True, count=1)
+    [row] = rows(next((tmp_path / "killed").glob("run-*")))
+    assert row["skipped"] == "1" and "reward/mean" not in row  # no reward recorded
+    assert re.fullmatch(rf"rank 0: {url}: gave up after 2 attempt\(s\); last failure: ConnectError: .*", row["error"])
+    print(f"\ntime/reward streamed {[r['time/reward'] for r in a]} s, after the batch {[r['time/reward'] for r in b]} s")
+
+
 def launch_two(tmp_path: Path, *overrides: str, config: Path | None = None) -> subprocess.CompletedProcess:
     """`accelerate launch --multi_gpu --num_processes 2` on CPU: two gloo processes (`--cpu`
     alone would start one without MPI); with `config`, that accelerate config file instead."""

@@ -125,6 +125,53 @@ def test_streamed_scoring_gives_the_after_batch_rewards(server: str, tmp_path: P
     print(f"\ntime/reward streamed {float(a['time/reward']):.3f} s, after the batch {float(b['time/reward']):.3f} s")
 
 
+def test_streamed_scoring_in_an_asynchronous_run_gives_the_after_batch_steps(server: str, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """train.max_staleness=1: the rollout thread's samples are scored on its scoring worker, one
+    request per prompt as it is sampled, not on the trainer's thread; the reward phase takes
+    their rewards. Dynamic sampling's further rounds sample on the trainer's thread, each scored
+    on a worker of its own, beside the rollout thread's (one scoring at a time). The 2 steps
+    (step 2 sampled from the starting weights and held in flight by checkpoint 1, pickled with
+    its rewards) equal those scored after the batch on the trainer's thread: rewards, judge
+    counters (each step's own, from its chunks), rounds, sample rows, the update."""
+    import rider_recipe
+
+    real, threads = rider_recipe.score_now, []
+
+    def score_now(state: object, samples: list) -> tuple:  # the real scoring; records where it ran
+        threads.append(threading.current_thread().name)
+        return real(state, samples)
+
+    monkeypatch.setattr(rider_recipe, "score_now", score_now)
+
+    def steps(name: str, stream: bool) -> tuple[Path, list[str]]:
+        threads.clear()
+        out = app.main(tiny_overrides(tmp_path / name, **{
+            "reward.judges": judge_table(engine="server", url=server, spec=SLOW), "reward.stream": str(stream).lower(),
+            "reward.rule": f'"{TESTS}/rules/parity_rule.py"', "reward.embedding.model": "null",
+            "rollout.per_prompt_seeds": "true", "train.max_steps": 2, "train.save_freq": 1, "train.max_staleness": 1,
+            "train.dynamic_sampling.enable": "true", "train.dynamic_sampling.max_rounds": 3,
+            "algo.rollout_correction": '"token_truncate"', "train.samples_to_log": 100, "train.batch_size": 4}))
+        return out, list(threads)
+
+    (streamed, where), (after, after_where) = steps("streamed", True), steps("after", False)
+    a, b = metrics(streamed), metrics(after)
+    rounds = sum(int(float(r["dynamic_sampling/rounds"])) for r in a)
+    assert rounds == 4  # the parity rule leaves uniform groups: each step takes a second round
+    # 4 prompts a round, each its own chunk on a scoring worker; the evaluation on this thread
+    assert where == ["rl-rollout-score_0"] * 4 * rounds + ["MainThread"], where
+    assert after_where == ["MainThread"] * (rounds + 1), after_where
+    assert [r["step"] for r in a] == ["1", "2"] and a[1]["rollout/staleness"] == "1.0"
+    for row in a:  # each step's own judge work, and the worker's judge phase in the step that used it
+        assert float(row["judge/j/scored"]) > 0 and float(row["time/judge_j_score"]) > 0, row["step"]
+    for x, y in zip(a, b, strict=True):
+        for key in ("reward/mean", "reward/std", "reward/j", "judge/j/scored", "loss/policy", "grad_norm",
+                    "rollout/staleness", "dynamic_sampling/kept_groups", "dynamic_sampling/metric_mean"):
+            assert x[key] == y[key], (x["step"], key)
+    assert train_rows(streamed) == train_rows(after)
+    print(f"\ntime/reward streamed {[r['time/reward'] for r in a]} s, after the batch {[r['time/reward'] for r in b]} s")
+
+
 def test_unknown_spec_fails_at_startup_listing_the_served_ones(server: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=rf"does not serve spec 'nope'; it serves {SPEC}"):
         run(tmp_path, judge_table(engine="server", url=server, spec="nope"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 from collections.abc import Sequence
@@ -72,3 +73,27 @@ def test_without_seeds_the_batch_is_one_chunk_and_a_scorer_error_comes_out_of_re
     assert calls == [(0, 6)]
     with pytest.raises(ValueError, match="got 2 seeds for 3 requests"):
         generate_scored(qwen3_engine, PROMPTS, PARAMS, failing, seeds=SEEDS[:2])
+
+
+def test_a_streamed_rollout_pickles_with_its_results_and_the_original_still_gives_its_times(qwen3_engine):
+    """An asynchronous run's checkpoint pickles the rollouts in flight: the copy holds the
+    chunks' results (or a chunk's error), and the original, still used by the run, is untouched."""
+    timer = PhaseTimer()
+
+    def score(first: int, gens: list[Generation]) -> list[tuple[int, int]]:
+        with timer("judge"):
+            time.sleep(0.02)
+        return length_score(first, gens)
+
+    streamed = generate_scored(qwen3_engine, PROMPTS, PARAMS, lambda f, g: score(f, g), seeds=SEEDS, timer=timer)
+    copy = pickle.loads(pickle.dumps(streamed))  # a lambda scorer and the worker's futures do not travel
+    assert copy.streamed and copy.generations == streamed.generations
+    assert copy.results() == streamed.results() == length_score(0, streamed.generations)
+    assert timer.pop()["time/judge"] >= 3 * 0.02  # the original's worker phases, once
+
+    def failing(first: int, gens: list[Generation]) -> list[int]:
+        raise ValueError("judge exploded")
+
+    broken = pickle.loads(pickle.dumps(generate_scored(qwen3_engine, PROMPTS, PARAMS, failing, seeds=SEEDS)))
+    with pytest.raises(ValueError, match="judge exploded"):
+        broken.results()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
@@ -39,7 +39,11 @@ first generation in the batch (sample ids that must not depend on the chunking s
 class ScoredRollout(Generic[R]):
     """A batch's generations and their results (`generate_scored`). `results()` waits for the
     chunks still being scored and raises the first chunk's error, once every chunk is done (the
-    scorer never runs on after it returns)."""
+    scorer never runs on after it returns).
+
+    A streamed one pickles (an asynchronous run's checkpoint holds the rollouts in flight, see
+    `rl_core.train.pipeline`): it waits for its chunks and keeps their results or errors, not the
+    worker, the scorer or the worker's phase times (the copy's `results()` adds none)."""
 
     def __init__(self, generations: list[Generation], chunks: list[Future[Sequence[R]]] | None,
                  score: ChunkScorer[R], timer: PhaseTimer | None = None, times: list[dict[str, float]] | None = None,
@@ -65,6 +69,27 @@ class ScoredRollout(Generic[R]):
         if len(out) != len(self.generations):
             raise RuntimeError(f"the scorer gave {len(out)} results for {len(self.generations)} generations")
         return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._chunks is None:  # scored at `results()`: the copy needs the scorer itself
+            return {**self.__dict__, "_timer": None, "_times": []}
+        wait(self._chunks)  # the original keeps its futures and times: its own `results()` is unchanged
+        done = [(f.exception(), None if f.exception() else f.result()) for f in self._chunks]
+        return {**self.__dict__, "_chunks": done, "_score": None, "_timer": None, "_times": []}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if state["_chunks"] is not None:
+            state["_chunks"] = [_finished(error, value) for error, value in state["_chunks"]]
+        self.__dict__.update(state)
+
+
+def _finished(error: BaseException | None, value: Any) -> Future[Any]:
+    future: Future[Any] = Future()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+    return future
 
 
 def generate_scored(engine: Engine, requests: Sequence[Prompt], params: SamplingParams, score: ChunkScorer[R], *,
