@@ -482,7 +482,6 @@ class HFEngine:
         cand = torch.tensor(list(candidates), dtype=torch.long, device=self.device)  # [C]
         out = [torch.empty(len(suffixes), len(cand)) for _, suffixes in items]
         suffix_lens = [[len(s) for s in suffixes] for _, suffixes in items]
-        shared = 0
         shared = shared_prefix_len([prefix for prefix, suffixes in items if suffixes])  # of the rows' items
         head: list[tuple[torch.Tensor, torch.Tensor]] = []
         if self.score_attention == "flex":
