@@ -98,6 +98,24 @@ def test_flex_runs_the_shared_prefix_once_per_forward(qwen3_engine: HFEngine) ->
     assert inputs[0].count(SYSTEM[0]) == SYSTEM[:12].count(SYSTEM[0])  # the shared part is not repeated
 
 
+def test_mask_runs_the_shared_prefix_once_per_call(qwen3_engine: HFEngine) -> None:
+    """The 12 tokens all four SHARED_ITEMS start with run once, into a KV cache; each row then
+    holds only its item's own prefix and suffixes, so a batch of N judge prompts pays for
+    their system prompt once, not N times."""
+    engine = HFEngine(qwen3_engine.model, qwen3_engine.tokenizer, score_attention="mask")
+    inputs: list[list[list[int]]] = []
+    hook = engine.model.get_decoder().register_forward_pre_hook(
+        lambda _m, _a, kw: inputs.append(kw["input_ids"].tolist()), with_kwargs=True)
+    try:
+        engine.score_next_tokens_batch(SHARED_ITEMS, CANDIDATES)
+    finally:
+        hook.remove()
+    assert inputs[0] == [SYSTEM[:12]] and len(inputs) == 2  # the shared tokens, then one forward of rows
+    rows = inputs[1]
+    assert len(rows) == 4 and len(rows[0]) == max(len(p) - 12 + sum(map(len, ss)) for p, ss in SHARED_ITEMS)
+    assert sorted(row[0] for row in rows) == sorted(p[12] for p, _ in SHARED_ITEMS)  # each row starts after them
+
+
 def test_pack_rows_flat_and_the_shared_prefix() -> None:
     rows = [PackedRow(0, (0,), 7), PackedRow(1, (0,), 5), PackedRow(2, (0, 1), 4), PackedRow(3, (0,), 12)]
     assert pack_rows_flat(rows, 12) == [[rows[3]], [rows[0], rows[1]], [rows[2]]]  # 12 | 7+5 | 4
