@@ -97,3 +97,19 @@ def test_a_streamed_rollout_pickles_with_its_results_and_the_original_still_give
     broken = pickle.loads(pickle.dumps(generate_scored(qwen3_engine, PROMPTS, PARAMS, failing, seeds=SEEDS)))
     with pytest.raises(ValueError, match="judge exploded"):
         broken.results()
+
+
+def test_the_workers_phases_reach_the_caller_when_no_chunk_was_scored_before_the_rollout_returned(qwen3_engine):
+    """Without seeds the one chunk is submitted as the rollout returns, so none has been scored
+    yet: its `time/judge` still lands in the caller's timer at `results()` (it was lost while the
+    rollout kept a new empty list in place of the worker's)."""
+    timer = PhaseTimer()
+
+    def score(first: int, gens: list[Generation]) -> list[tuple[int, int]]:
+        with timer("judge"):
+            time.sleep(0.05)
+        return length_score(first, gens)
+
+    rollout = generate_scored(qwen3_engine, PROMPTS, PARAMS, score, timer=timer)
+    assert rollout.results() == length_score(0, rollout.generations)
+    assert timer.pop()["time/judge"] >= 0.05

@@ -49,7 +49,8 @@ class ScoredRollout(Generic[R]):
                  score: ChunkScorer[R], timer: PhaseTimer | None = None, times: list[dict[str, float]] | None = None,
                  ) -> None:
         self.generations = generations
-        self._chunks, self._score, self._timer, self._times = chunks, score, timer, times or []
+        self._chunks, self._score, self._timer = chunks, score, timer
+        self._times = times if times is not None else []  # the worker appends to this very list (`or []` replaced an empty one)
 
     @property
     def streamed(self) -> bool:
