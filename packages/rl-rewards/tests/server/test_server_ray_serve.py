@@ -496,8 +496,10 @@ def test_a_haproxy_that_outlived_its_ray_is_stopped_and_frees_its_port(tmp_path)
     pid, other = orphaned_haproxy(ours, port), orphaned_haproxy(theirs, other_port)
     try:
         assert stop_haproxy(ours) == [pid]
-        with socket.socket() as s:  # the port is free again
+        with socket.socket() as s:  # a server can listen on the port again (as servers do, past the
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # closed connections' TIME_WAIT)
             s.bind(("127.0.0.1", port))
+            s.listen()
         assert answers(other_port)
     finally:
         assert stop_haproxy(theirs) == [other]

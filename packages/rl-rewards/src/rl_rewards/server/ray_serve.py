@@ -161,13 +161,16 @@ def stop_haproxy(node_id: str, grace_s: float = 2.0) -> list[int]:
 
 
 def _signal(pid: int, sig: int) -> bool:
-    """Send `sig` to `pid`: whether it was there (a zombie child counts as gone)."""
+    """Send `sig` to `pid`: whether it is still there. A zombie no one reaps (an orphan under a
+    container's init) counts as gone once its last thread exited: HAProxy is multi-threaded, and
+    its main thread shows as a zombie while the others still close its sockets."""
     try:
         os.kill(pid, sig)
     except ProcessLookupError:
         return False
     with contextlib.suppress(OSError):
-        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+        zombie = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        if zombie and len(os.listdir(f"/proc/{pid}/task")) <= 1:
             return False
     return True
 
