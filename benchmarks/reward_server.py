@@ -30,7 +30,7 @@ CapRL qa requests of `--captions-per-request` captions x 8 questions.
 
 Judge batching part (`--backend judge-batching`): one judge replica (caption_qa exact; the tiny
 random Qwen3 of `rl_models.tiny` on the CPU by default, `--gpu --model PATH` on one GPU) under
-Ray Serve, `--clients` clients each sending single samples: `@serve.batch` with max_batch_size
+Ray Serve, `--clients` clients each sending single samples: replica batching with max_batch_size
 `--batch-size` vs max_batch_size 1 (batching off).
 """
 
@@ -408,7 +408,7 @@ reload closes the keep-alive connections open then (the load generator does not 
 def judge_batching_benchmark(model: str, gpu: bool, clients: int, seconds: float,
                              batch_size: int) -> list[list[object]]:
     """One judge replica under Ray Serve, `clients` concurrent clients each sending one sample
-    (a caption and its questions) a request: `@serve.batch` batching (`max_batch_size`
+    (a caption and its questions) a request: replica batching (`max_batch_size`
     `batch_size`) vs batching off (`max_batch_size = 1`: the replica scores one call at a time)."""
     import httpx
 
@@ -479,7 +479,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--backend", choices=["uvicorn", "ray-serve", "judge-batching"], default="uvicorn",
                         help="ray-serve: Ray Serve replicas vs --workers, for each of --replicas; judge-batching: "
-                             "a judge replica with @serve.batch vs max_batch_size 1 (--model, default tiny:qwen3)")
+                             "a judge replica batching vs max_batch_size 1 (--model, default tiny:qwen3)")
     parser.add_argument("--batch-size", type=int, default=64, help="judge-batching: max_batch_size when batching")
     parser.add_argument("--replicas", default="1,2,4,8", help="replica/worker counts for --backend ray-serve")
     parser.add_argument("--clients", type=int, default=64, help="concurrent clients for --backend ray-serve")

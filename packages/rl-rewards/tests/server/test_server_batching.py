@@ -98,3 +98,33 @@ def test_pool_failure_fails_only_its_requests():
         return ok
 
     assert [r.score for r in asyncio.run(main())] == [1.0]
+
+
+def test_a_call_cancelled_while_queued_is_not_scored_and_the_batch_leader_is_reported_once():
+    """One slot busy with a first call's batch; a second call waits in the queue and is cancelled
+    (a hedged try that lost): its samples never reach the scorer. `score_led` reports the batch
+    (samples, seconds) to the call that led it only."""
+    seen: list[int] = []
+
+    async def score(reward: str, batch: list[Sample]) -> list[ScoreResult]:
+        seen.append(len(batch))
+        await asyncio.sleep(0.1)
+        return [ScoreResult(score=1.0) for _ in batch]
+
+    async def main():
+        batcher = Batcher("r", score, BatchSettings(max_batch_size=64, max_wait_ms=1), 1, Metrics())
+        batcher.start()
+        first = asyncio.create_task(batcher.score_led(samples(2)))
+        await asyncio.sleep(0.03)  # the first batch is being scored
+        queued = asyncio.create_task(batcher.score_led(samples(5)))
+        await asyncio.sleep(0.01)
+        queued.cancel()
+        third = asyncio.create_task(batcher.score_led(samples(3)))
+        out = await asyncio.gather(first, third)
+        await batcher.close()
+        return out
+
+    (first, first_led), (third, third_led) = asyncio.run(main())
+    assert seen == [2, 3]  # the cancelled call's 5 samples were never scored
+    assert len(first) == 2 and first_led[0][0] == 2 and first_led[0][1] >= 0.1
+    assert len(third) == 3 and third_led[0][0] == 3

@@ -287,7 +287,7 @@ def test_two_replicas_share_the_requests(servers):
 @needs_serve
 def test_concurrent_single_sample_requests_are_batched_in_the_replica(servers):
     """Each request is one call to the deployment (the ingress does not batch); a sample's score
-    is the size of the scorer call it came in: more than one, so `@serve.batch` merged calls."""
+    is the size of the scorer call it came in: more than one, so the replica merged calls."""
     url, calls = servers["ray-serve"], Calls(servers["calls"])
     before = metric(url, "rl_rewards_batch_size_count", reward="probe")
     sizes = [scores(r)[0] for r in concurrently(url, [probe(1)] * 24)]

@@ -39,6 +39,7 @@ class _Piece:
     samples: list[Sample]
     tokens: int
     future: asyncio.Future[list[ScoreResult]] = field(repr=False)
+    led: tuple[int, float] | None = None  # the first piece of a batch: its (samples, scoring seconds)
 
 
 class Batcher:
@@ -64,8 +65,13 @@ class Batcher:
 
     async def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
         """Score `samples` (any number) through the queue; results come back in order."""
+        return (await self.score_led(samples))[0]
+
+    async def score_led(self, samples: Sequence[Sample]) -> tuple[list[ScoreResult], list[tuple[int, float]]]:
+        """`score`, and the `(samples, seconds)` of each batch one of these samples' pieces led
+        (came first in): a caller that reports batches elsewhere counts each batch once."""
         if not samples:
-            return []
+            return [], []
         size = self._settings.max_batch_size
         loop = asyncio.get_running_loop()
         pieces = []
@@ -80,15 +86,23 @@ class Batcher:
             parts = await asyncio.wait_for(asyncio.gather(*(p.future for p in pieces)), self._timeout_s)
         except TimeoutError:
             raise RuntimeError(self._timed_out(pieces)) from None
-        return [result for part in parts for result in part]
+        except asyncio.CancelledError:  # the caller gave up (a hedged try that lost): not scored for nothing
+            self._drop(pieces)
+            raise
+        return [result for part in parts for result in part], [p.led for p in pieces if p.led is not None]
 
-    def _timed_out(self, pieces: list[_Piece]) -> str:
-        """Take this request's pieces out of the queue (their futures are cancelled: a batch in
-        flight drops their results) and say where the request was."""
+    def _drop(self, pieces: list[_Piece]) -> int:
+        """Take these pieces out of the queue (a batch in flight drops their results: their
+        futures are cancelled); the samples that were still waiting."""
         mine = {id(p) for p in pieces}
         waiting = sum(len(p.samples) for p in self._queue if id(p) in mine)
         self._queue = deque(p for p in self._queue if id(p) not in mine)
         self._metrics.queue_depth.labels(self.reward).set(self._queued_samples())
+        return waiting
+
+    def _timed_out(self, pieces: list[_Piece]) -> str:
+        """Take this request's pieces out of the queue and say where the request was."""
+        waiting = self._drop(pieces)
         where = (f"; {waiting} of its {sum(len(p.samples) for p in pieces)} sample(s) still waited in the queue "
                  f"behind {len(self._inflight)} batch(es) in flight (at most {self.slots} at once)") if waiting else ""
         return f"reward {self.reward!r}: no result within request_timeout_s={self._timeout_s}{where}"
@@ -148,7 +162,9 @@ class Batcher:
             return
         finally:
             self._slots.release()
-        self._metrics.observe_batch(self.reward, samples, results, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self._metrics.observe_batch(self.reward, samples, results, seconds)
+        batch[0].led = (len(samples), seconds)
         offset = 0
         for piece in batch:
             part = results[offset : offset + len(piece.samples)]

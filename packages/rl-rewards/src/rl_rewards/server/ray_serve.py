@@ -4,8 +4,9 @@ One deployment per served reward (`reward_names`), named after it, and an ingres
 
 - **Reward deployments** (`RewardReplica`): each replica builds its own reward only (a judge's
   replica loads one model copy; `num_gpus` from `[ray_serve]` gives it a GPU) and scores batches
-  formed by `@serve.batch` from the calls of concurrent requests (mosec-style dynamic batching,
-  sized in samples and estimated tokens as `Batcher` sizes them). Replicas: `num_replicas`, or
+  formed from the calls of concurrent requests by the server's `Batcher` (mosec-style dynamic
+  batching, sized in samples and estimated tokens), the next batch collected once the scorer is
+  free. Replicas: `num_replicas`, or
   Ray Serve's autoscaler between `min_replicas` and `max_replicas`.
 - **Ingress** (`RewardIngress`, `ingress_replicas`, default 1): the very starlette app of `build_app` — routes,
   auth, limits, `/health`, `/metrics` — whose scoring service (`ReplicaService`) sends each
@@ -32,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import signal
 import sys
@@ -50,12 +50,12 @@ from rl_rewards.composition import score_isolated
 from rl_rewards.samples import Sample, ScoreResult, runs_inline
 from rl_rewards.server import protocols
 from rl_rewards.server.app import RewardService, build_app
-from rl_rewards.server.batching import estimate_tokens
+from rl_rewards.server.batching import Batcher, estimate_tokens
 from rl_rewards.server.limits import HTTPProblem
 from rl_rewards.server.metrics import Metrics
 from rl_rewards.server.process import free_port
 from rl_rewards.server.rewards import build_named, reward_names
-from rl_rewards.server.settings import ServerSettings, from_json, to_json
+from rl_rewards.server.settings import BatchSettings, ServerSettings, from_json, to_json
 
 try:
     import ray
@@ -179,14 +179,11 @@ def _signal(pid: int, sig: int) -> bool:
 
 
 class Piece(NamedTuple):
-    """Samples of one request sent in one call to a reward's deployment (msgpack `list[Sample]`),
-    with what `@serve.batch` needs to size a batch without decoding them."""
+    """Samples of one request sent in one call to a reward's deployment (msgpack `list[Sample]`):
+    at most one batch of them (`split`)."""
 
     payload: bytes
     n_samples: int
-    load: float
-    """The piece's estimated tokens in samples: tokens * max_batch_size / max_batch_tokens, at most
-    max_batch_size (a sample over the token budget is scored alone, as `Batcher` does)."""
 
 
 class Reply(NamedTuple):
@@ -215,12 +212,6 @@ def batch_budget(settings: ServerSettings, reward: str) -> Budget:
     )
 
 
-def batch_size(pieces: list[Piece]) -> int:
-    """A batch's size for `@serve.batch`: its samples, or its tokens counted in samples, whichever
-    is more, so the batch closes at max_batch_size samples or max_batch_tokens tokens."""
-    return max(sum(p.n_samples for p in pieces), math.ceil(sum(p.load for p in pieces)))
-
-
 def split(samples: Sequence[Sample], budget: Budget) -> list[Piece]:
     """Cut one request's samples into pieces that each fit a batch, by count and tokens."""
     pieces: list[Piece] = []
@@ -228,49 +219,52 @@ def split(samples: Sequence[Sample], budget: Budget) -> list[Piece]:
     for i, sample in enumerate(samples):
         cost = estimate_tokens(sample)
         if i > start and (i - start == budget.size or tokens + cost > budget.tokens):
-            pieces.append(_piece(samples[start:i], tokens, budget))
+            pieces.append(_piece(samples[start:i]))
             start, tokens = i, 0
         tokens += cost
     if start < len(samples):
-        pieces.append(_piece(samples[start:], tokens, budget))
+        pieces.append(_piece(samples[start:]))
     return pieces
 
 
-def _piece(samples: Sequence[Sample], tokens: int, budget: Budget) -> Piece:
-    load = min(tokens * budget.size / budget.tokens, float(budget.size))
-    return Piece(wire.encode_msgpack(list(samples)), len(samples), load)
+def _piece(samples: Sequence[Sample]) -> Piece:
+    return Piece(wire.encode_msgpack(list(samples)), len(samples))
 
 
 class RewardReplica:
     """One replica of a reward's deployment: builds that reward (a judge loads its model here)
-    and scores the batches `@serve.batch` forms from concurrent calls, one batch at a time, in a
-    thread of its own (model scorers are not thread-safe; rules run on the event loop)."""
+    and scores the calls of concurrent requests in batches, one batch at a time, in a thread of
+    its own (model scorers are not thread-safe; rules run on the event loop).
+
+    Batches are formed by the server's own `Batcher` (one slot), not `@serve.batch`: Ray Serve's
+    batch loop closes the next batch `batch_wait_ms` after its first call even while the previous
+    one is still scoring, so under load the replica scored a queue of small batches (a tiny
+    judge on a CPU, 64 clients: 2.7 samples a batch of the 64 allowed); here the next batch is
+    collected once the scorer is free, and takes every call that waited meanwhile."""
 
     def __init__(self, settings_json: bytes, reward: str) -> None:
         settings = from_json(settings_json)
+        self._reward = reward
         self._scorer = build_named(settings, reward)
         self._inline = runs_inline(self._scorer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl-rewards-score")
         budget = batch_budget(settings, reward)
-        self.score.set_max_batch_size(budget.size)  # type: ignore[attr-defined]  # @serve.batch's setters
-        self.score.set_batch_wait_timeout_s(budget.wait_s)  # type: ignore[attr-defined]
+        self._batching = BatchSettings(max_batch_size=budget.size, max_batch_tokens=budget.tokens,
+                                       max_wait_ms=budget.wait_s * 1000)
+        self._batcher: Batcher | None = None  # made on the replica's event loop, at its first call
 
-    @serve.batch(batch_size_fn=batch_size)
-    async def score(self, pieces: list[Piece]) -> list[Reply]:
-        samples = [s for p in pieces for s in wire.decode_msgpack(p.payload, list[Sample])]
-        started = time.perf_counter()
+    async def score(self, piece: Piece) -> Reply:
+        if self._batcher is None:
+            self._batcher = Batcher(self._reward, self._score_batch, self._batching, slots=1, metrics=Metrics())
+            self._batcher.start()
+        results, led = await self._batcher.score_led(wire.decode_msgpack(piece.payload, list[Sample]))
+        size, seconds = led[0] if led else (0, 0.0)
+        return Reply(wire.encode_msgpack(results), size, seconds)
+
+    async def _score_batch(self, reward: str, samples: list[Sample]) -> list[ScoreResult]:
         if self._inline:
-            results = score_isolated(self._scorer, samples)
-        else:
-            loop = asyncio.get_running_loop()
-            results = await loop.run_in_executor(self._executor, score_isolated, self._scorer, samples)
-        seconds = time.perf_counter() - started
-        replies, offset = [], 0
-        for i, piece in enumerate(pieces):
-            part = results[offset : offset + piece.n_samples]
-            offset += piece.n_samples
-            replies.append(Reply(wire.encode_msgpack(part), len(samples) if i == 0 else 0, seconds))
-        return replies
+            return score_isolated(self._scorer, samples)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, score_isolated, self._scorer, samples)
 
 
 # ----------------------------------------------------------------------------- ingress
@@ -425,7 +419,7 @@ async def _answer(response: Any) -> Reply:
 
 class ReplicaService(RewardService):
     """The app's scoring service under Ray Serve. No `Batcher` here: each reward's replicas
-    batch (`@serve.batch`), so a request's samples go straight to its reward's deployment."""
+    batch (`RewardReplica`), so a request's samples go straight to its reward's deployment."""
 
     def __init__(self, settings: ServerSettings, handles: dict[str, DeploymentHandle]) -> None:
         metrics = Metrics()

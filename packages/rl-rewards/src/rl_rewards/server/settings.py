@@ -78,8 +78,8 @@ class DeploymentSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unkno
     - Resources: `num_cpus` and `num_gpus` each replica reserves on the cluster (`ray_actor_options`);
       `num_gpus = 1` gives each judge replica a GPU of its own (Ray sets its `CUDA_VISIBLE_DEVICES`),
       `0.5` packs two replicas on one GPU.
-    - Batching (`@serve.batch` in each replica): calls from concurrent requests are scored together
-      once they hold `max_batch_size` samples or `max_batch_tokens` estimated tokens, or
+    - Batching (in each replica, the next batch collected once the last one is scored): calls from
+      concurrent requests are scored together once they hold `max_batch_size` samples or `max_batch_tokens` estimated tokens, or
       `batch_wait_ms` after the first arrived; unset, `[batching]`'s `max_batch_size`,
       `max_batch_tokens` and `max_wait_ms` apply. Raise `batch_wait_ms` for GPU judges (fuller
       forwards), keep it ~1 ms for rules.
