@@ -77,3 +77,22 @@ def test_a_model_without_decoder_layers_is_refused():
 
     with pytest.raises(ValueError, match="no `layers` list"):
         decoder_layers(NoLayers())
+
+
+@pytest.mark.parametrize("dynamic, graphs", [(True, 2), (None, 4)])
+def test_rows_of_new_lengths_with_and_without_padding_build_two_graphs_not_four(qwen3_path, dynamic, graphs):
+    """Micro-batches without padding reach the layers with no attention mask, padded ones with a
+    mask: dynamic from the start (the default) that is one graph each, built at their first
+    micro-batch; dynamo's automatic dynamic shapes (`dynamic=None`) built each twice, the second
+    at its variant's first new length, mid-run (caption-rl's step-3 recompile)."""
+    torch._dynamo.reset()
+    model, _ = load_causal_lm(qwen3_path, dtype="float32")
+    built = []
+    compile_decoder_layers(model, backend=lambda gm, inputs: built.append(gm) or gm.forward, dynamic=dynamic)
+    with torch.no_grad():
+        for rows, length, padded in [(2, 5, False), (2, 7, False), (2, 5, True), (2, 9, True), (2, 6, False)]:
+            mask = torch.ones(rows, length, dtype=torch.long)
+            if padded:
+                mask[0, 0] = 0  # a left-padded row: the layers get a mask
+            model(input_ids=torch.randint(5, 100, (rows, length)), attention_mask=mask, use_cache=False)
+    assert len(built) == graphs

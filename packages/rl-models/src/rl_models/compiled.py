@@ -50,7 +50,17 @@ def compile_decoder_layers(model: torch.nn.Module, **compile_kwargs: Any) -> tor
     layer index) that dynamo guards on, so each layer would become a graph of its own, hit
     dynamo's recompile limit (8) and leave every later forward, training included, uncompiled.
     An engine that compiles its own decode step (`rl_rollout.hf`) traces through the eager
-    layers as before."""
+    layers as before.
+
+    Why `dynamic=True` (the default here; pass `dynamic=None` for torch's): training rows vary
+    in length, and a micro-batch without padding reaches the layers with no attention mask
+    (transformers drops an all-ones one) while a padded one brings a mask. Left to dynamo's
+    automatic dynamic shapes, each of the two variants compiled first for its first length and
+    again, dynamic, at its first other length: caption-rl's tiny CPU run built its 4th layer
+    graph at step 3, and the H100 benchmark's step-3 update outlier (12.6 s against ~7 s) is
+    that pattern at full shape. Dynamic from the start, both graphs come with their first
+    micro-batch; the steady state ran the dynamic graphs anyway."""
+    compile_kwargs.setdefault("dynamic", True)
     for layer in decoder_layers(model):
         layer.forward = _CompiledWithoutCache(layer.forward, torch.compile(layer.forward, **compile_kwargs))
     return model
