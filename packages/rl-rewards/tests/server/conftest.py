@@ -81,12 +81,12 @@ def _stop_ray(ray: Any) -> None:
     """Shut the cluster down, and the high-throughput mode's HAProxy with it (as `serve` does)."""
     if not ray.is_initialized():
         return
-    node_id = ray.get_runtime_context().get_node_id()
-    ray.shutdown()
-    if importlib.util.find_spec("ray.serve") is not None:
-        from rl_rewards.server.ray_serve import stop_haproxy
+    if importlib.util.find_spec("ray.serve") is None:
+        ray.shutdown()
+        return
+    from rl_rewards.server.ray_serve import shutdown_local_ray
 
-        stop_haproxy(node_id)
+    shutdown_local_ray()
 
 
 def server_process(

@@ -136,6 +136,13 @@ def throughput_env() -> dict[str, str]:
             "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc), "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc + 64)}
 
 
+def shutdown_local_ray() -> None:
+    """`ray.shutdown()` of a Ray started on this machine, and then `stop_haproxy` of its node."""
+    node_id = ray.get_runtime_context().get_node_id()
+    ray.shutdown()
+    stop_haproxy(node_id)
+
+
 def stop_haproxy(node_id: str, grace_s: float = 2.0) -> list[int]:
     """Stop the HAProxy processes Ray Serve's high-throughput mode started for the local Ray node
     `node_id` (their config lives in a folder named after the node) once that Ray is shut down:
@@ -195,30 +202,24 @@ class Reply(NamedTuple):
     batch_seconds: float
 
 
-class Budget(NamedTuple):
+def batch_budget(settings: ServerSettings, reward: str) -> BatchSettings:
     """A reward's batch limits under Ray Serve: its `[ray_serve]` values, else `[batching]`'s."""
-
-    size: int
-    tokens: int
-    wait_s: float
-
-
-def batch_budget(settings: ServerSettings, reward: str) -> Budget:
     deployment, batching = settings.ray_serve.deployment(reward), settings.batching
-    return Budget(
-        size=batching.max_batch_size if deployment.max_batch_size is None else deployment.max_batch_size,
-        tokens=batching.max_batch_tokens if deployment.max_batch_tokens is None else deployment.max_batch_tokens,
-        wait_s=(batching.max_wait_ms if deployment.batch_wait_ms is None else deployment.batch_wait_ms) / 1000,
+    return BatchSettings(
+        max_batch_size=batching.max_batch_size if deployment.max_batch_size is None else deployment.max_batch_size,
+        max_batch_tokens=(batching.max_batch_tokens if deployment.max_batch_tokens is None
+                          else deployment.max_batch_tokens),
+        max_wait_ms=batching.max_wait_ms if deployment.batch_wait_ms is None else deployment.batch_wait_ms,
     )
 
 
-def split(samples: Sequence[Sample], budget: Budget) -> list[Piece]:
+def split(samples: Sequence[Sample], budget: BatchSettings) -> list[Piece]:
     """Cut one request's samples into pieces that each fit a batch, by count and tokens."""
     pieces: list[Piece] = []
     start, tokens = 0, 0
     for i, sample in enumerate(samples):
         cost = estimate_tokens(sample)
-        if i > start and (i - start == budget.size or tokens + cost > budget.tokens):
+        if i > start and (i - start == budget.max_batch_size or tokens + cost > budget.max_batch_tokens):
             pieces.append(_piece(samples[start:i]))
             start, tokens = i, 0
         tokens += cost
@@ -248,9 +249,7 @@ class RewardReplica:
         self._scorer = build_named(settings, reward)
         self._inline = runs_inline(self._scorer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl-rewards-score")
-        budget = batch_budget(settings, reward)
-        self._batching = BatchSettings(max_batch_size=budget.size, max_batch_tokens=budget.tokens,
-                                       max_wait_ms=budget.wait_s * 1000)
+        self._batching = batch_budget(settings, reward)
         self._batcher: Batcher | None = None  # made on the replica's event loop, at its first call
 
     async def score(self, piece: Piece) -> Reply:
@@ -354,10 +353,10 @@ class ReplicaPool:
                     results: list[ScoreResult] = wire.decode_msgpack(reply.results, list[ScoreResult])
                     self._observe(reward, results, reply)
                     return results
-                if attempt + 1 < pool.max_attempts:
+                if not last:
                     self._metrics.chunk_retries.inc()
                 log.warning("reward %r: a call to its deployment failed (%s)%s", reward, errors[-1],
-                            "; sending it again" if attempt + 1 < pool.max_attempts else "")
+                            "" if last else "; sending it again")
         finally:
             for task, response in pending.items():  # the tries still out (hung or slower than the winner)
                 response.cancel()
@@ -489,9 +488,10 @@ def check_ray_serve(settings: ServerSettings) -> None:
     limits = settings.max_concurrency()
     for name in names:
         budget = batch_budget(settings, name)  # also checks the reward's [ray_serve] table
-        if budget.size < 1 or budget.tokens < 1 or budget.wait_s < 0:
+        if budget.max_batch_size < 1 or budget.max_batch_tokens < 1 or budget.max_wait_ms < 0:
             raise ValueError(f"ray_serve deployment {name!r}: max_batch_size and max_batch_tokens must be >= 1 and "
-                             f"batch_wait_ms >= 0, got {budget.size}, {budget.tokens}, {budget.wait_s * 1000:g}")
+                             f"batch_wait_ms >= 0, got {budget.max_batch_size}, {budget.max_batch_tokens}, "
+                             f"{budget.max_wait_ms:g}")
         deployment = settings.ray_serve.deployment(name)
         most = deployment.num_replicas if deployment.max_replicas is None else deployment.max_replicas
         if name in limits and most > limits[name]:
@@ -509,7 +509,7 @@ def reward_deployment(settings: ServerSettings, name: str) -> Any:
         "name": name,
         "ray_actor_options": {"num_cpus": d.num_cpus, "num_gpus": d.num_gpus},
         # a replica holds a whole batch of single-sample calls by default
-        "max_ongoing_requests": batch_budget(settings, name).size if d.max_ongoing_requests is None else d.max_ongoing_requests,
+        "max_ongoing_requests": batch_budget(settings, name).max_batch_size if d.max_ongoing_requests is None else d.max_ongoing_requests,
         "health_check_period_s": pool.heartbeat_interval(),
         "health_check_timeout_s": pool.heartbeat_timeout_s / HEALTH_CHECKS_MISSED,
         "graceful_shutdown_timeout_s": settings.shutdown_timeout_s,
@@ -572,9 +572,7 @@ def run_ray_serve(settings: ServerSettings) -> None:
         if local:
             if answering:
                 _within(STATUS_WAIT_S, "stopping Ray Serve", serve.shutdown)
-            node_id = ray.get_runtime_context().get_node_id()
-            ray.shutdown()
-            stop_haproxy(node_id)  # the high-throughput mode's, where one outlived its manager
+            shutdown_local_ray()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if error is not None:
