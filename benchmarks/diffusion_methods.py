@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import csv
 import gc
+import json
 import math
 import statistics
 import subprocess
@@ -104,6 +105,9 @@ def main() -> None:
     parser.add_argument("--shape", choices=["tiny", "sd3.5-medium"], default="tiny",
                         help="tiny: the CPU reward curves; sd3.5-medium: seconds and memory per method on one GPU")
     parser.add_argument("--smoke", action="store_true", help="the sd3.5-medium table's code on the tiny SD3, CPU")
+    parser.add_argument("--cache", type=Path, default=None,
+                        help="keep each method's figures in DIR/<method>.json and reuse them: split the GPU table "
+                             "over several commands on one machine (each command under its time limit)")
     parser.add_argument("--methods", nargs="+", choices=list(GPU_METHODS), default=list(GPU_METHODS),
                         help="sd3.5-medium/--smoke: the methods to time (Flow-GRPO is always run: the ratios' base)")
     args = parser.parse_args()
@@ -213,7 +217,15 @@ def timings(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()  # the weights were built on the GPU: give it back to the runs
         overrides = epoch_overrides(args.smoke, pipeline)
         for name in names:
+            cached = args.cache / f"{name.replace(' ', '_')}.json" if args.cache else None
+            if cached is not None and cached.exists():
+                got[name] = json.loads(cached.read_text())
+                print(f"{name}: from {cached}", flush=True)
+                continue
             got[name] = time_method(Path(tmp) / "runs", name, overrides)
+            if cached is not None:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                cached.write_text(json.dumps(got[name]))
             print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in got[name].items()), flush=True)
     base, fast = got["Flow-GRPO"]["epoch"], got.get("Flow-GRPO-Fast", {}).get("epoch")
     header = ["method", "s/epoch", "sampling s", "training s", "other s", "peak GiB", "images/s",
