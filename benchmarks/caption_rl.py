@@ -287,6 +287,9 @@ def main() -> None:
     parser.add_argument("--vllm", action="store_true", help="both trainers roll out with a colocated vLLM (GPU)")
     parser.add_argument("--only", choices=("caption-rl", "trl"),
                         help="run one trainer only; prints its figures, appends nothing")
+    parser.add_argument("--cache", type=Path, default=None,
+                        help="keep each trainer's figures in DIR/<trainer>.json and reuse them: with --only, run the "
+                             "two sides in separate commands on one machine, then once more without --only to report")
     parser.add_argument("--side", choices=("caption-rl", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--policy", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -304,19 +307,27 @@ def main() -> None:
         args.result.write_text(json.dumps(figures))
         print(f"{args.side} figures: {json.dumps(figures)}")  # in the log too, if the other side fails
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        policy = build_policy(Path(tmp) / "policy", args.smoke)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # the children measure their own peaks; this process keeps no weights
-        if args.only:
-            side = run_side(args.only, args.smoke, steps, policy, Path(tmp),
-                            args.overrides if args.only == "caption-rl" else [], args.vllm)
-            print(json.dumps(side))
-            return
-        ours = run_side("caption-rl", args.smoke, steps, policy, Path(tmp), args.overrides, args.vllm)
-        theirs = run_side("trl", args.smoke, steps, policy, Path(tmp), [], args.vllm)
-    report(ours, theirs, smoke=args.smoke, vllm=args.vllm)
+    sides = [args.only] if args.only else ["caption-rl", "trl"]
+    cached = {side: args.cache / f"{side}.json" for side in sides} if args.cache else {}
+    got = {side: json.loads(path.read_text()) for side, path in cached.items() if path.exists()}
+    for side in got:
+        print(f"{side} figures from {cached[side]}")
+    if len(got) < len(sides):
+        with tempfile.TemporaryDirectory() as tmp:
+            policy = build_policy(Path(tmp) / "policy", args.smoke)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the children measure their own peaks; this process keeps no weights
+            for side in (s for s in sides if s not in got):
+                got[side] = run_side(side, args.smoke, steps, policy, Path(tmp),
+                                     args.overrides if side == "caption-rl" else [], args.vllm)
+                if side in cached:
+                    cached[side].parent.mkdir(parents=True, exist_ok=True)
+                    cached[side].write_text(json.dumps(got[side]))
+    if args.only:
+        print(json.dumps(got[args.only]))
+        return
+    report(got["caption-rl"], got["trl"], smoke=args.smoke, vllm=args.vllm)
 
 
 def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool, vllm: bool = False) -> None:
