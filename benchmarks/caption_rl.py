@@ -167,6 +167,9 @@ def run_figures(run: Path) -> dict:
     figures.update({key: max(float(r[key]) for r in rows) for key in rows[0] if key.startswith("memory/")})
     for phase in ("step", "rollout", "update"):  # every step, warm-up included, for the notes
         figures[f"steps/{phase}"] = [round(float(r[f"time/{phase}"]), 1) for r in every]
+    for key in ("compile/graphs", "time/compile", "response/truncation_rate"):  # what explains a slow step
+        if key in every[0]:
+            figures[f"steps/{key}"] = [round(float(r[key]), 3) if r.get(key) else 0.0 for r in every]
     return figures
 
 
