@@ -248,6 +248,10 @@ def check_config(cfg: Config, world_size: int) -> None:
         (t.max_staleness > 0 and t.sharding != "none", f"train.max_staleness={t.max_staleness}: asynchronous rollouts "
          f"of diffusion-grpo need train.sharding='none' (got {t.sharding!r}): its sharded LoRA is not published to a "
          "rollout copy yet"),
+        (m.family == "janus" and (cfg.sampling.sde_window_mode != "fixed" or cfg.sampling.sde_window is not None),
+         f"sampling.sde_window_mode={cfg.sampling.sde_window_mode!r} / sampling.sde_window={cfg.sampling.sde_window} "
+         "pick SD3's stochastic denoising steps: model.family='janus' samples and trains every image token (a token "
+         "window for Janus is not done); leave them at their defaults"),
         (m.compile and (m.family != "sd3" or t.sharding != "none"), "model.compile=true compiles the SD3 transformer's "
          f"blocks: it needs model.family='sd3' and train.sharding='none' (got {m.family!r}, {t.sharding!r})"),
         (m.family == "sd3" and int(cfg.sampling.num_steps * t.timestep_fraction) == 0,

@@ -276,6 +276,13 @@ def test_compile_is_refused_where_it_does_not_apply(app) -> None:
         checked(app, "model.compile=true", "train.sharding=fsdp2")
 
 
+@pytest.mark.parametrize("window", ["sampling.sde_window_mode=random", "sampling.sde_window=[0,2]"])
+def test_sd3_windows_are_refused_for_janus(app, window: str) -> None:
+    """A window picks SD3 denoising steps; Janus ignored it silently before."""
+    with pytest.raises(ConfigError, match=r"model\.family='janus' samples and trains every image token"):
+        checked(app, "--config", str(CONFIGS["janus"]), window)
+
+
 # torch's dynamo reads `.grad` of non-leaf fake tensors while tracing the replay (a UserWarning of
 # its own, an error under this suite's filterwarnings)
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
