@@ -57,7 +57,13 @@ from rl_core.train import (
     resolve_sharding,
     trainable_parameters,
 )
-from rl_models.janus import JanusImagePolicy, image_size, reference_image_token_logprobs
+from rl_models.janus import (
+    ImageTokenBatch,
+    JanusImagePolicy,
+    image_size,
+    num_image_tokens,
+    reference_image_token_logprobs,
+)
 from rl_models.lora import add_lora
 from rl_rollout import ImageSamples, build_image_engine
 from rl_rollout.diffusion import DiffusionEngine, PromptEmbeddings, SampleBatch, Trajectory
@@ -87,7 +93,7 @@ class Replays:
     units: Callable[[Any], float]
     filler: Any
     tolerance: float | None
-    steps: Sequence[Sequence[int]] = ()  # sd3: the replayed denoising steps of each sampled batch
+    steps: Sequence[Sequence[int]] = ()  # the replayed denoising steps (sd3) or trained token positions (janus windows) of each sampled batch
 
 
 class Family(Protocol):
@@ -243,6 +249,12 @@ class Janus(Family):
         if cfg.sampling.resolution != side:
             raise UserError(f"sampling.resolution={cfg.sampling.resolution}: this Janus checkpoint draws {side}x{side} "
                             f"images; set sampling.resolution={side}")
+        s, tokens = cfg.sampling, num_image_tokens(self.engine.model)
+        window = s.sde_window if s.sde_window_mode == "fixed" else s.sde_window_range
+        if window is not None and window[1] > tokens:
+            name = "sde_window" if s.sde_window_mode == "fixed" else "sde_window_range"
+            raise UserError(f"sampling.{name}={window}: this Janus checkpoint draws {tokens} image tokens an image; "
+                            f"keep the window's stop <= {tokens}")
         if j.gradient_checkpointing:
             self.engine.model.model.language_model.gradient_checkpointing_enable()
         self.engine.model.requires_grad_(False)
@@ -265,13 +277,19 @@ class Janus(Family):
         return self.weights
 
     def collect(self, chunks: list[Chunk], version: int) -> Sequence[ImageSamples]:
-        """Image tokens drawn with CFG (`sampling.guidance_scale`) at `janus.temperature`."""
-        return [self.rollout_engine.sample(list(c.prompts), guidance_scale=self.cfg.sampling.guidance_scale,
-                                           temperature=self.cfg.janus.temperature, seeds=c.seeds) for c in chunks]
+        """Image tokens drawn with CFG (`sampling.guidance_scale`) at `janus.temperature`; each
+        sampled batch keeps its window of trained token positions (`sampling.sde_window*`)."""
+        return [replace(self.rollout_engine.sample(list(c.prompts), guidance_scale=self.cfg.sampling.guidance_scale,
+                                                   temperature=self.cfg.janus.temperature, seeds=c.seeds), window=c.window)
+                for c in chunks]
 
     def replays(self, samples: Sequence[ImageSamples], adv: Sequence[torch.Tensor], plan: list[list[Micro]]) -> Replays:
-        """Each micro-batch is one forward and backward over its images' N tokens."""
+        """Each micro-batch is one forward and backward over its images' N tokens, or, with a window
+        [start, stop) of token positions, over the first `stop` tokens (causal: the later ones
+        cannot change them), training the window's `stop - start`."""
         rollouts, t, j = cast(Sequence[ImageRollout], samples), self.cfg.train, self.cfg.janus
+        tokens = rollouts[0].tokens.image_ids.shape[1]
+        windows = [r.window or (0, tokens) for r in rollouts]
         self.engine.release_cache()  # the KV cache is not needed until the next rollout
         scale = self.cfg.sampling.guidance_scale
         use_cfg = j.loss_logits == "cfg" and scale > 1
@@ -281,18 +299,23 @@ class Janus(Family):
 
         def replay(micro: Micro) -> Replay:
             k, rows, weight = micro
-            inputs = rollouts[k].tokens.index(rows).to(self.acc.device)
-            logp = self.model(inputs, guidance_scale=scale, temperature=j.temperature, use_cfg=use_cfg)  # [b, N]
+            start, stop = windows[k]
+            batch = rollouts[k].tokens.index(rows)
+            inputs = ImageTokenBatch(batch.prompt_ids, batch.prompt_mask, batch.image_ids[:, :stop],
+                                     batch.uncond_ids).to(self.acc.device)  # the tokens up to the window's end
+            logp = self.model(inputs, guidance_scale=scale, temperature=j.temperature,
+                              use_cfg=use_cfg)[:, start:]  # [b, W]
             kl = None
             if t.kl_beta > 0:
                 ref = reference_image_token_logprobs(self.peft, inputs, guidance_scale=scale,
-                                                     temperature=j.temperature, use_cfg=use_cfg)  # [b, N]
-                kl = compute_kl(j.kl, logp, ref)  # [b, N]
-            return Replay(logp, old[k][rows], adv[k][rows], weight, kl=kl)
+                                                     temperature=j.temperature, use_cfg=use_cfg)[:, start:]  # [b, W]
+                kl = compute_kl(j.kl, logp, ref)  # [b, W]
+            return Replay(logp, old[k][rows][:, start:stop], adv[k][rows], weight, kl=kl)
 
-        tokens = rollouts[0].tokens.image_ids.shape[1]
-        return Replays(plan, replay, units=lambda m: float(len(m[1]) * tokens) * m[2], filler=(0, torch.tensor([0]), 0.0),
-                       tolerance=t.ratio_tolerance if use_cfg else None)
+        trained = [range(*w) for w in windows] if any(r.window for r in rollouts) else []
+        return Replays(plan, replay, units=lambda m: float(len(m[1]) * (windows[m[0]][1] - windows[m[0]][0])) * m[2],
+                       filler=(0, torch.tensor([0]), 0.0), tolerance=t.ratio_tolerance if use_cfg else None,
+                       steps=trained)
 
     def eval_images(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
         return self.engine.sample(prompts, guidance_scale=self.cfg.eval.guidance_scale,

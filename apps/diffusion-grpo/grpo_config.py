@@ -248,10 +248,10 @@ def check_config(cfg: Config, world_size: int) -> None:
         (t.max_staleness > 0 and t.sharding != "none", f"train.max_staleness={t.max_staleness}: asynchronous rollouts "
          f"of diffusion-grpo need train.sharding='none' (got {t.sharding!r}): its sharded LoRA is not published to a "
          "rollout copy yet"),
-        (m.family == "janus" and (cfg.sampling.sde_window_mode != "fixed" or cfg.sampling.sde_window is not None),
-         f"sampling.sde_window_mode={cfg.sampling.sde_window_mode!r} / sampling.sde_window={cfg.sampling.sde_window} "
-         "pick SD3's stochastic denoising steps: model.family='janus' samples and trains every image token (a token "
-         "window for Janus is not done); leave them at their defaults"),
+        (m.family == "janus" and cfg.sampling.sde_window_mode != "fixed" and cfg.sampling.sde_window_range is None,
+         f"sampling.sde_window_mode={cfg.sampling.sde_window_mode!r} with model.family='janus' trains a window of "
+         "image-token positions: set sampling.sde_window_range=[start, limit) in tokens (Janus-Pro draws 576 a "
+         "384x384 image)"),
         (m.compile and (m.family != "sd3" or t.sharding != "none"), "model.compile=true compiles the SD3 transformer's "
          f"blocks: it needs model.family='sd3' and train.sharding='none' (got {m.family!r}, {t.sharding!r})"),
         (m.family == "sd3" and int(cfg.sampling.num_steps * t.timestep_fraction) == 0,
@@ -334,7 +334,16 @@ def window_range(cfg: Config) -> tuple[int, int]:
 def window_problems(cfg: Config) -> list[tuple[bool, str]]:
     """The random/sliding window's range against the steps (a `check_config` rule list)."""
     s = cfg.sampling
-    if s.sde_window_mode == "fixed" or cfg.model.family != "sd3":
+    if cfg.model.family == "janus":  # token positions: checked against the checkpoint's count when it loads
+        window = s.sde_window if s.sde_window_mode == "fixed" else s.sde_window_range
+        if window is None:
+            return []
+        name = "sde_window" if s.sde_window_mode == "fixed" else "sde_window_range"
+        return [(len(window) != 2 or not 0 <= window[0] < window[1],
+                 f"sampling.{name}={window} must be [start, stop) image-token positions, start < stop"),
+                (s.sde_window_mode == "random" and len(window) == 2 and window[0] + s.sde_window_size > window[1],
+                 f"sampling.sde_window_size={s.sde_window_size} does not fit in sampling.sde_window_range={window}")]
+    if s.sde_window_mode == "fixed":
         return []
     if s.sde_window_range is not None and len(s.sde_window_range) != 2:
         return [(True, f"sampling.sde_window_range={s.sde_window_range} must be [start, limit)")]

@@ -211,7 +211,7 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
             after_step=state.ema.step, what=f"step {step}: first replay, |log ratio| vs train.ratio_tolerance (bf16 "
                                             "with micro_batch_size != sample_batch_size needs a looser tolerance)")
         trained = sum(len(rows) * weight for micro in plan for _, rows, weight in micro)
-        if job.steps:  # sd3: how many denoising steps a sampled batch replays (its stochastic ones), and which
+        if job.steps:  # how many denoising steps (sd3) or token positions (janus) a sampled batch trains, and which
             every = [k for steps in job.steps for k in steps]
             metrics |= {"replay/steps_per_batch": len(every) / len(job.steps), "replay/first_step": min(every),
                         "replay/last_step": max(every)}
@@ -280,9 +280,7 @@ def sde_window(cfg: Config, epoch: int, first: int) -> tuple[int, int] | None:
     """The stochastic steps of the sampled batch whose first image is sample `first` of the epoch
     (`sampling.sde_window_mode`); a random window is drawn from (train.seed, epoch, first), so it
     does not depend on the process count and a resumed run draws it again."""
-    s = cfg.sampling
-    if cfg.model.family != "sd3":
-        return None  # janus samples tokens: no denoising steps
+    s = cfg.sampling  # sd3: denoising steps; janus: image-token positions (every token is sampled, a window trains)
     if s.sde_window_mode == "fixed":
         return (s.sde_window[0], s.sde_window[1]) if s.sde_window else None
     start, limit = window_range(cfg)

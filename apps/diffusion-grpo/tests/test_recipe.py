@@ -276,11 +276,30 @@ def test_compile_is_refused_where_it_does_not_apply(app) -> None:
         checked(app, "model.compile=true", "train.sharding=fsdp2")
 
 
-@pytest.mark.parametrize("window", ["sampling.sde_window_mode=random", "sampling.sde_window=[0,2]"])
-def test_sd3_windows_are_refused_for_janus(app, window: str) -> None:
-    """A window picks SD3 denoising steps; Janus ignored it silently before."""
-    with pytest.raises(ConfigError, match=r"model\.family='janus' samples and trains every image token"):
-        checked(app, "--config", str(CONFIGS["janus"]), window)
+def test_janus_window_settings_are_token_positions_checked_before_and_at_load(app, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"set sampling\.sde_window_range=\[start, limit\) in tokens"):
+        checked(app, "--config", str(CONFIGS["janus"]), "sampling.sde_window_mode=random")
+    with pytest.raises(ConfigError, match=r"sampling\.sde_window=\[5, 5\] must be \[start, stop\)"):
+        checked(app, "--config", str(CONFIGS["janus"]), "sampling.sde_window=[5,5]")
+    with pytest.raises(ConfigError, match=r"sampling\.sde_window_size=8 does not fit"):
+        checked(app, "--config", str(CONFIGS["janus"]), "sampling.sde_window_mode=random",
+                "sampling.sde_window_size=8", "sampling.sde_window_range=[10,16]")
+    with pytest.raises(UserError, match=r"sampling\.sde_window=\[4, 20\]: this Janus checkpoint draws 16 image tokens"):
+        train(app, tiny_config(app, "janus", tmp_path, "sampling.sde_window=[4,20]", "train.epochs=1"))
+
+
+def test_janus_trains_a_window_of_its_image_tokens(app, tmp_path: Path) -> None:
+    """A fixed window [4, 12) of the tiny checkpoint's 16 tokens: the replay runs the first 12
+    tokens only, and its log-probs still equal the rollout's to the default ratio_tolerance (1e-5):
+    the run would stop at the first replay otherwise. MixGRPO's sliding window moves by epoch."""
+    out = train(app, tiny_config(app, "janus", tmp_path / "fixed", "sampling.sde_window=[4,12]", "train.epochs=1"))
+    [row] = [r for r in _rows(out / "metrics.csv") if r.get("replay/steps_per_batch")]
+    assert (float(row["replay/steps_per_batch"]), float(row["replay/first_step"]), float(row["replay/last_step"])) == (8, 4, 11)
+    out = train(app, tiny_config(app, "janus", tmp_path / "sliding", "sampling.sde_window_mode=sliding",
+                                 "sampling.sde_window_size=4", "sampling.sde_window_range=[0,16]",
+                                 "sampling.shift_interval=1", "sampling.window_stride=4", "train.epochs=2"))
+    rows = [r for r in _rows(out / "metrics.csv") if r.get("replay/first_step")]
+    assert [(float(r["replay/first_step"]), float(r["replay/last_step"])) for r in rows] == [(0, 3), (4, 7)]
 
 
 # torch's dynamo reads `.grad` of non-leaf fake tensors while tracing the replay (a UserWarning of

@@ -72,6 +72,8 @@ class ImageRollout:
       drawn from (`softmax((u + s (c - u)) / T)`).
     - `images` `[B, 3, H, W]` float32 in [0, 1].
     - `seeds`: one per sample; sampling again with them redraws the same tokens.
+    - `window`: the image-token positions [start, stop) a trainer replays and trains (None: all);
+      the engine samples every token either way, a trainer sets it (diffusion-grpo's windows).
     """
 
     prompts: tuple[str, ...]
@@ -81,6 +83,7 @@ class ImageRollout:
     seeds: tuple[int, ...]
     guidance_scale: float
     temperature: float
+    window: tuple[int, int] | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
