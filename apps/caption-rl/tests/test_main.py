@@ -7,6 +7,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -259,8 +260,9 @@ def test_streamed_rewards_in_an_asynchronous_run(app, tmp_path, reward_server, m
     """train.max_staleness=1 with a reward server: the rollout thread's captions go to the server
     from its scoring worker, one request per prompt as it is sampled, not from the trainer's
     thread; the 2 steps (step 2 held in flight by checkpoint 1, pickled with its rewards) equal
-    those scored after the batch. Then the server dies before a step is scored: the step is
-    skipped with the error, as when the trainer's thread scores."""
+    those scored after the batch, and a resume from checkpoint 1 (step 2 comes from the checkpoint,
+    scored) gives step 2 and the weights of the uninterrupted run. Then the server dies before a
+    step is scored: the step is skipped with the error, as when the trainer's thread scores."""
     import caption_recipe
 
     url, proc = reward_server
@@ -275,13 +277,14 @@ def test_streamed_rewards_in_an_asynchronous_run(app, tmp_path, reward_server, m
 
     monkeypatch.setattr(caption_recipe, "_score", score)
 
-    def steps(name: str, stream: bool, count: int = 2) -> tuple[Path, list[str]]:
+    def steps(name: str, stream: bool, count: int = 2, resume: Path | None = None) -> tuple[Path, list[str]]:
         threads.clear()
-        run = app.main(tiny_overrides(tmp_path / name, "reward.spec=null", f"reward.url={url}", "reward.retries=2",
-                                      f"data.train=[\"{DATA / 'caption_qa_videos.jsonl'}\"]", "data.eval_size=0",
-                                      "rollout.n=2", "rollout.per_prompt_seeds=true", f"train.max_steps={count}",
-                                      "train.save_freq=1", "train.max_staleness=1",
-                                      "algo.rollout_correction=token_truncate", f"reward.stream={str(stream).lower()}"))
+        argv = tiny_overrides(tmp_path / name, "reward.spec=null", f"reward.url={url}", "reward.retries=2",
+                              f"data.train=[\"{DATA / 'caption_qa_videos.jsonl'}\"]", "data.eval_size=0",
+                              "rollout.n=2", "rollout.per_prompt_seeds=true", f"train.max_steps={count}",
+                              "train.save_freq=1", "train.keep_last=9", "train.max_staleness=1",
+                              "algo.rollout_correction=token_truncate", f"reward.stream={str(stream).lower()}")
+        run = app.main([*argv, "--resume", str(resume)] if resume else argv)
         return run, list(threads)
 
     kill_at = 0
@@ -296,6 +299,19 @@ def test_streamed_rewards_in_an_asynchronous_run(app, tmp_path, reward_server, m
             assert x[key] == y[key], (x["step"], key)
     samples = [(streamed / "samples" / "train.jsonl").read_text(), (after / "samples" / "train.jsonl").read_text()]
     assert samples[0] == samples[1]
+    cut = tmp_path / "cut" / streamed.name
+    shutil.copytree(streamed, cut)
+    shutil.rmtree(cut / "checkpoints" / "checkpoint-2")  # what the resume trains and exports is its own
+    shutil.rmtree(cut / "export")
+    resumed, resumed_where = steps("cut", True, resume=cut / "checkpoints" / "checkpoint-1")
+    assert resumed_where == [], resumed_where  # step 2 was sampled and scored before checkpoint 1: nothing rescored
+    c = rows(resumed)
+    assert [r["step"] for r in c] == ["1", "2"]
+    for key in ("reward/mean", "reward/qa", "loss/policy", "grad_norm", "rollout/staleness"):
+        assert c[1][key] == a[1][key], key
+    wa, wc = weights(streamed / "export"), weights(resumed / "export")
+    for name in wa:
+        torch.testing.assert_close(wc[name], wa[name], atol=0, rtol=0, msg=name)
     kill_at = 1  # one step, killed before its first prompt is scored: the run ends with nothing trained
     with pytest.raises(UserError, match="no step trained; every step was skipped"):
         steps("killed", True, count=1)
