@@ -315,8 +315,10 @@ def main() -> None:
         print(f"{args.side} figures: {json.dumps(figures)}")  # in the log too, if the other side fails
         return
     sides = [args.only] if args.only else ["caption-rl", "trl"]
-    cached = {side: args.cache / f"{side}.json" for side in sides} if args.cache else {}
-    got = {side: json.loads(path.read_text()) for side, path in cached.items() if path.exists()}
+    from benchmarks.results import cached_figures, load_figures, save_figures
+
+    cached = {side: cached_figures(args.cache, side) for side in sides}
+    got = {side: kept for side in sides if (kept := load_figures(cached[side])) is not None}
     for side in got:
         print(f"{side} figures from {cached[side]}")
     if len(got) < len(sides):
@@ -328,9 +330,7 @@ def main() -> None:
             for side in (s for s in sides if s not in got):
                 got[side] = run_side(side, args.smoke, steps, policy, Path(tmp),
                                      args.overrides if side == "caption-rl" else [], args.vllm)
-                if side in cached:
-                    cached[side].parent.mkdir(parents=True, exist_ok=True)
-                    cached[side].write_text(json.dumps(got[side]))
+                save_figures(cached[side], got[side])
     if args.only:
         print(json.dumps(got[args.only]))
         return

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import csv
 import gc
-import json
 import math
 import statistics
 import subprocess
@@ -51,7 +50,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.results import append_results, markdown_table  # noqa: E402
+from benchmarks.results import (  # noqa: E402
+    append_results,
+    cached_figures,
+    load_figures,
+    markdown_table,
+    save_figures,
+)
 
 EDGE = 3  # epochs averaged at each end for the rise
 
@@ -217,15 +222,14 @@ def timings(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()  # the weights were built on the GPU: give it back to the runs
         overrides = epoch_overrides(args.smoke, pipeline)
         for name in names:
-            cached = args.cache / f"{name.replace(' ', '_')}.json" if args.cache else None
-            if cached is not None and cached.exists():
-                got[name] = json.loads(cached.read_text())
+            cached = cached_figures(args.cache, name)
+            kept = load_figures(cached)
+            if kept is not None:
+                got[name] = kept
                 print(f"{name}: from {cached}", flush=True)
                 continue
             got[name] = time_method(Path(tmp) / "runs", name, overrides)
-            if cached is not None:
-                cached.parent.mkdir(parents=True, exist_ok=True)
-                cached.write_text(json.dumps(got[name]))
+            save_figures(cached, got[name])
             print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in got[name].items()), flush=True)
     base, fast = got["Flow-GRPO"]["epoch"], got.get("Flow-GRPO-Fast", {}).get("epoch")
     header = ["method", "s/epoch", "sampling s", "training s", "other s", "peak GiB", "images/s",

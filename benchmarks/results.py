@@ -78,3 +78,20 @@ def seconds_from_fresh_process(cmd: Sequence[str], mark: str, *, env: dict[str, 
     if not found:
         raise RuntimeError(f"{cmd[1]} alone printed no result: {(done.stdout + done.stderr)[-600:]}")
     return float(json.loads(found[-1].removeprefix(mark))["seconds"])
+
+
+def cached_figures(cache: Path | None, name: str) -> Path | None:
+    """Where `--cache DIR` keeps one run's figures (`DIR/<name>.json`, spaces as `_`), so a benchmark
+    too long for one command runs its parts in several on one machine; None without `--cache`."""
+    return cache / f"{name.replace(' ', '_')}.json" if cache is not None else None
+
+
+def load_figures(path: Path | None) -> dict | None:
+    """The figures kept at `path` by `save_figures`, or None (no cache, or not run yet)."""
+    return json.loads(path.read_text()) if path is not None and path.exists() else None
+
+
+def save_figures(path: Path | None, figures: dict) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(figures))

@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol, cast
 
 import torch
-from grpo_config import Config, ModelConfig, RolloutConfig, SamplingConfig
+from grpo_config import Config, ModelConfig, RolloutConfig, SamplingConfig, janus_window
 from peft import PeftModel
 from transformers import JanusForConditionalGeneration
 
@@ -249,10 +249,9 @@ class Janus(Family):
         if cfg.sampling.resolution != side:
             raise UserError(f"sampling.resolution={cfg.sampling.resolution}: this Janus checkpoint draws {side}x{side} "
                             f"images; set sampling.resolution={side}")
-        s, tokens = cfg.sampling, num_image_tokens(self.engine.model)
-        window = s.sde_window if s.sde_window_mode == "fixed" else s.sde_window_range
+        tokens = num_image_tokens(self.engine.model)
+        name, window = janus_window(cfg.sampling)
         if window is not None and window[1] > tokens:
-            name = "sde_window" if s.sde_window_mode == "fixed" else "sde_window_range"
             raise UserError(f"sampling.{name}={window}: this Janus checkpoint draws {tokens} image tokens an image; "
                             f"keep the window's stop <= {tokens}")
         if j.gradient_checkpointing:

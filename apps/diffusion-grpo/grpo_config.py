@@ -331,14 +331,18 @@ def window_range(cfg: Config) -> tuple[int, int]:
     return 0, max(1, int(s.num_steps * cfg.train.timestep_fraction))
 
 
+def janus_window(s: SamplingConfig) -> tuple[str, list[int] | None]:
+    """Janus's window key and value: `sde_window` (fixed mode) or `sde_window_range`, in image-token positions."""
+    return ("sde_window", s.sde_window) if s.sde_window_mode == "fixed" else ("sde_window_range", s.sde_window_range)
+
+
 def window_problems(cfg: Config) -> list[tuple[bool, str]]:
     """The random/sliding window's range against the steps (a `check_config` rule list)."""
     s = cfg.sampling
     if cfg.model.family == "janus":  # token positions: checked against the checkpoint's count when it loads
-        window = s.sde_window if s.sde_window_mode == "fixed" else s.sde_window_range
+        name, window = janus_window(s)
         if window is None:
             return []
-        name = "sde_window" if s.sde_window_mode == "fixed" else "sde_window_range"
         return [(len(window) != 2 or not 0 <= window[0] < window[1],
                  f"sampling.{name}={window} must be [start, stop) image-token positions, start < stop"),
                 (s.sde_window_mode == "random" and len(window) == 2 and window[0] + s.sde_window_size > window[1],
