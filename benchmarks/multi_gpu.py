@@ -1,6 +1,7 @@
-"""Issue 22's multi-GPU runs on one 2-GPU machine: each app launched as a user launches it.
+"""Issue 22's multi-GPU runs on one 2- or 4-GPU machine: each app launched as a user launches it.
 
     python benchmarks/multi_gpu.py                       # 2 GPUs, all three apps, ~12 min: appends to RESULTS.md
+    python benchmarks/multi_gpu.py --gpus 4 --only caption-speed --caption-kind DDP   # 1, 2 and 4 GPUs
     python benchmarks/multi_gpu.py --only caption        # one app (repeatable), as measured on 2 x H100:
                                                          #   caption ~4.5 min, rider ~4 min, diffusion ~3 min
     python benchmarks/multi_gpu.py --out DIR/RESULTS.md --logs DIR/logs   # append there; keep each run's log
@@ -22,16 +23,17 @@ single-GPU benchmarks' builders (no download). Parts, in order:
    `test_two_processes_equal_one_process_with_twice_the_batch` on the GPUs): DDP and FSDP2 vs
    one process, tiny Qwen2.5-VL, float32 with TF32 off (NVIDIA_TF32_OVERRIDE=0), hf rollouts
    seeded per prompt; max |diff| of the step's metrics and of the exported weights.
-2. caption-rl throughput at Qwen3-VL-2B shape, bf16: 1 GPU vs DDP and FSDP2 on 2 GPUs at the
-   same batch per GPU.
+2. caption-rl throughput at Qwen3-VL-2B shape, bf16: 1 GPU vs DDP and FSDP2 on 2 GPUs (and on 4
+   with `--gpus 4`) at the same batch per GPU.
 3. rider-grm throughput: Qwen3-1.7B-shape policy, two Qwen3-0.6B-shape judges on hf engines,
-   `reward.swap=always` (judges swapped in and out on every GPU); 1 GPU vs DDP on 2.
+   `reward.swap=always` (judges swapped in and out on every GPU); 1 GPU vs DDP on 2 (and 4).
 4. diffusion-grpo at SD3.5-Medium shape (LoRA r32, 512 px, 10 steps): (a) one GPU, rollout in
    process; (b) VRL's split preset, the trainer on GPU 0 and `rollout.workers=1
    rollout.placement=split` (one Ray actor) on GPU 1.
 
-Scaling efficiency = 2-GPU throughput / (2 x 1-GPU throughput), step (epoch) times averaged
-after the first `WARMUP` steps. Decode and layer compilation are off in every run
+Scaling efficiency = N-GPU throughput / (N x 1-GPU throughput), step (epoch) times averaged
+after the warm-up steps. Every process, the 1-GPU run's too, gets OMP_NUM_THREADS=1 (what
+`accelerate launch` sets for its ranks), so the baseline's host threads match the ranks'. Decode and layer compilation are off in every run
 (TORCH_COMPILE_DISABLE=1): caption-rl's first-step compile (~75 s on an H100) would not fit the
 time limit; it changes the step time equally for 1 and 2 GPUs but makes rollout, which needs
 no communication, a larger share. NVLink multicast stays off in every child (NCCL_NVLS_ENABLE=0,
@@ -106,6 +108,7 @@ class Bench:
     deadline: float  # time.monotonic() after which no run starts
     budget_s: float = BUDGET_S  # what the deadline was set from (for the messages)
     caption_kinds: tuple[str, ...] = ("DDP", "FSDP2")  # the 2-process caption-rl runs (keys of CAPTION_CONFIGS)
+    gpus: int = 2  # the most GPUs a throughput part runs on (2 or 4): runs at 1, 2, ..., gpus
     failures: list[str] = field(default_factory=list)
 
 
@@ -126,8 +129,7 @@ def child_env(cpu: bool, run: Launch) -> dict[str, str]:
     env |= {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
             "RAY_USAGE_STATS_ENABLED": "0", "TORCH_COMPILE_DISABLE": "1", **NO_MULTICAST}
     env["CUDA_VISIBLE_DEVICES"] = "" if cpu else run.gpus
-    if cpu:
-        env["OMP_NUM_THREADS"] = "1"
+    env["OMP_NUM_THREADS"] = "1"  # as `accelerate launch` sets for each rank: the 1-GPU baseline alike
     return env | run.env
 
 
@@ -227,9 +229,24 @@ def mean_of(rows: list[dict[str, str]], per_row: Callable[[dict[str, str]], floa
     return statistics.fmean(per_row(r) for r in measured(rows, warmup))
 
 
-def efficiency(two_gpu_per_s: float, one_gpu_per_s: float) -> str:
-    """Scaling efficiency: 2-GPU throughput / (2 x 1-GPU throughput); "-" without a 1-GPU figure."""
-    return fmt(two_gpu_per_s / (2 * one_gpu_per_s))
+def efficiency(per_s: float, gpus: int, one_gpu_per_s: float) -> str:
+    """Scaling efficiency: N-GPU throughput / (N x 1-GPU throughput); "-" without a 1-GPU figure."""
+    return fmt(per_s / (gpus * one_gpu_per_s))
+
+
+def gpu_counts(bench: Bench) -> list[int]:
+    """The GPU counts of a throughput part beyond the 1-GPU baseline: 2, then 4 with --gpus 4."""
+    return [g for g in (2, 4) if g <= bench.gpus]
+
+
+def gpu_span(bench: Bench) -> str:
+    """A table title's GPU counts: "2", or "1, 2 and 4"."""
+    return "1, 2 and 4" if bench.gpus == 4 else "2"
+
+
+def visible(gpus: int) -> str:
+    """CUDA_VISIBLE_DEVICES for a run on the first `gpus` GPUs."""
+    return ",".join(str(i) for i in range(gpus))
 
 
 def fmt(x: float, digits: int | None = None) -> str:
@@ -280,7 +297,7 @@ def scaling_table(bench: Bench, spec: Scaling) -> tuple[list[str], list[list[str
         per_s = mean_of(table, lambda r, g=gpus: spec.per_s(r, g), spec.warmup)
         baseline = per_s if gpus == 1 else baseline
         cells = [fmt(mean_of(table, lambda r, f=f, g=gpus: f(r, g), spec.warmup)) for f in spec.columns.values()]
-        rows.append([label, str(gpus), *cells, fmt(per_s), "baseline" if gpus == 1 else efficiency(per_s, baseline)])
+        rows.append([label, str(gpus), *cells, fmt(per_s), "baseline" if gpus == 1 else efficiency(per_s, gpus, baseline)])
         steps.append(f"{label}: {[round(spec.step_s(r), 2) for r in table]}")
     return header, rows, "; ".join(steps)
 
@@ -363,12 +380,13 @@ def compare_step(reference: Path, run_dir: Path, start: dict[str, torch.Tensor],
 
 
 def caption_throughput(bench: Bench) -> Table:
-    """1 GPU vs DDP / FSDP2 on 2 GPUs, the same prompts per GPU, Qwen3-VL-2B shape."""
+    """1 GPU vs DDP / FSDP2 on 2 (and 4) GPUs, the same prompts per GPU, Qwen3-VL-2B shape."""
     from benchmarks.caption_rl import MAX_PIXELS, build_policy
 
     policy = build_policy(bench.root / "caption-policy", smoke=bench.cpu)
     release_gpu()
-    prompts, n, tokens, micro, steps = (2, 2, 8, 4, 2) if bench.cpu else (8, 4, 64, 16, 3)
+    prompts, n, tokens, micro, steps = (2, 2, 8, 4, 2) if bench.cpu else (8, 4, 64, 16, 5)
+    warmup = 1 if bench.cpu else 2  # step 1 creates the Adam state; step 2 is the first at full speed on most runs
 
     def overrides(world: int) -> list[str]:
         return [f'model.path="{policy}"', f'model.dtype="{"float32" if bench.cpu else "bfloat16"}"',
@@ -382,37 +400,40 @@ def caption_throughput(bench: Bench) -> Table:
                 "train.lr=1e-4"]
 
     runs = {"1 GPU": (1, Launch("caption-rl", "speed-1gpu", overrides(1)))}
-    for kind, config in caption_configs(bench).items():
-        runs[f"{kind}, 2 GPUs"] = (2, Launch("caption-rl", f"speed-{kind.lower()}", overrides(2), procs=2,
-                                             accelerate_config=config, gpus="0,1"))
+    for gpus in gpu_counts(bench):
+        for kind, config in caption_configs(bench).items():
+            runs[f"{kind}, {gpus} GPUs"] = (gpus, Launch("caption-rl", f"speed-{kind.lower()}-{gpus}", overrides(gpus),
+                                                         procs=gpus, accelerate_config=config, gpus=visible(gpus)))
     captions = prompts * n  # per GPU per step
     header, rows, per_step = scaling_table(bench, Scaling(
         runs, "tokens/s (all GPUs)", per_s=lambda r, _: value(r, "throughput/tokens_per_s") * value(r, "world_size"),
         step_s=phase_s("step"), columns={
             "captions/step (all GPUs)": lambda _, gpus: captions * gpus,
             "s/step": lambda r, _: value(r, "time/step"),
-            "generate s": lambda r, _: value(r, "time/generate"),
+            "rollout s": lambda r, _: value(r, "time/rollout"),
             "update s": lambda r, _: value(r, "time/update"),
             "weight gather s": lambda r, _: value(r, "time/weight_gather"),
-            "captions/s": lambda r, gpus: captions * gpus / value(r, "time/step")}))
+            "captions/s": lambda r, gpus: captions * gpus / value(r, "time/step")}, warmup=warmup))
     shape = "the caption benchmark's smoke Qwen3-VL" if bench.cpu else "Qwen3-VL-2B shape (vocab 151,936)"
     notes = (f"caption-rl, random weights at {shape}, {'float32' if bench.cpu else 'bf16'}, full fine-tuning "
              f"with gradient checkpointing, hf engine (decode not compiled), {prompts} images x {n} captions x "
              f"{tokens} tokens per GPU per step, micro-batches of {micro}, rule reward, optimizer state kept on "
-             f"the GPU; {steps} steps, mean after the first {WARMUP}. tokens/s: (prompt + caption tokens) / step "
-             "seconds, all GPUs (the app's throughput/tokens_per_s x world size). Scaling efficiency: 2-GPU "
-             "tokens/s / (2 x 1-GPU tokens/s); the 1-GPU run is unsharded for both. Launch: "
-             f"examples/caption-rl/accelerate/{{{', '.join(caption_configs(bench).values())}}} with --num_processes 2. "
+             f"the GPU; {steps} steps, mean after the first {warmup}. tokens/s: (prompt + caption tokens) / step "
+             "seconds, all GPUs (the app's throughput/tokens_per_s x world size). Scaling efficiency: N-GPU "
+             "tokens/s / (N x 1-GPU tokens/s); the 1-GPU run is unsharded. Every process with OMP_NUM_THREADS=1. "
+             f"Launch: examples/caption-rl/accelerate/{{{', '.join(caption_configs(bench).values())}}} with "
+             f"--num_processes {' / '.join(map(str, gpu_counts(bench)))}. "
              "Seconds per step, "
              f"warm-up included: {per_step}.")
-    return Table(f"caption-rl on 2 GPUs: {' and '.join(bench.caption_kinds)} scaling", header, rows, notes)
+    return Table(f"caption-rl on {gpu_span(bench)} GPUs: {' and '.join(bench.caption_kinds)} scaling", header, rows,
+                 notes)
 
 
 # ------------------------------------------------------------------------------ rider-grm
 
 
 def rider_throughput(bench: Bench) -> Table:
-    """Policy + 2 judges swapped on every GPU: 1 GPU vs DDP on 2 GPUs, the same prompts per GPU."""
+    """Policy + 2 judges swapped on every GPU: 1 GPU vs DDP on 2 (and 4) GPUs, the same prompts per GPU."""
     from benchmarks.rider_grm import (
         PHASES,
         SHAPE_1_7B,
@@ -442,9 +463,10 @@ def rider_throughput(bench: Bench) -> Table:
                 "train.save_freq=1000", "train.val_before_train=false", "algo.replay_tolerance=0.5",
                 "rollout.max_batch_size=64"]
 
-    runs = {"1 GPU": (1, Launch("rider-grm", "speed-1gpu", overrides(1))),
-            "DDP, 2 GPUs": (2, Launch("rider-grm", "speed-ddp", overrides(2), procs=2,
-                                      accelerate_config="ddp_1node.yaml", gpus="0,1"))}
+    runs = {"1 GPU": (1, Launch("rider-grm", "speed-1gpu", overrides(1)))}
+    for gpus in gpu_counts(bench):
+        runs[f"DDP, {gpus} GPUs"] = (gpus, Launch("rider-grm", f"speed-ddp-{gpus}", overrides(gpus), procs=gpus,
+                                                  accelerate_config="ddp_1node.yaml", gpus=visible(gpus)))
     step_s, responses = phase_s(*PHASES), prompts * n  # per GPU per step
     header, rows, per_step = scaling_table(bench, Scaling(
         runs, "responses/s (all GPUs)", per_s=lambda r, gpus: responses * gpus / step_s(r), step_s=step_s, columns={
@@ -462,10 +484,12 @@ def rider_throughput(bench: Bench) -> Table:
              f"{prompts} prompts x n={n} x {tokens} response tokens per GPU per step, one optimizer step per RL "
              f"step, KL loss to the reference; {steps} steps, mean after the first {warmup} (step 1 creates the "
              "Adam state, step 2's swap first moves it to pinned host buffers). s/step sums the "
-             f"phases {', '.join(PHASES)} (the last step's validation is outside it). Scaling efficiency: 2-GPU "
-             "responses/s / (2 x 1-GPU responses/s). 2 GPUs: examples/rider-grm/accelerate/ddp_1node.yaml, "
-             f"--num_processes 2. Seconds per step, warm-up included: {per_step}.")
-    return Table("rider-grm on 2 GPUs, judges swapped: DDP scaling", header, rows, notes)
+             f"phases {', '.join(PHASES)} (the last step's validation is outside it). Scaling efficiency: N-GPU "
+             "responses/s / (N x 1-GPU responses/s), every process with OMP_NUM_THREADS=1. N GPUs: "
+             "examples/rider-grm/accelerate/ddp_1node.yaml, "
+             f"--num_processes {' / '.join(map(str, gpu_counts(bench)))}. Seconds per step, warm-up included: "
+             f"{per_step}.")
+    return Table(f"rider-grm on {gpu_span(bench)} GPUs, judges swapped: DDP scaling", header, rows, notes)
 
 
 # ------------------------------------------------------------------------------ diffusion-grpo
@@ -481,8 +505,9 @@ def diffusion_throughput(bench: Bench) -> Table:
         size, sampling_steps, text_tokens, n, groups, epochs = 32, 4, 8, 4, 2, 2
         model = [f'model.path="{pipeline}"', 'model.dtype="float32"']
     else:
-        size, sampling_steps, text_tokens, n, groups, epochs = 512, 10, 128, 8, 1, 3
-        model = [f'model.path="{pipeline}"', 'model.dtype="bfloat16"', "model.lora_rank=32", "model.lora_alpha=64"]
+        size, sampling_steps, text_tokens, n, groups, epochs = 512, 10, 128, 8, 1, 4
+        model = [f'model.path="{pipeline}"', 'model.dtype="bfloat16"', "model.lora_rank=32", "model.lora_alpha=64",
+                 "model.compile=false"]  # as every run here: eager (TORCH_COMPILE_DISABLE=1)
     common = [*model, f"sampling.resolution={size}", f"sampling.num_steps={sampling_steps}",
               f"sampling.max_sequence_length={text_tokens}", f"rollout.n={n}", f"rollout.groups_per_epoch={groups}",
               f"rollout.sample_batch_size={n}", f"train.micro_batch_size={n}", "train.gradient_accumulation_steps=1",
@@ -491,23 +516,30 @@ def diffusion_throughput(bench: Bench) -> Table:
     runs = {"(a) 1 GPU, rollout in process": (1, Launch("diffusion-grpo", "speed-colocated", common)),
             "(b) trainer GPU 0 + Ray rollout worker GPU 1 (split)": (2, Launch(
                 "diffusion-grpo", "speed-split", [*common, "rollout.workers=1", 'rollout.placement="split"'],
-                gpus="0,1"))}
-    epoch_s, images = phase_s("rollout", "reward", "update"), n * groups  # per epoch (= loop step)
+                gpus="0,1")),
+            "(c) as (b), asynchronous: the worker samples epoch k+1 while epoch k trains (max_staleness=1)": (2, Launch(
+                "diffusion-grpo", "speed-split-async", [*common, "rollout.workers=1", 'rollout.placement="split"',
+                                                        "train.max_staleness=1"], gpus="0,1"))}
+    epoch_s, images = phase_s("step"), n * groups  # per epoch (= loop step): the loop's whole step
     header, rows, per_epoch = scaling_table(bench, Scaling(
         runs, "images/s", per_s=lambda r, _: images / epoch_s(r), step_s=epoch_s, columns={
             "images/epoch": lambda *_: images,
             "rollout s": lambda r, _: value(r, "time/rollout"),
             "train s": lambda r, _: value(r, "time/update"),
+            "waited for the rollout s": lambda r, _: value(r, "time/rollout_wait"),
             "epoch s": lambda r, _: epoch_s(r),
-            "first replay max abs log ratio": lambda r, _: value(r, "replay/engine_diff_max")}))
+            # an epoch sampled by older weights (max_staleness=1) is not checked: its ratio is the update's
+            "first replay max abs log ratio (on-policy epochs)": lambda r, _: (
+                value(r, "replay/engine_diff_max") if not value(r, "rollout/staleness") > 0 else math.nan)}))
     shape = "tiny SD3 (rl_models.tiny)" if bench.cpu else "SD3.5-Medium shape (rl_models.shapes), LoRA r32/alpha 64"
     notes = (f"diffusion-grpo (Flow-GRPO), random weights, {shape}, {'float32' if bench.cpu else 'bf16'}; "
              f"{groups} prompts x {n} images per epoch at {size}x{size}, {sampling_steps} SDE steps, CFG 4.5, "
              f"brightness reward in process, replay of int(0.99 x {sampling_steps}) steps + KL reference, micro-batches "
-             f"of {n}; {epochs} epochs, mean after the first {WARMUP}. epoch s = rollout + reward + update (the "
-             "rollout includes pushing the LoRA to the worker); (b)'s rollout and training still alternate "
-             "(no overlap), so its gain is only what running the rollout elsewhere saves. Scaling efficiency: "
-             f"(b) images/s / (2 x (a) images/s), both GPUs counted. Seconds per epoch, warm-up included: {per_epoch}.")
+             f"of {n}; {epochs} epochs, mean after the first {WARMUP}. epoch s = the loop's whole step (time/step); "
+             "(b)'s rollout (pushing the LoRA to the worker included) and training alternate, so its gain is only "
+             "what running the rollout elsewhere saves; (c) overlaps them (the rollout s is then the worker's, "
+             "in the background; waited s is what the trainer waited for it). Scaling efficiency: "
+             f"(b) or (c) images/s / (2 x (a) images/s), both GPUs counted. Seconds per epoch, warm-up included: {per_epoch}.")
     return Table("diffusion-grpo: trainer + Ray rollout worker on 2 GPUs (VRL split preset)", header, rows, notes)
 
 
@@ -523,6 +555,7 @@ def release_gpu() -> None:
 
 PARTS: dict[str, list[Callable[[Bench], Table]]] = {
     "caption": [caption_equality, caption_throughput],
+    "caption-speed": [caption_throughput],  # the throughput table alone (no equality step)
     "rider": [rider_throughput],
     "diffusion": [diffusion_throughput],
 }
@@ -539,7 +572,7 @@ def report(bench: Bench, table: Table, out: Path) -> None:
     append_results(table.title, table.header, table.rows, notes, path=out)
 
 
-PART_APPS = {"caption": "caption-rl", "rider": "rider-grm", "diffusion": "diffusion-grpo"}
+PART_APPS = {"caption": "caption-rl", "caption-speed": "caption-rl", "rider": "rider-grm", "diffusion": "diffusion-grpo"}
 PART_MODULES = {"diffusion": ("diffusers", "ray")}  # imported only by that part's runs (split placement: Ray)
 
 
@@ -583,9 +616,13 @@ def main() -> None:
     parser.add_argument("--caption-kind", action="append", choices=list(CAPTION_CONFIGS),
                         help="caption-rl's 2-process runs: only this kind (repeatable; default: all); the "
                              "1-process reference always runs")
+    parser.add_argument("--gpus", type=int, choices=(2, 4), default=2,
+                        help="the throughput parts (caption, rider) run on 1, 2 and, with 4, 4 GPUs; the equality "
+                             "step and diffusion-grpo's split stay on 2 (with --cpu: gloo processes)")
     args = parser.parse_args()
-    if not args.cpu and torch.cuda.device_count() < 2:
-        raise SystemExit(f"needs 2 GPUs, sees {torch.cuda.device_count()}; --cpu runs the tiny pipeline on the CPU")
+    if not args.cpu and torch.cuda.device_count() < args.gpus:
+        raise SystemExit(f"needs {args.gpus} GPUs, sees {torch.cuda.device_count()}; --cpu runs the tiny pipeline "
+                         "on the CPU")
     preflight(args.only or list(PARTS), args.cpu)
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="multi_gpu-") as tmp, \
@@ -594,7 +631,7 @@ def main() -> None:
         logs.mkdir(parents=True, exist_ok=True)
         bench = Bench(cpu=args.cpu, root=Path(tmp), runs=Path(runs), logs=logs, deadline=began + args.budget_s,
                       budget_s=args.budget_s,
-                      caption_kinds=tuple(args.caption_kind or CAPTION_CONFIGS))
+                      caption_kinds=tuple(args.caption_kind or CAPTION_CONFIGS), gpus=args.gpus)
         print(f"run directories in {runs}, logs in {logs}", flush=True)
         for part in args.only or list(PARTS):
             for measure in PARTS[part]:
