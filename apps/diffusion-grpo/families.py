@@ -34,11 +34,20 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, cast
 
 import torch
-from grpo_config import Config, ModelConfig, RolloutConfig, SamplingConfig, janus_window
+from grpo_config import (
+    Config,
+    ModelConfig,
+    RolloutConfig,
+    SamplingConfig,
+    compiles_blocks,
+    first_replay_tolerance,
+    janus_window,
+)
 from peft import PeftModel
 from transformers import JanusForConditionalGeneration
 
@@ -131,10 +140,13 @@ class SD3(Family):
     def __init__(self, cfg: Config, acc: Any, path: str) -> None:
         m, t, s = cfg.model, cfg.train, cfg.sampling
         self.cfg, self.acc, self.path = cfg, acc, path
-        # model.compile: blocks compiled for sampling and replay (first replay |log ratio| ~4e-4 in bf16)
+        # model.compile (None: on CUDA): blocks compiled for sampling and replay (first replay |log ratio|
+        # ~4e-4 in bf16, inside the automatic train.ratio_tolerance)
+        self.compiled = compiles_blocks(cfg, acc.device.type)
+        self.tolerance = first_replay_tolerance(cfg, self.compiled)
         self.engine = cast(DiffusionEngine, build_image_engine(
             "sd3", path=path, dtype=m.dtype, device=acc.device, text_encoder_dtype=m.text_encoder_dtype,
-            compile=m.compile, **rollout_options(s)))
+            compile=self.compiled, **rollout_options(s)))
         self.engine.transformer.requires_grad_(False)
         self.peft = add_lora(self.engine.transformer, family="sd3", r=m.lora_rank, alpha=m.lora_alpha,
                              target_modules=m.lora_targets)
@@ -153,7 +165,7 @@ class SD3(Family):
     def start(self) -> None:
         if self.cfg.rollout.workers:
             self.pool, self.owns_ray = start_workers(self.cfg.rollout, self.cfg.model, self.path, self.acc,
-                                                     self.cfg.sampling)
+                                                     self.cfg.sampling, compile=self.compiled)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -164,16 +176,26 @@ class SD3(Family):
                 ray.shutdown()
 
     def weight_channel(self, steps: Callable[[], int]) -> RolloutWeights:
-        if self.full is not None:
-            raise ConfigError(f"train.max_staleness={self.cfg.train.max_staleness}: asynchronous rollouts need "
-                              f"train.sharding='none' (got {self.cfg.train.sharding!r})")
+        """The rollout thread samples with a copy of the LoRA model: sharing the frozen base with
+        the trainer's, or, for a sharded policy (FSDP2), a whole copy of its own made from one
+        gather on every process (budget the transformer once more per GPU); each version's LoRA
+        is then all-gathered on the trainer's thread, where the collective belongs. Ray workers
+        get each version's LoRA instead."""
         inner: WeightChannel
         if self.pool is not None:
+            if self.full is not None:
+                raise ConfigError(f"train.max_staleness={self.cfg.train.max_staleness} with rollout.workers="
+                                  f"{self.cfg.rollout.workers}: a sharded LoRA is not published to Ray workers yet; "
+                                  "set train.sharding='none' or rollout.workers=0")
             if self.cfg.rollout.placement == "colocated":
                 self.pool.wake()  # awake for the whole run: the workers sample while the trainer updates
             inner = LoraVersions(self.engine.transformer)
         else:
-            twin = copy_sharing_frozen(self.peft)
+            if self.full is not None:
+                with whole_weights(self) as whole:
+                    twin = cast(torch.nn.Module, copy.deepcopy(whole)).requires_grad_(False)
+            else:
+                twin = copy_sharing_frozen(self.peft)
             self.rollout_engine = engine_over(self.engine, cast(PeftModel, twin).get_base_model())
             inner = CopyChannel(self.peft, twin)
         self.weights = RolloutWeights(inner, steps)
@@ -186,7 +208,9 @@ class SD3(Family):
             "num_steps": s.num_steps, "guidance_scale": s.guidance_scale, "height": s.resolution, "width": s.resolution,
             "noise_level": s.noise_level, "kind": s.kind, "max_sequence_length": s.max_sequence_length,
             "keep_means": self.cfg.train.ratio_norm}  # GRPO-Guard's RatioNorm needs the rollout's step means
-        with whole_weights(self):  # a sharded policy's weights gathered into the engine's copy
+        # a sharded policy's weights gathered into the engine's copy (asynchronous: the rollout
+        # thread's copy holds them already, and the gather, a collective, stays on the trainer's thread)
+        with whole_weights(self) if weights is None else nullcontext():
             if pool is None:
                 return sample_chunks(self.rollout_engine, chunks, **kwargs)
             if colocated:
@@ -229,7 +253,7 @@ class SD3(Family):
 
         window = [[(k, rows, weight, step) for k, rows, weight in micro for step in sources[k][1]] for micro in packed]
         return Replays(window, replay, units=lambda m: float(len(m[1])) * m[2],
-                       filler=(0, torch.tensor([0]), 0.0, steps[0][0]), tolerance=t.ratio_tolerance, steps=steps)
+                       filler=(0, torch.tensor([0]), 0.0, steps[0][0]), tolerance=self.tolerance, steps=steps)
 
     def eval_images(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
         e, s = self.cfg.eval, self.cfg.sampling  # the deterministic ODE sampler, `eval.num_steps` steps
@@ -266,11 +290,14 @@ class Janus(Family):
 
     def weight_channel(self, steps: Callable[[], int]) -> RolloutWeights:
         """The rollout thread's engine decodes with a copy of the LoRA model (its own KV cache and
-        processor)."""
+        processor). Its decode step compiles without CUDA graphs: captured from the rollout
+        thread, which runs on a CUDA stream of its own, the graphs of "reduce-overhead" came out
+        empty (torch 2.11, H200)."""
         twin, e = copy_sharing_frozen(self.peft), self.engine
+        mode = "default" if e.compile_mode == "reduce-overhead" else e.compile_mode
         self.rollout_engine = JanusEngine(cast(JanusForConditionalGeneration, cast(PeftModel, twin).get_base_model()),
                                           copy.deepcopy(e.processor), device=e.device, max_batch_size=e.max_batch_size,
-                                          compile=e.compile, compile_mode=e.compile_mode, logprobs=e.logprobs,
+                                          compile=e.compile, compile_mode=mode, logprobs=e.logprobs,
                                           chunk_size=e.chunk_size)
         self.weights = RolloutWeights(CopyChannel(self.peft, twin), steps)
         return self.weights
@@ -313,7 +340,7 @@ class Janus(Family):
 
         trained = [range(*w) for w in windows] if any(r.window for r in rollouts) else []
         return Replays(plan, replay, units=lambda m: float(len(m[1]) * (windows[m[0]][1] - windows[m[0]][0])) * m[2],
-                       filler=(0, torch.tensor([0]), 0.0), tolerance=t.ratio_tolerance if use_cfg else None,
+                       filler=(0, torch.tensor([0]), 0.0), tolerance=first_replay_tolerance(self.cfg, False) if use_cfg else None,
                        steps=trained)
 
     def eval_images(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
@@ -559,9 +586,10 @@ def load_lora(engine: DiffusionEngine, state: Mapping[str, torch.Tensor]) -> Non
 
 
 def start_workers(rollout: RolloutConfig, model: ModelConfig, path: str, acc: Any,
-                  sampling: SamplingConfig) -> tuple[RolloutPool, bool]:
+                  sampling: SamplingConfig, *, compile: bool) -> tuple[RolloutPool, bool]:
     """`rollout.workers` actors per trainer process, placed as `rollout.placement` says, and
-    whether this process started Ray (and stops it)."""
+    whether this process started Ray (and stops it). `compile`: the trainer's resolved
+    model.compile, so a worker samples with the blocks the trainer replays with."""
     address, colocated = rollout.ray_address, rollout.placement == "colocated"
     gpus = rollout.gpus_per_worker
     if gpus is None:  # split 1, colocated 1 / workers, 0 without CUDA
@@ -581,7 +609,7 @@ def start_workers(rollout: RolloutConfig, model: ModelConfig, path: str, acc: An
     spec = EngineSpec(factory=build_lora_engine, load_weights=load_lora, kwargs={
         "path": path, "dtype": model.dtype, "text_encoder_dtype": model.text_encoder_dtype,
         "lora_rank": model.lora_rank, "lora_alpha": model.lora_alpha, "lora_targets": model.lora_targets,
-        "compile": model.compile, **rollout_options(sampling)})
+        "compile": compile, **rollout_options(sampling)})
     pool = RolloutPool(spec, rollout.workers, num_cpus=1.0, num_gpus=gpus, address=address)
     if colocated:
         pool.sleep()

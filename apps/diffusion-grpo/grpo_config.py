@@ -47,11 +47,14 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     lora_rank: Positive = 32
     lora_alpha: float = 64
     lora_targets: list[str] | None = None  # None: rl_models' default (sd3: attention; janus: LM projections)
-    compile: bool = False
-    """sd3: compile the transformer's blocks for the rollout and the replay (trainer and Ray
-    workers): 1.74x the plain pipeline's rollout images/s on an H100 at SD3.5-M shape, after
-    ~30-70 s of compiling; choose it for long GPU runs. The first replay's |log ratio| is then
-    ~4e-4 in bf16 (keep train.ratio_tolerance ~5e-2). Not with train.sharding = "fsdp2"."""
+    compile: bool | None = None
+    """sd3: compile the transformer's blocks (torch.compile, one graph a block) for the rollout and
+    the replay, in the trainer and the Ray workers: 1.78x the eager rollout's images/s on an H100
+    at SD3.5-M shape (9.0 against 5.1), after ~30-70 s of compiling in the first epoch. None (the
+    default): on where that pays, model.family='sd3' on CUDA with train.sharding='none'; off on
+    the CPU, where compiling costs more than a short run gains. Set false for a quick GPU check.
+    The first replay's |log ratio| is then ~4e-4 in bf16, inside the automatic
+    train.ratio_tolerance. Not with train.sharding='fsdp2'."""
 
 
 class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -165,10 +168,16 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     timestep_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.99  # train the stochastic steps k < int(S * fraction): 9 of 10
     ema_decay: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.9
     ema_interval: Positive = 8  # optimizer steps between EMA updates
-    ratio_tolerance: NonNegativeFloat = 1e-5
+    ratio_tolerance: NonNegativeFloat | None = None
     """Max |log ratio| on the first replay of an epoch; above it the run stops (rollout and replay
-    disagree). Raise it for bf16 with micro_batch_size != sample_batch_size. With
-    train.max_staleness >= 1 only the first epoch is checked (later ones are sampled by older weights)."""
+    disagree: wrong weights, a sampler bug). None (the default) chooses it from what can make the
+    replay's numbers differ from the rollout's (`first_replay_tolerance`): 1e-5 where the replay
+    repeats the rollout's kernels on the same batches (eager blocks, micro_batch_size =
+    rollout.sample_batch_size, zero_adv='drop', Janus log-probs rescored); otherwise (compiled blocks,
+    other micro-batches, zero_adv='flow_grpo' shuffling, Janus decode log-probs) 1e-4 in float32 and
+    5e-2 in bf16, where a kernel's rounding shows (a compiled bf16 rollout against its replay:
+    ~4e-4, H100). A number is used as given. With train.max_staleness >= 1 only the first epoch is
+    checked (later ones are sampled by older weights)."""
     seed: NonNegative = 42
     save_freq: Positive = 60  # epochs between checkpoints (and at the end)
     output_dir: str = "runs/diffusion-grpo"
@@ -214,7 +223,7 @@ class JanusConfig(msgspec.Struct, kw_only=True, frozen=True):
     logprobs: Literal["rescore", "decode"] = "rescore"
     """Rollout log-probs: `rescore` recomputes them teacher-forced (first replay bit-exact with
     micro_batch_size = sample_batch_size); `decode` keeps the KV-cached decode loop's (no extra
-    forward; set train.ratio_tolerance ~1e-4 in float32, ~5e-2 in bf16)."""
+    forward; the automatic train.ratio_tolerance is then 1e-4 in float32, 5e-2 in bf16)."""
     compile: bool | None = None  # compile the decode step (None: on CUDA)
     gradient_checkpointing: bool = False  # recompute the language model's activations in the update
 
@@ -245,9 +254,9 @@ def check_config(cfg: Config, world_size: int) -> None:
          "family only; set rollout.workers=0 for model.family='janus'"),
         (m.family == "janus" and t.sharding != "none", f"train.sharding={t.sharding!r} shards the SD3 transformer; "
          "model.family='janus' trains with DDP (FSDP2 for Janus is not done): set train.sharding='none'"),
-        (t.max_staleness > 0 and t.sharding != "none", f"train.max_staleness={t.max_staleness}: asynchronous rollouts "
-         f"of diffusion-grpo need train.sharding='none' (got {t.sharding!r}): its sharded LoRA is not published to a "
-         "rollout copy yet"),
+        (t.max_staleness > 0 and t.sharding != "none" and r.workers > 0, f"train.max_staleness={t.max_staleness} "
+         f"with rollout.workers={r.workers} and train.sharding={t.sharding!r}: a sharded LoRA is not published to Ray "
+         "workers yet; set train.sharding='none' or rollout.workers=0"),
         (m.family == "janus" and cfg.sampling.sde_window_mode != "fixed" and cfg.sampling.sde_window_range is None,
          f"sampling.sde_window_mode={cfg.sampling.sde_window_mode!r} with model.family='janus' trains a window of "
          "image-token positions: set sampling.sde_window_range=[start, limit) in tokens (Janus-Pro draws 576 a "
@@ -279,6 +288,29 @@ def check_config(cfg: Config, world_size: int) -> None:
         if bad:
             raise ConfigError(message)
     reward_spec(cfg.reward, tiny=m.path.startswith("tiny:"))  # a bad spec file or weights stop here too
+
+
+def compiles_blocks(cfg: Config, device_type: str) -> bool:
+    """model.compile resolved for a trainer on a `device_type` ("cuda", "cpu") device: a set value
+    as given; None compiles the SD3 blocks on CUDA when nothing refuses it (family sd3, unsharded)."""
+    m = cfg.model
+    if m.compile is not None:
+        return m.compile
+    return m.family == "sd3" and cfg.train.sharding == "none" and device_type == "cuda"
+
+
+def first_replay_tolerance(cfg: Config, compiled: bool) -> float:
+    """train.ratio_tolerance resolved (its docstring gives the rule); `compiled`: the SD3 blocks
+    are compiled (`compiles_blocks`)."""
+    t = cfg.train
+    if t.ratio_tolerance is not None:
+        return t.ratio_tolerance
+    janus_decode = cfg.model.family == "janus" and cfg.janus.logprobs == "decode"
+    same_kernels = (not compiled and not janus_decode and t.zero_adv == "drop"
+                    and t.micro_batch_size == cfg.rollout.sample_batch_size)
+    if same_kernels:
+        return 1e-5
+    return 1e-4 if cfg.model.dtype == "float32" else 5e-2
 
 
 def nft_problems(cfg: Config) -> list[tuple[bool, str]]:

@@ -33,6 +33,7 @@ import msgspec
 import pytest
 import torch
 from conftest import advantages, checked, setup_state, tiny_overrides
+from grpo_config import first_replay_tolerance
 
 from rl_core.train import ConfigError, UserError, group_advantages, load_config
 
@@ -113,7 +114,7 @@ def test_flow_grpo_refill_trains_equal_steps_end_to_end(app, state) -> None:
         assert (adv.advantages != 0).nonzero().flatten().tolist() == [0, 3]
         stats = app.RECIPE.update(preset, 1, batch, adv)
         assert (stats["optimizer_steps"], stats["adv/trained_samples"]) == (optimizer_steps, trained)
-        assert stats["replay/engine_diff_max"] <= cfg.train.ratio_tolerance
+        assert stats["replay/engine_diff_max"] <= first_replay_tolerance(cfg, compiled=False)
 
 
 def test_flow_grpo_needs_batches_that_divide(app) -> None:
@@ -207,7 +208,7 @@ def test_sde_window_epoch_trains_only_its_steps(app, state, mode: str, step: int
     stats = app.RECIPE.update(preset, step, batch, advantages(app, preset, batch, torch.tensor([0, 0.25, 0.5, 1] * 2)))
     assert stats["replay/steps_per_batch"] == replayed
     assert (stats["replay/first_step"], stats["replay/last_step"]) == (min(w[0] for w in windows), max(w[1] - 1 for w in windows))
-    assert stats["replay/engine_diff_max"] <= preset.cfg.train.ratio_tolerance
+    assert stats["replay/engine_diff_max"] <= first_replay_tolerance(preset.cfg, compiled=False)
 
 
 def test_window_presets_load_and_train_their_upstream_windows(app) -> None:

@@ -25,7 +25,7 @@ from conftest import (
     tiny_overrides,
     train,
 )
-from grpo_config import RewardConfig, read_prompts
+from grpo_config import RewardConfig, compiles_blocks, first_replay_tolerance, read_prompts
 from PIL import Image
 
 from rl_core.train import (
@@ -164,6 +164,29 @@ def test_first_replay_mismatch_stops_the_run(app, state) -> None:
     assert recipe.update(state, 2, fresh, adv)["replay/engine_diff_max"] == 0.0
     with pytest.raises(RuntimeError, match=r"step 3: first replay.*ratio_tolerance"):
         recipe.update(state, 3, tampered, GroupAdvantages(adv.advantages[:4], adv.valid[:4], {}))
+
+
+def test_compile_and_the_first_replay_tolerance_follow_the_device_and_the_batches(app, tmp_path: Path) -> None:
+    """model.compile unset compiles SD3's blocks on CUDA only (not sharded, not Janus); the unset
+    train.ratio_tolerance is 1e-5 only where the replay repeats the rollout's kernels on its
+    batches, else 1e-4 in float32 and 5e-2 in bf16; set values are used as given."""
+    cfg = _config(app, tmp_path)  # float32, micro-batch = sampled batch = 4, zero_adv 'drop'
+    assert (cfg.model.compile, cfg.train.ratio_tolerance) == (None, None)
+    assert (compiles_blocks(cfg, "cpu"), compiles_blocks(cfg, "cuda")) == (False, True)
+    assert (first_replay_tolerance(cfg, compiled=False), first_replay_tolerance(cfg, compiled=True)) == (1e-5, 1e-4)
+    bf16 = _config(app, tmp_path, 'model.dtype="bfloat16"')
+    assert (first_replay_tolerance(bf16, compiled=False), first_replay_tolerance(bf16, compiled=True)) == (1e-5, 5e-2)
+    for other_batches in ("train.micro_batch_size=2", 'train.zero_adv="flow_grpo"'):
+        assert first_replay_tolerance(_config(app, tmp_path, other_batches), compiled=False) == 1e-4, other_batches
+    assert not compiles_blocks(_config(app, tmp_path, 'train.sharding="fsdp2"'), "cuda")
+    assert not compiles_blocks(_config(app, tmp_path, "model.compile=false"), "cuda")
+    assert compiles_blocks(_config(app, tmp_path, "model.compile=true"), "cpu")
+    assert first_replay_tolerance(_config(app, tmp_path, "train.ratio_tolerance=0.3"), compiled=True) == 0.3
+    janus = tiny_config(app, "janus", tmp_path)
+    assert not compiles_blocks(janus, "cuda")
+    assert first_replay_tolerance(janus, compiled=False) == 1e-5  # log-probs rescored teacher-forced
+    decode = tiny_config(app, "janus", tmp_path, 'janus.logprobs="decode"')
+    assert first_replay_tolerance(decode, compiled=False) == 1e-4  # the KV-cached decode's own log-probs
 
 
 def test_config_errors_name_the_key(app, tmp_path: Path) -> None:
