@@ -21,6 +21,10 @@ head, 576 tokens per 384x384 image). 16 prompts x 8 images, CFG 5, temperature 1
     weights it uses once and the KV cache of both CFG rows up to the filled length; images/s
     <= images x HBM bandwidth / those bytes (H100 SXM 3.35 TB/s, H200 4.8 TB/s, `--hbm-tbps`
     for another card). Prefill, VQ decode and sampling are left out, so no sampler reaches it.
+(d) `--profile`: instead of (a)-(c), one `logprobs="decode"` rollout of one chunk under
+    torch.profiler after a warm-up: where the GPU's time goes (matmuls, attention, inductor's
+    fused kernels, the rest), the time no kernel ran, and the bandwidth each kind reaches against
+    the bytes (b) counts for it (weights for the matmuls, the KV cache for attention).
 (c) One training step at micro-batch 8 (`--micro`): LoRA r=32/alpha=64 on the language model and
     generation head's proj_out, CFG log-probs with gradients (`JanusImagePolicy`), the reference
     log-probs with the adapters off, ppo_clip + 0.04 k3 KL, backward, AdamW. Peak GPU memory
@@ -199,6 +203,86 @@ def rollouts(engine: JanusEngine, group: list[str], repeats: int) -> tuple[dict[
     return times, results["rollout"]
 
 
+KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name), first match wins
+    ("matmul (weight GEMMs; attention's QK / PV products where no attention kernel runs)",
+     ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "splitk", "matmul")),
+    ("attention kernels (flash / SDPA)", ("flash", "fmha", "attention", "attn", "sdpa", "efficient")),
+    ("inductor fused (norms, rotary, CFG mix, sampling)", ("triton",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def profile(engine: JanusEngine, group: list[str], model, bandwidth: float | None) -> None:
+    """(d): one chunk's decode rollout under torch.profiler, after a warm-up; prints and appends."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    chunk = group[:engine.max_batch_size]
+    seeds = list(range(len(chunk)))
+    engine.logprobs = "decode"
+    with torch.no_grad():
+        engine.sample(chunk, guidance_scale=5.0, temperature=1.0, seeds=seeds)  # compile, capture
+        _sync()
+        on_gpu = engine.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+        with torch_profile(activities=activities) as prof:
+            began = time.perf_counter()
+            engine.sample(chunk, guidance_scale=5.0, temperature=1.0, seeds=seeds)
+            _sync()
+            wall = time.perf_counter() - began
+    kernels: dict[str, float] = {}  # name -> seconds on the device
+    for event in prof.events():
+        if on_gpu and event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] = kernels.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e6
+    kinds: dict[str, float] = {}
+    for name, seconds in kernels.items():
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + seconds
+    busy = sum(kernels.values())
+    lengths = [int(n) for n in engine.encode(chunk).prompt_mask.sum(-1)]
+    _, per_image = bandwidth_limit(model, lengths, len(chunk), 1.0)
+    lm = model.model.language_model
+    parts = (lm, model.model.generation_aligner, model.model.generation_head)
+    weights = sum(p.numel() * p.element_size() for part in parts for p in part.parameters())
+    weights -= lm.embed_tokens.weight.numel() * lm.embed_tokens.weight.element_size()
+    weight_bytes = num_image_tokens(model) * weights  # one read per image-token step
+    kv_bytes = per_image * len(chunk) - weight_bytes
+    matmul, attention = (kind for kind, _ in KERNEL_KINDS[:2])
+    # inductor lowers the decode step's masked attention to batched matmuls + a fused softmax:
+    # then the matmuls read the KV cache too
+    fused_attention = kinds.get(attention, 0.0) < 0.01 * wall
+    reads = ({matmul: weight_bytes + kv_bytes} if fused_attention else {matmul: weight_bytes, attention: kv_bytes})
+    header = ["where the time goes", "seconds", "share of the rollout", "bytes (b) counts", "reached TB/s",
+              "of HBM bandwidth"]
+    rows = [["whole rollout (wall)", f"{wall:.3f}", "1.00", f"{per_image * len(chunk) / 1e9:.1f} GB",
+             f"{per_image * len(chunk) / wall / 1e12:.2f}", f"{per_image * len(chunk) / wall / bandwidth:.2f}"
+             if bandwidth else "-"]]
+    for kind in [k for k, _ in KERNEL_KINDS] + ["other"]:
+        seconds, read = kinds.get(kind, 0.0), reads.get(kind)
+        rows.append([kind, f"{seconds:.3f}", f"{seconds / wall:.2f}", f"{read / 1e9:.1f} GB" if read else "",
+                     f"{read / seconds / 1e12:.2f}" if read and seconds else "",
+                     f"{read / seconds / bandwidth:.2f}" if read and seconds and bandwidth else ""])
+    rows.append(["no kernel running (host, launches, syncs)", f"{max(wall - busy, 0.0):.3f}",
+                 f"{max(wall - busy, 0.0) / wall:.2f}", "", "", ""])
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    notes = (f"One `JanusEngine.sample` of {len(chunk)} images (CFG: {2 * len(chunk)} rows), logprobs=decode, "
+             "compiled decode step with CUDA graphs, after one warm-up call, under torch.profiler (CUDA kernels, "
+             "graph-launched ones included); kernel seconds summed by name, sorted into kinds by name. Bytes as in "
+             "the bandwidth limit: the weights an image-token step reads, once a step; both CFG rows' KV cache to the "
+             "filled length. Top kernels (seconds): "
+             + "; ".join(f"{name[:90]} {seconds:.3f}" for name, seconds in top) + ".")
+    if not on_gpu:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
+    print(markdown_table(header, rows))
+    print(notes)
+    if on_gpu:
+        append_results("janus: where the image-token rollout's time goes (Janus-Pro-7B shape, torch.profiler)",
+                       header, rows, notes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny Janus on CPU in seconds; prints only unless --out")
@@ -209,6 +293,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--micro", type=int, default=8, help="images per training micro-batch")
     parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in the training step")
+    parser.add_argument("--profile", action="store_true",
+                        help="(d) only: one chunk's rollout under torch.profiler, time by kernel kind (appends on a GPU)")
     parser.add_argument("--hbm-tbps", type=float, default=None,
                         help="HBM TB/s of the card for the bandwidth limit (default: H100 SXM 3.35, H200 4.8; none on CPU)")
     args = parser.parse_args()
@@ -221,6 +307,10 @@ def main() -> None:
     texts = prompts(args.prompts)
     engine = JanusEngine(model, processor, device=device, max_batch_size=args.chunk, compile=not args.smoke)
     group = [t for t in texts for _ in range(args.n)]  # n copies of each prompt, as a GRPO rollout
+    if args.profile:
+        card = torch.cuda.get_device_name() if device == "cuda" else ""
+        profile(engine, group, model, args.hbm_tbps * 1e12 if args.hbm_tbps else hbm_bandwidth(card))
+        return
     with torch.no_grad():
         times, rollout = rollouts(engine, group, args.repeats)
         engine.release_cache()
