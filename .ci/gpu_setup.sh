@@ -29,12 +29,19 @@ if missing:
 print("installed into /tmp/vd; Ray's dependencies the image lacked:", [m.split("/")[-1] for m in missing])
 PY
 fi
-[ -d .vr1 ] && cp .vr1/* /tmp/vr/
-[ -d .vr2 ] && cp .vr2/* /tmp/vr/
+if [ -d .vr1 ]; then cp .vr1/* /tmp/vr/; fi
+if [ -d .vr2 ]; then cp .vr2/* /tmp/vr/; fi
 if [ -f /tmp/vr/rayp_aa ] && [ -f /tmp/vr/rayp_ab ] && [ ! -d /tmp/vd/ray ]; then
     cat /tmp/vr/rayp_aa /tmp/vr/rayp_ab > "/tmp/vr/$(cat /tmp/vr/name)"
     python3 -m pip install -q --no-index --no-deps --target /tmp/vd "/tmp/vr/$(cat /tmp/vr/name)"
 fi
+if [ -d .vs ] && [ ! -f /tmp/vs/.done ]; then  # Ray Serve's dependencies, after the image's own on sys.path
+    python3 -m pip install -q --no-index --no-deps --target /tmp/vs .vs/*.whl && touch /tmp/vs/.done
+    echo /tmp/vs > "$(python3 -c 'import site; print(site.getsitepackages()[0])')/zz-ray-serve-deps.pth"
+    # Ray Serve's gRPC reflection needs a newer grpcio than the image's (1.84 in Nov 2026): that one goes first
+    mkdir -p /tmp/vg && ln -sf /tmp/vs/grpc /tmp/vg/grpc && ln -sf /tmp/vs/grpcio-*.dist-info /tmp/vg/
+fi
+if [ -d /tmp/vg ]; then export PYTHONPATH="/tmp/vg${PYTHONPATH:+:$PYTHONPATH}"; fi
 _src=""
 for _p in rl-core rl-models rl-rollout rl-data rl-rewards; do _src="$_src:$PWD/packages/$_p/src"; done
 export PYTHONPATH="/tmp/vd$_src${PYTHONPATH:+:$PYTHONPATH}"
