@@ -160,8 +160,12 @@ def test_batch_of_8_equals_8_accumulated_micro_batches_of_1(app, tmp_path):
     start, a, b = weights(tiny.build("qwen2_5_vl")), weights(one / "export"), weights(acc / "export")
     moved = max((a[k] - start[k]).abs().max().item() for k in a)
     assert moved > 1e-5  # the step did update the model ...
-    for name in a:  # ... and by the same amount either way
-        torch.testing.assert_close(a[name], b[name], atol=2e-6, rtol=0, msg=name)
+    # ... and by the same amount either way, to 10% of lr = 1e-4: Adam's first step is lr x g / (|g| + eps),
+    # and where a gradient element is a sum that nearly cancels, 8 micro-batch sums round it apart from one
+    # batch's (one element of visual.merger.mlp.2.weight: 2.3e-6 on one 2-core CI machine, < 2e-6 on
+    # another); a micro-batch missed or counted twice moves elements by ~lr
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0, msg=name)
     assert float(rows(one)[0]["loss/policy"]) == pytest.approx(float(rows(acc)[0]["loss/policy"]), abs=1e-6)
 
 
