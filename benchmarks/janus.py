@@ -24,7 +24,8 @@ head, 576 tokens per 384x384 image). 16 prompts x 8 images, CFG 5, temperature 1
 (d) `--profile`: instead of (a)-(c), one `logprobs="decode"` rollout of one chunk under
     torch.profiler after a warm-up: where the GPU's time goes (matmuls, attention, inductor's
     fused kernels, the rest), the time no kernel ran, and the bandwidth each kind reaches against
-    the bytes (b) counts for it (weights for the matmuls, the KV cache for attention).
+    the bytes (b) counts for it (the weights for the matmuls; the KV cache for attention kernels,
+    or for the matmuls too where the compiled step's attention runs as batched matmuls).
 (c) One training step at micro-batch 8 (`--micro`): LoRA r=32/alpha=64 on the language model and
     generation head's proj_out, CFG log-probs with gradients (`JanusImagePolicy`), the reference
     log-probs with the adapters off, ppo_clip + 0.04 k3 KL, backward, AdamW. Peak GPU memory
@@ -122,6 +123,15 @@ def reference_rollout(model, processor, texts: list[str], n: int, chunk: int) ->
     return images
 
 
+def step_weight_bytes(model) -> int:
+    """Bytes of the weights one image-token step reads: the language model less its text
+    embedding, the generation aligner and head."""
+    lm = model.model.language_model
+    parts = (lm, model.model.generation_aligner, model.model.generation_head)
+    weights = sum(p.numel() * p.element_size() for part in parts for p in part.parameters())
+    return weights - lm.embed_tokens.weight.numel() * lm.embed_tokens.weight.element_size()
+
+
 def bandwidth_limit(model, prompt_lengths: list[int], chunk: int, bandwidth: float) -> tuple[float, float]:
     """(images/s at which the decode loops' reads take all of `bandwidth` bytes/s, bytes read
     per image) for images with these real prompt lengths sampled `chunk` at a time with CFG.
@@ -131,9 +141,7 @@ def bandwidth_limit(model, prompt_lengths: list[int], chunk: int, bandwidth: flo
     head); decode step t reads 2 rows x (p_i + t + 1) cached tokens of each image i, so the KV
     traffic is 2 x KV bytes per token x sum_i ((N - 1) p_i + N (N - 1) / 2)."""
     lm = model.model.language_model
-    parts = (lm, model.model.generation_aligner, model.model.generation_head)
-    weights = sum(p.numel() * p.element_size() for part in parts for p in part.parameters())
-    weights -= lm.embed_tokens.weight.numel() * lm.embed_tokens.weight.element_size()
+    weights = step_weight_bytes(model)
     cfg = lm.config
     kv_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * lm.embed_tokens.weight.element_size()
     n = num_image_tokens(model)
@@ -244,11 +252,7 @@ def profile(engine: JanusEngine, group: list[str], model, bandwidth: float | Non
     busy = sum(kernels.values())
     lengths = [int(n) for n in engine.encode(chunk).prompt_mask.sum(-1)]
     _, per_image = bandwidth_limit(model, lengths, len(chunk), 1.0)
-    lm = model.model.language_model
-    parts = (lm, model.model.generation_aligner, model.model.generation_head)
-    weights = sum(p.numel() * p.element_size() for part in parts for p in part.parameters())
-    weights -= lm.embed_tokens.weight.numel() * lm.embed_tokens.weight.element_size()
-    weight_bytes = num_image_tokens(model) * weights  # one read per image-token step
+    weight_bytes = num_image_tokens(model) * step_weight_bytes(model)  # one read per image-token step
     kv_bytes = per_image * len(chunk) - weight_bytes
     matmul, attention = (kind for kind, _ in KERNEL_KINDS[:2])
     # inductor lowers the decode step's masked attention to batched matmuls + a fused softmax:

@@ -54,7 +54,6 @@ from transformers import JanusForConditionalGeneration
 from rl_core.flow import SDEStep, compute_ratio_guard, flow_kl
 from rl_core.kl import compute_kl
 from rl_core.train import (
-    ConfigError,
     CopyChannel,
     FullWeights,
     Replay,
@@ -182,11 +181,7 @@ class SD3(Family):
         is then all-gathered on the trainer's thread, where the collective belongs. Ray workers
         get each version's LoRA instead."""
         inner: WeightChannel
-        if self.pool is not None:
-            if self.full is not None:
-                raise ConfigError(f"train.max_staleness={self.cfg.train.max_staleness} with rollout.workers="
-                                  f"{self.cfg.rollout.workers}: a sharded LoRA is not published to Ray workers yet; "
-                                  "set train.sharding='none' or rollout.workers=0")
+        if self.pool is not None:  # unsharded: check_config refuses Ray workers with a sharded LoRA
             if self.cfg.rollout.placement == "colocated":
                 self.pool.wake()  # awake for the whole run: the workers sample while the trainer updates
             inner = LoraVersions(self.engine.transformer)
