@@ -3,6 +3,7 @@
     uv run --package caption-rl python benchmarks/caption_rl.py            # one H100/H200
     uv run --package caption-rl python benchmarks/caption_rl.py --smoke    # tiny, CPU, ~1 minute
     python benchmarks/caption_rl.py --vllm     # both on vLLM: rollout.engine=vllm vs TRL's colocate mode
+    python benchmarks/caption_rl.py --vllm --caption-rl-engine hf   # caption-rl's default engine vs TRL's colocate mode
 
 `--vllm`: caption-rl's colocated vLLM engine (asleep during the update, LoRA-merged or full
 weights pushed after every optimizer step) against TRL's fast path, `use_vllm=True,
@@ -275,12 +276,13 @@ def placeholder_bias(policy: Path) -> dict[int, float]:
     return {int(getattr(config, name)): -100.0 for name in names}
 
 
-def run_side(side: str, smoke: bool, steps: int, policy: Path, out: Path, overrides: list[str], vllm: bool) -> dict:
+def run_side(side: str, smoke: bool, steps: int, policy: Path, out: Path, overrides: list[str], vllm: bool,
+             engine: str) -> dict:
     """One trainer in a fresh process; its figures come back as JSON."""
     result = out / f"{side}.json"
     cmd = [sys.executable, __file__, "--side", side, "--policy", str(policy), "--result", str(result),
            "--steps", str(steps), *(["--smoke"] if smoke else []), *(["--vllm"] if vllm else []),
-           *(f"--set={o}" for o in overrides)]
+           f"--caption-rl-engine={engine}", *(f"--set={o}" for o in overrides)]
     subprocess.run(cmd, check=True)
     return json.loads(result.read_text())
 
@@ -292,6 +294,10 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="extra caption-rl setting, e.g. --set rollout.compile_mode=reduce-overhead (repeatable)")
     parser.add_argument("--vllm", action="store_true", help="both trainers roll out with a colocated vLLM (GPU)")
+    parser.add_argument("--caption-rl-engine", choices=("vllm", "hf"), default=None,
+                        help="caption-rl's rollout engine (default: vllm with --vllm, else hf). `--vllm "
+                             "--caption-rl-engine hf`: caption-rl at its default engine (hf, decode compiled on CUDA) "
+                             "against TRL at its fastest (vLLM colocate)")
     parser.add_argument("--only", choices=("caption-rl", "trl"),
                         help="run one trainer only; prints its figures, appends nothing")
     parser.add_argument("--cache", type=Path, default=None,
@@ -302,11 +308,15 @@ def main() -> None:
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     steps = args.steps or (WARMUP + 1 if args.smoke else WARMUP + 5)
+    engine = args.caption_rl_engine or ("vllm" if args.vllm else "hf")
+    if engine == "vllm" and not args.vllm:
+        parser.error("--caption-rl-engine vllm needs --vllm (TRL on vLLM too)")
     if args.side is not None:  # a child process: one trainer
         out = args.result.parent / f"{args.side}-run"
         device = DevicePeak()
         if args.side == "caption-rl":
-            overrides = (vllm_overrides() if args.vllm else []) + args.overrides
+            # hf named: rollout.engine=auto would pick vLLM wherever it imports on CUDA
+            overrides = (vllm_overrides() if engine == "vllm" else ["rollout.engine=hf"]) + args.overrides
             figures = run_caption_rl(args.policy, out, smoke=args.smoke, steps=steps, overrides=overrides)
         else:
             figures = run_trl(args.policy, out, smoke=args.smoke, steps=steps, vllm=args.vllm)
@@ -329,20 +339,21 @@ def main() -> None:
                 torch.cuda.empty_cache()  # the children measure their own peaks; this process keeps no weights
             for side in (s for s in sides if s not in got):
                 got[side] = run_side(side, args.smoke, steps, policy, Path(tmp),
-                                     args.overrides if side == "caption-rl" else [], args.vllm)
+                                     args.overrides if side == "caption-rl" else [], args.vllm, engine)
                 save_figures(cached[side], got[side])
     if args.only:
         print(json.dumps(got[args.only]))
         return
-    report(got["caption-rl"], got["trl"], smoke=args.smoke, vllm=args.vllm)
+    report(got["caption-rl"], got["trl"], smoke=args.smoke, vllm=args.vllm, engine=engine)
 
 
-def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool, vllm: bool = False) -> None:
+def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool, vllm: bool = False,
+           engine: str = "hf") -> None:
     if vllm:  # vLLM's memory is outside torch's allocator: compare what the device had in use
         ours, theirs = {**ours, "peak_gib": ours["device_peak_gib"]}, {**theirs, "peak_gib": theirs["device_peak_gib"]}
     header = ["trainer", "tokens/s", "s/step", "rollout s", "reward s", "logprob s", "update s", "caption tokens",
               "peak GiB"]
-    table = [["caption-rl", f"{ours['throughput/tokens_per_s']:.0f}", f"{ours['time/step']:.2f}",
+    table = [[f"caption-rl (rollout.engine={engine})", f"{ours['throughput/tokens_per_s']:.0f}", f"{ours['time/step']:.2f}",
               f"{ours['time/rollout']:.2f}", f"{ours['time/reward']:.3f}", f"{ours['time/logprob']:.2f}",
               f"{ours['time/update']:.2f}", f"{ours['response/length_mean']:.0f}", f"{ours['peak_gib']:.1f}"],
              ["trl GRPOTrainer", f"{theirs['throughput/tokens_per_s']:.0f}", f"{theirs['time/step']:.2f}", "", "", "", "",
@@ -360,8 +371,10 @@ def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool, vll
     notes = ("Policy: random weights at Qwen3-VL-2B shape (vocab 151,936), bf16, full fine-tuning with gradient "
              "checkpointing; 32 images x 8 captions x 256 tokens per step, rule reward, one optimizer step per RL "
              f"step, micro-batches of 16; mean over the steps after the first {WARMUP} (warm-up) of each trainer. TRL {theirs['trl_version']} "
-             + ("GRPOTrainer with use_vllm=True, vllm_mode='colocate', sleep mode (caption-rl: rollout.engine=vllm), both "
-                f"with gpu_memory_utilization {VLLM_MEMORY} and max_model_len {VLLM_MAX_LEN}; peak GiB is the device's "
+             + ("GRPOTrainer with use_vllm=True, vllm_mode='colocate', sleep mode ("
+                + ("caption-rl: rollout.engine=vllm), both with " if engine == "vllm" else
+                   "caption-rl: its default engine, hf, decode compiled on CUDA), vLLM with ")
+                + f"gpu_memory_utilization {VLLM_MEMORY} and max_model_len {VLLM_MAX_LEN}; peak GiB is the device's "
                 "(total - free, sampled every 20 ms), since vLLM allocates outside torch,"
                 if vllm else "GRPOTrainer (transformers generate, no vLLM)")
              + " on the same checkpoint, images, group size, lengths, loss "
@@ -388,7 +401,8 @@ def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool, vll
         return
     from benchmarks.results import append_results
 
-    title = "caption-rl vs TRL GRPOTrainer" + (", both rolling out on vLLM (TRL colocate)" if vllm else "")
+    title = "caption-rl vs TRL GRPOTrainer" + ("" if not vllm else ", both rolling out on vLLM (TRL colocate)"
+                                               if engine == "vllm" else ", caption-rl on its hf engine, TRL on vLLM (colocate)")
     append_results(f"{title}: RL step throughput at Qwen3-VL-2B shape", header, table, notes)
 if __name__ == "__main__":
     main()
