@@ -3,7 +3,7 @@
     uv run --package caption-rl python benchmarks/caption_rl.py            # one H100/H200
     uv run --package caption-rl python benchmarks/caption_rl.py --smoke    # tiny, CPU, ~1 minute
     python benchmarks/caption_rl.py --vllm     # both on vLLM: rollout.engine=vllm vs TRL's colocate mode
-    python benchmarks/caption_rl.py --vllm --caption-rl-engine hf   # caption-rl's default engine vs TRL's colocate mode
+    python benchmarks/caption_rl.py --vllm --caption-rl-engine hf   # caption-rl's hf engine vs TRL's colocate mode
 
 `--vllm`: caption-rl's colocated vLLM engine (asleep during the update, LoRA-merged or full
 weights pushed after every optimizer step) against TRL's fast path, `use_vllm=True,
@@ -296,12 +296,12 @@ def main() -> None:
     parser.add_argument("--vllm", action="store_true", help="both trainers roll out with a colocated vLLM (GPU)")
     parser.add_argument("--caption-rl-engine", choices=("vllm", "hf"), default=None,
                         help="caption-rl's rollout engine (default: vllm with --vllm, else hf). `--vllm "
-                             "--caption-rl-engine hf`: caption-rl at its default engine (hf, decode compiled on CUDA) "
-                             "against TRL at its fastest (vLLM colocate)")
+                             "--caption-rl-engine hf`: caption-rl on its hf engine (decode compiled on CUDA) against TRL "
+                             "on vLLM colocate (caption-rl's rollout.engine=auto would pick vLLM there)")
     parser.add_argument("--only", choices=("caption-rl", "trl"),
                         help="run one trainer only; prints its figures, appends nothing")
     parser.add_argument("--cache", type=Path, default=None,
-                        help="keep each trainer's figures in DIR/<trainer>.json and reuse them: with --only, run the "
+                        help="keep each trainer's figures in DIR/<trainer>-<engine>.json and reuse them: with --only, run the "
                              "two sides in separate commands on one machine, then once more without --only to report")
     parser.add_argument("--side", choices=("caption-rl", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--policy", type=Path, help=argparse.SUPPRESS)
@@ -327,7 +327,8 @@ def main() -> None:
     sides = [args.only] if args.only else ["caption-rl", "trl"]
     from benchmarks.results import cached_figures, load_figures, save_figures
 
-    cached = {side: cached_figures(args.cache, side) for side in sides}
+    keys = {"caption-rl": f"caption-rl-{engine}", "trl": "trl-vllm" if args.vllm else "trl-hf"}
+    cached = {side: cached_figures(args.cache, keys[side]) for side in sides}
     got = {side: kept for side in sides if (kept := load_figures(cached[side])) is not None}
     for side in got:
         print(f"{side} figures from {cached[side]}")
@@ -373,7 +374,7 @@ def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool, vll
              f"step, micro-batches of 16; mean over the steps after the first {WARMUP} (warm-up) of each trainer. TRL {theirs['trl_version']} "
              + ("GRPOTrainer with use_vllm=True, vllm_mode='colocate', sleep mode ("
                 + ("caption-rl: rollout.engine=vllm), both with " if engine == "vllm" else
-                   "caption-rl: its default engine, hf, decode compiled on CUDA), vLLM with ")
+                   "caption-rl: its hf engine, decode compiled on CUDA), vLLM with ")
                 + f"gpu_memory_utilization {VLLM_MEMORY} and max_model_len {VLLM_MAX_LEN}; peak GiB is the device's "
                 "(total - free, sampled every 20 ms), since vLLM allocates outside torch,"
                 if vllm else "GRPOTrainer (transformers generate, no vLLM)")
