@@ -402,8 +402,8 @@ def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool, vll
         return
     from benchmarks.results import append_results
 
-    title = "caption-rl vs TRL GRPOTrainer" + ("" if not vllm else ", both rolling out on vLLM (TRL colocate)"
-                                               if engine == "vllm" else ", caption-rl on its hf engine, TRL on vLLM (colocate)")
+    on_vllm = {"vllm": ", both rolling out on vLLM (TRL colocate)", "hf": ", caption-rl on its hf engine, TRL on vLLM (colocate)"}
+    title = "caption-rl vs TRL GRPOTrainer" + (on_vllm[engine] if vllm else "")
     append_results(f"{title}: RL step throughput at Qwen3-VL-2B shape", header, table, notes)
 if __name__ == "__main__":
     main()

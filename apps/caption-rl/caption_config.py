@@ -114,8 +114,8 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     judge: str = "Qwen/Qwen3-4B-Instruct-2507"  # in-process QA judge (text LLM)
     judge_engine: Literal["auto", "hf", "vllm"] = "auto"
     """The in-process judge's engine. vllm: exact QA measured 1.79x CapRL++'s setup (vLLM alone
-    at its defaults) against 1.43x on hf (H200, 2026-11-27; rl-rollout's README, "hf or vLLM?"); a vLLM engine in a process of its own,
-    asleep outside the reward phase, `judge_gpu_memory_utilization` of the GPU while it scores;
+    at its defaults) against 1.43x on hf (H200, 2026-11-27; rl-rollout's README, "hf or vLLM?");
+    a vLLM engine in a process of its own, asleep outside the reward phase, `judge_gpu_memory_utilization` of the GPU while it scores;
     one training process only (a second would start its judge on GPU 0 too). hf: on the
     trainer's GPU (or the CPU), always loaded. auto: vllm on a CUDA machine where vLLM imports
     and the run has one process, else hf; the pick and why are printed at start."""

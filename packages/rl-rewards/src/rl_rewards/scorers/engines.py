@@ -33,8 +33,8 @@ def load_engine(
     `auto` (the default) is vllm on a CUDA machine where vLLM imports, else hf, and the pick is
     logged with its reason (`caption_qa judge M: engine hf (auto: no CUDA device, ...)`): exact
     caption QA on vLLM measured 1.79x CapRL++'s setup (vLLM alone at its defaults) against 1.43x
-    on hf (H200, 2026-11-27; rl-rollout's README, "hf or vLLM?"). `vllm` asked for where it cannot run is a `rl_core.errors.UserError`
-    naming `key` (the setting that chose it) and the reason, before anything loads.
+    on hf (H200, 2026-11-27; rl-rollout's README, "hf or vLLM?"). `vllm` asked for where it
+    cannot run is a `rl_core.errors.UserError` naming `key` (the setting that chose it) and the reason, before anything loads.
 
     `hf` loads the checkpoint in-process (`path=model`); other engines get `model=model` (the
     vLLM checkpoint, or the served model name of an OpenAI-compatible server, whose `base_url`
