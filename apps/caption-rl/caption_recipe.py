@@ -162,7 +162,7 @@ class CaptionRL(Recipe[Config, State, Batch]):
         resolve_engine(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: refused now
         if not (cfg.reward.url or cfg.reward.host or cfg.reward.spec is not None):  # the judge in process
             resolve_judge_engine(cfg.reward.judge_engine, world_size)
-        check_placement(cfg.rollout.placement, cfg.rollout.engine, cfg.train.max_staleness)
+        check_placement(cfg.rollout.placement, cfg.rollout.engine, cfg.train.max_staleness, world_size=world_size)
 
     def setup(self, cfg: Config, run: RunContext) -> State:
         t, r, m = cfg.train, cfg.rollout, cfg.model
@@ -182,7 +182,7 @@ class CaptionRL(Recipe[Config, State, Batch]):
             seed=run.rank, world_size=run.world_size, full=full, optimizer=optimizer,
             offload_optimizer=r.offload_optimizer, release_cache=r.release_cache, max_batch_size=r.max_batch_size,
             compile_mode=r.compile_mode, gpu_memory_utilization=r.gpu_memory_utilization, engine_options=r.engine_options,
-            timer=run.timer)
+            timer=run.timer, rollout_device=rollout_device(r.placement, acc))
         sampler = GroupSampler(len(data.train), r.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
         frozen = (load_policy(m, trainable=False)[0].to(acc.device)
                   if cfg.algo.kl_coef > 0 and m.lora_rank == 0 else None)

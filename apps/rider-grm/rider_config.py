@@ -63,9 +63,10 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     auto: vllm on a CUDA machine where vLLM imports, else hf (the run says which, and why)."""
     placement: Literal["colocated", "split"] = "colocated"
     """With train.max_staleness >= 1: colocated, the rollout engine samples on the trainer's GPU;
-    split (hf engine), on a GPU of its own: launch one process per trainer GPU and each rolls out
-    on GPU local rank + process count (2 GPUs: 1 trains, 1 samples), so rollout and update do not
-    share compute; the engine holds a whole copy of the model there."""
+    split, on a GPU of its own: launch one process per trainer GPU and each rolls out on GPU
+    local rank + process count (2 GPUs: 1 trains, 1 samples), so rollout and update do not share
+    compute; the engine holds a whole copy of the model there. vllm on split: one training
+    process, its engine on GPU 1 (gpu_memory_utilization is of that GPU, so raise it); hf: any."""
     gpu_memory_utilization: UnitInterval = 0.3  # vllm: GPU memory fraction for its weights + KV cache while awake
     engine_options: dict[str, Any] = {}
     """vllm: more `vllm.LLM` arguments, e.g. {enforce_eager = true} (starts in seconds, decodes

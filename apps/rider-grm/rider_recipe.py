@@ -112,7 +112,7 @@ class RiderGRM(Recipe[Config, State, Batch]):
 
     def check(self, cfg: Config, world_size: int) -> None:
         check_config(cfg, world_size)
-        check_placement(cfg.rollout.placement, cfg.rollout.engine, cfg.train.max_staleness)
+        check_placement(cfg.rollout.placement, cfg.rollout.engine, cfg.train.max_staleness, world_size=world_size)
         if cfg.reward.spec is None:
             check_served(judge_configs(cfg.reward))  # servers down, unknown specs
 
@@ -149,7 +149,7 @@ class RiderGRM(Recipe[Config, State, Batch]):
             max_batch_size=r.max_batch_size, compile=r.compile, gpu_memory_utilization=r.gpu_memory_utilization,
             engine_options={"max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
                             **r.engine_options},  # verl's context length, not the model's full one
-            timer=run.timer)
+            timer=run.timer, rollout_device=rollout_device(r.placement, acc))
         for judge in judges:
             judge.policy = engine  # counts the judge's calls made with the policy's engine awake
         swap = PolicySwap(engine, model, optimizer, acc.device, mode=mode, memory_fraction=cfg.reward.swap_memory_fraction,

@@ -23,7 +23,7 @@ BUCKET_BYTES = 512 * 2**20
 
 
 def colocated_vllm(path: str, *, dtype: str, gpu_memory_utilization: float, seed: int, max_num_seqs: int,
-                   world_size: int = 1, **llm_kwargs: Any) -> Any:
+                   world_size: int = 1, device: torch.device | None = None, **llm_kwargs: Any) -> Any:
     """A `VLLMEngine` on this process's GPU, loaded from checkpoint `path`.
 
     The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so weight pushes
@@ -31,13 +31,27 @@ def colocated_vllm(path: str, *, dtype: str, gpu_memory_utilization: float, seed
     (`distributed_executor_backend="external_launcher"`, vLLM's mode for engines living inside
     torchrun/accelerate processes). `gpu_memory_utilization` is the fraction of the GPU vLLM may
     take for weights and KV cache: leave the rest to the trainer.
+
+    `device`: a GPU of the engine's own instead (split placement; one training process): vLLM's
+    `device_ids` puts the engine there, in this process all the same, without sleep mode (it
+    never sleeps) and with `gpu_memory_utilization` of that GPU; this thread's current CUDA
+    device, which vLLM's start-up moves to the engine's GPU, is put back afterwards.
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from rl_rollout.vllm import VLLMEngine
 
     extra: dict[str, Any] = {"distributed_executor_backend": "external_launcher"} if world_size > 1 else {}
-    return VLLMEngine(path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                      max_num_seqs=max_num_seqs, **extra, **llm_kwargs)
+    if device is None:
+        return VLLMEngine(path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+                          max_num_seqs=max_num_seqs, **extra, **llm_kwargs)
+    if world_size > 1:
+        raise ValueError("a vLLM engine on a GPU of its own serves one training process (world_size 1)")
+    index = torch.device(device).index
+    if index is None:
+        raise ValueError(f"device={device}: name the engine's GPU by index (cuda:N)")
+    with torch.cuda.device(index):  # vLLM sets the current device to its own: put back on exit
+        return VLLMEngine(path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+                          max_num_seqs=max_num_seqs, device_ids=[index], **({"enable_sleep_mode": False} | llm_kwargs))
 
 
 @contextmanager

@@ -15,6 +15,8 @@ owns weight sync (verl's engine layer), so no app asks which engine it has.
 - `vllm`: a colocated `vllm.LLM` in this process (`rl_rollout.colocated`), asleep outside
   sessions (weights in host memory, KV cache freed) so the trainer has the GPU; `sync` pushes
   the trained weights (a LoRA merged, a sharded policy's gathered) into it while it sleeps.
+  With `rollout_device` (split placement) it lives on a GPU of its own, still in this process,
+  and never sleeps.
 
 `weight_version` counts `sync` calls: the optimizer steps in the weights the next session
 samples with (log it as `rollout/weight_version`).
@@ -31,7 +33,9 @@ of its own, which change only by version (`rl_core.train.WeightChannel`): the tr
 a copy after each step, the rollout thread loads the one its step needs. `hf` then decodes with
 a copy of the model (trainable weights its own, frozen ones shared: a LoRA's base is not
 duplicated); `vllm` stays awake and takes each version as a weight push. `sync` only counts
-optimizer steps then; sessions neither sleep nor offload. A sharded policy (`full`, FSDP2)
+optimizer steps then; sessions neither sleep nor offload. On a rollout GPU of its own (split
+placement) `hf` decodes with a whole copy of the model there, and `vllm` keeps each published
+version's merged weights there until the rollout thread pushes them. A sharded policy (`full`, FSDP2)
 publishes whole weights, gathered by every process on the trainer's thread (the rollout thread
 runs no collective): `hf` decodes with a whole copy of the model of its own on every process
 (built from one `FullWeights` gather; its frozen weights too, as the sharded ones cannot be
@@ -87,8 +91,9 @@ class PolicyEngine:
                  full: FullWeights | None = None, optimizer_offload: OptimizerOffload | None = None,
                  release_cache: Callable[[], None] | None = None,
                  rebuild: Callable[[torch.nn.Module, torch.device], Engine] | None = None,
-                 timer: PhaseTimer = _untimed) -> None:
+                 timer: PhaseTimer = _untimed, rollout_device: torch.device | None = None) -> None:
         self.engine, self.kind, self.trained, self.pad_id, self.timer = engine, kind, trained, pad_id, timer
+        self.rollout_device = rollout_device  # vllm: the GPU of its own it was built on (split placement)
         self.full, self.optimizer_offload, self.release_cache = full, optimizer_offload, release_cache
         self.rebuild = rebuild  # hf: an engine over another copy of the model (asynchronous runs)
         self.shares_weights = kind == "hf"
@@ -103,8 +108,9 @@ class PolicyEngine:
     def weight_channel(self, device: torch.device | None = None) -> WeightChannel:
         """Switch to weights of the engine's own, changed only by version (asynchronous runs;
         see the module doc); returns the `WeightChannel` the trainer loop drives. `device`: a
-        GPU of the rollout's own (split placement, `hf` only): the engine and its copy of the
-        whole model live there, the trainer keeps its GPU."""
+        GPU of the rollout's own (split placement): `hf`'s engine and its copy of the whole
+        model move there; `vllm` must have been built there (`build_policy_engine`'s
+        `rollout_device`). The trainer keeps its GPU."""
         if self.channel is not None:
             return self.channel
         from rl_models.logprobs import unwrap_peft
@@ -123,18 +129,20 @@ class PolicyEngine:
             self.engine, self.shares_weights = self.rebuild(twin, where), False
             self.channel = _EngineChannel(self, CopyChannel(trained, twin))
         else:
-            if device is not None:
-                raise ValueError("a vLLM policy engine runs on the trainer's GPU (colocated); a rollout GPU of its "
-                                 "own needs rollout.engine=hf")
+            wanted = torch.device(device) if device is not None else None
+            if wanted != self.rollout_device:
+                raise ValueError(f"this vLLM policy engine was built on {self.rollout_device or 'the trainer GPU'}, "
+                                 f"not on {wanted or 'the trainer GPU'}: pass the rollout device to build_policy_engine")
             self.engine.wake()  # awake for the whole run: the rollout thread samples while the trainer updates
-            self.channel = _EngineChannel(self, _PushChannel(self.engine, trained, self.full))
+            self.channel = _EngineChannel(self, _PushChannel(self.engine, trained, self.full, self.rollout_device))
         return self.channel
 
     @contextmanager
     def session(self) -> Iterator[Engine]:
         """The engine, ready to sample, for the block; afterwards the trainer has the memory."""
-        if self.channel is not None:  # asynchronous: weights of its own, awake throughout
-            yield self.engine
+        if self.channel is not None or self.rollout_device is not None:  # weights of its own, awake throughout
+            with _on(self.rollout_device):
+                yield self.engine
             return
         if not self.shares_weights:
             with self.timer("rollout_wake"):
@@ -175,10 +183,12 @@ class PolicyEngine:
             return
         from rl_rollout.colocated import push_weights
 
-        with self.timer("weight_sync"), gathered(self.full, self.trained) as model:  # a sharded policy's, freed after
-            push_weights(self.engine, model, version=self.weight_version)
+        with self.timer("weight_sync"), gathered(self.full, self.trained) as model, _on(self.rollout_device):
+            push_weights(self.engine, model, version=self.weight_version)  # a sharded policy's gathered, freed after
 
     def sleep(self) -> None:
+        if self.rollout_device is not None:  # a GPU of its own: nothing to make room for
+            return
         self.engine.sleep()
 
     def wake(self) -> None:
@@ -192,11 +202,13 @@ class PolicyEngine:
 
 class _PushChannel:
     """vLLM's side of a `WeightChannel`: each version a copy of the merged weights
-    (`rl_models.lora.merged_named_weights`, on the trainer's device; a sharded policy's gathered
-    by `full` on every process), pushed into the awake engine by `load`."""
+    (`rl_models.lora.merged_named_weights`, on the trainer's device, or on the engine's GPU of
+    its own, `device`; a sharded policy's gathered by `full` on every process), pushed into the
+    awake engine by `load`."""
 
-    def __init__(self, engine: Engine, trained: torch.nn.Module, full: FullWeights | None = None) -> None:
-        self.engine, self.trained, self.full = engine, trained, full
+    def __init__(self, engine: Engine, trained: torch.nn.Module, full: FullWeights | None = None,
+                 device: torch.device | None = None) -> None:
+        self.engine, self.trained, self.full, self.device = engine, trained, full, device
         self.versions: dict[int, list[tuple[str, torch.Tensor]]] = {}
         self._lock = threading.Lock()
 
@@ -204,7 +216,7 @@ class _PushChannel:
         from rl_models.lora import merged_named_weights
 
         with gathered(self.full, self.trained) as model:  # the copies outlive the gather
-            weights = [(name, t.detach().clone()) for name, t in merged_named_weights(model)]
+            weights = [(name, t.detach().to(self.device or t.device, copy=True)) for name, t in merged_named_weights(model)]
         finish_copies(t for _, t in weights)
         with self._lock:
             self.versions[version] = weights
@@ -214,7 +226,8 @@ class _PushChannel:
             weights = self.versions[version]
             if prune:
                 self.versions = {v: w for v, w in self.versions.items() if v >= version}
-        self.engine.load_weights(weights, version=version)
+        with _on(self.device):
+            self.engine.load_weights(weights, version=version)
 
     def close(self) -> None:
         with self._lock:
@@ -242,6 +255,12 @@ class _EngineChannel:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def _on(device: torch.device | None) -> AbstractContextManager[Any]:
+    """`device` as this thread's current CUDA device inside the block (vLLM's kernels launch on
+    the current device); nothing when None."""
+    return torch.cuda.device(device) if device is not None else nullcontext()
 
 
 def rollout_device(placement: str, accelerator: Any, *, key: str = "rollout.placement") -> torch.device | None:
@@ -283,6 +302,7 @@ def build_policy_engine(
     engine_options: dict[str, Any] | None = None,
     key: str = "rollout.engine",
     timer: PhaseTimer = _untimed,
+    rollout_device: torch.device | None = None,
 ) -> PolicyEngine:
     """The policy's engine for a configured `kind` (`auto`, `hf`, `vllm`; `auto` resolves as
     `rl_rollout.resolve_engine` says and prints why).
@@ -302,7 +322,9 @@ def build_policy_engine(
     the rollout thread shares with the trainer's, far less (on 2 H200s, split placement: 1.38x
     our synchronous DDP run with CUDA graphs, 1.11x with fused kernels). `gpu_memory_utilization`,
     `engine_options` (more `vllm.LLM` arguments), `seed`: `vllm`'s. `timer`: times the engine
-    layer's phases (see the module doc); pass the trainer's `run.timer`."""
+    layer's phases (see the module doc); pass the trainer's `run.timer`. `rollout_device`: the
+    rollout's GPU of its own (split placement, `rollout_device()`): `vllm` is built there and
+    never sleeps (one training process only); `hf` moves there when `weight_channel` is called."""
     resolved, why = resolve_engine(kind, key=key)
     if kind == "auto":
         print(f"{key}: {why}")
@@ -323,14 +345,20 @@ def build_policy_engine(
                             release_cache=hf.release_cache if release_cache else None, rebuild=rebuild, timer=timer)
     from rl_rollout.colocated import colocated_vllm, vllm_engine_core
 
+    if rollout_device is not None and world_size > 1:
+        raise ConfigError(f"{key}=vllm on a rollout GPU of its own serves one training process, this run has "
+                          f"{world_size}: use rollout.engine=hf, or one process")
     with vllm_engine_core(in_process=True), isolated_rng():  # vLLM seeds the global RNGs as it starts
         engine = colocated_vllm(path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                                max_num_seqs=max_batch_size, world_size=world_size, **(engine_options or {}))
-    engine.sleep()  # the trainer has the memory until the first session
+                                max_num_seqs=max_batch_size, world_size=world_size, device=rollout_device,
+                                **(engine_options or {}))
+    if rollout_device is None:
+        engine.sleep()  # the trainer has the memory until the first session
     tokenizer = processor.tokenizer if isinstance(processor, ProcessorMixin) else processor
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return PolicyEngine(engine, kind="vllm", trained=model, pad_id=int(pad), full=full,
-                        optimizer_offload=_offload(optimizer, device, offload_optimizer == "always", full), timer=timer)
+                        optimizer_offload=_offload(optimizer, device, offload_optimizer == "always", full), timer=timer,
+                        rollout_device=rollout_device)
 
 
 def _offload(optimizer: torch.optim.Optimizer | None, device: torch.device, wanted: bool,

@@ -62,16 +62,19 @@ def check_group_size(estimator: str, n: int, *, key: str, n_key: str) -> None:
                           f"and needs {n_key} >= 2")
 
 
-def check_placement(placement: str, engine: str, max_staleness: int, *, key: str = "rollout.placement") -> None:
+def check_placement(placement: str, engine: str, max_staleness: int, *, world_size: int = 1,
+                    key: str = "rollout.placement") -> None:
     """`Recipe.check`'s rule for a rollout GPU of its own (`split`): it samples while the
-    trainer updates, so it needs asynchronous rollouts, and (for now) the `hf` engine."""
+    trainer updates, so it needs asynchronous rollouts; a `vllm` engine there serves one
+    training process (for now: `hf` serves any number)."""
     if placement != "split":
         return
     if max_staleness < 1:
         raise ConfigError(f"{key}=split samples on its own GPU while the trainer updates: it needs "
                           "train.max_staleness >= 1")
-    if engine == "vllm":
-        raise ConfigError(f"{key}=split needs rollout.engine=hf (a vLLM engine is colocated with its trainer)")
+    if engine == "vllm" and world_size > 1:
+        raise ConfigError(f"{key}=split with rollout.engine=vllm runs one training process (its engine on the "
+                          f"second GPU), this launch has {world_size}: launch one process, or use rollout.engine=hf")
 
 
 C = TypeVar("C", bound=msgspec.Struct)  # the app config: a Struct whose `train` table is a RunFields
