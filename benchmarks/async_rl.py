@@ -4,6 +4,7 @@
     python benchmarks/async_rl.py --vllm          # the same with rollout.engine=vllm
     python benchmarks/async_rl.py --smoke         # tiny, CPU: prints, appends nothing
     python benchmarks/async_rl.py --two-gpus      # 2 GPUs: DDP synchronous vs split asynchronous
+    python benchmarks/async_rl.py --two-gpus --vllm --cache DIR   # the same on vLLM, and TRL's server mode
 
 The setting is benchmarks/caption_rl.py's (32 images x 8 captions x 256 tokens per step, rule
 reward, bf16 full fine-tuning, one optimizer step per RL step), one engine call per step (not
@@ -18,6 +19,16 @@ and the rest of the step U (reward, log-probs, update) in series, overlapping th
 `--two-gpus`: the same batch on 2 GPUs, synchronous DDP (2 processes, 16 prompts each) against
 asynchronous split placement (1 trainer process on GPU 0, its rollout engine on GPU 1:
 `rollout.placement=split`, `rollout.engine=hf`), each launched with `accelerate launch`.
+
+`--two-gpus --vllm`: the same with vLLM rollouts, against TRL's 2-GPU server mode. Synchronous:
+DDP, each process with its colocated vLLM engine asleep during the update (`VLLM_MEMORY` of its
+GPU). Asynchronous: 1 trainer process on GPU 0, its vLLM engine on GPU 1 (in the trainer's
+process, awake throughout, `SPLIT_VLLM_MEMORY` of that GPU: its KV cache and the published
+versions' weight copies share the card), each version pushed between requests. TRL:
+`GRPOTrainer(use_vllm=True, vllm_mode="server")`, `trl vllm-serve` on GPU 1 and the trainer on
+GPU 0 (benchmarks/caption_rl.py --trl-server). Compared as tokens/s on the 2 GPUs (prompt +
+caption tokens per second of step time). `--cache DIR` keeps each run's figures in DIR and
+reuses them, so the runs fit separate commands of a time-limited machine (`--only NAME`).
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -44,8 +56,15 @@ def main() -> None:
     parser.add_argument("--vllm", action="store_true", help="rollout.engine=vllm (colocated, stays awake when async)")
     parser.add_argument("--steps", type=int, default=None, help="training steps (the first two are warm-up)")
     parser.add_argument("--two-gpus", action="store_true", help="DDP synchronous vs split asynchronous on 2 GPUs")
+    parser.add_argument("--cache", type=Path, default=None,
+                        help="--two-gpus --vllm: keep each run's figures in DIR/<run>.json and reuse them")
+    parser.add_argument("--only", choices=tuple(VLLM_RUNS), action="append", default=None,
+                        help="--two-gpus --vllm: run only these (repeatable); report once all are cached")
     args = parser.parse_args()
     steps = args.steps or (WARMUP + 3 if args.smoke else WARMUP + 5)
+    if args.two_gpus and args.vllm:
+        two_gpus_vllm(steps, args.cache, args.only)
+        return
     if args.two_gpus:
         two_gpus(steps)
         return
@@ -92,8 +111,6 @@ def report(figures: dict[int, dict], *, smoke: bool, vllm: bool) -> None:
 
 def launch(processes: int, policy: Path, out: Path, steps: int, overrides: list[str]) -> dict:
     """caption-rl under `accelerate launch` with `processes` processes; figures from metrics.csv."""
-    import subprocess
-
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                 *(["--multi_gpu"] if processes > 1 else [])]
@@ -135,6 +152,73 @@ def two_gpus(steps: int) -> None:
                          for name, f in runs.items()) + ".")
     append_results("caption-rl on 2 GPUs: synchronous DDP vs asynchronous split placement (Qwen3-VL-2B shape)",
                    header, rows, notes)
+
+
+SPLIT_VLLM_MEMORY = 0.6
+VLLM_RUNS = {
+    "sync-ddp": "DDP synchronous (2 processes), vLLM colocated",
+    "async-split": "split asynchronous, max_staleness=1, vLLM on GPU 1",
+    "trl-server": "TRL GRPOTrainer, vllm_mode=server (trl vllm-serve on GPU 1)",
+}
+
+
+def two_gpus_vllm(steps: int, cache: Path | None, only: list[str] | None) -> None:
+    from caption_rl import VLLM_MAX_LEN, VLLM_MEMORY, vllm_overrides
+    from results import cached_figures, load_figures, save_figures
+
+    wanted = only or list(VLLM_RUNS)
+    got = {name: kept for name in VLLM_RUNS if (kept := load_figures(cached_figures(cache, f"two-gpus-{name}")))}
+    with tempfile.TemporaryDirectory() as tmp:
+        policy = None
+        for name in (n for n in wanted if n not in got):
+            if name == "trl-server":
+                trl_cache = cache or Path(tmp)
+                subprocess.run([sys.executable, str(Path(__file__).with_name("caption_rl.py")), "--vllm", "--only", "trl",
+                                "--trl-server", "--cache", str(trl_cache), "--steps", str(steps)], check=True)
+                got[name] = load_figures(cached_figures(trl_cache, "trl-vllm-server"))
+            else:
+                policy = policy or build_policy(Path(tmp) / "policy", False)
+                gc.collect()
+                overrides = (vllm_overrides() if name == "sync-ddp" else
+                             ["rollout.engine=vllm", "rollout.placement=split", *SETTINGS[1],
+                              f"rollout.gpu_memory_utilization={SPLIT_VLLM_MEMORY}",
+                              f"rollout.engine_options.max_model_len={VLLM_MAX_LEN}"])
+                figures = launch(2 if name == "sync-ddp" else 1, policy, Path(tmp) / name, steps, overrides)
+                figures["processes"] = 2 if name == "sync-ddp" else 1
+                got[name] = figures
+            save_figures(cached_figures(cache, f"two-gpus-{name}"), got[name])
+    missing = [n for n in VLLM_RUNS if n not in got]
+    if missing:
+        print(f"cached: {sorted(got)}; run {missing} to report")
+        return
+    # on the 2 GPUs: ours per process times processes; TRL's figure is per GPU, its total kept beside it
+    total = {n: f.get("throughput/tokens_per_s_all_gpus", f["throughput/tokens_per_s"] * f.get("processes", 1))
+             for n, f in got.items()}
+    sync, trl = total["sync-ddp"], total["trl-server"]
+    header = ["on 2 GPUs", "tokens/s", "s/step", "rollout s", "waited s", "update s", "vs our sync", "vs TRL server"]
+    rows = []
+    for name, f in got.items():
+        ours = name != "trl-server"
+        rows.append([VLLM_RUNS[name], f"{total[name]:.0f}", f"{f['time/step']:.2f}",
+                     f"{f['time/rollout']:.2f}" if ours else "", f"{f['time/rollout_wait']:.2f}" if name == "async-split" else "",
+                     f"{f['time/update']:.2f}" if ours else "", f"{total[name] / sync:.2f}x", f"{total[name] / trl:.2f}x"])
+    split = got["async-split"]
+    rest = split["time/step"] - split["time/rollout_wait"]  # the trainer's own work per step
+    limit = (split["time/rollout"] + rest) / max(split["time/rollout"], rest)
+    notes = ("caption-rl at Qwen3-VL-2B shape (random weights, bf16, full fine-tuning, gradient checkpointing), 32 "
+             "images x 8 captions x 256 tokens per step on 2 GPUs, rule reward, vLLM rollouts with max_model_len "
+             f"{VLLM_MAX_LEN}. DDP: 2 processes of 16 prompts, each with its colocated vLLM engine "
+             f"(gpu_memory_utilization {VLLM_MEMORY}, asleep during the update). Split: 1 trainer process on GPU 0, its "
+             f"vLLM engine on GPU 1 (gpu_memory_utilization {SPLIT_VLLM_MEMORY}, awake), sampling step j+1 while step j "
+             "trains (max_staleness=1, token_truncate). TRL: GRPOTrainer use_vllm=True, vllm_mode='server', trl "
+             "vllm-serve on GPU 1, the trainer on GPU 0, same data, lengths, loss and reward (benchmarks/caption_rl.py "
+             "--trl-server). tokens/s: prompt + caption tokens per second of step time, on the 2 GPUs. Means over the "
+             f"steps after the first {WARMUP} (split: before the last). Goals (issue 31): split async >= 1.8x our "
+             "synchronous run on the same 2 GPUs and >= 2x TRL's server mode. Overlap bound of the split run "
+             f"(rollout and the rest of its step in series, over max of the two): {limit:.2f}x. Seconds per step, "
+             "warm-up included: " + "; ".join(f"{n}: {f['steps/step']}" for n, f in got.items()) + ".")
+    append_results("caption-rl on 2 GPUs with vLLM rollouts: synchronous DDP, asynchronous split, TRL server mode "
+                   "(Qwen3-VL-2B shape)", header, rows, notes)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,24 @@
     uv run --package caption-rl python benchmarks/caption_rl.py --smoke    # tiny, CPU, ~1 minute
     python benchmarks/caption_rl.py --vllm     # both on vLLM: rollout.engine=vllm vs TRL's colocate mode
     python benchmarks/caption_rl.py --vllm --caption-rl-engine hf   # caption-rl's hf engine vs TRL's colocate mode
+    python benchmarks/caption_rl.py --trl-server   # 2 GPUs: rollout.engine=vllm vs TRL's server mode (vLLM on GPU 1)
 
 `--vllm`: caption-rl's colocated vLLM engine (asleep during the update, LoRA-merged or full
 weights pushed after every optimizer step) against TRL's fast path, `use_vllm=True,
 vllm_mode="colocate"` with sleep mode, both with `gpu_memory_utilization` `VLLM_MEMORY` and
 `max_model_len` `VLLM_MAX_LEN`. vLLM allocates outside torch's caching allocator, so the peak
 reported there is the device's (total - free, sampled every 20 ms), not torch's.
+
+`--trl-server` (2 GPUs, implies `--vllm`): TRL's other vLLM mode, `vllm_mode="server"`, against
+the same one-GPU caption-rl run. `trl vllm-serve` runs alone on GPU 1, with `gpu_memory_utilization`
+`VLLM_SERVER_MEMORY` (TRL's default, the GPU being the server's own) and `max_model_len`
+`VLLM_MAX_LEN`; the trainer runs alone on GPU 0 and pushes its weights into the server over NCCL
+after every optimizer step. In TRL 1.16 `trl vllm-serve` only execs `vllm serve` with
+VLLM_SERVER_DEV_MODE=1, `--weight-transfer-config '{"backend": "nccl"}'`, `--logprobs-mode
+processed_logprobs` and `--max-logprobs -1` (`--enable-scale-out` from vLLM 0.30 only: vLLM 0.26
+serves `/v1/chat/completions/render` and `/inference/v1/generate`, which TRL sends images
+through, without it). Its tokens/s is per GPU (divided by 2, verl's definition), its peak GiB the
+trainer GPU's; cached as `trl-vllm-server`.
 
 Both trainers get the same checkpoint, the same 32 images x n=8 captions of 256 tokens per
 step, the same in-process rule reward (timestamp format + length:
@@ -34,15 +46,20 @@ environment), six wheels are enough (what trl 1.16 and datasets 5.2 import at lo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import gc
 import itertools
 import json
+import os
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -104,6 +121,8 @@ FULL, SMOKE = (32, 8, 256, 16), (4, 2, 16, 4)
 
 
 VLLM_MEMORY, VLLM_MAX_LEN = 0.3, 2048
+# `--trl-server`: `trl vllm-serve`'s default share, the server having a GPU of its own; seconds it may take to start
+VLLM_SERVER_MEMORY, VLLM_SERVER_START_S = 0.9, 600
 
 
 class DevicePeak:
@@ -216,9 +235,12 @@ def trl_rows(prompts: int) -> list[dict]:
     return rows
 
 
-def run_trl(policy: Path, out: Path, *, smoke: bool, steps: int, vllm: bool = False) -> dict[str, float]:
+def run_trl(policy: Path, out: Path, *, smoke: bool, steps: int, vllm: bool = False,
+            server: dict | None = None) -> dict[str, float]:
     """`trl.GRPOTrainer` with the app's data, group size, lengths, micro-batch, loss and reward:
-    one optimizer step per RL step (gradient accumulation over the whole generation batch)."""
+    one optimizer step per RL step (gradient accumulation over the whole generation batch).
+    `server`: the `vllm_server_*` settings of a running `trl vllm-serve` (`run_trl_server`), for
+    `vllm_mode="server"` instead of colocate."""
     try:
         import datasets
         import trl
@@ -230,15 +252,16 @@ def run_trl(policy: Path, out: Path, *, smoke: bool, steps: int, vllm: bool = Fa
     from rl_rewards.adapters import as_trl_reward
 
     prompts, n, tokens, micro = SMOKE if smoke else FULL
+    engine = ({"vllm_mode": "server", **server} if server else
+              {"vllm_mode": "colocate", "vllm_gpu_memory_utilization": VLLM_MEMORY, "vllm_enable_sleep_mode": True,
+               "vllm_max_model_length": VLLM_MAX_LEN})
     args = trl.GRPOConfig(
         output_dir=str(out), per_device_train_batch_size=micro, gradient_accumulation_steps=prompts * n // micro,
         num_generations=n, max_completion_length=tokens, max_steps=steps, learning_rate=1e-5, bf16=False,
         gradient_checkpointing=True, temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, epsilon_high=0.28,
         loss_type="dapo", num_iterations=1, logging_steps=1, report_to="none", save_strategy="no",
         use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, seed=0,
-        **({"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": VLLM_MEMORY,
-            "vllm_enable_sleep_mode": True, "vllm_max_model_length": VLLM_MAX_LEN,
-            "generation_kwargs": {"logit_bias": placeholder_bias(policy)}} if vllm else {}))
+        **({"use_vllm": True, **engine, "generation_kwargs": {"logit_bias": placeholder_bias(policy)}} if vllm else {}))
     model = AutoModelForImageTextToText.from_pretrained(policy, dtype=torch.bfloat16)
     trainer = trl.GRPOTrainer(model=model, reward_funcs=as_trl_reward(build_reward(APP / "configs" / "rule_reward.toml")),
                               args=args, train_dataset=datasets.Dataset.from_list(trl_rows(prompts * steps)),
@@ -264,6 +287,83 @@ def run_trl(policy: Path, out: Path, *, smoke: bool, steps: int, vllm: bool = Fa
             "peak_gib": _peak_gib()}
 
 
+def serve_command(policy: Path, port: int) -> list[str]:
+    """`trl vllm-serve` (the console script's entry point, `trl.cli:main`) for `--trl-server`."""
+    return [sys.executable, "-c", "import sys, trl.cli; sys.exit(trl.cli.main())", "vllm-serve",
+            "--model", str(policy), "--host", "127.0.0.1", "--port", str(port),
+            "--gpu_memory_utilization", str(VLLM_SERVER_MEMORY), "--max_model_len", str(VLLM_MAX_LEN),
+            "--dtype", "bfloat16"]
+
+
+def run_trl_server(policy: Path, out: Path, *, smoke: bool, steps: int, server_gpu: str = "1") -> dict[str, float]:
+    """`run_trl` in TRL's server mode, for two GPUs: `trl vllm-serve` on `server_gpu` (a physical id;
+    this process should see only the trainer's GPU), log in `out/vllm-serve.log`, stopped with its
+    whole process group however the run ends. tokens/s is per GPU: divided by the 2 GPUs."""
+    out.mkdir(parents=True, exist_ok=True)
+    log, (port, group_port) = out / "vllm-serve.log", _free_ports(2)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # a terminated run still stops the server
+    with log.open("w") as sink:
+        server = subprocess.Popen(serve_command(policy, port), stdin=subprocess.DEVNULL, stdout=sink,
+                                  stderr=subprocess.STDOUT, start_new_session=True,
+                                  env={**os.environ, "CUDA_VISIBLE_DEVICES": server_gpu})
+    try:
+        _wait_healthy(server, f"http://127.0.0.1:{port}/health", log)
+        try:
+            figures = run_trl(policy, out, smoke=smoke, steps=steps, vllm=True, server={
+                "vllm_server_host": "127.0.0.1", "vllm_server_port": port, "vllm_group_port": group_port,
+                "vllm_server_timeout": 60.0})
+        except Exception:
+            print(f"the end of {log} (`trl vllm-serve`, exit code {server.poll()}):\n{_tail(log)}")
+            raise
+    finally:
+        _stop(server)
+    total = figures["throughput/tokens_per_s"]
+    return {**figures, "gpus": 2, "throughput/tokens_per_s": total / 2, "throughput/tokens_per_s_all_gpus": total}
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _wait_healthy(server: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + VLLM_SERVER_START_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"`trl vllm-serve` exited with code {server.returncode} before answering {url}; "
+                             f"the end of {log}:\n{_tail(log)}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise SystemExit(f"`trl vllm-serve` did not answer {url} within {VLLM_SERVER_START_S} s; "
+                     f"the end of {log}:\n{_tail(log)}")
+
+
+def _tail(log: Path, lines: int = 40) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _stop(server: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (vLLM's engine processes too), SIGKILL to what is left."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(server.pid, sig)
+        except ProcessLookupError:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.wait(timeout=wait)
+
+
 def placeholder_bias(policy: Path) -> dict[int, float]:
     """vLLM `logit_bias` that keeps TRL from sampling the image/video placeholder tokens: a random
     policy samples one now and then, and TRL's training forward then fails on more image tokens
@@ -277,13 +377,20 @@ def placeholder_bias(policy: Path) -> dict[int, float]:
 
 
 def run_side(side: str, smoke: bool, steps: int, policy: Path, out: Path, overrides: list[str], vllm: bool,
-             engine: str) -> dict:
-    """One trainer in a fresh process; its figures come back as JSON."""
+             engine: str, trl_server: bool = False) -> dict:
+    """One trainer in a fresh process; its figures come back as JSON. TRL's server mode: the process
+    sees only the first GPU and starts `trl vllm-serve` on the second."""
     result = out / f"{side}.json"
     cmd = [sys.executable, __file__, "--side", side, "--policy", str(policy), "--result", str(result),
            "--steps", str(steps), *(["--smoke"] if smoke else []), *(["--vllm"] if vllm else []),
            f"--caption-rl-engine={engine}", *(f"--set={o}" for o in overrides)]
-    subprocess.run(cmd, check=True)
+    env = None
+    if side == "trl" and trl_server:
+        trainer_gpu, server_gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0,1").split(",")[:2]
+        cmd += ["--trl-server", f"--server-gpu={server_gpu}"]
+        # vLLM's NCCL rendezvous address for the trainer: loopback, both ends on this host
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": trainer_gpu, "VLLM_HOST_IP": "127.0.0.1"}
+    subprocess.run(cmd, check=True, env=env)
     return json.loads(result.read_text())
 
 
@@ -298,6 +405,9 @@ def main() -> None:
                         help="caption-rl's rollout engine (default: vllm with --vllm, else hf). `--vllm "
                              "--caption-rl-engine hf`: caption-rl on its hf engine (decode compiled on CUDA) against TRL "
                              "on vLLM colocate (caption-rl's rollout.engine=auto would pick vLLM there)")
+    parser.add_argument("--trl-server", action="store_true",
+                        help="TRL in server mode on 2 GPUs (`trl vllm-serve` on the second, the trainer on the first) "
+                             "instead of colocate; implies --vllm; its tokens/s is per GPU")
     parser.add_argument("--only", choices=("caption-rl", "trl"),
                         help="run one trainer only; prints its figures, appends nothing")
     parser.add_argument("--cache", type=Path, default=None,
@@ -306,8 +416,12 @@ def main() -> None:
     parser.add_argument("--side", choices=("caption-rl", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--policy", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--server-gpu", default="1", help=argparse.SUPPRESS)
     args = parser.parse_args()
     steps = args.steps or (WARMUP + 1 if args.smoke else WARMUP + 5)
+    if args.trl_server and args.smoke:
+        parser.error("--trl-server runs TRL against a vLLM server on a second GPU; --smoke is CPU-only and has no vLLM")
+    args.vllm = args.vllm or args.trl_server
     engine = args.caption_rl_engine or ("vllm" if args.vllm else "hf")
     if engine == "vllm" and not args.vllm:
         parser.error("--caption-rl-engine vllm needs --vllm (TRL on vLLM too)")
@@ -318,6 +432,8 @@ def main() -> None:
             # hf named: rollout.engine=auto would pick vLLM wherever it imports on CUDA
             overrides = (vllm_overrides() if engine == "vllm" else ["rollout.engine=hf"]) + args.overrides
             figures = run_caption_rl(args.policy, out, smoke=args.smoke, steps=steps, overrides=overrides)
+        elif args.trl_server:
+            figures = run_trl_server(args.policy, out, smoke=args.smoke, steps=steps, server_gpu=args.server_gpu)
         else:
             figures = run_trl(args.policy, out, smoke=args.smoke, steps=steps, vllm=args.vllm)
         figures["device_peak_gib"] = device.gib()
@@ -327,11 +443,15 @@ def main() -> None:
     sides = [args.only] if args.only else ["caption-rl", "trl"]
     from benchmarks.results import cached_figures, load_figures, save_figures
 
-    keys = {"caption-rl": f"caption-rl-{engine}", "trl": "trl-vllm" if args.vllm else "trl-hf"}
+    trl_key = "trl-vllm-server" if args.trl_server else "trl-vllm" if args.vllm else "trl-hf"
+    keys = {"caption-rl": f"caption-rl-{engine}", "trl": trl_key}
     cached = {side: cached_figures(args.cache, keys[side]) for side in sides}
     got = {side: kept for side in sides if (kept := load_figures(cached[side])) is not None}
     for side in got:
         print(f"{side} figures from {cached[side]}")
+    if args.trl_server and "trl" in sides and "trl" not in got and torch.cuda.device_count() < 2:
+        parser.error(f"--trl-server needs 2 GPUs (the vLLM server on its own), this machine has "
+                     f"{torch.cuda.device_count()}")
     if len(got) < len(sides):
         with tempfile.TemporaryDirectory() as tmp:
             policy = build_policy(Path(tmp) / "policy", args.smoke)
@@ -340,16 +460,16 @@ def main() -> None:
                 torch.cuda.empty_cache()  # the children measure their own peaks; this process keeps no weights
             for side in (s for s in sides if s not in got):
                 got[side] = run_side(side, args.smoke, steps, policy, Path(tmp),
-                                     args.overrides if side == "caption-rl" else [], args.vllm, engine)
+                                     args.overrides if side == "caption-rl" else [], args.vllm, engine, args.trl_server)
                 save_figures(cached[side], got[side])
     if args.only:
         print(json.dumps(got[args.only]))
         return
-    report(got["caption-rl"], got["trl"], smoke=args.smoke, vllm=args.vllm, engine=engine)
+    report(got["caption-rl"], got["trl"], smoke=args.smoke, vllm=args.vllm, engine=engine, trl_server=args.trl_server)
 
 
 def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool, vllm: bool = False,
-           engine: str = "hf") -> None:
+           engine: str = "hf", trl_server: bool = False) -> None:
     if vllm:  # vLLM's memory is outside torch's allocator: compare what the device had in use
         ours, theirs = {**ours, "peak_gib": ours["device_peak_gib"]}, {**theirs, "peak_gib": theirs["device_peak_gib"]}
     header = ["trainer", "tokens/s", "s/step", "rollout s", "reward s", "logprob s", "update s", "caption tokens",
@@ -357,7 +477,8 @@ def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool, vll
     table = [[f"caption-rl (rollout.engine={engine})", f"{ours['throughput/tokens_per_s']:.0f}", f"{ours['time/step']:.2f}",
               f"{ours['time/rollout']:.2f}", f"{ours['time/reward']:.3f}", f"{ours['time/logprob']:.2f}",
               f"{ours['time/update']:.2f}", f"{ours['response/length_mean']:.0f}", f"{ours['peak_gib']:.1f}"],
-             ["trl GRPOTrainer", f"{theirs['throughput/tokens_per_s']:.0f}", f"{theirs['time/step']:.2f}", "", "", "", "",
+             ["trl GRPOTrainer" + (" (server mode, 2 GPUs)" if trl_server else ""),
+              f"{theirs['throughput/tokens_per_s']:.0f}", f"{theirs['time/step']:.2f}", "", "", "", "",
               f"{theirs['response/length_mean']:.0f}", f"{theirs['peak_gib']:.1f}"]]
     ratio = ours["throughput/tokens_per_s"] / theirs["throughput/tokens_per_s"]
     on_gpu = theirs["peak_gib"] == theirs["peak_gib"]  # NaN without CUDA
@@ -369,15 +490,27 @@ def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool, vll
     if steady is not None and compiled > 0.5:  # torch.compile built graphs after the warm-up steps
         table.append(["ratio, caption-rl's one-time compiling after the warm-up left out",
                       f"{steady / theirs['throughput/tokens_per_s']:.2f}x", "", "", "", "", "", "", ""])
+    if trl_server:
+        caption_rl = {"vllm": f"rollout.engine=vllm, colocated with gpu_memory_utilization {VLLM_MEMORY}",
+                      "hf": "its hf engine, decode compiled on CUDA"}[engine]
+        setup = ("GRPOTrainer with use_vllm=True, vllm_mode='server' on 2 GPUs: `trl vllm-serve` alone on the "
+                 f"second (gpu_memory_utilization {VLLM_SERVER_MEMORY}, TRL's default, max_model_len {VLLM_MAX_LEN}), "
+                 "the trainer alone on the first, weights pushed over NCCL after every optimizer step (caption-rl: one "
+                 f"GPU, {caption_rl}); TRL's tokens/s is divided by its 2 GPUs, its peak GiB is the trainer GPU's "
+                 "(total - free, sampled every 20 ms, as caption-rl's; the server's GPU holds "
+                 f"{VLLM_SERVER_MEMORY} of its memory by design),")
+    elif vllm:
+        setup = ("GRPOTrainer with use_vllm=True, vllm_mode='colocate', sleep mode ("
+                 + ("caption-rl: rollout.engine=vllm), both with " if engine == "vllm" else
+                    "caption-rl: its hf engine, decode compiled on CUDA), vLLM with ")
+                 + f"gpu_memory_utilization {VLLM_MEMORY} and max_model_len {VLLM_MAX_LEN}; peak GiB is the device's "
+                 "(total - free, sampled every 20 ms), since vLLM allocates outside torch,")
+    else:
+        setup = "GRPOTrainer (transformers generate, no vLLM)"
     notes = ("Policy: random weights at Qwen3-VL-2B shape (vocab 151,936), bf16, full fine-tuning with gradient "
              "checkpointing; 32 images x 8 captions x 256 tokens per step, rule reward, one optimizer step per RL "
              f"step, micro-batches of 16; mean over the steps after the first {WARMUP} (warm-up) of each trainer. TRL {theirs['trl_version']} "
-             + ("GRPOTrainer with use_vllm=True, vllm_mode='colocate', sleep mode ("
-                + ("caption-rl: rollout.engine=vllm), both with " if engine == "vllm" else
-                   "caption-rl: its hf engine, decode compiled on CUDA), vLLM with ")
-                + f"gpu_memory_utilization {VLLM_MEMORY} and max_model_len {VLLM_MAX_LEN}; peak GiB is the device's "
-                "(total - free, sampled every 20 ms), since vLLM allocates outside torch,"
-                if vllm else "GRPOTrainer (transformers generate, no vLLM)")
+             + setup
              + " on the same checkpoint, images, group size, lengths, loss "
              "(dapo token-mean, clip 0.2/0.28, beta 0) and reward, each trainer in its own process. tokens/s is "
              "verl's: (prompt + response tokens) / step seconds / GPUs; TRL's from its num_tokens log. Goal: "
@@ -403,7 +536,11 @@ def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool, vll
     from benchmarks.results import append_results
 
     on_vllm = {"vllm": ", both rolling out on vLLM (TRL colocate)", "hf": ", caption-rl on its hf engine, TRL on vLLM (colocate)"}
-    title = "caption-rl vs TRL GRPOTrainer" + (on_vllm[engine] if vllm else "")
+    on_server = {"vllm": ", TRL in server mode on 2 GPUs (vLLM on its own GPU), caption-rl on one (rollout.engine=vllm)",
+                 "hf": ", TRL in server mode on 2 GPUs (vLLM on its own GPU), caption-rl on one (its hf engine)"}
+    title = "caption-rl vs TRL GRPOTrainer" + ((on_server if trl_server else on_vllm)[engine] if vllm else "")
     append_results(f"{title}: RL step throughput at Qwen3-VL-2B shape", header, table, notes)
+
+
 if __name__ == "__main__":
     main()
