@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -183,7 +184,9 @@ def two_gpus_vllm(steps: int, cache: Path | None, only: list[str] | None) -> Non
                              ["rollout.engine=vllm", "rollout.placement=split", *SETTINGS[1],
                               f"rollout.gpu_memory_utilization={SPLIT_VLLM_MEMORY}",
                               f"rollout.engine_options.max_model_len={VLLM_MAX_LEN}"])
-                figures = launch(2 if name == "sync-ddp" else 1, policy, Path(tmp) / name, steps, overrides)
+                out = cache / name if cache else Path(tmp) / name  # with --cache, the run directory stays there too
+                shutil.rmtree(out, ignore_errors=True)
+                figures = launch(2 if name == "sync-ddp" else 1, policy, out, steps, overrides)
                 figures["processes"] = 2 if name == "sync-ddp" else 1
                 got[name] = figures
             save_figures(cached_figures(cache, f"two-gpus-{name}"), got[name])

@@ -184,7 +184,9 @@ def run_figures(run: Path) -> dict:
                                           "time/rollout", "time/rollout_wait", "time/prepare", "time/reward", "time/logprob",
                                           "time/update", "time/rollout_wake", "time/rollout_sleep", "time/weight_sync",
                                           "response/length_mean", "rollout/staleness")}
-    figures.update({key: max(float(r[key]) for r in rows) for key in rows[0] if key.startswith("memory/")})
+    # a phase a step did not run (the trainer thread's rollout in an asynchronous run) has an empty cell
+    figures.update({key: max((float(r[key]) for r in rows if r[key]), default=0.0) for key in rows[0]
+                    if key.startswith("memory/")})
     for phase in ("step", "rollout", "update"):  # every step, warm-up included, for the notes
         figures[f"steps/{phase}"] = [round(float(r[f"time/{phase}"]), 1) for r in every]
     if rows and "time/compile" in rows[0]:  # a long run's rate: the steps' one-time compiling left out
