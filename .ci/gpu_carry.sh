@@ -3,7 +3,7 @@
 # sends at most 64 MiB a call and the machine has no package index), from this machine's index.
 #
 #   bash .ci/gpu_carry.sh            # .vd/ (diffusers, datasets, msgspec, ... + Ray's pure deps in .vd/opt),
-#                                    # .vr1/ and .vr2/ (the Ray wheel in two parts)
+#                                    # .vr1/ and .vr2/ (the Ray wheel in two parts), .va/ (PyAV: video records)
 #   bash .ci/gpu_carry.sh serve      # the same and .vs/: Ray Serve's dependencies (~43 MB; a call of its own)
 #   then on the GPU machine, in each call:   source .ci/gpu_setup.sh
 #
@@ -29,12 +29,13 @@ mkdir -p .vr1 .vr2
 (cd "$tmp" && split -b 40M ray-*.whl rayp_ && basename ray-*.whl > name)
 cp "$tmp/rayp_aa" "$tmp/name" .vr1/ && cp "$tmp/rayp_ab" .vr2/
 rm -rf "$tmp"
+mkdir -p .va && get .va "av==$(sed -n '/^name = "av"$/{n;s/version = "\(.*\)"/\1/p}' uv.lock | tail -1)"  # PyAV (~35 MB): a call of its own
 if [ "${1:-}" = serve ]; then  # ray[serve]'s dependency closure for CPython 3.12, less Ray and numpy
     get_all() { "$PY" -m pip download --quiet --only-binary :all: --python-version 3.12 --platform manylinux2014_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_34_x86_64 -d .vs "$@"; }
     mkdir -p .vs && get_all "ray[serve]==$RAY" && rm -f .vs/ray-*.whl .vs/numpy-*.whl
 fi
-mkdir -p .git/info && for d in .vd/ .vr1/ .vr2/ .vs/ .vq/ .vp/; do
+mkdir -p .git/info && for d in .vd/ .vr1/ .vr2/ .vs/ .va/ .vq/ .vp/; do
     grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude
 done
-du -sh .vd .vr1 .vr2 .vs 2>/dev/null || true
+du -sh .vd .vr1 .vr2 .vs .va 2>/dev/null || true

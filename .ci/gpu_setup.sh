@@ -29,6 +29,9 @@ if missing:
 print("installed into /tmp/vd; Ray's dependencies the image lacked:", [m.split("/")[-1] for m in missing])
 PY
 fi
+if [ -d .va ] && [ ! -d /tmp/vd/av ]; then  # PyAV, where the image lacks it (the tests' video records)
+    python3 -c "import av" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/vd .va/*.whl
+fi
 if [ -d .vr1 ]; then cp .vr1/* /tmp/vr/; fi
 if [ -d .vr2 ]; then cp .vr2/* /tmp/vr/; fi
 if [ -f /tmp/vr/rayp_aa ] && [ -f /tmp/vr/rayp_ab ] && [ ! -d /tmp/vd/ray ]; then
