@@ -186,9 +186,8 @@ def two_gpus_vllm(steps: int, cache: Path | None, only: list[str] | None) -> Non
                               f"rollout.engine_options.max_model_len={VLLM_MAX_LEN}"])
                 out = cache / name if cache else Path(tmp) / name  # with --cache, the run directory stays there too
                 shutil.rmtree(out, ignore_errors=True)
-                figures = launch(2 if name == "sync-ddp" else 1, policy, out, steps, overrides)
-                figures["processes"] = 2 if name == "sync-ddp" else 1
-                got[name] = figures
+                processes = 2 if name == "sync-ddp" else 1
+                got[name] = {**launch(processes, policy, out, steps, overrides), "processes": processes}
             save_figures(cached_figures(cache, f"two-gpus-{name}"), got[name])
     missing = [n for n in VLLM_RUNS if n not in got]
     if missing:

@@ -159,10 +159,10 @@ class CaptionRL(Recipe[Config, State, Batch]):
                               f"{cfg.reward.length_l2} (the length reward falls from 1 at l1 to 0 at l2)")
         if isinstance(cfg.reward.spec, str) and not Path(cfg.reward.spec).is_file():
             raise ConfigError(f"reward.spec file not found: {cfg.reward.spec}")
-        resolve_engine(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: refused now
+        engine, _ = resolve_engine(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: refused now
         if not (cfg.reward.url or cfg.reward.host or cfg.reward.spec is not None):  # the judge in process
             resolve_judge_engine(cfg.reward.judge_engine, world_size)
-        check_placement(cfg.rollout.placement, cfg.rollout.engine, cfg.train.max_staleness, world_size=world_size)
+        check_placement(cfg.rollout.placement, engine, cfg.train.max_staleness, world_size=world_size)  # auto resolved
 
     def setup(self, cfg: Config, run: RunContext) -> State:
         t, r, m = cfg.train, cfg.rollout, cfg.model

@@ -252,6 +252,7 @@ def check_config(cfg: Config, world_size: int) -> None:
     every judge module imported, every engine kind possible here), before any model loads."""
     # torch: imported when the recipe checks, not for --help
     from rl_core.advantages import uses_group_baseline
+    from rl_core.train import check_placement
     from rl_rollout import resolve_engine
 
     t, r = cfg.train, cfg.reward
@@ -267,7 +268,8 @@ def check_config(cfg: Config, world_size: int) -> None:
     if cfg.algo.reward_aggregation == "normalize_then_sum" and cfg.algo.kl_in_reward:
         raise ConfigError("algo.reward_aggregation=normalize_then_sum normalises the judges' scores per sequence; "
                           "algo.kl_in_reward shapes token rewards: use one of them (algo.use_kl_loss keeps a KL term)")
-    resolve_engine(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: one line
+    engine, _ = resolve_engine(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: one line
+    check_placement(cfg.rollout.placement, engine, t.max_staleness, world_size=world_size)  # auto as resolved here
     if r.spec is not None:
         read_spec(r)
         return

@@ -40,7 +40,7 @@ from swapping import PolicySwap, initial_plan
 from rl_core.kl import compute_kl
 from rl_core.train import GroupAdvantages, PinnedOffload, WeightChannel, isolated_rng, sample_seed
 from rl_core.train.config import ConfigError
-from rl_core.train.recipe import Checkpoint, Recipe, RunContext, Schedule, Scores, check_placement
+from rl_core.train.recipe import Checkpoint, Recipe, RunContext, Schedule, Scores
 from rl_core.train.sharding import FullWeights, prepare_policy, resolve_sharding, sharded_state
 from rl_data import GroupSampler, JudgeRecord
 from rl_models.text import load_causal_lm
@@ -112,7 +112,6 @@ class RiderGRM(Recipe[Config, State, Batch]):
 
     def check(self, cfg: Config, world_size: int) -> None:
         check_config(cfg, world_size)
-        check_placement(cfg.rollout.placement, cfg.rollout.engine, cfg.train.max_staleness, world_size=world_size)
         if cfg.reward.spec is None:
             check_served(judge_configs(cfg.reward))  # servers down, unknown specs
 
