@@ -22,9 +22,10 @@ asynchronous split placement (1 trainer process on GPU 0, its rollout engine on 
 
 `--two-gpus --vllm`: the same with vLLM rollouts, against TRL's 2-GPU server mode. Synchronous:
 DDP, each process with its colocated vLLM engine asleep during the update (`VLLM_MEMORY` of its
-GPU). Asynchronous: 1 trainer process on GPU 0, its vLLM engine on GPU 1 (in the trainer's
-process, awake throughout, `SPLIT_VLLM_MEMORY` of that GPU: its KV cache and the published
-versions' weight copies share the card), each version pushed between requests. TRL:
+GPU). Asynchronous: 1 trainer process on GPU 0, its vLLM engine on GPU 1 (its engine core in a
+process of its own, awake throughout, `SPLIT_VLLM_MEMORY` of that GPU: its KV cache and the
+published versions' weight copies share the card), each version pushed between requests as
+CUDA IPC handles. TRL:
 `GRPOTrainer(use_vllm=True, vllm_mode="server")`, `trl vllm-serve` on GPU 1 and the trainer on
 GPU 0 (benchmarks/caption_rl.py --trl-server). Compared as tokens/s on the 2 GPUs (prompt +
 caption tokens per second of step time). `--cache DIR` keeps each run's figures in DIR and

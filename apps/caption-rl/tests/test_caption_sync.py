@@ -66,7 +66,8 @@ def test_asynchronous_rollouts_with_real_vllm(app, tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU for the engine")
 def test_asynchronous_rollouts_on_a_vllm_gpu_of_its_own(app, tmp_path):
     """rollout.placement=split with vLLM: one training process on GPU 0, its vLLM engine on GPU 1
-    (in this process, never asleep), each version pushed there between requests: the same
+    (its engine core in a process of its own, never asleep), each version pushed there by CUDA IPC
+    between requests: the same
     versions and bounds as the colocated engine above, and none of vLLM's memory on the
     trainer's GPU (its fraction, 0.2 of the card, would show in the trainer's peaks)."""
     run = app.main(tiny_overrides(tmp_path, "rollout.engine=vllm", *FAST, "model.lora_rank=0", "train.lr=1e-3",

@@ -70,3 +70,33 @@ def test_vllm_engine_generate_score_sleep_and_load() -> None:
     vocab = ref.model.config.vocab_size  # zero final norm: every logit 0, a uniform distribution
     assert all(abs(lp + torch.log(torch.tensor(float(vocab))).item()) < 1e-3 for lp in after.logprobs), after.logprobs
     engine.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM or not torch.cuda.is_available(), reason="needs vLLM and a GPU")
+def test_vllm_engine_in_a_process_of_its_own_takes_pushes_by_cuda_ipc() -> None:
+    """An engine core in a process of its own (a rollout GPU of its own) gets weight pushes as
+    CUDA IPC handles: host tensors are copied to its GPU first, GPU tensors shared as they are;
+    the pushed weights are what it then samples with."""
+    from rl_models import tiny
+    from rl_rollout.colocated import vllm_engine_core
+    from rl_rollout.hf import HFEngine
+    from rl_rollout.vllm import VLLMEngine
+
+    qwen3_path = tiny.build("qwen3_vllm")
+    with vllm_engine_core(in_process=False):
+        engine = VLLMEngine(str(qwen3_path), ipc_weights=True, dtype="bfloat16", gpu_memory_utilization=0.3,
+                            max_model_len=1024, enforce_eager=True, enable_sleep_mode=False)
+    assert not engine.in_process and engine.ipc_weights
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    before = engine.generate([[1, 2, 3]], greedy)[0]
+    ref = HFEngine.from_pretrained(qwen3_path, dtype=torch.bfloat16, device="cpu")
+    norms = {name: t for name, t in ref.model.state_dict().items() if name.endswith("norm.weight")}
+    engine.load_weights(((name, torch.zeros_like(t)) for name, t in norms.items()), version=3)  # host tensors
+    assert engine.weight_version == 3
+    zeroed = engine.generate([[1, 2, 3]], greedy)[0]
+    vocab = ref.model.config.vocab_size  # zero final norm: every logit 0, a uniform distribution
+    assert all(abs(lp + torch.log(torch.tensor(float(vocab))).item()) < 1e-3 for lp in zeroed.logprobs), zeroed.logprobs
+    engine.load_weights([(name, t.cuda()) for name, t in norms.items()])  # on the engine's GPU: shared as is
+    assert engine.generate([[1, 2, 3]], greedy)[0].completion_ids == before.completion_ids
+    engine.close()

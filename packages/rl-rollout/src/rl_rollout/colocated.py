@@ -33,9 +33,13 @@ def colocated_vllm(path: str, *, dtype: str, gpu_memory_utilization: float, seed
     take for weights and KV cache: leave the rest to the trainer.
 
     `device`: a GPU of the engine's own instead (split placement; one training process): vLLM's
-    `device_ids` puts the engine there, in this process all the same, without sleep mode (it
-    never sleeps) and with `gpu_memory_utilization` of that GPU; this thread's current CUDA
-    device, which vLLM's start-up moves to the engine's GPU, is put back afterwards.
+    `device_ids` puts the engine there, without sleep mode (it never sleeps) and with
+    `gpu_memory_utilization` of that GPU. Build it inside `vllm_engine_core(in_process=False)`:
+    its engine core then runs in a process of its own, so vLLM's scheduling loop does not take
+    turns with the trainer's kernel launches for this process's interpreter lock, and weight
+    pushes send CUDA IPC handles of tensors already on that GPU (`rl_rollout.vllm_ipc`). Built in
+    this process instead, it works too, slower. This thread's current CUDA device, which vLLM's
+    start-up may move to the engine's GPU, is put back afterwards.
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from rl_rollout.vllm import VLLMEngine
@@ -51,7 +55,8 @@ def colocated_vllm(path: str, *, dtype: str, gpu_memory_utilization: float, seed
         raise ValueError(f"device={device}: name the engine's GPU by index (cuda:N)")
     with torch.cuda.device(index):  # vLLM sets the current device to its own: put back on exit
         return VLLMEngine(path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                          max_num_seqs=max_num_seqs, device_ids=[index], **({"enable_sleep_mode": False} | llm_kwargs))
+                          max_num_seqs=max_num_seqs, device_ids=[index], ipc_weights=True,
+                          **({"enable_sleep_mode": False} | llm_kwargs))
 
 
 @contextmanager

@@ -15,8 +15,8 @@ owns weight sync (verl's engine layer), so no app asks which engine it has.
 - `vllm`: a colocated `vllm.LLM` in this process (`rl_rollout.colocated`), asleep outside
   sessions (weights in host memory, KV cache freed) so the trainer has the GPU; `sync` pushes
   the trained weights (a LoRA merged, a sharded policy's gathered) into it while it sleeps.
-  With `rollout_device` (split placement) it lives on a GPU of its own, still in this process,
-  and never sleeps.
+  With `rollout_device` (split placement) it lives on a GPU of its own, its engine core in a
+  process of its own (weights pushed as CUDA IPC handles), and never sleeps.
 
 `weight_version` counts `sync` calls: the optimizer steps in the weights the next session
 samples with (log it as `rollout/weight_version`).
@@ -348,7 +348,9 @@ def build_policy_engine(
     if rollout_device is not None and world_size > 1:
         raise ConfigError(f"{key}=vllm on a rollout GPU of its own serves one training process, this run has "
                           f"{world_size}: use rollout.engine=hf, or one process")
-    with vllm_engine_core(in_process=True), isolated_rng():  # vLLM seeds the global RNGs as it starts
+    # in this process when colocated (pushes by reference while it sleeps); on a GPU of its own, a
+    # process of its own (its loop does not share the trainer's interpreter lock; pushes by CUDA IPC)
+    with vllm_engine_core(in_process=rollout_device is None), isolated_rng():  # vLLM seeds the global RNGs
         engine = colocated_vllm(path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
                                 max_num_seqs=max_batch_size, world_size=world_size, device=rollout_device,
                                 **(engine_options or {}))

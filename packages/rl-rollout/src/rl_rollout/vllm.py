@@ -16,7 +16,10 @@ scoring, sleep/wake, weight pushes, and the apps' colocated rollouts).
   trainer can push after every optimizer step without re-allocating the KV cache; `wake()` then
   brings the KV cache back. Colocated with the trainer, set `VLLM_ENABLE_V1_MULTIPROCESSING=0` so
   the worker runs in process and tensors pass by reference (with V1 multiprocessing, sending a
-  function needs `VLLM_ALLOW_INSECURE_SERIALIZATION=1` and copies every tensor).
+  function needs `VLLM_ALLOW_INSECURE_SERIALIZATION=1` and copies every tensor). An engine core
+  in a process of its own (a rollout GPU of its own: the engine's Python loop then does not share
+  this process's interpreter lock) is built with `ipc_weights=True` and takes pushes as CUDA IPC
+  handles (`rl_rollout.vllm_ipc`): the tensors must be on the engine's GPU.
 - Images/videos: chat messages holding PIL images / frame arrays are rendered with the model's
   processor chat template and passed as `multi_modal_data`; vLLM expands the placeholders with
   the same Hugging Face processor, so the prompt ids match the `hf` engine's.
@@ -67,11 +70,25 @@ class VLLMEngine:
     """`Engine` over `vllm.LLM(model, enable_sleep_mode=True, enable_prefix_caching=True, ...)`.
 
     Extra keyword arguments go to `vllm.LLM` (e.g. `gpu_memory_utilization`, `dtype`).
+    `ipc_weights`: where the engine core runs in a process of its own (`VLLM_ENABLE_V1_MULTIPROCESSING=1`
+    when it is built; `in_process` says which), `load_weights` sends CUDA IPC handles
+    (`rl_rollout.vllm_ipc`) instead of the tensors, which would otherwise be copied through a
+    socket (and need `VLLM_ALLOW_INSECURE_SERIALIZATION=1`); in process it changes nothing.
     """
 
-    def __init__(self, model: str, **llm_kwargs: Any) -> None:
+    def __init__(self, model: str, *, ipc_weights: bool = False, **llm_kwargs: Any) -> None:
         llm_kwargs = {"enable_sleep_mode": True, "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs"} | llm_kwargs
+        if ipc_weights:
+            from rl_rollout.vllm_ipc import EXTENSION
+
+            llm_kwargs["worker_extension_cls"] = EXTENSION
+        ids = llm_kwargs.get("device_ids") or [torch.cuda.current_device() if torch.cuda.is_available() else 0]
+        self.ipc_device = torch.device("cuda", int(ids[0]))  # where IPC pushes must sit: the engine's GPU
         self.llm = vllm.LLM(model=model, **llm_kwargs)
+        from vllm.v1.engine.core_client import InprocClient
+
+        self.in_process = isinstance(self.llm.llm_engine.engine_core, InprocClient)  # as vLLM built it
+        self.ipc_weights = ipc_weights and not self.in_process  # in process, tensors pass by reference
         self.tokenizer = self.llm.get_tokenizer()
         is_vl = "vision_config" in AutoConfig.from_pretrained(model).to_dict()
         self.processor = AutoProcessor.from_pretrained(model) if is_vl else None  # chat template with media parts
@@ -171,7 +188,14 @@ class VLLMEngine:
         if self._state == "asleep":
             self.llm.wake_up(tags=["weights"])
             self._state = "weights"
-        self.llm.collective_rpc(_load_weights_on_worker, args=(list(named_tensors),))
+        if self.ipc_weights:
+            from rl_rollout.vllm_ipc import METHOD, ipc_payload
+
+            # tensors elsewhere are copied to the engine's GPU first, and kept alive until it has loaded them
+            shared = [(name, t.to(self.ipc_device)) for name, t in named_tensors]
+            self.llm.collective_rpc(METHOD, args=(ipc_payload(shared),))
+        else:
+            self.llm.collective_rpc(_load_weights_on_worker, args=(list(named_tensors),))
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self.weight_version = self.weight_version + 1 if version is None else version
 
