@@ -36,7 +36,7 @@ scoring, sleep/wake, weight pushes, and the apps' colocated rollouts).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AutoConfig, AutoProcessor
@@ -82,7 +82,7 @@ class VLLMEngine:
             from rl_rollout.vllm_ipc import EXTENSION
 
             llm_kwargs["worker_extension_cls"] = EXTENSION
-        ids = llm_kwargs.get("device_ids") or [torch.cuda.current_device() if torch.cuda.is_available() else 0]
+        ids = cast("list[int] | None", llm_kwargs.get("device_ids")) or [torch.cuda.current_device() if torch.cuda.is_available() else 0]
         self.ipc_device = torch.device("cuda", int(ids[0]))  # where IPC pushes must sit: the engine's GPU
         self.llm = vllm.LLM(model=model, **llm_kwargs)
         from vllm.v1.engine.core_client import InprocClient
