@@ -20,7 +20,9 @@ after one warm-up round:
 
 The differences between the rows say what the colocated pattern costs: (1) vs (3) is sleep mode
 and the app's wrapper, (3) vs (2) is the in-thread engine core, and the text-only row is the
-images' share.
+images' share. Rows 2 and 3 also give the CPU seconds each generate takes in the caller's
+process: with split placement that process is the trainer's, whose kernel launches wait while
+another of its threads holds the interpreter lock (`--only alone` prints them alone).
 """
 
 from __future__ import annotations
@@ -112,7 +114,10 @@ def colocated(policy: Path, smoke: bool) -> dict[str, Any]:
 
 
 def alone(policy: Path, smoke: bool, in_thread: bool) -> dict[str, Any]:
-    """vLLM by itself, no sleep mode, the same requests (rows 2 and 3): `LLM.generate` timed."""
+    """vLLM by itself, no sleep mode, the same requests (rows 2 and 3): `LLM.generate` timed,
+    with the CPU seconds it takes in the caller's process (all its threads; an engine core in a
+    process of its own not counted) and in the calling thread: with split placement that process
+    is the trainer's, and its interpreter lock is held for at most that much of each rollout."""
     import os
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_thread else "1"
@@ -123,13 +128,17 @@ def alone(policy: Path, smoke: bool, in_thread: bool) -> dict[str, Any]:
                         max_num_seqs=len(messages) * params.n, max_model_len=VLLM_MAX_LEN, enable_sleep_mode=False)
     prompts = [engine._prompt(m, i) for i, m in enumerate(messages)]
     sampling = engine._sampling(params)
-    times, tokens = [], []
+    times, tokens, process_cpu, thread_cpu = [], [], [], []
     for round_ in range(ROUNDS + 1):
+        cpu, own = time.process_time(), time.thread_time()
         seconds, outs = timed(lambda: engine.llm.generate(prompts, sampling, use_tqdm=False))
         if round_:
             times.append(seconds)
             tokens.append(sum(len(s.token_ids) for o in outs for s in o.outputs))
-    return {"generate": statistics.fmean(times), "tokens": statistics.fmean(tokens)}
+            process_cpu.append(time.process_time() - cpu)
+            thread_cpu.append(time.thread_time() - own)
+    return {"generate": statistics.fmean(times), "tokens": statistics.fmean(tokens),
+            "caller process cpu": statistics.fmean(process_cpu), "calling thread cpu": statistics.fmean(thread_cpu)}
 
 
 def child(args: argparse.Namespace) -> None:
@@ -172,9 +181,11 @@ def report(figures: dict[str, dict[str, Any]], *, smoke: bool) -> None:
 
     ours, alone_mp, alone_thread = figures["colocated"], figures["alone"], figures["alone-in-thread"]
     step = ours["wake"] + ours["generate"] + ours["sleep"] + ours["weight push"]
-    row = lambda name, seconds, tokens="": [name, f"{seconds:.2f}", f"{tokens / seconds:,.0f}" if tokens else "",  # noqa: E731
-                                            f"{seconds / alone_mp['generate']:.2f}x"]
-    header = ["what", "seconds", "caption tokens/s", "seconds / vLLM alone's (defaults)"]
+    row = lambda name, seconds, tokens="", cpu=None: [  # noqa: E731
+        name, f"{seconds:.2f}", f"{tokens / seconds:,.0f}" if tokens else "", f"{seconds / alone_mp['generate']:.2f}x",
+        f"{cpu['caller process cpu']:.2f} / {cpu['calling thread cpu']:.2f}" if cpu and "caller process cpu" in cpu else ""]
+    header = ["what", "seconds", "caption tokens/s", "seconds / vLLM alone's (defaults)",
+              "CPU s in the caller's process / its calling thread"]
     table = [
         row("caption-rl colocated engine: wake (weights and KV cache back)", ours["wake"]),
         row("caption-rl colocated engine: generate, 32 images x 8 captions", ours["generate"], ours["tokens"]),
@@ -184,15 +195,17 @@ def report(figures: dict[str, dict[str, Any]], *, smoke: bool) -> None:
         row("caption-rl colocated engine: weight push (after the optimizer step)", ours["weight push"]),
         row("caption-rl colocated engine: the step's engine work (wake + generate + sleep + push)", step, ours["tokens"]),
         row("vLLM alone, fresh process, defaults (engine core process, no sleep mode)", alone_mp["generate"],
-            alone_mp["tokens"]),
+            alone_mp["tokens"], alone_mp),
         row("vLLM alone, fresh process, engine core in the caller's thread", alone_thread["generate"],
-            alone_thread["tokens"]),
+            alone_thread["tokens"], alone_thread),
     ]
     notes = (f"Random weights at Qwen3-VL-2B shape, bf16; {FULL[0]} images x {FULL[1]} captions x {FULL[2]} tokens "
              f"(T=1, sampled tokens' log-probs); gpu_memory_utilization {VLLM_MEMORY}, max_model_len {VLLM_MAX_LEN}, "
              f"max_num_seqs {FULL[0] * FULL[1]}; means over {ROUNDS} rounds after one warm-up, each engine in a "
              "fresh process. The text-only row feeds random token ids, as many as each image prompt had in vLLM "
              "(image tokens included): the same prefill and decode without image processing or vision encoder. "
+             "CPU seconds: `time.process_time` (every thread of the caller's process, not an engine core process) "
+             "and `time.thread_time` (the thread calling `LLM.generate`) per generate. "
              f"Images at most {MAX_PIXELS} pixels.")
     if smoke:
         print(markdown_table(header, table))
