@@ -67,9 +67,9 @@ def test_asynchronous_rollouts_with_real_vllm(app, tmp_path):
 def test_asynchronous_rollouts_on_a_vllm_gpu_of_its_own(app, tmp_path):
     """rollout.placement=split with vLLM: one training process on GPU 0, its vLLM engine on GPU 1
     (its engine core in a process of its own, never asleep), each version pushed there by CUDA IPC
-    between requests: the same
-    versions and bounds as the colocated engine above, and none of vLLM's memory on the
-    trainer's GPU (its fraction, 0.2 of the card, would show in the trainer's peaks)."""
+    between requests: the same versions and bounds as the colocated engine above, and none of
+    vLLM's memory on the trainer's GPU (its fraction, 0.2 of the card, would show in the
+    trainer's peaks)."""
     run = app.main(tiny_overrides(tmp_path, "rollout.engine=vllm", *FAST, "model.lora_rank=0", "train.lr=1e-3",
                                   "data.eval_size=0", "train.max_steps=4", "train.max_staleness=1",
                                   "rollout.placement=split", "algo.rollout_correction=token_truncate"))
