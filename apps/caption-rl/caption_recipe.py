@@ -162,7 +162,8 @@ class CaptionRL(Recipe[Config, State, Batch]):
         engine, _ = resolve_engine(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: refused now
         if not (cfg.reward.url or cfg.reward.host or cfg.reward.spec is not None):  # the judge in process
             resolve_judge_engine(cfg.reward.judge_engine, world_size)
-        check_placement(cfg.rollout.placement, engine, cfg.train.max_staleness, world_size=world_size)  # auto resolved
+        check_placement(cfg.rollout.placement, engine, cfg.train.max_staleness, world_size=world_size,
+                        workers=cfg.rollout.workers)  # auto resolved
 
     def setup(self, cfg: Config, run: RunContext) -> State:
         t, r, m = cfg.train, cfg.rollout, cfg.model
@@ -182,7 +183,8 @@ class CaptionRL(Recipe[Config, State, Batch]):
             seed=run.rank, world_size=run.world_size, full=full, optimizer=optimizer,
             offload_optimizer=r.offload_optimizer, release_cache=r.release_cache, max_batch_size=r.max_batch_size,
             compile_mode=r.compile_mode, gpu_memory_utilization=r.gpu_memory_utilization, engine_options=r.engine_options,
-            timer=run.timer, rollout_device=rollout_device(r.placement, acc))
+            timer=run.timer, rollout_device=rollout_device(r.placement, acc, workers=r.workers), workers=r.workers,
+            gpus_per_worker=r.gpus_per_worker, ray_address=r.ray_address)
         sampler = GroupSampler(len(data.train), r.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
         frozen = (load_policy(m, trainable=False)[0].to(acc.device)
                   if cfg.algo.kl_coef > 0 and m.lora_rank == 0 else None)
@@ -210,7 +212,8 @@ class CaptionRL(Recipe[Config, State, Batch]):
         return self.sample(s, step)
 
     def weight_channel(self, s: State) -> WeightChannel:
-        return s.engine.weight_channel(rollout_device(s.cfg.rollout.placement, s.run.accelerator))
+        r = s.cfg.rollout
+        return s.engine.weight_channel(rollout_device(r.placement, s.run.accelerator, workers=r.workers))
 
     def sample(self, s: State, step: int) -> Batch:
         """The step's captions (train.max_staleness >= 1: on the rollout thread, from the

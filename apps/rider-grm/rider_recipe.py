@@ -148,7 +148,8 @@ class RiderGRM(Recipe[Config, State, Batch]):
             max_batch_size=r.max_batch_size, compile=r.compile, gpu_memory_utilization=r.gpu_memory_utilization,
             engine_options={"max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
                             **r.engine_options},  # verl's context length, not the model's full one
-            timer=run.timer, rollout_device=rollout_device(r.placement, acc))
+            timer=run.timer, rollout_device=rollout_device(r.placement, acc, workers=r.workers), workers=r.workers,
+            gpus_per_worker=r.gpus_per_worker, ray_address=r.ray_address)
         for judge in judges:
             judge.policy = engine  # counts the judge's calls made with the policy's engine awake
         swap = PolicySwap(engine, model, optimizer, acc.device, mode=mode, memory_fraction=cfg.reward.swap_memory_fraction,
@@ -229,7 +230,8 @@ class RiderGRM(Recipe[Config, State, Batch]):
                               "policy off the GPU while the judges score, but asynchronous rollouts sample meanwhile; "
                               "set reward.swap=never (or auto)")
         state.swap.keep_resident(state.judges)
-        return state.engine.weight_channel(rollout_device(state.cfg.rollout.placement, state.run.accelerator))
+        r = state.cfg.rollout
+        return state.engine.weight_channel(rollout_device(r.placement, state.run.accelerator, workers=r.workers))
 
     def score(self, state: State, step: int, batch: Batch) -> Scores:
         """Token rewards `[B, C]`: each sample's score on its last token (NaN: failed), minus

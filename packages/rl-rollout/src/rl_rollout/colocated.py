@@ -87,7 +87,11 @@ def vllm_engine_core(in_process: bool) -> Iterator[None]:
 def push_weights(engine: Any, model: torch.nn.Module, version: int) -> None:
     """Send `rl_models.lora.merged_named_weights(model)` (Hugging Face checkpoint names, LoRA
     merged) to `engine.load_weights` in buckets of ~`BUCKET_BYTES`; the merged tensors are made
-    lazily, so at most one bucket of them exists at a time."""
+    lazily, so at most one bucket of them exists at a time. An engine that `takes_whole_versions`
+    (Ray actors: one push per version) gets them all in one call."""
+    if getattr(engine, "takes_whole_versions", False):
+        engine.load_weights(merged_named_weights(model), version=version)
+        return
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in merged_named_weights(model):

@@ -47,6 +47,7 @@ synchronous run fills `FullWeights` for each session only: budget the model once
 from __future__ import annotations
 
 import copy
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -91,12 +92,14 @@ class PolicyEngine:
                  full: FullWeights | None = None, optimizer_offload: OptimizerOffload | None = None,
                  release_cache: Callable[[], None] | None = None,
                  rebuild: Callable[[torch.nn.Module, torch.device], Engine] | None = None,
-                 timer: PhaseTimer = _untimed, rollout_device: torch.device | None = None) -> None:
+                 timer: PhaseTimer = _untimed, rollout_device: torch.device | None = None,
+                 remote: bool = False) -> None:
         self.engine, self.kind, self.trained, self.pad_id, self.timer = engine, kind, trained, pad_id, timer
         self.rollout_device = rollout_device  # vllm: the GPU of its own it was built on (split placement)
+        self.remote = remote  # Ray actors (`rl_rollout.policy_pool`): weights of their own, pushed by version
         self.full, self.optimizer_offload, self.release_cache = full, optimizer_offload, release_cache
         self.rebuild = rebuild  # hf: an engine over another copy of the model (asynchronous runs)
-        self.shares_weights = kind == "hf"
+        self.shares_weights = kind == "hf" and not remote
         self.weight_version = 0
         self.channel: _EngineChannel | None = None  # set by weight_channel(): asynchronous rollouts
 
@@ -116,6 +119,9 @@ class PolicyEngine:
         from rl_models.logprobs import unwrap_peft
 
         trained = unwrap_peft(self.trained)
+        if self.remote:  # each version a host copy, pushed to the actors by the rollout thread
+            self.channel = _EngineChannel(self, _PushChannel(self.engine, trained, self.full, torch.device("cpu")))
+            return self.channel
         if self.kind == "hf":
             if self.rebuild is None:
                 raise ValueError("this hf policy engine cannot be rebuilt over a copy of the model")
@@ -140,7 +146,7 @@ class PolicyEngine:
     @contextmanager
     def session(self) -> Iterator[Engine]:
         """The engine, ready to sample, for the block; afterwards the trainer has the memory."""
-        if self.channel is not None or self.rollout_device is not None:  # weights of its own, awake throughout
+        if self.channel is not None or self.rollout_device is not None or self.remote:  # weights of its own, awake
             with _on(self.rollout_device):
                 yield self.engine
             return
@@ -187,7 +193,7 @@ class PolicyEngine:
             push_weights(self.engine, model, version=self.weight_version)  # a sharded policy's gathered, freed after
 
     def sleep(self) -> None:
-        if self.rollout_device is not None:  # a GPU of its own: nothing to make room for
+        if self.rollout_device is not None or self.remote:  # a GPU of its own: nothing to make room for
             return
         self.engine.sleep()
 
@@ -260,14 +266,16 @@ class _EngineChannel:
 def _on(device: torch.device | None) -> AbstractContextManager[Any]:
     """`device` as this thread's current CUDA device inside the block (vLLM's kernels launch on
     the current device); nothing when None."""
-    return torch.cuda.device(device) if device is not None else nullcontext()
+    return torch.cuda.device(device) if device is not None and device.type == "cuda" else nullcontext()
 
 
-def rollout_device(placement: str, accelerator: Any, *, key: str = "rollout.placement") -> torch.device | None:
+def rollout_device(placement: str, accelerator: Any, *, workers: int = 0,
+                   key: str = "rollout.placement") -> torch.device | None:
     """Where an asynchronous run's rollout engine samples: `colocated` -> None (the trainer's
     GPU); `split` -> a GPU of its own, `cuda:<local rank + local process count>` (the first half
-    of a node's GPUs train, the second half roll out: launch one process per trainer GPU)."""
-    if placement == "colocated":
+    of a node's GPUs train, the second half roll out: launch one process per trainer GPU);
+    None with `workers` (Ray actors, placed by Ray)."""
+    if placement == "colocated" or workers:
         return None
     import os
 
@@ -303,6 +311,9 @@ def build_policy_engine(
     key: str = "rollout.engine",
     timer: PhaseTimer = _untimed,
     rollout_device: torch.device | None = None,
+    workers: int = 0,
+    gpus_per_worker: float | None = None,
+    ray_address: str | None = None,
 ) -> PolicyEngine:
     """The policy's engine for a configured `kind` (`auto`, `hf`, `vllm`; `auto` resolves as
     `rl_rollout.resolve_engine` says and prints why).
@@ -324,10 +335,19 @@ def build_policy_engine(
     `engine_options` (more `vllm.LLM` arguments), `seed`: `vllm`'s. `timer`: times the engine
     layer's phases (see the module doc); pass the trainer's `run.timer`. `rollout_device`: the
     rollout's GPU of its own (split placement, `rollout_device()`): `vllm` is built there and
-    never sleeps (one training process only); `hf` moves there when `weight_channel` is called."""
+    never sleeps (one training process only); `hf` moves there when `weight_channel` is called.
+    `workers`: N > 0 builds the engine in N Ray actors instead (`rl_rollout.policy_pool`), each
+    with `gpus_per_worker` GPUs (default: 1 on CUDA, every GPU but the trainer's for a local Ray
+    instance; 0 on a CPU), in the cluster at `ray_address` (or `RAY_ADDRESS`, else a local one);
+    one training process."""
     resolved, why = resolve_engine(kind, key=key)
     if kind == "auto":
         print(f"{key}: {why}")
+    if workers:
+        return _pool_policy_engine(resolved, workers, gpus_per_worker, ray_address, model=model, processor=processor,
+                                   path=path, dtype=dtype, device=device, seed=seed, world_size=world_size, full=full,
+                                   max_batch_size=max_batch_size, gpu_memory_utilization=gpu_memory_utilization,
+                                   engine_options=engine_options or {}, timer=timer)
     if resolved == "hf":
         from rl_models.logprobs import unwrap_peft
         from rl_rollout.hf import HFEngine
@@ -361,6 +381,33 @@ def build_policy_engine(
     return PolicyEngine(engine, kind="vllm", trained=model, pad_id=int(pad), full=full,
                         optimizer_offload=_offload(optimizer, device, offload_optimizer == "always", full), timer=timer,
                         rollout_device=rollout_device)
+
+
+def _pool_policy_engine(kind: str, workers: int, gpus_per_worker: float | None, ray_address: str | None, *,
+                        model: torch.nn.Module, processor: Any, path: str, dtype: str, device: torch.device, seed: int,
+                        world_size: int, full: FullWeights | None, max_batch_size: int,
+                        gpu_memory_utilization: float, engine_options: dict[str, Any],
+                        timer: PhaseTimer) -> PolicyEngine:
+    """`build_policy_engine(workers=N)`: the engine in N Ray actors (`rl_rollout.policy_pool`)."""
+    from rl_rollout.policy_pool import PoolEngine, build_worker_engine, worker_gpu_ids
+    from rl_rollout.ray_pool import EngineSpec, RolloutPool
+
+    if world_size > 1:
+        raise ConfigError(f"rollout engines as Ray actors serve one training process, this run has {world_size}")
+    on_cuda = torch.device(device).type == "cuda"
+    gpus = (1.0 if on_cuda else 0.0) if gpus_per_worker is None else gpus_per_worker
+    gpu_ids = worker_gpu_ids(torch.device(device)) if not (ray_address or os.environ.get("RAY_ADDRESS")) else None
+    if gpu_ids is not None and gpus * workers > len(gpu_ids):
+        raise ConfigError(f"{workers} rollout worker(s) x {gpus} GPU(s) do not fit the GPUs left by the trainer "
+                          f"({gpu_ids}): lower the workers or their GPUs")
+    spec = EngineSpec(factory=build_worker_engine, kwargs={
+        "kind": kind, "path": path, "dtype": dtype, "seed": seed, "max_batch_size": max_batch_size,
+        "gpu_memory_utilization": gpu_memory_utilization, "engine_options": engine_options})
+    pool = RolloutPool(spec, workers, num_cpus=1.0, num_gpus=gpus, address=ray_address, gpu_ids=gpu_ids)
+    tokenizer = processor.tokenizer if isinstance(processor, ProcessorMixin) else processor
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return PolicyEngine(PoolEngine(pool), kind=kind, trained=model, pad_id=int(pad), full=full, timer=timer,
+                        remote=True)
 
 
 def _offload(optimizer: torch.optim.Optimizer | None, device: torch.device, wanted: bool,

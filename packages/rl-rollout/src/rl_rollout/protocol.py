@@ -143,5 +143,8 @@ def generate_seeded(engine: Engine, requests: Sequence[Prompt], params: Sampling
     One engine call per request: slower than one call per batch."""
     if len(seeds) != len(requests):
         raise ValueError(f"got {len(seeds)} seeds for {len(requests)} requests")
+    own = getattr(engine, "generate_seeded", None)  # an engine that spreads the requests itself (Ray actors)
+    if own is not None:
+        return list(own(requests, params, seeds))
     return [msgspec.structs.replace(g, request_index=i) for i, (request, seed) in enumerate(zip(requests, seeds, strict=True))
             for g in engine.generate([request], msgspec.structs.replace(params, seed=seed))]

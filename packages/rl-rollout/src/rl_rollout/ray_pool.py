@@ -207,15 +207,18 @@ class RolloutPool:
     """`num_workers` Ray actors, each holding `spec.build()`, with versioned weight sync.
 
     Each actor asks Ray for `num_cpus` and `num_gpus` (fractions share a GPU). Not connected to
-    Ray yet: `connect(address)` first (a local instance started here is shut down by `close()`).
+    Ray yet: connects to `address` (or `RAY_ADDRESS`) or starts a local instance with the GPUs
+    `gpu_ids` (`connect`), which `close()` shuts down.
     """
 
     def __init__(self, spec: EngineSpec, num_workers: int, *, num_cpus: float = 1.0, num_gpus: float = 0.0,
-                 address: str | None = None, start_timeout_s: float = 600.0) -> None:
+                 address: str | None = None, start_timeout_s: float = 600.0,
+                 gpu_ids: Sequence[str] | None = None) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self._ray = _ray()
-        self._owns_ray = connect(address, num_cpus=max(os.cpu_count() or 1, int(num_workers * num_cpus)))
+        self._owns_ray = connect(address, num_cpus=max(os.cpu_count() or 1, int(num_workers * num_cpus)),
+                                 gpu_ids=gpu_ids)
         self._actor_cls = self._ray.remote(EngineWorker).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)
         self._spec, self._timeout = spec, start_timeout_s
         self._weights: Any = None  # ObjectRef of the latest state dict (refreshes restarted workers)

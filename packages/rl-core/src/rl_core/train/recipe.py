@@ -62,11 +62,20 @@ def check_group_size(estimator: str, n: int, *, key: str, n_key: str) -> None:
                           f"and needs {n_key} >= 2")
 
 
-def check_placement(placement: str, engine: str, max_staleness: int, *, world_size: int = 1,
+def check_placement(placement: str, engine: str, max_staleness: int, *, world_size: int = 1, workers: int = 0,
                     key: str = "rollout.placement") -> None:
-    """`Recipe.check`'s rule for a rollout GPU of its own (`split`): it samples while the
-    trainer updates, so it needs asynchronous rollouts; a `vllm` engine there serves one
-    training process (for now: `hf` serves any number)."""
+    """`Recipe.check`'s rule for a rollout GPU of its own (`split`): in the trainer's process it
+    samples while the trainer updates, so it needs asynchronous rollouts, and a `vllm` engine
+    there serves one training process (for now: `hf` serves any number). As `workers` Ray actors
+    (`rollout.workers`) it runs synchronous or asynchronous, for one training process."""
+    if workers:
+        if placement != "split":
+            raise ConfigError(f"rollout.workers={workers} samples in Ray actors on GPUs of their own: it needs "
+                              f"{key}=split")
+        if world_size > 1:
+            raise ConfigError(f"rollout.workers={workers}: the Ray actors serve one training process, this launch "
+                              f"has {world_size}: launch one process, or use rollout.workers=0")
+        return
     if placement != "split":
         return
     if max_staleness < 1:
