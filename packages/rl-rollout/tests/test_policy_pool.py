@@ -43,6 +43,8 @@ def test_ray_actors_sample_what_the_in_process_engine_samples(workers: int) -> N
         assert remote.engine.pool.num_workers == workers
         before = _samples(local)
         assert _samples(remote) == before  # the actors loaded the same checkpoint
+        scored = remote.engine.score_next_tokens([5, 6, 7], [[8], [9, 10]], [11, 12], temperature=0.7)
+        assert torch.equal(scored, local.engine.score_next_tokens([5, 6, 7], [[8], [9, 10]], [11, 12], temperature=0.7))
         with torch.no_grad():  # an "optimizer step": the actors see it only after the push
             model.get_output_embeddings().weight.mul_(-1)
         assert _samples(remote) == before

@@ -47,6 +47,12 @@ def _generate_one(engine: Any, item: tuple[Prompt, SamplingParams]) -> list[Gene
     return list(engine.generate([request], params))
 
 
+def _score(engine: Any, item: tuple[list[int], Sequence[list[int]], Sequence[int], float]) -> torch.Tensor:
+    """`Engine.score_next_tokens` inside an actor (`RolloutPool.map`)."""
+    prefix, suffixes, candidates, temperature = item
+    return engine.score_next_tokens(prefix, suffixes, candidates, temperature=temperature)
+
+
 class PoolEngine:
     """The `Engine` protocol over a `RolloutPool`: requests sharded over the actors, results in
     request order. `load_weights` takes a whole version at once (`takes_whole_versions`: not in
@@ -57,12 +63,21 @@ class PoolEngine:
     def __init__(self, pool: Any) -> None:
         self.pool = pool
         self.weight_version = 0
-        self.state = "awake"
+        self._state = "awake"
         self._pushes = 0  # the pool's own version counter: strictly increasing, whatever the caller numbers
+
+    @property
+    def state(self) -> str:
+        return self._state
 
     @property
     def is_asleep(self) -> bool:
         return False
+
+    def score_next_tokens(self, shared_prefix: list[int], suffixes: Sequence[list[int]], candidates: Sequence[int], *,
+                          temperature: float = 1.0) -> torch.Tensor:
+        """On one actor: `[len(suffixes), len(candidates)]` log-probs (the engine kind's own)."""
+        return self.pool.map(_score, [(shared_prefix, list(suffixes), list(candidates), temperature)]).outputs[0]
 
     def generate(self, requests: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
         return list(self.pool.generate(list(requests), params).outputs)
@@ -88,9 +103,9 @@ class PoolEngine:
         pass
 
     def close(self) -> None:
-        if self.state != "closed":
+        if self._state != "closed":
             self.pool.close()
-        self.state = "closed"
+        self._state = "closed"
 
 
 def worker_gpu_ids(trainer_device: torch.device) -> list[str] | None:
