@@ -59,6 +59,7 @@ from rl_models.vl import placeholder_ids
 from rl_rewards import ScoreResult
 from rl_rollout import Generation, SamplingParams, generate_seeded, resolve_engine
 from rl_rollout.policy import PolicyEngine, build_policy_engine, rollout_device
+from rl_rollout.policy_pool import check_ray
 from rl_rollout.streaming import ScoredRollout, generate_scored
 from rl_rollout.training import (
     LossOptions,
@@ -164,6 +165,7 @@ class CaptionRL(Recipe[Config, State, Batch]):
             resolve_judge_engine(cfg.reward.judge_engine, world_size)
         check_placement(cfg.rollout.placement, engine, cfg.train.max_staleness, world_size=world_size,
                         workers=cfg.rollout.workers)  # auto resolved
+        check_ray(cfg.rollout.workers)
 
     def setup(self, cfg: Config, run: RunContext) -> State:
         t, r, m = cfg.train, cfg.rollout, cfg.model

@@ -263,6 +263,7 @@ def check_config(cfg: Config, world_size: int) -> None:
     from rl_core.advantages import uses_group_baseline
     from rl_core.train import check_placement
     from rl_rollout import resolve_engine
+    from rl_rollout.policy_pool import check_ray
 
     t, r = cfg.train, cfg.reward
     if uses_group_baseline(cfg.algo.adv_estimator) and cfg.rollout.n < 2:
@@ -280,6 +281,7 @@ def check_config(cfg: Config, world_size: int) -> None:
     engine, _ = resolve_engine(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: one line
     check_placement(cfg.rollout.placement, engine, t.max_staleness, world_size=world_size,
                     workers=cfg.rollout.workers)  # auto as resolved here
+    check_ray(cfg.rollout.workers)
     if r.spec is not None:
         read_spec(r)
         return

@@ -37,10 +37,15 @@ def test_ray_actor_rollouts_train_as_the_in_process_engine(app, tmp_path, stalen
     assert [float(r["rollout/weight_version"]) for r in actors] == ([0.0, 1.0, 2.0] if not staleness else [0.0, 0.0, 1.0])
 
 
-def test_ray_actors_need_split_placement(app, tmp_path):
+def test_ray_actors_need_split_placement_and_ray(app, tmp_path, monkeypatch):
+    import sys
+
     from rl_core.errors import UserError
 
     with pytest.raises(UserError, match=r"rollout.workers=1 samples in Ray actors on GPUs of their own: it needs "
                                         r"rollout.placement=split"):
         app.main(tiny_overrides(tmp_path, "rollout.workers=1"))
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    with pytest.raises(UserError, match=r'rollout.workers=2 runs the rollout engine in Ray actors: .*pip install "rl-rollout\[ray\]"'):
+        app.main(tiny_overrides(tmp_path, "rollout.workers=2", "rollout.placement=split"))
     assert not list(tmp_path.iterdir())  # refused before any model loads

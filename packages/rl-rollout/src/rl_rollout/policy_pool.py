@@ -13,6 +13,7 @@ their own, or on other nodes of a Ray cluster (`ray_address`). One training proc
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -22,7 +23,16 @@ import torch
 
 from rl_rollout.protocol import Generation, Prompt, SamplingParams
 
-__all__ = ["PoolEngine", "build_worker_engine", "worker_gpu_ids"]
+__all__ = ["PoolEngine", "build_worker_engine", "check_ray", "worker_gpu_ids"]
+
+
+def check_ray(workers: int, *, key: str = "rollout.workers") -> None:
+    """Before any model loads: Ray actors need Ray installed."""
+    if workers and importlib.util.find_spec("ray") is None:
+        from rl_core.train import ConfigError
+        from rl_rollout.ray_pool import INSTALL
+
+        raise ConfigError(f"{key}={workers} runs the rollout engine in Ray actors: {INSTALL}")
 
 
 def build_worker_engine(kind: str, path: str, *, dtype: str, seed: int, max_batch_size: int,
