@@ -277,8 +277,6 @@ def rollout_device(placement: str, accelerator: Any, *, workers: int = 0,
     None with `workers` (Ray actors, placed by Ray)."""
     if placement == "colocated" or workers:
         return None
-    import os
-
     local_rank = int(accelerator.local_process_index)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
     wanted = local_rank + local_world
