@@ -20,6 +20,7 @@ from rl_core.train import (
     PolicyLossName,
     Positive,
     PositiveFloat,
+    RolloutWorkerFields,
     RunFields,
     UnitInterval,
 )
@@ -65,7 +66,9 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_pixels: Positive = 448 * 448  # per image / video frame
 
 
-class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
+class RolloutConfig(RolloutWorkerFields, kw_only=True, frozen=True):
+    """`rollout.*`; `workers`, `gpus_per_worker`, `ray_address`: the engine as Ray actors (`RolloutWorkerFields`)."""
+
     engine: Literal["auto", "hf", "vllm"] = "auto"
     """hf: the training model decodes (no copy, no sync; exact log-probs, the only choice on a
     CPU); vllm: a colocated vLLM engine per GPU, asleep during the update, weights pushed after
@@ -77,17 +80,8 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     local rank + process count (2 GPUs: 1 trains, 1 samples), so rollout and update do not share
     compute; the engine holds a whole copy of the model there. vllm on split: one training
     process, its engine on GPU 1 (gpu_memory_utilization is of that GPU, so raise it); hf: any."""
-    workers: NonNegative = 0
-    """0: the rollout engine lives in the training process. N > 0 (with placement=split): N Ray
-    actors each hold rollout.engine, built from the policy's checkpoint, on a GPU of their own (a
-    local Ray instance gets every GPU but the trainer's; 0 GPUs on a CPU machine); the weights are
-    pushed to them after each step (by version when asynchronous), so their decoding and vLLM's
-    client do not share the trainer's process. Synchronous or asynchronous; one training process;
-    needs `pip install "rl-rollout[ray]"`."""
-    gpus_per_worker: NonNegativeFloat | None = None  # rollout.workers: None = 1 on CUDA, 0 on a CPU
-    ray_address: str | None = None  # rollout.workers: join this Ray cluster (env RAY_ADDRESS); None starts one
     gpu_memory_utilization: UnitInterval = 0.3  # vllm: GPU memory fraction for its weights + KV cache
-    engine_options: dict[str, Any] = {}
+    engine_options: dict[str, Any] = msgspec.field(default_factory=dict)
     """vllm: more `vllm.LLM` arguments, e.g. {enforce_eager = true} (no compile or CUDA graphs:
     starts in seconds, decodes slower) or {max_model_len = 8192}."""
     n: Positive = 8  # captions sampled per prompt (group size)

@@ -7,9 +7,6 @@ from __future__ import annotations
 import csv
 
 import pytest
-
-pytest.importorskip("ray")
-
 from conftest import tiny_overrides
 
 COMPARED = ("reward/mean", "loss/policy", "policy/approx_kl", "response/length_mean", "rollout/weight_version")

@@ -7,9 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("ray")
-
 from conftest import app, read_metrics, tiny_overrides
 
 COMPARED = ("reward/mean", "reward/std", "loss/policy", "grad_norm", "response/length_mean", "rollout/weight_version")

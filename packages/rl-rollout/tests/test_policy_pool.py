@@ -14,8 +14,6 @@ from rl_models.text import load_causal_lm
 from rl_rollout import SamplingParams, generate_seeded
 from rl_rollout.policy import build_policy_engine
 
-pytest.importorskip("ray")
-
 PROMPTS = ["Hi", "The sky is", "One two", "A cat"]
 SEEDS = [11, 12, 13, 14]
 PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=6)

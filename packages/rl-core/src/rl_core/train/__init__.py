@@ -47,7 +47,7 @@ if TYPE_CHECKING:
         parse_cli,
     )
     from rl_core.train.ema import ParameterEMA, TrainableState, trainable_parameters
-    from rl_core.train.fields import DynamicSampling, RunFields, ShardingFields
+    from rl_core.train.fields import DynamicSampling, RolloutWorkerFields, RunFields, ShardingFields
     from rl_core.train.groups import GroupAdvantages, component_means, gather_rows, group_advantages
     from rl_core.train.loop import run, train
     from rl_core.train.metric_names import METRIC_NAMES, unknown_metric_names
@@ -122,7 +122,7 @@ _EXPORTS = {
                "RolloutCorrectionName", "UnitInterval", "config_help", "dump_config", "flat_config",
                "load_config", "parse_cli"],
     "ema": ["ParameterEMA", "TrainableState", "trainable_parameters"],
-    "fields": ["DynamicSampling", "RunFields", "ShardingFields"],
+    "fields": ["DynamicSampling", "RolloutWorkerFields", "RunFields", "ShardingFields"],
     "groups": ["GroupAdvantages", "component_means", "gather_rows", "group_advantages"],
     "loop": ["run", "train"],
     "metric_names": ["METRIC_NAMES", "unknown_metric_names"],
@@ -182,6 +182,7 @@ __all__ = [
     "RewardAggregationName",
     "RolloutCorrectionName",
     "RolloutPipeline",
+    "RolloutWorkerFields",
     "RunContext",
     "RunFields",
     "SampleLog",
