@@ -83,6 +83,27 @@ def test_asynchronous_rollouts_on_a_vllm_gpu_of_its_own(app, tmp_path):
         assert peaks and max(peaks.values()) < 2.0, peaks  # GiB on GPU 0: the tiny policy, not vLLM's 0.2 of a card
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or importlib.util.find_spec("ray") is None,
+                    reason="needs Ray and a second GPU for the actor")
+def test_asynchronous_rollouts_in_a_ray_actor_with_vllm(app, tmp_path):
+    """rollout.workers=1 with vLLM: the whole engine, vLLM's client included, in a Ray actor on GPU
+    1 (a local Ray instance given every GPU but the trainer's), each version pushed as one whole
+    set of weights: the same versions and bounds as the split engine above, and nothing of
+    vLLM on the trainer's GPU."""
+    run = app.main(tiny_overrides(tmp_path, "rollout.engine=vllm", *FAST, "model.lora_rank=0", "train.lr=1e-3",
+                                  "data.eval_size=0", "train.max_steps=4", "train.max_staleness=1",
+                                  "rollout.placement=split", "rollout.workers=1",
+                                  "algo.rollout_correction=token_truncate"))
+    rows = app_rows(run)
+    assert [float(r["rollout/weight_version"]) for r in rows] == [0.0, 0.0, 1.0, 2.0]
+    assert [float(r["rollout/staleness"]) for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert float(rows[0]["replay/engine_diff_mean"]) < 1e-2, rows[0]
+    for row in rows:
+        assert 0.0 <= float(row["replay/engine_kl"]) < 1.0, row
+        peaks = {k: float(v) for k, v in row.items() if k.startswith("memory/") and v}
+        assert peaks and max(peaks.values()) < 2.0, peaks
+
+
 JUDGE_FAST = ["reward.spec=null", "reward.judge=tiny:qwen3", "reward.judge_gpu_memory_utilization=0.2",
               "reward.judge_engine_options.enforce_eager=true"]
 

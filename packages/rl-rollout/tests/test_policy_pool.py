@@ -72,3 +72,80 @@ def test_ray_actors_serve_one_training_process() -> None:
     with pytest.raises(UserError, match="Ray actors serve one training process, this run has 2"):
         build_policy_engine("hf", model=model, processor=tokenizer, path=path, dtype="float32",
                             device=torch.device("cpu"), seed=0, world_size=2, workers=1)
+
+
+def _pushed_by_handles(remote, local, model) -> None:
+    """What the IPC tests below check: a push (`sync`), then versions by the channel, then an
+    actor killed and restarted from the last push's handles, each sampling as `local` does."""
+    import ray
+
+    before = _samples(local)
+    assert _samples(remote) == before
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(-1)
+    remote.sync()
+    after = _samples(local)
+    assert after != before and _samples(remote) == after
+    channel = remote.weight_channel()  # each version copied onto the actor's GPU by the trainer
+    channel.publish(1)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(-1)
+    remote.sync()
+    channel.publish(2)
+    channel.load(1)
+    assert _samples(remote) == after
+    channel.load(2)
+    assert _samples(remote) == before
+    ray.kill(remote.engine.pool.actors[0])  # restarted on the next rollout, its weights reopened from the handles
+    assert _samples(remote) == before and remote.engine.pool.version == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_an_actor_on_this_machines_gpu_takes_pushes_by_cuda_ipc() -> None:
+    """A local Ray instance's actor on this machine's GPU (here the trainer's own, half each, so
+    one GPU is enough) takes each version as CUDA IPC handles of a copy on its GPU, not as host
+    copies through Ray's object store."""
+    from rl_rollout.policy import PolicyEngine
+    from rl_rollout.policy_pool import PoolEngine, build_worker_engine, local_worker_devices
+    from rl_rollout.ray_pool import EngineSpec, RolloutPool
+
+    path = str(tiny.build("qwen3"))
+    model, tokenizer = load_causal_lm(path, dtype="float32")
+    model.to("cuda")
+    local = build_policy_engine("hf", model=model, processor=tokenizer, path=path, dtype="float32",
+                                device=torch.device("cuda", 0), seed=0, compile=False)
+    spec = EngineSpec(factory=build_worker_engine, kwargs={
+        "kind": "hf", "path": path, "dtype": "float32", "seed": 0, "max_batch_size": 64,
+        "gpu_memory_utilization": 0.0, "engine_options": {}})
+    pool = RolloutPool(spec, 1, num_gpus=0.5, gpu_ids=["0"])
+    devices = local_worker_devices(pool.health())
+    assert devices == [torch.device("cuda", 0)]  # Ray's GPU id "0", as this process numbers it
+    remote = PolicyEngine(PoolEngine(pool, devices=devices), kind="hf", trained=model,
+                          pad_id=int(tokenizer.pad_token_id or tokenizer.eos_token_id), remote=True)
+    try:
+        assert remote.engine.weight_device == torch.device("cuda", 0)
+        _pushed_by_handles(remote, local, model)
+    finally:
+        remote.close()
+        local.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU for the actor")
+def test_ray_actors_on_a_gpu_of_their_own_take_pushes_by_cuda_ipc() -> None:
+    """`build_policy_engine(workers=1)` on GPU 0: its local Ray instance gets GPU 1, and every
+    version crosses to it GPU to GPU, then by handle."""
+    path = str(tiny.build("qwen3"))
+    model, tokenizer = load_causal_lm(path, dtype="float32")
+    model.to("cuda:0")
+    local = build_policy_engine("hf", model=model, processor=tokenizer, path=path, dtype="float32",
+                                device=torch.device("cuda", 0), seed=0, compile=False)
+    remote = build_policy_engine("hf", model=model, processor=tokenizer, path=path, dtype="float32",
+                                 device=torch.device("cuda", 0), seed=0, compile=False, workers=1)
+    try:
+        assert remote.engine.devices == [torch.device("cuda", 1)]
+        _pushed_by_handles(remote, local, model)
+    finally:
+        remote.close()
+        local.close()

@@ -119,8 +119,9 @@ class PolicyEngine:
         from rl_models.logprobs import unwrap_peft
 
         trained = unwrap_peft(self.trained)
-        if self.remote:  # each version a host copy, pushed to the actors by the rollout thread
-            self.channel = _EngineChannel(self, _PushChannel(self.engine, trained, self.full, torch.device("cpu")))
+        if self.remote:  # each version a copy where the pool takes it (an actor's GPU, or host memory), pushed
+            where = getattr(self.engine, "weight_device", torch.device("cpu"))  # by the rollout thread
+            self.channel = _EngineChannel(self, _PushChannel(self.engine, trained, self.full, where))
             return self.channel
         if self.kind == "hf":
             if self.rebuild is None:
@@ -337,7 +338,8 @@ def build_policy_engine(
     `workers`: N > 0 builds the engine in N Ray actors instead (`rl_rollout.policy_pool`), each
     with `gpus_per_worker` GPUs (default: 1 on CUDA, every GPU but the trainer's for a local Ray
     instance; 0 on a CPU), in the cluster at `ray_address` (or `RAY_ADDRESS`, else a local one);
-    one training process."""
+    one training process. A local instance's actors take each version by CUDA IPC from a copy on
+    their GPU; others, as host copies (`rl_rollout.policy_pool`)."""
     resolved, why = resolve_engine(kind, key=key)
     if kind == "auto":
         print(f"{key}: {why}")
@@ -387,7 +389,12 @@ def _pool_policy_engine(kind: str, workers: int, gpus_per_worker: float | None, 
                         gpu_memory_utilization: float, engine_options: dict[str, Any],
                         timer: PhaseTimer) -> PolicyEngine:
     """`build_policy_engine(workers=N)`: the engine in N Ray actors (`rl_rollout.policy_pool`)."""
-    from rl_rollout.policy_pool import PoolEngine, build_worker_engine, worker_gpu_ids
+    from rl_rollout.policy_pool import (
+        PoolEngine,
+        build_worker_engine,
+        local_worker_devices,
+        worker_gpu_ids,
+    )
     from rl_rollout.ray_pool import EngineSpec, RolloutPool
 
     if world_size > 1:
@@ -404,7 +411,8 @@ def _pool_policy_engine(kind: str, workers: int, gpus_per_worker: float | None, 
     pool = RolloutPool(spec, workers, num_cpus=1.0, num_gpus=gpus, address=ray_address, gpu_ids=gpu_ids)
     tokenizer = processor.tokenizer if isinstance(processor, ProcessorMixin) else processor
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return PolicyEngine(PoolEngine(pool), kind=kind, trained=model, pad_id=int(pad), full=full, timer=timer,
+    devices = local_worker_devices(pool.health()) if gpu_ids is not None else None  # pushes by CUDA IPC there
+    return PolicyEngine(PoolEngine(pool, devices=devices), kind=kind, trained=model, pad_id=int(pad), full=full, timer=timer,
                         remote=True)
 
 

@@ -130,6 +130,20 @@ class EngineWorker:
             self._version = version
         return version
 
+    def load_shared_weights(self, payload: bytes, version: int) -> int:
+        """`load_weights` from CUDA IPC handles (`rl_rollout.cuda_ipc.ipc_payload`) of tensors on
+        this actor's GPU, in the trainer's process on the same machine: opened, loaded, and the
+        GPU synchronized before this returns, so the trainer may free them then."""
+        from rl_rollout.cuda_ipc import open_ipc_payload
+
+        device = torch.cuda.current_device()  # the actor's one GPU, numbered as it sees it
+        state = dict(open_ipc_payload(payload, device))
+        try:
+            return self.load_weights(state, version)
+        finally:
+            torch.cuda.synchronize(device)
+            state.clear()  # the trainer's memory: no reference kept past this call
+
     def version(self) -> int | None:
         return self._version
 
@@ -222,6 +236,7 @@ class RolloutPool:
         self._actor_cls = self._ray.remote(EngineWorker).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)
         self._spec, self._timeout = spec, start_timeout_s
         self._weights: Any = None  # ObjectRef of the latest state dict (refreshes restarted workers)
+        self._shared: Sequence[bytes] | None = None  # or the latest push's CUDA IPC handles, one set per worker
         self._version: int | None = None
         self._asleep = False
         self._workers: list[Any] = [None] * num_workers
@@ -256,14 +271,21 @@ class RolloutPool:
         if self._version is not None and version < self._version:
             raise StaleWeightsError(f"pool holds weights v{self._version}; refusing older v{version}")
         self._weights = self._ray.put({name: t.detach().cpu() for name, t in state.items()})
-        self._version = version
-        refs = [self._worker(i).load_weights.remote(self._weights, version) for i in range(self.num_workers)]
-        for i, ref in enumerate(refs):
-            try:
-                self._ray.get(ref)
-            except self._ray.exceptions.RayActorError:
-                self._workers[i] = None  # restarted with these weights on next use
-                self._worker(i)
+        self._shared, self._version = None, version
+        self._await_loads([self._worker(i).load_weights.remote(self._weights, version) for i in range(self.num_workers)])
+
+    def load_shared_weights(self, payloads: Sequence[bytes], version: int) -> None:
+        """Push `version` to every worker as CUDA IPC handles (`rl_rollout.cuda_ipc.ipc_payload`),
+        `payloads[i]` of tensors on worker `i`'s GPU: no copy through host memory. Only for
+        workers on this machine's GPUs (`WorkerHealth.gpu_ids`). The caller keeps the tensors
+        alive until its next push (a restarted worker reloads them from these handles)."""
+        if len(payloads) != self.num_workers:
+            raise ValueError(f"got {len(payloads)} weight payloads for {self.num_workers} workers")
+        if self._version is not None and version < self._version:
+            raise StaleWeightsError(f"pool holds weights v{self._version}; refusing older v{version}")
+        self._weights, self._shared, self._version = None, list(payloads), version
+        self._await_loads([self._worker(i).load_shared_weights.remote(payloads[i], version)
+                           for i in range(self.num_workers)])
 
     def map(self, fn: str | Callable[..., Any], items: Sequence[Any], **kwargs: Any) -> Rollout:
         """`fn(engine, item, **kwargs)` for every item (`engine.<fn>(item, ...)` for a method
@@ -308,6 +330,15 @@ class RolloutPool:
 
     # -- internals -----------------------------------------------------------------------------
 
+    def _await_loads(self, refs: list[Any]) -> None:
+        """Wait for each worker's weight load; a worker that died is restarted with the latest weights."""
+        for i, ref in enumerate(refs):
+            try:
+                self._ray.get(ref)
+            except self._ray.exceptions.RayActorError:
+                self._workers[i] = None  # restarted with these weights on next use
+                self._worker(i)
+
     def _offsets(self, count: int) -> list[int]:
         sizes = [count // self.num_workers + (i < count % self.num_workers) for i in range(self.num_workers)]
         return [sum(sizes[:i]) for i in range(self.num_workers + 1)]
@@ -350,6 +381,8 @@ class RolloutPool:
             self._await_start(i, actor.health.remote())
             if self._weights is not None:
                 self._ray.get(actor.load_weights.remote(self._weights, self._version))
+            elif self._shared is not None:
+                self._ray.get(actor.load_shared_weights.remote(self._shared[i], self._version))
             if self._asleep:
                 self._ray.get(actor.sleep.remote())
         return self._workers[i]
