@@ -164,7 +164,7 @@ class CaptionRL(Recipe[Config, State, Batch]):
         if not (cfg.reward.url or cfg.reward.host or cfg.reward.spec is not None):  # the judge in process
             resolve_judge_engine(cfg.reward.judge_engine, world_size)
         check_placement(cfg.rollout.placement, engine, cfg.train.max_staleness, world_size=world_size,
-                        workers=cfg.rollout.workers)  # auto resolved
+                        workers=cfg.rollout.workers, ray_address=cfg.rollout.cluster_address())  # auto resolved
         check_ray(cfg.rollout.workers)
 
     def setup(self, cfg: Config, run: RunContext) -> State:

@@ -274,7 +274,7 @@ def check_config(cfg: Config, world_size: int) -> None:
                           "algo.kl_in_reward shapes token rewards: use one of them (algo.use_kl_loss keeps a KL term)")
     engine, _ = resolve_engine(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: one line
     check_placement(cfg.rollout.placement, engine, t.max_staleness, world_size=world_size,
-                    workers=cfg.rollout.workers)  # auto as resolved here
+                    workers=cfg.rollout.workers, ray_address=cfg.rollout.cluster_address())  # auto as resolved here
     check_ray(cfg.rollout.workers)
     if r.spec is not None:
         read_spec(r)

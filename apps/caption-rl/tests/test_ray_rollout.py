@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 
 import pytest
+import torch
 from conftest import tiny_overrides
 
 COMPARED = ("reward/mean", "loss/policy", "policy/approx_kl", "response/length_mean", "rollout/weight_version")
@@ -46,3 +47,35 @@ def test_ray_actors_need_split_placement_and_ray(app, tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r'rollout.workers=2 runs the rollout engine in Ray actors: .*pip install "rl-rollout\[ray\]"'):
         app.main(tiny_overrides(tmp_path, "rollout.workers=2", "rollout.placement=split"))
     assert not list(tmp_path.iterdir())  # refused before any model loads
+
+
+def test_two_training_processes_each_drive_actors_of_their_own_on_a_cluster(app, tmp_path):
+    """`accelerate launch` with 2 processes on a running Ray cluster (started here, as `ray start
+    --head` would be), each process with one actor of its own, over 2 asynchronous steps = 1
+    process with twice the batch and the engine in process: the same rollouts, rewards, loss and
+    final weights (step 3 samples from the weights each process pushed to its actor after step 1)."""
+    import ray
+    from test_main import image_rows, launch_two, one_step, weights
+    from test_main import rows as all_rows
+
+    data = image_rows(tmp_path)
+    extra = ["model.lora_rank=0", "rollout.engine=hf", "train.max_steps=3", "train.max_staleness=1",
+             "algo.rollout_correction=token_truncate"]
+    single = app.main([*one_step(tmp_path, data, "one"), *extra])
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        address = ray.get_runtime_context().gcs_address
+        launch_two(tmp_path, *one_step(tmp_path, data, "two"), *extra, "rollout.workers=1", "rollout.placement=split",
+                   f"rollout.ray_address={address}")
+    finally:
+        ray.shutdown()
+    one, two = all_rows(single), all_rows(tmp_path / "two")
+    assert [r["world_size"] for r in two] == ["2"] * 3
+    assert [r["rollout/weight_version"] for r in one] == [r["rollout/weight_version"] for r in two] == ["0.0", "0.0", "1.0"]
+    for a, b in zip(one, two, strict=True):
+        for key in ("reward/mean", "adv/std", "loss/policy", "grad_norm", "policy/entropy", "response/length_mean",
+                    "replay/engine_diff_mean"):
+            assert float(b[key]) == pytest.approx(float(a[key]), abs=2e-5), (key, a[key], b[key])
+    wa, wb = weights(single / "export"), weights(tmp_path / "two" / "export")
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], atol=5e-6, rtol=0, msg=name)

@@ -26,3 +26,43 @@ def test_ray_actor_rollouts_train_as_the_in_process_engine(tmp_path: Path, stale
     for mine, theirs in zip(here, actors, strict=True):
         assert {k: mine[k] for k in COMPARED} == {k: theirs[k] for k in COMPARED}, mine["step"]
     assert [float(r["rollout/weight_version"]) for r in actors] == ([0.0, 1.0, 2.0] if not staleness else [0.0, 0.0, 1.0])
+
+
+def test_two_training_processes_each_drive_actors_of_their_own_on_a_cluster(tmp_path: Path) -> None:
+    """`accelerate launch` with 2 processes on a running Ray cluster (started here, as `ray start
+    --head` would be), one actor per process, 3 asynchronous steps = 1 process with twice the
+    batch and the engine in process (step 3 samples from the weights pushed after step 1)."""
+    import os
+    import subprocess
+    import sys
+
+    import ray
+    import torch
+    from conftest import APP, REPO
+    from test_invariants import one_step, rows, weights
+
+    extra = {"train.max_staleness": 1, "train.max_steps": 3, "train.save_freq": 3, "rollout.engine": '"hf"',
+             "algo.rollout_correction": '"token_truncate"'}
+    single = app.main(one_step(tmp_path, "one", **extra))
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        address = ray.get_runtime_context().gcs_address
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(APP / "__main__.py"),
+               *one_step(tmp_path, "two", **extra, **{"rollout.workers": 1, "rollout.placement": '"split"',
+                                                       "rollout.ray_address": f'"{address}"'})]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    finally:
+        ray.shutdown()
+    assert done.returncode == 0, done.stderr[-4000:]
+    one, two = rows(single), rows(tmp_path / "two")
+    assert [r["world_size"] for r in two] == ["2"] * 3
+    assert [r["rollout/weight_version"] for r in one] == [r["rollout/weight_version"] for r in two] == ["0.0", "0.0", "1.0"]
+    for a, b in zip(one, two, strict=True):
+        for key in ("reward/mean", "reward/std", "adv/std", "loss/policy", "grad_norm", "policy/entropy",
+                    "replay/engine_diff_mean"):
+            assert float(b[key]) == pytest.approx(float(a[key]), abs=2e-5), (key, a[key], b[key])
+    wa, wb = weights(single, 3), weights(tmp_path / "two", 3)
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], atol=5e-6, rtol=0, msg=name)

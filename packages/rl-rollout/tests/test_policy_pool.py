@@ -66,10 +66,11 @@ def test_ray_actors_sample_what_the_in_process_engine_samples(workers: int) -> N
         local.close()
 
 
-def test_ray_actors_serve_one_training_process() -> None:
+def test_ray_actors_for_several_training_processes_need_a_cluster(monkeypatch) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     path = str(tiny.build("qwen3"))
     model, tokenizer = load_causal_lm(path, dtype="float32")
-    with pytest.raises(UserError, match="Ray actors serve one training process, this run has 2"):
+    with pytest.raises(UserError, match="Ray actors for 2 training processes need a running Ray cluster"):
         build_policy_engine("hf", model=model, processor=tokenizer, path=path, dtype="float32",
                             device=torch.device("cpu"), seed=0, world_size=2, workers=1)
 

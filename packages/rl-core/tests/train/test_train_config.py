@@ -327,12 +327,14 @@ def test_split_placement_rules() -> None:
     with pytest.raises(ConfigError, match=r"rollout.placement=split with rollout.engine=vllm runs one training "
                                           r"process .* this launch has 2: launch one process, or use rollout.engine=hf"):
         check_placement("split", "vllm", 1, world_size=2)
-    # as Ray actors (rollout.workers): synchronous too, one training process, split only
+    # as Ray actors (rollout.workers): synchronous too, split only; several processes on a running cluster
     check_placement("split", "vllm", 0, workers=2)
     check_placement("split", "hf", 1, workers=1)
     with pytest.raises(ConfigError, match=r"rollout.workers=1 samples in Ray actors on GPUs of their own: it needs "
                                           r"rollout.placement=split"):
         check_placement("colocated", "hf", 0, workers=1)
-    with pytest.raises(ConfigError, match=r"rollout.workers=2: the Ray actors serve one training process, this "
-                                          r"launch has 2: launch one process, or use rollout.workers=0"):
+    with pytest.raises(ConfigError, match=r"rollout.workers=2 with 2 training processes needs a running Ray cluster, "
+                                          r"where each process drives its own actors: `ray start --head` .*, then set "
+                                          r"RAY_ADDRESS or rollout.ray_address; or launch one process"):
         check_placement("split", "hf", 1, world_size=2, workers=2)
+    check_placement("split", "hf", 1, world_size=2, workers=2, ray_address="10.0.0.1:6379")

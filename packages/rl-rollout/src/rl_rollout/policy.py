@@ -337,9 +337,10 @@ def build_policy_engine(
     never sleeps (one training process only); `hf` moves there when `weight_channel` is called.
     `workers`: N > 0 builds the engine in N Ray actors instead (`rl_rollout.policy_pool`), each
     with `gpus_per_worker` GPUs (default: 1 on CUDA, every GPU but the trainer's for a local Ray
-    instance; 0 on a CPU), in the cluster at `ray_address` (or `RAY_ADDRESS`, else a local one);
-    one training process. A local instance's actors take each version by CUDA IPC from a copy on
-    their GPU; others, as host copies (`rl_rollout.policy_pool`)."""
+    instance; 0 on a CPU), in the cluster at `ray_address` (or `RAY_ADDRESS`, else a local one).
+    Several training processes (`world_size`) need a cluster: each process drives `workers`
+    actors of its own there. A local instance's actors take each version by CUDA IPC from a copy
+    on their GPU; a cluster's, as host copies (`rl_rollout.policy_pool`)."""
     resolved, why = resolve_engine(kind, key=key)
     if kind == "auto":
         print(f"{key}: {why}")
@@ -397,11 +398,13 @@ def _pool_policy_engine(kind: str, workers: int, gpus_per_worker: float | None, 
     )
     from rl_rollout.ray_pool import EngineSpec, RolloutPool
 
-    if world_size > 1:
-        raise ConfigError(f"rollout engines as Ray actors serve one training process, this run has {world_size}")
+    on_cluster = bool(ray_address or os.environ.get("RAY_ADDRESS"))
+    if world_size > 1 and not on_cluster:
+        raise ConfigError(f"rollout engines as Ray actors for {world_size} training processes need a running Ray "
+                          "cluster (ray_address or RAY_ADDRESS), where each process drives actors of its own")
     on_cuda = torch.device(device).type == "cuda"
     gpus = (1.0 if on_cuda else 0.0) if gpus_per_worker is None else gpus_per_worker
-    gpu_ids = worker_gpu_ids(torch.device(device)) if not (ray_address or os.environ.get("RAY_ADDRESS")) else None
+    gpu_ids = None if on_cluster else worker_gpu_ids(torch.device(device))
     if gpu_ids is not None and gpus * workers > len(gpu_ids):
         raise ConfigError(f"{workers} rollout worker(s) x {gpus} GPU(s) do not fit the GPUs left by the trainer "
                           f"({gpu_ids}): lower the workers or their GPUs")

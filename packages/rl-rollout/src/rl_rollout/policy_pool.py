@@ -14,7 +14,8 @@ no CUDA), as host copies through Ray's object store: at Qwen3-VL-2B size (4.3 GB
 took 14.4 s a version on an H200 machine, against well under a second by handle.
 
 Choose it where the rollout should not share the trainer's process or GPU: the engines on GPUs of
-their own, or on other nodes of a Ray cluster (`ray_address`). One training process for now.
+their own, or on other nodes of a Ray cluster (`ray_address`). Several training processes each
+drive actors of their own, on a running cluster.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ reads its command line before torch is imported; `rl_core.train.sharding`,
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import msgspec
@@ -53,10 +54,15 @@ class RolloutWorkerFields(msgspec.Struct, kw_only=True, frozen=True):
     actors each hold rollout.engine, built from the policy's checkpoint, on a GPU of their own (a
     local Ray instance gets every GPU but the trainer's; 0 GPUs on a CPU machine); the weights are
     pushed to them after each step (by version when asynchronous), so their decoding and vLLM's
-    client do not share the trainer's process. Synchronous or asynchronous; one training process;
-    needs `pip install "rl-rollout[ray]"`."""
+    client do not share the trainer's process. Synchronous or asynchronous. Several training
+    processes each drive N actors of their own on a running Ray cluster (ray_address or
+    RAY_ADDRESS); one process may start a local instance. Needs `pip install "rl-rollout[ray]"`."""
     gpus_per_worker: NonNegativeFloat | None = None  # rollout.workers: None = 1 on CUDA, 0 on a CPU
     ray_address: str | None = None  # rollout.workers: join this Ray cluster (env RAY_ADDRESS); None starts one
+
+    def cluster_address(self) -> str | None:
+        """The Ray cluster the actors join: `ray_address`, else `RAY_ADDRESS`; None starts a local one."""
+        return self.ray_address or os.environ.get("RAY_ADDRESS") or None
 
 
 class DynamicSampling(msgspec.Struct, kw_only=True, frozen=True):

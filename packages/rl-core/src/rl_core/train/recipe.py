@@ -63,18 +63,21 @@ def check_group_size(estimator: str, n: int, *, key: str, n_key: str) -> None:
 
 
 def check_placement(placement: str, engine: str, max_staleness: int, *, world_size: int = 1, workers: int = 0,
-                    key: str = "rollout.placement") -> None:
+                    ray_address: str | None = None, key: str = "rollout.placement") -> None:
     """`Recipe.check`'s rule for a rollout GPU of its own (`split`): in the trainer's process it
     samples while the trainer updates, so it needs asynchronous rollouts, and a `vllm` engine
     there serves one training process (for now: `hf` serves any number). As `workers` Ray actors
-    (`rollout.workers`) it runs synchronous or asynchronous, for one training process."""
+    (`rollout.workers`) it runs synchronous or asynchronous; several training processes each
+    drive `workers` actors of their own on a running Ray cluster (`ray_address`: the app's
+    `rollout.ray_address`, else `RAY_ADDRESS`), as one process can start a local one."""
     if workers:
         if placement != "split":
             raise ConfigError(f"rollout.workers={workers} samples in Ray actors on GPUs of their own: it needs "
                               f"{key}=split")
-        if world_size > 1:
-            raise ConfigError(f"rollout.workers={workers}: the Ray actors serve one training process, this launch "
-                              f"has {world_size}: launch one process, or use rollout.workers=0")
+        if world_size > 1 and not ray_address:
+            raise ConfigError(f"rollout.workers={workers} with {world_size} training processes needs a running Ray "
+                              "cluster, where each process drives its own actors: `ray start --head` (with the "
+                              "rollout GPUs only), then set RAY_ADDRESS or rollout.ray_address; or launch one process")
         return
     if placement != "split":
         return
