@@ -64,35 +64,18 @@ def test_asynchronous_rollouts_with_real_vllm(app, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU for the engine")
-def test_asynchronous_rollouts_on_a_vllm_gpu_of_its_own(app, tmp_path):
-    """rollout.placement=split with vLLM: one training process on GPU 0, its vLLM engine on GPU 1
-    (its engine core in a process of its own, never asleep), each version pushed there by CUDA IPC
-    between requests: the same versions and bounds as the colocated engine above, and none of
-    vLLM's memory on the trainer's GPU (its fraction, 0.2 of the card, would show in the
-    trainer's peaks)."""
+@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason="needs Ray for the actor"))])
+def test_asynchronous_rollouts_on_a_vllm_gpu_of_its_own(app, tmp_path, workers):
+    """rollout.placement=split with vLLM: one training process on GPU 0, its vLLM engine on GPU 1,
+    never asleep. `workers=0`: its engine core in a process of its own, each version pushed there
+    by CUDA IPC between requests. `workers=1`: the whole engine, vLLM's client included, in a Ray
+    actor (a local Ray instance given every GPU but the trainer's), each version pushed whole.
+    Both: the same versions and bounds as the colocated engine above, and none of vLLM's memory
+    on the trainer's GPU (its fraction, 0.2 of the card, would show in the trainer's peaks)."""
     run = app.main(tiny_overrides(tmp_path, "rollout.engine=vllm", *FAST, "model.lora_rank=0", "train.lr=1e-3",
                                   "data.eval_size=0", "train.max_steps=4", "train.max_staleness=1",
-                                  "rollout.placement=split", "algo.rollout_correction=token_truncate"))
-    rows = app_rows(run)
-    assert [float(r["rollout/weight_version"]) for r in rows] == [0.0, 0.0, 1.0, 2.0]
-    assert [float(r["rollout/staleness"]) for r in rows] == [0.0, 1.0, 1.0, 1.0]
-    assert float(rows[0]["replay/engine_diff_mean"]) < 1e-2, rows[0]
-    for row in rows:
-        assert 0.0 <= float(row["replay/engine_kl"]) < 1.0, row
-        peaks = {k: float(v) for k, v in row.items() if k.startswith("memory/") and v}
-        assert peaks and max(peaks.values()) < 2.0, peaks  # GiB on GPU 0: the tiny policy, not vLLM's 0.2 of a card
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2 or importlib.util.find_spec("ray") is None,
-                    reason="needs Ray and a second GPU for the actor")
-def test_asynchronous_rollouts_in_a_ray_actor_with_vllm(app, tmp_path):
-    """rollout.workers=1 with vLLM: the whole engine, vLLM's client included, in a Ray actor on GPU
-    1 (a local Ray instance given every GPU but the trainer's), each version pushed as one whole
-    set of weights: the same versions and bounds as the split engine above, and nothing of
-    vLLM on the trainer's GPU."""
-    run = app.main(tiny_overrides(tmp_path, "rollout.engine=vllm", *FAST, "model.lora_rank=0", "train.lr=1e-3",
-                                  "data.eval_size=0", "train.max_steps=4", "train.max_staleness=1",
-                                  "rollout.placement=split", "rollout.workers=1",
+                                  "rollout.placement=split", f"rollout.workers={workers}",
                                   "algo.rollout_correction=token_truncate"))
     rows = app_rows(run)
     assert [float(r["rollout/weight_version"]) for r in rows] == [0.0, 0.0, 1.0, 2.0]
@@ -101,7 +84,7 @@ def test_asynchronous_rollouts_in_a_ray_actor_with_vllm(app, tmp_path):
     for row in rows:
         assert 0.0 <= float(row["replay/engine_kl"]) < 1.0, row
         peaks = {k: float(v) for k, v in row.items() if k.startswith("memory/") and v}
-        assert peaks and max(peaks.values()) < 2.0, peaks
+        assert peaks and max(peaks.values()) < 2.0, peaks  # GiB on GPU 0: the tiny policy, not vLLM's 0.2 of a card
 
 
 JUDGE_FAST = ["reward.spec=null", "reward.judge=tiny:qwen3", "reward.judge_gpu_memory_utilization=0.2",
