@@ -121,10 +121,10 @@ class PoolEngine:
         if self.devices is None:
             self.pool.load_weights({name: tensor.detach().to("cpu") for name, tensor in named_tensors}, self._pushes)
         else:
-            self._push_shared([(name, tensor.detach()) for name, tensor in named_tensors])
+            self._push_shared([(name, tensor.detach()) for name, tensor in named_tensors], self.devices)
         self.weight_version = self.weight_version + 1 if version is None else version
 
-    def _push_shared(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def _push_shared(self, named: list[tuple[str, torch.Tensor]], devices: list[torch.device]) -> None:
         """One version by CUDA IPC: the tensors on each worker's GPU (copied there unless they
         are), the copies finished, then only their handles sent. They stay alive until the next
         push, for a restarted worker to reload, so tensors already on a worker's GPU must not
@@ -132,13 +132,12 @@ class PoolEngine:
         puts an actor on the trainer's GPU, where a synchronous push sends live parameters."""
         from rl_rollout.cuda_ipc import ipc_payload
 
-        assert self.devices is not None
         shared = {device: [(name, t if t.device == device else t.to(device)) for name, t in named]
-                  for device in dict.fromkeys(self.devices)}
+                  for device in dict.fromkeys(devices)}
         for device in {t.device for _, t in named if t.is_cuda} | set(shared):  # sources and targets
             torch.cuda.synchronize(device)
         payloads = {device: ipc_payload(tensors) for device, tensors in shared.items()}
-        self.pool.load_shared_weights([payloads[device] for device in self.devices], self._pushes)
+        self.pool.load_shared_weights([payloads[device] for device in devices], self._pushes)
         self._shared = shared  # the previous version's copies go now that every worker holds this one
 
     def sleep(self) -> None:  # the actors' GPUs are their own: nothing to make room for
