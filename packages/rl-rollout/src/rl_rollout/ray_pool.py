@@ -268,8 +268,7 @@ class RolloutPool:
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Push `state` (tensors, copied to CPU) to every worker as `version` (must not go back)."""
-        if self._version is not None and version < self._version:
-            raise StaleWeightsError(f"pool holds weights v{self._version}; refusing older v{version}")
+        self._check_newer(version)
         self._weights = self._ray.put({name: t.detach().cpu() for name, t in state.items()})
         self._shared, self._version = None, version
         self._await_loads([self._worker(i).load_weights.remote(self._weights, version) for i in range(self.num_workers)])
@@ -281,8 +280,7 @@ class RolloutPool:
         alive until its next push (a restarted worker reloads them from these handles)."""
         if len(payloads) != self.num_workers:
             raise ValueError(f"got {len(payloads)} weight payloads for {self.num_workers} workers")
-        if self._version is not None and version < self._version:
-            raise StaleWeightsError(f"pool holds weights v{self._version}; refusing older v{version}")
+        self._check_newer(version)
         self._weights, self._shared, self._version = None, list(payloads), version
         self._await_loads([self._worker(i).load_shared_weights.remote(payloads[i], version)
                            for i in range(self.num_workers)])
@@ -329,6 +327,10 @@ class RolloutPool:
         self.close()
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _check_newer(self, version: int) -> None:
+        if self._version is not None and version < self._version:
+            raise StaleWeightsError(f"pool holds weights v{self._version}; refusing older v{version}")
 
     def _await_loads(self, refs: list[Any]) -> None:
         """Wait for each worker's weight load; a worker that died is restarted with the latest weights."""
