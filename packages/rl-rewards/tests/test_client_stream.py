@@ -13,7 +13,7 @@ import httpx
 import pytest
 from test_client import scripted, url  # noqa: F401  (a fixture, used by name)
 
-from rl_rewards.client import AsyncRewardClient, RetryPolicy
+from rl_rewards.client import AsyncRewardClient, RetryPolicy, RewardClient
 from rl_rewards.samples import Sample, ScoreResult
 from rl_rewards.server.process import ServerProcess, free_port
 
@@ -194,3 +194,46 @@ def test_stream_settings_and_misuse_are_refused():
                     stream.submit([Sample(completion="x")])
 
     asyncio.run(scenario())
+
+
+def _nested(depth: int) -> dict:
+    inner: dict = {}
+    for _ in range(depth):
+        inner = {"a": inner}
+    return inner
+
+
+UNENCODABLE = {
+    "lone_surrogate": Sample(completion="half a pair \ud800"),  # not UTF-8: JSON cannot carry it
+    "nested_3000": Sample(completion="deep", metadata=_nested(3000)),  # past Python's recursion limit
+}
+
+
+@pytest.mark.parametrize("bad", sorted(UNENCODABLE))
+def test_a_sample_that_cannot_be_encoded_fails_alone(server, bad):
+    """Six good samples and one that cannot be encoded as JSON: the stream yields all 7, the bad
+    one failed and saying why, the six scored as `score` scores them; `score` (async and sync)
+    returns the same 7 results instead of raising."""
+    good = [sample(t) for t in ("one", "two words", "[00:01] a dog", "four", "five five", "six")]
+    samples = [*good[:3], UNENCODABLE[bad], *good[3:]]
+    right = [ScoreResult(score=len(s.completion) / 10,
+                         components={"rule": len(s.completion) / 10, "rule.words": float(len(s.completion.split()))})
+             for s in good]
+
+    async def scenario() -> tuple[list[tuple[int, ScoreResult]], list[ScoreResult]]:
+        async with AsyncRewardClient(server.url) as client:
+            async with client.stream("slow", batch_size=8) as stream:
+                stream.submit(samples)
+                stream.close_submissions()
+                streamed = [item async for item in stream]
+            return streamed, await client.score(samples, "slow")
+
+    streamed, scored = asyncio.run(scenario())
+    with RewardClient(server.url) as client:
+        scored_sync = client.score(samples, "slow")
+    assert sorted(i for i, _ in streamed) == list(range(7))
+    by_index = dict(streamed)
+    for results in ([by_index[i] for i in range(7)], scored, scored_sync):
+        failed = results.pop(3)
+        assert failed.score is None and "cannot be encoded as JSON" in (failed.error or "")
+        assert results == right

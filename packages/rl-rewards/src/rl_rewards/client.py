@@ -12,6 +12,10 @@ server did not get the whole request in time) and 429 (honouring `Retry-After`),
 says how many attempts were made and what the last failure was. Scoring is a pure function of
 the request, so retrying a POST is safe.
 
+`score` sends only the samples JSON can carry: one it cannot (a string with a lone surrogate,
+metadata nested past Python's recursion limit) comes back failed (`error` starting with
+`not sent:`), the others are scored, as the server fails one bad sample alone.
+
 `AsyncRewardClient.stream` scores samples as rollouts finish and yields each result as soon as
 its request is answered (`RewardStream`).
 """
@@ -130,6 +134,40 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return headers
 
 
+# what msgspec raises for a value JSON cannot carry: a lone surrogate (UnicodeEncodeError), nesting
+# past Python's recursion limit, a type with no JSON form (TypeError), an int over 64 bits
+_ENCODE_ERRORS = (msgspec.EncodeError, TypeError, ValueError, RecursionError, OverflowError)
+
+
+def _score_body(samples: Sequence[Sample], reward: str) -> tuple[bytes | None, dict[int, ScoreResult]]:
+    """The `/v1/score` body of the samples JSON can carry (None when it carries none of them),
+    and a failed result for each sample it cannot, by position: one such sample is that sample's
+    failure, as the server's own per-sample errors, and the others are still scored."""
+    try:  # the common case costs one encoding
+        return wire.encode_json(wire.ScoreRequest(samples=list(samples), reward=reward)), {}
+    except _ENCODE_ERRORS:
+        pass
+    failed: dict[int, ScoreResult] = {}
+    for i, sample in enumerate(samples):
+        try:
+            wire.encode_json(sample)
+        except _ENCODE_ERRORS as e:
+            failed[i] = ScoreResult.failed(f"not sent: the sample cannot be encoded as JSON ({type(e).__name__}: {e})")
+    sendable = [s for i, s in enumerate(samples) if i not in failed]
+    if failed and not sendable:
+        return None, failed
+    # raises when the fault is the reward name's: about the whole call, not a sample
+    return wire.encode_json(wire.ScoreRequest(samples=sendable, reward=reward)), failed
+
+
+def _with_failed(results: list[ScoreResult], failed: dict[int, ScoreResult]) -> list[ScoreResult]:
+    """The server's `results` with the samples that were not sent put back in their places."""
+    if not failed:
+        return results
+    scored = iter(results)
+    return [failed[i] if i in failed else next(scored) for i in range(len(results) + len(failed))]
+
+
 _ScoreMode = Literal["qa", "vl_judge"]  # wire.GetRewardRequest.score_mode
 
 
@@ -164,8 +202,7 @@ class RewardClient:
     def close(self) -> None:
         self._http.close()
 
-    def _call(self, method: str, path: str, kind: type[T], body: Any = None) -> T:
-        content = None if body is None else wire.encode_json(body)
+    def _call(self, method: str, path: str, kind: type[T], content: bytes | None = None) -> T:
         last = ""
         for attempt in range(self.retry.attempts):
             retry_after = None
@@ -182,28 +219,33 @@ class RewardClient:
         raise RewardServerUnavailable(f"{self.base_url}{path}", self.retry.attempts, last)
 
     def score(self, samples: Sequence[Sample], reward: str = "") -> list[ScoreResult]:
-        """Native `/v1/score`: one ScoreResult per sample (`reward` "" = the server's default)."""
-        request = wire.ScoreRequest(samples=list(samples), reward=reward)
-        results = self._call("POST", "/v1/score", wire.ScoreResponse, request).results
-        return _one_each(f"{self.base_url}/v1/score", results, len(samples))
+        """Native `/v1/score`: one ScoreResult per sample (`reward` "" = the server's default). A
+        sample JSON cannot carry (a lone surrogate, metadata nested thousands deep) is not sent:
+        its result is failed (`error` starting with `not sent:`), the others are scored."""
+        content, failed = _score_body(samples, reward)
+        if content is None:
+            return _with_failed([], failed)
+        results = self._call("POST", "/v1/score", wire.ScoreResponse, content).results
+        return _with_failed(_one_each(f"{self.base_url}/v1/score", results, len(samples) - len(failed)), failed)
 
     def get_reward(
         self, prompts: Sequence[wire.CaptionQA], score_mode: _ScoreMode | None = None
     ) -> wire.GetRewardResponse:
         """CapRL qa: `prompts` is `[(caption, [(question_text, answer_letter), ...]), ...]`."""
-        response = self._call("POST", "/get_reward", wire.GetRewardResponse, _qa_request(prompts, score_mode))
+        body = wire.encode_json(_qa_request(prompts, score_mode))
+        response = self._call("POST", "/get_reward", wire.GetRewardResponse, body)
         return _rewards_for(f"{self.base_url}/get_reward", response, len(prompts))
 
     def vl_judge(self, samples: Sequence[wire.VLJudgeSample]) -> wire.GetRewardResponse:
         request = wire.GetRewardRequest(score_mode="vl_judge", samples=list(samples))
-        response = self._call("POST", "/get_reward", wire.GetRewardResponse, request)
+        response = self._call("POST", "/get_reward", wire.GetRewardResponse, wire.encode_json(request))
         return _rewards_for(f"{self.base_url}/get_reward", response, len(samples))
 
     def openrlhf(
         self, query: Sequence[str], prompts: Sequence[str] = (), labels: Sequence[Any] = ()
     ) -> wire.OpenRLHFResponse:
         request = wire.OpenRLHFRequest(query=list(query), prompts=list(prompts), labels=list(labels))
-        response = self._call("POST", "/openrlhf/get_reward", wire.OpenRLHFResponse, request)
+        response = self._call("POST", "/openrlhf/get_reward", wire.OpenRLHFResponse, wire.encode_json(request))
         return _rewards_for(f"{self.base_url}/openrlhf/get_reward", response, len(query))
 
     def health(self) -> wire.HealthResponse:
@@ -249,8 +291,9 @@ class AsyncRewardClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _call(self, method: str, path: str, kind: type[T], body: Any = None, timeout: float | None = None) -> T:
-        content = None if body is None else wire.encode_json(body)
+    async def _call(
+        self, method: str, path: str, kind: type[T], content: bytes | None = None, timeout: float | None = None
+    ) -> T:
         per_attempt = httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
         last = ""
         for attempt in range(self.retry.attempts):
@@ -269,9 +312,11 @@ class AsyncRewardClient:
 
     async def score(self, samples: Sequence[Sample], reward: str = "", timeout: float | None = None) -> list[ScoreResult]:
         """`RewardClient.score`; `timeout` (s, per attempt) overrides the client's for this call."""
-        request = wire.ScoreRequest(samples=list(samples), reward=reward)
-        results = (await self._call("POST", "/v1/score", wire.ScoreResponse, request, timeout)).results
-        return _one_each(f"{self.base_url}/v1/score", results, len(samples))
+        content, failed = _score_body(samples, reward)
+        if content is None:
+            return _with_failed([], failed)
+        results = (await self._call("POST", "/v1/score", wire.ScoreResponse, content, timeout)).results
+        return _with_failed(_one_each(f"{self.base_url}/v1/score", results, len(samples) - len(failed)), failed)
 
     def stream(
         self, reward: str = "", *, batch_size: int = 32, max_wait_s: float = 0.005, max_in_flight: int = 8,
@@ -288,19 +333,20 @@ class AsyncRewardClient:
     async def get_reward(
         self, prompts: Sequence[wire.CaptionQA], score_mode: _ScoreMode | None = None
     ) -> wire.GetRewardResponse:
-        response = await self._call("POST", "/get_reward", wire.GetRewardResponse, _qa_request(prompts, score_mode))
+        body = wire.encode_json(_qa_request(prompts, score_mode))
+        response = await self._call("POST", "/get_reward", wire.GetRewardResponse, body)
         return _rewards_for(f"{self.base_url}/get_reward", response, len(prompts))
 
     async def vl_judge(self, samples: Sequence[wire.VLJudgeSample]) -> wire.GetRewardResponse:
         request = wire.GetRewardRequest(score_mode="vl_judge", samples=list(samples))
-        response = await self._call("POST", "/get_reward", wire.GetRewardResponse, request)
+        response = await self._call("POST", "/get_reward", wire.GetRewardResponse, wire.encode_json(request))
         return _rewards_for(f"{self.base_url}/get_reward", response, len(samples))
 
     async def openrlhf(
         self, query: Sequence[str], prompts: Sequence[str] = (), labels: Sequence[Any] = ()
     ) -> wire.OpenRLHFResponse:
         request = wire.OpenRLHFRequest(query=list(query), prompts=list(prompts), labels=list(labels))
-        response = await self._call("POST", "/openrlhf/get_reward", wire.OpenRLHFResponse, request)
+        response = await self._call("POST", "/openrlhf/get_reward", wire.OpenRLHFResponse, wire.encode_json(request))
         return _rewards_for(f"{self.base_url}/openrlhf/get_reward", response, len(query))
 
     async def health(self) -> wire.HealthResponse:
@@ -336,7 +382,8 @@ class RewardStream:
     that still fails is not raised: each of its samples is yielded as a failed `ScoreResult`
     (`score=None`, `error` starting with `request failed:`), never as a reward of 0. A 4xx that
     names one sample (`$.samples[3]`: a text over the server's limit) fails that sample alone and
-    the rest are sent again. Leaving the `async with` block cancels the requests still open.
+    the rest are sent again; a sample JSON cannot carry fails alone without being sent (`not
+    sent:`, as `score`). Leaving the `async with` block cancels the requests still open.
     """
 
     def __init__(self, client: AsyncRewardClient, reward: str, *, batch_size: int, max_wait_s: float,
