@@ -269,3 +269,84 @@ def test_openrlhf_route_and_reward_func_name_a_failed_sample_alike(tmp_path):
     assert route["extra_logs"] == want
     assert {k: v.tolist() for k, v in remote["extra_logs"].items()} == want
     assert {k: v.tolist() for k, v in local["extra_logs"].items()} == want
+
+
+PART_RULE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info):
+    """0.5, with a sub-component `part` that is the completion's own nan/inf, else 0.25."""
+    return {"score": 0.5, "part": float(solution_str) if solution_str in ("nan", "inf", "-inf") else 0.25}
+'''
+
+
+def _part_spec(tmp_path) -> dict:
+    (tmp_path / "part_rule.py").write_text(PART_RULE)
+    options = {"function": f"{tmp_path / 'part_rule.py'}:compute_score", "components": ["part"]}
+    return {"components": {"rule": {"scorer": "rule", "options": options}}}
+
+
+class NonFinitePart:
+    """A bare scorer (no spec): score 1.0, component `part` the completion's nan/inf, else 0.25."""
+
+    name = "non_finite_part"
+
+    def score(self, samples):
+        return [ScoreResult(score=1.0, components={"part": float(s.completion) if s.completion in ("nan", "inf") else 0.25})
+                for s in samples]
+
+
+def test_a_non_finite_component_is_a_failed_sample_on_every_adapter(tmp_path):
+    """As a non-finite score: the sample fails (None for TRL, `failed` 1 and every key 0.0 for
+    verl and OpenRLHF), in a composed reward and from a bare scorer; TRL's metrics stay finite."""
+    reward = build_reward(_part_spec(tmp_path))
+    logged: list[tuple[str, float]] = []
+    trl = as_trl_reward(reward, name="part")
+    assert trl(prompts=["p"] * 3, completions=["nan", "ok", "inf"], log_metric=lambda k, v: logged.append((k, v))) == [
+        None, 0.5, None]
+    assert logged == [("part/failed", pytest.approx(2 / 3)), ("part/rule", 0.5), ("part/rule.part", 0.25)]
+    assert as_trl_reward(NonFinitePart())(prompts=["p", "p"], completions=["nan", "ok"]) == [None, 1.0]
+    verl = as_verl_compute_score(reward, error_score=-1.0)
+    assert verl(data_source="d", solution_str="-inf", ground_truth=None) == {
+        "score": -1.0, "failed": 1.0, "rule": 0.0, "rule.part": 0.0}
+    assert verl(data_source="d", solution_str="ok", ground_truth=None) == {
+        "score": 0.5, "failed": 0.0, "rule": 0.5, "rule.part": 0.25}
+    [bare] = as_verl_compute_score(NonFinitePart(), batch=True, error_score=-1.0)(["d"], ["inf"], [None], [None])
+    assert bare == {"score": -1.0, "failed": 1.0}
+    out = as_openrlhf_reward_func(reward, error_score=-1.0)(["nan", "ok"], ["", ""], [None, None])
+    assert out["rewards"].tolist() == [-1.0, 0.5]
+    assert {k: v.tolist() for k, v in out["extra_logs"].items()} == {
+        "failed": [1.0, 0.0], "rule": [0.0, 0.5], "rule.part": [0.0, 0.25]}
+
+
+@pytest.mark.no_torch
+def test_a_non_finite_component_is_a_failed_sample_on_every_route_not_a_null(tmp_path):
+    """A served reward whose sub-component is NaN/inf for one sample: `/v1/score` (through our
+    own client), `/openrlhf/get_reward` and CapRL's `/get_reward` (the reward served as the
+    qa judge) fail that sample as they fail a NaN score, and score the others."""
+    import httpx
+
+    from rl_rewards.client import RewardClient
+    from rl_rewards.samples import Sample
+    from rl_rewards.server.process import ServerProcess
+
+    spec = _part_spec(tmp_path)["components"]["rule"]
+    config = tmp_path / "server.toml"
+    config.write_text(  # served under the CapRL judge's name: /get_reward scores it (no model loads)
+        '[rewards.caption_qa.components.rule]\nscorer = "rule"\n'
+        f'options = {{ function = "{spec["options"]["function"]}", components = ["part"] }}\n'
+    )
+    env = {"REWARD_MODEL": "tiny:qwen3", "REWARD_SCORE_MODE": "qa", "REWARD_TASK": "image"}
+    with ServerProcess(["--config", str(config)], env=env, log_path=tmp_path / "server.log") as server:
+        with RewardClient(server.url) as client:
+            results = client.score([Sample(completion=t) for t in ("nan", "ok", "inf")], reward="caption_qa")
+        openrlhf = httpx.post(f"{server.url}/openrlhf/get_reward", json={"query": ["ok", "-inf"]}, timeout=30).json()
+        caprl = httpx.post(f"{server.url}/get_reward", json={"prompts": [["nan", [["Q?\n   - A) x", "A"]]],
+                                                                         ["ok", [["Q?\n   - A) x", "A"]]]]}, timeout=30)
+    assert [r.score for r in results] == [None, 0.5, None]
+    assert "non-finite component 'part' = nan" in (results[0].error or "")
+    assert results[0].components == {"rule": 0.0, "rule.part": 0.0}
+    assert results[1].components == {"rule": 0.5, "rule.part": 0.25}
+    assert openrlhf["rewards"] == [0.5, 0.0]
+    assert openrlhf["extra_logs"] == {"failed": [0.0, 1.0], "rule": [0.5, 0.0], "rule.part": [0.25, 0.0]}
+    assert caprl.status_code == 200, caprl.text
+    body = caprl.json()
+    assert body["rewards"] == [0.0, 0.5] and "non-finite component" in body["errors"][0] and body["errors"][1] is None

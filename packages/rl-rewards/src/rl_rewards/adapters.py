@@ -11,7 +11,8 @@ Every adapter reports the same keys for every sample — the reward's component 
 (`Reward.keys`, or the served reward's keys for a URL), failed and gated-out samples included:
 verl takes its per-sample extra keys from the first sample of a batch, OpenRLHF checks that
 every key has one value per sample, and TRL gathers metrics across ranks by name. A non-finite
-reward is a failed sample on every adapter.
+reward or component is a failed sample on every adapter (`reject_non_finite`), its components 0.0
+where they were not finite: verl and OpenRLHF never get a NaN, TRL's metrics never average one.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
 every component's unweighted value (a scorer's own sub-components appear as `"name.sub"`), and
 whose `score` is the combined total. Every result, failed or gated-out ones included, carries
 every key of `Reward.keys` (0.0 where nothing was computed): trainers that log per-sample
-extras by key need the same keys on every sample. A non-finite score (NaN, inf) from a scorer
-or a non-finite total is that sample's error, never a reward. A component failing for one sample fails only that sample
+extras by key need the same keys on every sample. A non-finite score or component (NaN, inf)
+from a scorer, or a non-finite total, is that sample's error, never a reward. A component failing for one sample fails only that sample
 (or uses the component's `fallback`); a scorer that raises for a whole batch is retried one
 sample at a time, so one bad sample never takes the others down.
 """
@@ -73,16 +73,30 @@ def _checked(scorer: Any, samples: Sequence[Sample], results: list[ScoreResult])
 
 
 def reject_non_finite(results: list[ScoreResult], source: str) -> list[ScoreResult]:
-    """`results` with every NaN/infinite score turned into that sample's error (components
-    kept): a non-finite reward poisons group statistics and cannot be sent as JSON."""
+    """`results` with every sample whose score or any component is NaN/infinite turned into that
+    sample's error: a non-finite value poisons group statistics and trainers' logs, and JSON has
+    no form for it (it would go out as `null`). Its components are kept, a non-finite one as 0.0
+    (the value every failed sample reports)."""
     isfinite = math.isfinite
-    if all(r.score is None or isfinite(r.score) for r in results):
+    if all((r.score is None or isfinite(r.score)) and all(map(isfinite, r.components.values())) for r in results):
         return results
-    return [
-        r if r.score is None or isfinite(r.score)
-        else ScoreResult(score=None, components=r.components, error=f"{source} returned a non-finite score {r.score}")
-        for r in results
-    ]
+    return [_finite(r, source) for r in results]
+
+
+def _finite(result: ScoreResult, source: str) -> ScoreResult:
+    isfinite = math.isfinite
+    bad = {key: value for key, value in result.components.items() if not isfinite(value)}
+    if (result.score is None or isfinite(result.score)) and not bad:
+        return result
+    components = {key: 0.0 if key in bad else value for key, value in result.components.items()}
+    if result.score is not None and not isfinite(result.score):
+        error = f"{source} returned a non-finite score {result.score}"
+    else:
+        key, value = next(iter(bad.items()))
+        error = f"{source} returned a non-finite component {key!r} = {value}"
+    if result.error is not None:  # already failed: keep its reason
+        error = result.error
+    return ScoreResult(score=None, components=components, error=error)
 
 
 @dataclass
