@@ -7,9 +7,6 @@ rollouts are seeded per prompt, so the runs see the same samples whatever the sp
 from __future__ import annotations
 
 import csv
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,7 @@ from safetensors.torch import load_file
 
 from rl_core.advantages import ADVANTAGE_ESTIMATORS
 from rl_core.losses import POLICY_LOSSES
+from rl_core.train.testing import launch
 from rl_models import tiny
 
 
@@ -69,13 +67,8 @@ def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path, ca
     extra = ASYNC if "async" in case else {}
     steps = 2 if "async" in case else 1
     single = app.main(one_step(tmp_path, "one", **extra))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     sharding = "fsdp2" if case.startswith("fsdp2") else "none"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(APP / "__main__.py"),
-           *one_step(tmp_path, "two", **{"train.sharding": f'"{sharding}"', **extra})]
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
+    launch(APP / "__main__.py", one_step(tmp_path, "two", **{"train.sharding": f'"{sharding}"', **extra}), cwd=REPO)
     one, two = rows(single), rows(tmp_path / "two")
     assert len(one) == len(two) == steps and (one[0]["world_size"], two[0]["world_size"]) == ("1", "2")
     for key, value in PINNED.items():

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +14,7 @@ from rider_config import DEFAULT_CONFIG, Config, judge_configs, judge_name
 from safetensors.torch import load_file
 
 from rl_core.train import ConfigError, load_config, unknown_metric_names
+from rl_core.train.testing import launch
 from rl_rewards.rules import embedding_similarity_map, length_reward
 
 JUDGES = (
@@ -234,12 +232,7 @@ def test_accelerate_launch_two_cpu_processes(tmp_path: Path) -> None:
     `--cpu` alone would start one process without MPI)."""
     overrides = tiny_overrides(tmp_path, **{"reward.judges": JUDGES, "reward.rule": f'"{TESTS}/rules/parity_rule.py"',
                                             "train.batch_size": 4, "train.max_steps": 2, "train.save_freq": 2})
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(APP / "__main__.py"),
-           *overrides]
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
+    launch(APP / "__main__.py", overrides, cwd=REPO)
     run = (tmp_path / "latest").resolve()
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == ["1", "2"]

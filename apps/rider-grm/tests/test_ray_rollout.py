@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import app, read_metrics, tiny_overrides
 
+from rl_core.train.testing import launch
+
 COMPARED = ("reward/mean", "reward/std", "loss/policy", "grad_norm", "response/length_mean", "rollout/weight_version")
 
 
@@ -32,10 +34,6 @@ def test_two_training_processes_each_drive_actors_of_their_own_on_a_cluster(tmp_
     """`accelerate launch` with 2 processes on a running Ray cluster (started here, as `ray start
     --head` would be), one actor per process, 3 asynchronous steps = 1 process with twice the
     batch and the engine in process (step 3 samples from the weights pushed after step 1)."""
-    import os
-    import subprocess
-    import sys
-
     import ray
     import torch
     from conftest import APP, REPO
@@ -47,15 +45,10 @@ def test_two_training_processes_each_drive_actors_of_their_own_on_a_cluster(tmp_
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         address = ray.get_runtime_context().gcs_address
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(APP / "__main__.py"),
-               *one_step(tmp_path, "two", **extra, **{"rollout.workers": 1, "rollout.placement": '"split"',
-                                                       "rollout.ray_address": f'"{address}"'})]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        launch(APP / "__main__.py", one_step(tmp_path, "two", **extra, **{
+            "rollout.workers": 1, "rollout.placement": '"split"', "rollout.ray_address": f'"{address}"'}), cwd=REPO)
     finally:
         ray.shutdown()
-    assert done.returncode == 0, done.stderr[-4000:]
     one, two = rows(single), rows(tmp_path / "two")
     assert [r["world_size"] for r in two] == ["2"] * 3
     assert [r["rollout/weight_version"] for r in one] == [r["rollout/weight_version"] for r in two] == ["0.0", "0.0", "1.0"]

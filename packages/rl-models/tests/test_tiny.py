@@ -3,7 +3,10 @@ from __future__ import annotations
 import hashlib
 import http.server
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -63,8 +66,8 @@ def test_cache_reuse_and_layout(_tiny_cache):
     again = tiny.build("qwen3", seed=7)
     assert again == first
     assert (again / "config.json").stat().st_mtime_ns == stamp
-    # No leftover temporary folders.
-    assert [p.name for p in _tiny_cache.iterdir() if p.name.startswith(".")] == []
+    # No leftover temporary folders (the lock files live in .locks/).
+    assert [p.name for p in _tiny_cache.iterdir() if p.name.startswith(".")] == [".locks"]
 
 
 def test_concurrent_builds_agree(tmp_path, monkeypatch):
@@ -76,7 +79,53 @@ def test_concurrent_builds_agree(tmp_path, monkeypatch):
     folder = paths.pop()
     assert json.loads((folder / "config.json").read_text())["model_type"] == "qwen3"
     assert (folder / "model.safetensors").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".locks", folder.name]
+
+
+_TWO_RANKS = """
+import os, sys, torch.distributed as dist
+from transformers import AutoModelForCausalLM
+from rl_models import tiny
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:  # rank 1 builds first, as when it wins the race on an empty cache
+    tiny.build("qwen3", seed=5)
+dist.barrier()
+folder = tiny.build("qwen3", seed=5)
+AutoModelForCausalLM.from_pretrained(folder)
+print("loaded", dist.get_rank())
+dist.destroy_process_group()
+"""
+
+
+def test_a_secondary_rank_building_first_leaves_a_complete_checkpoint(tmp_path):
+    """Under torch.distributed, transformers' save_pretrained writes weights on rank 0 only: a
+    cache entry built by rank 1 must still hold them, and every rank then loads it."""
+    script = tmp_path / "two_ranks.py"
+    script.write_text(_TWO_RANKS)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {**os.environ, "RL_MODELS_CACHE": str(tmp_path / "cache"), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, str(script)], env={**base, "RANK": str(r)}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    outputs = [rank.communicate(timeout=300) for rank in ranks]
+    for rank, (_, err) in zip(ranks, outputs, strict=True):
+        assert rank.returncode == 0, err[-3000:]
+    assert sorted(out.strip() for out, _ in outputs) == ["loaded 0", "loaded 1"]
+
+
+def test_an_incomplete_cached_folder_is_rebuilt(tmp_path, monkeypatch):
+    """A cache entry without its weights (what a lost race of an older version left behind) is
+    rebuilt on the next use, not handed to from_pretrained."""
+    monkeypatch.setenv("RL_MODELS_CACHE", str(tmp_path))
+    folder = tiny.build("qwen3", seed=12)
+    (folder / "model.safetensors").unlink()
+    again = tiny.build("qwen3", seed=12)
+    assert again == folder and (again / "model.safetensors").is_file()
+    (folder / ".rl-models-complete.json").unlink()  # a folder from before the manifest
+    assert tiny.build("qwen3", seed=12) == folder
+    assert (folder / ".rl-models-complete.json").is_file()
 
 
 def test_qwen3_tokenizer_letters_are_single_tokens(qwen3_path):

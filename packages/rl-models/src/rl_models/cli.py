@@ -44,3 +44,7 @@ def shape(
     except KeyError as err:
         raise typer.BadParameter(str(err.args[0]), param_hint="FAMILY SIZE") from err
     typer.echo(str(path))
+
+
+if __name__ == "__main__":
+    app()

@@ -6,20 +6,28 @@ exercise the real loading code with no network. Weights are random (`torch.manua
 before init), so the same seed gives byte-identical safetensors.
 
 With `out_dir=None` the checkpoint is cached under `$RL_MODELS_CACHE` (default
-`~/.cache/rl-models/tiny`) as `<family>-s<seed>-<builder version>`; it is written to a temporary
-folder and renamed into place, so concurrent test processes never see half a checkpoint.
+`~/.cache/rl-models/tiny`) as `<family>-s<seed>-<builder version>`. One process per machine
+builds it (the others wait on a file lock), into a temporary folder renamed into place, and a
+manifest of its files' sizes written last marks it complete: a cached folder that does not match
+its manifest (or has none) is rebuilt, never loaded. In a rank other than 0 of a running
+torch.distributed group the build runs in a child process, since transformers' `save_pretrained`
+writes weights on rank 0 only.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 from rl_core.errors import UserError
 from rl_models import tiny_families, tiny_janus, tiny_sd3, tiny_vl
@@ -121,23 +129,58 @@ def build(family: str, out_dir: str | Path | None = None, *, seed: int = 0) -> P
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        _run_builder(builder, out, seed)
+        _write(family, builder, out, seed)
         return out
     final = cache_dir() / f"{family}-s{seed}-{version}"
-    if final.is_dir():
+    if _is_complete(final):
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        _run_builder(builder, tmp, seed)
-        os.replace(tmp, final)
-    except OSError:
-        if not final.is_dir():  # a real failure, not a lost race with another process
-            raise
-    finally:
-        if tmp.exists():
+    (cache_dir() / ".locks").mkdir(parents=True, exist_ok=True)
+    with FileLock(cache_dir() / ".locks" / f"{final.name}.lock"):
+        if _is_complete(final):  # another process built it while this one waited
+            return final
+        if final.exists():  # half a checkpoint (an older build's lost race, a killed copy)
+            shutil.rmtree(final)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+        try:
+            _write(family, builder, tmp, seed)
+            _write_manifest(tmp)
+            os.replace(tmp, final)
+        finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+_MANIFEST = ".rl-models-complete.json"
+
+
+def _write_manifest(folder: Path) -> None:
+    sizes = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+    (folder / _MANIFEST).write_text(json.dumps(sizes, indent=0))
+
+
+def _is_complete(folder: Path) -> bool:
+    """`folder` holds every file its manifest lists, at the listed size."""
+    try:
+        sizes: dict[str, int] = json.loads((folder / _MANIFEST).read_text())
+        return all((folder / name).stat().st_size == size for name, size in sizes.items())
+    except (OSError, ValueError):
+        return False
+
+
+def _in_secondary_rank() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0
+
+
+def _write(family: str, builder: Builder, out: Path, seed: int) -> None:
+    if not _in_secondary_rank():
+        _run_builder(builder, out, seed)
+        return
+    # No process group in the child, so save_pretrained writes the weights too.
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    done = subprocess.run([sys.executable, "-m", "rl_models.cli", "tiny", family, str(out), "--seed", str(seed)],
+                          capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"building tiny:{family} in a child process failed:\n{done.stderr[-2000:]}")
 
 
 def _run_builder(builder: Builder, out: Path, seed: int) -> None:

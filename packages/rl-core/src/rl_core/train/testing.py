@@ -21,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,9 +59,18 @@ def _free_port() -> int:
 def launch(script: Path, args: Sequence[str], *, processes: int = 2, cwd: Path | None = None,
            timeout: float = 900) -> subprocess.CompletedProcess[str]:
     """`accelerate launch --multi_gpu --num_processes N script args` on CPU: N gloo processes (the
-    launcher's `--cpu` alone starts one without MPI). Raises with the tail of stderr on failure."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(script.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    launcher's `--cpu` alone starts one without MPI). Raises with the tail of stderr on failure.
+
+    The processes start from an empty tiny-checkpoint cache (`RL_MODELS_CACHE`), as a user's
+    first multi-process run does: a warm cache would hide a race between the ranks' builds."""
+    with tempfile.TemporaryDirectory(prefix="rl-models-cache-") as cache:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RL_MODELS_CACHE": cache, "PYTHONPATH": os.pathsep.join(
+            [str(script.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        return _launch(script, args, processes, cwd, timeout, env)
+
+
+def _launch(script: Path, args: Sequence[str], processes: int, cwd: Path | None, timeout: float,
+            env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
