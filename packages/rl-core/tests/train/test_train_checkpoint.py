@@ -226,9 +226,11 @@ def test_state_saved_with_other_settings_is_a_user_error_naming_the_run_config(t
 
 def test_resolve_resume(tmp_path: Path) -> None:
     assert resolve_resume(None, tmp_path) is None
-    assert resolve_resume("latest", tmp_path) is None  # nothing to resume yet: start fresh
+    with pytest.raises(FileNotFoundError, match="nothing to resume"):  # never a quiet fresh start
+        resolve_resume("latest", tmp_path)
     run = make_run_dir(tmp_path, "exp")
-    assert resolve_resume("latest", tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="nothing to resume"):
+        resolve_resume("latest", tmp_path)
     for step in (2, 4):
         save_checkpoint(run / "checkpoints", step, state={})
     ckpt = run / "checkpoints" / "checkpoint-4"

@@ -79,6 +79,30 @@ def test_resume_of_another_run_name_and_a_missing_path_are_user_errors(tmp_path:
         bandit.main(["--config", str(tmp_path / "nope.toml")])
 
 
+def test_a_failed_start_leaves_latest_and_resume_never_quietly_starts_over(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A start that fails after the config check (a model path that does not exist) leaves
+    `latest` on the run before it, and `--resume` continues that run; with no run to resume,
+    `--resume` stops with one line instead of training from step 1."""
+    with pytest.raises(UserError, match="nothing to resume: no run under .*empty has a checkpoint"):
+        bandit.main([f"train.output_dir={tmp_path / 'empty'}", "--resume"])
+    assert not (tmp_path / "empty").exists()
+    first = bandit.main([f"train.output_dir={tmp_path}", "train.max_steps=2"])
+
+    def setup_fails(self: bandit.Bandit, cfg: bandit.Config, run: object) -> bandit.State:
+        raise UserError("model not found: model.path='nowhere'")
+
+    monkeypatch.setattr(bandit.Bandit, "setup", setup_fails)
+    with pytest.raises(UserError, match="model not found"):
+        bandit.main([f"train.output_dir={tmp_path}", "train.max_steps=3"])
+    monkeypatch.undo()
+    assert (tmp_path / "latest").resolve() == first
+    capsys.readouterr()
+    resumed = bandit.main([f"train.output_dir={tmp_path}", "train.max_steps=3", "--resume"])
+    assert resumed == first and [r["step"] for r in rows(first)] == ["1", "2", "3"]
+    assert f"resumed from {first / 'checkpoints' / 'checkpoint-2'} at step 2" in capsys.readouterr().out
+
+
 def test_a_registry_typo_stops_before_setup(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"algo.advantage: unknown advantage estimator 'nope'; valid names: dr_grpo"):
         go(tmp_path, "typo", "algo.advantage=nope")

@@ -54,7 +54,7 @@ from rl_core.train.pipeline import PendingRollouts, RolloutPipeline, Sampled
 from rl_core.train.plots import plot_reward_curve
 from rl_core.train.progress import TrainProgress
 from rl_core.train.recipe import B, C, Recipe, RunContext, S, Schedule, Scores, Skip, run_fields
-from rl_core.train.rundir import make_run_dir, resume_point
+from rl_core.train.rundir import make_run_dir, point_latest, resume_point
 from rl_core.train.samples import SampleLog
 from rl_core.train.seeding import isolated_rng, seed_everything
 from rl_core.train.sharding import accelerator_kwargs
@@ -91,7 +91,7 @@ def train(recipe: Recipe[C, S, B], cfg: C, resume: str | None = None) -> Path:
     recipe.check(cfg, acc.num_processes)
     ckpt, name = resume_point(resume, t.output_dir, t.run_name)
     start = int(msgspec.json.decode((ckpt / "meta.json").read_bytes())["step"]) if ckpt is not None else 0
-    run_dir = make_run_dir(t.output_dir, name, config=cfg, accelerator=acc)
+    run_dir = make_run_dir(t.output_dir, name, config=cfg, accelerator=acc, latest=False)
     seed_everything(t.seed, rank=acc.process_index if recipe.seed_by_rank else 0)
     pending = PendingRollouts(acc.process_index, acc.num_processes)
     if ckpt is not None and (ckpt / PIPELINE).is_dir():  # an asynchronous run's rollouts in flight
@@ -106,6 +106,7 @@ def train(recipe: Recipe[C, S, B], cfg: C, resume: str | None = None) -> Path:
             acc.print(f"resumed from {ckpt} at step {start}")
         recipe.start(state)
         _trackers(acc, t.log_with, run_dir, recipe.name, cfg)
+        point_latest(run_dir, acc)  # only a run that started: a failed start leaves `latest` alone
         return _Loop(recipe, state, context, recipe.schedule(state), cfg, pending.items).fit()
     finally:
         recipe.close(state)

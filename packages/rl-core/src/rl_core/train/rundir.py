@@ -1,5 +1,6 @@
 """Run directories: `root/<name>-<timestamp>/` holding config.toml, metrics.csv and
-`checkpoints/checkpoint-<step>/`, with `root/latest` a symlink to the newest run; the newest
+`checkpoints/checkpoint-<step>/`, with `root/latest` a symlink to the newest run that started
+(the loop points it once the run's setup succeeded, so a failed start leaves it alone); the newest
 complete checkpoint of a run, and the one an app's `--resume` continues (`resume_point`: no
 torch, so a wrong `--resume` is refused before torch is imported; `rl_core.train.checkpoint`
 gives the same names).
@@ -18,7 +19,8 @@ import msgspec
 from rl_core.errors import UserError
 from rl_core.train.config import dump_config
 
-__all__ = ["checkpoints", "latest_checkpoint", "latest_run", "make_run_dir", "resolve_resume", "resume_point"]
+__all__ = ["checkpoints", "latest_checkpoint", "latest_run", "make_run_dir", "point_latest", "resolve_resume",
+           "resume_point"]
 
 _NAME = re.compile(r"checkpoint-(\d+)")
 
@@ -49,13 +51,15 @@ def make_run_dir(
     *,
     config: msgspec.Struct | None = None,
     accelerator: Any = None,
+    latest: bool = True,
 ) -> Path:
     """Create (main process) and return a run directory under `root`.
 
     `name=None` makes a fresh `run-YYYYmmdd-HHMMSS[-i]`; a given `name` is used as is and may
-    already exist (resuming into the same run). `root/latest` points at it. With `config`,
-    writes `config.toml` (`dump_config`). With an `accelerate.Accelerator`, only the main
-    process touches the disk and every process gets the same path.
+    already exist (resuming into the same run). With `latest`, `root/latest` points at it now;
+    the trainer loop passes False and calls `point_latest` once the run has started. With
+    `config`, writes `config.toml` (`dump_config`). With an `accelerate.Accelerator`, only the
+    main process touches the disk and every process gets the same path.
     """
     root = Path(root)
     main = accelerator is None or accelerator.is_main_process
@@ -67,7 +71,8 @@ def make_run_dir(
         else:
             path = root / name
             path.mkdir(exist_ok=True)
-        _point_latest(root, path)
+        if latest:
+            _point_latest(root, path)
         if config is not None:
             (path / "config.toml").write_text(dump_config(config), encoding="utf-8")
     if accelerator is not None and accelerator.num_processes > 1:
@@ -76,6 +81,12 @@ def make_run_dir(
         path = broadcast_object_list([path])[0]
     assert path is not None
     return Path(path)
+
+
+def point_latest(run_dir: Path, accelerator: Any = None) -> None:
+    """Point `run_dir.parent/latest` at `run_dir` (the main process only)."""
+    if accelerator is None or accelerator.is_main_process:
+        _point_latest(run_dir.parent, run_dir)
 
 
 def latest_run(root: str | os.PathLike[str]) -> Path | None:
@@ -102,16 +113,22 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
 def resolve_resume(spec: str | os.PathLike[str] | None, runs_root: str | os.PathLike[str]) -> Path | None:
     """Turn an app's `--resume` value into a checkpoint path.
 
-    None -> None (fresh start). "latest" -> the newest checkpoint of `runs_root/latest`, or None
-    when there is none yet (so a preemptible job can always pass `--resume`). A path may name a
-    checkpoint, a run directory (uses its `checkpoints/`) or a checkpoints directory; finding no
-    checkpoint there raises. The run directory of a checkpoint is `ckpt.parent.parent`.
+    None -> None (fresh start). "latest" -> the newest checkpoint of the run under `runs_root`
+    that saved one last (a run whose start failed, with no checkpoint, is passed over). A path
+    may name a checkpoint, a run directory (uses its `checkpoints/`) or a checkpoints directory.
+    Finding no checkpoint raises `FileNotFoundError`: a resume never quietly starts over.
+    The run directory of a checkpoint is `ckpt.parent.parent`.
     """
     if spec is None:
         return None
     if str(spec) == "latest":
-        run = latest_run(runs_root)
-        return latest_checkpoint(run / "checkpoints") if run is not None else None
+        root = Path(runs_root)
+        found = [c for run in (root.iterdir() if root.is_dir() else ()) if run.is_dir() and not run.is_symlink()
+                 and (c := latest_checkpoint(run / "checkpoints")) is not None]
+        if not found:
+            raise FileNotFoundError(f"--resume: nothing to resume: no run under {root.absolute()} has a checkpoint "
+                                    "(start without --resume, or give a run directory)")
+        return max(found, key=lambda c: (c / "meta.json").stat().st_mtime_ns)
     path = Path(spec)
     if (path / "meta.json").is_file():
         return path
