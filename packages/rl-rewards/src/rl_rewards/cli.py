@@ -11,6 +11,8 @@ app = typer.Typer(
     help="Reward scorers for RL post-training: score files offline or serve them over HTTP.",
     no_args_is_help=True,
     add_completion=False,
+    # plain help: rich markup would take `[ray-serve]`, `[rewards.NAME]` for style tags and drop them
+    rich_markup_mode=None,
 )
 app.command("score")(score_command)
 app.command("serve")(serve_command)

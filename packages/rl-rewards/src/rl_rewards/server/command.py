@@ -25,7 +25,7 @@ from rich.table import Table
 from rl_rewards.server.http_processes import serve_processes
 from rl_rewards.server.limits import check_api_key
 from rl_rewards.server.rewards import resolve_judge_engine, reward_names
-from rl_rewards.server.serving import serve
+from rl_rewards.server.serving import listening_socket, serve
 from rl_rewards.server.settings import ServerSettings, load_settings, to_json
 from rl_rewards.server.workers import SETTINGS_ENV
 
@@ -79,6 +79,19 @@ def banner(settings: ServerSettings) -> None:
     for note in ignored_settings(settings):
         table.add_row("note", note)
     Console(stderr=True).print(table)
+
+
+def check_port(settings: ServerSettings) -> None:
+    """Bind `host:port` once before anything starts, so a port in use (another server) or an
+    address this machine lacks is one line and exit 2, not a traceback after the banner. Not with
+    `--ray-address`: Ray Serve's proxy listens on the cluster's head node, not necessarily here."""
+    if settings.backend == "ray-serve" and settings.ray_address is not None:
+        return
+    try:
+        listening_socket(settings.host, settings.port).close()
+    except OSError as e:
+        raise OSError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror} (another server on that "
+                      "port?); pick another with --port or REWARD_PORT, or stop the one there") from None
 
 
 def _parse_options(items: list[str] | None) -> dict[str, Any] | None:
@@ -172,6 +185,7 @@ def serve_command(
             from rl_rewards.server.ray_serve import check_ray_serve
 
             check_ray_serve(settings)
+        check_port(settings)
     except (ValueError, OSError, ImportError) as e:  # one line (a launcher's log keeps it whole), exit 2 as a bad option
         typer.echo(f"rl-rewards serve: error: {' '.join(str(e).split())}", err=True)
         raise typer.Exit(2) from None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -299,6 +300,9 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"{bad[0]} = {bad[1]} is not a finite number; set a finite value")
         if self.pool.heartbeat_timeout_s <= 0:
             raise ValueError(f"heartbeat_timeout_s must be > 0 seconds, got {self.pool.heartbeat_timeout_s}")
+        if self.workers < 0:
+            raise ValueError(f"workers = {self.workers}: must be >= 0 (0 scores in the server process, "
+                             "N >= 1 starts N worker processes)")
         if self.http_processes < 1:
             raise ValueError(f"http_processes must be >= 1, got {self.http_processes}")
         for name, limit in self.max_concurrency().items():
@@ -429,7 +433,11 @@ def load_settings(
     layers: list[tuple[str, Mapping[str, Any]]] = []
     if config is not None:
         with Path(config).open("rb") as f:
-            layers.append((str(config), tomllib.load(f)))
+            try:
+                layers.append((str(config), tomllib.load(f)))
+            except tomllib.TOMLDecodeError as e:  # its message gives the line, not the file
+                line = re.search(r"at line (\d+)", str(e))
+                raise ValueError(f"{config}{f':{line[1]}' if line else ''}: invalid TOML: {e}") from None
     layers.append(("environment", env_overrides(os.environ if environ is None else environ)))
     layers.append(("flags", _drop_none(flags or {})))
     merged: dict[str, Any] = {}
