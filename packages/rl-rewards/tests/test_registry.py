@@ -49,3 +49,16 @@ def test_import_and_rule_scorers_do_not_import_torch():
 def test_builtin_names():
     assert {"timestamp_format", "length", "ocr", "clip_score", "aesthetic", "embedding_similarity", "caption_qa",
             "vl_judge", "judge"} <= set(SCORERS)
+
+
+def test_readme_scorer_table_has_a_row_for_every_builtin_scorer():
+    """`exact_answer` was registered but missing from README.md's table of scorers."""
+    from pathlib import Path
+
+    from rl_rewards.registry import LazyFactory
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    table = readme.split("| name | what | extra |", 1)[1].split("\n\n", 1)[0]
+    rows = {line.split("`")[1] for line in table.splitlines() if line.startswith("| `")}
+    builtin = {name for name, f in SCORERS.items() if isinstance(f, LazyFactory) and f.path.startswith("rl_rewards.")}
+    assert rows == builtin
