@@ -192,3 +192,18 @@ def test_serve_refuses_engine_vllm_where_it_cannot_run_in_one_line_naming_the_ke
     assert done.stderr == ('rl-rewards serve: error: --engine / REWARD_ENGINE = "vllm" needs a CUDA GPU, and torch '
                            'sees none on this machine: use --engine / REWARD_ENGINE = "hf" (or "auto", which picks hf '
                            'here)\n')
+
+
+def test_the_ray_serve_example_loads_and_describes_the_replicas_batcher():
+    """examples/rewards/ray_serve.toml is valid settings, and its comments describe batching as
+    `ray_serve.RewardReplica` does it (the server's own `Batcher`, one batch at a time), not as
+    Ray Serve's `@serve.batch`, which the replicas no longer use."""
+    from pathlib import Path
+
+    example = Path(__file__).parents[4] / "examples" / "rewards" / "ray_serve.toml"
+    settings = load_settings(example, environ={})
+    settings.check()
+    assert settings.ray_serve.batch_wait_ms == 2 and sorted(settings.rewards) == ["answer", "caption"]
+    comments = " ".join(line.split("#", 1)[1].strip() for line in example.read_text().splitlines() if "#" in line)
+    assert "@serve.batch" not in comments
+    assert "the next batch takes every call waiting" in comments and "once the scorer is free" in comments
