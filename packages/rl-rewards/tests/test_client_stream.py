@@ -13,7 +13,7 @@ import httpx
 import pytest
 from test_client import scripted, url  # noqa: F401  (a fixture, used by name)
 
-from rl_rewards.client import AsyncRewardClient, RetryPolicy, RewardClient
+from rl_rewards.client import AsyncRewardClient, RetryPolicy, RewardClient, RewardRequestError
 from rl_rewards.samples import Sample, ScoreResult
 from rl_rewards.server.process import ServerProcess, free_port
 
@@ -213,27 +213,40 @@ UNENCODABLE = {
 def test_a_sample_that_cannot_be_encoded_fails_alone(server, bad):
     """Six good samples and one that cannot be encoded as JSON: the stream yields all 7, the bad
     one failed and saying why, the six scored as `score` scores them; `score` (async and sync)
-    returns the same 7 results instead of raising."""
+    returns the same 7 results instead of raising. With an eighth sample over the server's text
+    limit, the server's 422 names it by its place in what was sent (one sample fewer): the stream
+    still fails that sample, not its neighbour, and `score`'s error names its place in the caller's list."""
     good = [sample(t) for t in ("one", "two words", "[00:01] a dog", "four", "five five", "six")]
     samples = [*good[:3], UNENCODABLE[bad], *good[3:]]
     right = [ScoreResult(score=len(s.completion) / 10,
                          components={"rule": len(s.completion) / 10, "rule.words": float(len(s.completion.split()))})
              for s in good]
 
-    async def scenario() -> tuple[list[tuple[int, ScoreResult]], list[ScoreResult]]:
+    async def scenario() -> tuple[list[tuple[int, ScoreResult]], list[ScoreResult], list[tuple[int, ScoreResult]]]:
         async with AsyncRewardClient(server.url) as client:
             async with client.stream("slow", batch_size=8) as stream:
                 stream.submit(samples)
                 stream.close_submissions()
                 streamed = [item async for item in stream]
-            return streamed, await client.score(samples, "slow")
+            async with client.stream("slow", batch_size=8) as stream:
+                stream.submit([*samples, sample("x" * 300)])
+                stream.close_submissions()
+                with_long = [item async for item in stream]
+            with pytest.raises(RewardRequestError) as info:
+                await client.score([*samples, sample("x" * 300)], "slow")
+            assert info.value.field == "$.samples[7].completion", info.value
+            return streamed, await client.score(samples, "slow"), with_long
 
-    streamed, scored = asyncio.run(scenario())
+    streamed, scored, with_long = asyncio.run(scenario())
     with RewardClient(server.url) as client:
         scored_sync = client.score(samples, "slow")
+        with pytest.raises(RewardRequestError, match=r"\$\.samples\[7\]\.completion has 300 characters"):
+            client.score([*samples, sample("x" * 300)], "slow")
     assert sorted(i for i, _ in streamed) == list(range(7))
-    by_index = dict(streamed)
-    for results in ([by_index[i] for i in range(7)], scored, scored_sync):
+    assert sorted(i for i, _ in with_long) == list(range(8))
+    long = dict(with_long).pop(7)
+    assert long.score is None and "max_text_chars" in (long.error or "")
+    for results in ([dict(streamed)[i] for i in range(7)], [dict(with_long)[i] for i in range(7)], scored, scored_sync):
         failed = results.pop(3)
         assert failed.score is None and "cannot be encoded as JSON" in (failed.error or "")
         assert results == right

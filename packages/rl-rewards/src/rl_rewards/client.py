@@ -134,6 +134,8 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return headers
 
 
+_SAMPLE_FIELD = re.compile(r"^\$\.samples\[(\d+)\]")  # a 4xx about one sample of a /v1/score request
+
 # what msgspec raises for a value JSON cannot carry: a lone surrogate (UnicodeEncodeError), nesting
 # past Python's recursion limit, a type with no JSON form (TypeError), an int over 64 bits
 _ENCODE_ERRORS = (msgspec.EncodeError, TypeError, ValueError, RecursionError, OverflowError)
@@ -166,6 +168,19 @@ def _with_failed(results: list[ScoreResult], failed: dict[int, ScoreResult]) -> 
         return results
     scored = iter(results)
     return [failed[i] if i in failed else next(scored) for i in range(len(results) + len(failed))]
+
+
+def _renumbered(error: RewardRequestError, failed: dict[int, ScoreResult], url: str) -> RewardRequestError:
+    """`error` about the k-th sample sent (`$.samples[k]...`) as about that sample's place in the
+    caller's list, which also held the samples not sent (`failed`)."""
+    match = _SAMPLE_FIELD.match(error.field or "") if failed else None
+    if match is None:
+        return error
+    sent = [i for i in range(int(match[1]) + len(failed) + 1) if i not in failed]
+    was, now = f"$.samples[{match[1]}]", f"$.samples[{sent[int(match[1])]}]"
+    body = wire.ErrorResponse(error=error.error.replace(was, now), field=(error.field or "").replace(was, now, 1),
+                              limit=error.limit)
+    return RewardRequestError(error.status, body, url)
 
 
 _ScoreMode = Literal["qa", "vl_judge"]  # wire.GetRewardRequest.score_mode
@@ -225,8 +240,12 @@ class RewardClient:
         content, failed = _score_body(samples, reward)
         if content is None:
             return _with_failed([], failed)
-        results = self._call("POST", "/v1/score", wire.ScoreResponse, content).results
-        return _with_failed(_one_each(f"{self.base_url}/v1/score", results, len(samples) - len(failed)), failed)
+        url = f"{self.base_url}/v1/score"
+        try:
+            results = self._call("POST", "/v1/score", wire.ScoreResponse, content).results
+        except RewardRequestError as e:
+            raise _renumbered(e, failed, url) from None
+        return _with_failed(_one_each(url, results, len(samples) - len(failed)), failed)
 
     def get_reward(
         self, prompts: Sequence[wire.CaptionQA], score_mode: _ScoreMode | None = None
@@ -315,8 +334,12 @@ class AsyncRewardClient:
         content, failed = _score_body(samples, reward)
         if content is None:
             return _with_failed([], failed)
-        results = (await self._call("POST", "/v1/score", wire.ScoreResponse, content, timeout)).results
-        return _with_failed(_one_each(f"{self.base_url}/v1/score", results, len(samples) - len(failed)), failed)
+        url = f"{self.base_url}/v1/score"
+        try:
+            results = (await self._call("POST", "/v1/score", wire.ScoreResponse, content, timeout)).results
+        except RewardRequestError as e:
+            raise _renumbered(e, failed, url) from None
+        return _with_failed(_one_each(url, results, len(samples) - len(failed)), failed)
 
     def stream(
         self, reward: str = "", *, batch_size: int = 32, max_wait_s: float = 0.005, max_in_flight: int = 8,
@@ -354,7 +377,6 @@ class AsyncRewardClient:
         return wire.decode_json(response.content, wire.HealthResponse)
 
 
-_SAMPLE_FIELD = re.compile(r"^\$\.samples\[(\d+)\]")
 _Item = tuple[int, ScoreResult]
 
 
