@@ -35,7 +35,7 @@ from typing import Any, Literal, TypeVar, cast
 import httpx
 import msgspec
 
-from rl_rewards import wire
+import rl_rewards.wire as wire
 from rl_rewards.samples import Sample, ScoreResult
 
 T = TypeVar("T")

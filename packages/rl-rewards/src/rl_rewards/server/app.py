@@ -314,7 +314,7 @@ def build_app(settings: ServerSettings, pool: Pool | None = None, service: Rewar
 def app_from_environment() -> Starlette:
     """The app of one of several server processes (`--http-processes`): settings from the
     environment variable the supervisor set, logging as in the parent."""
-    from rl_rewards.server.command import configure_logging
+    from rl_rewards.server.logs import configure_logging
 
     settings = from_json(os.environ[SETTINGS_ENV])
     configure_logging(settings)

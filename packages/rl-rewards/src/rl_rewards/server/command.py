@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,35 +23,11 @@ from rich.table import Table
 
 from rl_rewards.server.http_processes import serve_processes
 from rl_rewards.server.limits import check_api_key
+from rl_rewards.server.logs import configure_logging
 from rl_rewards.server.rewards import resolve_judge_engine, reward_names
 from rl_rewards.server.serving import listening_socket, serve
 from rl_rewards.server.settings import ServerSettings, load_settings, to_json
 from rl_rewards.server.workers import SETTINGS_ENV
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ts, level, logger, message (+ exception)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "ts": round(record.created, 3), "level": record.levelname.lower(),
-            "logger": record.name, "message": record.getMessage(),
-        }
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def configure_logging(settings: ServerSettings) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if settings.log_format == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(settings.log_level.upper())
-    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
 
 
 def ignored_settings(settings: ServerSettings) -> list[str]:
