@@ -62,6 +62,16 @@ def test_unknown_scorer_in_config_is_reported(tmp_path):
     assert proc.returncode == 2 and "unknown scorer 'nope'" in proc.stderr
 
 
+def test_an_error_message_keeps_its_bracketed_words(tmp_path):
+    """The error is printed as text: rich would take `[bad]` for markup and drop it."""
+    config = tmp_path / "reward.toml"
+    config.write_text('[components.a]\nscorer = "nope[bad]"\n')
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"completion": "ok"}\n')
+    proc = _run("--config", str(config), str(src), "-o", str(tmp_path / "out.jsonl"))
+    assert proc.returncode == 2 and "unknown scorer 'nope[bad]'" in proc.stderr
+
+
 def test_summary_statistics_hand_worked():
     from rich.console import Console
 

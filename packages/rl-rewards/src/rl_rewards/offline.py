@@ -14,6 +14,7 @@ from typing import Annotated
 import msgspec
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -84,7 +85,7 @@ def score_command(
         samples = read_samples(input)
         reward = build_reward(config)
     except (ValueError, KeyError, TypeError) as e:
-        console.print(f"[red]error:[/red] {e}")
+        console.print(f"[red]error:[/red] {escape(str(e))}")  # the message is text, not markup
         raise typer.Exit(code=2) from None
     results = score_file(reward, samples, output, batch_size, console)
     console.print(summary_table(results))
