@@ -1,7 +1,7 @@
 """The names of rl-core's algorithm registries, readable without importing torch.
 
 An app reads its command line and config before it imports torch, so `--help` and a config
-error answer in about 0.6 s instead of after the 12-17 s torch and transformers take to import.
+error answer at once instead of after torch and transformers have imported.
 The config types that name a registry entry (`rl_core.train.AdvantageName`, ...) therefore hold
 a `RegistryRef` (the registry's module and attribute, its kind, and the names rl-core registers
 there), not the registry, which lives in a torch module. A value is checked against the registry

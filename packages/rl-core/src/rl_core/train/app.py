@@ -11,8 +11,8 @@ errors end a run.
     if __name__ == "__main__":
         sys.exit(run_app("caption-rl", main))
 
-`parse_run` needs only the app's config module: `--help` and a config error answer in about
-0.6 s, before the recipe and torch load (12-17 s with transformers on a 2-core CPU).
+`parse_run` needs only the app's config module: `--help` and a config error answer at once,
+before the recipe, torch and transformers load.
 
 A `UserError` (a missing file, a refused value, empty data: something the user fixes by
 changing the command) prints one line naming the cause and the knob and exits 2, without a

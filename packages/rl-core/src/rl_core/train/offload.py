@@ -1,12 +1,12 @@
 """Moving a model's weights or an optimizer's state off the accelerator and back, cheaply.
 
-`model.to("cpu")` copies every tensor synchronously into freshly allocated pageable memory: on an
-H200 that took 2-5 s for a 1.7B policy and its Adam moments. Here the copies go through
-**page-locked host buffers allocated once and reused**: all copies are queued `non_blocking`
-and synchronised once per direction, at full PCIe bandwidth (~0.2 s for 8 GiB of Adam moments
-on an H100). Used by apps that keep one large thing on the GPU at a time: rider-grm swaps the
-policy out while judges score; caption-rl moves the Adam moments out while the policy decodes,
-so the KV cache has their room. On CPU nothing moves.
+`model.to("cpu")` copies every tensor synchronously into freshly allocated pageable memory. Here
+the copies go through **page-locked host buffers allocated once and reused**: all copies are
+queued `non_blocking` and synchronised once per direction, at full PCIe bandwidth (see
+benchmarks/RESULTS.md, "rider-grm: judges swapped vs auto vs resident"). Used by apps that keep
+one large thing on the GPU at a time: rider-grm swaps the policy out while judges score;
+caption-rl moves the Adam moments out while the policy decodes, so the KV cache has their room.
+On CPU nothing moves.
 """
 
 from __future__ import annotations
