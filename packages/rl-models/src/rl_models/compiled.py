@@ -1,18 +1,16 @@
 """Compile the text decoder's layers one by one (`torch.compile` per layer, in place).
 
-Training a 2-4B policy on short rows is not bound by its matmuls: at Qwen3-VL-2B shape, a
-16-caption micro-batch (~4.7k tokens) spends more than half of its GPU time in the unfused
+Training a 2-4B policy on short rows is not bound by its matmuls but by the many small unfused
 elementwise kernels around them (RMSNorm in float32, rotary embeddings, SwiGLU, and their
-backward), ~21 us each. Compiling each decoder layer fuses them: measured on one H100 (random
-weights, gradient checkpointing on), forward + backward of 16 rows went from 0.436 s to 0.312 s
-and of 32 rows from 0.726 s to 0.514 s (eager figure from an earlier lease), with the same
-activation memory.
+backward). Compiling each decoder layer fuses them: forward + backward get faster at the same
+activation memory (benchmarks/RESULTS.md, "caption-rl vs TRL GRPOTrainer: RL step throughput at
+Qwen3-VL-2B shape"). Choose it on a GPU; on a CPU the compile costs more than it saves.
 
 Why per layer and not the whole model: the layers are identical, so one compiled graph serves
 all of them (`torch.compile` treats the module as an input), the compile takes seconds instead
 of minutes, and the parts that break graphs (the multimodal wrapper, media merging, gradient
 checkpointing's bookkeeping) stay eager around them. The vision tower's blocks are left eager:
-compiling them was slower at this shape (0.346 s vs 0.312 s per 16 rows).
+compiling them did not pay at Qwen3-VL-2B shape.
 
 The rollout engine (`rl_rollout.hf`) decodes with the same modules: forwards that carry a KV
 cache run the layers eagerly (see `compile_decoder_layers`), and the engine's own compiled decode
@@ -56,10 +54,10 @@ def compile_decoder_layers(model: torch.nn.Module, **compile_kwargs: Any) -> tor
     in length, and a micro-batch without padding reaches the layers with no attention mask
     (transformers drops an all-ones one) while a padded one brings a mask. Left to dynamo's
     automatic dynamic shapes, each of the two variants compiled first for its first length and
-    again, dynamic, at its first other length: caption-rl's tiny CPU run built its 4th layer
-    graph at step 3, and the H100 benchmark's step-3 update outlier (12.6 s against ~7 s) is
-    that pattern at full shape. Dynamic from the start, both graphs come with their first
-    micro-batch; the steady state ran the dynamic graphs anyway."""
+    again, dynamic, at its first other length, a recompile in the middle of a run (a slow
+    update step; benchmarks/RESULTS.md, "Follow-up (CPU): caption-rl's step-3 update outlier is a
+    recompile"). Dynamic from the start, both graphs come with their first micro-batch; the
+    steady state ran the dynamic graphs anyway."""
     compile_kwargs.setdefault("dynamic", True)
     for layer in decoder_layers(model):
         layer.forward = _CompiledWithoutCache(layer.forward, torch.compile(layer.forward, **compile_kwargs))

@@ -2,7 +2,8 @@
 
 The model body runs to its final hidden states only; `rl_core.logprobs.token_logprobs_from_hidden`
 then projects through the LM head in chunks, so the `[B, T, V]` logits never exist at once (the
-memory wall of naive RL log-prob code: 73.5 GiB extra at Qwen3-4B shape, docs/reference.md §5).
+memory wall of naive RL log-prob code; benchmarks/RESULTS.md, "Token log-probs from hidden states:
+naive vs chunked").
 """
 
 from __future__ import annotations
