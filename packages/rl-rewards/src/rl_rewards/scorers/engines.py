@@ -32,8 +32,8 @@ def load_engine(
 
     `auto` (the default) is vllm on a CUDA machine where vLLM imports, else hf, and the pick is
     logged with its reason (`caption_qa judge M: engine hf (auto: no CUDA device, ...)`): exact
-    caption QA on vLLM measured 1.79x CapRL++'s setup (vLLM alone at its defaults) against 1.43x
-    on hf (H200, 2026-11-27; rl-rollout's README, "hf or vLLM?"). `vllm` asked for where it
+    caption QA is faster on vLLM than on hf (benchmarks/RESULTS.md, "caption_qa on an H200 at
+    vLLM's defaults"; rl-rollout's README, "hf or vLLM?"). `vllm` asked for where it
     cannot run is a `rl_core.errors.UserError` naming `key` (the setting that chose it) and the reason, before anything loads.
 
     `hf` loads the checkpoint in-process (`path=model`); other engines get `model=model` (the
