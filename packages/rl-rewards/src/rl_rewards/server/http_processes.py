@@ -2,9 +2,10 @@
 
 Why not uvicorn's `workers=N`: its supervisor binds one socket and every process accepts from
 it, so a burst of connections goes to whichever process wakes first, which accepts all of them
-(keep-alive connections opened together all land on one process, the others idle). Here each process binds its own `SO_REUSEPORT` socket and the kernel spreads incoming
-connections over them by their address hash. The supervisor restarts a process that dies and
-forwards SIGINT/SIGTERM, so every process drains its in-flight requests before the port closes.
+(keep-alive connections opened together all land on one process, the others idle). Here each
+process binds its own `SO_REUSEPORT` socket and the kernel spreads incoming connections over
+them by their address hash. The supervisor restarts a process that dies and forwards
+SIGINT/SIGTERM, so every process drains its in-flight requests before the port closes.
 """
 
 from __future__ import annotations
