@@ -27,7 +27,7 @@ grad (replay) graphs can round differently too: watch the first replay's log rat
 (diffusion-grpo's `train.ratio_tolerance`), or pass `compile=False` for a ratio of exactly 1.
 
 Rollout options (each `None`/`"auto"` = the choice in `AUTO_ON_CUDA` on CUDA, off on CPU; each
-measured alone in benchmarks/diffusion_grpo.py against the compiled plain pipeline):
+compared alone with the compiled plain pipeline by benchmarks/diffusion_grpo.py):
 - `cuda_graphs`: the CFG forward of each sampling step (every kernel of the transformer, one
   launch) is captured once per batch shape in a `torch.cuda.CUDAGraph` and replayed; the SDE
   step's few elementwise kernels stay outside (their noise comes from the host generators). Same
@@ -86,12 +86,11 @@ ATTENTION_BACKENDS: dict[str, SDPBackend | None] = {
 }
 _CUDA_ONLY_BACKENDS = ("cudnn", "efficient")
 
-# What `None` / "auto" resolves to on CUDA (on CPU every option is off / "default"). Set from
-# benchmarks/diffusion_grpo.py's rows on an H100/H200: an option is on here only where it was
-# faster than without it, with the images and log-probs inside the stated tolerance. Measured
-# 2026-11-27 on an H100 and an H200 (SD3.5-M shape, n=8, CFG 4.5): each option alone 0.98-1.01x
-# the compiled engine without it (the transformer at 40-42% of the bf16 peak, compute-bound), so
-# none is on.
+# What `None` / "auto" resolves to on CUDA (on CPU every option is off / "default"). An option is
+# on here only where benchmarks/diffusion_grpo.py finds it faster than without it, with the images
+# and log-probs inside the stated tolerance. None is: at SD3.5-M shape the compiled transformer is
+# compute-bound, and no option alone speeds it up (benchmarks/RESULTS.md, "diffusion-grpo (a):
+# rollout variants vs the compiled plain pipeline").
 AUTO_ON_CUDA: dict[str, Any] = {"cuda_graphs": False, "attention_backend": "default", "overlap_decode": False}
 
 # Graphs of the compiled block code (torch._dynamo's recompile limit, 8 by default, counts them per

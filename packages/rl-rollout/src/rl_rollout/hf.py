@@ -7,8 +7,9 @@ and the decode step has static shapes. On CUDA the decode step is compiled with
 which removes the per-layer launch overhead that dominates decode at batch sizes below ~128.
 Pick `compile=False` for short one-off generations where compile time does not pay back.
 Decode attention reads each KV head once for its query-head group (`rl_rollout.attention`),
-instead of transformers' sdpa copy of the KV heads whenever rows are padded: 2.4x the compiled
-decode throughput at Qwen3-4B shape on an H100.
+instead of transformers' sdpa copy of the KV heads whenever rows are padded, which makes the
+compiled decode several times faster (benchmarks/RESULTS.md, "rl-rollout engines: generation, ...:
+decode attention variants").
 
 Requests are left-padded; positions count real tokens only, so a padded row computes exactly
 what it would alone. Qwen-VL requests (chat messages with images/videos) go through the
@@ -256,7 +257,7 @@ class HFEngine:
         (config with a `vision_config`) with its processor.
 
         `device` defaults to CUDA when available, else the CPU (`from_pretrained` itself loads
-        onto the CPU; a judge left there would run ~100x slower on a GPU machine)."""
+        onto the CPU; a judge left there would run far slower on a GPU machine)."""
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         config = AutoConfig.from_pretrained(path)
@@ -473,9 +474,10 @@ class HFEngine:
         go through the output head. The tokens all items' prefixes start with (a judge's system
         prompt and few-shot examples) run once per call (`mask`: into a KV cache the rows read;
         `flex`: once per forward), not once per item: that, more than filling the device, is
-        what a batch saves on a CPU (tiny Qwen3 judge, 64 prompts of ~1,300 tokens, one thread:
-        44 ms a sample in one call when every row repeated its prefix, as alone). Pass many
-        items per call: one call per item leaves the GPU mostly idle on short rows.
+        what a batch saves on a CPU: there a call whose rows each repeat their prefix costs about
+        as much a sample as one call per sample (benchmarks/RESULTS.md, "Reward server: Ray Serve
+        dynamic batching of a judge", tiny:qwen3 on the CPU). Pass many items per call: one call
+        per item leaves the GPU mostly idle on short rows.
         """
         self._check_awake()
         self._check_score_input(items, candidates, temperature)

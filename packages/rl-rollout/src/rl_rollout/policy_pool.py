@@ -10,8 +10,9 @@ sampled with, and the pool refuses a rollout from another.
 How the weights travel: where the actors are on this machine's GPUs (a local Ray instance), the
 trainer copies each version onto the actor's GPU (GPU to GPU) and sends only CUDA IPC handles
 (`rl_rollout.cuda_ipc`); the actor copies from them into its engine. Elsewhere (other nodes, or
-no CUDA), as host copies through Ray's object store: at Qwen3-VL-2B size (4.3 GB in bf16) that
-took 14.4 s a version on an H200 machine, against well under a second by handle.
+no CUDA), as host copies through Ray's object store, which for a policy of a few GB takes many
+times longer than by handle (benchmarks/RESULTS.md, "caption-rl on 2 GPUs with vLLM rollouts: the
+engine in a Ray actor").
 
 Choose it where the rollout should not share the trainer's process or GPU: the engines on GPUs of
 their own, or on other nodes of a Ray cluster (`ray_address`). Several training processes each

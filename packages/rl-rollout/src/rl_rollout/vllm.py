@@ -1,7 +1,7 @@
 """`vllm` engine: a thin adapter of `vllm.LLM` to the `Engine` protocol (extra `rl-rollout[vllm]`).
 
-Run on an H100 with vLLM 0.26.0 (the opt-in `vllm` test session: generate with log-probs,
-scoring, sleep/wake, weight pushes, and the apps' colocated rollouts).
+Tested with vLLM 0.26.0 by the opt-in `vllm` test session (generate with log-probs, scoring,
+sleep/wake, weight pushes, and the apps' colocated rollouts).
 
 - Sampling: `vllm.SamplingParams(n, temperature, top_p, top_k (-1 = off), max_tokens, stop,
   seed, logprobs=0)`; the engine is built with `logprobs_mode="processed_logprobs"`, so
