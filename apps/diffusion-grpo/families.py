@@ -286,8 +286,8 @@ class Janus(Family):
     def weight_channel(self, steps: Callable[[], int]) -> RolloutWeights:
         """The rollout thread's engine decodes with a copy of the LoRA model (its own KV cache and
         processor). Its decode step compiles without CUDA graphs: captured from the rollout
-        thread, which runs on a CUDA stream of its own, the graphs of "reduce-overhead" came out
-        empty (torch 2.11, H200)."""
+        thread, which runs on a CUDA stream of its own, the graphs of "reduce-overhead" come out
+        empty (torch 2.11)."""
         twin, e = copy_sharing_frozen(self.peft), self.engine
         mode = "default" if e.compile_mode == "reduce-overhead" else e.compile_mode
         self.rollout_engine = JanusEngine(cast(JanusForConditionalGeneration, cast(PeftModel, twin).get_base_model()),

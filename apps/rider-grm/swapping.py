@@ -1,9 +1,9 @@
 """Moving the policy on and off the accelerator while the judges score, and deciding when not to.
 
 VeRL-with-RMs keeps one model on the GPU at a time. The copies go through page-locked host buffers
-allocated once and reused (`rl_core.train.offload`; `model.to("cpu")` took 2-5 s per swap for a
-1.7B policy and its Adam moments on an H200); the engines' own sleep/wake then find the weights
-moved. `compute_swap_plan` decides from one measured step whether to swap at all (`auto`).
+allocated once and reused (`rl_core.train.offload`, far cheaper than `model.to("cpu")`;
+benchmarks/RESULTS.md, "rider-grm: judges swapped vs auto vs resident"); the engines' own
+sleep/wake then find the weights moved. `compute_swap_plan` decides from one measured step whether to swap at all (`auto`).
 """
 
 from __future__ import annotations
