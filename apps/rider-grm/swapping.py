@@ -3,7 +3,8 @@
 VeRL-with-RMs keeps one model on the GPU at a time. The copies go through page-locked host buffers
 allocated once and reused (`rl_core.train.offload`, far cheaper than `model.to("cpu")`;
 benchmarks/RESULTS.md, "rider-grm: judges swapped vs auto vs resident"); the engines' own
-sleep/wake then find the weights moved. `compute_swap_plan` decides from one measured step whether to swap at all (`auto`).
+sleep/wake then find the weights moved. `compute_swap_plan` decides from one measured step
+whether to swap at all (`auto`).
 """
 
 from __future__ import annotations
