@@ -19,18 +19,31 @@ worker thread would share the device with the policy's sampling.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Generic, TypeVar
+from contextlib import AbstractContextManager
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
-from rl_core.train.metrics import PhaseTimer
 from rl_rollout.protocol import Engine, Generation, Prompt, SamplingParams, generate_seeded
 
 __all__ = ["ScoredRollout", "generate_scored"]
 
 R = TypeVar("R")
+
+
+class PhaseTimer(Protocol):
+    """A trainer's phase clock (`rl_core.train.PhaseTimer` is one): `timer(name)` times a phase
+    in this thread; `pop()` takes this thread's phases, `add(times)` counts them in another's."""
+
+    def __call__(self, phase: str, /) -> AbstractContextManager[Any]: ...
+
+    def pop(self) -> dict[str, float]: ...
+
+    def add(self, measured: Mapping[str, float]) -> None: ...
+
+
 ChunkScorer = Callable[[int, list[Generation]], Sequence[R]]
 """`score(first, generations)`: one result per generation of a chunk; `first` is the row of its
 first generation in the batch (sample ids that must not depend on the chunking start there)."""
