@@ -11,7 +11,7 @@ from rewarding import RuleScorer
 from rider_config import load_function
 from transformers import AutoTokenizer
 
-from rl_core.train import PhaseTimer
+from rl_core.train import PhaseTimer, UserError
 from rl_models import tiny
 from rl_rewards.modules import load_reward_module
 from rl_rewards.samples import Sample
@@ -99,14 +99,26 @@ def test_swapped_judge_sends_rm_prompt_of_its_index(judge_path: Path) -> None:
     assert seen == ["Contradiction? {response}", "When am I paid?"]
 
 
-def test_check_judge_names_the_module_and_function(tmp_path: Path, judge_path: Path) -> None:
-    bad = tmp_path / "short_post.py"
-    bad.write_text("def rm_preprocess(p, r, t):\n    return list(r)\n"
-                   "def rm_postprocess(results):\n    return []\n")
+@pytest.mark.parametrize(("pre", "post", "message"), [
+    ("list(r)", "None", "rm_postprocess returned None for 1 judge output; expected a list of 1 score, one per output"),
+    ("list(r)", "[]", "rm_postprocess returned a list of 0 for 1 judge output; expected a list of 1 score, one per "
+                      "output"),
+    ("list(r)", "[0.5, 0.5]", "rm_postprocess returned a list of 2 for 1 judge output; expected a list of 1 score, "
+                              "one per output"),
+    ("None", "[0.5]", "rm_preprocess returned None for 1 response; expected a list of 1 judge input string, one per "
+                      "response"),
+])
+def test_a_judge_module_returning_the_wrong_lists_is_a_user_error(tmp_path: Path, judge_path: Path, pre: str,
+                                                                   post: str, message: str) -> None:
+    """The start-up dry run (`check_judge`) of a module whose functions return None or the wrong
+    number of items: a user error (one line, exit 2) naming the module's file, not a traceback."""
+    bad = tmp_path / "bad_judge.py"
+    bad.write_text(f"def rm_preprocess(p, r, t):\n    return {pre}\ndef rm_postprocess(results):\n    return {post}\n")
     engine = HFEngine.from_pretrained(judge_path)
     scorer = JudgeScorer(engine, AutoTokenizer.from_pretrained(judge_path), str(bad), max_new_tokens=2)
-    with pytest.raises(ValueError, match=r"short_post.py.*rm_postprocess returned a list of 0 for 1"):
+    with pytest.raises(UserError) as raised:
         check_judge(scorer, "prompt", "response")
+    assert str(raised.value) == f"judge module {str(bad)!r}: {message}"
 
 
 def test_rule_function_from_file_and_import_path() -> None:
