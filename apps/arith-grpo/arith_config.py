@@ -18,7 +18,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.toml"
 
 class PolicyConfig(msgspec.Struct, kw_only=True, frozen=True):
     path: str = "Qwen/Qwen3-0.6B"  # `tiny:qwen3` builds a tiny random checkpoint
-    dtype: str = "bfloat16"
+    dtype: train.DType = "bfloat16"
     engine: Literal["auto", "hf", "vllm"] = "auto"  # auto: vllm on a CUDA machine where it imports, else hf
     n: train.Positive = 8  # answers sampled per prompt
     temperature: train.PositiveFloat = 1.0

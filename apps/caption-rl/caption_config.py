@@ -13,6 +13,8 @@ import msgspec
 from rl_core.train import (
     AdvantageName,
     AggregationName,
+    CompileMode,
+    DType,
     KLName,
     NonNegative,
     NonNegativeFloat,
@@ -39,7 +41,7 @@ def default_config() -> Path | None:
 class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     path: str = "Qwen/Qwen3-VL-4B-Instruct"
     """Caption model (local folder or hub id); `tiny:<family>` builds a tiny random checkpoint."""
-    dtype: str = "bfloat16"  # float32 | bfloat16 | float16 | auto
+    dtype: DType = "bfloat16"  # the weights' dtype (auto: the checkpoint's own)
     lora_rank: NonNegative = 0  # 0 = full fine-tuning (CapRL++); > 0 trains a LoRA adapter
     lora_alpha: Positive = 32
     lora_targets: list[str] | None = None  # peft target_modules; None = rl_models' family default
@@ -95,7 +97,7 @@ class RolloutConfig(RolloutWorkerFields, kw_only=True, frozen=True):
     """Sample each prompt's group with its own seed, drawn from (train.seed, step, record index):
     the same rollouts whatever the process count or batch split (the 2-process = 1-process
     tests rely on it). Slower: one engine call per prompt instead of one per batch."""
-    compile_mode: str = "auto"
+    compile_mode: CompileMode = "auto"
     """hf engine on CUDA: torch.compile mode of the decode step. `default` (fused kernels) lets
     the KV cache be freed during the update; `reduce-overhead` (CUDA graphs) pins the cache's
     addresses, so keep it allocated (`release_cache = false`): faster decode, more memory. auto:

@@ -13,6 +13,7 @@ import msgspec
 
 from rl_core.train import (
     ConfigError,
+    DType,
     KLName,
     NonNegative,
     NonNegativeFloat,
@@ -42,8 +43,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     path: str = "stabilityai/stable-diffusion-3.5-medium"
     """diffusers SD3/SD3.5 folder or hub id (`tiny:sd3` builds a tiny random pipeline); with
     family `janus` a transformers Janus checkpoint (deepseek-community/Janus-Pro-7B, `tiny:janus`)."""
-    dtype: str = "bfloat16"  # transformer + VAE weights (Janus: all weights); step maths is always float32
-    text_encoder_dtype: str | None = None  # None = dtype
+    dtype: DType = "bfloat16"  # transformer + VAE weights (Janus: all weights); step maths is always float32
+    text_encoder_dtype: DType | None = None  # None = dtype
     lora_rank: Positive = 32
     lora_alpha: float = 64
     lora_targets: list[str] | None = None  # None: rl_models' default (sd3: attention; janus: LM projections)

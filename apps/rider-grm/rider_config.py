@@ -18,6 +18,7 @@ from rl_core.train import (
     AdvantageName,
     AggregationName,
     ConfigError,
+    DType,
     KLName,
     NonNegative,
     NonNegativeFloat,
@@ -42,7 +43,7 @@ DEFAULT_CONFIG = APP_DIR / "configs" / "default.toml"
 class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     path: str = "Qwen/Qwen3-1.7B"
     """Policy (actor_rollout_ref.model.path); `tiny:qwen3[:seed]` builds a tiny random checkpoint."""
-    dtype: str = "bfloat16"  # float32 | bfloat16 | float16
+    dtype: DType = "bfloat16"  # the weights' dtype (auto: the checkpoint's own)
     ref_offload: bool = True  # keep the reference on CPU except while it scores (ref param_offload)
     optimizer_offload: bool = True  # optimizer state on CPU while the judges run (actor optimizer_offload)
 

@@ -84,6 +84,16 @@ def test_a_registry_typo_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert not done.imported_torch and not unknown.imported_torch and not helped.imported_torch
 
 
+def test_a_value_outside_its_choices_is_one_line_before_torch(tmp_path: Path) -> None:
+    """`policy.dtype` is checked when the config loads, not when the model does (policy.path: a
+    fast failure if it were not)."""
+    done = run_cli(APP, "policy.dtype=float8", "policy.path=/nope", f"train.output_dir={tmp_path}", cwd=REPO)
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "arith-grpo: error: policy.dtype: unknown value 'float8'; valid choices: auto, float32, fp32, bfloat16, "
+        "bf16, float16, fp16 (from override policy.dtype=float8)"]
+    assert not done.imported_torch
+
+
 def test_dynamic_sampling_keeps_informative_groups_from_more_rounds(tmp_path: Path) -> None:
     """Filtering on the exact-answer component: groups whose answers all score alike are dropped
     and more prompts roll out; the merged batch passes the first-step engine check and trains."""

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import get_args
 
 import pytest
 from conftest import APP, DATA, REPO, tiny_overrides
@@ -157,6 +158,11 @@ def test_user_errors_are_one_line_with_exit_2(tmp_path):
     (["train.nope=1"], r"caption-rl: error: unknown config key 'train\.nope' \(override train\.nope=1\): no field"),
     (["algo.loss=ppo"], r"caption-rl: error: algo\.loss: unknown policy loss 'ppo'; valid names: cispo, "),
     (["--config", "/nope.toml"], r"caption-rl: error: --config /nope\.toml: no such file$"),
+    # a value outside its key's choices stops before the model loads (model.path: a fast failure if it did not)
+    (["model.dtype=float8", "model.path=/nope"], r"caption-rl: error: model\.dtype: unknown value 'float8'; valid "
+     r"choices: auto, float32, fp32, bfloat16, bf16, float16, fp16 \(from override model\.dtype=float8\)$"),
+    (["rollout.compile_mode=max_autotune", "model.path=/nope"], r"caption-rl: error: rollout\.compile_mode: unknown value "
+     r"'max_autotune'; valid choices: auto, default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs, lite \("),
 ])
 def test_help_and_config_errors_answer_before_torch_is_imported(argv, line):
     """The command line and the config are read before the recipe (and torch) loads."""
@@ -166,6 +172,14 @@ def test_help_and_config_errors_answer_before_torch_is_imported(argv, line):
         assert done.returncode == 0 and "algo.loss" in done.stdout and "CAPTION_MODEL" in done.stdout
     else:
         assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and re.match(line, done.stderr), done.stderr
+
+
+def test_the_dtype_choices_are_the_model_loaders():
+    """`model.dtype`'s choices, checked before torch loads, are what `rl_models` loads."""
+    from rl_core.train import DType
+    from rl_models.loading import DTYPES
+
+    assert set(get_args(DType)) == {"auto", *DTYPES}
 
 
 def test_a_run_where_no_record_can_become_model_input_ends_with_the_reason(app, tmp_path):

@@ -213,6 +213,10 @@ def test_help_lists_every_vrl_knob(app, capsys) -> None:
     (["train.nope=1"], r"diffusion-grpo: error: unknown config key 'train\.nope' \(override train\.nope=1\): no field"),
     (["janus.kl=k4"], r"diffusion-grpo: error: janus\.kl: unknown KL estimator 'k4'; valid names: k1, k2, k3, "),
     (["train.lr=fast"], r"diffusion-grpo: error: train\.lr: expected float, got 'fast' \(from override train\.lr=fast\)$"),
+    (["model.dtype=float8", "model.path=/nope"], r"diffusion-grpo: error: model\.dtype: unknown value 'float8'; "
+     r"valid choices: auto, float32, fp32, bfloat16, bf16, float16, fp16 \(from override model\.dtype=float8\)$"),
+    (["model.text_encoder_dtype=fp8", "model.path=/nope"], r"diffusion-grpo: error: model\.text_encoder_dtype: unknown "
+     r"value 'fp8'; valid choices: auto, float32, "),
 ])
 def test_help_and_config_errors_answer_before_torch_is_imported(argv: list[str], line: str | None) -> None:
     """The command line and the config are read before the recipe (and torch) loads."""

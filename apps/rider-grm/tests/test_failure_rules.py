@@ -111,6 +111,8 @@ def test_user_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
     (["train.nope=1"], r"rider-grm: error: unknown config key 'train\.nope' \(override train\.nope=1\): no field"),
     (["algo.kl_loss_type=k4"], r"rider-grm: error: algo\.kl_loss_type: unknown KL estimator 'k4'; valid names: k1, "),
     (["--resume", "/nope"], r"rider-grm: error: --resume /nope: no complete checkpoint-<step> there$"),
+    (["model.dtype=float8", "model.path=/nope"], r"rider-grm: error: model\.dtype: unknown value 'float8'; "
+     r"valid choices: auto, float32, fp32, bfloat16, bf16, float16, fp16 \(from override model\.dtype=float8\)$"),
 ])
 def test_help_and_config_errors_answer_before_torch_is_imported(argv: list[str], line: str | None) -> None:
     """The command line, the config and the `--resume` path are read before the recipe (and

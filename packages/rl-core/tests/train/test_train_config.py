@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import msgspec
 import pytest
@@ -21,6 +21,7 @@ from rl_core.train.config import (
     load_config,
     parse_cli,
 )
+from rl_core.train.fields import CompileMode, DType, RunFields, TrackerName
 
 
 class OptimConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -140,7 +141,7 @@ def test_later_override_wins_and_quoted_strings() -> None:
     ("optim.lr=abc", r"optim\.lr: expected float, got 'abc' \(from override optim\.lr=abc\)"),
     ("optim.lr=-1", r"optim\.lr: expected float > 0\.0, got -1 \(from override"),
     ("steps=1.5", r"steps: expected int, got 1\.5"),
-    ("estimator=ppo", r"estimator: invalid enum value 'ppo'"),
+    ("estimator=ppo", r"^estimator: unknown value 'ppo'; valid choices: grpo, rloo \(from override estimator=ppo\)$"),
     ("optim.betas=[1, \"x\"]", r"optim\.betas\[1\]: expected float, got str"),
 ])
 def test_type_errors_name_field_and_source(override: str, pattern: str) -> None:
@@ -295,6 +296,46 @@ def test_registry_names_are_checked_when_the_config_loads() -> None:
         load_config(Cfg, None, ["algo.advantage=nope"])
     assert "str (one of: dr_grpo, gae, grpo" in config_help(Cfg)
 
+
+
+class _Choices(msgspec.Struct, kw_only=True, frozen=True):
+    dtype: DType = "bfloat16"
+    combine: list[Literal["add", "mul"]] = []
+    judges: list[JudgeConfig] = []
+
+
+class _WithChoices(msgspec.Struct, kw_only=True, frozen=True):
+    model: _Choices = _Choices()
+    train: RunFields = RunFields()
+
+
+@pytest.mark.parametrize(("where", "pattern"), [
+    ("model.dtype=float8", r"^model\.dtype: unknown value 'float8'; valid choices: auto, float32, fp32, bfloat16, bf16, "
+                           r"float16, fp16 \(from override model\.dtype=float8\)$"),
+    ("model.combine=[add, max]", r"^model\.combine\[1\]: unknown value 'max'; valid choices: add, mul \(from override "),
+    ("train.log_with=[tensorbord]", r"^train\.log_with\[0\]: unknown value 'tensorbord'; valid choices: all, aim, "
+                                    r"tensorboard, wandb, "),
+    ("train.sharding=fsdp", r"^train\.sharding: unknown value 'fsdp'; valid choices: none, fsdp2 \(from override "),
+    ("file", r"^model\.dtype: unknown value 'fp8'; valid choices: auto, float32, .* \(from .*c\.toml\)$"),
+])
+def test_a_value_outside_its_choices_names_the_key_the_value_and_the_choices(tmp_path: Path, where: str,
+                                                                             pattern: str) -> None:
+    """A field with a closed set of strings (a Literal) is refused when the config loads, in one
+    line with the valid choices (msgspec alone says "Invalid enum value")."""
+    path = _write(tmp_path / "c.toml", '[model]\ndtype = "fp8"\n') if where == "file" else None
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(_WithChoices, path, [] if where == "file" else [where])
+    assert load_config(_WithChoices, None, ["model.dtype=fp16", "train.log_with=[wandb]"]).model.dtype == "fp16"
+
+
+def test_the_closed_sets_equal_the_libraries_lists() -> None:
+    """`CompileMode` and `TrackerName` mirror torch's and Accelerate's lists, which a config
+    cannot import before torch; a mode or tracker added upstream fails here until added."""
+    import torch._inductor
+    from accelerate.utils import LoggerType
+
+    assert set(get_args(CompileMode)) == {"auto", *torch._inductor.list_mode_options()}
+    assert set(get_args(TrackerName)) == {t.value for t in LoggerType}
 
 
 class _Rewards(msgspec.Struct, kw_only=True, frozen=True):

@@ -47,7 +47,14 @@ if TYPE_CHECKING:
         parse_cli,
     )
     from rl_core.train.ema import ParameterEMA, TrainableState, trainable_parameters
-    from rl_core.train.fields import DynamicSampling, RolloutWorkerFields, RunFields, ShardingFields
+    from rl_core.train.fields import (
+        CompileMode,
+        DType,
+        DynamicSampling,
+        RolloutWorkerFields,
+        RunFields,
+        ShardingFields,
+    )
     from rl_core.train.groups import GroupAdvantages, component_means, gather_rows, group_advantages
     from rl_core.train.loop import run, train
     from rl_core.train.metric_names import METRIC_NAMES, unknown_metric_names
@@ -122,7 +129,7 @@ _EXPORTS = {
                "RolloutCorrectionName", "UnitInterval", "config_help", "dump_config", "flat_config",
                "load_config", "parse_cli"],
     "ema": ["ParameterEMA", "TrainableState", "trainable_parameters"],
-    "fields": ["DynamicSampling", "RolloutWorkerFields", "RunFields", "ShardingFields"],
+    "fields": ["CompileMode", "DType", "DynamicSampling", "RolloutWorkerFields", "RunFields", "ShardingFields"],
     "groups": ["GroupAdvantages", "component_means", "gather_rows", "group_advantages"],
     "loop": ["run", "train"],
     "metric_names": ["METRIC_NAMES", "unknown_metric_names"],
@@ -155,8 +162,10 @@ __all__ = [
     "AggregationName",
     "Checkpoint",
     "CliArgs",
+    "CompileMode",
     "ConfigError",
     "CopyChannel",
+    "DType",
     "DynamicSampling",
     "FullWeights",
     "GroupAdvantages",

@@ -240,8 +240,8 @@ def _checked(value: Any, tp: Any, dotted: str, source: str) -> Any:
         msgspec.convert(value, tp, strict=False)
     except msgspec.ValidationError as e:
         message, sub = _split_error(e)
-        raise ConfigError(_describe(message, dotted + sub, value if not sub else None,
-                                    source)) from None
+        raise ConfigError(_describe(message, dotted + sub, value if not sub else None, source,
+                                    _type_at(tp, sub))) from None
     return value
 
 
@@ -265,13 +265,42 @@ def _split_error(err: msgspec.ValidationError) -> tuple[str, str]:
     return message[:1].lower() + message[1:], match.group(2) or ""
 
 
-def _describe(message: str, key: str, value: Any, source: str | None) -> str:
-    if isinstance(value, str | int | float | bool):  # the value itself says more than its type
+def _describe(message: str, key: str, value: Any, source: str | None, tp: Any = None) -> str:
+    bad = re.fullmatch(r"invalid enum value (.*)", message)
+    choices = _choices(tp)
+    if bad and choices:  # a Literal field: msgspec names the value, not what it may be
+        message = f"unknown value {bad.group(1)}; valid choices: {', '.join(map(str, choices))}"
+    elif isinstance(value, str | int | float | bool):  # the value itself says more than its type
         message = re.sub(r", got \w+$", "", message) + f", got {value!r}"
     return f"{key}: {message}" + (f" (from {source})" if source else "")
 
 
-def _error_message(err: msgspec.ValidationError, data: dict[str, Any], sources: dict[str, str]) -> str:
+def _choices(tp: Any) -> list[Any]:
+    """The values a `Literal[...]` field (or `Literal[...] | None`) takes; [] for other types."""
+    members = [m for m in _members(tp) if m is not type(None)] if tp is not None else []
+    if not members or any(get_origin(m) is not Literal for m in members):
+        return []
+    return [arg for m in members for arg in get_args(m)]
+
+
+def _type_at(tp: Any, path: str) -> Any:
+    """The type at a msgspec error path (`.reward.judges[0].engine`) inside `tp`; None where the
+    path leaves what this can follow."""
+    for field in re.findall(r"\.([^.[]+)|\[[^]]*\]", path):  # "" for a `[...]` step
+        if field:
+            struct = _struct_of(tp)
+            info = _fields(struct).get(field) if struct is not None else None
+            tp = info.type if info is not None else None
+        else:  # a list item or a dict value
+            items = [m for m in _members(tp) if get_origin(m) in (list, tuple, dict)]
+            tp = get_args(items[0])[-1] if items else None
+        if tp is None:
+            return None
+    return tp
+
+
+def _error_message(cls: type[msgspec.Struct], err: msgspec.ValidationError, data: dict[str, Any],
+                   sources: dict[str, str]) -> str:
     message, path = _split_error(err)
     dotted = re.sub(r"\[[^]]*\]", "", path).lstrip(".")
     value: Any = data
@@ -280,7 +309,7 @@ def _error_message(err: msgspec.ValidationError, data: dict[str, Any], sources: 
     source = next((sources[k] for k in sorted(sources, key=len, reverse=True)
                    if dotted == k or dotted.startswith(k + ".") or k.startswith(dotted + ".")), None)
     return _describe(message, path.lstrip(".") or "config", value if dotted == path.lstrip(".")
-                     else None, source)
+                     else None, source, _type_at(cls, path))
 
 
 def load_config(
@@ -321,7 +350,7 @@ def load_config(
     try:
         config = msgspec.convert(data, cls, strict=False)
     except msgspec.ValidationError as e:
-        raise ConfigError(_error_message(e, data, sources)) from None
+        raise ConfigError(_error_message(cls, e, data, sources)) from None
     _check_finite(msgspec.to_builtins(config), "", sources)
     _check_registry_names(cls, config, "", sources)
     return config

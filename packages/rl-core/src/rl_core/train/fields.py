@@ -14,11 +14,22 @@ import msgspec
 
 from rl_core.train.config import NonNegative, NonNegativeFloat, Positive
 
-__all__ = ["DynamicSampling", "MixedPrecision", "RolloutWorkerFields", "RunFields", "Sharding", "ShardingFields",
-           "run_fields"]
+__all__ = ["CompileMode", "DType", "DynamicSampling", "MixedPrecision", "RolloutWorkerFields", "RunFields", "Sharding",
+           "ShardingFields", "TrackerName", "run_fields"]
 
 Sharding = Literal["none", "fsdp2"]
 MixedPrecision = Literal["none", "bf16"]
+# The closed sets of strings the apps' keys take, as Literals so a typo (`model.dtype=float8`) stops
+# when the config loads, in a line naming the key and the choices, not when the model loads.
+# Each mirrors a list in a torch-side library, and a test keeps them equal: rl-core's test_train_config.py,
+# and caption-rl's test_failure_rules.py for DType (rl-core does not import rl-models).
+DType = Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+"""A model's weights dtype: `rl_models.loading.DTYPES` or `auto` (the checkpoint's own)."""
+CompileMode = Literal["auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "lite"]
+"""A `torch.compile` mode (`torch._inductor.list_mode_options()`), or `auto` (the app chooses)."""
+TrackerName = Literal["all", "aim", "tensorboard", "wandb", "trackio", "comet_ml", "mlflow", "clearml", "dvclive",
+                      "swanlab"]
+"""An Accelerate tracker (`accelerate.utils.LoggerType`)."""
 
 
 class ShardingFields(msgspec.Struct, kw_only=True, frozen=True):
@@ -89,7 +100,7 @@ class RunFields(ShardingFields, kw_only=True, frozen=True):
     seed: NonNegative = 0
     save_freq: Positive = 50  # checkpoint every N steps (and at the last)
     keep_last: Positive = 2  # checkpoints kept
-    log_with: list[str] = msgspec.field(default_factory=list)
+    log_with: list[TrackerName] = msgspec.field(default_factory=list)
     """Experiment trackers through Accelerate (tensorboard, wandb, mlflow, trackio, ...), logging
     into the run directory; the same scalars as metrics.csv."""
     dynamic_sampling: DynamicSampling = DynamicSampling()

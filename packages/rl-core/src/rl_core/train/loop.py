@@ -131,7 +131,7 @@ def _accelerator(sharding: Any, cpu_offload: bool) -> Any:
     return Accelerator(cpu=not torch.cuda.is_available(), **accelerator_kwargs(sharding=sharding, cpu_offload=cpu_offload))
 
 
-def _trackers(acc: Any, names: list[str], run_dir: Path, project: str, cfg: Any) -> None:
+def _trackers(acc: Any, names: Sequence[str], run_dir: Path, project: str, cfg: Any) -> None:
     """Accelerate's trackers logging into the run directory; one not installed is an error."""
     if not names:
         return
