@@ -224,14 +224,23 @@ DEFAULT_MARGIN = 0.2
 def test_the_embedded_default_learns_within_its_run(app, tmp_path, monkeypatch, capsys):
     """`uv run apps/caption-rl` as a user runs it, its evals off (measured: the same training
     rewards with them; the old learning test's CI time): the train reward rises over its 6 steps,
-    and the closing summary quotes the first and the last step."""
+    and the closing summary quotes the first and the last step and counts the captions that
+    sampled a vision placeholder apart from failed rewards."""
     monkeypatch.chdir(REPO)  # the default's data paths are relative to the root of the clone
     run = app.main([f"train.output_dir={tmp_path}", "train.eval_freq=0"])
     rewards = [float(r["reward/mean"]) for r in rows(run)]
     assert len(rewards) == 6, rewards
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last - first > DEFAULT_MARGIN, rewards
-    assert re.search(r"train reward +first [0-9.]+ \(step 1\) +last [0-9.]+ \(step 6\)", capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert re.search(r"train reward +first [0-9.]+ \(step 1\) +last [0-9.]+ \(step 6\)", out)
+    # captions that sampled a vision placeholder get no reward (NaN, in reward/failed) but are not
+    # failed rewards: the summary counts them apart (the random policy samples some)
+    placeholders = sum(float(r["response/placeholder_rows"]) for r in rows(run))
+    failed = sum(float(r["reward/failed"]) for r in rows(run)) - placeholders
+    assert placeholders > 0
+    assert re.search(rf"^  placeholder captions +{placeholders:g}$", out, re.M), out
+    assert re.search(rf"^  failed rewards +{failed:g}$", out, re.M), out
 
 
 def test_training_against_a_real_reward_server_that_dies_mid_run(app, tmp_path, reward_server):

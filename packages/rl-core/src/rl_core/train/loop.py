@@ -207,7 +207,8 @@ class _Record:
     steps: int = 0
     trained: int = 0
     samples: float = 0.0
-    failed: float = 0.0
+    failed: float = 0.0  # rewards that failed (NaN), placeholder captions not included
+    placeholders: float | None = None  # captions that sampled a vision placeholder (apps that log them)
     reasons: list[str] = field(default_factory=list)
     rewards: list[tuple[int, float]] = field(default_factory=list)
     evals: list[tuple[int, float]] = field(default_factory=list)
@@ -219,7 +220,13 @@ class _Record:
             self.trained += not metrics["skipped"]
             if metrics["skipped"]:
                 self.reasons.append(f"step {step}: {metrics.get('error', '')}")
-        self.failed += float(metrics.get("reward/failed", 0.0))
+        # a caption that sampled a vision placeholder gets a NaN reward, counted in reward/failed,
+        # but it is the policy's sample, not the reward, that failed: the summary names it apart
+        failed, placeholders = float(metrics.get("reward/failed", 0.0)), metrics.get("response/placeholder_rows")
+        if placeholders is not None:
+            self.placeholders = (self.placeholders or 0.0) + float(placeholders)
+            failed = max(failed - float(placeholders), 0.0)  # dynamic sampling: round 1's count, not the kept rows'
+        self.failed += failed
         if "rollout/staleness" in metrics:
             age = int(metrics["rollout/staleness"])
             self.staleness[age] = self.staleness.get(age, 0) + 1
@@ -267,7 +274,7 @@ class _Loop(Generic[C, S, B]):
         outputs = dict(self.recipe.finish(self.state))
         end_training(acc)  # every process waits for the main one's exports
         if self.record.steps and not self.record.trained:
-            raise UserError(f"{self.recipe.name}: no step trained; every step was skipped ("
+            raise UserError("no step trained; every step was skipped ("  # `run_app` prefixes the app's name
                             + "; ".join(self.record.reasons[:3]) + ")")
         self._summary(outputs)
         return self.run.run_dir
@@ -445,6 +452,8 @@ class _Loop(Generic[C, S, B]):
                 lines.append(f"  {label:<16}first {points[0][1]:.4g} (step {points[0][0]})  last {points[-1][1]:.4g} "
                              f"(step {points[-1][0]})  best {best[1]:.4g} (step {best[0]})")
         lines.append(f"  {'failed rewards':<16}{r.failed:g}")
+        if r.placeholders is not None:
+            lines.append(f"  placeholder captions {r.placeholders:g}")
         if r.staleness:
             lines.append(f"  {'staleness':<16}" + ", ".join(f"{age}: {count} step{'s' * (count != 1)}"
                                                                for age, count in sorted(r.staleness.items())))
