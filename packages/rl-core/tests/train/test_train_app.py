@@ -81,8 +81,10 @@ def test_help_and_config_errors_import_no_torch(tmp_path: Path, argv: list[str],
 
 
 def test_parse_run_returns_the_config_and_the_resume_value(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    cfg, resume = parse_run("toy", _Config, None, None, ["algo.loss=gspo", f"train.output_dir={tmp_path}", "--resume"])
-    assert (cfg.algo.loss, cfg.train.output_dir, resume) == ("gspo", str(tmp_path), "latest")  # nothing yet: fresh
+    with pytest.raises(UserError, match="--resume: nothing to resume"):  # refused now, not after torch loads
+        parse_run("toy", _Config, None, None, ["algo.loss=gspo", f"train.output_dir={tmp_path}", "--resume"])
+    cfg, resume = parse_run("toy", _Config, None, None, ["algo.loss=gspo", f"train.output_dir={tmp_path}"])
+    assert (cfg.algo.loss, cfg.train.output_dir, resume) == ("gspo", str(tmp_path), None)
     default = tmp_path / "default.toml"
     default.write_text('[algo]\nloss = "cispo"\n')
     assert parse_run("toy", _Config, default, None, [])[0].algo.loss == "cispo"  # no --config: the default file
@@ -93,6 +95,7 @@ def test_parse_run_returns_the_config_and_the_resume_value(tmp_path: Path, capsy
     with pytest.raises(UserError, match=r"--resume continues run 'a', but train\.run_name='b' names another run"):
         parse_run("toy", _Config, None, None, [f"train.output_dir={tmp_path}", "train.run_name=b", "--resume",
                                                str(tmp_path / "a")])
+    assert parse_run("toy", _Config, None, None, [f"train.output_dir={tmp_path}", "--resume"])[1] == "latest"
 
 
 def _typed_imports(package: ModuleType) -> dict[str, str]:
