@@ -47,6 +47,7 @@ if TYPE_CHECKING:
         parse_cli,
     )
     from rl_core.train.ema import ParameterEMA, TrainableState, trainable_parameters
+    from rl_core.train.entry import AppEntry
     from rl_core.train.fields import (
         CompileMode,
         DType,
@@ -128,6 +129,7 @@ _EXPORTS = {
                "NonNegativeFloat", "PolicyLossName", "Positive", "PositiveFloat", "RewardAggregationName",
                "RolloutCorrectionName", "UnitInterval", "config_help", "dump_config", "flat_config",
                "load_config", "parse_cli"],
+    "entry": ["AppEntry"],
     "ema": ["ParameterEMA", "TrainableState", "trainable_parameters"],
     "fields": ["CompileMode", "DType", "DynamicSampling", "RolloutWorkerFields", "RunFields", "ShardingFields"],
     "groups": ["GroupAdvantages", "component_means", "gather_rows", "group_advantages"],
@@ -160,6 +162,7 @@ __all__ = [
     "SHARDINGS",
     "AdvantageName",
     "AggregationName",
+    "AppEntry",
     "Checkpoint",
     "CliArgs",
     "CompileMode",
