@@ -1,10 +1,13 @@
-"""A scorer that reports where and how it was called, served by name through the server's
-`[scorers]` table (`test_server_ray_serve.py` puts this folder on the server's PYTHONPATH, which
-its Ray replicas inherit). Not a test double of our code: a user scorer, as any `[scorers]` entry."""
+"""Scorers that report where and how they were called, served by name through the server's
+`[scorers]` table (`test_server_ray_serve.py` and `test_server_local_ray.py` put this folder on
+the server's PYTHONPATH, which its Ray replicas inherit). Not test doubles of our code: user
+scorers, as any `[scorers]` entry."""
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 
@@ -28,3 +31,20 @@ class CallProbe:
             f.write(f"{os.getpid()} {len(samples)} {time.monotonic():.6f}\n")
         time.sleep(self.delay_s)
         return [ScoreResult(score=float(len(samples))) for _ in samples]
+
+
+class ProcessProbe:
+    """Each call appends one JSON line to the file `log`: the scoring process's `pid`,
+    `executable` and `prefix` (its interpreter and environment, `sys.executable` and
+    `sys.prefix`) and `cwd`, to compare with the server's. Each sample scores 1."""
+
+    name = "process_probe"
+
+    def __init__(self, *, log: str) -> None:
+        self.log = log
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        where = {"pid": os.getpid(), "executable": sys.executable, "prefix": sys.prefix, "cwd": os.getcwd()}
+        with open(self.log, "a") as f:
+            f.write(json.dumps(where) + "\n")
+        return [ScoreResult(score=1.0) for _ in samples]

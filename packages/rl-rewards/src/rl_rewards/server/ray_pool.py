@@ -2,7 +2,8 @@
 processes — least-loaded routing, the same chunk deadline, a lost or stuck actor's chunks retried
 on another, the actor replaced (no heartbeat: a busy actor could not answer one).
 
-Connects to `RAY_ADDRESS` / `--ray-address` when set, else starts a local Ray instance. Each
+Connects to `RAY_ADDRESS` / `--ray-address` when set, else starts a local Ray instance on the
+loopback; either way the actors run the server's interpreter, also under `uv run` (`ray_driver`). Each
 actor asks Ray for `num_gpus = len(its CUDA group)` when `CUDA_VISIBLE_DEVICES` is split into
 groups, so Ray places judges on GPU nodes; CPU workers ask for one CPU.
 """
@@ -21,6 +22,8 @@ from rl_rewards.server.workers import Router, WorkerLost
 try:
     import ray
     from ray.exceptions import RayActorError
+
+    from rl_rewards.server.ray_driver import init_ray
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError('--ray needs Ray: pip install "rl-rewards[ray]"; in a clone of the repository: uv sync --all-packages --extra ray') from e
 
@@ -119,7 +122,7 @@ class RayRouter(Router):
 
     async def start(self) -> None:
         if not ray.is_initialized():
-            await asyncio.to_thread(ray.init, address=self._address, log_to_driver=False)
+            await asyncio.to_thread(init_ray, self._address, log_to_driver=False)
         await super().start()
 
     def actors(self) -> list[Any]:

@@ -19,10 +19,14 @@ One deployment per served reward (`reward_names`), named after it, and an ingres
 Ray Serve's HTTP proxy takes the connections (`host`/`port`; one per cluster, on the head node),
 so uvicorn's guards of the `uvicorn` backend (`serving.py`: read deadlines, the connection cap,
 the drain) are Ray Serve's own here; a replica that stops running is found by Ray Serve's health
-check (every `heartbeat_interval()`; `HEALTH_CHECKS_MISSED` in a row, about `heartbeat_timeout_s`)
-and replaced; the calls it held are sent again after `chunk_deadline_s`, to another replica (the
-ingress's router probes the replicas' queues before each call, and a hung one answers no probe:
-`INGRESS_ENV`).
+check (every `heartbeat_interval()`; `HEALTH_CHECKS_MISSED` in a row, about `heartbeat_timeout_s`),
+killed at once (`CONTROLLER_ENV`) and replaced; the calls it held then fail and are sent again to
+another replica, seconds after it stopped (or after `chunk_deadline_s`, when that is shorter). New
+calls pass it over from its first missed probe (the ingress's router probes the replicas' queues
+before each call: `INGRESS_ENV`).
+
+Started without `ray_address`, the server's Ray is a local one on the loopback, and its workers
+run this interpreter, also under `uv run` (`ray_driver`).
 
 From Python: `serve.run(serve_application(settings), name=APP_NAME, route_prefix="/")` on a
 connected Ray; `rl-rewards serve --backend ray-serve` is `run_ray_serve`.
@@ -63,6 +67,8 @@ try:
     from ray.exceptions import RayError
     from ray.serve.exceptions import RayServeException
     from ray.serve.handle import DeploymentHandle
+
+    from rl_rewards.server.ray_driver import init_ray
 except ImportError as e:  # without the extra
     raise ImportError(
         '--backend ray-serve needs Ray Serve: pip install "rl-rewards[ray-serve]"; in a clone of the repository: '
@@ -84,6 +90,14 @@ HEALTH_CHECKS_MISSED = 3
 """Ray Serve replaces a replica after this many failed health checks in a row (its
 `REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD`): each check gets a third of `heartbeat_timeout_s`, so a
 replica that stops running is replaced about `heartbeat_timeout_s` after, as a worker process is."""
+CONTROLLER_ENV = {"RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1"}
+"""Ray Serve's controller kills a replica that failed its health checks, instead of stopping it
+gracefully: a graceful stop waits `graceful_shutdown_timeout_s` (`shutdown_timeout_s`, 30 s) for
+the replica to finish its open calls, and a hung one (SIGSTOP, a wedged driver) never does, so
+the calls it held waited those 30 s too (a SIGSTOPped replica delayed requests by up to 35.8 s).
+Killed, its calls fail at once and are sent again to another replica. Set for the controller
+`serve.start` starts (`controller_options`); a Ray Serve already running on a cluster keeps its own
+controller's settings."""
 STOP_POLL_S = 0.2
 """A stopping replica looks for open requests this often (Ray Serve's default, 2 s, kept an idle
 replica, and so `serve.delete` at shutdown, waiting 2 s)."""
@@ -116,7 +130,9 @@ HIGH_THROUGHPUT = "RL_REWARDS_RAY_SERVE_HIGH_THROUGHPUT"
 """Set to 1 for `serve --backend ray-serve` to start its local Ray in the high-throughput mode
 (`throughput_env`). Opt-in: in a CI run the HAProxy process of a stopped server outlived it
 (Ray's shutdown left it running) and kept the port, so the next server on that port failed;
-`stop_haproxy` now stops such a one after the local Ray's shutdown."""
+`stop_haproxy` now stops such a one after the local Ray's shutdown. In that mode Ray Serve binds
+the ingress replicas' own HTTP ports on every interface, for HAProxy on other nodes (no setting
+changes it): the local Ray is then not on the loopback only."""
 
 
 def throughput_env() -> dict[str, str]:
@@ -185,6 +201,25 @@ def _signal(pid: int, sig: int) -> bool:
 # ----------------------------------------------------------------------------- reward replicas
 
 
+def bind_grpc_to_node_ip() -> None:
+    """Make this replica start its inter-deployment gRPC server on its node's address, not on
+    every interface. Ray Serve (2.60) binds that server to "[::]:0" in every replica, with no
+    setting to change it (ray-project/ray#64544), while its routers reach it at the replica's
+    node IP only (`ReplicaInfo.node_ip`): on the server's local Ray that is the loopback
+    (`ray_driver`), where the rest of the node listens. Called in the replica's constructor, which
+    Ray Serve runs before it starts that server."""
+    from ray.serve._private import replica  # the module whose `_on_initialized` binds it
+
+    ip = ray.util.get_node_ip_address()
+    node = f"[{ip}]:0" if ":" in ip else f"{ip}:0"
+    bind = replica.add_port_to_grpc_server
+
+    def on_node_ip(server: Any, address: str) -> int:
+        return bind(server, node if address == "[::]:0" else address)
+
+    replica.add_port_to_grpc_server = on_node_ip
+
+
 class Piece(NamedTuple):
     """Samples of one request sent in one call to a reward's deployment (msgpack `list[Sample]`):
     at most one batch of them (`split`)."""
@@ -244,6 +279,7 @@ class RewardReplica:
     collected once the scorer is free, and takes every call that waited meanwhile."""
 
     def __init__(self, settings_json: bytes, reward: str) -> None:
+        bind_grpc_to_node_ip()
         settings = from_json(settings_json)
         self._reward = reward
         self._scorer = build_named(settings, reward)
@@ -465,6 +501,7 @@ class RewardIngress:
     its service calling the reward deployments through their handles."""
 
     def __init__(self, settings_json: bytes, handles: dict[str, DeploymentHandle]) -> None:
+        bind_grpc_to_node_ip()
         self._settings = from_json(settings_json)
         self._handles = handles
 
@@ -542,7 +579,8 @@ def serve_application(settings: ServerSettings) -> Any:
 
 
 def run_ray_serve(settings: ServerSettings) -> None:
-    """`rl-rewards serve --backend ray-serve`: connect to `ray_address` (or start a local Ray),
+    """`rl-rewards serve --backend ray-serve`: connect to `ray_address` (or start a local Ray on
+    the loopback: `init_ray`),
     start Ray Serve's HTTP proxy on `host`:`port`, run the application, and serve until
     SIGINT/SIGTERM; then delete the application (Ray Serve lets open requests finish, up to
     `shutdown_timeout_s`), stop a local Ray, exit 0. A reward that cannot be built exits 1."""
@@ -551,12 +589,13 @@ def run_ray_serve(settings: ServerSettings) -> None:
     if local and os.environ.get(HIGH_THROUGHPUT, "0") == "1":
         for key, value in throughput_env().items():  # a value already set stays
             os.environ.setdefault(key, value)
-    ray.init(address=settings.ray_address, **init)
+    init_ray(settings.ray_address, **init)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     error: str | None = None
     try:
-        serve.start(http_options={"host": settings.host, "port": settings.port}, proxy_location="HeadOnly")
+        serve.start(http_options={"host": settings.host, "port": settings.port}, proxy_location="HeadOnly",
+                    controller_options={"runtime_env": {"env_vars": CONTROLLER_ENV}})
         error = _deploy(settings, stop)
         if error is None and not stop.is_set():
             log.info("listening on http://%s:%d (Ray Serve application %r on %s)", settings.host, settings.port,

@@ -21,7 +21,7 @@ The environment variables are those of the CapRL++ launch script, so its users k
 | `CUDA_VISIBLE_DEVICES` | `cuda_visible_devices` | split into one contiguous group per worker |
 | `REWARD_API_KEY` | `api_key` | bearer token required on scoring routes |
 | `REWARD_HTTP_PROCESSES` | `http_processes` | server processes sharing the port (rule rewards; ours, not CapRL's) |
-| `RAY_ADDRESS` | `ray_address` | Ray cluster for `--ray` and `--backend ray-serve` (unset: a local one) |
+| `RAY_ADDRESS` | `ray_address` | Ray cluster for `--ray` and `--backend ray-serve` (unset: a Ray of the server's own, on 127.0.0.1) |
 """
 
 from __future__ import annotations
@@ -153,7 +153,8 @@ class PoolSettings(msgspec.Struct, kw_only=True, frozen=True):
     worker silent for `heartbeat_timeout_s` is treated as one that missed its deadline. Raise
     it only for scorers that hold Python's GIL for longer (a C extension that does not release
     it). Ray actors are not pinged (Ray runs an actor's calls one at a time): the deadline covers
-    them."""
+    them. Ray Serve replicas (`backend = "ray-serve"`) get Ray Serve's health check as often, and
+    one silent for about `heartbeat_timeout_s` is killed and its calls sent to another replica."""
 
     request_timeout_s: float = 180.0
     chunk_deadline_s: float | None = None
@@ -257,6 +258,10 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True):
     cuda_visible_devices: str | None = None
     ray: bool = False
     ray_address: str | None = None
+    """The Ray cluster `--ray` and `--backend ray-serve` run on, as `ray start --head` prints it
+    (`HEAD_IP:6379`); its nodes run the workers with the Python they were started with, so
+    rl-rewards and your `[scorers]` must be installed there. None: a Ray of the server's own on
+    this machine, listening on 127.0.0.1 only, its workers this interpreter (`ray_driver`)."""
     media_roots: list[str] = []
     rewards: dict[str, dict[str, Any]] = {}
     """`[rewards.NAME]` tables: a `RewardSpec` each, plus the serving keys of `SERVING_KEYS`
