@@ -52,9 +52,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     prefill, replay and update, with the same results."""
     compile_layers: Literal["auto", "on", "off"] = "auto"
     """`torch.compile` each text decoder layer (`rl_models.compile_decoder_layers`): fuses the
-    elementwise kernels (RMSNorm, rotary, SwiGLU) that dominate a short-row update's GPU time
-    (H100, Qwen3-VL-2B shape: 28% faster forward + backward per 16 captions, same memory).
-    `auto`: on with CUDA only (on a CPU the compile costs more than it saves)."""
+    elementwise kernels (RMSNorm, rotary, SwiGLU) that dominate a short-row update's GPU time,
+    at the same memory. `auto`: on with CUDA only (on a CPU the compile costs more than it saves)."""
 
 
 class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -102,13 +101,12 @@ class RolloutConfig(RolloutWorkerFields, kw_only=True, frozen=True):
     the KV cache be freed during the update; `reduce-overhead` (CUDA graphs) pins the cache's
     addresses, so keep it allocated (`release_cache = false`): faster decode, more memory. auto:
     `default`, and `reduce-overhead` with train.max_staleness >= 1 (the rollout engine keeps its
-    cache then; fewer launches leave the trainer's thread more of the interpreter: on 2 GPUs,
-    split, 1.38x synchronous DDP against 1.11x with `default`)."""
+    cache then; fewer launches leave the trainer's thread more of the interpreter)."""
     release_cache: bool = True  # hf: free the KV cache before the update (memory for training)
     offload_optimizer: Literal["auto", "always", "never"] = "auto"
     """Move the optimizer state (Adam moments: 2x the trained weights) to pinned host memory while
-    the policy decodes, making room for the KV cache (`rl_core.train.OptimizerOffload`; ~0.2 s per
-    direction for 8 GiB on an H100). auto: on CUDA with the hf engine."""
+    the policy decodes, making room for the KV cache (`rl_core.train.OptimizerOffload`, copies at
+    full PCIe bandwidth). auto: on CUDA with the hf engine."""
 
 
 class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -119,9 +117,8 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     host: str | None = None
     judge: str = "Qwen/Qwen3-4B-Instruct-2507"  # in-process QA judge (text LLM)
     judge_engine: Literal["auto", "hf", "vllm"] = "auto"
-    """The in-process judge's engine. vllm: exact QA measured 1.79x CapRL++'s setup (vLLM alone
-    at its defaults) against 1.43x on hf (H200, 2026-11-27; rl-rollout's README, "hf or vLLM?");
-    a vLLM engine in a process of its own, asleep outside the reward phase, `judge_gpu_memory_utilization` of the GPU while it scores;
+    """The in-process judge's engine. vllm: the faster judge on a GPU (rl-rollout's README, "hf
+    or vLLM?"); a vLLM engine in a process of its own, asleep outside the reward phase, `judge_gpu_memory_utilization` of the GPU while it scores;
     one training process only (a second would start its judge on GPU 0 too). hf: on the
     trainer's GPU (or the CPU), always loaded. auto: vllm on a CUDA machine where vLLM imports
     and the run has one process, else hf; the pick and why are printed at start."""

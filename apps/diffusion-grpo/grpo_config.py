@@ -50,12 +50,10 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     lora_targets: list[str] | None = None  # None: rl_models' default (sd3: attention; janus: LM projections)
     compile: bool | None = None
     """sd3: compile the transformer's blocks (torch.compile, one graph a block) for the rollout and
-    the replay, in the trainer and the Ray workers: 1.78x the eager rollout's images/s on an H100
-    at SD3.5-M shape (9.0 against 5.1), after ~30-70 s of compiling in the first epoch. None (the
-    default): on where that pays, model.family='sd3' on CUDA with train.sharding='none'; off on
+    the replay, in the trainer and the Ray workers: faster rollouts on a GPU after a compile of
+    the first epoch (benchmarks/RESULTS.md). None (the default): on where that pays, model.family='sd3' on CUDA with train.sharding='none'; off on
     the CPU, where compiling costs more than a short run gains. Set false for a quick GPU check.
-    The first replay's |log ratio| is then ~4e-4 in bf16, inside the automatic
-    train.ratio_tolerance. Not with train.sharding='fsdp2'."""
+    The first replay's |log ratio| then stays inside the automatic train.ratio_tolerance. Not with train.sharding='fsdp2'."""
 
 
 class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -176,8 +174,7 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     repeats the rollout's kernels on the same batches (eager blocks, micro_batch_size =
     rollout.sample_batch_size, zero_adv='drop', Janus log-probs rescored); otherwise (compiled blocks,
     other micro-batches, zero_adv='flow_grpo' shuffling, Janus decode log-probs) 1e-4 in float32 and
-    5e-2 in bf16, where a kernel's rounding shows (a compiled bf16 rollout against its replay:
-    ~4e-4, H100). A number is used as given. With train.max_staleness >= 1 only the first epoch is
+    5e-2 in bf16, where a kernel's rounding shows. A number is used as given. With train.max_staleness >= 1 only the first epoch is
     checked (later ones are sampled by older weights)."""
     seed: NonNegative = 42
     save_freq: Positive = 60  # epochs between checkpoints (and at the end)
