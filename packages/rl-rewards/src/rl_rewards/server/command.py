@@ -102,7 +102,7 @@ def serve_command(
     workers: Annotated[int | None, typer.Option(help="Worker processes; 0 scores in the server process (env REWARD_NUM_WORKERS).")] = None,
     http_processes: Annotated[int | None, typer.Option(help="Server processes sharing the port, for rule rewards on several cores (env REWARD_HTTP_PROCESSES; not with a judge).")] = None,
     ray: Annotated[bool | None, typer.Option("--ray/--no-ray", help="Run workers as Ray actors (rl-rewards[ray]).")] = None,
-    ray_address: Annotated[str | None, typer.Option(help="Ray cluster address for --ray and --backend ray-serve (env RAY_ADDRESS; unset: a local Ray).")] = None,
+    ray_address: Annotated[str | None, typer.Option(help="Ray cluster address for --ray and --backend ray-serve (env RAY_ADDRESS; unset: a Ray of the server's own, on 127.0.0.1 only).")] = None,
     backend: Annotated[str | None, typer.Option(help=(
         "uvicorn (default) | ray-serve: each reward a Ray Serve deployment with replicas, batching in the replicas "
         "([ray_serve] in --config; pip install \"rl-rewards[ray-serve]\").")
