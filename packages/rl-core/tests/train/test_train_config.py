@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import Annotated, Literal, get_args
+from typing import Annotated, ClassVar, Literal, get_args
 
 import msgspec
 import pytest
@@ -14,6 +14,7 @@ import pytest
 from rl_core.train import RewardAggregationName  # exported from the package, as the apps import it
 from rl_core.train.config import (
     AdvantageName,
+    AppConfig,
     CliArgs,
     ConfigError,
     config_help,
@@ -225,6 +226,53 @@ def test_config_help_lists_every_key_with_type_default_doc_env() -> None:
     assert "'grpo' | 'rloo' = \"grpo\"" in lines["estimator"]
     assert "int | None = 0" in lines["seed"]
     assert "list[float] = [0.9, 0.999]" in lines["optim.betas"]
+
+
+class RenamedConfig(AppConfig, kw_only=True, frozen=True):
+    """`Config` after a release that renamed three keys, one of them out of a table that is gone."""
+
+    RENAMED: ClassVar[dict[str, str]] = {"optim.learning_rate": "optim.lr", "policy.n": "steps",
+                                         "max_grad_norm": "optim.warmup"}
+    steps: int = 100
+    optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
+
+
+@pytest.mark.parametrize("where", ["file", "yaml", "table gone", "override", "env"])
+def test_a_renamed_key_is_refused_in_one_line_naming_the_new_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 where: str) -> None:
+    monkeypatch.setenv("TEST_RL_LR", "0.5")
+    calls = {
+        "file": lambda: load_config(RenamedConfig, _write(tmp_path / "c.toml", "[optim]\nlearning_rate = 0.5\n")),
+        "yaml": lambda: load_config(RenamedConfig, _write(tmp_path / "c.yaml", "optim:\n  learning_rate: 0.5\n")),
+        "table gone": lambda: load_config(RenamedConfig, _write(tmp_path / "p.toml", "steps = 3\n[policy]\nn = 4\n")),
+        "override": lambda: load_config(RenamedConfig, overrides=["steps=3", "optim.learning_rate=0.5"]),
+        "env": lambda: load_config(RenamedConfig, env={"TEST_RL_LR": "optim.learning_rate"}),
+    }
+    with pytest.raises(ConfigError) as refused:
+        calls[where]()
+    old, new = ("policy.n", "steps") if where == "table gone" else ("optim.learning_rate", "optim.lr")
+    assert str(refused.value) == f"{old} was renamed: use {new}"
+
+
+def test_the_new_keys_load_and_help_lists_the_renames(tmp_path: Path) -> None:
+    cfg = load_config(RenamedConfig, _write(tmp_path / "c.toml", "[optim]\nlr = 0.5\n"), ["optim.warmup=2"])
+    assert (cfg.optim.lr, cfg.optim.warmup) == (0.5, 2)
+    with pytest.raises(ConfigError, match=r"^max_grad_norm was renamed: use optim\.warmup$"):
+        load_config(RenamedConfig, overrides=["max_grad_norm=1"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'policy\.x'"):  # a gone table's other keys are unknown
+        load_config(RenamedConfig, _write(tmp_path / "p.toml", "[policy]\nx = 4\n"))
+    text = config_help(RenamedConfig)
+    assert text.endswith("renamed keys (the old name is refused):\n  optim.learning_rate  -> optim.lr\n"
+                         "  policy.n             -> steps\n  max_grad_norm        -> optim.warmup\n")
+
+
+@pytest.mark.parametrize("renamed", [{"steps": "optim.lr"}, {"optim.learning_rate": "optim.lrr"}])
+def test_a_rename_table_that_keeps_the_old_key_or_names_no_key_is_a_bug(renamed: dict[str, str]) -> None:
+    class Broken(RenamedConfig, kw_only=True, frozen=True):
+        RENAMED: ClassVar[dict[str, str]] = renamed
+
+    with pytest.raises(TypeError, match=r"Broken\.RENAMED maps"):
+        load_config(Broken)
 
 
 @pytest.mark.parametrize(("argv", "expected"), [

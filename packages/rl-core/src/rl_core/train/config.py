@@ -13,6 +13,10 @@ variables and dotted `key=value` command-line overrides, in that order of preced
         sys.exit(print(config_help(Config, env={"ACTOR_LR": "train.lr"}, prog="my-app")))
     cfg = load_config(Config, cli.config, cli.overrides, env={"ACTOR_LR": "train.lr"})
 
+An app's top-level Struct subclasses `AppConfig` and lists the keys it has renamed in `RENAMED`
+(old dotted key -> new dotted key): an old key, from a file, an env mapping or an override, is
+refused in one line naming the new one (`algo.kl_loss_coef was renamed: use algo.kl_coef`).
+
 Configs stop at the app edge (torchtune's builders): library code takes flat keyword arguments.
 Every error names the dotted field and where its value came from (file, env var, CLI).
 """
@@ -33,7 +37,7 @@ import tomllib
 import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
 
 import msgspec
 import yaml
@@ -43,7 +47,7 @@ from rl_core.errors import UserError
 from rl_core.names import RegistryRef
 from rl_core.registry import Registry
 
-__all__ = ["AdvantageName", "AggregationName", "CliArgs", "ConfigError", "KLName", "NonNegative", "NonNegativeFloat",
+__all__ = ["AdvantageName", "AggregationName", "AppConfig", "CliArgs", "ConfigError", "KLName", "NonNegative", "NonNegativeFloat",
            "PolicyLossName", "Positive", "PositiveFloat", "RewardAggregationName", "RolloutCorrectionName", "UnitInterval", "config_help",
            "dump_config", "flat_config", "load_config", "parse_cli"]
 
@@ -72,6 +76,18 @@ _NULLS = frozenset({"null", "none", "None"})
 
 class ConfigError(UserError, ValueError):
     """A config value or key is wrong; the message names the dotted key and its source."""
+
+
+class AppConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """An app's top-level config (its tables are the fields of a subclass). `RENAMED` maps each
+    dotted key the app has renamed to its new key (`{"algo.kl_loss_coef": "algo.kl_coef"}`):
+    `load_config` refuses the old key, from a file, an env mapping or an override, with one line
+    `algo.kl_loss_coef was renamed: use algo.kl_coef`, so one idea keeps one name in every app
+    and an old launch line stops at once instead of failing as an unknown key. An old key that
+    named a table (`[policy]`) is refused for the keys under it. Presets that translate another
+    system's names (verl, CapRL++'s variables) map them to the new keys."""
+
+    RENAMED: ClassVar[Mapping[str, str]] = {}
 
 
 # ---------------------------------------------------------------- type helpers
@@ -196,15 +212,42 @@ def _read_file(path: Path) -> dict[str, Any]:
     return data
 
 
+def _renames(cls: type[msgspec.Struct]) -> Mapping[str, str]:
+    """`cls.RENAMED` for an `AppConfig` ({} for any other Struct): each old key is gone from
+    `cls` and each new key is one of its keys, else the app's table is wrong (a TypeError)."""
+    renamed = cls.RENAMED if issubclass(cls, AppConfig) else {}
+    known = set(_all_keys(cls)) if renamed else set()
+    for old, new in renamed.items():
+        if old in known or new not in known:
+            raise TypeError(f"{cls.__name__}.RENAMED maps {old!r} to {new!r}: the old key must be gone from "
+                            f"{cls.__name__} and the new one must be one of its keys")
+    return renamed
+
+
+def _refuse_renamed(dotted: str, renamed: Mapping[str, str]) -> None:
+    if dotted in renamed:
+        raise ConfigError(f"{dotted} was renamed: use {renamed[dotted]}")
+
+
+def _old_table(cls: type[msgspec.Struct], dotted: str, renamed: Mapping[str, str]) -> bool:
+    """Whether `dotted` is a table that is gone but held renamed keys (`policy` of `policy.n`)."""
+    return any(old.startswith(dotted + ".") for old in renamed) and dotted not in _all_keys(cls)
+
+
 def _flatten(data: Mapping[str, Any], cls: type[msgspec.Struct], source: str,
-             prefix: str = "") -> dict[str, Any]:
-    """Nested file data -> {dotted key: value}, descending only into Struct-typed fields."""
+             renamed: Mapping[str, str], prefix: str = "") -> dict[str, Any]:
+    """Nested file data -> {dotted key: value}, descending only into Struct-typed fields (and
+    into a renamed table, whose keys are then refused with their new names)."""
     flat = {}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
+        _refuse_renamed(dotted, renamed)
+        if isinstance(value, dict) and _old_table(cls, dotted, renamed):
+            flat.update(_flatten(value, cls, source, renamed, dotted + "."))
+            continue
         tp = _field_type(cls, dotted, source)  # raises on an unknown key
         if isinstance(value, dict) and _struct_of(tp) is not None:
-            flat.update(_flatten(value, cls, source, dotted + "."))
+            flat.update(_flatten(value, cls, source, renamed, dotted + "."))
         else:
             flat[dotted] = value
     return flat
@@ -323,17 +366,20 @@ def load_config(
     `overrides` are `dotted.key=value` strings (see `_parse_value` for the value syntax).
     `env` maps an environment variable to a dotted key (`{"ACTOR_LR": "train.lr"}`); a variable
     that is set supplies that key's value. Unknown keys raise `ConfigError` listing close matches;
-    type errors name the dotted field and where the value came from. Values are converted with
+    a key `cls.RENAMED` lists (an `AppConfig`) raises `ConfigError` naming its new key; type
+    errors name the dotted field and where the value came from. Values are converted with
     msgspec in lax mode, so YAML's `1e-5` (a string in YAML 1.1) still fills a float field.
     """
+    renamed = _renames(cls)
     data: dict[str, Any] = {}
     sources: dict[str, str] = {}
     if path is not None:
         file = Path(path)
-        for dotted, value in _flatten(_read_file(file), cls, str(file)).items():
+        for dotted, value in _flatten(_read_file(file), cls, str(file), renamed).items():
             _set(data, dotted, value)
             sources[dotted] = str(file)
     for var, dotted in (env or {}).items():
+        _refuse_renamed(dotted, renamed)
         tp = _field_type(cls, dotted, f"env mapping {var}")
         if var in os.environ:
             source = f"env {var}={os.environ[var]}"
@@ -344,6 +390,7 @@ def load_config(
         if not sep or not dotted.strip():
             raise ConfigError(f"override {item!r} must look like dotted.key=value")
         dotted, source = dotted.strip(), f"override {item}"
+        _refuse_renamed(dotted, renamed)
         tp = _field_type(cls, dotted, source)
         _set(data, dotted, _checked(_parse_value(raw, tp), tp, dotted, source))
         sources[dotted] = source
@@ -521,7 +568,7 @@ def config_help(cls: type[msgspec.Struct], *, env: Mapping[str, str] | None = No
     Docs come from `msgspec.Meta(description=...)`, else the field's attribute docstring,
     else its trailing `# comment`. `defaults` (an instance, e.g. the app's embedded default
     config) shows the values a bare run uses instead of the class defaults; `defaults_from`
-    says where they come from.
+    says where they come from. An `AppConfig`'s `RENAMED` keys close the list, old -> new.
     """
     env_of = {dotted: var for var, dotted in (env or {}).items()}
     rows = _help_rows(cls, values=defaults)
@@ -540,6 +587,11 @@ def config_help(cls: type[msgspec.Struct], *, env: Mapping[str, str] | None = No
     for key, typed, doc in rows:
         note = f"  [env {env_of[key]}]" if key in env_of else ""
         lines.append(f"  {key:<{key_w}}  {typed:<{type_w}}  {doc}{note}".rstrip())
+    renamed = _renames(cls)
+    if renamed:
+        old_w = max(len(old) for old in renamed)
+        lines += ["", "renamed keys (the old name is refused):",
+                  *(f"  {old:<{old_w}}  -> {new}" for old, new in renamed.items())]
     return "\n".join(lines) + "\n"
 
 
