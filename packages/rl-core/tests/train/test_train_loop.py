@@ -84,7 +84,7 @@ def test_a_failed_start_leaves_latest_and_resume_never_quietly_starts_over(
     """A start that fails after the config check (a model path that does not exist) leaves
     `latest` on the run before it, and `--resume` continues that run; with no run to resume,
     `--resume` stops with one line instead of training from step 1."""
-    with pytest.raises(UserError, match="nothing to resume: no run under .*empty has a checkpoint"):
+    with pytest.raises(UserError, match=r"nothing to resume: no run under .*empty has a checkpoint"):
         bandit.main([f"train.output_dir={tmp_path / 'empty'}", "--resume"])
     assert not (tmp_path / "empty").exists()
     first = bandit.main([f"train.output_dir={tmp_path}", "train.max_steps=2"])
