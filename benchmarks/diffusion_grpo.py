@@ -496,7 +496,7 @@ def main() -> None:
                f"over one CFG forward: {args.flops_per_image / 1e12:.3g} TFLOP per image) x images/s; bf16 peak 989 "
                "TFLOP/s dense (H100 SXM, H200). Diffs are against the bf16 eager engine on the same seeds; the last "
                "column replays each variant's first batch through the bf16 eager engine (the first training "
-               "replay's |log ratio|; train.ratio_tolerance 5e-2 in bf16). CFG is one batched forward already.")
+               "replay's |log ratio|; algo.replay_tolerance 5e-2 in bf16). CFG is one batched forward already.")
     if args.smoke:
         print(markdown_table(header, rollout))
         print(notes_a)

@@ -83,7 +83,7 @@ def nft_overrides() -> list[str] | None:
 def run(out: Path, name: str, seed: int, epochs: int, overrides: list[str]) -> tuple[list[float], list[float]]:
     """One diffusion-grpo run in a fresh process: its train reward and step seconds per epoch."""
     done = subprocess.run([sys.executable, str(REPO / "apps" / "diffusion-grpo"), f"train.output_dir={out}",
-                           f"train.run_name={name}", f"train.epochs={epochs}", f"train.seed={seed}", "eval.every=0",
+                           f"train.run_name={name}", f"train.epochs={epochs}", f"train.seed={seed}", "train.eval_freq=0",
                            f"train.save_freq={epochs}", *overrides], capture_output=True, text=True, cwd=REPO)
     if done.returncode:
         raise RuntimeError(f"diffusion-grpo {name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
@@ -185,8 +185,8 @@ def epoch_overrides(smoke: bool, pipeline: Path) -> list[str]:
             f"sampling.resolution={size}", "sampling.num_steps=10", f"sampling.max_sequence_length={tokens}",
             f"rollout.n={n}", f"rollout.groups_per_epoch={groups}", f"rollout.sample_batch_size={n}",
             f"train.micro_batch_size={n}", f"train.gradient_accumulation_steps={groups // 2}",
-            "train.ratio_tolerance=0.05",  # compiled bf16 rollout vs replay (the app's model.compile note)
-            "eval.every=0", "train.epochs=2", "train.save_freq=1000"]
+            "algo.replay_tolerance=0.05",  # compiled bf16 rollout vs replay (the app's model.compile note)
+            "train.eval_freq=0", "train.epochs=2", "train.save_freq=1000"]
 
 
 def time_method(out: Path, name: str, overrides: list[str]) -> dict[str, float]:

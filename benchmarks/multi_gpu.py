@@ -511,8 +511,8 @@ def diffusion_throughput(bench: Bench) -> Table:
     common = [*model, f"sampling.resolution={size}", f"sampling.num_steps={sampling_steps}",
               f"sampling.max_sequence_length={text_tokens}", f"rollout.n={n}", f"rollout.groups_per_epoch={groups}",
               f"rollout.sample_batch_size={n}", f"train.micro_batch_size={n}", "train.gradient_accumulation_steps=1",
-              "reward.components={brightness=1.0}", "eval.every=0", f"train.epochs={epochs}", "train.save_freq=1000",
-              "train.ratio_tolerance=0.01"]
+              "reward.components={brightness=1.0}", "train.eval_freq=0", f"train.epochs={epochs}", "train.save_freq=1000",
+              "algo.replay_tolerance=0.01"]
     runs = {"(a) 1 GPU, rollout in process": (1, Launch("diffusion-grpo", "speed-colocated", common)),
             "(b) trainer GPU 0 + Ray rollout worker GPU 1 (split)": (2, Launch(
                 "diffusion-grpo", "speed-split", [*common, "rollout.workers=1", 'rollout.placement="split"'],

@@ -15,7 +15,7 @@ the eval images.
   With `train.method = "nft"` (DiffusionNFT, `nft.py`) an `OldPolicy` (a LoRA copy over the same
   frozen base) samples the rollouts, in process.
 - `janus`: token-level GRPO on Janus-Pro image tokens (VRL's autoregressive trainer). A unit is
-  an image token carrying its sample's advantage; KL = `janus.kl` per token to the LoRA-disabled
+  an image token carrying its sample's advantage; KL = `algo.kl` per token to the LoRA-disabled
   model.
 
 Asynchronous rollouts (`train.max_staleness >= 1`): `weight_channel` gives the loop the rollout's
@@ -140,7 +140,7 @@ class SD3(Family):
         m, t, s = cfg.model, cfg.train, cfg.sampling
         self.cfg, self.acc, self.path = cfg, acc, path
         # model.compile (None: on CUDA): blocks compiled for sampling and replay (first replay |log ratio|
-        # ~4e-4 in bf16, inside the automatic train.ratio_tolerance)
+        # ~4e-4 in bf16, inside the automatic algo.replay_tolerance)
         self.compiled = compiles_blocks(cfg, acc.device.type)
         self.tolerance = first_replay_tolerance(cfg, self.compiled)
         self.engine = cast(DiffusionEngine, build_image_engine(
@@ -237,7 +237,7 @@ class SD3(Family):
             traj = sources[k][0]
             out = self.engine.replay(traj, step, rows=rows, model=self.model)
             kl = None
-            if t.kl_beta > 0:
+            if self.cfg.algo.kl_coef > 0:
                 with torch.no_grad(), self.peft.disable_adapter():
                     ref = self.engine.replay(traj, step, rows=rows, model=self.peft)
                 kl = flow_kl(out.mean, ref.mean, out.std)[:, None]  # [b, 1]
@@ -262,7 +262,7 @@ class Janus(Family):
         m, j = cfg.model, cfg.janus
         self.cfg, self.acc = cfg, acc
         self.engine = cast(JanusEngine, build_image_engine(
-            "janus", path=path, dtype=m.dtype, device=acc.device, compile=j.compile, logprobs=j.logprobs,
+            "janus", path=path, dtype=m.dtype, device=acc.device, compile=cfg.rollout.compile, logprobs=j.logprobs,
             max_batch_size=cfg.rollout.sample_batch_size))
         side = image_size(self.engine.model)
         if cfg.sampling.resolution != side:
@@ -273,7 +273,7 @@ class Janus(Family):
         if window is not None and window[1] > tokens:
             raise UserError(f"sampling.{name}={window}: this Janus checkpoint draws {tokens} image tokens an image; "
                             f"keep the window's stop <= {tokens}")
-        if j.gradient_checkpointing:
+        if m.gradient_checkpointing:
             self.engine.model.model.language_model.gradient_checkpointing_enable()
         self.engine.model.requires_grad_(False)
         self.peft = add_lora(self.engine.model, family="janus", r=m.lora_rank, alpha=m.lora_alpha,
@@ -298,17 +298,18 @@ class Janus(Family):
         return self.weights
 
     def collect(self, chunks: list[Chunk], version: int) -> Sequence[ImageSamples]:
-        """Image tokens drawn with CFG (`sampling.guidance_scale`) at `janus.temperature`; each
+        """Image tokens drawn with CFG (`sampling.guidance_scale`) at `rollout.temperature`; each
         sampled batch keeps its window of trained token positions (`sampling.sde_window*`)."""
         return [replace(self.rollout_engine.sample(list(c.prompts), guidance_scale=self.cfg.sampling.guidance_scale,
-                                                   temperature=self.cfg.janus.temperature, seeds=c.seeds), window=c.window)
+                                                   temperature=self.cfg.rollout.temperature, seeds=c.seeds), window=c.window)
                 for c in chunks]
 
     def replays(self, samples: Sequence[ImageSamples], adv: Sequence[torch.Tensor], plan: list[list[Micro]]) -> Replays:
         """Each micro-batch is one forward and backward over its images' N tokens, or, with a window
         [start, stop) of token positions, over the first `stop` tokens (causal: the later ones
         cannot change them), training the window's `stop - start`."""
-        rollouts, t, j = cast(Sequence[ImageRollout], samples), self.cfg.train, self.cfg.janus
+        rollouts, j, a = cast(Sequence[ImageRollout], samples), self.cfg.janus, self.cfg.algo
+        temperature = self.cfg.rollout.temperature
         tokens = rollouts[0].tokens.image_ids.shape[1]
         windows = [r.window or (0, tokens) for r in rollouts]
         self.engine.release_cache()  # the KV cache is not needed until the next rollout
@@ -316,7 +317,7 @@ class Janus(Family):
         use_cfg = j.loss_logits == "cfg" and scale > 1
         with torch.no_grad():  # janus.loss_logits = "cond": old log-probs under the conditional logits
             old = [r.log_probs if use_cfg else self.engine.replay(
-                r.tokens, guidance_scale=r.guidance_scale, temperature=j.temperature, use_cfg=False) for r in rollouts]
+                r.tokens, guidance_scale=r.guidance_scale, temperature=temperature, use_cfg=False) for r in rollouts]
 
         def replay(micro: Micro) -> Replay:
             k, rows, weight = micro
@@ -324,13 +325,13 @@ class Janus(Family):
             batch = rollouts[k].tokens.index(rows)
             inputs = ImageTokenBatch(batch.prompt_ids, batch.prompt_mask, batch.image_ids[:, :stop],
                                      batch.uncond_ids).to(self.acc.device)  # the tokens up to the window's end
-            logp = self.model(inputs, guidance_scale=scale, temperature=j.temperature,
+            logp = self.model(inputs, guidance_scale=scale, temperature=temperature,
                               use_cfg=use_cfg)[:, start:]  # [b, W]
             kl = None
-            if t.kl_beta > 0:
+            if a.kl_coef > 0:
                 ref = reference_image_token_logprobs(self.peft, inputs, guidance_scale=scale,
-                                                     temperature=j.temperature, use_cfg=use_cfg)[:, start:]  # [b, W]
-                kl = compute_kl(j.kl, logp, ref)  # [b, W]
+                                                     temperature=temperature, use_cfg=use_cfg)[:, start:]  # [b, W]
+                kl = compute_kl(a.kl, logp, ref)  # [b, W]
             return Replay(logp, old[k][rows][:, start:stop], adv[k][rows], weight, kl=kl)
 
         trained = [range(*w) for w in windows] if any(r.window for r in rollouts) else []
@@ -340,7 +341,7 @@ class Janus(Family):
 
     def eval_images(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
         return self.engine.sample(prompts, guidance_scale=self.cfg.eval.guidance_scale,
-                                  temperature=self.cfg.janus.temperature, seeds=seeds).images
+                                  temperature=self.cfg.rollout.temperature, seeds=seeds).images
 
 
 class OldPolicy:

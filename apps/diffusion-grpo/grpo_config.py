@@ -7,11 +7,12 @@ torch: `__main__.py` reads the command line and the config with it, before the r
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import msgspec
 
 from rl_core.train import (
+    AppConfig,
     ConfigError,
     DType,
     KLName,
@@ -39,7 +40,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     family: Literal["sd3", "janus"] = "sd3"
     """`sd3`: Flow-GRPO on an SD3/SD3.5 pipeline (SDE sampling, per-step log-probs). `janus`:
     token-level GRPO on Janus / Janus-Pro image tokens (CFG sampling, per-token log-probs; VRL's
-    autoregressive trainer); its own knobs are the [janus] table."""
+    autoregressive trainer); its own knobs are the [janus] table, and rollout.temperature,
+    rollout.compile, model.gradient_checkpointing and algo.kl apply to it only."""
     path: str = "stabilityai/stable-diffusion-3.5-medium"
     """diffusers SD3/SD3.5 folder or hub id (`tiny:sd3` builds a tiny random pipeline); with
     family `janus` a transformers Janus checkpoint (deepseek-community/Janus-Pro-7B, `tiny:janus`)."""
@@ -53,7 +55,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     the replay, in the trainer and the Ray workers: faster rollouts on a GPU after a compile of
     the first epoch (benchmarks/RESULTS.md). None (the default): on where that pays, model.family='sd3' on CUDA with train.sharding='none'; off on
     the CPU, where compiling costs more than a short run gains. Set false for a quick GPU check.
-    The first replay's |log ratio| then stays inside the automatic train.ratio_tolerance. Not with train.sharding='fsdp2'."""
+    The first replay's |log ratio| then stays inside the automatic algo.replay_tolerance. Not with train.sharding='fsdp2'."""
+    gradient_checkpointing: bool = False  # janus: recompute the language model's activations in the update
 
 
 class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -102,6 +105,8 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     """VRL presets: `split` = actors on their own GPUs; `colocated` = on the trainer's, asleep during training."""
     gpus_per_worker: float | None = None  # None: split 1, colocated 1/workers, 0 without CUDA
     ray_address: str | None = None  # join this Ray cluster (env RAY_ADDRESS); None starts a local one
+    temperature: PositiveFloat = 1.0  # janus: image-token sampling temperature (Janus-Pro: 1); sd3 has none
+    compile: bool | None = None  # janus: compile the decode step (None: on CUDA); sd3 compiles with model.compile
 
 
 class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -128,7 +133,7 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     epochs: Positive = 100_000  # one epoch is one step of the trainer loop
     lr: PositiveFloat = 3e-4
     weight_decay: NonNegativeFloat = 1e-4
-    max_grad_norm: PositiveFloat = 1.0
+    grad_clip: PositiveFloat = 1.0  # max gradient norm (Flow-GRPO max_grad_norm)
     ratio_norm: bool = False
     """GRPO-Guard's RatioNorm (Wang et al. 2025, arXiv 2510.22319; upstream `config.rationorm`):
     each replayed SDE step's log ratio gets its mean-shift bias |mean - old_mean|^2 / (2 s^2) added
@@ -139,7 +144,6 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     The rollout then keeps each step's mean (one more latent per step). sd3, train.method =
     "grpo", sampling.kind = "sde" only."""
     clip_range: UnitInterval = 1e-4  # PPO ratio clip (SD3: 1e-4; log-probs are per-element means; janus: per token, 0.2)
-    kl_beta: NonNegativeFloat = 0.04  # flow KL (janus: per-token janus.kl; nft: velocity MSE) to the LoRA-disabled model; 0 skips the reference forward
     adv_scale: Literal["batch", "group"] = "batch"  # std over the whole batch (Flow-GRPO global std)
     adv_clip: PositiveFloat = 5.0
     adv_eps: PositiveFloat = 1e-4
@@ -152,12 +156,6 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     """A sample's baseline: the mean of its group (the n images of one draw of a prompt; ours,
     VRL) or of every image of the same prompt text in the epoch (Flow-GRPO's per-prompt stat
     tracker: two groups of one prompt share a mean)."""
-    reward_aggregation: RewardAggregationName = "sum_then_normalize"
-    """Several reward components (ocr + brightness, say): `sum_then_normalize` (their weighted sum is
-    the reward, normalised by train.adv_*) or `normalize_then_sum` (GDPO; TRL's
-    multi_objective_aggregation): each component normalised within its group before the weighted
-    sum, then over the batch (train.adv_* do not apply), so a large-scale reward cannot drown a
-    small one. Needs the reward in process (a weighted sum, not reward.url)."""
     zero_adv: Literal["drop", "flow_grpo"] = "drop"
     """Zero-advantage images (train.method = "grpo"): `drop` (ours, VRL) trains the rest of each sampled batch in chunks
     of micro_batch_size; `flow_grpo` (Flow-GRPO) puts randomly chosen ones back until the kept
@@ -167,7 +165,27 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     timestep_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.99  # train the stochastic steps k < int(S * fraction): 9 of 10
     ema_decay: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.9
     ema_interval: Positive = 8  # optimizer steps between EMA updates
-    ratio_tolerance: NonNegativeFloat | None = None
+    seed: NonNegative = 42
+    save_freq: Positive = 60  # epochs between checkpoints (and at the end)
+    eval_freq: NonNegative = 60  # epochs between evals (0 = never); also before the first and after the last
+    output_dir: str = "runs/diffusion-grpo"
+
+
+class AlgoConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """`algo.*`: the algorithm keys this app shares with the text apps' `algo` tables, under their
+    names; Flow-GRPO's own (train.clip_range, train.adv_*, train.zero_adv) stay in [train]."""
+
+    kl_coef: NonNegativeFloat = 0.04
+    """Weight of the KL to the LoRA-disabled model (Flow-GRPO `train.beta`): sd3 the flow KL of each
+    SDE step, janus the per-token `algo.kl`, nft the velocity MSE; 0 skips the reference forward."""
+    kl: KLName = "k3"  # janus: the per-token KL estimator (sd3's flow KL is closed form)
+    reward_aggregation: RewardAggregationName = "sum_then_normalize"
+    """Several reward components (ocr + brightness, say): `sum_then_normalize` (their weighted sum is
+    the reward, normalised by train.adv_*) or `normalize_then_sum` (GDPO; TRL's
+    multi_objective_aggregation): each component normalised within its group before the weighted
+    sum, then over the batch (train.adv_* do not apply), so a large-scale reward cannot drown a
+    small one. Needs the reward in process (a weighted sum, not reward.url)."""
+    replay_tolerance: NonNegativeFloat | None = None
     """Max |log ratio| on the first replay of an epoch; above it the run stops (rollout and replay
     disagree: wrong weights, a sampler bug). None (the default) chooses it from what can make the
     replay's numbers differ from the rollout's (`first_replay_tolerance`): 1e-5 where the replay
@@ -176,13 +194,9 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     other micro-batches, zero_adv='flow_grpo' shuffling, Janus decode log-probs) 1e-4 in float32 and
     5e-2 in bf16, where a kernel's rounding shows. A number is used as given. With train.max_staleness >= 1 only the first epoch is
     checked (later ones are sampled by older weights)."""
-    seed: NonNegative = 42
-    save_freq: Positive = 60  # epochs between checkpoints (and at the end)
-    output_dir: str = "runs/diffusion-grpo"
 
 
 class EvalConfig(msgspec.Struct, kw_only=True, frozen=True):
-    every: NonNegative = 60  # epochs between evals (0 = never); also before the first and after the last
     max_prompts: Positive = 16
     num_steps: Positive = 40  # deterministic ODE steps (sd3; janus samples its tokens at the fixed seed)
     guidance_scale: float = 4.5
@@ -193,7 +207,7 @@ class EvalConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 class NFTConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Knobs of train.method = "nft" only (DiffusionNFT; the advantages are train.adv_*'s,
-    train.adv_clip also scales the loss, train.kl_beta weighs the velocity MSE to the LoRA-disabled
+    train.adv_clip also scales the loss, algo.kl_coef weighs the velocity MSE to the LoRA-disabled
     model, train.timestep_fraction x sampling.num_steps is how many noise levels each image is
     trained at)."""
 
@@ -211,28 +225,31 @@ class JanusConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Knobs of the `janus` family only (sampling.guidance_scale is the CFG weight, 5 in Janus-Pro;
     sampling.resolution must be the checkpoint's image size, 384 for Janus-Pro)."""
 
-    temperature: PositiveFloat = 1.0  # image-token sampling temperature (Janus-Pro: 1)
     loss_logits: Literal["cfg", "cond"] = "cfg"
     """Log-probs in the loss: `cfg` scores each token under the guided distribution it was drawn
     from (importance ratio 1 on the first replay; gradients reach both CFG rows); `cond` under the
     conditional logits alone (one forward of B rows, half the update cost; old log-probs are then
     recomputed with the conditional logits before the update, and the first-replay check is off)."""
-    kl: KLName = "k3"  # per-token KL estimator to the LoRA-disabled model (x train.kl_beta)
     logprobs: Literal["rescore", "decode"] = "rescore"
     """Rollout log-probs: `rescore` recomputes them teacher-forced (first replay bit-exact with
     micro_batch_size = sample_batch_size); `decode` keeps the KV-cached decode loop's (no extra
-    forward; the automatic train.ratio_tolerance is then 1e-4 in float32, 5e-2 in bf16)."""
-    compile: bool | None = None  # compile the decode step (None: on CUDA)
-    gradient_checkpointing: bool = False  # recompute the language model's activations in the update
+    forward; the automatic algo.replay_tolerance is then 1e-4 in float32, 5e-2 in bf16)."""
 
 
-class Config(msgspec.Struct, kw_only=True, frozen=True):
+class Config(AppConfig, kw_only=True, frozen=True):
+    # Keys renamed to the other apps' names for the same idea (old -> new; the old is refused).
+    RENAMED: ClassVar[dict[str, str]] = {
+        "train.kl_beta": "algo.kl_coef", "janus.kl": "algo.kl", "train.ratio_tolerance": "algo.replay_tolerance",
+        "train.reward_aggregation": "algo.reward_aggregation", "train.max_grad_norm": "train.grad_clip",
+        "eval.every": "train.eval_freq", "janus.temperature": "rollout.temperature", "janus.compile": "rollout.compile",
+        "janus.gradient_checkpointing": "model.gradient_checkpointing"}
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     sampling: SamplingConfig = SamplingConfig()
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
     train: TrainConfig = TrainConfig()
+    algo: AlgoConfig = AlgoConfig()
     eval: EvalConfig = EvalConfig()
     nft: NFTConfig = NFTConfig()
     janus: JanusConfig = JanusConfig()
@@ -272,8 +289,8 @@ def check_config(cfg: Config, world_size: int) -> None:
         *guard_problems(cfg),
         (r.workers > 0 and world_size > 1 and not r.ray_address, f"rollout.workers={r.workers} with {world_size} "
          "trainer processes needs a running Ray cluster: `ray start --head`, then set RAY_ADDRESS or rollout.ray_address"),
-        (t.reward_aggregation == "normalize_then_sum" and cfg.reward.url is not None,
-         "train.reward_aggregation=normalize_then_sum weighs the reward's components itself: it needs the reward in "
+        (cfg.algo.reward_aggregation == "normalize_then_sum" and cfg.reward.url is not None,
+         "algo.reward_aggregation=normalize_then_sum weighs the reward's components itself: it needs the reward in "
          "process (reward.url unset)"),
         (r.groups_per_epoch % world_size != 0,
          f"rollout.groups_per_epoch={r.groups_per_epoch} must divide by the {world_size} processes"),
@@ -298,11 +315,11 @@ def compiles_blocks(cfg: Config, device_type: str) -> bool:
 
 
 def first_replay_tolerance(cfg: Config, compiled: bool) -> float:
-    """train.ratio_tolerance resolved (its docstring gives the rule); `compiled`: the SD3 blocks
+    """algo.replay_tolerance resolved (its docstring gives the rule); `compiled`: the SD3 blocks
     are compiled (`compiles_blocks`)."""
     t = cfg.train
-    if t.ratio_tolerance is not None:
-        return t.ratio_tolerance
+    if cfg.algo.replay_tolerance is not None:
+        return cfg.algo.replay_tolerance
     janus_decode = cfg.model.family == "janus" and cfg.janus.logprobs == "decode"
     same_kernels = (not compiled and not janus_decode and t.zero_adv == "drop"
                     and t.micro_batch_size == cfg.rollout.sample_batch_size)

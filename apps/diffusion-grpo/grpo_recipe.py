@@ -84,7 +84,7 @@ class State:
     family: Family  # the engine, the LoRA model it samples from and the optimizer
     ema: ParameterEMA  # also counts the optimizer steps: the weights' version
     reward: Scorer  # composed in process, or a RemoteScorer
-    weights: dict[str, float]  # the reward's component weights, for train.reward_aggregation=normalize_then_sum
+    weights: dict[str, float]  # the reward's component weights, for algo.reward_aggregation=normalize_then_sum
     prompts: list[OCRPrompt]
     eval_prompts: list[OCRPrompt]
     sampler: GroupSampler
@@ -120,18 +120,18 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         reward = RemoteScorer(cfg.reward.url, cfg.reward.server_reward) if cfg.reward.url else build_reward(
             reward_spec(cfg.reward, tiny=cfg.model.path.startswith("tiny:")))
         weights: dict[str, float] = {}
-        if cfg.train.reward_aggregation == "normalize_then_sum":
+        if cfg.algo.reward_aggregation == "normalize_then_sum":
             try:
                 weights = cast(Reward, reward).sum_weights()
             except ValueError as e:
-                raise ConfigError(f"train.reward_aggregation=normalize_then_sum: {e}") from None
+                raise ConfigError(f"algo.reward_aggregation=normalize_then_sum: {e}") from None
         return State(cfg, run, family, ema, reward, weights, prompts, eval_prompts, sampler)
 
     def start(self, state: State) -> None:
         state.family.start()
 
     def schedule(self, state: State) -> Schedule:
-        every = state.cfg.eval.every
+        every = state.cfg.train.eval_freq
         return Schedule(state.cfg.train.epochs, eval_every=every, eval_at_start=every > 0, eval_at_end=every > 0)
 
     def checkpoint(self, state: State) -> Checkpoint:
@@ -189,7 +189,7 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         run.samples.write("train", step, [{"prompt": r.prompt, "target": r.target, "reward": v}
                                           for r, v in zip(batch.records, rewards.tolist(), strict=True)])
         stats = {key: [value] for key, value in image_stats(batch.images).items()}  # equal image counts per process
-        return grpo_scores(state.cfg.train, run.accelerator, rewards, batch.group_ids,
+        return grpo_scores(state.cfg, run.accelerator, rewards, batch.group_ids,
                            [r.prompt for r in batch.records], means({**parts, **stats}, run.accelerator),
                            components=components, weights=state.weights)
 
@@ -207,9 +207,10 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         tolerance = job.tolerance if batch.on_policy or job.tolerance is None else math.inf
         metrics |= replay_update(
             acc, f.model, f.optimizer, job.plan, job.replay, units=job.units, clip_range=t.clip_range,
-            kl_beta=t.kl_beta, grad_clip=t.max_grad_norm, guard=run.guard, filler=job.filler, tolerance=tolerance,
-            after_step=state.ema.step, what=f"step {step}: first replay, |log ratio| vs train.ratio_tolerance (bf16 "
-                                            "with micro_batch_size != sample_batch_size needs a looser tolerance)")
+            kl_beta=state.cfg.algo.kl_coef, grad_clip=t.grad_clip, guard=run.guard, filler=job.filler,
+            tolerance=tolerance, after_step=state.ema.step,
+            what=f"step {step}: first replay, |log ratio| vs algo.replay_tolerance (bf16 "
+                 "with micro_batch_size != sample_batch_size needs a looser tolerance)")
         trained = sum(len(rows) * weight for micro in plan for _, rows, weight in micro)
         if job.steps:  # how many denoising steps (sd3) or token positions (janus) a sampled batch trains, and which
             every = [k for steps in job.steps for k in steps]
@@ -415,13 +416,14 @@ def means(values: Mapping[str, list[float]], accelerator: Any = None) -> dict[st
     return {key: sum(v) / len(v) for key, v in merged.items() if v}
 
 
-def grpo_scores(t: TrainConfig, acc: Any, rewards: torch.Tensor, group_ids: torch.Tensor, prompts: list[str],
+def grpo_scores(cfg: Config, acc: Any, rewards: torch.Tensor, group_ids: torch.Tensor, prompts: list[str],
                 metrics: Mapping[str, float], *, components: Sequence[Mapping[str, float]] = (),
                 weights: Mapping[str, float] | None = None) -> Scores:
     """GRPO over every process's groups, normalised as `train.adv_*` say; `train.adv_group_by =
     "prompt"` groups by prompt text instead (Flow-GRPO's per-prompt stat tracker: the prompts of
-    every process are gathered and numbered together). `train.reward_aggregation =
+    every process are gathered and numbered together). `algo.reward_aggregation =
     "normalize_then_sum"` normalises each of the images' `components` by its `weights` instead."""
+    t = cfg.train
     if t.adv_group_by == "prompt":
         parts = gather_object([prompts])  # one list per process, in rank order
         start = sum(len(part) for part in parts[: acc.process_index])
@@ -433,7 +435,7 @@ def grpo_scores(t: TrainConfig, acc: Any, rewards: torch.Tensor, group_ids: torc
     options = {"scale": t.adv_scale, "eps": t.adv_eps, "clip": t.adv_clip, "std": t.adv_std, "eps_mode": t.adv_eps_mode}
     return Scores(rewards, group_ids, "grpo", options=options, components=components,
                   metrics={**metrics, "reward/zero_std_group_fraction": sum(s == 0 for s in stds) / max(len(stds), 1)},
-                  aggregation=t.reward_aggregation, weights=weights or {})
+                  aggregation=cfg.algo.reward_aggregation, weights=weights or {})
 
 
 def export_adapters(model: PeftModel, ema: ParameterEMA, out: Path) -> None:

@@ -61,12 +61,12 @@ def nft_update(cfg: Config, acc: Any, guard: NonFiniteGuard, family: SD3, sample
         with torch.no_grad():
             old_velocity = old.engine.velocity(noisy, sigma, cond, guidance_scale=1.0)  # [b, C, h, w]
             ref = None
-            if t.kl_beta > 0:
+            if cfg.algo.kl_coef > 0:
                 with family.peft.disable_adapter():
                     ref = engine.velocity(noisy, sigma, cond, guidance_scale=1.0, model=family.peft)  # [b, C, h, w]
         per_sample, m = compute_nft_loss(velocity=velocity, old_velocity=old_velocity, clean=clean, noisy=noisy,
                                          sigma=sigma, advantages=advantages[k][rows], beta=n.beta, adv_clip=t.adv_clip,
-                                         ref_velocity=ref, kl_beta=t.kl_beta)  # [b]
+                                         ref_velocity=ref, kl_beta=cfg.algo.kl_coef)  # [b]
         share = len(rows) / float(num_valid) * weight  # this micro-batch's part of the optimizer step's mean
         loss = per_sample.sum() / num_valid * weight
         return loss, {"loss/total": float(loss.detach()), "loss/policy": m["policy"] * share,
@@ -78,7 +78,7 @@ def nft_update(cfg: Config, acc: Any, guard: NonFiniteGuard, family: SD3, sample
     family.model.train()
     for micro_batches in units:
         stepped = optimizer_step(acc, family.model, family.optimizer, micro_batches, loss_fn,
-                                 units=lambda m: float(len(m[1])) * m[2], grad_clip=t.max_grad_norm, guard=guard,
+                                 units=lambda m: float(len(m[1])) * m[2], grad_clip=t.grad_clip, guard=guard,
                                  stats=stats, filler=(0, torch.tensor([0]), 0.0, 0)).stepped
         if stepped:
             after_step()

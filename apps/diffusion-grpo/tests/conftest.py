@@ -56,12 +56,12 @@ def tiny_overrides(out: Path, *extra: str, family: str = "sd3") -> list[str]:
     it), no eval; sd3 with Flow-GRPO's update (lr 3e-4, clip 1e-4, KL 0.04) for 4 epochs, not the
     embedded default's (lr 0.05, clip 0.2, no KL, 12 epochs: a curve that moves within the run)."""
     sd3 = ["sampling.resolution=32", "sampling.num_steps=4", "sampling.max_sequence_length=8",
-           "train.lr=3e-4", "train.clip_range=1e-4", "train.kl_beta=0.04", "train.epochs=4", "train.save_freq=2"]
+           "train.lr=3e-4", "train.clip_range=1e-4", "algo.kl_coef=0.04", "train.epochs=4", "train.save_freq=2"]
     return [
         *(sd3 if family == "sd3" else []),
         "rollout.n=4", "rollout.groups_per_epoch=2", "rollout.sample_batch_size=4",
         "train.micro_batch_size=4", "train.gradient_accumulation_steps=1", "train.ema_interval=1",
-        "reward.components={brightness=1.0}", "eval.every=0", f"train.output_dir={out}",
+        "reward.components={brightness=1.0}", "train.eval_freq=0", f"train.output_dir={out}",
         *extra,
     ]
 
@@ -125,7 +125,7 @@ def advantages(app, state, batch, rewards):
     from rl_core.train import group_advantages
 
     acc = state.run.accelerator
-    scores = app.grpo_scores(state.cfg.train, acc, rewards, batch.group_ids, [r.prompt for r in batch.records], {})
+    scores = app.grpo_scores(state.cfg, acc, rewards, batch.group_ids, [r.prompt for r in batch.records], {})
     return group_advantages(scores.estimator, scores.rewards, scores.group_ids, accelerator=acc, options=scores.options)
 
 

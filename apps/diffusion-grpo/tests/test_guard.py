@@ -18,7 +18,7 @@ GUARD = ("train.ratio_norm=true",)
 
 @pytest.fixture(scope="module")
 def state(app, tmp_path_factory):
-    return setup_state(app, tiny_config(app, "sd3", tmp_path_factory.mktemp("guard"), *GUARD, "train.kl_beta=0",
+    return setup_state(app, tiny_config(app, "sd3", tmp_path_factory.mktemp("guard"), *GUARD, "algo.kl_coef=0",
                                          "rollout.groups_per_epoch=1"))
 
 

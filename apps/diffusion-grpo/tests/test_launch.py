@@ -45,7 +45,7 @@ def lora(run: Path, epoch: int = 1, folder: str = "lora") -> dict[str, torch.Ten
     return load_file(run / "checkpoints" / f"checkpoint-{epoch}" / folder / "adapter_model.safetensors")
 
 
-ONE_EPOCH = ("train.epochs=1", "train.save_freq=1", "train.kl_beta=0.04")
+ONE_EPOCH = ("train.epochs=1", "train.save_freq=1", "algo.kl_coef=0.04")
 
 
 # sd3 + fsdp2 is opt-in (nox -s slow), for CI time: test_ray_rollout.py trains a sharded LoRA in

@@ -36,7 +36,7 @@ def test_the_embedded_default_gets_brighter(app, tmp_path: Path, capsys) -> None
 
 def train_rewards(app, out: Path, *overrides: str) -> list[float]:
     """The embedded default's train reward/mean per epoch (12), evals off, with `overrides`."""
-    run = app.main([f"train.output_dir={out}", "eval.every=0", *overrides])
+    run = app.main([f"train.output_dir={out}", "train.eval_freq=0", *overrides])
     with (run / "metrics.csv").open(newline="") as f:
         rewards = [float(r["reward/mean"]) for r in csv.DictReader(f) if r.get("reward/mean")]
     assert len(rewards) == 12, rewards
@@ -55,7 +55,7 @@ def test_janus_policy_learns_a_token_reward(app, tmp_path: Path) -> None:
     recipe's hooks (`rollout` -> the loop's advantages -> `update`), the reward function swapped."""
     state = setup_state(app, tiny_config(app, "janus", tmp_path, "rollout.n=8", "rollout.groups_per_epoch=4",
                                          "rollout.sample_batch_size=8", "train.micro_batch_size=8", "train.lr=0.1",
-                                         "train.kl_beta=0"))
+                                         "algo.kl_coef=0"))
     shares = []
     for step in range(1, 9):
         batch = app.RECIPE.rollout(state, step)

@@ -24,7 +24,7 @@ NFT = ("train.method=nft", "sampling.kind=ode", "sampling.guidance_scale=1", "nf
 
 @pytest.fixture(scope="module")
 def state(app, tmp_path_factory):
-    return setup_state(app, tiny_config(app, "sd3", tmp_path_factory.mktemp("nft"), *NFT, "train.kl_beta=0.04"))
+    return setup_state(app, tiny_config(app, "sd3", tmp_path_factory.mktemp("nft"), *NFT, "algo.kl_coef=0.04"))
 
 
 def test_old_policy_samples_and_moves_towards_the_trained_lora(app, state) -> None:
@@ -101,7 +101,7 @@ def test_resume_equals_uninterrupted_run(app, tmp_path: Path) -> None:
     samples epoch 2) is checkpoint state (`nft_old.pt`) next to the LoRA, optimizer and EMA; after
     2 optimizer steps it keeps decay min(2 x 0.5, 0.9) = 0.9 of itself, so it is not the LoRA."""
     def config(out: Path, epochs: int):
-        return tiny_config(app, "sd3", out, *NFT, f"train.epochs={epochs}", "train.save_freq=1", "train.kl_beta=0",
+        return tiny_config(app, "sd3", out, *NFT, f"train.epochs={epochs}", "train.save_freq=1", "algo.kl_coef=0",
                            "rollout.groups_per_epoch=1")  # 4 images an epoch, one optimizer step
 
     whole = train(app, config(tmp_path / "whole", 2))

@@ -67,7 +67,7 @@ def test_preset_files_fix_their_systems_knobs(app) -> None:
         cfg = checked(app, "--config", str(EXAMPLES / f"{name}.toml"))
         assert (cfg.rollout.n, cfg.rollout.groups_per_epoch, cfg.train.micro_batch_size,
                 cfg.train.gradient_accumulation_steps) == (8, 8, 8, 4)
-        assert (cfg.train.lr, cfg.train.clip_range, cfg.train.kl_beta, cfg.train.timestep_fraction) == (3e-4, 1e-4, 0.04, 0.99)
+        assert (cfg.train.lr, cfg.train.clip_range, cfg.algo.kl_coef, cfg.train.timestep_fraction) == (3e-4, 1e-4, 0.04, 0.99)
         assert (cfg.sampling.num_steps, cfg.sampling.guidance_scale, cfg.eval.num_steps) == (10, 4.5, 40)
     flow, vrl = _preset(app, "flow_grpo"), _preset(app, "vrl")
     assert (flow.eval.max_prompts, flow.eval.batch_size, flow.train.keep_last) == (1018, 16, 5)
@@ -87,7 +87,7 @@ def test_preset_files_fix_their_systems_knobs(app) -> None:
 ])
 def test_advantages_and_trained_images_per_preset(app, state, name: str, expected: list[float], steps: list) -> None:
     cfg, acc = _preset(app, name, "train.micro_batch_size=4", "train.gradient_accumulation_steps=1"), state.run.accelerator
-    scores = app.grpo_scores(cfg.train, acc, REWARDS, GROUPS, PROMPTS, {})
+    scores = app.grpo_scores(cfg, acc, REWARDS, GROUPS, PROMPTS, {})
     adv = group_advantages(scores.estimator, scores.rewards, scores.group_ids, accelerator=acc,
                            options=scores.options).advantages
     torch.testing.assert_close(adv, torch.tensor(expected), atol=1e-6, rtol=0)
@@ -153,7 +153,7 @@ def test_janus_pro_presets_use_the_paper_sampling(app, name: str, hub_id: str) -
     """Janus-Pro's generation script: CFG weight 5, temperature 1, 384x384, parallel_size 16."""
     cfg = checked(app, "--config", str(EXAMPLES / f"{name}.toml"))
     assert (cfg.model.family, cfg.model.path) == ("janus", hub_id)
-    assert (cfg.sampling.guidance_scale, cfg.janus.temperature, cfg.sampling.resolution, cfg.rollout.n) == (5.0, 1.0, 384, 16)
+    assert (cfg.sampling.guidance_scale, cfg.rollout.temperature, cfg.sampling.resolution, cfg.rollout.n) == (5.0, 1.0, 384, 16)
     with pytest.raises(ConfigError, match=r"rollout\.workers"):
         checked(app, "--config", str(EXAMPLES / f"{name}.toml"), "rollout.workers=2")
 
@@ -166,14 +166,14 @@ def test_janus_resolution_must_be_the_checkpoints(app, tmp_path: Path) -> None:
 
 
 def test_normalize_then_sum_normalises_each_component_in_its_group(app, state) -> None:
-    """train.reward_aggregation=normalize_then_sum: the images' components reach the loop's group
+    """algo.reward_aggregation=normalize_then_sum: the images' components reach the loop's group
     advantages with the reward's weights (GDPO), in place of train.adv_* on the weighted sum."""
     from rl_core.advantages import normalize_then_sum
 
-    cfg = _preset(app, "ours", "train.reward_aggregation=normalize_then_sum")
+    cfg = _preset(app, "ours", "algo.reward_aggregation=normalize_then_sum")
     components = [{"ocr": float(i % 2), "brightness": 0.1 * i} for i in range(8)]
     weights = {"ocr": 1.0, "brightness": 0.1}
-    scores = app.grpo_scores(cfg.train, state.run.accelerator, REWARDS, GROUPS, PROMPTS, {}, components=components,
+    scores = app.grpo_scores(cfg, state.run.accelerator, REWARDS, GROUPS, PROMPTS, {}, components=components,
                              weights=weights)
     assert scores.aggregation == "normalize_then_sum" and scores.weights == weights
     objectives = torch.tensor([[c["brightness"], c["ocr"]] for c in components])  # [8, 2], sorted names
@@ -184,7 +184,7 @@ def test_normalize_then_sum_normalises_each_component_in_its_group(app, state) -
                            options=scores.options, **_objectives(scores)).advantages
     torch.testing.assert_close(adv, expected, atol=1e-6, rtol=0)
     with pytest.raises(ConfigError, match="needs the reward in process"):
-        app.check_config(_preset(app, "ours", "train.reward_aggregation=normalize_then_sum",
+        app.check_config(_preset(app, "ours", "algo.reward_aggregation=normalize_then_sum",
                                  "reward.url=http://127.0.0.1:1"), 1)
 
 
@@ -196,8 +196,8 @@ def test_sde_window_epoch_trains_only_its_steps(app, state, mode: str, step: int
     `random` (Flow-GRPO-Fast): 2 steps at a drawn place. `sliding` (MixGRPO), moved every epoch:
     the third epoch (step 3) is the last place, [2, 3), cut to 1 step."""
     sampling = msgspec.structs.replace(state.cfg.sampling, sde_window_mode=mode, sde_window_size=2, shift_interval=1)
-    train = msgspec.structs.replace(state.cfg.train, kl_beta=0.0)  # no reference forward: a shorter test
-    preset = dataclasses.replace(state, cfg=msgspec.structs.replace(state.cfg, sampling=sampling, train=train))
+    algo = msgspec.structs.replace(state.cfg.algo, kl_coef=0.0)  # no reference forward: a shorter test
+    preset = dataclasses.replace(state, cfg=msgspec.structs.replace(state.cfg, sampling=sampling, algo=algo))
     batch = app.RECIPE.rollout(preset, step)
     windows = [app.sde_window(preset.cfg, step - 1, first) for first in (0, 4)]  # one per sampled batch of 4
     assert all(stop - start == replayed for start, stop in windows)
@@ -222,7 +222,7 @@ def test_window_presets_load_and_train_their_upstream_windows(app) -> None:
     assert {app.sde_window(fast, 0, first)[0] for first in range(0, 400, 8)} == {0, 1, 2, 3}
     assert all(stop - start == 2 for start, stop in (app.sde_window(fast, e, 0) for e in range(20)))
     mix = checked(app, "--config", str(EXAMPLES / "mixgrpo.toml"))
-    assert (mix.sampling.num_steps, mix.rollout.n, mix.train.lr, mix.train.kl_beta, mix.train.clip_range) == (25, 12, 1e-5, 0, 1e-4)
+    assert (mix.sampling.num_steps, mix.rollout.n, mix.train.lr, mix.algo.kl_coef, mix.train.clip_range) == (25, 12, 1e-5, 0, 1e-4)
     assert [app.sde_window(mix, e, 0) for e in (0, 24, 25, 50, 500, 574, 575)] == [
         (0, 4), (0, 4), (1, 5), (2, 6), (20, 23), (22, 23), (0, 4)]
 
@@ -239,12 +239,12 @@ def test_diffusion_nft_preset_carries_upstreams_numbers(app) -> None:
     per_process = r.groups_per_epoch // 8 * r.n
     assert (per_process, per_process // t.micro_batch_size // t.gradient_accumulation_steps) == (144, 2)
     assert (n.beta, n.old_decay_start, n.old_decay_rate, n.old_decay_max) == (0.1, 75, 0.0075, 0.999)
-    assert (t.lr, t.weight_decay, t.max_grad_norm, t.kl_beta, t.adv_clip, t.timestep_fraction) == (
+    assert (t.lr, t.weight_decay, t.grad_clip, cfg.algo.kl_coef, t.adv_clip, t.timestep_fraction) == (
         3e-4, 1e-4, 1.0, 1e-4, 5.0, 0.99)
     assert (t.adv_scale, t.adv_std, t.adv_eps, t.adv_eps_mode, t.adv_group_by) == (
         "batch", "population", 1e-4, "add", "prompt")
     assert (t.ema_decay, t.ema_interval, t.save_freq, t.seed) == (0.9, 1, 30, 42)
-    assert (e.every, e.num_steps, e.guidance_scale, e.batch_size) == (10, 40, 1.0, 16)
+    assert (t.eval_freq, e.num_steps, e.guidance_scale, e.batch_size) == (10, 40, 1.0, 16)
     assert (cfg.model.lora_rank, cfg.model.lora_alpha, cfg.reward.components) == (32, 64, {"ocr": 1.0})
 
 
@@ -259,10 +259,10 @@ def test_grpo_guard_preset_carries_upstreams_numbers(app) -> None:
     assert (r.n, r.groups_per_epoch, r.sample_batch_size, t.micro_batch_size) == (24, 48, 9, 9)
     per_process = r.groups_per_epoch // 16 * r.n
     assert (per_process, per_process // t.micro_batch_size // t.gradient_accumulation_steps) == (72, 2)
-    assert (t.lr, t.clip_range, t.kl_beta, t.timestep_fraction) == (1e-4, 2e-6, 0.0, 0.99)
+    assert (t.lr, t.clip_range, cfg.algo.kl_coef, t.timestep_fraction) == (1e-4, 2e-6, 0.0, 0.99)
     assert (t.adv_scale, t.adv_std, t.adv_eps, t.adv_group_by, t.zero_adv) == ("group", "population", 1e-4, "prompt",
                                                                                "flow_grpo")
-    assert (cfg.eval.every, cfg.eval.num_steps, t.save_freq, cfg.reward.components) == (30, 40, 30, {"ocr": 1.0})
+    assert (t.eval_freq, cfg.eval.num_steps, t.save_freq, cfg.reward.components) == (30, 40, 30, {"ocr": 1.0})
 
 
 # dynamo reads `.grad` of non-leaf fake tensors while tracing the replay (its own UserWarning)
@@ -275,7 +275,7 @@ def test_flow_grpo_replay_compiles_no_new_block_graph_after_the_first_epoch(app,
     update took ~6x the replay benchmark's.) The blocks are compiled as `DiffusionEngine(compile=
     True)` compiles them (`fullgraph=True, dynamic=False`) with dynamo's `eager` backend: the same
     guards and recompiles without inductor's code generation, minutes on a CPU (that compile:
-    test_recipe.py's `test_compiled_blocks_sample_and_replay_within_the_ratio_tolerance`, slow)."""
+    test_recipe.py's `test_compiled_blocks_sample_and_replay_within_the_replay_tolerance`, slow)."""
     from torch._dynamo.utils import counters
 
     train = msgspec.structs.replace(state.cfg.train, zero_adv="flow_grpo", micro_batch_size=2,

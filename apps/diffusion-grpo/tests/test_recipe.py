@@ -66,7 +66,7 @@ def full_run(app, family: str, tmp_path_factory) -> Path:
     """2 epochs, a checkpoint after each, eval at epochs 0 and 2 (2 prompts; sd3: 4 ODE steps)."""
     out = tmp_path_factory.mktemp(f"full-{family}")
     cfg = tiny_config(app, family, out, "train.epochs=2", "train.save_freq=1", "train.keep_last=3",
-                      "eval.every=100", "eval.max_prompts=2", "eval.num_steps=4")
+                      "train.eval_freq=100", "eval.max_prompts=2", "eval.num_steps=4")
     return train(app, cfg)
 
 
@@ -128,7 +128,7 @@ def test_resume_equals_uninterrupted_run(app, family: str, full_run: Path, tmp_p
 @pytest.fixture(scope="module")
 def state(app, family: str, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"run-{family}")
-    return setup_state(app, tiny_config(app, family, out, "train.kl_beta=0.04"))
+    return setup_state(app, tiny_config(app, family, out, "algo.kl_coef=0.04"))
 
 
 def test_nan_loss_skips_the_step_and_three_in_a_row_stop(app, state) -> None:
@@ -162,16 +162,16 @@ def test_first_replay_mismatch_stops_the_run(app, state) -> None:
                                    records=batch.records[:4], group_ids=batch.group_ids[:4], images=batch.images[:4])
     fresh = recipe.rollout(state, 2)  # new weights, new rollout: on-policy again
     assert recipe.update(state, 2, fresh, adv)["replay/engine_diff_max"] == 0.0
-    with pytest.raises(RuntimeError, match=r"step 3: first replay.*ratio_tolerance"):
+    with pytest.raises(RuntimeError, match=r"step 3: first replay.*algo\.replay_tolerance"):
         recipe.update(state, 3, tampered, GroupAdvantages(adv.advantages[:4], adv.valid[:4], {}))
 
 
 def test_compile_and_the_first_replay_tolerance_follow_the_device_and_the_batches(app, tmp_path: Path) -> None:
     """model.compile unset compiles SD3's blocks on CUDA only (not sharded, not Janus); the unset
-    train.ratio_tolerance is 1e-5 only where the replay repeats the rollout's kernels on its
+    algo.replay_tolerance is 1e-5 only where the replay repeats the rollout's kernels on its
     batches, else 1e-4 in float32 and 5e-2 in bf16; set values are used as given."""
     cfg = _config(app, tmp_path)  # float32, micro-batch = sampled batch = 4, zero_adv 'drop'
-    assert (cfg.model.compile, cfg.train.ratio_tolerance) == (None, None)
+    assert (cfg.model.compile, cfg.algo.replay_tolerance) == (None, None)
     assert (compiles_blocks(cfg, "cpu"), compiles_blocks(cfg, "cuda")) == (False, True)
     assert (first_replay_tolerance(cfg, compiled=False), first_replay_tolerance(cfg, compiled=True)) == (1e-5, 1e-4)
     bf16 = _config(app, tmp_path, 'model.dtype="bfloat16"')
@@ -181,7 +181,7 @@ def test_compile_and_the_first_replay_tolerance_follow_the_device_and_the_batche
     assert not compiles_blocks(_config(app, tmp_path, 'train.sharding="fsdp2"'), "cuda")
     assert not compiles_blocks(_config(app, tmp_path, "model.compile=false"), "cuda")
     assert compiles_blocks(_config(app, tmp_path, "model.compile=true"), "cpu")
-    assert first_replay_tolerance(_config(app, tmp_path, "train.ratio_tolerance=0.3"), compiled=True) == 0.3
+    assert first_replay_tolerance(_config(app, tmp_path, "algo.replay_tolerance=0.3"), compiled=True) == 0.3
     janus = tiny_config(app, "janus", tmp_path)
     assert not compiles_blocks(janus, "cuda")
     assert first_replay_tolerance(janus, compiled=False) == 1e-5  # log-probs rescored teacher-forced
@@ -203,7 +203,7 @@ def test_config_errors_name_the_key(app, tmp_path: Path) -> None:
 def test_help_lists_every_vrl_knob(app, capsys) -> None:
     assert app.main(["--help"]) is None
     text = capsys.readouterr().out
-    for key in ("rollout.n", "sampling.guidance_scale", "train.clip_range", "train.kl_beta",
+    for key in ("rollout.n", "sampling.guidance_scale", "train.clip_range", "algo.kl_coef",
                 "train.gradient_accumulation_steps", "eval.num_steps", "eval.use_ema", "reward.url"):
         assert key in text
 
@@ -211,7 +211,9 @@ def test_help_lists_every_vrl_knob(app, capsys) -> None:
 @pytest.mark.parametrize(("argv", "line"), [
     (["--help"], None),
     (["train.nope=1"], r"diffusion-grpo: error: unknown config key 'train\.nope' \(override train\.nope=1\): no field"),
-    (["janus.kl=k4"], r"diffusion-grpo: error: janus\.kl: unknown KL estimator 'k4'; valid names: k1, k2, k3, "),
+    (["algo.kl=k4"], r"diffusion-grpo: error: algo\.kl: unknown KL estimator 'k4'; valid names: k1, k2, k3, "),
+    (["train.kl_beta=0"], r"diffusion-grpo: error: train\.kl_beta was renamed: use algo\.kl_coef$"),
+    (["janus.temperature=0.7"], r"diffusion-grpo: error: janus\.temperature was renamed: use rollout\.temperature$"),
     (["train.lr=fast"], r"diffusion-grpo: error: train\.lr: expected float, got 'fast' \(from override train\.lr=fast\)$"),
     (["model.dtype=float8", "model.path=/nope"], r"diffusion-grpo: error: model\.dtype: unknown value 'float8'; "
      r"valid choices: auto, float32, fp32, bfloat16, bf16, float16, fp16 \(from override model\.dtype=float8\)$"),
@@ -223,7 +225,7 @@ def test_help_and_config_errors_answer_before_torch_is_imported(argv: list[str],
     done = run_cli(APP, *argv, cwd=REPO)
     assert not done.imported_torch
     if line is None:
-        assert done.returncode == 0 and "train.kl_beta" in done.stdout and "VRL_OUTPUT_DIR" in done.stdout
+        assert done.returncode == 0 and "algo.kl_coef" in done.stdout and "VRL_OUTPUT_DIR" in done.stdout
     else:
         assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and re.match(line, done.stderr), done.stderr
 
@@ -233,7 +235,7 @@ def test_aesthetic_and_clip_score_rewards_from_the_command_line(app, tmp_path: P
     (the tiny CLIP stands in for ViT-L/14 when the model is tiny)."""
     overrides = [o for o in tiny_overrides(tmp_path) if not o.startswith("reward.")]
     argv = [*overrides, "reward.components.ocr=0.0", "reward.components.aesthetic=1.0",
-            "reward.components.clip_score=0.5", "reward.components.brightness=0", "eval.every=1", "eval.max_prompts=2", "eval.num_steps=2",
+            "reward.components.clip_score=0.5", "reward.components.brightness=0", "train.eval_freq=1", "eval.max_prompts=2", "eval.num_steps=2",
             "train.epochs=1"]
     run = app.main(argv)
     assert run == (tmp_path / "latest").resolve()
@@ -317,7 +319,7 @@ def test_janus_window_settings_are_token_positions_checked_before_and_at_load(ap
 
 def test_janus_trains_a_window_of_its_image_tokens(app, tmp_path: Path) -> None:
     """A fixed window [4, 12) of the tiny checkpoint's 16 tokens: the replay runs the first 12
-    tokens only, and its log-probs still equal the rollout's to the default ratio_tolerance (1e-5):
+    tokens only, and its log-probs still equal the rollout's to the default algo.replay_tolerance (1e-5):
     the run would stop at the first replay otherwise. MixGRPO's sliding window moves by epoch."""
     out = train(app, tiny_config(app, "janus", tmp_path / "fixed", "sampling.sde_window=[4,12]", "train.epochs=1"))
     [row] = [r for r in _rows(out / "metrics.csv") if r.get("replay/steps_per_batch")]
@@ -333,10 +335,10 @@ def test_janus_trains_a_window_of_its_image_tokens(app, tmp_path: Path) -> None:
 # its own, an error under this suite's filterwarnings)
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
 @pytest.mark.slow  # ~45 s of compiling on 2 cores; rl-rollout's default suite checks compiled sampling = eager
-def test_compiled_blocks_sample_and_replay_within_the_ratio_tolerance(app, tmp_path: Path) -> None:
+def test_compiled_blocks_sample_and_replay_within_the_replay_tolerance(app, tmp_path: Path) -> None:
     """model.compile=true: the blocks compiled for sampling (no grad) and for the replay (grad) are
     different graphs; in float32 on the CPU the first replay still passes the default
-    train.ratio_tolerance (1e-5), and the LoRA trains."""
+    algo.replay_tolerance (1e-5), and the LoRA trains."""
     cfg = _config(app, tmp_path, "model.compile=true", "train.epochs=1", "train.save_freq=1")
     run_dir = train(app, cfg)
     [row] = [r for r in _rows(run_dir / "metrics.csv") if r.get("replay/engine_diff_max")]

@@ -41,7 +41,7 @@ def test_random_window_is_seeded_per_batch(app) -> None:
 def test_sliding_window_run_replays_the_window_each_epoch(app, tmp_path: Path) -> None:
     """3 epochs of the tiny run end to end (~9 s): the metrics show 2, 2, 1 replayed steps from 0, 1, 2."""
     cfg = tiny_config(app, "sd3", tmp_path, "sampling.sde_window_mode=sliding", "sampling.sde_window_size=2",
-                      "sampling.shift_interval=1", "train.epochs=3", "train.kl_beta=0")
+                      "sampling.shift_interval=1", "train.epochs=3", "algo.kl_coef=0")
     run_dir = train(app, cfg)
     with open(run_dir / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("replay/steps_per_batch")]

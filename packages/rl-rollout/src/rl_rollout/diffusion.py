@@ -24,7 +24,7 @@ the whole model. Every forward of the transformer then runs the compiled blocks:
 replay whether it goes through the transformer, its peft model or a DDP wrapper of it. Compiled
 and eager forwards agree within rounding, not bit for bit, and the compiled no-grad (sampling) and
 grad (replay) graphs can round differently too: watch the first replay's log ratio
-(diffusion-grpo's `train.ratio_tolerance`), or pass `compile=False` for a ratio of exactly 1.
+(diffusion-grpo's `algo.replay_tolerance`), or pass `compile=False` for a ratio of exactly 1.
 
 Rollout options (each `None`/`"auto"` = the choice in `AUTO_ON_CUDA` on CUDA, off on CPU; each
 compared alone with the compiled plain pipeline by benchmarks/diffusion_grpo.py):
