@@ -5,7 +5,7 @@ command line and the config with it, and `--help` and config errors answer befor
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import msgspec
 
@@ -16,9 +16,12 @@ NAME = "arith-grpo"
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.toml"
 
 
-class PolicyConfig(msgspec.Struct, kw_only=True, frozen=True):
+class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     path: str = "Qwen/Qwen3-0.6B"  # `tiny:qwen3` builds a tiny random checkpoint
     dtype: train.DType = "bfloat16"
+
+
+class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     engine: Literal["auto", "hf", "vllm"] = "auto"  # auto: vllm on a CUDA machine where it imports, else hf
     n: train.Positive = 8  # answers sampled per prompt
     temperature: train.PositiveFloat = 1.0
@@ -45,8 +48,14 @@ class TrainConfig(train.RunFields, kw_only=True, frozen=True):
     lr: train.PositiveFloat = 1e-5
 
 
-class Config(msgspec.Struct, kw_only=True, frozen=True):
-    policy: PolicyConfig = PolicyConfig()
+class Config(train.AppConfig, kw_only=True, frozen=True):
+    # Keys renamed to the other apps' names for the same idea (old -> new; the old is refused).
+    RENAMED: ClassVar[dict[str, str]] = {
+        "policy.path": "model.path", "policy.dtype": "model.dtype", "policy.engine": "rollout.engine",
+        "policy.n": "rollout.n", "policy.temperature": "rollout.temperature",
+        "policy.max_new_tokens": "rollout.max_new_tokens"}
+    model: ModelConfig = ModelConfig()
+    rollout: RolloutConfig = RolloutConfig()
     algo: AlgoConfig = AlgoConfig()
     reward: RewardConfig = RewardConfig()
     train: TrainConfig = TrainConfig()

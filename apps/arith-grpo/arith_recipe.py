@@ -57,21 +57,21 @@ class ArithGRPO(train.Recipe[Config, State, Batch]):
 
     def check(self, cfg: Config, world_size: int) -> None:
         train.check_batch_split(cfg.train.batch_size, world_size)
-        train.check_group_size(cfg.algo.advantage, cfg.policy.n, key="algo.advantage", n_key="policy.n")
+        train.check_group_size(cfg.algo.advantage, cfg.rollout.n, key="algo.advantage", n_key="rollout.n")
         train.check_loss_options(cfg.algo.loss, cfg.algo.loss_options)
 
     def setup(self, cfg: Config, run: train.RunContext) -> State:
-        p, t = cfg.policy, cfg.train
-        path = tiny.resolve(p.path, key="policy.path")
-        model, tokenizer = load_causal_lm(path, dtype=p.dtype)
+        m, r, t = cfg.model, cfg.rollout, cfg.train
+        path = tiny.resolve(m.path, key="model.path")
+        model, tokenizer = load_causal_lm(path, dtype=m.dtype)
         policy, optimizer = run.accelerator.prepare(Policy(model), torch.optim.AdamW(model.parameters(), lr=t.lr))
-        engine = build_policy_engine(p.engine, model=model, processor=tokenizer, path=path, dtype=p.dtype,
+        engine = build_policy_engine(r.engine, model=model, processor=tokenizer, path=path, dtype=m.dtype,
                                      device=run.device, seed=run.rank, world_size=run.world_size, compile=False)
         spec = cfg.reward.spec or RewardSpec(components={"answer": Component(
             scorer="exact_answer", options={"answer": "first", "partial": cfg.reward.partial})})
         draw = random.Random(t.seed)
         problems = [(draw.randrange(10), draw.randrange(10)) for _ in range(64)]  # "a + b", drawn from the seed
-        sampler = GroupSampler(len(problems), p.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
+        sampler = GroupSampler(len(problems), r.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
         reward = build_reward(spec)
         try:
             weights = reward.sum_weights() if cfg.algo.reward_aggregation == "normalize_then_sum" else {}
@@ -92,12 +92,12 @@ class ArithGRPO(train.Recipe[Config, State, Batch]):
         return self.sample(s, step)
 
     def sample(self, s: State, step: int) -> Batch:  # train.max_staleness >= 1: on the rollout thread
-        p, picked = s.cfg.policy, s.sampler.next_prompts(s.cfg.train.batch_size // s.run.world_size)
+        r, picked = s.cfg.rollout, s.sampler.next_prompts(s.cfg.train.batch_size // s.run.world_size)
         prompts = [[{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}]
                    for a, b in (s.problems[i] for i in picked)]
         with s.engine.session() as engine:  # one seed per prompt: the same answers whatever the process count
-            gens = generate_seeded(engine, prompts, SamplingParams(n=p.n, temperature=p.temperature,
-                                                                   max_new_tokens=p.max_new_tokens),
+            gens = generate_seeded(engine, prompts, SamplingParams(n=r.n, temperature=r.temperature,
+                                                                   max_new_tokens=r.max_new_tokens),
                                    [train.sample_seed(s.cfg.train.seed, step, i) for i in picked])
         return Batch(picked, gens, s.engine.weight_version)
 
@@ -128,7 +128,7 @@ class ArithGRPO(train.Recipe[Config, State, Batch]):
         out = token_update(s.run.accelerator, s.policy, s.optimizer, rollouts,
                            [advantages.advantages[i].expand(len(r.completion_ids)) for i, r in enumerate(rollouts)],
                            options=LossOptions(s.cfg.algo.loss, clip_low=s.cfg.algo.clip_low,
-                                               clip_high=s.cfg.algo.clip_high, temperature=s.cfg.policy.temperature,
+                                               clip_high=s.cfg.algo.clip_high, temperature=s.cfg.rollout.temperature,
                                                **loss_fields(s.cfg.algo)), old=None,
                            ref=None, num_minibatches=1, micro_batch_size=s.cfg.train.micro_batch_size, ppo_epochs=1,
                            grad_clip=1.0, guard=s.run.guard, pad_id=s.engine.pad_id, after_step=s.engine.sync,

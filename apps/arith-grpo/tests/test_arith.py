@@ -16,7 +16,7 @@ from rl_core.train.testing import (
     run_cli,
 )
 
-SMALL = ["policy.n=4", "policy.max_new_tokens=4", "train.batch_size=4", "train.micro_batch_size=3", "train.max_steps=2"]
+SMALL = ["rollout.n=4", "rollout.max_new_tokens=4", "train.batch_size=4", "train.micro_batch_size=3", "train.max_steps=2"]
 KEYS = ("reward/mean", "reward/std", "adv/std", "loss/policy", "grad_norm", "policy/entropy", "response/length_mean")
 
 
@@ -85,13 +85,24 @@ def test_a_registry_typo_is_one_line_and_exit_2(tmp_path: Path) -> None:
 
 
 def test_a_value_outside_its_choices_is_one_line_before_torch(tmp_path: Path) -> None:
-    """`policy.dtype` is checked when the config loads, not when the model does (policy.path: a
+    """`model.dtype` is checked when the config loads, not when the model does (model.path: a
     fast failure if it were not)."""
-    done = run_cli(APP, "policy.dtype=float8", "policy.path=/nope", f"train.output_dir={tmp_path}", cwd=REPO)
+    done = run_cli(APP, "model.dtype=float8", "model.path=/nope", f"train.output_dir={tmp_path}", cwd=REPO)
     assert done.returncode == 2 and done.stderr.splitlines() == [
-        "arith-grpo: error: policy.dtype: unknown value 'float8'; valid choices: auto, float32, fp32, bfloat16, "
-        "bf16, float16, fp16 (from override policy.dtype=float8)"]
+        "arith-grpo: error: model.dtype: unknown value 'float8'; valid choices: auto, float32, fp32, bfloat16, "
+        "bf16, float16, fp16 (from override model.dtype=float8)"]
     assert not done.imported_torch
+
+
+@pytest.mark.parametrize(("old", "new"), [("policy.engine", "rollout.engine"), ("policy.path", "model.path")])
+def test_a_renamed_key_is_one_line_naming_the_new_one_before_torch(tmp_path: Path, old: str, new: str) -> None:
+    """The old `[policy]` table's keys now have the other apps' names (`model.*`, `rollout.*`)."""
+    config = tmp_path / "old.toml"
+    config.write_text(f'[{old.split(".")[0]}]\n{old.split(".")[1]} = "hf"\n', encoding="utf-8")
+    for argv in ([f"{old}=hf"], ["--config", str(config)]):
+        done = run_cli(APP, *argv, f"train.output_dir={tmp_path}", cwd=REPO)
+        assert (done.returncode, done.stderr.splitlines()) == (2, [f"arith-grpo: error: {old} was renamed: use {new}"])
+        assert not done.imported_torch
 
 
 def test_dynamic_sampling_keeps_informative_groups_from_more_rounds(tmp_path: Path) -> None:
