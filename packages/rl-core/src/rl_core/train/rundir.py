@@ -123,12 +123,12 @@ def resolve_resume(spec: str | os.PathLike[str] | None, runs_root: str | os.Path
         return None
     if str(spec) == "latest":
         root = Path(runs_root)
-        found = [c for run in (root.iterdir() if root.is_dir() else ()) if run.is_dir() and not run.is_symlink()
+        saved = [c for run in (root.iterdir() if root.is_dir() else ()) if run.is_dir() and not run.is_symlink()
                  and (c := latest_checkpoint(run / "checkpoints")) is not None]
-        if not found:
+        if not saved:
             raise FileNotFoundError(f"--resume: nothing to resume: no run under {root.absolute()} has a checkpoint "
                                     "(start without --resume, or give a run directory)")
-        return max(found, key=lambda c: (c / "meta.json").stat().st_mtime_ns)
+        return max(saved, key=lambda c: (c / "meta.json").stat().st_mtime_ns)
     path = Path(spec)
     if (path / "meta.json").is_file():
         return path
