@@ -41,6 +41,7 @@ PACKAGES: dict[str, list[str]] = {
     "rl-data": ["datasets"],
     "rl-models": ["diffusers"],
     "rl-rollout": ["diffusers", "ray"],
+    "rl-policy": ["ray"],
     "rl-rewards": ["hf", "ocr", "vision", "ray", "ray-serve"],
 }
 DEFAULT_MARKERS = "not gpu and not slow and not vllm"
@@ -284,6 +285,9 @@ def docs(session: nox.Session) -> None:
 
 # Packages whose wheel must install and run its README example without torch.
 NO_TORCH = {"rl-data", "rl-rewards"}
+# Engines and what builds on them without a trainer: no trainer extras (rl-core[train] brings
+# accelerate's trackers and matplotlib), so `pip install "rl-rewards[hf]"` stays a judge server.
+NO_TRAINER = {"rl-core", "rl-models", "rl-rollout"}
 # README examples that read the repository's examples/data: run with the repository root as the
 # working directory (still with the installed package: `python -I` keeps the checkout off sys.path).
 EXAMPLE_FROM_REPO_ROOT = {"rl-data"}
@@ -378,6 +382,8 @@ def packaging(session: nox.Session) -> None:
                     session.error(f"{package}: workspace packages installed {sorted(ours)}, expected {[package, *siblings]}")
                 if package in NO_TORCH and "torch" in installed:
                     session.error(f"{package}: torch was installed, but its wheel must work without it")
+                if package in NO_TRAINER and "matplotlib" in installed:
+                    session.error(f"{package}: matplotlib was installed, but the trainer's extras must stay out")
                 session.run(python, "-I", "-c",
                             f"import sys, {module}; assert {module}.__file__.startswith(sys.prefix), {module}.__file__",
                             external=True)

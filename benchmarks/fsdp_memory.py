@@ -6,7 +6,7 @@ trained with fp32 master weights and AdamW (`train.fsdp_mixed_precision="bf16"`)
 is ~16 bytes/parameter = ~131 GB before activations, past an 80 GB GPU. Here the policy is
 sharded with `rl_core.train.prepare_policy` (FSDP2) with the shards and optimizer state offloaded
 to host memory, one optimizer step on a random token batch runs through
-`rl_rollout.training.Policy` and `rl_core.train.optimizer_step`, and `FullWeights` gathers the
+`rl_policy.training.Policy` and `rl_core.train.optimizer_step`, and `FullWeights` gathers the
 bf16 weights as the rollout would.
 
     uv run torchrun --nproc_per_node 1 benchmarks/fsdp_memory.py          # one GPU (appends RESULTS.md)
@@ -37,7 +37,7 @@ from rl_core.train import (
 )
 from rl_models.logprobs import TokenBatch
 from rl_models.shapes import qwen3_config
-from rl_rollout.training import Policy
+from rl_policy.training import Policy
 
 
 def build(config: Qwen3Config, device: torch.device) -> torch.nn.Module:

@@ -8,7 +8,7 @@ The setting of `benchmarks/caption_rl.py --vllm`: a random-weight policy at Qwen
 2048, the sampled tokens' log-probs returned. Three engines, each timed over `ROUNDS` rounds
 after one warm-up round:
 
-1. caption-rl's colocated engine (`rl_rollout.policy.build_policy_engine("vllm", ...)`, engine
+1. caption-rl's colocated engine (`rl_policy.engine.build_policy_engine("vllm", ...)`, engine
    core in this process, sleep mode), one RL step's engine work split into its parts: wake,
    generate (the app's chat messages with images), sleep, and the weight push after the
    optimizer step; then the same engine generating text-only prompts of the same token length
@@ -85,8 +85,8 @@ def colocated(policy: Path, smoke: bool) -> dict[str, Any]:
     """caption-rl's engine work of one RL step, part by part (row 1)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from rl_policy.engine import build_policy_engine
     from rl_rollout.colocated import push_weights
-    from rl_rollout.policy import build_policy_engine
 
     model = AutoModelForImageTextToText.from_pretrained(policy, dtype=torch.bfloat16).cuda()
     processor = AutoProcessor.from_pretrained(policy)

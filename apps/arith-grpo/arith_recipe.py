@@ -17,11 +17,8 @@ from rl_core import train
 from rl_data import GroupSampler
 from rl_models import tiny
 from rl_models.text import load_causal_lm
-from rl_rewards import Component, Reward, RewardSpec, Sample, build_reward
-from rl_rollout import Generation, SamplingParams, generate_seeded
-from rl_rollout.policy import PolicyEngine, build_policy_engine
-from rl_rollout.prompts import EncodedPrompt
-from rl_rollout.training import (
+from rl_policy.engine import PolicyEngine, build_policy_engine
+from rl_policy.training import (
     LossOptions,
     Policy,
     Rollout,
@@ -29,6 +26,9 @@ from rl_rollout.training import (
     response_metrics,
     token_update,
 )
+from rl_rewards import Component, Reward, RewardSpec, Sample, build_reward
+from rl_rollout import Generation, SamplingParams, generate_seeded
+from rl_rollout.prompts import EncodedPrompt
 
 
 @dataclass
@@ -86,7 +86,7 @@ class ArithGRPO(train.Recipe[Config, State, Batch]):
         return train.Schedule(s.cfg.train.max_steps)
 
     def checkpoint(self, s: State) -> train.Checkpoint:
-        return train.Checkpoint(state={"sampler": s.sampler}, trained=s.model)
+        return train.Checkpoint(state={"sampler": s.sampler, "engine": s.engine}, trained=s.model)
 
     def rollout(self, s: State, step: int) -> Batch:
         return self.sample(s, step)
@@ -123,6 +123,7 @@ class ArithGRPO(train.Recipe[Config, State, Batch]):
         return Batch(picked, gens, groups[0][0].weight_version)
 
     def update(self, s: State, step: int, batch: Batch, advantages: train.GroupAdvantages) -> dict[str, float]:
+        s.run.record_prompts(step, batch.picked)
         rollouts = [Rollout(EncodedPrompt(g.prompt_ids), g.completion_ids, g.logprobs, valid=bool(advantages.valid[i]))
                     for i, g in enumerate(batch.generations)]
         out = token_update(s.run.accelerator, s.policy, s.optimizer, rollouts,

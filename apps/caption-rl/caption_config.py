@@ -22,10 +22,10 @@ from rl_core.train import (
     PolicyLossName,
     Positive,
     PositiveFloat,
-    RolloutWorkerFields,
     RunFields,
     UnitInterval,
 )
+from rl_policy.placement import RolloutWorkerFields
 from rl_rewards.spec import RewardSpec
 
 NAME = "caption-rl"

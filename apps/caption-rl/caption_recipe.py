@@ -45,7 +45,6 @@ from rl_core.train import (
     check_finite_parameters,
     check_group_size,
     check_loss_options,
-    check_placement,
     component_means,
     gathered,
     prepare_policy,
@@ -56,12 +55,9 @@ from rl_core.train import (
 from rl_data import GroupSampler, ReadStats
 from rl_models.lora import export_model
 from rl_models.vl import placeholder_ids
-from rl_rewards import ScoreResult
-from rl_rollout import Generation, SamplingParams, generate_seeded, resolve_engine
-from rl_rollout.policy import PolicyEngine, build_policy_engine, rollout_device
-from rl_rollout.policy_pool import check_ray
-from rl_rollout.streaming import ScoredRollout, generate_scored
-from rl_rollout.training import (
+from rl_policy.engine import PolicyEngine, build_policy_engine, rollout_device
+from rl_policy.placement import check_placement, check_ray
+from rl_policy.training import (
     LossOptions,
     Policy,
     Rollout,
@@ -71,6 +67,9 @@ from rl_rollout.training import (
     rollout_logprobs,
     token_update,
 )
+from rl_rewards import ScoreResult
+from rl_rollout import Generation, SamplingParams, generate_seeded, resolve_engine
+from rl_rollout.streaming import ScoredRollout, generate_scored
 
 
 @dataclass
@@ -104,6 +103,7 @@ class Batch:
     generations: list[Generation]  # rollout.n per kept record, request-major
     weight_version: int  # optimizer steps in the weights the engine sampled with
     scored: ScoredRollout[Scored] | None = None  # reward.stream: the rewards, scored while the batch sampled
+    prompt_ids: tuple[int, ...] = ()  # the data index of each kept record (`RunContext.record_prompts`)
 
 
 Scored = tuple[ScoreResult, str]  # a caption's reward, and the error of a server down after its retries ("" if up)
@@ -208,7 +208,8 @@ class CaptionRL(Recipe[Config, State, Batch]):
         return Schedule(min(total, t.max_steps or total), eval_every=every, eval_at_end=every > 0, note=note)
 
     def checkpoint(self, s: State) -> Checkpoint:
-        return Checkpoint(state={"sampler": s.sampler, **sharded_state(s.policy, s.optimizer)}, trained=s.model)
+        return Checkpoint(state={"sampler": s.sampler, "engine": s.engine, **sharded_state(s.policy, s.optimizer)},
+                          trained=s.model)
 
     def rollout(self, s: State, step: int) -> Batch:
         return self.sample(s, step)
@@ -239,7 +240,7 @@ class CaptionRL(Recipe[Config, State, Batch]):
         for g in generations:
             if g.prompt_ids != enc.prompts[g.request_index].ids:
                 raise RuntimeError(f"prompt {g.request_index}: the engine encoded it differently from the trainer")
-        return Batch(enc, generations, s.engine.weight_version, scored)
+        return Batch(enc, generations, s.engine.weight_version, scored, tuple(picked[i] for i in enc.positions))
 
     def score(self, s: State, step: int, batch: Batch) -> Scores | Skip:
         """Rewards of every caption, or a reason (agreed over processes) to skip the step. A
@@ -272,11 +273,13 @@ class CaptionRL(Recipe[Config, State, Batch]):
                           sum({id(b.encoded): b.encoded.too_long for b, _ in groups}.values()))
         gens = [msgspec.structs.replace(batch.generations[i], request_index=j)
                 for j, (batch, rows) in enumerate(groups) for i in rows]
-        return Batch(encoded, gens, groups[0][0].weight_version)
+        ids = tuple(batch.prompt_ids[batch.generations[rows[0]].request_index] for batch, rows in groups)
+        return Batch(encoded, gens, groups[0][0].weight_version, prompt_ids=ids)
 
     def update(self, s: State, step: int, batch: Batch, advantages: GroupAdvantages) -> dict[str, float]:
         cfg, acc, a, t = s.cfg, s.run.accelerator, s.cfg.algo, s.cfg.train
         gens = batch.generations
+        s.run.record_prompts(step, batch.prompt_ids)
         rollouts = [Rollout(batch.encoded.prompts[g.request_index], g.completion_ids, g.logprobs,
                             valid=bool(advantages.valid[i])) for i, g in enumerate(gens)]
         first = s.run.first_step(step)

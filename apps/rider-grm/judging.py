@@ -17,12 +17,12 @@ from rider_config import JudgeConfig, judge_name, resolve_model, resolve_path
 from transformers import AutoTokenizer
 
 from rl_core.train import ConfigError, PhaseTimer, PinnedOffload, UserError
+from rl_policy.engine import PolicyEngine
 from rl_rewards.client import RemoteScorer, RewardClient, RewardClientError, RewardResponseError
 from rl_rewards.samples import Sample, ScoreResult
 from rl_rewards.scorers.judge import JudgeScorer
 from rl_rollout import Engine, Generation, Prompt, SamplingParams, load_engine, resolve_engine
 from rl_rollout.hf import HFEngine
-from rl_rollout.policy import PolicyEngine
 
 
 class RecordingEngine:

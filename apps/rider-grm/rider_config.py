@@ -26,11 +26,11 @@ from rl_core.train import (
     PolicyLossName,
     Positive,
     PositiveFloat,
-    RolloutWorkerFields,
     RunFields,
     UnitInterval,
     check_loss_options,
 )
+from rl_policy.placement import RolloutWorkerFields
 from rl_rewards.modules import load_reward_module
 from rl_rewards.spec import RewardSpec, load_spec
 
@@ -60,7 +60,7 @@ class RolloutConfig(RolloutWorkerFields, kw_only=True, frozen=True):
     """`rollout.*`; `workers`, `gpus_per_worker`, `ray_address`: the engine as Ray actors (`RolloutWorkerFields`)."""
 
     engine: Literal["auto", "hf", "vllm"] = "auto"
-    """Who samples the policy's responses (`rl_rollout.policy`). hf: the training model decodes (no
+    """Who samples the policy's responses (`rl_policy.engine`). hf: the training model decodes (no
     second copy of the weights, nothing to sync; the only choice on a CPU). vllm: a colocated vLLM
     engine per GPU, awake only while it generates, the weights pushed after every optimizer step
     (faster decoding for long responses; needs a GPU and `pip install "rl-rollout[vllm]"`).
@@ -256,9 +256,8 @@ def check_config(cfg: Config, world_size: int) -> None:
     every judge module imported, every engine kind possible here), before any model loads."""
     # torch: imported when the recipe checks, not for --help
     from rl_core.advantages import uses_group_baseline
-    from rl_core.train import check_placement
+    from rl_policy.placement import check_placement, check_ray
     from rl_rollout import resolve_engine
-    from rl_rollout.policy_pool import check_ray
 
     t, r = cfg.train, cfg.reward
     if uses_group_baseline(cfg.algo.adv_estimator) and cfg.rollout.n < 2:

@@ -44,10 +44,11 @@ from rl_core.train.recipe import Checkpoint, Recipe, RunContext, Schedule, Score
 from rl_core.train.sharding import FullWeights, prepare_policy, resolve_sharding, sharded_state
 from rl_data import GroupSampler, JudgeRecord
 from rl_models.text import load_causal_lm
+from rl_policy import training
+from rl_policy.engine import PolicyEngine, build_policy_engine, rollout_device
 from rl_rewards.composition import Reward
 from rl_rewards.samples import Sample, ScoreResult
-from rl_rollout import Generation, SamplingParams, generate_seeded, training
-from rl_rollout.policy import PolicyEngine, build_policy_engine, rollout_device
+from rl_rollout import Generation, SamplingParams, generate_seeded
 from rl_rollout.prompts import EncodedPrompt
 from rl_rollout.streaming import ChunkScorer, ScoredRollout, generate_scored
 
@@ -94,6 +95,7 @@ class Batch:
     weight_version: int  # optimizer steps in the weights the samples were drawn with
     judges_awake: int  # judge engines awake while the policy generated (0 when swapping)
     scored: ScoredRollout[Scored] | None = None  # reward.stream: scored while the batch sampled
+    prompt_ids: tuple[int, ...] = ()  # [B / n] the data index of each prompt (`RunContext.record_prompts`)
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ class Sampled:
     weight_version: int
     judges_awake: int
     scored: ScoredRollout[Scored] | None = None
+    prompt_ids: tuple[int, ...] = ()  # [B / n]
 
 
 class RiderGRM(Recipe[Config, State, Batch]):
@@ -183,7 +186,8 @@ class RiderGRM(Recipe[Config, State, Batch]):
                         eval_at_start=t.val_before_train, eval_at_end=True)
 
     def checkpoint(self, state: State) -> Checkpoint:
-        return Checkpoint(state={"sampler": state.sampler, **sharded_state(state.policy, state.optimizer)},
+        return Checkpoint(state={"sampler": state.sampler, "engine": state.engine,
+                                 **sharded_state(state.policy, state.optimizer)},
                           trained=state.run.accelerator.unwrap_model(state.policy))
 
     def rollout(self, state: State, step: int) -> Batch:
@@ -203,7 +207,7 @@ class RiderGRM(Recipe[Config, State, Batch]):
         version = state.engine.weight_version
         score = _chunk_scorer(state, records, len(records) * n) if state.stream else None
         gens, awake, scored = generate(state, records, n, cfg.rollout.temperature, seeds, score)
-        return Sampled([r for r in records for _ in range(n)], gens, version, awake, scored)
+        return Sampled([r for r in records for _ in range(n)], gens, version, awake, scored, tuple(indices))
 
     def prepare(self, state: State, step: int, sampled: Sampled) -> Batch:
         """The trainer's log-probs of the samples (the PPO ratio's old ones: with staleness, the
@@ -220,7 +224,8 @@ class RiderGRM(Recipe[Config, State, Batch]):
                 ref = logprobs(state, state.ref, gens)
                 if state.ref_offload is not None:
                     state.ref_offload.to_host()
-        return Batch(sampled.records, gens, old, ref, sampled.weight_version, sampled.judges_awake, sampled.scored)
+        return Batch(sampled.records, gens, old, ref, sampled.weight_version, sampled.judges_awake, sampled.scored,
+                     sampled.prompt_ids)
 
     def weight_channel(self, state: State) -> WeightChannel:
         """The engine's own weights by version; the policy then stays resident (`reward.swap`
@@ -268,14 +273,16 @@ class RiderGRM(Recipe[Config, State, Batch]):
         picks = [(batch, i) for batch, rows in groups for i in rows]
         refs = [b.ref[i] for b, i in picks if b.ref is not None]
         ref = refs if groups[0][0].ref is not None else None
+        ids = tuple(b.prompt_ids[rows[0] // state.cfg.rollout.n] for b, rows in groups)
         return Batch([b.records[i] for b, i in picks], [b.gens[i] for b, i in picks], [b.old[i] for b, i in picks],
-                     ref, groups[0][0].weight_version, max(b.judges_awake for b, _ in groups))
+                     ref, groups[0][0].weight_version, max(b.judges_awake for b, _ in groups), prompt_ids=ids)
 
     def update(self, state: State, step: int, batch: Batch, advantages: GroupAdvantages) -> dict[str, float]:
         """Clipped PG + KL-loss minibatch updates (`train.mini_batch_size` prompts each), after the
         engine-vs-trainer check of the old log-probs within `algo.replay_tolerance` (default 1e-3
         for a float32 policy, 5e-2 for 16-bit kernels): the first step raises on a mismatch."""
         cfg, run, acc, a, t = state.cfg, state.run, state.run.accelerator, state.cfg.algo, state.cfg.train
+        run.record_prompts(step, batch.prompt_ids)
         state.swap.wake(run.timer)
         rollouts = to_rollouts(batch.gens, advantages.valid.tolist())
         dtype = next(state.model.parameters()).dtype

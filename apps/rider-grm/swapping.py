@@ -17,7 +17,7 @@ import torch
 from judging import Judge
 
 from rl_core.train import OptimizerOffload, PhaseTimer, PinnedOffload
-from rl_rollout.policy import PolicyEngine
+from rl_policy.engine import PolicyEngine
 
 PlanName = Literal["always", "judges", "never"]
 

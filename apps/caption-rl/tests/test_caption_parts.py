@@ -25,9 +25,9 @@ from rl_core.train import UserError, load_config
 from rl_data import chat_messages
 from rl_models import tiny
 from rl_models.vl import placeholder_ids
+from rl_policy.training import Rollout, collate
 from rl_rewards.spec import load_spec
 from rl_rollout.prompts import EncodedPrompt, encode_prompt
-from rl_rollout.training import Rollout, collate
 
 IMAGES, VIDEOS = DATA / "caption_qa_images.jsonl", DATA / "caption_qa_videos.jsonl"
 

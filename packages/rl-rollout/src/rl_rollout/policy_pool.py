@@ -21,7 +21,6 @@ drive actors of their own, on a running cluster.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -31,16 +30,7 @@ import torch
 
 from rl_rollout.protocol import Generation, Prompt, SamplingParams
 
-__all__ = ["PoolEngine", "build_worker_engine", "check_ray", "local_worker_devices", "worker_gpu_ids"]
-
-
-def check_ray(workers: int, *, key: str = "rollout.workers") -> None:
-    """Before any model loads: Ray actors need Ray installed."""
-    if workers and importlib.util.find_spec("ray") is None:
-        from rl_core.train import ConfigError
-        from rl_rollout.ray_pool import INSTALL
-
-        raise ConfigError(f"{key}={workers} runs the rollout engine in Ray actors: {INSTALL}")
+__all__ = ["PoolEngine", "build_worker_engine", "local_worker_devices", "worker_gpu_ids"]
 
 
 def build_worker_engine(kind: str, path: str, *, dtype: str, seed: int, max_batch_size: int,

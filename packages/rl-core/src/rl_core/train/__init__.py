@@ -53,7 +53,6 @@ if TYPE_CHECKING:
         CompileMode,
         DType,
         DynamicSampling,
-        RolloutWorkerFields,
         RunFields,
         ShardingFields,
     )
@@ -83,7 +82,6 @@ if TYPE_CHECKING:
         Skip,
         check_batch_split,
         check_group_size,
-        check_placement,
     )
     from rl_core.train.replay_update import Replay, replay_update
     from rl_core.train.rundir import latest_checkpoint, latest_run, make_run_dir, resolve_resume
@@ -132,7 +130,7 @@ _EXPORTS = {
                "load_config", "parse_cli"],
     "entry": ["AppEntry"],
     "ema": ["ParameterEMA", "TrainableState", "trainable_parameters"],
-    "fields": ["CompileMode", "DType", "DynamicSampling", "RolloutWorkerFields", "RunFields", "ShardingFields"],
+    "fields": ["CompileMode", "DType", "DynamicSampling", "RunFields", "ShardingFields"],
     "groups": ["GroupAdvantages", "component_means", "gather_rows", "group_advantages"],
     "loop": ["run", "train"],
     "metric_names": ["METRIC_NAMES", "unknown_metric_names"],
@@ -144,7 +142,7 @@ _EXPORTS = {
     "process_state": ["ProcessState"],
     "progress": ["TrainProgress"],
     "recipe": ["Checkpoint", "Recipe", "RunContext", "Schedule", "Scores", "Skip", "check_batch_split",
-               "check_group_size", "check_placement"],
+               "check_group_size"],
     "replay_update": ["Replay", "replay_update"],
     "rundir": ["latest_checkpoint", "latest_run", "make_run_dir", "resolve_resume"],
     "samples": ["SampleLog"],
@@ -196,7 +194,6 @@ __all__ = [
     "RewardAggregationName",
     "RolloutCorrectionName",
     "RolloutPipeline",
-    "RolloutWorkerFields",
     "RunContext",
     "RunFields",
     "SampleLog",
@@ -220,7 +217,6 @@ __all__ = [
     "check_finite_parameters",
     "check_group_size",
     "check_loss_options",
-    "check_placement",
     "component_means",
     "config_help",
     "copy_sharing_frozen",

@@ -1,6 +1,6 @@
 """The `algo.*` keys of the policy loss's options and the off-policy corrections, named the same
 in every text app: an app's `AlgoConfig` subclasses `PolicyLossFields` (next to its own `loss`,
-`agg`, `clip_low`, `clip_high`), and `rl_rollout.training.LossOptions` reads them."""
+`agg`, `clip_low`, `clip_high`), and `rl_policy.training.LossOptions` reads them."""
 
 from __future__ import annotations
 

@@ -7,14 +7,13 @@ reads its command line before torch is imported; `rl_core.train.sharding`,
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 import msgspec
 
-from rl_core.train.config import NonNegative, NonNegativeFloat, Positive
+from rl_core.train.config import NonNegative, Positive
 
-__all__ = ["CompileMode", "DType", "DynamicSampling", "MixedPrecision", "RolloutWorkerFields", "RunFields", "Sharding",
+__all__ = ["CompileMode", "DType", "DynamicSampling", "MixedPrecision", "RunFields", "Sharding",
            "ShardingFields", "TrackerName", "run_fields"]
 
 Sharding = Literal["none", "fsdp2"]
@@ -53,27 +52,6 @@ class ShardingFields(msgspec.Struct, kw_only=True, frozen=True):
     fsdp_activation_checkpointing: bool = False
     """fsdp2: recompute each decoder layer's (transformer block's) activations in backward (less
     memory, ~1/3 more compute)."""
-
-
-class RolloutWorkerFields(msgspec.Struct, kw_only=True, frozen=True):
-    """The `rollout.*` keys of the policy's engine as Ray actors, shared by the text apps: an
-    app's `RolloutConfig` subclasses this (`rl_core.train.check_placement` has their rules,
-    `rl_rollout.policy_pool` the actors)."""
-
-    workers: NonNegative = 0
-    """0: the rollout engine lives in the training process. N > 0 (with placement=split): N Ray
-    actors each hold rollout.engine, built from the policy's checkpoint, on a GPU of their own (a
-    local Ray instance gets every GPU but the trainer's; 0 GPUs on a CPU machine); the weights are
-    pushed to them after each step (by version when asynchronous), so their decoding and vLLM's
-    client do not share the trainer's process. Synchronous or asynchronous. Several training
-    processes each drive N actors of their own on a running Ray cluster (ray_address or
-    RAY_ADDRESS); one process may start a local instance. Needs `pip install "rl-rollout[ray]"`."""
-    gpus_per_worker: NonNegativeFloat | None = None  # rollout.workers: None = 1 on CUDA, 0 on a CPU
-    ray_address: str | None = None  # rollout.workers: join this Ray cluster (env RAY_ADDRESS); None starts one
-
-    def cluster_address(self) -> str | None:
-        """The Ray cluster the actors join: `ray_address`, else `RAY_ADDRESS`; None starts a local one."""
-        return self.ray_address or os.environ.get("RAY_ADDRESS") or None
 
 
 class DynamicSampling(msgspec.Struct, kw_only=True, frozen=True):

@@ -74,7 +74,7 @@ class CopyChannel:
     A sharded `trained` (FSDP2: DTensor parameters) publishes whole weights: each trainable
     parameter all-gathered (`full_tensor`, a collective: every process publishes each version,
     as the loop does) into the rollout copy's dtype (bf16 rollout weights from fp32 master
-    weights); `rollout` is then a whole copy of its own (`rl_rollout.policy` builds it from
+    weights); `rollout` is then a whole copy of its own (`rl_policy.engine` builds it from
     `FullWeights`)."""
 
     def __init__(self, trained: torch.nn.Module, rollout: torch.nn.Module, *,

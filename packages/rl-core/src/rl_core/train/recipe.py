@@ -42,7 +42,7 @@ from rl_core.train.pipeline import WeightChannel
 from rl_core.train.samples import SampleLog
 from rl_core.train.update import NonFiniteGuard
 
-__all__ = ["Checkpoint", "Recipe", "RunContext", "RunFields", "Schedule", "Scores", "Skip", "check_batch_split", "check_group_size", "check_placement", "run_fields"]
+__all__ = ["Checkpoint", "Recipe", "RunContext", "RunFields", "Schedule", "Scores", "Skip", "check_batch_split", "check_group_size", "run_fields"]
 
 
 def check_batch_split(batch_size: int, world_size: int, mini_batch_size: int | None = None, *,
@@ -60,33 +60,6 @@ def check_group_size(estimator: str, n: int, *, key: str, n_key: str) -> None:
     if uses_group_baseline(estimator) and n < 2:
         raise ConfigError(f"{n_key}={n}: {key}={estimator!r} compares the samples of one prompt with each other "
                           f"and needs {n_key} >= 2")
-
-
-def check_placement(placement: str, engine: str, max_staleness: int, *, world_size: int = 1, workers: int = 0,
-                    ray_address: str | None = None, key: str = "rollout.placement") -> None:
-    """`Recipe.check`'s rule for a rollout GPU of its own (`split`): in the trainer's process it
-    samples while the trainer updates, so it needs asynchronous rollouts, and a `vllm` engine
-    there serves one training process (for now: `hf` serves any number). As `workers` Ray actors
-    (`rollout.workers`) it runs synchronous or asynchronous; several training processes each
-    drive `workers` actors of their own on a running Ray cluster (`ray_address`: the app's
-    `rollout.ray_address`, else `RAY_ADDRESS`), as one process can start a local one."""
-    if workers:
-        if placement != "split":
-            raise ConfigError(f"rollout.workers={workers} samples in Ray actors on GPUs of their own: it needs "
-                              f"{key}=split")
-        if world_size > 1 and not ray_address:
-            raise ConfigError(f"rollout.workers={workers} with {world_size} training processes needs a running Ray "
-                              "cluster, where each process drives its own actors: `ray start --head` (with the "
-                              "rollout GPUs only), then set RAY_ADDRESS or rollout.ray_address; or launch one process")
-        return
-    if placement != "split":
-        return
-    if max_staleness < 1:
-        raise ConfigError(f"{key}=split samples on its own GPU while the trainer updates: it needs "
-                          "train.max_staleness >= 1")
-    if engine == "vllm" and world_size > 1:
-        raise ConfigError(f"{key}=split with rollout.engine=vllm runs one training process (its engine on the "
-                          f"second GPU), this launch has {world_size}: launch one process, or use rollout.engine=hf")
 
 
 C = TypeVar("C", bound=msgspec.Struct)  # the app config: a Struct whose `train` table is a RunFields
@@ -121,6 +94,18 @@ class RunContext:
     @property
     def is_main(self) -> bool:
         return bool(self.accelerator.is_main_process)
+
+    def record_prompts(self, step: int, ids: Sequence[int]) -> None:
+        """Log the data indices of the prompts this process trains at `step` (call it from
+        `update`, on every process: it gathers): one line `{"step": k, "prompts": [...]}` of
+        every process's, rank by rank, in `samples/prompts.jsonl`. Written before the step's
+        checkpoint and cut back to the checkpoint on resume, like the other sample logs, it says
+        which prompts the run trained at each step: a resumed or faulted run can be checked for
+        a prompt lost or trained twice against the uninterrupted one (`benchmarks/fault_resume.py`)."""
+        from accelerate.utils import gather_object
+
+        everyone = gather_object([[int(i) for i in ids]])  # one list a process
+        self.samples.write("prompts", step, [{"prompts": [i for part in everyone for i in part]}], track=False)
 
     def first_step(self, step: int) -> bool:
         """Whether `step` is the first this process trains (a fresh start or a resume): where the
@@ -259,7 +244,7 @@ class Recipe(ABC, Generic[C, S, B]):
 
     def weight_channel(self, state: S) -> WeightChannel:
         """The engine's weights by version (`rl_core.train.WeightChannel`), e.g. the policy
-        engine of `rl_rollout.policy`, switched to a private copy of the weights."""
+        engine of `rl_policy.engine`, switched to a private copy of the weights."""
         raise NotImplementedError(f"{self.name} has no weight channel")
 
     def merge(self, state: S, groups: Sequence[tuple[B, Sequence[int]]]) -> B:

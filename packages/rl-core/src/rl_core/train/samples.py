@@ -46,11 +46,13 @@ class SampleLog:
                 else:
                     trim_jsonl(path, start_step)
 
-    def write(self, name: str, step: int, rows: Iterable[Mapping[str, Any]]) -> None:
+    def write(self, name: str, step: int, rows: Iterable[Mapping[str, Any]], *, track: bool = True) -> None:
+        """Append `rows` to `samples/<name>.jsonl`; `track=False`: the file only, not the
+        trackers' tables (`pop`)."""
         if not self.main:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        written = self.pending.setdefault(name, [])
+        written = self.pending.setdefault(name, []) if track else []
         with (self.dir / f"{name}.jsonl").open("a", encoding="utf-8") as f:
             for row in rows:
                 f.write(json.dumps({"step": step, **row}, ensure_ascii=False, default=str) + "\n")

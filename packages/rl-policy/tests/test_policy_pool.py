@@ -11,8 +11,8 @@ import torch
 from rl_core.errors import UserError
 from rl_models import tiny
 from rl_models.text import load_causal_lm
+from rl_policy.engine import build_policy_engine
 from rl_rollout import SamplingParams, generate_seeded
-from rl_rollout.policy import build_policy_engine
 
 PROMPTS = ["Hi", "The sky is", "One two", "A cat"]
 SEEDS = [11, 12, 13, 14]
@@ -107,7 +107,7 @@ def test_an_actor_on_this_machines_gpu_takes_pushes_by_cuda_ipc() -> None:
     """A local Ray instance's actor on this machine's GPU (here the trainer's own, half each, so
     one GPU is enough) takes each version as CUDA IPC handles of a copy on its GPU, not as host
     copies through Ray's object store."""
-    from rl_rollout.policy import PolicyEngine
+    from rl_policy.engine import PolicyEngine
     from rl_rollout.policy_pool import PoolEngine, build_worker_engine, local_worker_devices
     from rl_rollout.ray_pool import EngineSpec, RolloutPool
 

@@ -19,7 +19,8 @@ owns weight sync (verl's engine layer), so no app asks which engine it has.
   process of its own (weights pushed as CUDA IPC handles), and never sleeps.
 
 `weight_version` counts `sync` calls: the optimizer steps in the weights the next session
-samples with (log it as `rollout/weight_version`).
+samples with (log it as `rollout/weight_version`). The count goes into checkpoints
+(`state_dict`), so a resumed run goes on from it.
 
 `timer` (the trainer's `rl_core.train.PhaseTimer`, or any `timer(name)` context manager) times
 the engine layer's own work as phases: `rollout_wake` and `rollout_sleep` (a session's start and
@@ -178,6 +179,19 @@ class PolicyEngine:
                     self.release_cache()
                 if self.optimizer_offload is not None:
                     self.optimizer_offload.to_device()
+
+    def state_dict(self) -> dict[str, int]:
+        """The optimizer steps in the trained weights (the count `sync` keeps), for a checkpoint:
+        a resumed run's engine goes on counting from there, not from 0 (`Stateful`; put the
+        engine in the recipe's `Checkpoint.state`). An asynchronous run counts them in its
+        channel; `weight_version` is then the version the rollout thread last loaded."""
+        return {"weight_version": self.channel.steps if self.channel is not None else self.weight_version}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Before `weight_channel()`, as the trainer loop restores a checkpoint before it starts."""
+        if self.channel is not None:
+            raise RuntimeError("load the engine's state before its weight channel is made")
+        self.weight_version = int(state["weight_version"])
 
     def sync(self, *, bump: bool = True) -> None:
         """After an optimizer step (`bump=False`: at start-up, when a resumed checkpoint is newer

@@ -13,7 +13,7 @@ from test_training import ADVANTAGES
 from rl_core.train import NonFiniteGuard, end_training
 from rl_models import tiny
 from rl_models.text import load_causal_lm
-from rl_rollout.training import LossOptions, Policy, token_update
+from rl_policy.training import LossOptions, Policy, token_update
 
 out = Path(sys.argv[1])
 acc = Accelerator(cpu=True)

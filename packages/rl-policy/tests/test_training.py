@@ -1,4 +1,4 @@
-"""The token update (`rl_rollout.training`) on the tiny Qwen3, on rollouts the hf engine really
+"""The token update (`rl_policy.training`) on the tiny Qwen3, on rollouts the hf engine really
 sampled through the policy engine layer: accumulation over micro-batches equals one batch, the
 on-policy path (old log-probs from the update's own forward) equals the replayed one, the
 first-replay check stops a mismatched engine before any weight changes, a failed sample
@@ -19,10 +19,10 @@ from accelerate import Accelerator
 from rl_core.train import NonFiniteGuard
 from rl_models import tiny
 from rl_models.text import load_causal_lm
+from rl_policy.engine import build_policy_engine
+from rl_policy.training import LossOptions, Policy, Rollout, rollout_logprobs, token_update
 from rl_rollout import SamplingParams
-from rl_rollout.policy import build_policy_engine
 from rl_rollout.prompts import EncodedPrompt
-from rl_rollout.training import LossOptions, Policy, Rollout, rollout_logprobs, token_update
 
 PROMPTS = [[{"role": "user", "content": "Name a colour."}], [{"role": "user", "content": "Count to three."}]]
 ADVANTAGES = [1.0, -1.0, 0.5, 0.25]  # one per rollout (2 prompts x 2 samples)
@@ -174,7 +174,8 @@ def _free_port() -> int:
 
 def test_two_processes_equal_one_process_with_twice_the_rollouts(rollouts, one_batch, tmp_path: Path) -> None:
     torch.save(rollouts, tmp_path / "rollouts.pt")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPT.parent)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPT.parent),
+           "RL_MODELS_CACHE": str(tmp_path / "empty-cache")}  # the ranks build the checkpoint, as a first run does
     done = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
          "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),

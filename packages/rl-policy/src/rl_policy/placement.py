@@ -1,0 +1,70 @@
+"""Where the policy's engine runs, as config keys and the rules an app checks before any model
+loads (no torch imported here): in the trainer's process (`colocated`), on a GPU of its own in
+that process (`split`), or as Ray actors on GPUs of their own (`rollout.workers`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import msgspec
+
+from rl_core.train.config import ConfigError, NonNegative, NonNegativeFloat
+
+__all__ = ["RolloutWorkerFields", "check_placement", "check_ray"]
+
+RAY_INSTALL = 'pip install "rl-policy[ray]"; in a clone of the repository: uv sync --all-packages --extra ray'
+
+
+class RolloutWorkerFields(msgspec.Struct, kw_only=True, frozen=True):
+    """The `rollout.*` keys of the policy's engine as Ray actors, shared by the text apps: an
+    app's `RolloutConfig` subclasses this (`check_placement` has their rules,
+    `rl_rollout.policy_pool` the actors)."""
+
+    workers: NonNegative = 0
+    """0: the rollout engine lives in the training process. N > 0 (with placement=split): N Ray
+    actors each hold rollout.engine, built from the policy's checkpoint, on a GPU of their own (a
+    local Ray instance gets every GPU but the trainer's; 0 GPUs on a CPU machine); the weights are
+    pushed to them after each step (by version when asynchronous), so their decoding and vLLM's
+    client do not share the trainer's process. Synchronous or asynchronous. Several training
+    processes each drive N actors of their own on a running Ray cluster (ray_address or
+    RAY_ADDRESS); one process may start a local instance. Needs `pip install "rl-policy[ray]"`."""
+    gpus_per_worker: NonNegativeFloat | None = None  # rollout.workers: None = 1 on CUDA, 0 on a CPU
+    ray_address: str | None = None  # rollout.workers: join this Ray cluster (env RAY_ADDRESS); None starts one
+
+    def cluster_address(self) -> str | None:
+        """The Ray cluster the actors join: `ray_address`, else `RAY_ADDRESS`; None starts a local one."""
+        return self.ray_address or os.environ.get("RAY_ADDRESS") or None
+
+
+def check_placement(placement: str, engine: str, max_staleness: int, *, world_size: int = 1, workers: int = 0,
+                    ray_address: str | None = None, key: str = "rollout.placement") -> None:
+    """The rule for a rollout GPU of its own (`split`): in the trainer's process it samples while
+    the trainer updates, so it needs asynchronous rollouts, and a `vllm` engine there serves one
+    training process (`hf` serves any number). As `workers` Ray actors (`rollout.workers`) it
+    runs synchronous or asynchronous; several training processes each drive `workers` actors of
+    their own on a running Ray cluster (`ray_address`: the app's `rollout.ray_address`, else
+    `RAY_ADDRESS`), as one process can start a local one. `engine` is the resolved engine name."""
+    if workers:
+        if placement != "split":
+            raise ConfigError(f"rollout.workers={workers} samples in Ray actors on GPUs of their own: it needs "
+                              f"{key}=split")
+        if world_size > 1 and not ray_address:
+            raise ConfigError(f"rollout.workers={workers} with {world_size} training processes needs a running Ray "
+                              "cluster, where each process drives its own actors: `ray start --head` (with the "
+                              "rollout GPUs only), then set RAY_ADDRESS or rollout.ray_address; or launch one process")
+        return
+    if placement != "split":
+        return
+    if max_staleness < 1:
+        raise ConfigError(f"{key}=split samples on its own GPU while the trainer updates: it needs "
+                          "train.max_staleness >= 1")
+    if engine == "vllm" and world_size > 1:
+        raise ConfigError(f"{key}=split with rollout.engine=vllm runs one training process (its engine on the "
+                          f"second GPU), this launch has {world_size}: launch one process, or use rollout.engine=hf")
+
+
+def check_ray(workers: int, *, key: str = "rollout.workers") -> None:
+    """Before any model loads: Ray actors need Ray installed."""
+    if workers and importlib.util.find_spec("ray") is None:
+        raise ConfigError(f"{key}={workers} runs the rollout engine in Ray actors: {RAY_INSTALL}")
