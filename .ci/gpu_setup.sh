@@ -46,7 +46,7 @@ if [ -d .vs ] && [ ! -f /tmp/vs/.done ]; then  # Ray Serve's dependencies, after
 fi
 if [ -d /tmp/vg ]; then export PYTHONPATH="/tmp/vg${PYTHONPATH:+:$PYTHONPATH}"; fi
 _src=""
-for _p in rl-core rl-models rl-rollout rl-data rl-rewards; do _src="$_src:$PWD/packages/$_p/src"; done
+for _p in rl-core rl-models rl-rollout rl-policy rl-data rl-rewards; do _src="$_src:$PWD/packages/$_p/src"; done
 export PYTHONPATH="/tmp/vd$_src${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
 unset _src _p

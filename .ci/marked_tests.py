@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = [
-    *(f"packages/{p}/tests" for p in ("rl-core", "rl-data", "rl-models", "rl-rollout", "rl-rewards")),
+    *(f"packages/{p}/tests" for p in ("rl-core", "rl-data", "rl-models", "rl-rollout", "rl-policy", "rl-rewards")),
     *sorted(f"apps/{main.parent.name}/tests" for main in ROOT.glob("apps/*/__main__.py")),  # every recipe
 ]
 # vLLM, its kernel packages and inductor warn about themselves (deprecations, TF32 hints, zmq
@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
         return 2
     marker, extra = argv[0], argv[1:]
     env = dict(os.environ)
-    sources = [str(ROOT / "packages" / p / "src") for p in ("rl-core", "rl-data", "rl-models", "rl-rollout", "rl-rewards")]
+    sources = [str(ROOT / "packages" / p / "src") for p in ("rl-core", "rl-data", "rl-models", "rl-rollout", "rl-policy", "rl-rewards")]
     env["PYTHONPATH"] = os.pathsep.join([*sources, *filter(None, [env.get("PYTHONPATH")])])
     failed = []
     pytest = [sys.executable, "-m", "pytest", "-m", marker, "-q", "-p", "no:cacheprovider", *WARNINGS.get(marker, [])]

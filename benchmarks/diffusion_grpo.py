@@ -1,6 +1,6 @@
 """diffusion-grpo throughput at SD3.5-Medium shape: rollout engine vs plain diffusers, one epoch.
 
-    PYTHONPATH=packages/rl-core/src:packages/rl-models/src:packages/rl-rollout/src \
+    PYTHONPATH=packages/rl-core/src:packages/rl-models/src:packages/rl-rollout/src:packages/rl-policy/src \
         python benchmarks/diffusion_grpo.py            # one H100/H200, ~8 minutes with compiling
     python benchmarks/diffusion_grpo.py --rollout-only # part (a) only
     python benchmarks/diffusion_grpo.py --smoke        # tiny SD3, CPU, no RESULTS.md (~3 min on 2

@@ -1,7 +1,7 @@
 """Janus-Pro-7B image-token rollout: our `janus` engine vs transformers' image `generate()` and
 vs the memory-bandwidth limit of the shape, and the peak memory of one token-level GRPO step.
 
-    PYTHONPATH=packages/rl-core/src:packages/rl-models/src:packages/rl-rollout/src \
+    PYTHONPATH=packages/rl-core/src:packages/rl-models/src:packages/rl-rollout/src:packages/rl-policy/src \
         python benchmarks/janus.py --out benchmarks/RESULTS.md   # one H100/H200, ~5-8 minutes
     python benchmarks/janus.py --smoke                         # tiny Janus, CPU, seconds, prints only
 
