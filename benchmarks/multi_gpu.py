@@ -457,7 +457,7 @@ def rider_throughput(bench: Bench) -> Table:
     def overrides(world: int) -> list[str]:
         return [f'model.path="{policy}"', f'model.dtype="{"float32" if bench.cpu else "bfloat16"}"',
                 f"reward.judges=[{judges}]", 'reward.swap="always"', "reward.embedding.model=null",
-                "reward.rule=rider_rules:compute_score", f"data.max_response_length={tokens}", f"rollout.n={n}",
+                "reward.rule=rider_rules:compute_score", f"rollout.max_new_tokens={tokens}", f"rollout.n={n}",
                 f"train.batch_size={prompts * world}", f"train.mini_batch_size={prompts * world}",
                 "train.micro_batch_size=8", "train.lr=1e-6", f"train.max_steps={steps}", "train.epochs=100",
                 "train.save_freq=1000", "train.val_before_train=false", "algo.replay_tolerance=0.5",

@@ -87,7 +87,7 @@ def run(app, out: Path, policy: Path, judge: Path, mode: str, smoke: bool) -> di
         f"model.path={policy}", "model.dtype=bfloat16", f"reward.judges={judges}",
         f'reward.swap="{MODES[mode]}"', "reward.embedding.model=null",
         'data.train_files=["examples/data/rider/train.parquet"]', 'data.val_files=["examples/data/rider/val.parquet"]',
-        f"data.max_response_length={8 if smoke else 256}", "rollout.n=4", f"train.batch_size={2 if smoke else 8}",
+        f"rollout.max_new_tokens={8 if smoke else 256}", "rollout.n=4", f"train.batch_size={2 if smoke else 8}",
         f"train.mini_batch_size={2 if smoke else 8}", "train.micro_batch_size=8",
         "train.lr=1e-6", "train.max_steps=3", "train.save_freq=1000",
         f'train.output_dir="{out / mode.replace(" ", "_")}"', "algo.replay_tolerance=0.5",

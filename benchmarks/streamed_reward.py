@@ -50,9 +50,9 @@ def run(app, out: Path, url: str, stream: bool, args: argparse.Namespace) -> dic
     overrides = {
         "train.output_dir": f'"{out}"', "reward.judges": judge, "reward.stream": str(stream).lower(),
         "reward.rule": '"rider_rules:compute_score"', "reward.embedding.model": "null",
-        "rollout.per_prompt_seeds": "true", "rollout.n": args.n, "data.max_response_length": args.tokens,
+        "rollout.per_prompt_seeds": "true", "rollout.n": args.n, "rollout.max_new_tokens": args.tokens,
         "train.batch_size": args.prompts, "train.mini_batch_size": args.prompts, "train.micro_batch_size": 8,
-        "train.max_steps": args.steps + 1, "train.epochs": 100, "train.save_freq": 1000, "train.test_freq": 0,
+        "train.max_steps": args.steps + 1, "train.epochs": 100, "train.save_freq": 1000, "train.eval_freq": 0,
     }
     run_dir = app.main([f"{k}={v}" for k, v in overrides.items()])
     with (run_dir / "metrics.csv").open() as f:

@@ -27,10 +27,10 @@ def messages(record: JudgeRecord) -> list[dict[str, str]]:
 
 
 def load_records(files: list[str], tokenizer: Any, cfg: Config, rm_prompts: int = 0) -> list[JudgeRecord]:
-    """Judge rows of `files`; prompts longer than max_prompt_length are dropped or rejected.
+    """Judge rows of `files`; prompts longer than rollout.max_prompt_length are dropped or rejected.
     Every row must carry the `rm_prompt_{i}` columns of the `rm_prompts` judges that read them
     (a row without one would silently get the judge's fallback)."""
-    data, records = cfg.data, []
+    data, limit, records = cfg.data, cfg.rollout.max_prompt_length, []
     for file in files:
         try:  # a parquet/JSONL file, a save_to_disk directory, or a Hub id in the local cache
             reader = open_source(resolve_path(file), kind="judge")
@@ -46,13 +46,13 @@ def load_records(files: list[str], tokenizer: Any, cfg: Config, rm_prompts: int 
                                 f"column, but {rm_prompts} judges read rm_prompt_0..{rm_prompts - 1}")
             ids = tokenizer.apply_chat_template(messages(record), add_generation_prompt=True, tokenize=True,
                                                 return_dict=True)["input_ids"]
-            if len(ids) <= data.max_prompt_length:
+            if len(ids) <= limit:
                 records.append(record)
             elif not data.filter_overlong_prompts:
                 raise UserError(f"{at}: prompt has {len(ids)} tokens > "
-                                f"data.max_prompt_length={data.max_prompt_length}")
+                                f"rollout.max_prompt_length={limit}")
     if not records:
-        raise UserError(f"no usable rows in {files} (all over data.max_prompt_length?)")
+        raise UserError(f"no usable rows in {files} (all over rollout.max_prompt_length?)")
     return records
 
 

@@ -10,13 +10,14 @@ import importlib
 import runpy
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
 from rl_core.train import (
     AdvantageName,
     AggregationName,
+    AppConfig,
     ConfigError,
     DType,
     KLName,
@@ -51,9 +52,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
 class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
     train_files: list[str] = []  # verl parquet: prompt, rm_prompt_{i}, reward_model.ground_truth
     val_files: list[str] = []
-    max_prompt_length: Positive = 6144
-    max_response_length: Positive = 2048
-    filter_overlong_prompts: bool = True  # False: an overlong prompt is an error naming its row
+    filter_overlong_prompts: bool = True  # False: a prompt over rollout.max_prompt_length is an error naming its row
 
 
 class RolloutConfig(RolloutWorkerFields, kw_only=True, frozen=True):
@@ -74,8 +73,10 @@ class RolloutConfig(RolloutWorkerFields, kw_only=True, frozen=True):
     gpu_memory_utilization: UnitInterval = 0.3  # vllm: GPU memory fraction for its weights + KV cache while awake
     engine_options: dict[str, Any] = msgspec.field(default_factory=dict)
     """vllm: more `vllm.LLM` arguments, e.g. {enforce_eager = true} (starts in seconds, decodes
-    slower); max_model_len defaults to data.max_prompt_length + data.max_response_length (verl's)."""
+    slower); max_model_len defaults to rollout.max_prompt_length + rollout.max_new_tokens (verl's)."""
     n: Positive = 4  # responses per prompt (actor_rollout_ref.rollout.n)
+    max_new_tokens: Positive = 2048  # response length (verl data.max_response_length)
+    max_prompt_length: Positive = 6144  # longer prompts are dropped (data.filter_overlong_prompts) or refused
     temperature: PositiveFloat = 0.8
     top_p: UnitInterval = 1.0
     top_k: NonNegative = 0
@@ -183,18 +184,18 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class AlgoConfig(PolicyLossFields, kw_only=True, frozen=True):
-    adv_estimator: AdvantageName = "reinforce_pp"  # reinforce_pp | reinforce_pp_baseline | grpo | rloo
+    advantage: AdvantageName = "reinforce_pp"  # reinforce_pp | reinforce_pp_baseline | grpo | rloo (verl adv_estimator)
     gamma: UnitInterval = 1.0  # reinforce_pp discount
     loss: PolicyLossName = "ppo_clip"  # ppo_clip | dual_clip | gspo | cispo | sapo
     agg: AggregationName = "token-mean"
     clip_low: UnitInterval = 0.2
     clip_high: NonNegativeFloat = 0.2
-    use_kl_loss: bool = True
-    kl_loss_type: KLName = "k3"  # low_var_kl
-    kl_loss_coef: NonNegativeFloat = 1e-4
-    kl_in_reward: bool = False  # subtract kl_coef * KL from token rewards instead / as well
-    kl_coef: NonNegativeFloat = 0.001  # algorithm.kl_ctrl.kl_coef
-    kl_reward_type: KLName = "k1"
+    use_kl_loss: bool = True  # the KL-to-reference loss term (verl use_kl_loss)
+    kl: KLName = "k3"  # its estimator (verl kl_loss_type; low_var_kl = k3)
+    kl_coef: NonNegativeFloat = 1e-4  # its weight (verl actor.kl_loss_coef)
+    kl_in_reward: bool = False  # subtract kl_reward_coef * KL from token rewards instead / as well
+    kl_reward_coef: NonNegativeFloat = 0.001  # verl algorithm.kl_ctrl.kl_coef (was algo.kl_coef before the rename)
+    kl_reward_type: KLName = "k1"  # verl algorithm.kl_penalty
     replay_tolerance: NonNegativeFloat | None = None  # engine vs trainer |dlogp| (None: 1e-3 fp32, 5e-2 16-bit)
 
 
@@ -209,12 +210,19 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     grad_clip: PositiveFloat = 1.0
     epochs: Positive = 15
     max_steps: Positive | None = None
-    test_freq: NonNegative = 0  # evaluate every N steps and at the end; 0 = only at the end
+    eval_freq: NonNegative = 0  # evaluate every N steps and at the end; 0 = only at the end (verl test_freq)
     val_before_train: bool = False  # evaluate once before the first step (logged as step 0)
     samples_to_log: NonNegative = 4  # generations (with each judge's raw output) written per step
 
 
-class Config(msgspec.Struct, kw_only=True, frozen=True):
+class Config(AppConfig, kw_only=True, frozen=True):
+    # Keys renamed to the other apps' names for the same idea (old -> new; the old is refused). The
+    # reward-KL weight, formerly algo.kl_coef, is algo.kl_reward_coef: algo.kl_coef is now the KL
+    # loss's weight, as in caption-rl and diffusion-grpo, so the old spelling cannot be refused.
+    RENAMED: ClassVar[dict[str, str]] = {
+        "algo.kl_loss_coef": "algo.kl_coef", "algo.kl_loss_type": "algo.kl", "algo.adv_estimator": "algo.advantage",
+        "data.max_response_length": "rollout.max_new_tokens", "data.max_prompt_length": "rollout.max_prompt_length",
+        "train.test_freq": "train.eval_freq"}
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
@@ -260,8 +268,8 @@ def check_config(cfg: Config, world_size: int) -> None:
     from rl_rollout import resolve_engine
 
     t, r = cfg.train, cfg.reward
-    if uses_group_baseline(cfg.algo.adv_estimator) and cfg.rollout.n < 2:
-        raise ConfigError(f"rollout.n={cfg.rollout.n}: algo.adv_estimator={cfg.algo.adv_estimator!r} compares the "
+    if uses_group_baseline(cfg.algo.advantage) and cfg.rollout.n < 2:
+        raise ConfigError(f"rollout.n={cfg.rollout.n}: algo.advantage={cfg.algo.advantage!r} compares the "
                           "responses to one prompt with each other and needs rollout.n >= 2")
     if t.batch_size % t.mini_batch_size:
         raise ConfigError(f"train.batch_size={t.batch_size} must be a multiple of train.mini_batch_size="

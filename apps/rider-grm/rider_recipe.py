@@ -149,7 +149,7 @@ class RiderGRM(Recipe[Config, State, Batch]):
             r.engine, model=model, processor=tokenizer, path=path, dtype=cfg.model.dtype, device=acc.device,
             seed=sample_seed(t.seed, run.rank) % 2**31, world_size=run.world_size, full=full,
             max_batch_size=r.max_batch_size, compile=r.compile, gpu_memory_utilization=r.gpu_memory_utilization,
-            engine_options={"max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
+            engine_options={"max_model_len": r.max_prompt_length + r.max_new_tokens,
                             **r.engine_options},  # verl's context length, not the model's full one
             timer=run.timer, rollout_device=rollout_device(r.placement, acc, workers=r.workers), workers=r.workers,
             gpus_per_worker=r.gpus_per_worker, ray_address=r.ray_address)
@@ -182,7 +182,7 @@ class RiderGRM(Recipe[Config, State, Batch]):
     def schedule(self, state: State) -> Schedule:
         t = state.cfg.train
         steps = t.epochs * -(-state.sampler.prompts_per_rank // (t.batch_size // state.run.world_size))
-        return Schedule(min(steps, t.max_steps) if t.max_steps is not None else steps, eval_every=t.test_freq,
+        return Schedule(min(steps, t.max_steps) if t.max_steps is not None else steps, eval_every=t.eval_freq,
                         eval_at_start=t.val_before_train, eval_at_end=True)
 
     def checkpoint(self, state: State) -> Checkpoint:
@@ -240,7 +240,7 @@ class RiderGRM(Recipe[Config, State, Batch]):
 
     def score(self, state: State, step: int, batch: Batch) -> Scores:
         """Token rewards `[B, C]`: each sample's score on its last token (NaN: failed), minus
-        `kl_coef` x KL(old || ref) per token with `algo.kl_in_reward` (verl's `apply_kl_penalty`)."""
+        `kl_reward_coef` x KL(old || ref) per token with `algo.kl_in_reward` (verl's `apply_kl_penalty`)."""
         cfg, run = state.cfg, state.run
         samples = rewarding.make_samples(batch.records, batch.gens, offset=run.rank * len(batch.gens))
         if batch.scored is not None:  # scored while it sampled (on the rollout thread's worker, asynchronous)
@@ -256,16 +256,16 @@ class RiderGRM(Recipe[Config, State, Batch]):
             mask[i, :n] = 1
             rewards[i, max(n - 1, 0)] = math.nan if result.score is None else result.score
             if cfg.algo.kl_in_reward and batch.ref is not None and n:
-                rewards[i, :n] -= cfg.algo.kl_coef * compute_kl(cfg.algo.kl_reward_type, batch.old[i][None],
+                rewards[i, :n] -= cfg.algo.kl_reward_coef * compute_kl(cfg.algo.kl_reward_type, batch.old[i][None],
                                                                 batch.ref[i][None])[0]  # [C_i]
         groups = run.rank * len(batch.gens) + torch.arange(len(batch.gens)) // cfg.rollout.n  # [B]
-        gamma = {"gamma": cfg.algo.gamma} if cfg.algo.adv_estimator == "reinforce_pp" else {}
+        gamma = {"gamma": cfg.algo.gamma} if cfg.algo.advantage == "reinforce_pp" else {}
         components, metrics = [x.components for x in results], rewarding.reward_metrics(results, logs)
         if cfg.algo.reward_aggregation == "normalize_then_sum":  # each judge normalised per group: sequence scores
             return Scores(torch.tensor([math.nan if x.score is None else x.score for x in results]), groups,
-                          cfg.algo.adv_estimator, options=gamma, components=components, metrics=metrics,
+                          cfg.algo.advantage, options=gamma, components=components, metrics=metrics,
                           aggregation="normalize_then_sum", weights=state.reward.sum_weights())
-        return Scores(rewards, groups, cfg.algo.adv_estimator, mask=mask, options=gamma, components=components,
+        return Scores(rewards, groups, cfg.algo.advantage, mask=mask, options=gamma, components=components,
                       metrics=metrics)  # reward/mean: the scores', not KL-shaped
 
     def merge(self, state: State, groups: Sequence[tuple[Batch, Sequence[int]]]) -> Batch:
@@ -294,9 +294,9 @@ class RiderGRM(Recipe[Config, State, Batch]):
                 acc, state.policy, state.optimizer, rollouts,
                 [advantages.advantages[i, : len(r.completion_ids)] if advantages.advantages.dim() == 2
                  else advantages.advantages[i].expand(len(r.completion_ids)) for i, r in enumerate(rollouts)],
-                options=training.LossOptions(a.loss, a.agg, a.clip_low, a.clip_high, a.kl_loss_type,
-                                             a.kl_loss_coef if a.use_kl_loss else 0.0, cfg.rollout.temperature,
-                                             norm_length=cfg.data.max_response_length, **training.loss_fields(a)),
+                options=training.LossOptions(a.loss, a.agg, a.clip_low, a.clip_high, a.kl,
+                                             a.kl_coef if a.use_kl_loss else 0.0, cfg.rollout.temperature,
+                                             norm_length=cfg.rollout.max_new_tokens, **training.loss_fields(a)),
                 old=batch.old, ref=batch.ref if a.use_kl_loss else None,
                 num_minibatches=max(1, t.batch_size // t.mini_batch_size), micro_batch_size=t.micro_batch_size,
                 ppo_epochs=1, grad_clip=t.grad_clip, guard=run.guard, pad_id=state.engine.pad_id,
@@ -336,7 +336,7 @@ def generate(state: State, records: list[JudgeRecord], n: int, temperature: floa
     awake = sum(j.state() == "awake" for j in state.judges)
     r = state.cfg.rollout
     params = SamplingParams(n=n, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
-                            max_new_tokens=state.cfg.data.max_response_length)
+                            max_new_tokens=r.max_new_tokens)
     prompts = [rewarding.messages(x) for x in records]
     with state.engine.session() as engine:
         if score is not None:

@@ -50,7 +50,7 @@ def tiny_overrides(out: Path, **extra: object) -> list[str]:
     2 replies at lr 1e-3, the rider example's format rule (the default's learnable letter rule and
     lr 3e-2 are for a curve that moves in 16 steps) and the similarity term at weight 1."""
     base = {
-        "train.output_dir": f'"{out}"', "data.max_response_length": "8",
+        "train.output_dir": f'"{out}"', "rollout.max_new_tokens": "8",
         "rollout.n": "2", "train.batch_size": "2", "train.mini_batch_size": "2", "train.micro_batch_size": "4",
         "train.lr": "1e-3", "train.epochs": "1", "train.max_steps": "3", "train.save_freq": "2",
         "reward.rule": '"rider_rules:compute_score"', "reward.embedding.weight": "1.0",

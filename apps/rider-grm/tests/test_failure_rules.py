@@ -84,14 +84,14 @@ def test_a_later_row_without_the_rm_prompt_is_named(tmp_path: Path) -> None:
     ("rollout.temperature=0", r"rollout\.temperature: expected float > 0\.0, got 0 \(from override"),
     ("train.lr=-1", r"train\.lr: expected float > 0\.0, got -1"),
     ("rollout.n=1", r"rollout\.n=1: .* needs rollout\.n >= 2"),
-    ("algo.adv_estimator=nope", r"^algo\.adv_estimator: unknown advantage estimator 'nope'; valid names: dr_grpo, gae, "),
+    ("algo.advantage=nope", r"^algo\.advantage: unknown advantage estimator 'nope'; valid names: dr_grpo, gae, "),
     ("algo.loss=ppo", r"^algo\.loss: unknown policy loss 'ppo'; valid names: cispo, dual_clip, gspo, ppo_clip, sapo"),
-    ("algo.kl_loss_type=k4", r"^algo\.kl_loss_type: unknown KL estimator 'k4'; valid names: k1, k2, k3, low_var_kl"),
+    ("algo.kl=k4", r"^algo\.kl: unknown KL estimator 'k4'; valid names: k1, k2, k3, low_var_kl"),
 ])
 def test_refused_values_fail_before_any_model_loads(tmp_path: Path, override: str, message: str) -> None:
     overrides = tiny_overrides(tmp_path)
     if override.startswith("rollout.n"):
-        overrides += ["algo.adv_estimator=grpo"]
+        overrides += ["algo.advantage=grpo"]
     with pytest.raises(ConfigError, match=message):
         app.main([*overrides, override])
     assert not (tmp_path / "latest").exists()  # nothing was started
@@ -109,8 +109,12 @@ def test_user_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("argv", "line"), [
     (["--help"], None),
     (["train.nope=1"], r"rider-grm: error: unknown config key 'train\.nope' \(override train\.nope=1\): no field"),
-    (["algo.kl_loss_type=k4"], r"rider-grm: error: algo\.kl_loss_type: unknown KL estimator 'k4'; valid names: k1, "),
+    (["algo.kl=k4"], r"rider-grm: error: algo\.kl: unknown KL estimator 'k4'; valid names: k1, "),
     (["--resume", "/nope"], r"rider-grm: error: --resume /nope: no complete checkpoint-<step> there$"),
+    # one vocabulary: verl's names of the seed's launch line are refused with the shared key
+    (["algo.kl_loss_coef=1e-3"], r"rider-grm: error: algo\.kl_loss_coef was renamed: use algo\.kl_coef$"),
+    (["data.max_response_length=64"], r"rider-grm: error: data\.max_response_length was renamed: use "
+     r"rollout\.max_new_tokens$"),
     (["model.dtype=float8", "model.path=/nope"], r"rider-grm: error: model\.dtype: unknown value 'float8'; "
      r"valid choices: auto, float32, fp32, bfloat16, bf16, float16, fp16 \(from override model\.dtype=float8\)$"),
 ])

@@ -41,7 +41,7 @@ def one_step(tmp_path: Path, name: str, **extra: object) -> list[str]:
     return tiny_overrides(tmp_path, **{"reward.judges": "[]", "reward.rule": f'"{TESTS}/rules/parity_rule.py"',
                                        "rollout.per_prompt_seeds": "true", "train.batch_size": 4,
                                        "train.mini_batch_size": 4, "train.max_steps": 1, "train.save_freq": 1,
-                                       "train.run_name": name, "algo.adv_estimator": "grpo", "train.lr": 1e-3,
+                                       "train.run_name": name, "algo.advantage": "grpo", "train.lr": 1e-3,
                                        **extra})
 
 
@@ -113,7 +113,7 @@ PAIRS = sorted({(e, "ppo_clip") for e in ESTIMATORS} | {("grpo", loss) for loss 
 @pytest.mark.parametrize(("estimator", "loss"), PAIRS)
 def test_every_estimator_and_loss_trains_every_parameter(tmp_path: Path, estimator: str, loss: str) -> None:
     run = app.main(one_step(tmp_path, f"{estimator}-{loss}", **{
-        "algo.adv_estimator": estimator, "algo.loss": loss, "train.max_steps": 2, "train.save_freq": 2,
+        "algo.advantage": estimator, "algo.loss": loss, "train.max_steps": 2, "train.save_freq": 2,
         "train.mini_batch_size": 2}))
     table = rows(run)
     assert [r["step"] for r in table] == ["1", "2"]

@@ -158,7 +158,7 @@ def test_resume_continues_exactly(tmp_path: Path, e2e_run: Path) -> None:
         "reward.judges": JUDGES, "reward.rule": f'"{TESTS}/rules/parity_rule.py"', "reward.rule_weight": 2.0,
         "reward.embedding.weight": 0.4, "train.samples_to_log": 100, "train.save_freq": 1,
     })
-    first = app.main([*overrides, "train.max_steps=1", "train.run_name=resumed", "train.test_freq=0"])
+    first = app.main([*overrides, "train.max_steps=1", "train.run_name=resumed", "train.eval_freq=0"])
     assert (first / "checkpoints" / "checkpoint-1").is_dir()
     # the first leg evaluates at its last step (1), on an isolated RNG state: the run goes on as if it had not
     resumed = app.main([*overrides, "train.max_steps=2", "--resume", str(first)])
@@ -245,7 +245,7 @@ def test_full_size_example_config_loads() -> None:
     cfg = load_config(Config, REPO / "examples" / "rider-grm" / "verl-with-rms.toml")
     judges = judge_configs(cfg.reward)
     assert [(j.weight, j.combine, j.temperature) for j in judges] == [(0.3, "add", 0.7), (0.5, "add", 0.7)]
-    assert (cfg.algo.adv_estimator, cfg.algo.kl_loss_type, cfg.algo.kl_loss_coef) == ("reinforce_pp", "k3", 1e-4)
+    assert (cfg.algo.advantage, cfg.algo.kl, cfg.algo.kl_coef, cfg.algo.kl_reward_coef) == ("reinforce_pp", "k3", 1e-4, 0.001)
     assert (cfg.rollout.n, cfg.train.lr, cfg.train.batch_size, cfg.train.save_freq) == (4, 1e-6, 32, 30)
     for judge in judges:
         assert (REPO / judge.module).is_file()
@@ -293,7 +293,7 @@ def test_gdpo_normalises_each_component_of_a_summed_spec(tmp_path: Path) -> None
     spec = ('{combine = "sum", components = {short = {scorer = "length", options = {tokenizer = "whitespace", '
             'l1 = 1, l2 = 6}}, overlong = {scorer = "overlong", weight = 0.5, options = {max_length = 8, cache = 4}}}}')
     run = app.main(tiny_overrides(tmp_path, **{"reward.spec": spec, "train.batch_size": 4, "train.mini_batch_size": 4,
-                                              "train.max_steps": 1, "algo.adv_estimator": "grpo",
+                                              "train.max_steps": 1, "algo.advantage": "grpo",
                                               "algo.reward_aggregation": "normalize_then_sum",
                                               "algo.loss": "cispo", "algo.clip_low": 1.0, "algo.clip_high": 4.0}))
     row = read_metrics(run)[0]
@@ -339,7 +339,7 @@ def test_dynamic_sampling_merges_rounds_and_trains(tmp_path: Path) -> None:
     run = app.main(tiny_overrides(tmp_path, **{
         "reward.judges": "[]", "reward.embedding.model": "null", "reward.rule": '"rider_rules:letter_e_share"',
         "train.batch_size": 4, "train.mini_batch_size": 4, "train.max_steps": 2, "train.dynamic_sampling.enable": "true",
-        "train.dynamic_sampling.max_rounds": 3, "data.max_response_length": 2}))
+        "train.dynamic_sampling.max_rounds": 3, "rollout.max_new_tokens": 2}))
     table = read_metrics(run)
     assert not unknown_metric_names(table[0])
     assert max(float(r["dynamic_sampling/rounds"]) for r in table) >= 2, table

@@ -20,7 +20,7 @@ pytestmark = [
 # tiny:qwen3_vllm: 64-wide heads, which vLLM's attention kernels take (it hangs on tiny:qwen3's 8-wide
 # ones); bfloat16: as rl-rollout's and the judges' vLLM tests (in float32 vLLM takes its flex-attention
 # path, which failed on a tiny checkpoint there); enforce_eager: starts in seconds instead of compiling and
-# capturing CUDA graphs; max_model_len: rider-grm's default, data.max_prompt_length + max_response_length
+# capturing CUDA graphs; max_model_len: rider-grm's default, rollout.max_prompt_length + max_new_tokens
 POLICY = {"model.path": '"tiny:qwen3_vllm"', "model.dtype": '"bfloat16"', "rollout.gpu_memory_utilization": 0.15,
           "rollout.engine_options.enforce_eager": "true"}
 # hf judges (swapped on and off the GPU by the swap plan) on the tiny checkpoints vLLM does not run
