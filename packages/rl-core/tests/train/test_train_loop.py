@@ -165,5 +165,7 @@ def test_tensorboard_gets_the_scalars_of_metrics_csv(tmp_path: Path) -> None:
 def test_a_tracker_that_is_not_installed_or_unknown_is_a_user_error(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"train\.log_with=\['aim'\]: aim is not installed \(pip install aim\)"):
         go(tmp_path, "aim", "train.log_with=[aim]")
-    with pytest.raises(UserError, match=r"train\.log_with: Unsupported logging capability: nope"):
-        go(tmp_path, "nope", "train.log_with=[nope]")
+    with pytest.raises(UserError, match=r"train\.log_with\[0\]: unknown value 'nope'; valid choices: all, aim, "
+                                        r"tensorboard, .* \(from override train\.log_with=\[nope\]\)"):
+        go(tmp_path, "nope", "train.log_with=[nope]")  # refused with the config, before any run directory
+    assert not (tmp_path / "nope").exists()
