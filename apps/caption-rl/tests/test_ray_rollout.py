@@ -44,7 +44,7 @@ def test_ray_actors_need_split_placement_and_ray(app, tmp_path, monkeypatch):
                                         r"rollout.placement=split"):
         app.main(tiny_overrides(tmp_path, "rollout.workers=1"))
     monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
-    with pytest.raises(UserError, match=r'rollout.workers=2 runs the rollout engine in Ray actors: .*pip install "rl-rollout\[ray\]"'):
+    with pytest.raises(UserError, match=r'rollout.workers=2 runs the rollout engine in Ray actors: .*pip install "rl-policy\[ray\]"'):
         app.main(tiny_overrides(tmp_path, "rollout.workers=2", "rollout.placement=split"))
     assert not list(tmp_path.iterdir())  # refused before any model loads
 
