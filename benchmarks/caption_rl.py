@@ -153,7 +153,7 @@ def caption_rl_args(policy: Path, out: Path, *, smoke: bool, steps: int, overrid
     prompts, n, tokens, micro = SMOKE if smoke else FULL
     return [
         f"model.path={policy}", "model.dtype=bfloat16", "model.gradient_checkpointing=true",
-        f"data.train=[\"{images}\"]", f"data.max_pixels={MAX_PIXELS}",
+        f"data.train_files=[\"{images}\"]", f"data.max_pixels={MAX_PIXELS}",
         f"rollout.n={n}", f"rollout.max_new_tokens={tokens}", f"rollout.max_batch_size={prompts * n}",
         f"reward.spec={APP / 'configs' / 'rule_reward.toml'}", "reward.length_tokenizer=whitespace",
         f"train.batch_size={prompts}", f"train.micro_batch_size={micro}", f"train.max_steps={steps}",

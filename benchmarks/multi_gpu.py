@@ -328,7 +328,7 @@ def caption_equality(bench: Bench) -> Table:
     from rl_models import tiny
 
     policy = tiny.build("qwen2_5_vl")
-    step = [f'model.path="{policy}"', 'model.dtype="float32"', f'data.train=["{IMAGES}"]', "data.eval_size=0",
+    step = [f'model.path="{policy}"', 'model.dtype="float32"', f'data.train_files=["{IMAGES}"]', "data.eval_size=0",
             'rollout.engine="hf"', "rollout.n=4", "rollout.max_new_tokens=8", "rollout.per_prompt_seeds=true",
             f'reward.spec="{CAPTION_APP / "tests" / "rule_reward.toml"}"', "train.batch_size=4",
             "train.micro_batch_size=3", "train.max_steps=1", "train.eval_freq=0", "train.save_freq=100",
@@ -390,7 +390,7 @@ def caption_throughput(bench: Bench) -> Table:
 
     def overrides(world: int) -> list[str]:
         return [f'model.path="{policy}"', f'model.dtype="{"float32" if bench.cpu else "bfloat16"}"',
-                "model.gradient_checkpointing=true", f'data.train=["{IMAGES}"]', "data.eval_size=0",
+                "model.gradient_checkpointing=true", f'data.train_files=["{IMAGES}"]', "data.eval_size=0",
                 f"data.max_pixels={MAX_PIXELS}", 'rollout.engine="hf"', f"rollout.n={n}",
                 f"rollout.max_new_tokens={tokens}", f"rollout.max_batch_size={prompts * n}",
                 'rollout.offload_optimizer="never"', f'reward.spec="{CAPTION_APP / "configs" / "rule_reward.toml"}"',

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
 from rl_core.train import (
     AdvantageName,
     AggregationName,
+    AppConfig,
     CompileMode,
     DType,
     KLName,
@@ -57,9 +58,9 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
-    train: list[str] = []
+    train_files: list[str] = []
     """CapRL caption-QA JSONL/parquet files (image and/or video rows)."""
-    eval: list[str] = []  # held-out files; empty = hold out `eval_size` train records
+    val_files: list[str] = []  # held-out files; empty = hold out `eval_size` training records
     eval_size: NonNegative = 0
     task: Literal["auto", "image", "video"] = "auto"  # keep only image or video rows
     video_fps: PositiveFloat = 2.0  # frames sampled per second (CapRL: ~2)
@@ -195,7 +196,9 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     samples_to_log: NonNegative = 4  # example captions written per step/eval
 
 
-class Config(msgspec.Struct, kw_only=True, frozen=True):
+class Config(AppConfig, kw_only=True, frozen=True):
+    # Keys renamed to the other apps' names for the same idea (old -> new; the old is refused).
+    RENAMED: ClassVar[dict[str, str]] = {"data.train": "data.train_files", "data.eval": "data.val_files"}
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
@@ -207,7 +210,7 @@ class Config(msgspec.Struct, kw_only=True, frozen=True):
 # CapRL++'s train_caprl.sh variables, so its launch lines keep working.
 ENV = {
     "CAPTION_MODEL": "model.path",
-    "DATASET": "data.train",
+    "DATASET": "data.train_files",
     "SAVE_DIR": "train.output_dir",
     "REWARD_REMOTE_URL": "reward.url",
     "REWARD_NODE_IP": "reward.host",

@@ -45,7 +45,7 @@ def load_records(
     local cache (bad records skipped and counted, with file and line or dataset and row in the
     log) — keep the rows of `task`, and hold out `eval_size` train records when no eval source is given."""
     if not train_files:
-        raise UserError("data.train is empty: name at least one CapRL caption-QA file or dataset (or set DATASET)")
+        raise UserError("data.train_files is empty: name at least one CapRL caption-QA file or dataset (or set DATASET)")
     skipped = 0
 
     def read(files: Sequence[str]) -> list[tuple[Location, CaptionQARecord]]:
@@ -56,9 +56,9 @@ def load_records(
                 reader = open_source(file, kind="caption_qa", on_error="skip")
             except FileNotFoundError as e:
                 detail = "" if str(e).startswith("data file not found") else f": {e}"  # why a dir / Hub id failed
-                raise UserError(f"dataset file not found: {file} (data.train / data.eval / DATASET){detail}") from None
+                raise UserError(f"dataset file not found: {file} (data.train_files / data.val_files / DATASET){detail}") from None
             except ValueError as e:  # an unsupported file type, a dataset with several splits
-                raise UserError(f"{e} (data.train / data.eval / DATASET)") from None
+                raise UserError(f"{e} (data.train_files / data.val_files / DATASET)") from None
             for where, r in reader.located():
                 if task == "auto" or r.kind == task:
                     # a Hub id has no path: name it, so errors found later (media) still say where
@@ -74,7 +74,7 @@ def load_records(
     if not held and eval_size > 0:
         if eval_size >= len(train):
             raise UserError(f"data.eval_size={eval_size} would hold out all {len(train)} training records of "
-                            f"{list(train_files)}: lower data.eval_size or give held-out files in data.eval")
+                            f"{list(train_files)}: lower data.eval_size or give held-out files in data.val_files")
         order = list(range(len(train)))
         random.Random(seed).shuffle(order)
         picked = set(order[:eval_size])

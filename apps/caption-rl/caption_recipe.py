@@ -172,7 +172,7 @@ class CaptionRL(Recipe[Config, State, Batch]):
         acc = run.accelerator
         plan = resolve_sharding(acc, t.sharding, mixed_precision=t.fsdp_mixed_precision, cpu_offload=t.fsdp_cpu_offload,
                                 activation_checkpointing=t.fsdp_activation_checkpointing)
-        data = load_records(cfg.data.train, cfg.data.eval, eval_size=cfg.data.eval_size, task=cfg.data.task, seed=t.seed)
+        data = load_records(cfg.data.train_files, cfg.data.val_files, eval_size=cfg.data.eval_size, task=cfg.data.task, seed=t.seed)
         model, processor, policy_path = load_policy(m)
         reward = build_reward_backend(cfg.reward, policy_path=policy_path, seed=t.seed, world_size=run.world_size)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.lr,

@@ -44,7 +44,7 @@ def tiny_overrides(out: Path, *extra: str) -> list[str]:
     112x112 images at lr 1e-4 (the numbers pinned here were measured so; the embedded default's
     56x56 at lr 5e-2 is for a curve that moves within its 6 steps)."""
     return [
-        f"data.train=[\"{DATA / 'caption_qa_images.jsonl'}\", \"{DATA / 'caption_qa_videos.jsonl'}\"]",
+        f"data.train_files=[\"{DATA / 'caption_qa_images.jsonl'}\", \"{DATA / 'caption_qa_videos.jsonl'}\"]",
         "data.eval_size=2", "data.video_max_frames=4", "data.max_pixels=12544",
         "rollout.n=4", "rollout.max_new_tokens=8",
         f"reward.spec={RULE_SPEC}",

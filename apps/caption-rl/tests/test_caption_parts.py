@@ -51,7 +51,7 @@ def test_task_filter_and_clear_errors_for_missing_inputs(tmp_path):
         load_records([str(tmp_path / "nope.jsonl")], [], eval_size=0, task="auto", seed=0)
     with pytest.raises(UserError, match=r"dataset file not found: nobody/no-such-dataset .*offline mode"):
         load_records(["nobody/no-such-dataset"], [], eval_size=0, task="auto", seed=0)  # a Hub id not in the cache
-    with pytest.raises(UserError, match=r"data\.train is empty"):
+    with pytest.raises(UserError, match=r"data\.train_files is empty"):
         load_records([], [], eval_size=0, task="auto", seed=0)
     with pytest.raises(UserError, match=r"model not found: .*missing-model"):
         tiny.resolve(str(tmp_path / "missing-model"), key="model.path")

@@ -48,7 +48,7 @@ def test_refused_values_name_the_key_and_the_source(app, tmp_path, override, mes
 
 def test_eval_hold_out_of_every_record_names_the_knob(app, tmp_path):
     with pytest.raises(UserError, match=r"data\.eval_size=64 would hold out all 3 training records"):
-        app.main([*tiny_overrides(tmp_path), f"data.train=[\"{DATA / 'caption_qa_videos.jsonl'}\"]",
+        app.main([*tiny_overrides(tmp_path), f"data.train_files=[\"{DATA / 'caption_qa_videos.jsonl'}\"]",
                   "data.eval_size=64"])
 
 
@@ -76,7 +76,7 @@ def test_records_that_fail_as_model_input_are_skipped_with_file_and_line(app, tm
     from rl_models import tiny
 
     data, reasons = bad_records(tmp_path)
-    cfg = load_config(app.Config, app.DEFAULT_CONFIG, [*tiny_overrides(tmp_path), f"data.train=[\"{data}\"]"])
+    cfg = load_config(app.Config, app.DEFAULT_CONFIG, [*tiny_overrides(tmp_path), f"data.train_files=[\"{data}\"]"])
     records = load_records([str(data)], [], eval_size=0, task="auto", seed=0)
     bad = ReadStats()
     with caplog.at_level("WARNING", logger="rl_data"):
@@ -147,10 +147,10 @@ def test_a_restart_after_a_crash_before_the_first_checkpoint_logs_each_step_once
 
 def test_user_errors_are_one_line_with_exit_2(tmp_path):
     done = subprocess.run([sys.executable, str(APP / "__main__.py"), *tiny_overrides(tmp_path),
-                           "data.train=[\"/nope.jsonl\"]"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                           "data.train_files=[\"/nope.jsonl\"]"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == ("caption-rl: error: dataset file not found: /nope.jsonl "
-                                                    "(data.train / data.eval / DATASET)")
+                                                    "(data.train_files / data.val_files / DATASET)")
 
 
 @pytest.mark.parametrize(("argv", "line"), [
@@ -158,6 +158,7 @@ def test_user_errors_are_one_line_with_exit_2(tmp_path):
     (["train.nope=1"], r"caption-rl: error: unknown config key 'train\.nope' \(override train\.nope=1\): no field"),
     (["algo.loss=ppo"], r"caption-rl: error: algo\.loss: unknown policy loss 'ppo'; valid names: cispo, "),
     (["--config", "/nope.toml"], r"caption-rl: error: --config /nope\.toml: no such file$"),
+    (["data.train=[]"], r"caption-rl: error: data\.train was renamed: use data\.train_files$"),  # one vocabulary
     # a value outside its key's choices stops before the model loads (model.path: a fast failure if it did not)
     (["model.dtype=float8", "model.path=/nope"], r"caption-rl: error: model\.dtype: unknown value 'float8'; valid "
      r"choices: auto, float32, fp32, bfloat16, bf16, float16, fp16 \(from override model\.dtype=float8\)$"),
@@ -190,7 +191,7 @@ def test_a_run_where_no_record_can_become_model_input_ends_with_the_reason(app, 
         row["image"] = str(tmp_path / "gone.png")
     data = tmp_path / "all-bad.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows_))
-    assert run_app(app.NAME, app.main, [*tiny_overrides(tmp_path), f"data.train=[\"{data}\"]", "data.eval_size=0"]) == 2
+    assert run_app(app.NAME, app.main, [*tiny_overrides(tmp_path), f"data.train_files=[\"{data}\"]", "data.eval_size=0"]) == 2
     why = "no rollouts on some process (every prompt over rollout.max_prompt_length or a bad record?)"
     assert capsys.readouterr().err.splitlines()[-1] == (  # the app's name once, as in every user error
         f"caption-rl: error: no step trained; every step was skipped (step 1: {why}; step 2: {why})")

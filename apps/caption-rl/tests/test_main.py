@@ -71,7 +71,7 @@ def test_caprl_launch_variables_start_from_the_full_size_defaults(app, monkeypat
                        "REWARD_LENGTH_L1": "1024"}.items():
         monkeypatch.setenv(var, value)
     cfg = load_config(app.Config, app.RECIPE.config_path(None), ["train.save_freq=7"], env=app.ENV)
-    assert (cfg.model.path, cfg.data.train, cfg.train.output_dir) == ("/models/qwen3-vl-4b", ["/data/video_train.jsonl"], "/ckpt")
+    assert (cfg.model.path, cfg.data.train_files, cfg.train.output_dir) == ("/models/qwen3-vl-4b", ["/data/video_train.jsonl"], "/ckpt")
     assert (cfg.reward.host, cfg.reward.port, cfg.rollout.n, cfg.train.lr) == ("10.0.0.7", 18889, 16, 2e-6)
     assert (cfg.reward.length_l1, cfg.reward.length_l2, cfg.train.save_freq) == (1024, 3072, 7)
     assert (cfg.train.batch_size, cfg.rollout.max_new_tokens, cfg.algo.kl_coef) == (128, 4096, 0.0)
@@ -83,7 +83,7 @@ def test_caprl_launch_variables_start_from_the_full_size_defaults(app, monkeypat
 
 def test_missing_model_and_dataset_are_clear_errors(app, tmp_path):
     with pytest.raises(UserError, match=r"dataset file not found: .*absent\.jsonl"):
-        app.main(tiny_overrides(tmp_path, f"data.train={tmp_path / 'absent.jsonl'}"))
+        app.main(tiny_overrides(tmp_path, f"data.train_files={tmp_path / 'absent.jsonl'}"))
     with pytest.raises(UserError, match=r"model not found: .*no-such-model"):
         app.main(tiny_overrides(tmp_path, f"model.path={tmp_path / 'no-such-model'}"))
 
@@ -115,7 +115,7 @@ def test_end_to_end_images_and_a_video_with_the_qa_judge(app, tmp_path, capsys):
     says what it picked): every trainable tensor changes, every metric column is written, and
     every output exists."""
     run = app.main(tiny_overrides(
-        tmp_path, f"data.train=[\"{mixed_dataset(tmp_path)}\"]", f"data.eval=[\"{DATA / 'caption_qa_videos.jsonl'}\"]",
+        tmp_path, f"data.train_files=[\"{mixed_dataset(tmp_path)}\"]", f"data.val_files=[\"{DATA / 'caption_qa_videos.jsonl'}\"]",
         "reward.spec=null", "reward.judge=tiny:qwen3", "reward.length_l1=4", "reward.length_l2=12",
         "train.batch_size=3", "train.mini_batch_size=1", "train.micro_batch_size=2", "train.eval_freq=2",
         "train.lr=1e-3"))
@@ -248,7 +248,7 @@ def test_training_against_a_real_reward_server_that_dies_mid_run(app, tmp_path, 
     next steps are retried, then skipped with the error logged, never scored as zero."""
     url, proc = reward_server
     overrides = tiny_overrides(tmp_path, "reward.spec=null", f"reward.url={url}", "reward.retries=2",
-                               f"data.train=[\"{DATA / 'caption_qa_videos.jsonl'}\"]", "data.eval_size=0",
+                               f"data.train_files=[\"{DATA / 'caption_qa_videos.jsonl'}\"]", "data.eval_size=0",
                                "train.max_steps=3", "train.batch_size=1")
 
     def kill_after_first_step():
@@ -293,7 +293,7 @@ def test_streamed_rewards_in_an_asynchronous_run(app, tmp_path, reward_server, m
     def steps(name: str, stream: bool, count: int = 2, resume: Path | None = None) -> tuple[Path, list[str]]:
         threads.clear()
         argv = tiny_overrides(tmp_path / name, "reward.spec=null", f"reward.url={url}", "reward.retries=2",
-                              f"data.train=[\"{DATA / 'caption_qa_videos.jsonl'}\"]", "data.eval_size=0",
+                              f"data.train_files=[\"{DATA / 'caption_qa_videos.jsonl'}\"]", "data.eval_size=0",
                               "rollout.n=2", "rollout.per_prompt_seeds=true", f"train.max_steps={count}",
                               "train.save_freq=1", "train.keep_last=9", "train.max_staleness=1",
                               "algo.rollout_correction=token_truncate", f"reward.stream={str(stream).lower()}")
@@ -351,7 +351,7 @@ def launch_two(tmp_path: Path, *overrides: str, config: Path | None = None) -> s
 def one_step(tmp_path: Path, data: Path, name: str) -> list[str]:
     """One full RL step on 4 prompts x 4 captions, rollouts seeded per prompt (the same
     captions whatever the process count), no hold-out."""
-    return tiny_overrides(tmp_path, f"data.train=[\"{data}\"]", "data.eval_size=0", "train.batch_size=4",
+    return tiny_overrides(tmp_path, f"data.train_files=[\"{data}\"]", "data.eval_size=0", "train.batch_size=4",
                           "train.max_steps=1", "train.micro_batch_size=3", "rollout.per_prompt_seeds=true",
                           f"train.run_name={name}")
 
@@ -441,7 +441,7 @@ def test_fsdp2_without_a_launcher_says_how_to_launch(app, tmp_path):
 
 
 def test_trains_from_a_save_to_disk_directory_and_names_its_bad_rows(app, tmp_path, caplog):
-    """data.train names a `datasets` save_to_disk directory: its good rows train; a row with a bad
+    """data.train_files names a `datasets` save_to_disk directory: its good rows train; a row with a bad
     answer is skipped when read, one whose image is missing when encoded, both named by dataset
     and row."""
     import datasets
@@ -457,8 +457,8 @@ def test_trains_from_a_save_to_disk_directory_and_names_its_bad_rows(app, tmp_pa
     folder = tmp_path / "caption_ds"
     datasets.Dataset.from_list(examples).save_to_disk(str(folder))
     with caplog.at_level("WARNING", logger="rl_data"):
-        run = app.main(tiny_overrides(tmp_path, f"data.train=[\"{folder}\"]",
-                                      f"data.eval=[\"{DATA / 'caption_qa_videos.jsonl'}\"]",
+        run = app.main(tiny_overrides(tmp_path, f"data.train_files=[\"{folder}\"]",
+                                      f"data.val_files=[\"{DATA / 'caption_qa_videos.jsonl'}\"]",
                                       "train.batch_size=3", "train.max_steps=1"))
     table = rows(run)
     assert [r["step"] for r in table] == ["1"]
@@ -482,7 +482,7 @@ def test_every_example_accelerate_config_loads(config):
 def test_max_steps_beyond_the_epochs_says_which_setting_ended_the_run(app, tmp_path, capsys):
     """`train.max_steps=20` on a dataset that `train.epochs` exhausts sooner: the run stops when
     the epochs end, and its closing line says so (the README's override example)."""
-    run = app.main(tiny_overrides(tmp_path, f"data.train=[\"{mixed_dataset(tmp_path)}\"]", "data.eval_size=0",
+    run = app.main(tiny_overrides(tmp_path, f"data.train_files=[\"{mixed_dataset(tmp_path)}\"]", "data.eval_size=0",
                                   "train.batch_size=3", "train.epochs=1", "train.max_steps=20"))
     assert [r["step"] for r in rows(run)] == ["1"]
     out = capsys.readouterr().out

@@ -7,5 +7,5 @@ __all__ = ["UserError"]
 
 class UserError(Exception):
     """Something the user fixes by changing the command, the config or the data; the message
-    names the cause and the knob (`data.train`, `rollout.temperature`, ...). Apps print it as one
+    names the cause and the knob (`data.train_files`, `rollout.temperature`, ...). Apps print it as one
     line and exit 2 (`rl_core.train.run_app`)."""
