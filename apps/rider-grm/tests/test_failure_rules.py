@@ -16,7 +16,7 @@ import pytest
 from conftest import APP, REPO, TESTS, app, tiny_overrides
 from rider_config import DEFAULT_CONFIG, Config, resolve_model
 
-from rl_core.train import ConfigError, UserError, load_config
+from rl_core.train import ConfigError, UserError, load_config, run_app
 from rl_core.train.testing import run_cli
 
 
@@ -166,7 +166,7 @@ def test_unusable_rule_judge_or_spec_is_one_line_before_any_model_loads(
     if key == "reward.verl.reward_function":
         extra |= {"reward.judges": "[]", "reward.verl.model_path": '["tiny:qwen3:1", "tiny:qwen3:2"]'}
     out = tmp_path / "runs"
-    code = app.run_app("rider-grm", app.main, tiny_overrides(out, **extra))
+    code = run_app("rider-grm", app.main, tiny_overrides(out, **extra))
     [line] = capsys.readouterr().err.splitlines()
     assert code == 2
     assert re.fullmatch(rf"rider-grm: error: {message}.*", line), line

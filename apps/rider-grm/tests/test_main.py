@@ -13,7 +13,7 @@ from conftest import APP, REPO, TESTS, app, read_metrics, tiny_overrides
 from rider_config import DEFAULT_CONFIG, Config, judge_configs, judge_name
 from safetensors.torch import load_file
 
-from rl_core.train import ConfigError, load_config, unknown_metric_names
+from rl_core.train import ConfigError, UserError, load_config, unknown_metric_names
 from rl_core.train.testing import launch
 from rl_rewards.rules import embedding_similarity_map, length_reward
 
@@ -222,7 +222,7 @@ def test_judge_module_with_mismatched_lists_fails_at_startup_dry_run(tmp_path: P
                    "    return [r for r in text_responses for _ in range(2)]\n"
                    "def rm_postprocess(results):\n    return [0.0 for _ in results]\n")
     judges = f'[{{module = "{bad}", model = "tiny:qwen3:1", max_new_tokens = 2}}]'
-    with pytest.raises(ValueError, match=r"double.py.*rm_preprocess returned a list of 2 for 1 sample"):
+    with pytest.raises(UserError, match=r"double.py.*rm_preprocess returned a list of 2 for 1 response"):
         app.main(tiny_overrides(tmp_path / "runs", **{"reward.judges": judges, "reward.embedding.model": "null"}))
 
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 from conftest import app, tiny_overrides
 
+from rl_core.train import run_app
+
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without CUDA does")
 FAST = {"reward.judges": "[]", "reward.embedding.model": "null", "reward.rule": '"rider_rules:letter_e_share"',
         "train.max_steps": 1}
@@ -24,7 +26,7 @@ def test_auto_picks_hf_without_cuda_and_says_why(tmp_path: Path, capsys: pytest.
 
 
 def test_vllm_without_cuda_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = app.run_app("rider-grm", app.main, tiny_overrides(tmp_path, **FAST, **{"rollout.engine": '"vllm"'}))
+    code = run_app("rider-grm", app.main, tiny_overrides(tmp_path, **FAST, **{"rollout.engine": '"vllm"'}))
     err = capsys.readouterr().err
     assert code == 2
     assert err.splitlines() == [
