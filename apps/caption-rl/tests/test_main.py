@@ -395,6 +395,10 @@ def test_two_processes_equal_one_process_with_twice_the_batch(app, tmp_path, cas
     result = launch_two(tmp_path, *one_step(tmp_path, data, "two"), config=config)
     [a], [b] = rows(single), rows(tmp_path / "two")
     assert (a["world_size"], b["world_size"]) == ("1", "2")
+    # the step's prompts, gathered over both processes into one line (RunContext.record_prompts)
+    [one], [two] = ([json.loads(line)["prompts"] for line in (run / "samples" / "prompts.jsonl").read_text().splitlines()]
+                    for run in (single, tmp_path / "two"))
+    assert sorted(two) == sorted(one) and len(one) == (3 if broken is not None else 4)
     assert float(a["data/skipped_records"]) == float(b["data/skipped_records"]) == (1.0 if broken else 0.0)
     for key, value in PINNED["uneven" if case == "uneven" else "even"].items():
         assert float(a[key]) == pytest.approx(value, abs=2e-4), (key, a[key])

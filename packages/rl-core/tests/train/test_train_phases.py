@@ -157,6 +157,19 @@ def test_sample_log_is_cut_back_on_resume(tmp_path):
         "eval-step-000001.jsonl", "eval-step-000002.jsonl", "train.jsonl"]
 
 
+def test_a_log_kept_off_the_trackers_is_cut_back_on_resume_too(tmp_path):
+    """`track=False` (the prompts each step trained, `RunContext.record_prompts`): in the file,
+    not in the rows the loop sends to the trackers' tables; cut back like the others."""
+    log = SampleLog(tmp_path)
+    for step in (1, 2, 3):
+        log.write("prompts", step, [{"prompts": [step, 10 + step]}], track=False)
+        log.write("train", step, [{"text": f"s{step}"}])
+    assert list(log.pop()) == ["train"]
+    SampleLog(tmp_path, start_step=2)
+    lines = (tmp_path / "samples" / "prompts.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in lines] == [{"step": 1, "prompts": [1, 11]}, {"step": 2, "prompts": [2, 12]}]
+
+
 def test_checkpoint_is_published_only_after_its_extra_files(tmp_path):
     save_checkpoint(tmp_path, 1, state={"n": 1}, write_files=lambda d: (d / "lora").mkdir())
 
