@@ -10,7 +10,10 @@ import pytest
 import torch
 from conftest import tiny_overrides
 
-COMPARED = ("reward/mean", "loss/policy", "policy/approx_kl", "response/length_mean", "rollout/weight_version")
+SAMPLED = ("reward/mean", "response/length_mean", "rollout/weight_version")  # equal exactly
+TRAINED = ("loss/policy", "policy/approx_kl")  # equal to float32 rounding: the actor's engine scores
+# its own copy of the weights, so its log-probs (the IS correction at staleness 1) differ in the
+# last bits from the in-process engine's
 
 
 def rows(run) -> list[dict[str, str]]:
@@ -31,7 +34,9 @@ def test_ray_actor_rollouts_train_as_the_in_process_engine(app, tmp_path, stalen
     actors = rows(app.main(tiny_overrides(tmp_path / "actors", *common, "rollout.workers=1", "rollout.placement=split")))
     assert len(here) == len(actors) == 3
     for mine, theirs in zip(here, actors, strict=True):
-        assert {k: mine[k] for k in COMPARED} == {k: theirs[k] for k in COMPARED}, (mine, theirs)
+        assert {k: mine[k] for k in SAMPLED} == {k: theirs[k] for k in SAMPLED}, (mine, theirs)
+        for key in TRAINED:
+            assert float(theirs[key]) == pytest.approx(float(mine[key]), rel=1e-5, abs=1e-7), (key, mine, theirs)
     assert [float(r["rollout/weight_version"]) for r in actors] == ([0.0, 1.0, 2.0] if not staleness else [0.0, 0.0, 1.0])
 
 

@@ -11,12 +11,12 @@ from conftest import app, read_metrics, tiny_overrides
 
 from rl_core.train.testing import launch
 
-COMPARED = ("reward/mean", "reward/std", "loss/policy", "grad_norm", "response/length_mean", "rollout/weight_version")
+SAMPLED = ("reward/mean", "reward/std", "response/length_mean", "rollout/weight_version")  # equal exactly
+TRAINED = ("loss/policy", "grad_norm")  # equal to float32 rounding: the actor's engine scores its own
+# copy of the weights, so its log-probs (the IS correction at staleness 1) differ in the last bits
 
 
-@pytest.mark.parametrize("staleness", [0, pytest.param(1, marks=pytest.mark.xfail(
-    reason="KNOWN REGRESSION of this wave, to fix first: at staleness 1 the Ray actors' step 3 differs from the "
-           "in-process engine's (found at the stop, cause not yet found)", strict=False))])
+@pytest.mark.parametrize("staleness", [0, 1])
 def test_ray_actor_rollouts_train_as_the_in_process_engine(tmp_path: Path, staleness: int) -> None:
     """Per-prompt seeds; staleness 1 samples from the weights one step older, in both runs."""
     extra: dict[str, object] = {"rollout.per_prompt_seeds": "true", "rollout.engine": '"hf"',
@@ -28,7 +28,9 @@ def test_ray_actor_rollouts_train_as_the_in_process_engine(tmp_path: Path, stale
         "rollout.workers": 1, "rollout.placement": '"split"'}))) if r.get("step")]
     assert len(here) == len(actors) == 3
     for mine, theirs in zip(here, actors, strict=True):
-        assert {k: mine[k] for k in COMPARED} == {k: theirs[k] for k in COMPARED}, mine["step"]
+        assert {k: mine[k] for k in SAMPLED} == {k: theirs[k] for k in SAMPLED}, mine["step"]
+        for key in TRAINED:
+            assert float(theirs[key]) == pytest.approx(float(mine[key]), rel=1e-5, abs=1e-7), (key, mine, theirs)
     assert [float(r["rollout/weight_version"]) for r in actors] == ([0.0, 1.0, 2.0] if not staleness else [0.0, 0.0, 1.0])
 
 
