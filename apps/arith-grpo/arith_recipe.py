@@ -49,7 +49,6 @@ class State:
 class Batch:
     picked: list[int]  # problem index of each prompt
     generations: list[Generation]  # n per prompt, request-major
-    weight_version: int
 
 
 class ArithGRPO(train.Recipe[Config, State, Batch]):
@@ -79,19 +78,16 @@ class ArithGRPO(train.Recipe[Config, State, Batch]):
             raise train.ConfigError(f"algo.reward_aggregation=normalize_then_sum: {e}") from None
         return State(cfg, run, model, policy, optimizer, engine, reward, sampler, problems, weights)
 
-    def start(self, s: State) -> None:
-        s.engine.sync(bump=False)  # a vLLM engine loaded the initial weights: a resumed policy is newer
+    def policy(self, s: State) -> PolicyEngine:
+        return s.engine
 
     def schedule(self, s: State) -> train.Schedule:
         return train.Schedule(s.cfg.train.max_steps)
 
     def checkpoint(self, s: State) -> train.Checkpoint:
-        return train.Checkpoint(state={"sampler": s.sampler, "engine": s.engine}, trained=s.model)
+        return train.Checkpoint(state={"sampler": s.sampler}, trained=s.model)
 
-    def rollout(self, s: State, step: int) -> Batch:
-        return self.sample(s, step)
-
-    def sample(self, s: State, step: int) -> Batch:  # train.max_staleness >= 1: on the rollout thread
+    def sample(self, s: State, step: int) -> Batch:
         r, picked = s.cfg.rollout, s.sampler.next_prompts(s.cfg.train.batch_size // s.run.world_size)
         prompts = [[{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}]
                    for a, b in (s.problems[i] for i in picked)]
@@ -99,10 +95,7 @@ class ArithGRPO(train.Recipe[Config, State, Batch]):
             gens = generate_seeded(engine, prompts, SamplingParams(n=r.n, temperature=r.temperature,
                                                                    max_new_tokens=r.max_new_tokens),
                                    [train.sample_seed(s.cfg.train.seed, step, i) for i in picked])
-        return Batch(picked, gens, s.engine.weight_version)
-
-    def weight_channel(self, s: State) -> train.WeightChannel:
-        return s.engine.weight_channel()
+        return Batch(picked, gens)
 
     def score(self, s: State, step: int, batch: Batch) -> train.Scores:
         results = s.reward.score([Sample(completion=g.text, reference=sum(s.problems[batch.picked[g.request_index]]),
@@ -120,7 +113,7 @@ class ArithGRPO(train.Recipe[Config, State, Batch]):
         for batch, rows in groups:  # one prompt's answers per entry
             picked.append(batch.picked[batch.generations[rows[0]].request_index])
             gens += [msgspec.structs.replace(batch.generations[i], request_index=len(picked) - 1) for i in rows]
-        return Batch(picked, gens, groups[0][0].weight_version)
+        return Batch(picked, gens)
 
     def update(self, s: State, step: int, batch: Batch, advantages: train.GroupAdvantages) -> dict[str, float]:
         s.run.record_prompts(step, batch.picked)
@@ -132,9 +125,9 @@ class ArithGRPO(train.Recipe[Config, State, Batch]):
                                                clip_high=s.cfg.algo.clip_high, temperature=s.cfg.rollout.temperature,
                                                **loss_fields(s.cfg.algo)), old=None,
                            ref=None, num_minibatches=1, micro_batch_size=s.cfg.train.micro_batch_size, ppo_epochs=1,
-                           grad_clip=1.0, guard=s.run.guard, pad_id=s.engine.pad_id, after_step=s.engine.sync,
+                           grad_clip=1.0, guard=s.run.guard, pad_id=s.engine.pad_id,
                            check_tolerance=1e-3 if s.run.first_step(step) else None)
-        return {"rollout/weight_version": float(batch.weight_version), **out}
+        return out
 
 
 RECIPE = ArithGRPO()

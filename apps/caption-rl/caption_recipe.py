@@ -40,7 +40,6 @@ from rl_core.train import (
     Schedule,
     Scores,
     Skip,
-    WeightChannel,
     check_batch_split,
     check_finite_parameters,
     check_group_size,
@@ -101,7 +100,6 @@ class Batch:
 
     encoded: Encoded  # the step's records as model input
     generations: list[Generation]  # rollout.n per kept record, request-major
-    weight_version: int  # optimizer steps in the weights the engine sampled with
     scored: ScoredRollout[Scored] | None = None  # reward.stream: the rewards, scored while the batch sampled
     prompt_ids: tuple[int, ...] = ()  # the data index of each kept record (`RunContext.record_prompts`)
 
@@ -194,8 +192,8 @@ class CaptionRL(Recipe[Config, State, Batch]):
                      full, placeholder_ids(model.config), prompts_per_rank=t.batch_size // run.world_size,
                      stream=cfg.reward.stream and isinstance(reward, RemoteReward))
 
-    def start(self, s: State) -> None:
-        s.engine.sync(bump=False)  # a separate engine loaded the initial weights: a resumed policy is newer
+    def policy(self, s: State) -> PolicyEngine:
+        return s.engine
 
     def schedule(self, s: State) -> Schedule:
         t = s.cfg.train
@@ -208,15 +206,8 @@ class CaptionRL(Recipe[Config, State, Batch]):
         return Schedule(min(total, t.max_steps or total), eval_every=every, eval_at_end=every > 0, note=note)
 
     def checkpoint(self, s: State) -> Checkpoint:
-        return Checkpoint(state={"sampler": s.sampler, "engine": s.engine, **sharded_state(s.policy, s.optimizer)},
+        return Checkpoint(state={"sampler": s.sampler, **sharded_state(s.policy, s.optimizer)},
                           trained=s.model)
-
-    def rollout(self, s: State, step: int) -> Batch:
-        return self.sample(s, step)
-
-    def weight_channel(self, s: State) -> WeightChannel:
-        r = s.cfg.rollout
-        return s.engine.weight_channel(rollout_device(r.placement, s.run.accelerator, workers=r.workers))
 
     def sample(self, s: State, step: int) -> Batch:
         """The step's captions (train.max_staleness >= 1: on the rollout thread, from the
@@ -240,7 +231,7 @@ class CaptionRL(Recipe[Config, State, Batch]):
         for g in generations:
             if g.prompt_ids != enc.prompts[g.request_index].ids:
                 raise RuntimeError(f"prompt {g.request_index}: the engine encoded it differently from the trainer")
-        return Batch(enc, generations, s.engine.weight_version, scored, tuple(picked[i] for i in enc.positions))
+        return Batch(enc, generations, scored, tuple(picked[i] for i in enc.positions))
 
     def score(self, s: State, step: int, batch: Batch) -> Scores | Skip:
         """Rewards of every caption, or a reason (agreed over processes) to skip the step. A
@@ -274,7 +265,7 @@ class CaptionRL(Recipe[Config, State, Batch]):
         gens = [msgspec.structs.replace(batch.generations[i], request_index=j)
                 for j, (batch, rows) in enumerate(groups) for i in rows]
         ids = tuple(batch.prompt_ids[batch.generations[rows[0]].request_index] for batch, rows in groups)
-        return Batch(encoded, gens, groups[0][0].weight_version, prompt_ids=ids)
+        return Batch(encoded, gens, prompt_ids=ids)
 
     def update(self, s: State, step: int, batch: Batch, advantages: GroupAdvantages) -> dict[str, float]:
         cfg, acc, a, t = s.cfg, s.run.accelerator, s.cfg.algo, s.cfg.train
@@ -306,9 +297,8 @@ class CaptionRL(Recipe[Config, State, Batch]):
                                 norm_length=cfg.rollout.max_new_tokens, **loss_fields(a)),
             old=old, ref=ref, num_minibatches=t.batch_size // mini, micro_batch_size=t.micro_batch_size,
             ppo_epochs=a.ppo_epochs, grad_clip=t.grad_clip, guard=s.run.guard, pad_id=s.engine.pad_id,
-            placeholders=s.placeholders, scheduler=s.scheduler, check_tolerance=tolerance if first else None,
-            after_step=s.engine.sync)
-        return {"rollout/weight_version": float(batch.weight_version), **stats, **update,
+            placeholders=s.placeholders, scheduler=s.scheduler, check_tolerance=tolerance if first else None)
+        return {**stats, **update,
                 "lr": float(s.scheduler.get_last_lr()[0]), **(s.full.pop_metrics() if s.full is not None else {})}
 
     def evaluate(self, s: State, step: int) -> dict[str, float]:

@@ -56,6 +56,7 @@ from rl_core.kl import compute_kl
 from rl_core.train import (
     CopyChannel,
     FullWeights,
+    ParameterEMA,
     Replay,
     UserError,
     WeightChannel,
@@ -377,7 +378,7 @@ class RolloutWeights:
     """An asynchronous run's `WeightChannel` (`rl_core.train.pipeline`): `inner` keeps the trained
     LoRA by loop step (a `CopyChannel` into the rollout engine's copy, or `LoraVersions` for Ray
     workers); `steps()`, the optimizer steps in the trained weights at each publish, becomes
-    `loaded` at `load`: the version a rollout reports (`Batch.version`)."""
+    `loaded` at `load`: the version a rollout reports (`FamilyWeights.weight_version`)."""
 
     def __init__(self, inner: WeightChannel, steps: Callable[[], int]) -> None:
         self.inner, self.steps = inner, steps
@@ -399,6 +400,36 @@ class RolloutWeights:
 
     def close(self) -> None:
         self.inner.close()
+
+
+class FamilyWeights:
+    """A family's `PolicyWeights` for the trainer loop: `ema.steps` counts the optimizer steps
+    (`after_step=ema.step`, and the EMA's checkpoint holds it). Synchronous, the rollout samples
+    with the trained LoRA itself (Ray workers take it at each `collect`); asynchronous,
+    `channel` gives the family's `RolloutWeights`."""
+
+    def __init__(self, family: Family, ema: ParameterEMA) -> None:
+        self.family, self.ema = family, ema
+
+    @property
+    def weight_version(self) -> int:
+        weights = self.family.weights
+        return weights.loaded if weights is not None else self.ema.steps
+
+    def start(self) -> None:
+        """Nothing to push: the trained LoRA is what samples, or goes to the workers with each `collect`."""
+
+    def stepped(self) -> None:
+        """Counted by the EMA."""
+
+    def channel(self) -> RolloutWeights:
+        return self.family.weight_channel(lambda: self.ema.steps)
+
+    def state_dict(self) -> dict[str, int]:
+        return {}  # the EMA's checkpoint entry holds the count
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Nothing of its own to restore."""
 
 
 class LoraVersions:

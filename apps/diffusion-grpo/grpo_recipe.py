@@ -32,7 +32,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 from accelerate.utils import gather_object
-from families import FAMILIES, SD3, Chunk, Family, Micro, whole_weights
+from families import FAMILIES, SD3, Chunk, Family, FamilyWeights, Micro, whole_weights
 from grpo_config import (
     DEFAULT_CONFIG,
     ENV,
@@ -60,7 +60,6 @@ from rl_core.train import (
     Schedule,
     Scores,
     TrainableState,
-    WeightChannel,
     gather_rows,
     replay_update,
     sample_seed,
@@ -98,7 +97,6 @@ class Batch:
     records: list[OCRPrompt]  # one per image, in sample order
     group_ids: torch.Tensor  # [N] global group index
     images: list[Image.Image]
-    version: int  # optimizer steps in the weights that sampled them
     on_policy: bool = True  # sampled by the weights the trainer holds: the first replay's ratio is checked
 
 
@@ -126,6 +124,9 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
             except ValueError as e:
                 raise ConfigError(f"algo.reward_aggregation=normalize_then_sum: {e}") from None
         return State(cfg, run, family, ema, reward, weights, prompts, eval_prompts, sampler)
+
+    def policy(self, state: State) -> FamilyWeights:
+        return FamilyWeights(state.family, state.ema)
 
     def start(self, state: State) -> None:
         state.family.start()
@@ -166,20 +167,15 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         chunks = [Chunk(tuple(r.prompt for r in records[i:i + size]), tuple(seeds[i:i + size]),
                         sde_window(cfg, epoch, sample_index(i, n, world, run.rank)))
                   for i in range(0, len(records), size)]
-        weights = state.family.weights
-        version = weights.loaded if weights is not None else state.ema.steps
-        samples = state.family.collect(chunks, version)
+        samples = state.family.collect(chunks, FamilyWeights(state.family, state.ema).weight_version)
         images = [image for s in samples for image in to_pil(s.images)]
-        return Batch(samples, records, torch.arange(len(records)) // n + run.rank * groups, images, version)
+        return Batch(samples, records, torch.arange(len(records)) // n + run.rank * groups, images)
 
     def prepare(self, state: State, step: int, sampled: Batch) -> Batch:
         """The trajectories need nothing more: their log-probs, the sampling weights', are the PPO
         ratio's old ones (Flow-GRPO's), so the ratio corrects the staleness. The first replay is
         checked against them only where the trainer's weights sampled them (`RunContext.first_step`)."""
         return dataclasses.replace(sampled, on_policy=state.run.first_step(step))
-
-    def weight_channel(self, state: State) -> WeightChannel:
-        return state.family.weight_channel(lambda: state.ema.steps)
 
     def score(self, state: State, step: int, batch: Batch) -> Scores:
         run = state.run
@@ -195,7 +191,7 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
 
     def update(self, state: State, step: int, batch: Batch, advantages: GroupAdvantages) -> dict[str, float]:
         t, run, f, adv, acc = state.cfg.train, state.run, state.family, advantages.advantages, state.run.accelerator
-        metrics = {"rollout/weight_version": batch.version, **(f.full.pop_metrics() if f.full else {})}
+        metrics = {**(f.full.pop_metrics() if f.full else {})}
         sizes = [len(s.prompts) for s in batch.samples]
         if t.method == "nft":  # every scored image trains, whatever its advantage (0 is r = 1/2)
             return metrics | self.nft(state, step, batch, advantages, sizes)

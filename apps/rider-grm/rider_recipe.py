@@ -9,8 +9,8 @@
 The loop (`rl_core.train.loop`) owns the step. rollout: the policy's engine samples, then the old
 and reference log-probs, then the policy sleeps as the swap plan says (`swapping`). reward: the
 rule, each judge woken in turn for what its gate lets through, the similarity, folded (`rewarding`,
-`judging`) into token rewards. update: the policy wakes; clipped policy gradient + k3 KL loss, the
-engine synced after each optimizer step; the swap plan decided from the measured peaks.
+`judging`) into token rewards. update: the policy wakes; clipped policy gradient + k3 KL loss (the
+loop syncs the engine after each optimizer step); the swap plan decided from the measured peaks.
 `__main__.py` reads the command line and the config (`rider_config.py`) before this module and
 torch load.
 """
@@ -38,7 +38,7 @@ from rider_config import (
 from swapping import PolicySwap, initial_plan
 
 from rl_core.kl import compute_kl
-from rl_core.train import GroupAdvantages, PinnedOffload, WeightChannel, isolated_rng, sample_seed
+from rl_core.train import GroupAdvantages, PinnedOffload, isolated_rng, sample_seed
 from rl_core.train.config import ConfigError
 from rl_core.train.recipe import Checkpoint, Recipe, RunContext, Schedule, Scores
 from rl_core.train.sharding import FullWeights, prepare_policy, resolve_sharding, sharded_state
@@ -92,7 +92,6 @@ class Batch:
     gens: list[Generation]  # [B]
     old: list[torch.Tensor]  # [B] x [C_i] the policy's log-probs before the update
     ref: list[torch.Tensor] | None  # [B] x [C_i] the reference's (KL loss or KL in the reward), else None
-    weight_version: int  # optimizer steps in the weights the samples were drawn with
     judges_awake: int  # judge engines awake while the policy generated (0 when swapping)
     scored: ScoredRollout[Scored] | None = None  # reward.stream: scored while the batch sampled
     prompt_ids: tuple[int, ...] = ()  # [B / n] the data index of each prompt (`RunContext.record_prompts`)
@@ -104,7 +103,6 @@ class Sampled:
 
     records: list[JudgeRecord]  # [B]
     gens: list[Generation]  # [B]
-    weight_version: int
     judges_awake: int
     scored: ScoredRollout[Scored] | None = None
     prompt_ids: tuple[int, ...] = ()  # [B / n]
@@ -158,6 +156,12 @@ class RiderGRM(Recipe[Config, State, Batch]):
         swap = PolicySwap(engine, model, optimizer, acc.device, mode=mode, memory_fraction=cfg.reward.swap_memory_fraction,
                           offload_optimizer=cfg.model.optimizer_offload,
                           measurable=all(j.offload is not None for j in judges if j.engine is not None))
+        if t.max_staleness:  # the policy stays resident: the rollout thread samples while the judges score
+            if cfg.reward.swap == "always" and swap.plan.offload_policy:
+                raise ConfigError(f"train.max_staleness={t.max_staleness}: reward.swap=always moves the policy off "
+                                  "the GPU while the judges score, but asynchronous rollouts sample meanwhile; set "
+                                  "reward.swap=never (or auto)")
+            swap.keep_resident(judges)
         reward = rewarding.compose_reward(cfg, judges, judge_cfgs, run.timer, acc.device)
         if cfg.algo.reward_aggregation == "normalize_then_sum" and reward.spec.combine != "sum":
             raise ConfigError("algo.reward_aggregation=normalize_then_sum needs a reward that sums its weighted "
@@ -168,8 +172,10 @@ class RiderGRM(Recipe[Config, State, Batch]):
         return State(cfg, run, policy, model, optimizer, ref, ref_offload, engine, full, judges, reward, swap, sampler,
                      train, val, stream)
 
+    def policy(self, state: State) -> PolicyEngine:
+        return state.engine
+
     def start(self, state: State) -> None:
-        state.engine.sync(bump=False)  # a vLLM engine: the resumed weights may be newer than what it loaded
         # every judge scores one sample now: a module whose lists do not match the batch, or a
         # server that is down or does not know its spec, fails here, not hours into a run
         answer = Generation(request_index=0, prompt_ids=[], completion_ids=[], text=str(state.val[0].ground_truth),
@@ -186,7 +192,7 @@ class RiderGRM(Recipe[Config, State, Batch]):
                         eval_at_start=t.val_before_train, eval_at_end=True)
 
     def checkpoint(self, state: State) -> Checkpoint:
-        return Checkpoint(state={"sampler": state.sampler, "engine": state.engine,
+        return Checkpoint(state={"sampler": state.sampler,
                                  **sharded_state(state.policy, state.optimizer)},
                           trained=state.run.accelerator.unwrap_model(state.policy))
 
@@ -204,10 +210,9 @@ class RiderGRM(Recipe[Config, State, Batch]):
         indices = next(iter(state.sampler.batches(cfg.train.batch_size // run.world_size)))[::n]  # one per group
         records = [state.train[i] for i in indices]
         seeds = [sample_seed(cfg.train.seed, step, i) for i in indices] if cfg.rollout.per_prompt_seeds else None
-        version = state.engine.weight_version
         score = _chunk_scorer(state, records, len(records) * n) if state.stream else None
         gens, awake, scored = generate(state, records, n, cfg.rollout.temperature, seeds, score)
-        return Sampled([r for r in records for _ in range(n)], gens, version, awake, scored, tuple(indices))
+        return Sampled([r for r in records for _ in range(n)], gens, awake, scored, tuple(indices))
 
     def prepare(self, state: State, step: int, sampled: Sampled) -> Batch:
         """The trainer's log-probs of the samples (the PPO ratio's old ones: with staleness, the
@@ -224,19 +229,7 @@ class RiderGRM(Recipe[Config, State, Batch]):
                 ref = logprobs(state, state.ref, gens)
                 if state.ref_offload is not None:
                     state.ref_offload.to_host()
-        return Batch(sampled.records, gens, old, ref, sampled.weight_version, sampled.judges_awake, sampled.scored,
-                     sampled.prompt_ids)
-
-    def weight_channel(self, state: State) -> WeightChannel:
-        """The engine's own weights by version; the policy then stays resident (`reward.swap`
-        `auto` becomes `never`: the rollout thread samples while the judges score)."""
-        if state.cfg.reward.swap == "always" and state.swap.plan.offload_policy:
-            raise ConfigError(f"train.max_staleness={state.cfg.train.max_staleness}: reward.swap=always moves the "
-                              "policy off the GPU while the judges score, but asynchronous rollouts sample meanwhile; "
-                              "set reward.swap=never (or auto)")
-        state.swap.keep_resident(state.judges)
-        r = state.cfg.rollout
-        return state.engine.weight_channel(rollout_device(r.placement, state.run.accelerator, workers=r.workers))
+        return Batch(sampled.records, gens, old, ref, sampled.judges_awake, sampled.scored, sampled.prompt_ids)
 
     def score(self, state: State, step: int, batch: Batch) -> Scores:
         """Token rewards `[B, C]`: each sample's score on its last token (NaN: failed), minus
@@ -275,7 +268,7 @@ class RiderGRM(Recipe[Config, State, Batch]):
         ref = refs if groups[0][0].ref is not None else None
         ids = tuple(b.prompt_ids[rows[0] // state.cfg.rollout.n] for b, rows in groups)
         return Batch([b.records[i] for b, i in picks], [b.gens[i] for b, i in picks], [b.old[i] for b, i in picks],
-                     ref, groups[0][0].weight_version, max(b.judges_awake for b, _ in groups), prompt_ids=ids)
+                     ref, max(b.judges_awake for b, _ in groups), prompt_ids=ids)
 
     def update(self, state: State, step: int, batch: Batch, advantages: GroupAdvantages) -> dict[str, float]:
         """Clipped PG + KL-loss minibatch updates (`train.mini_batch_size` prompts each), after the
@@ -299,10 +292,9 @@ class RiderGRM(Recipe[Config, State, Batch]):
                                              norm_length=cfg.rollout.max_new_tokens, **training.loss_fields(a)),
                 old=batch.old, ref=batch.ref if a.use_kl_loss else None,
                 num_minibatches=max(1, t.batch_size // t.mini_batch_size), micro_batch_size=t.micro_batch_size,
-                ppo_epochs=1, grad_clip=t.grad_clip, guard=run.guard, pad_id=state.engine.pad_id,
-                after_step=state.engine.sync)
+                ppo_epochs=1, grad_clip=t.grad_clip, guard=run.guard, pad_id=state.engine.pad_id)
         awake = acc.reduce(torch.tensor(float(batch.judges_awake), device=acc.device), reduction="sum")
-        return {**out, "rollout/weight_version": float(batch.weight_version), **training.response_metrics(acc, batch.gens),
+        return {**out, **training.response_metrics(acc, batch.gens),
                 "check/judges_awake_during_rollout": int(awake.item()),
                 **state.swap.decide(run.timer, state.judges), **(state.full.pop_metrics() if state.full else {})}
 

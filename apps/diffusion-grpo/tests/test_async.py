@@ -58,7 +58,7 @@ def test_two_processes_equal_one_process_with_twice_the_batch(app, tmp_path: Pat
     a, b = rows(single), rows(two)
     for r in (a, b):
         assert [float(x["rollout/staleness"]) for x in r] == [0, 1]
-        assert [x["rollout/weight_version"] for x in r] == ["0", "0"]  # epoch 2: the starting weights sampled
+        assert [x["rollout/weight_version"] for x in r] == ["0.0", "0.0"]  # epoch 2: the starting weights sampled
         assert [float(x["optimizer_steps"]) for x in r] == [1, 1]
     assert float(a[0]["replay/engine_diff_max"]) == 0.0  # epoch 1 is on-policy: checked, bit-exact
     assert float(a[1]["replay/engine_diff_max"]) > 0  # epoch 2's ratio is not 1: logged, not checked
@@ -127,7 +127,7 @@ def test_an_asynchronous_checkpoint_resumed_synchronously(app, tmp_path: Path) -
     resumed = app.main([*args, "train.max_staleness=0", "--resume", str(run / "checkpoints" / "checkpoint-1")])
     table = rows(resumed)
     assert [r["rollout/staleness"] for r in table] == ["0.0", "1.0", ""]
-    assert [r["rollout/weight_version"] for r in table] == ["0", "0", "4"]
+    assert [r["rollout/weight_version"] for r in table] == ["0.0", "0.0", "4.0"]
     assert float(table[1]["replay/engine_diff_max"]) > 0 and float(table[2]["replay/engine_diff_max"]) == 0
 
 
@@ -143,7 +143,7 @@ def test_ray_workers_sample_the_scheduled_versions(app, ray_cluster, tmp_path: P
         runs[workers] = train(app, load_config(app.Config, app.DEFAULT_CONFIG, overrides))
     ray_rows, local_rows = rows(runs[2]), rows(runs[0])
     for r in (ray_rows, local_rows):  # 2 optimizer steps per epoch; epoch 3 samples with the weights of epoch 1
-        assert [r_["rollout/weight_version"] for r_ in r] == ["0", "0", "2"]
+        assert [r_["rollout/weight_version"] for r_ in r] == ["0.0", "0.0", "2.0"]
         assert [float(r_["rollout/staleness"]) for r_ in r] == [0, 1, 1]
     assert float(ray_rows[0]["replay/engine_diff_max"]) == 0.0  # on-policy: the workers' log-probs replayed exactly
     for key, tolerance in (("reward/mean", {"rel": 1e-4}), ("image/brightness", {"rel": 1e-4}),

@@ -29,7 +29,7 @@ def test_ray_workers_train_like_the_in_process_engine(app, ray_cluster, tmp_path
     ray_rows, local_rows = _rows(runs[2]), _rows(runs[0])
     # 2 optimizer steps per epoch; epoch 2 samples with the weights after them (version 2)
     assert [float(r["optimizer_steps"]) for r in ray_rows] == [2, 2]
-    assert [r["rollout/weight_version"] for r in ray_rows] == ["0", "2"]
+    assert [r["rollout/weight_version"] for r in ray_rows] == ["0.0", "2.0"]
     for row in ray_rows:  # the trainer replays the workers' trajectories: ratio exactly 1
         assert float(row["replay/engine_diff_max"]) == 0.0
     # Same seeds, same trajectories. Not bitwise: a worker denoises half the prompts, so its
@@ -54,6 +54,6 @@ def test_ray_workers_sample_with_a_sharded_trainers_lora(app, ray_cluster, tmp_p
                                "rollout.placement=colocated", 'train.sharding="fsdp2"')
     rows = _rows(in_process_group(app, load_config(app.Config, app.DEFAULT_CONFIG, overrides)))
     assert [float(r["optimizer_steps"]) for r in rows] == [2, 2]
-    assert [r["rollout/weight_version"] for r in rows] == ["0", "2"]
+    assert [r["rollout/weight_version"] for r in rows] == ["0.0", "2.0"]
     assert all(float(r["replay/engine_diff_max"]) == 0.0 for r in rows)
     assert all(float(r["time/weight_gather"]) > 0 for r in rows)

@@ -24,8 +24,8 @@ from rl_core.losses import compute_policy_loss
 from rl_core.train import (
     AdvantageName,
     Checkpoint,
-    CopyChannel,
     GroupAdvantages,
+    ModuleWeights,
     NonNegative,
     PolicyLossName,
     Positive,
@@ -40,7 +40,6 @@ from rl_core.train import (
     UpdateStats,
     check_batch_split,
     check_group_size,
-    copy_sharing_frozen,
     optimizer_step,
     run,
     run_app,
@@ -80,7 +79,7 @@ class State:
     policy: torch.nn.Module  # prepared (DDP with several processes)
     optimizer: torch.optim.Optimizer
     rounds: Rounds
-    sampler: torch.nn.Module | None = None  # the rollout thread's copy of the weights (train.max_staleness >= 1)
+    weights: ModuleWeights  # samples with the trained module, or (asynchronous) a copy by version
 
 
 class Rounds:
@@ -121,7 +120,10 @@ class Bandit(Recipe[Config, State, Batch]):
         model = torch.nn.Linear(PROMPTS, cfg.train.answers, bias=False)
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.train.lr)
         policy, optimizer = run.accelerator.prepare(model, optimizer)
-        return State(cfg, run, policy, optimizer, Rounds())
+        return State(cfg, run, policy, optimizer, Rounds(), ModuleWeights(run.accelerator.unwrap_model(policy)))
+
+    def policy(self, state: State) -> ModuleWeights:
+        return state.weights
 
     def schedule(self, state: State) -> Schedule:
         t = state.cfg.train
@@ -131,17 +133,8 @@ class Bandit(Recipe[Config, State, Batch]):
     def checkpoint(self, state: State) -> Checkpoint:
         return Checkpoint(state={"rounds": state.rounds}, trained=state.policy)
 
-    def rollout(self, state: State, step: int) -> Batch:
-        return self._draw(state, step, state.policy)
-
-    def sample(self, state: State, step: int) -> Batch:  # the rollout thread: its own copy of the weights
-        assert state.sampler is not None
-        return self._draw(state, step, state.sampler)
-
-    def weight_channel(self, state: State) -> CopyChannel:
-        trained = state.run.accelerator.unwrap_model(state.policy)
-        state.sampler = copy_sharing_frozen(trained)
-        return CopyChannel(trained, state.sampler)
+    def sample(self, state: State, step: int) -> Batch:  # asynchronous: the rollout thread, its own copy of the weights
+        return self._draw(state, step, state.weights.sampler)
 
     def _draw(self, state: State, step: int, model: torch.nn.Module) -> Batch:
         t, run = state.cfg.train, state.run

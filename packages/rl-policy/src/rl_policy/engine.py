@@ -4,8 +4,11 @@ owns weight sync (verl's engine layer), so no app asks which engine it has.
     engine = build_policy_engine("auto", model=trained, processor=processor, path=checkpoint, ...)
     with engine.session() as sampler:        # ready to sample
         generations = sampler.generate(prompts, params)
-    ...optimizer step...
-    engine.sync()                           # the next session samples from the new weights
+
+It is the text policies' `rl_core.train.PolicyWeights`: give it to the trainer loop
+(`Recipe.policy`), which calls `start()`, `stepped()` after each optimizer step (the next session
+samples from the new weights) and, for an asynchronous run, `channel()`. A trainer of your own
+calls `stepped()` after each optimizer step itself.
 
 - `hf` (`rl_rollout.hf.HFEngine`): decodes with the very module being trained. A session puts
   it in eval mode, moves the optimizer state to pinned host memory while it decodes (making
@@ -18,7 +21,7 @@ owns weight sync (verl's engine layer), so no app asks which engine it has.
   With `rollout_device` (split placement) it lives on a GPU of its own, its engine core in a
   process of its own (weights pushed as CUDA IPC handles), and never sleeps.
 
-`weight_version` counts `sync` calls: the optimizer steps in the weights the next session
+`weight_version` counts `stepped` calls: the optimizer steps in the weights the next session
 samples with (log it as `rollout/weight_version`). The count goes into checkpoints
 (`state_dict`), so a resumed run goes on from it.
 
@@ -29,11 +32,11 @@ push after an optimizer step; an asynchronous run's version loads on the rollout
 `weight_publish` is the trainer's copy of each version). Inside
 the app's `rollout` phase, generation is what the first two leave.
 
-Asynchronous runs (`train.max_staleness >= 1`): `weight_channel()` switches the engine to weights
+Asynchronous runs (`train.max_staleness >= 1`): `channel()` switches the engine to weights
 of its own, which change only by version (`rl_core.train.WeightChannel`): the trainer publishes
 a copy after each step, the rollout thread loads the one its step needs. `hf` then decodes with
 a copy of the model (trainable weights its own, frozen ones shared: a LoRA's base is not
-duplicated); `vllm` stays awake and takes each version as a weight push. `sync` only counts
+duplicated); `vllm` stays awake and takes each version as a weight push. `stepped` only counts
 optimizer steps then; sessions neither sleep nor offload. On a rollout GPU of its own (split
 placement) `hf` decodes with a whole copy of the model there, and `vllm` keeps each published
 version's merged weights there until the rollout thread pushes them. A sharded policy (`full`, FSDP2)
@@ -94,20 +97,33 @@ class PolicyEngine:
                  release_cache: Callable[[], None] | None = None,
                  rebuild: Callable[[torch.nn.Module, torch.device], Engine] | None = None,
                  timer: PhaseTimer = _untimed, rollout_device: torch.device | None = None,
-                 remote: bool = False) -> None:
+                 remote: bool = False, channel_device: torch.device | None = None) -> None:
         self.engine, self.kind, self.trained, self.pad_id, self.timer = engine, kind, trained, pad_id, timer
         self.rollout_device = rollout_device  # vllm: the GPU of its own it was built on (split placement)
+        self.channel_device = channel_device  # hf: where `channel()` moves its copy (split placement)
         self.remote = remote  # Ray actors (`rl_rollout.policy_pool`): weights of their own, pushed by version
         self.full, self.optimizer_offload, self.release_cache = full, optimizer_offload, release_cache
         self.rebuild = rebuild  # hf: an engine over another copy of the model (asynchronous runs)
         self.shares_weights = kind == "hf" and not remote
         self.weight_version = 0
-        self.channel: _EngineChannel | None = None  # set by weight_channel(): asynchronous rollouts
+        self.versions: _EngineChannel | None = None  # set by weight_channel(): asynchronous rollouts
 
     @property
     def state(self) -> str:
         """"awake" | "asleep" | "closed" (the engine's)."""
         return self.engine.state
+
+    def start(self) -> None:
+        """The trained weights into the engine, counting no step (`PolicyWeights.start`)."""
+        self.sync(bump=False)
+
+    def stepped(self) -> None:
+        """After an optimizer step (`PolicyWeights.stepped`)."""
+        self.sync()
+
+    def channel(self) -> WeightChannel:
+        """`weight_channel` on the rollout's own device (`build_policy_engine`'s `rollout_device`)."""
+        return self.weight_channel(self.rollout_device if self.kind != "hf" else self.channel_device)
 
     def weight_channel(self, device: torch.device | None = None) -> WeightChannel:
         """Switch to weights of the engine's own, changed only by version (asynchronous runs;
@@ -115,15 +131,15 @@ class PolicyEngine:
         GPU of the rollout's own (split placement): `hf`'s engine and its copy of the whole
         model move there; `vllm` must have been built there (`build_policy_engine`'s
         `rollout_device`). The trainer keeps its GPU."""
-        if self.channel is not None:
-            return self.channel
+        if self.versions is not None:
+            return self.versions
         from rl_models.logprobs import unwrap_peft
 
         trained = unwrap_peft(self.trained)
         if self.remote:  # each version a copy where the pool takes it (an actor's GPU, or host memory), pushed
             where = getattr(self.engine, "weight_device", torch.device("cpu"))  # by the rollout thread
-            self.channel = _EngineChannel(self, _PushChannel(self.engine, trained, self.full, where))
-            return self.channel
+            self.versions = _EngineChannel(self, _PushChannel(self.engine, trained, self.full, where))
+            return self.versions
         if self.kind == "hf":
             if self.rebuild is None:
                 raise ValueError("this hf policy engine cannot be rebuilt over a copy of the model")
@@ -135,20 +151,20 @@ class PolicyEngine:
                 where = torch.device(device) if device is not None else next(trained.parameters()).device
                 twin = copy_sharing_frozen(trained, where)
             self.engine, self.shares_weights = self.rebuild(twin, where), False
-            self.channel = _EngineChannel(self, CopyChannel(trained, twin))
+            self.versions = _EngineChannel(self, CopyChannel(trained, twin))
         else:
             wanted = torch.device(device) if device is not None else None
             if wanted != self.rollout_device:
                 raise ValueError(f"this vLLM policy engine was built on {self.rollout_device or 'the trainer GPU'}, "
                                  f"not on {wanted or 'the trainer GPU'}: pass the rollout device to build_policy_engine")
             self.engine.wake()  # awake for the whole run: the rollout thread samples while the trainer updates
-            self.channel = _EngineChannel(self, _PushChannel(self.engine, trained, self.full, self.rollout_device))
-        return self.channel
+            self.versions = _EngineChannel(self, _PushChannel(self.engine, trained, self.full, self.rollout_device))
+        return self.versions
 
     @contextmanager
     def session(self) -> Iterator[Engine]:
         """The engine, ready to sample, for the block; afterwards the trainer has the memory."""
-        if self.channel is not None or self.rollout_device is not None or self.remote:  # weights of its own, awake
+        if self.versions is not None or self.rollout_device is not None or self.remote:  # weights of its own, awake
             with _on(self.rollout_device):
                 yield self.engine
             return
@@ -185,19 +201,19 @@ class PolicyEngine:
         a resumed run's engine goes on counting from there, not from 0 (`Stateful`; put the
         engine in the recipe's `Checkpoint.state`). An asynchronous run counts them in its
         channel; `weight_version` is then the version the rollout thread last loaded."""
-        return {"weight_version": self.channel.steps if self.channel is not None else self.weight_version}
+        return {"weight_version": self.versions.steps if self.versions is not None else self.weight_version}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Before `weight_channel()`, as the trainer loop restores a checkpoint before it starts."""
-        if self.channel is not None:
+        if self.versions is not None:
             raise RuntimeError("load the engine's state before its weight channel is made")
         self.weight_version = int(state["weight_version"])
 
     def sync(self, *, bump: bool = True) -> None:
         """After an optimizer step (`bump=False`: at start-up, when a resumed checkpoint is newer
         than the weights the engine loaded): the next session samples from the trained weights."""
-        if self.channel is not None:  # asynchronous: the loop publishes the weights by version; the
-            self.channel.steps += int(bump)  # rollout thread sets weight_version when it loads one
+        if self.versions is not None:  # asynchronous: the loop publishes the weights by version; the
+            self.versions.steps += int(bump)  # rollout thread sets weight_version when it loads one
             return
         self.weight_version += int(bump)
         if self.shares_weights:
@@ -216,8 +232,8 @@ class PolicyEngine:
         self.engine.wake()
 
     def close(self) -> None:
-        if self.channel is not None:
-            self.channel.close()
+        if self.versions is not None:
+            self.versions.close()
         self.engine.close()
 
 
@@ -377,7 +393,8 @@ def build_policy_engine(
 
         return PolicyEngine(hf, kind="hf", trained=model, pad_id=hf.pad_id, full=full,
                             optimizer_offload=_offload(optimizer, device, offload_optimizer in ("auto", "always"), full),
-                            release_cache=hf.release_cache if release_cache else None, rebuild=rebuild, timer=timer)
+                            release_cache=hf.release_cache if release_cache else None, rebuild=rebuild, timer=timer,
+                            channel_device=rollout_device)
     from rl_rollout.colocated import colocated_vllm, vllm_engine_core
 
     if rollout_device is not None and world_size > 1:

@@ -71,6 +71,7 @@ if TYPE_CHECKING:
         finish_copies,
     )
     from rl_core.train.plots import plot_reward_curve
+    from rl_core.train.policy_weights import ModuleWeights, PolicyWeights
     from rl_core.train.process_state import ProcessState
     from rl_core.train.progress import TrainProgress
     from rl_core.train.recipe import (
@@ -139,6 +140,7 @@ _EXPORTS = {
     "pipeline": ["CopyChannel", "PendingRollouts", "RolloutPipeline", "Sampled", "WeightChannel", "copy_sharing_frozen",
                  "finish_copies"],
     "plots": ["plot_reward_curve"],
+    "policy_weights": ["ModuleWeights", "PolicyWeights"],
     "process_state": ["ProcessState"],
     "progress": ["TrainProgress"],
     "recipe": ["Checkpoint", "Recipe", "RunContext", "Schedule", "Scores", "Skip", "check_batch_split",
@@ -174,6 +176,7 @@ __all__ = [
     "GroupAdvantages",
     "KLName",
     "MetricsLogger",
+    "ModuleWeights",
     "NonFiniteError",
     "NonFiniteGuard",
     "NonNegative",
@@ -185,6 +188,7 @@ __all__ = [
     "PinnedOffload",
     "PolicyLossFields",
     "PolicyLossName",
+    "PolicyWeights",
     "Positive",
     "PositiveFloat",
     "ProcessState",

@@ -52,6 +52,7 @@ from rl_core.train.groups import component_means, group_advantages
 from rl_core.train.metrics import CompileWatch, MetricsLogger, PhaseTimer
 from rl_core.train.pipeline import PendingRollouts, RolloutPipeline, Sampled
 from rl_core.train.plots import plot_reward_curve
+from rl_core.train.policy_weights import PolicyWeights
 from rl_core.train.progress import TrainProgress
 from rl_core.train.recipe import B, C, Recipe, RunContext, S, Schedule, Scores, Skip, run_fields
 from rl_core.train.rundir import make_run_dir, point_latest, resume_point
@@ -85,8 +86,6 @@ def train(recipe: Recipe[C, S, B], cfg: C, resume: str | None = None) -> Path:
     if t.dynamic_sampling.enable and type(recipe).merge is Recipe.merge:
         raise ConfigError(f"train.dynamic_sampling.enable: {recipe.name} cannot merge rollout rounds "
                           "(its recipe has no `merge` hook); set it to false")
-    if t.max_staleness:
-        _check_asynchronous(recipe, t)
     acc = _accelerator(t.sharding, t.fsdp_cpu_offload)
     recipe.check(cfg, acc.num_processes)
     ckpt, name = resume_point(resume, t.output_dir, t.run_name)
@@ -100,27 +99,23 @@ def train(recipe: Recipe[C, S, B], cfg: C, resume: str | None = None) -> Path:
                          NonFiniteGuard(t.max_nonfinite_steps), stale_start=bool(pending.items))
     state = recipe.setup(cfg, context)
     try:
+        policy = recipe.policy(state)
+        context.guard.after_step(policy.stepped)  # every optimizer step taken, whichever hook takes it
         if ckpt is not None:
             spec = recipe.checkpoint(state)
-            load_checkpoint(ckpt, state=spec.state, accelerator=acc if spec.accelerator else None)
+            load_checkpoint(ckpt, state={**spec.state, POLICY: policy}, accelerator=acc if spec.accelerator else None)
             acc.print(f"resumed from {ckpt} at step {start}")
+        policy.start()
         recipe.start(state)
         _trackers(acc, t.log_with, run_dir, recipe.name, cfg)
         point_latest(run_dir, acc)  # only a run that started: a failed start leaves `latest` alone
-        return _Loop(recipe, state, context, recipe.schedule(state), cfg, pending.items).fit()
+        return _Loop(recipe, state, policy, context, recipe.schedule(state), cfg, pending.items).fit()
     finally:
         recipe.close(state)
 
 
 PIPELINE = "pipeline"  # the checkpoint folder of an asynchronous run's rollouts in flight
-
-
-def _check_asynchronous(recipe: Recipe[Any, Any, Any], t: Any) -> None:
-    """`train.max_staleness >= 1` needs the recipe's asynchronous hooks."""
-    missing = [h for h in ("sample", "weight_channel") if getattr(type(recipe), h) is getattr(Recipe, h)]
-    if missing:
-        raise ConfigError(f"train.max_staleness={t.max_staleness}: {recipe.name} cannot roll out asynchronously (its "
-                          f"recipe has no {' or '.join(missing)} hook); set it to 0")
+POLICY = "engine"  # the checkpoint entry of the policy's weight version (`PolicyWeights.state_dict`)
 
 
 def _accelerator(sharding: Any, cpu_offload: bool) -> Any:
@@ -237,9 +232,9 @@ class _Record:
 
 
 class _Loop(Generic[C, S, B]):
-    def __init__(self, recipe: Recipe[C, S, B], state: S, run: RunContext, schedule: Schedule, cfg: C,
-                 pending: list[Sampled]) -> None:
-        self.recipe, self.state, self.run, self.schedule, self.cfg = recipe, state, run, schedule, cfg
+    def __init__(self, recipe: Recipe[C, S, B], state: S, policy: PolicyWeights, run: RunContext, schedule: Schedule,
+                 cfg: C, pending: list[Sampled]) -> None:
+        self.recipe, self.state, self.policy, self.run, self.schedule, self.cfg = recipe, state, policy, run, schedule, cfg
         self.acc, self.timer, self.fields = run.accelerator, run.timer, run_fields(cfg)
         self.logger = MetricsLogger(run.run_dir, accelerator=self.acc, start_step=run.start_step)
         self.record = _Record()
@@ -249,7 +244,7 @@ class _Loop(Generic[C, S, B]):
         self.pending = {} if self.fields.max_staleness else {p.step: p for p in pending}
         self.pipeline: RolloutPipeline | None = None
         if self.fields.max_staleness:
-            self.pipeline = RolloutPipeline(lambda step: recipe.sample(state, step), recipe.weight_channel(state),
+            self.pipeline = RolloutPipeline(self._sample, policy.channel(),
                                             start=run.start_step, total=schedule.total_steps,
                                             max_staleness=self.fields.max_staleness, pending=pending, timer=self.timer,
                                             device=self.acc.device)
@@ -315,34 +310,45 @@ class _Loop(Generic[C, S, B]):
         if acc.is_main_process:
             plot_reward_curve(self.run.run_dir, title=f"{self.recipe.name}: {self.run.run_dir.name}")
 
+    def _sample(self, step: int) -> tuple[Any, int]:
+        """The recipe's `sample` and the optimizer steps in the weights it sampled with (on the
+        thread that sampled: the rollout thread's, or the trainer's for an extra round)."""
+        return self.recipe.sample(self.state, step), self.policy.weight_version
+
     def _rollout(self, step: int) -> tuple[B, dict[str, float], int | None]:
         """The step's batch: rolled out now (synchronous), or from the rollout thread or a
-        resumed checkpoint, then prepared on this thread (asynchronous); and the step whose
-        weights sampled it (None: the trainer's own, synchronous)."""
+        resumed checkpoint, then prepared on this thread (asynchronous); its metrics (the
+        weight version that sampled it); and the step whose weights sampled it (None: the
+        trainer's own, synchronous)."""
         recipe, state = self.recipe, self.state
         sampled = self.pending.pop(step, None)
         if sampled is None and self.pipeline is None:
             with self.timer("rollout"):
-                return recipe.rollout(state, step), {}, None
+                batch = recipe.rollout(state, step)
+            return batch, {"rollout/weight_version": float(self.policy.weight_version)}, None
         if sampled is None:
             with self.timer("rollout_wait"):
                 sampled = self.pipeline.get(step)  # type: ignore[union-attr]
+        value, weights = sampled.value
         with self.timer("prepare"):
-            batch = recipe.prepare(state, step, sampled.value)
-        return batch, {**sampled.times, "rollout/staleness": float(step - 1 - sampled.version)}, sampled.version
+            batch = recipe.prepare(state, step, value)
+        return batch, {**sampled.times, "rollout/staleness": float(step - 1 - sampled.version),
+                       "rollout/weight_version": float(weights)}, sampled.version
 
-    def _extra_round(self, step: int) -> tuple[B, int]:
-        """Dynamic sampling's next round of `step` and the step whose weights sampled it (always
-        `step - 1`, the trainer's): rolled out now (synchronous), or (asynchronous) sampled on
-        this thread (`RolloutPipeline.fresh`) and prepared."""
+    def _extra_round(self, step: int) -> tuple[B, int, int]:
+        """Dynamic sampling's next round of `step`, the step whose weights sampled it (always
+        `step - 1`, the trainer's) and their optimizer steps: rolled out now (synchronous), or
+        (asynchronous) sampled on this thread (`RolloutPipeline.fresh`) and prepared."""
         recipe, state = self.recipe, self.state
         if self.pipeline is None:
             with self.timer("rollout"):
-                return recipe.rollout(state, step), step - 1
+                batch = recipe.rollout(state, step)
+            return batch, step - 1, self.policy.weight_version
         with self.timer("rollout"):
-            sampled = self.pipeline.fresh(step, lambda s: recipe.sample(state, s))
+            sampled = self.pipeline.fresh(step, self._sample)
+        value, weights = sampled.value
         with self.timer("prepare"):
-            return recipe.prepare(state, step, sampled.value), sampled.version
+            return recipe.prepare(state, step, value), sampled.version, weights
 
     def _step(self, step: int) -> dict[str, Any]:
         recipe, state, timer = self.recipe, self.state, self.timer
@@ -354,7 +360,9 @@ class _Loop(Generic[C, S, B]):
             return {"skipped": 1, "error": scores.reason[:300], **sampled}
         generated, extra = float(scores.rewards.shape[0]), dict[str, float]()
         if self.fields.dynamic_sampling.enable:
-            batch, scores, generated, extra = self._dynamic_sampling(step, batch, scores, version)
+            batch, scores, generated, extra = self._dynamic_sampling(step, batch, scores, version,
+                                                                     int(sampled["rollout/weight_version"]))
+            sampled["rollout/weight_version"] = extra.pop("rollout/weight_version")
             if version is not None:  # asynchronous: the oldest rollout trained on, of any process
                 sampled["rollout/staleness"] = extra.pop("rollout/staleness")
         with timer("advantages"):
@@ -367,8 +375,8 @@ class _Loop(Generic[C, S, B]):
         return {"skipped": 0, **sampled, **adv.metrics, **components, **scores.metrics, **extra, **update,
                 "samples": samples}
 
-    def _dynamic_sampling(self, step: int, batch: B, scores: Scores,
-                          version: int | None) -> tuple[B, Scores, float, dict[str, float]]:
+    def _dynamic_sampling(self, step: int, batch: B, scores: Scores, version: int | None,
+                          weights: int) -> tuple[B, Scores, float, dict[str, float]]:
         """DAPO's dynamic sampling (`rl_core.train.dynamic_sampling`): more rounds until every
         process holds as many informative groups as it rolled out, or `max_rounds` ran. In an
         asynchronous run round 1 is the rollout thread's (the weights of step `version`) and
@@ -378,11 +386,12 @@ class _Loop(Generic[C, S, B]):
         groups = GroupFilter(ds.metric)
         batches, rounds = [batch], [scores]
         versions = [step - 1 if version is None else version]  # the step whose weights sampled each round
+        steps = [weights]  # ... and the optimizer steps in them
         groups.add(0, scores)
         _check_metric(ds.metric, scores, acc)
         while len(rounds) < ds.max_rounds and acc.reduce(torch.tensor(float(groups.short), device=acc.device),
                                                           "sum").item() > 0:
-            more, more_version = self._extra_round(step)
+            more, more_version, more_weights = self._extra_round(step)
             with self.timer("reward"):
                 scored = recipe.score(self.state, step, more)
             if isinstance(scored, Skip):  # agreed over processes: train on what the earlier rounds gave
@@ -392,12 +401,14 @@ class _Loop(Generic[C, S, B]):
             batches.append(more)
             rounds.append(scored)
             versions.append(more_version)
+            steps.append(more_weights)
             groups.add(len(rounds) - 1, scored)
         chosen, _ = groups.selection()
         merged = recipe.merge(self.state, [(batches[r], rows) for r, rows in chosen])
         merged_scores = merge_scores([(rounds[r], rows) for r, rows in chosen], rounds,
                                      group_offset=acc.process_index * 1_000_000)
         metrics = groups.metrics(len(rounds), acc)
+        metrics["rollout/weight_version"] = float(steps[chosen[0][0]] if chosen else steps[0])  # the merge's first group's
         if version is not None:
             oldest = max((step - 1 - versions[r] for r, _ in chosen), default=0)
             metrics["rollout/staleness"] = acc.reduce(torch.tensor(float(oldest), device=acc.device), "max").item()
@@ -427,7 +438,7 @@ class _Loop(Generic[C, S, B]):
         spec = self.recipe.checkpoint(self.state)
         check_finite_parameters(spec.trained, f"checkpoint at step {step}")
         root, keep = self.run.run_dir / "checkpoints", self.fields.keep_last
-        state = dict(spec.state)
+        state = {**spec.state, POLICY: self.policy}
         if self.pipeline is not None:
             state[PIPELINE] = PendingRollouts(self.acc.process_index, self.acc.num_processes)
             state[PIPELINE].items = pending

@@ -5,16 +5,22 @@ own typed state. The loop owns the schedule; the recipe says only what is its ow
         name, config, default_config = "arith-grpo", Config, APP / "configs" / "default.toml"
 
         def setup(self, cfg, run) -> State: ...                    # models, data, engines
+        def policy(self, state) -> PolicyWeights: ...              # the rollout side's weights
         def schedule(self, state) -> Schedule: ...                 # steps, eval cadence
         def checkpoint(self, state) -> Checkpoint: ...             # what a checkpoint holds
-        def rollout(self, state, step) -> Batch: ...               # sample this process's share
+        def sample(self, state, step) -> Sampled: ...              # draw prompts, sample them (any thread)
+        def prepare(self, state, step, sampled) -> Batch: ...      # the trainer's part (optional)
         def score(self, state, step, batch) -> Scores | Skip: ...  # rewards and group ids
         def update(self, state, step, batch, advantages) -> dict[str, float]: ...
         def evaluate(self, state, step) -> dict[str, float]: ...   # optional
-        def sample(self, state, step) -> Sampled: ...              # asynchronous runs: the rollout thread's part
-        def prepare(self, state, step, sampled) -> Batch: ...      # ... and the trainer's part
-        def weight_channel(self, state) -> WeightChannel: ...      # ... and the engine's weights by version
         def finish(self, state) -> dict[str, str]: ...             # exports, optional
+
+A step's batch is `prepare(sample(...))`: in series in a synchronous run (`rollout`), and with
+`train.max_staleness >= 1` `sample` runs on the rollout thread, ahead of the trainer.
+
+The loop owns the policy's weights (`rl_core.train.policy_weights`): it restores and saves the
+weight version, puts the starting weights into the engine, counts each optimizer step, gives an
+asynchronous run its versions and logs `rollout/weight_version`. No hook moves weights.
 
 Hooks return what they measure (metrics, scores), never write results into shared state for the
 loop to read back. Metric names follow one table (`rl_core.train.metric_names`).
@@ -38,7 +44,7 @@ from rl_core.train.config import ConfigError
 from rl_core.train.fields import RunFields, run_fields
 from rl_core.train.groups import GroupAdvantages
 from rl_core.train.metrics import PhaseTimer
-from rl_core.train.pipeline import WeightChannel
+from rl_core.train.policy_weights import PolicyWeights
 from rl_core.train.samples import SampleLog
 from rl_core.train.update import NonFiniteGuard
 
@@ -202,9 +208,14 @@ class Recipe(ABC, Generic[C, S, B]):
     def setup(self, cfg: C, run: RunContext) -> S:
         """Build models, data, engines and the optimizer (the checkpoint is restored after)."""
 
+    @abstractmethod
+    def policy(self, state: S) -> PolicyWeights:
+        """The policy's weights on the rollout side, which the loop drives (see the module doc):
+        e.g. the `rl_policy.engine.PolicyEngine` that `setup` built."""
+
     def start(self, state: S) -> None:
-        """Called once the state holds its starting weights (restored or initial): push them to a
-        separate rollout engine, start workers, check judges on one sample."""
+        """Called once the state holds its starting weights (restored or initial) and the engine
+        has them (`PolicyWeights.start`): start workers, check judges on one sample."""
 
     @abstractmethod
     def schedule(self, state: S) -> Schedule:
@@ -214,9 +225,11 @@ class Recipe(ABC, Generic[C, S, B]):
     def checkpoint(self, state: S) -> Checkpoint:
         """What to save (called for each save and once for a resume's restore)."""
 
-    @abstractmethod
     def rollout(self, state: S, step: int) -> B:
-        """This process's share of the step's samples (the loop times it as `rollout`)."""
+        """This process's share of the step's samples in a synchronous run (the loop times it
+        as `rollout`): `prepare(sample(...))`. Override it for what only a synchronous rollout
+        does around them (e.g. wake and offload models that share the GPU)."""
+        return self.prepare(state, step, self.sample(state, step))
 
     @abstractmethod
     def score(self, state: S, step: int, batch: B) -> Scores | Skip:
@@ -228,24 +241,18 @@ class Recipe(ABC, Generic[C, S, B]):
         `update`); returns its metrics, reduced over every process. A `tokens` entry (prompt +
         completion tokens of every process) becomes `throughput/tokens_per_s` per process."""
 
-    # asynchronous rollouts (`train.max_staleness >= 1`, `rl_core.train.pipeline`): all three needed
+    # asynchronous rollouts (`train.max_staleness >= 1`, `rl_core.train.pipeline`): both needed
+    @abstractmethod
     def sample(self, state: S, step: int) -> Any:
-        """The part of `rollout` that runs on the rollout thread, ahead of the trainer: draw the
-        step's prompts and sample them with the engine. It must not touch the trained weights
-        or the optimizer (the trainer is updating them meanwhile) and must run no collective
-        (no gather or reduce across processes). A recipe that implements it has
-        `rollout = prepare(sample(...))`."""
-        raise NotImplementedError(f"{self.name} has no sample hook")
+        """Draw the step's prompts and sample them with the policy's engine. With
+        `train.max_staleness >= 1` it runs on the rollout thread, ahead of the trainer: it must
+        not touch the trained weights or the optimizer (the trainer is updating them meanwhile)
+        and must run no collective (no gather or reduce across processes)."""
 
     def prepare(self, state: S, step: int, sampled: Any) -> B:
         """The rest of `rollout`, on the trainer's thread, just before the step's reward: what
         needs the trained weights (old and reference log-probs) or other processes."""
         return sampled  # type: ignore[no-any-return]
-
-    def weight_channel(self, state: S) -> WeightChannel:
-        """The engine's weights by version (`rl_core.train.WeightChannel`), e.g. the policy
-        engine of `rl_policy.engine`, switched to a private copy of the weights."""
-        raise NotImplementedError(f"{self.name} has no weight channel")
 
     def merge(self, state: S, groups: Sequence[tuple[B, Sequence[int]]]) -> B:
         """One batch from the groups that dynamic sampling kept (`train.dynamic_sampling`): each

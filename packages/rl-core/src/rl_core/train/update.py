@@ -64,11 +64,20 @@ class NonFiniteGuard:
         self.max_consecutive = max_consecutive
         self.consecutive = 0
         self.skipped = 0
+        self._after_step: list[Callable[[], None]] = []
+
+    def after_step(self, callback: Callable[[], None]) -> None:
+        """Run `callback` after every optimizer step taken (every step goes through `record`):
+        the trainer loop counts the policy's steps with it (`PolicyWeights.stepped`)."""
+        self._after_step.append(callback)
 
     def record(self, finite: bool, detail: str) -> None:
-        """Note one optimizer step; raises `NonFiniteError` at the limit."""
+        """Note one optimizer step, after it (a finite one: the weights changed); raises
+        `NonFiniteError` at the limit."""
         if finite:
             self.consecutive = 0
+            for callback in self._after_step:
+                callback()
             return
         self.consecutive += 1
         self.skipped += 1
