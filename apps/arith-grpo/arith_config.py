@@ -28,13 +28,6 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_new_tokens: train.Positive = 16
 
 
-class AlgoConfig(train.PolicyLossFields, kw_only=True, frozen=True):
-    advantage: train.AdvantageName = "grpo"
-    loss: train.PolicyLossName = "ppo_clip"
-    clip_low: train.UnitInterval = 0.2
-    clip_high: train.NonNegativeFloat = 0.2
-
-
 class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     partial: float = 0.1  # reward of a wrong number: a format bonus a random policy finds (0 = exact only)
     spec: str | RewardSpec | None = None  # a RewardSpec replacing the exact-answer rule (file or inline table)
@@ -56,6 +49,6 @@ class Config(train.AppConfig, kw_only=True, frozen=True):
         "policy.max_new_tokens": "rollout.max_new_tokens"}
     model: ModelConfig = ModelConfig()
     rollout: RolloutConfig = RolloutConfig()
-    algo: AlgoConfig = AlgoConfig()
+    algo: train.TokenPolicyFields = train.TokenPolicyFields()
     reward: RewardConfig = RewardConfig()
     train: TrainConfig = TrainConfig()

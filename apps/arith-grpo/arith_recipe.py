@@ -121,9 +121,8 @@ class ArithGRPO(train.Recipe[Config, State, Batch]):
                     for i, g in enumerate(batch.generations)]
         out = token_update(s.run.accelerator, s.policy, s.optimizer, rollouts,
                            [advantages.advantages[i].expand(len(r.completion_ids)) for i, r in enumerate(rollouts)],
-                           options=LossOptions(s.cfg.algo.loss, clip_low=s.cfg.algo.clip_low,
-                                               clip_high=s.cfg.algo.clip_high, temperature=s.cfg.rollout.temperature,
-                                               **loss_fields(s.cfg.algo)), old=None,
+                           options=LossOptions(temperature=s.cfg.rollout.temperature, **loss_fields(s.cfg.algo)),
+                           old=None,
                            ref=None, num_minibatches=1, micro_batch_size=s.cfg.train.micro_batch_size, ppo_epochs=1,
                            grad_clip=1.0, guard=s.run.guard, pad_id=s.engine.pad_id,
                            check_tolerance=1e-3 if s.run.first_step(step) else None)

@@ -11,22 +11,19 @@ from typing import Any, ClassVar, Literal
 import msgspec
 
 from rl_core.train import (
-    AdvantageName,
-    AggregationName,
     AppConfig,
     CompileMode,
     DType,
     KLName,
     NonNegative,
     NonNegativeFloat,
-    PolicyLossFields,
-    PolicyLossName,
     Positive,
     PositiveFloat,
     RunFields,
+    TokenPolicyFields,
     UnitInterval,
 )
-from rl_policy.placement import RolloutWorkerFields
+from rl_policy.placement import PolicyRolloutFields
 from rl_rewards.spec import RewardSpec
 
 NAME = "caption-rl"
@@ -68,35 +65,11 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_pixels: Positive = 448 * 448  # per image / video frame
 
 
-class RolloutConfig(RolloutWorkerFields, kw_only=True, frozen=True):
-    """`rollout.*`; `workers`, `gpus_per_worker`, `ray_address`: the engine as Ray actors (`RolloutWorkerFields`)."""
+class RolloutConfig(PolicyRolloutFields, kw_only=True, frozen=True):
+    """`rollout.*`: the policy engine's keys (`PolicyRolloutFields`), CapRL++'s lengths."""
 
-    engine: Literal["auto", "hf", "vllm"] = "auto"
-    """hf: the training model decodes (no copy, no sync; exact log-probs, the only choice on a
-    CPU); vllm: a colocated vLLM engine per GPU, asleep during the update, weights pushed after
-    every optimizer step (faster decoding, one more copy of the weights); auto: vllm on a CUDA
-    machine where vLLM imports, else hf (the run's first lines say which)."""
-    placement: Literal["colocated", "split"] = "colocated"
-    """With train.max_staleness >= 1: colocated, the rollout engine samples on the trainer's GPU;
-    split, on a GPU of its own: launch one process per trainer GPU and each rolls out on GPU
-    local rank + process count (2 GPUs: 1 trains, 1 samples), so rollout and update do not share
-    compute; the engine holds a whole copy of the model there. vllm on split: one training
-    process, its engine on GPU 1 (gpu_memory_utilization is of that GPU, so raise it); hf: any."""
-    gpu_memory_utilization: UnitInterval = 0.3  # vllm: GPU memory fraction for its weights + KV cache
-    engine_options: dict[str, Any] = msgspec.field(default_factory=dict)
-    """vllm: more `vllm.LLM` arguments, e.g. {enforce_eager = true} (no compile or CUDA graphs:
-    starts in seconds, decodes slower) or {max_model_len = 8192}."""
-    n: Positive = 8  # captions sampled per prompt (group size)
-    temperature: PositiveFloat = 1.0
-    top_p: UnitInterval = 1.0
-    top_k: NonNegative = 0
     max_new_tokens: Positive = 4096  # response length
     max_prompt_length: Positive = 13000  # longer prompts (media tokens included) are skipped
-    max_batch_size: Positive = 64  # rows decoded together by the engine
-    per_prompt_seeds: bool = False
-    """Sample each prompt's group with its own seed, drawn from (train.seed, step, record index):
-    the same rollouts whatever the process count or batch split (the 2-process = 1-process
-    tests rely on it). Slower: one engine call per prompt instead of one per batch."""
     compile_mode: CompileMode = "auto"
     """hf engine on CUDA: torch.compile mode of the decode step. `default` (fused kernels) lets
     the KV cache be freed during the update; `reduce-overhead` (CUDA graphs) pins the cache's
@@ -161,11 +134,9 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     the whole batch, in the reward phase."""
 
 
-class AlgoConfig(PolicyLossFields, kw_only=True, frozen=True):
-    advantage: AdvantageName = "grpo"  # rloo = CapRL++; grpo, dr_grpo: group baselines too
-    loss: PolicyLossName = "ppo_clip"
-    agg: AggregationName = "token-mean"
-    clip_low: UnitInterval = 0.2
+class AlgoConfig(TokenPolicyFields, kw_only=True, frozen=True):
+    """`algo.*`: the token policy keys (`TokenPolicyFields`; CapRL++ trains with advantage = rloo)."""
+
     clip_high: NonNegativeFloat = 0.28  # DAPO clip-higher; = clip_low for symmetric PPO
     kl: KLName = "k3"  # KL-to-reference estimator (only used when kl_coef > 0)
     kl_coef: NonNegativeFloat = 0.0  # CapRL++: no KL

@@ -293,7 +293,7 @@ class CaptionRL(Recipe[Config, State, Batch]):
         update = token_update(
             acc, s.policy, s.optimizer, rollouts,
             [advantages.advantages[i].expand(len(r.completion_ids)) for i, r in enumerate(rollouts)],
-            options=LossOptions(a.loss, a.agg, a.clip_low, a.clip_high, a.kl, a.kl_coef, cfg.rollout.temperature,
+            options=LossOptions(kl=a.kl, kl_coef=a.kl_coef, temperature=cfg.rollout.temperature,
                                 norm_length=cfg.rollout.max_new_tokens, **loss_fields(a)),
             old=old, ref=ref, num_minibatches=t.batch_size // mini, micro_batch_size=t.micro_batch_size,
             ppo_epochs=a.ppo_epochs, grad_clip=t.grad_clip, guard=s.run.guard, pad_id=s.engine.pad_id,

@@ -16,22 +16,20 @@ import msgspec
 
 from rl_core.train import (
     AdvantageName,
-    AggregationName,
     AppConfig,
     ConfigError,
     DType,
     KLName,
     NonNegative,
     NonNegativeFloat,
-    PolicyLossFields,
-    PolicyLossName,
     Positive,
     PositiveFloat,
     RunFields,
+    TokenPolicyFields,
     UnitInterval,
     check_loss_options,
 )
-from rl_policy.placement import RolloutWorkerFields
+from rl_policy.placement import PolicyRolloutFields
 from rl_rewards.modules import load_reward_module
 from rl_rewards.spec import RewardSpec, load_spec
 
@@ -55,38 +53,15 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
     filter_overlong_prompts: bool = True  # False: a prompt over rollout.max_prompt_length is an error naming its row
 
 
-class RolloutConfig(RolloutWorkerFields, kw_only=True, frozen=True):
-    """`rollout.*`; `workers`, `gpus_per_worker`, `ray_address`: the engine as Ray actors (`RolloutWorkerFields`)."""
+class RolloutConfig(PolicyRolloutFields, kw_only=True, frozen=True):
+    """`rollout.*`: the policy engine's keys (`PolicyRolloutFields`), verl's defaults."""
 
-    engine: Literal["auto", "hf", "vllm"] = "auto"
-    """Who samples the policy's responses (`rl_policy.engine`). hf: the training model decodes (no
-    second copy of the weights, nothing to sync; the only choice on a CPU). vllm: a colocated vLLM
-    engine per GPU, awake only while it generates, the weights pushed after every optimizer step
-    (faster decoding for long responses; needs a GPU and `pip install "rl-rollout[vllm]"`).
-    auto: vllm on a CUDA machine where vLLM imports, else hf (the run says which, and why)."""
-    placement: Literal["colocated", "split"] = "colocated"
-    """With train.max_staleness >= 1: colocated, the rollout engine samples on the trainer's GPU;
-    split, on a GPU of its own: launch one process per trainer GPU and each rolls out on GPU
-    local rank + process count (2 GPUs: 1 trains, 1 samples), so rollout and update do not share
-    compute; the engine holds a whole copy of the model there. vllm on split: one training
-    process, its engine on GPU 1 (gpu_memory_utilization is of that GPU, so raise it); hf: any."""
-    gpu_memory_utilization: UnitInterval = 0.3  # vllm: GPU memory fraction for its weights + KV cache while awake
-    engine_options: dict[str, Any] = msgspec.field(default_factory=dict)
-    """vllm: more `vllm.LLM` arguments, e.g. {enforce_eager = true} (starts in seconds, decodes
-    slower); max_model_len defaults to rollout.max_prompt_length + rollout.max_new_tokens (verl's)."""
     n: Positive = 4  # responses per prompt (actor_rollout_ref.rollout.n)
     max_new_tokens: Positive = 2048  # response length (verl data.max_response_length)
     max_prompt_length: Positive = 6144  # longer prompts are dropped (data.filter_overlong_prompts) or refused
     temperature: PositiveFloat = 0.8
-    top_p: UnitInterval = 1.0
-    top_k: NonNegative = 0
     val_temperature: NonNegativeFloat = 0.0  # 0 = greedy validation
-    max_batch_size: Positive = 64  # rows decoded together (hf engine; vllm: its max_num_seqs)
     compile: bool = False  # hf: compile the decode step (CUDA graphs); off: weights move on sleep/wake
-    per_prompt_seeds: bool = False
-    """Sample each prompt's group with its own seed, drawn from (train.seed, step, row index):
-    the same rollouts whatever the process count or batch split (the 2-process = 1-process test
-    relies on it). Slower: one engine call per prompt instead of one per batch."""
 
 
 class JudgeConfig(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
@@ -183,13 +158,11 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     score); false: score after the whole batch, in the reward phase."""
 
 
-class AlgoConfig(PolicyLossFields, kw_only=True, frozen=True):
+class AlgoConfig(TokenPolicyFields, kw_only=True, frozen=True):
+    """`algo.*`: the token policy keys (`TokenPolicyFields`), verl's defaults, and the KL terms."""
+
     advantage: AdvantageName = "reinforce_pp"  # reinforce_pp | reinforce_pp_baseline | grpo | rloo (verl adv_estimator)
     gamma: UnitInterval = 1.0  # reinforce_pp discount
-    loss: PolicyLossName = "ppo_clip"  # ppo_clip | dual_clip | gspo | cispo | sapo
-    agg: AggregationName = "token-mean"
-    clip_low: UnitInterval = 0.2
-    clip_high: NonNegativeFloat = 0.2
     use_kl_loss: bool = True  # the KL-to-reference loss term (verl use_kl_loss)
     kl: KLName = "k3"  # its estimator (verl kl_loss_type; low_var_kl = k3)
     kl_coef: NonNegativeFloat = 1e-4  # its weight (verl actor.kl_loss_coef)

@@ -287,8 +287,8 @@ class RiderGRM(Recipe[Config, State, Batch]):
                 acc, state.policy, state.optimizer, rollouts,
                 [advantages.advantages[i, : len(r.completion_ids)] if advantages.advantages.dim() == 2
                  else advantages.advantages[i].expand(len(r.completion_ids)) for i, r in enumerate(rollouts)],
-                options=training.LossOptions(a.loss, a.agg, a.clip_low, a.clip_high, a.kl,
-                                             a.kl_coef if a.use_kl_loss else 0.0, cfg.rollout.temperature,
+                options=training.LossOptions(kl=a.kl, kl_coef=a.kl_coef if a.use_kl_loss else 0.0,
+                                             temperature=cfg.rollout.temperature,
                                              norm_length=cfg.rollout.max_new_tokens, **training.loss_fields(a)),
                 old=batch.old, ref=batch.ref if a.use_kl_loss else None,
                 num_minibatches=max(1, t.batch_size // t.mini_batch_size), micro_batch_size=t.micro_batch_size,

@@ -6,12 +6,20 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any, Literal
 
 import msgspec
 
-from rl_core.train.config import ConfigError, NonNegative, NonNegativeFloat
+from rl_core.train.config import (
+    ConfigError,
+    NonNegative,
+    NonNegativeFloat,
+    Positive,
+    PositiveFloat,
+    UnitInterval,
+)
 
-__all__ = ["RolloutWorkerFields", "check_placement", "check_ray"]
+__all__ = ["PolicyRolloutFields", "RolloutWorkerFields", "check_placement", "check_ray"]
 
 RAY_INSTALL = 'pip install "rl-policy[ray]"; in a clone of the repository: uv sync --all-packages --extra ray'
 
@@ -35,6 +43,39 @@ class RolloutWorkerFields(msgspec.Struct, kw_only=True, frozen=True):
     def cluster_address(self) -> str | None:
         """The Ray cluster the actors join: `ray_address`, else `RAY_ADDRESS`; None starts a local one."""
         return self.ray_address or os.environ.get("RAY_ADDRESS") or None
+
+
+class PolicyRolloutFields(RolloutWorkerFields, kw_only=True, frozen=True):
+    """The `rollout.*` keys of a text policy's engine, one vocabulary for every app: an app's
+    `RolloutConfig` subclasses this, restating a field only to change its default."""
+
+    engine: Literal["auto", "hf", "vllm"] = "auto"
+    """Who samples the policy's responses (`rl_policy.engine`). hf: the training model decodes (no
+    second copy of the weights, nothing to sync; the only choice on a CPU). vllm: a colocated vLLM
+    engine per GPU, awake only while it generates, the weights pushed after every optimizer step
+    (faster decoding for long responses; needs a GPU and `pip install "rl-rollout[vllm]"`).
+    auto: vllm on a CUDA machine where vLLM imports, else hf (the run says which, and why)."""
+    placement: Literal["colocated", "split"] = "colocated"
+    """With train.max_staleness >= 1: colocated, the rollout engine samples on the trainer's GPU;
+    split, on a GPU of its own: launch one process per trainer GPU and each rolls out on GPU
+    local rank + process count (2 GPUs: 1 trains, 1 samples), so rollout and update do not share
+    compute; the engine holds a whole copy of the model there. vllm on split: one training
+    process, its engine on GPU 1 (gpu_memory_utilization is of that GPU, so raise it); hf: any."""
+    gpu_memory_utilization: UnitInterval = 0.3  # vllm: GPU memory fraction for its weights + KV cache while awake
+    engine_options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """vllm: more `vllm.LLM` arguments, e.g. {enforce_eager = true} (no compile or CUDA graphs:
+    starts in seconds, decodes slower) or {max_model_len = 8192}."""
+    n: Positive = 8  # responses sampled per prompt (the group size)
+    temperature: PositiveFloat = 1.0
+    top_p: UnitInterval = 1.0
+    top_k: NonNegative = 0  # 0: no top-k cut
+    max_new_tokens: Positive = 1024  # response length
+    max_prompt_length: Positive = 4096  # longer prompts (media tokens included) are skipped or refused
+    max_batch_size: Positive = 64  # rows decoded together (hf engine; vllm: its max_num_seqs)
+    per_prompt_seeds: bool = False
+    """Sample each prompt's group with its own seed, drawn from (train.seed, step, data index):
+    the same rollouts whatever the process count or batch split (the 2-process = 1-process tests
+    rely on it). Slower: one engine call per prompt instead of one per batch."""
 
 
 def check_placement(placement: str, engine: str, max_staleness: int, *, world_size: int = 1, workers: int = 0,

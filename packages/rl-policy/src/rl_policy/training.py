@@ -25,8 +25,8 @@ from rl_core.kl import compute_kl
 from rl_core.losses import ROLLOUT_CORRECTIONS, aggregate, compute_policy_loss, rollout_correction
 from rl_core.train import (
     NonFiniteGuard,
-    PolicyLossFields,
     ReplayCheck,
+    TokenPolicyFields,
     UpdateStats,
     gather_rows,
     optimizer_step,
@@ -165,10 +165,12 @@ class LossOptions:
 
 
 
-def loss_fields(algo: PolicyLossFields) -> dict[str, Any]:
-    """`LossOptions`' loss options and corrections from an app's `algo` table (the keys of
-    `rl_core.train.PolicyLossFields`): `LossOptions(loss, agg, ..., **loss_fields(cfg.algo))`."""
-    return {"loss_options": dict(algo.loss_options), "off_policy_mask": algo.off_policy_mask,
+def loss_fields(algo: TokenPolicyFields) -> dict[str, Any]:
+    """`LossOptions`' loss, aggregation, clip range, loss options and corrections from an app's
+    `algo` table (the keys of `rl_core.train.TokenPolicyFields`):
+    `LossOptions(**loss_fields(cfg.algo), kl=..., temperature=...)`."""
+    return {"loss": algo.loss, "agg": algo.agg, "clip_low": algo.clip_low, "clip_high": algo.clip_high,
+            "loss_options": dict(algo.loss_options), "off_policy_mask": algo.off_policy_mask,
             "rollout_correction": algo.rollout_correction, "rollout_clip_min": algo.rollout_clip_min,
             "rollout_clip_max": algo.rollout_clip_max}
 

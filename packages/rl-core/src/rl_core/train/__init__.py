@@ -23,7 +23,7 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rl_core.train.algo_fields import PolicyLossFields, check_loss_options
+    from rl_core.train.algo_fields import PolicyLossFields, TokenPolicyFields, check_loss_options
     from rl_core.train.app import UserError, parse_run, run_app
     from rl_core.train.checkpoint import Stateful, load_checkpoint, save_checkpoint
     from rl_core.train.config import (
@@ -122,7 +122,7 @@ if TYPE_CHECKING:
 # module -> the names it gives this package (the imports above, for type checkers, say the same;
 # tests/train/test_train_app.py checks that they agree)
 _EXPORTS = {
-    "algo_fields": ["PolicyLossFields", "check_loss_options"],
+    "algo_fields": ["PolicyLossFields", "TokenPolicyFields", "check_loss_options"],
     "app": ["UserError", "parse_run", "run_app"],
     "checkpoint": ["Stateful", "load_checkpoint", "save_checkpoint"],
     "config": ["AdvantageName", "AggregationName", "AppConfig", "CliArgs", "ConfigError", "KLName", "NonNegative",
@@ -210,6 +210,7 @@ __all__ = [
     "Skip",
     "Stateful",
     "StepStats",
+    "TokenPolicyFields",
     "TrainProgress",
     "TrainableState",
     "UnitInterval",

@@ -1,6 +1,7 @@
-"""The `algo.*` keys of the policy loss's options and the off-policy corrections, named the same
-in every text app: an app's `AlgoConfig` subclasses `PolicyLossFields` (next to its own `loss`,
-`agg`, `clip_low`, `clip_high`), and `rl_policy.training.LossOptions` reads them."""
+"""The `algo.*` keys of a token policy-gradient update, named the same in every text app: an
+app's `AlgoConfig` subclasses `TokenPolicyFields` (the estimator, the loss, its options and the
+off-policy corrections), restating a field only to change its default, and
+`rl_policy.training.LossOptions(**loss_fields(cfg.algo), ...)` reads them."""
 
 from __future__ import annotations
 
@@ -9,14 +10,18 @@ import inspect
 import msgspec
 
 from rl_core.train.config import (
+    AdvantageName,
+    AggregationName,
     ConfigError,
     NonNegativeFloat,
+    PolicyLossName,
     PositiveFloat,
     RewardAggregationName,
     RolloutCorrectionName,
+    UnitInterval,
 )
 
-__all__ = ["PolicyLossFields", "check_loss_options"]
+__all__ = ["PolicyLossFields", "TokenPolicyFields", "check_loss_options"]
 
 
 class PolicyLossFields(msgspec.Struct, kw_only=True, frozen=True):
@@ -41,6 +46,18 @@ class PolicyLossFields(msgspec.Struct, kw_only=True, frozen=True):
     """Several reward components: `sum_then_normalize` (their weighted sum is the reward) or
     `normalize_then_sum` (GDPO; TRL multi_objective_aggregation): each component normalised in
     its group before the weighted sum, so a large-scale reward does not drown a small one."""
+
+
+class TokenPolicyFields(PolicyLossFields, kw_only=True, frozen=True):
+    """The estimator and the clipped loss, with `PolicyLossFields`' options and corrections."""
+
+    advantage: AdvantageName = "grpo"
+    """The advantage estimator (`rl_core.advantages`): grpo, dr_grpo and rloo compare a prompt's
+    samples with each other; reinforce_pp normalises over the batch."""
+    loss: PolicyLossName = "ppo_clip"  # ppo_clip | dual_clip | gspo | cispo | sapo
+    agg: AggregationName = "token-mean"  # how token losses become one number (verl loss_agg_mode)
+    clip_low: UnitInterval = 0.2
+    clip_high: NonNegativeFloat = 0.2  # above clip_low: DAPO's clip-higher
 
 
 def check_loss_options(loss: str, options: dict[str, float], *, key: str = "algo.loss_options") -> None:
