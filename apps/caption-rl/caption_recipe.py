@@ -23,11 +23,11 @@ from caption_config import DEFAULT_CONFIG, ENV, NAME, Config, default_config
 from caption_data import Dataset, Encoded, encode_records, load_records, make_sample
 from caption_model import load_policy, reference_model
 from caption_reward import (
+    JUDGE_ENGINE_KEY,
     LocalReward,
     RemoteReward,
     RewardUnavailable,
     build_reward_backend,
-    resolve_judge_engine,
 )
 
 from rl_core.train import (
@@ -67,7 +67,13 @@ from rl_policy.training import (
     token_update,
 )
 from rl_rewards import ScoreResult
-from rl_rollout import Generation, SamplingParams, generate_seeded, resolve_engine
+from rl_rollout import (
+    Generation,
+    SamplingParams,
+    generate_seeded,
+    resolve_engine,
+    resolve_judge_engine,
+)
 from rl_rollout.streaming import ScoredRollout, generate_scored
 
 
@@ -160,7 +166,7 @@ class CaptionRL(Recipe[Config, State, Batch]):
             raise ConfigError(f"reward.spec file not found: {cfg.reward.spec}")
         engine, _ = resolve_engine(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: refused now
         if not (cfg.reward.url or cfg.reward.host or cfg.reward.spec is not None):  # the judge in process
-            resolve_judge_engine(cfg.reward.judge_engine, world_size)
+            resolve_judge_engine(cfg.reward.judge_engine, key=JUDGE_ENGINE_KEY, world_size=world_size)
         check_placement(cfg.rollout.placement, engine, cfg.train.max_staleness, world_size=world_size,
                         workers=cfg.rollout.workers, ray_address=cfg.rollout.cluster_address())  # auto resolved
         check_ray(cfg.rollout.workers)

@@ -15,7 +15,7 @@ from rl_models import tiny
 from rl_rewards import Sample, ScoreResult, build_reward
 from rl_rewards.client import RetryPolicy, RewardClient, RewardClientError
 from rl_rewards.spec import Component, RewardSpec
-from rl_rollout import Engine, resolve_engine
+from rl_rollout import Engine, resolve_judge_engine
 
 JUDGE_ENGINE_KEY = "reward.judge_engine"
 JUDGE_MAX_MODEL_LEN = 16384  # vllm judge: a ~1.2k-token judge prompt around a caption of up to 4096 tokens, with room
@@ -35,19 +35,6 @@ def caprl_spec(r: RewardConfig, task: str, length_tokenizer: str) -> RewardSpec:
         components["format"] = Component(scorer="timestamp_format", weight=r.format_weight, options={
             "variant": r.format_variant, "min_brackets": r.format_min_brackets})
     return RewardSpec(components=components)
-
-
-def resolve_judge_engine(engine: str, world_size: int) -> tuple[str, str]:
-    """`(engine, why)` for `reward.judge_engine` (`rl_rollout.resolve_engine`): a vLLM judge
-    serves one training process (its engine core, a process of its own, would start on GPU 0
-    for every rank), so `auto` is hf with several and `vllm` is refused there."""
-    if world_size > 1 and engine == "vllm":
-        raise UserError(f'{JUDGE_ENGINE_KEY} = "vllm" serves one training process and this run has {world_size}: '
-                        f'each would start its judge on GPU 0; use {JUDGE_ENGINE_KEY} = "hf" (or "auto"), or a '
-                        "reward server (reward.url)")
-    if world_size > 1 and engine == "auto":
-        return "hf", f"hf (auto: {world_size} training processes, a vLLM judge serves one)"
-    return resolve_engine(engine, key=JUDGE_ENGINE_KEY)
 
 
 def vllm_judge_options(r: RewardConfig, judge: str) -> dict[str, Any]:
@@ -80,7 +67,7 @@ class LocalReward:
         from rl_rollout import load_engine
 
         judge = tiny.resolve(r.judge, key="reward.judge")
-        kind, why = resolve_judge_engine(r.judge_engine, world_size)
+        kind, why = resolve_judge_engine(r.judge_engine, key=JUDGE_ENGINE_KEY, world_size=world_size)
         print(f"caption_qa judge {r.judge}: engine {why}")
         options = vllm_judge_options(r, judge) if kind == "vllm" else {}
         # its own engine-core process: built before the policy's engine, which may run one in this process

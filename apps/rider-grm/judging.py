@@ -21,7 +21,7 @@ from rl_policy.engine import PolicyEngine
 from rl_rewards.client import RemoteScorer, RewardClient, RewardClientError, RewardResponseError
 from rl_rewards.samples import Sample, ScoreResult
 from rl_rewards.scorers.judge import JudgeScorer
-from rl_rollout import Engine, Generation, Prompt, SamplingParams, load_engine, resolve_engine
+from rl_rollout import Engine, Generation, Prompt, SamplingParams, load_engine, resolve_judge_engine
 from rl_rollout.hf import HFEngine
 
 
@@ -192,8 +192,9 @@ class Judge:
         (self.engine or cast(RemoteScorer, self.scorer)).close()  # a served judge's: its HTTP connections
 
 
-def build_judge(i: int, judge: JudgeConfig, device: torch.device, timer: PhaseTimer, sleep: bool) -> Judge:
-    """Judge `i`: served (`engine = "server"`), or an engine + scorer here, asleep right after
+def build_judge(i: int, judge: JudgeConfig, device: torch.device, timer: PhaseTimer, sleep: bool,
+                world_size: int = 1) -> Judge:
+    """Judge `i` of a run of `world_size` training processes: served (`engine = "server"`), or an engine + scorer here, asleep right after
     loading when `sleep`. Only an `hf` engine's weights are moved by a `PinnedOffload` (its module
     is known here, where it is built); vLLM sleeps by itself, a remote engine has nothing here."""
     prompt = judge.prompt == "rm_prompt"
@@ -201,7 +202,7 @@ def build_judge(i: int, judge: JudgeConfig, device: torch.device, timer: PhaseTi
         return Judge(judge_name(judge), i, RemoteScorer(str(judge.url), str(judge.spec), timeout=judge.timeout_s),
                      timer, use_rm_prompt=prompt)
     key = f"reward.judges[{i}].engine"
-    kind, why = resolve_engine(judge.engine, key=key)
+    kind, why = resolve_judge_engine(judge.engine, key=key, world_size=world_size)
     if judge.engine == "auto":
         print(f"judge {judge_name(judge)}: engine {why}")
     where: dict[str, Any] = {"base_url": judge.url} if kind == "openai" else {"device": device} if kind == "hf" else {}

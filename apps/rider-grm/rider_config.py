@@ -262,7 +262,7 @@ def check_config(cfg: Config, world_size: int) -> None:
         return
     judges = judge_configs(r)
     for i, judge in enumerate(judges):
-        _check_judge(i, judge, f"reward.verl.reward_function[{i}]" if r.verl.reward_function else None)
+        _check_judge(i, judge, f"reward.verl.reward_function[{i}]" if r.verl.reward_function else None, world_size)
     if r.rule is not None:
         _user_code("reward.rule", r.rule, load_function)
     if r.rule is None and not judges and r.embedding.model is None:
@@ -272,9 +272,11 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"{(gated or ['reward.embedding'])[0]} has a gate but reward.rule is not set")
 
 
-def _check_judge(i: int, judge: JudgeConfig, module_key: str | None) -> None:
+def _check_judge(i: int, judge: JudgeConfig, module_key: str | None, world_size: int) -> None:
     """Judge `i` has what its engine needs, and its module imports and defines both functions."""
-    from rl_rollout import resolve_engine  # torch: imported when the recipe checks, not for --help
+    from rl_rollout import (
+        resolve_judge_engine,  # torch: imported when the recipe checks, not for --help
+    )
 
     where = f"reward.judges[{i}] (engine = {judge.engine!r})"
     if judge.gated_out != "skip" and judge.gate is None:
@@ -292,7 +294,8 @@ def _check_judge(i: int, judge: JudgeConfig, module_key: str | None) -> None:
     if judge.engine == "openai" and not judge.url:
         raise ConfigError(f"{where} needs url (the OpenAI-compatible server's base URL)")
     _user_code(module_key or f"reward.judges[{i}].module", judge.module, load_reward_module)
-    resolve_engine(judge.engine, key=f"reward.judges[{i}].engine")  # vllm where it cannot run
+    if judge.engine != "openai":  # vllm where it cannot run, or for several training processes
+        resolve_judge_engine(judge.engine, key=f"reward.judges[{i}].engine", world_size=world_size)
 
 
 def _user_code(key: str, value: str, load: Callable[[str], object]) -> None:

@@ -142,7 +142,7 @@ class RiderGRM(Recipe[Config, State, Batch]):
         # the judges first: a vLLM engine core in this process (the policy's) fixes vLLM's
         # environment for every engine built after it (`rl_rollout.colocated.vllm_engine_core`)
         sleep = initial_plan(mode).sleep_judges
-        judges = [build_judge(i, j, acc.device, run.timer, sleep) for i, j in enumerate(judge_cfgs)]
+        judges = [build_judge(i, j, acc.device, run.timer, sleep, run.world_size) for i, j in enumerate(judge_cfgs)]
         engine = build_policy_engine(
             r.engine, model=model, processor=tokenizer, path=path, dtype=cfg.model.dtype, device=acc.device,
             seed=sample_seed(t.seed, run.rank) % 2**31, world_size=run.world_size, full=full,

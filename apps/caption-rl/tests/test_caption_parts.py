@@ -17,7 +17,6 @@ from caption_reward import (
     RemoteReward,
     RewardUnavailable,
     caprl_spec,
-    resolve_judge_engine,
 )
 from conftest import DATA, RULE_SPEC, free_port
 
@@ -123,15 +122,6 @@ def test_collate_media_rows_follow_their_prompts():
     batch = collate([Rollout(p, [1, 2], [0.0, 0.0], valid=True) for p in prompts], pad_id=0)
     assert batch.image_grid_thw.shape == (2, 3)
     assert batch.pixel_values.shape[0] == int(torch.prod(batch.image_grid_thw, dim=1).sum())
-
-
-def test_judge_engine_with_several_training_processes_is_hf_and_vllm_is_refused():
-    """A vLLM judge's engine core starts on GPU 0 whatever the rank: with 2 processes `auto` is hf
-    (saying why) and `vllm` is refused naming the key, on any machine."""
-    assert resolve_judge_engine("auto", 2) == ("hf", "hf (auto: 2 training processes, a vLLM judge serves one)")
-    assert resolve_judge_engine("hf", 2) == ("hf", "hf (as configured)")
-    with pytest.raises(UserError, match=r'^reward\.judge_engine = "vllm" serves one training process and this run has 2'):
-        resolve_judge_engine("vllm", 2)
 
 
 def test_caprl_server_format_formula_in_process():

@@ -8,16 +8,29 @@ import torch
 
 from rl_core.errors import UserError
 from rl_models import tiny
-from rl_rollout import ImageEngine, SamplingParams, build_image_engine, load_engine
+from rl_rollout import ImageEngine, SamplingParams, build_image_engine, load_engine, resolve_judge_engine
 from rl_rollout.hf import HFEngine
 
 
 def test_one_builder_for_every_kind_from_a_checkpoint() -> None:
-    engine = load_engine("auto", str(tiny.build("qwen3")), device="cpu")
+    picks: list[str] = []
+    engine = load_engine("auto", "tiny:qwen3", device="cpu", report=picks.append)  # a tiny: name is built
     assert isinstance(engine, HFEngine) and engine.state == "awake"
     if not torch.cuda.is_available():
+        assert picks == ["hf (auto: no CUDA device, vLLM needs one)"]
         with pytest.raises(UserError, match=r'judge\.engine = "vllm" needs a CUDA GPU'):
             load_engine("vllm", str(tiny.build("qwen3")), key="judge.engine")
+
+
+def test_a_judge_engine_with_several_training_processes_is_hf_and_vllm_is_refused() -> None:
+    """A vLLM judge's engine core starts on GPU 0 whatever the rank: with 2 processes `auto` is hf
+    (saying why) and `vllm` is refused naming the key, on any machine."""
+    key = "reward.judge_engine"
+    assert resolve_judge_engine("auto", key=key, world_size=2) == (
+        "hf", "hf (auto: 2 training processes, a vLLM judge serves one)")
+    assert resolve_judge_engine("hf", key=key, world_size=2) == ("hf", "hf (as configured)")
+    with pytest.raises(UserError, match=r'^reward\.judge_engine = "vllm" serves one training process and this run has 2'):
+        resolve_judge_engine("vllm", key=key, world_size=2)
 
 
 @pytest.mark.parametrize("kind", ["sd3", "janus"])

@@ -13,7 +13,7 @@ from rl_core.errors import UserError
 from rl_models.tiny import build
 from rl_rewards.registry import build_scorer
 from rl_rewards.samples import Sample
-from rl_rewards.scorers.engines import load_engine
+from rl_rewards.scorers.engines import judge_engine
 from rl_rollout.hf import HFEngine
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine auto may pick vLLM")
@@ -41,4 +41,4 @@ def test_explicit_vllm_engine_without_a_gpu_is_refused_naming_the_key_before_loa
     assert str(info.value) == ('engine = "vllm" needs a CUDA GPU, and torch sees none on this machine: '
                                'use engine = "hf" (or "auto", which picks hf here)')
     with pytest.raises(UserError, match=r'^reward\.judge_engine = "vllm" needs a CUDA GPU'):
-        load_engine("/no/such/judge", "vllm", key="reward.judge_engine")
+        judge_engine("vllm", "/no/such/judge", key="reward.judge_engine")

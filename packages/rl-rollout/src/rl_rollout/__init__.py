@@ -16,6 +16,7 @@ from rl_rollout.registry import (
     load_engine,
     register_engine,
     resolve_engine,
+    resolve_judge_engine,
 )
 
 __version__ = "0.1.0"
@@ -35,4 +36,5 @@ __all__ = [
     "load_engine",
     "register_engine",
     "resolve_engine",
+    "resolve_judge_engine",
 ]

@@ -52,15 +52,37 @@ def resolve_engine(kind: str, *, key: str = "engine") -> tuple[str, str]:
     return "vllm", "vllm (as configured)" if kind == "vllm" else "vllm (auto: CUDA device and vLLM found)"
 
 
-def load_engine(kind: str, model: str, *, key: str = "engine", in_process: bool = True, **options: Any) -> Engine:
-    """One builder for every kind from a checkpoint: `auto` resolved (`resolve_engine`,
-    a `vllm` that cannot run here is a `UserError` naming `key`); `hf` loads `model` in this
-    process; `vllm` with its engine core in this process (`in_process`: weight pushes pass
-    tensors by reference) or in its own (several vLLM engines in one trainer, e.g. judges:
-    build those before any in-process one, `rl_rollout.colocated.vllm_engine_core`);
-    `openai`: `model` is the served model name, `base_url` goes in `options`. `options` go to
-    the engine's constructor (`device=`, `gpu_memory_utilization=`, ...)."""
-    kind, _ = resolve_engine(kind, key=key)
+def resolve_judge_engine(kind: str, *, key: str, world_size: int = 1) -> tuple[str, str]:
+    """`(engine, why)` for a judge's engine (`resolve_engine`), in a run of `world_size`
+    training processes: a vLLM judge serves one process (its engine core, a process of its own,
+    would start on GPU 0 for every rank), so with several `auto` is `hf` and `vllm` is refused."""
+    if world_size > 1 and kind == "vllm":
+        raise UserError(f'{key} = "vllm" serves one training process and this run has {world_size}: each would '
+                        f'start its judge on GPU 0; use {key} = "hf" (or "auto"), or a reward server')
+    if world_size > 1 and kind == "auto":
+        return "hf", f"hf (auto: {world_size} training processes, a vLLM judge serves one)"
+    return resolve_engine(kind, key=key)
+
+
+def load_engine(kind: str, model: str, *, key: str = "engine", in_process: bool = True,
+                report: Callable[[str], None] | None = None, **options: Any) -> Engine:
+    """The one builder of a text engine from a checkpoint, every kind: `auto` resolved
+    (`resolve_engine`; a `vllm` that cannot run here is a `UserError` naming `key`) and the
+    pick passed to `report` (e.g. a logger's `info`); `hf` loads `model` in this process;
+    `vllm` with its engine core in this process (`in_process`: weight pushes pass tensors by
+    reference) or in its own (judges: several vLLM engines in one trainer; build those before
+    any in-process one, `rl_rollout.colocated.vllm_engine_core`); `openai`: `model` is the
+    served model name, `base_url` goes in `options`. A checkpoint is a local folder, a hub id or
+    `tiny:<family>` (`rl_models.tiny.resolve`: a missing folder is an error naming it, not a hub
+    lookup). `options` go to the engine's constructor (`device=`, `gpu_memory_utilization=`, ...)."""
+    given = kind
+    kind, why = resolve_engine(kind, key=key)
+    if report is not None and given in ("auto", "vllm"):
+        report(why)
+    if kind in ("hf", "vllm"):
+        from rl_models.tiny import resolve
+
+        model = resolve(model, key="model")
     if kind == "hf":
         return build_engine("hf", path=model, **options)
     if kind == "vllm":

@@ -92,7 +92,7 @@ from rl_rewards.scorers.engines import (
     BatchScoringEngine,
     Engine,
     SamplingParams,
-    load_engine,
+    judge_engine,
     load_tokenizer,
 )
 
@@ -522,7 +522,7 @@ def build_caption_qa(
     CUDA machine where vLLM imports, else hf, logged; `hf`, `vllm`, `openai`), tokenizer from
     `tokenizer` (default: `model`). Other options: `CaptionQAScorer`."""
     return CaptionQAScorer(
-        load_engine(model, engine, engine_options, who="caption_qa judge"), load_tokenizer(tokenizer or model),
+        judge_engine(engine, model, engine_options, who="caption_qa judge"), load_tokenizer(tokenizer or model),
         estimator=estimator, task=task, temperature=temperature, permutations=permutations, qa_num=qa_num,
         max_new_tokens=max_new_tokens, seed=seed, chat_template=chat_template,
         chat_template_kwargs=chat_template_kwargs, answer_parser=answer_parser, prompt_template=prompt_template,

@@ -23,7 +23,7 @@ from typing import Any
 from rl_rewards.modules import RewardModule, load_reward_module
 from rl_rewards.rules import json_field
 from rl_rewards.samples import Sample, ScoreResult
-from rl_rewards.scorers.engines import Engine, SamplingParams, load_engine, load_tokenizer
+from rl_rewards.scorers.engines import Engine, SamplingParams, judge_engine, load_tokenizer
 
 
 class JudgeScorer:
@@ -119,7 +119,7 @@ def build_judge(
     """`judge` from a config: the module is checked before the judge model is loaded."""
     reward_module = load_reward_module(module)
     return JudgeScorer(
-        load_engine(model, engine, engine_options, who="judge"), load_tokenizer(tokenizer or model), reward_module,
+        judge_engine(engine, model, engine_options, who="judge"), load_tokenizer(tokenizer or model), reward_module,
         temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
         completion_field=completion_field, on_malformed=on_malformed,
     )

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rl_rewards.samples import Sample, ScoreResult
-from rl_rewards.scorers.engines import Engine, SamplingParams, load_engine
+from rl_rewards.scorers.engines import Engine, SamplingParams, judge_engine
 
 try:
     from rl_data.media import load_image, sample_video
@@ -124,6 +124,6 @@ def build_vl_judge(
 ) -> VLJudgeScorer:
     """`vl_judge` from a config: VLM checkpoint `model` served by `engine`."""
     return VLJudgeScorer(
-        load_engine(model, engine, engine_options, who="vl_judge"), fps=fps, max_frames=max_frames, max_pixels=max_pixels,
+        judge_engine(engine, model, engine_options, who="vl_judge"), fps=fps, max_frames=max_frames, max_pixels=max_pixels,
         temperature=temperature, max_new_tokens=max_new_tokens,
     )
