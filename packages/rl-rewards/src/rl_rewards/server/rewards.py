@@ -57,11 +57,11 @@ def resolve_judge_engine(settings: ServerSettings) -> tuple[ServerSettings, str 
         return settings, None
     try:
         from rl_core.errors import UserError
-        from rl_rollout import resolve_engine  # imports torch: only with a judge configured
+        from rl_rollout import resolve_judge_engine as resolve_kind  # imports torch: only with a judge configured
     except ImportError:
         return settings, None
     try:
-        kind, why = resolve_engine(settings.engine, key=ENGINE_KEY)
+        kind, why = resolve_kind(settings.engine, key=ENGINE_KEY)
     except UserError as e:  # a bad setting, as the other settings errors: `serve` exits 2 with it
         raise ValueError(str(e)) from None
     return msgspec.structs.replace(settings, engine=kind), f"{judge} judge {settings.model}: engine {why}"
