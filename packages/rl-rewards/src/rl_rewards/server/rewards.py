@@ -57,7 +57,9 @@ def resolve_judge_engine(settings: ServerSettings) -> tuple[ServerSettings, str 
         return settings, None
     try:
         from rl_core.errors import UserError
-        from rl_rollout import resolve_judge_engine as resolve_kind  # imports torch: only with a judge configured
+        from rl_rollout import (
+            resolve_judge_engine as resolve_kind,  # imports torch: only with a judge configured
+        )
     except ImportError:
         return settings, None
     try:
