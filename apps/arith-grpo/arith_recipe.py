@@ -51,7 +51,7 @@ class Batch:
     generations: list[Generation]  # n per prompt, request-major
 
 
-class ArithGRPO(train.Recipe[Config, State, Batch]):
+class ArithGRPO(train.Recipe[Config, State, Batch], train.MergesRounds[State, Batch]):
     name, config, default_config = NAME, Config, DEFAULT_CONFIG
 
     def check(self, cfg: Config, world_size: int) -> None:

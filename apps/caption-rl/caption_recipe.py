@@ -35,6 +35,7 @@ from rl_core.train import (
     ConfigError,
     FullWeights,
     GroupAdvantages,
+    MergesRounds,
     Recipe,
     RunContext,
     Schedule,
@@ -141,7 +142,7 @@ def _scored(s: State, encoded: Encoded, gens: list[Generation], scored: list[Sco
                       "error": res.error} for p, g, res in zip(prompts, gens, results, strict=True)], error
 
 
-class CaptionRL(Recipe[Config, State, Batch]):
+class CaptionRL(Recipe[Config, State, Batch], MergesRounds[State, Batch]):
     name = NAME
     config = Config
     default_config = DEFAULT_CONFIG

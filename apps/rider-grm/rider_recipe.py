@@ -40,7 +40,7 @@ from swapping import PolicySwap, initial_plan
 from rl_core.kl import compute_kl
 from rl_core.train import GroupAdvantages, PinnedOffload, isolated_rng, sample_seed
 from rl_core.train.config import ConfigError
-from rl_core.train.recipe import Checkpoint, Recipe, RunContext, Schedule, Scores
+from rl_core.train.recipe import Checkpoint, MergesRounds, Recipe, RunContext, Schedule, Scores
 from rl_core.train.sharding import FullWeights, prepare_policy, resolve_sharding, sharded_state
 from rl_data import GroupSampler, JudgeRecord
 from rl_models.text import load_causal_lm
@@ -108,7 +108,7 @@ class Sampled:
     prompt_ids: tuple[int, ...] = ()  # [B / n]
 
 
-class RiderGRM(Recipe[Config, State, Batch]):
+class RiderGRM(Recipe[Config, State, Batch], MergesRounds[State, Batch]):
     name, config, default_config, env = NAME, Config, DEFAULT_CONFIG, ENV
 
     def check(self, cfg: Config, world_size: int) -> None:

@@ -8,7 +8,13 @@ import torch
 
 from rl_core.errors import UserError
 from rl_models import tiny
-from rl_rollout import ImageEngine, SamplingParams, build_image_engine, load_engine, resolve_judge_engine
+from rl_rollout import (
+    ImageEngine,
+    SamplingParams,
+    build_image_engine,
+    load_engine,
+    resolve_judge_engine,
+)
 from rl_rollout.hf import HFEngine
 
 

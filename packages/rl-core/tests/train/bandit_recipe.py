@@ -25,6 +25,7 @@ from rl_core.train import (
     AdvantageName,
     Checkpoint,
     GroupAdvantages,
+    MergesRounds,
     ModuleWeights,
     NonNegative,
     PolicyLossName,
@@ -108,7 +109,7 @@ class Batch:
     groups: torch.Tensor  # [B] global group id
 
 
-class Bandit(Recipe[Config, State, Batch]):
+class Plain(Recipe[Config, State, Batch]):
     name = "bandit"
     config = Config
 
@@ -186,10 +187,6 @@ class Bandit(Recipe[Config, State, Batch]):
             best = state.policy(_onehot(torch.arange(PROMPTS))).argmax(-1)  # [P]
         return {"reward/mean": float((best == torch.arange(PROMPTS) % state.cfg.train.answers).float().mean())}
 
-    def merge(self, state: State, groups: Sequence[tuple[Batch, Sequence[int]]]) -> Batch:
-        fields = [torch.cat([getattr(b, f)[list(rows)] for b, rows in groups]) for f in ("prompts", "answers", "logprobs")]
-        return Batch(*fields, groups=torch.zeros_like(fields[0]))  # group ids: the loop renumbers them
-
     def finish(self, state: State) -> dict[str, str]:
         weights = state.run.run_dir / "weights.pt"
         if state.run.is_main:
@@ -199,6 +196,14 @@ class Bandit(Recipe[Config, State, Batch]):
 
 def _onehot(prompts: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.one_hot(prompts, PROMPTS).float()  # [B, P]
+
+
+class Bandit(Plain, MergesRounds[State, Batch]):
+    """The bandit with dynamic sampling."""
+
+    def merge(self, state: State, groups: Sequence[tuple[Batch, Sequence[int]]]) -> Batch:
+        fields = [torch.cat([getattr(b, f)[list(rows)] for b, rows in groups]) for f in ("prompts", "answers", "logprobs")]
+        return Batch(*fields, groups=torch.zeros_like(fields[0]))  # group ids: the loop renumbers them
 
 
 RECIPE = Bandit()

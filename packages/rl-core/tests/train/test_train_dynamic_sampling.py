@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import bandit_recipe as bandit
 
-from rl_core.train import ConfigError, Recipe, Scores, UserError, unknown_metric_names
+from rl_core.train import ConfigError, Scores, UserError, unknown_metric_names
 from rl_core.train.dynamic_sampling import (
     GroupFilter,
     informative_groups,
@@ -102,13 +102,9 @@ def test_a_metric_no_sample_reports_is_a_user_error(tmp_path: Path) -> None:
                      "train.dynamic_sampling.metric=acc"])
 
 
-class NoMerge(bandit.Bandit):
-    merge = Recipe.merge  # type: ignore[assignment]
-
-
 def test_a_recipe_without_merge_refuses_dynamic_sampling_before_setup(tmp_path: Path) -> None:
     from rl_core.train import run
 
     with pytest.raises(ConfigError, match="cannot merge rollout rounds"):
-        run(NoMerge(), [f"train.output_dir={tmp_path}", "train.dynamic_sampling.enable=true"])
+        run(bandit.Plain(), [f"train.output_dir={tmp_path}", "train.dynamic_sampling.enable=true"])
     assert not list(tmp_path.iterdir())  # refused before the run directory

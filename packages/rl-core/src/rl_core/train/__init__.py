@@ -76,6 +76,7 @@ if TYPE_CHECKING:
     from rl_core.train.progress import TrainProgress
     from rl_core.train.recipe import (
         Checkpoint,
+        MergesRounds,
         Recipe,
         RunContext,
         Schedule,
@@ -143,7 +144,7 @@ _EXPORTS = {
     "policy_weights": ["ModuleWeights", "PolicyWeights"],
     "process_state": ["ProcessState"],
     "progress": ["TrainProgress"],
-    "recipe": ["Checkpoint", "Recipe", "RunContext", "Schedule", "Scores", "Skip", "check_batch_split",
+    "recipe": ["Checkpoint", "MergesRounds", "Recipe", "RunContext", "Schedule", "Scores", "Skip", "check_batch_split",
                "check_group_size"],
     "replay_update": ["Replay", "replay_update"],
     "rundir": ["latest_checkpoint", "latest_run", "make_run_dir", "resolve_resume"],
@@ -175,6 +176,7 @@ __all__ = [
     "FullWeights",
     "GroupAdvantages",
     "KLName",
+    "MergesRounds",
     "MetricsLogger",
     "ModuleWeights",
     "NonFiniteError",

@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic
+from typing import Any, Generic, cast
 
 import msgspec
 import torch
@@ -54,7 +54,18 @@ from rl_core.train.pipeline import PendingRollouts, RolloutPipeline, Sampled
 from rl_core.train.plots import plot_reward_curve
 from rl_core.train.policy_weights import PolicyWeights
 from rl_core.train.progress import TrainProgress
-from rl_core.train.recipe import B, C, Recipe, RunContext, S, Schedule, Scores, Skip, run_fields
+from rl_core.train.recipe import (
+    B,
+    C,
+    MergesRounds,
+    Recipe,
+    RunContext,
+    S,
+    Schedule,
+    Scores,
+    Skip,
+    run_fields,
+)
 from rl_core.train.rundir import make_run_dir, point_latest, resume_point
 from rl_core.train.samples import SampleLog
 from rl_core.train.seeding import isolated_rng, seed_everything
@@ -83,9 +94,9 @@ def train(recipe: Recipe[C, S, B], cfg: C, resume: str | None = None) -> Path:
     """Train `recipe` on `cfg` (resuming from `resume`: None, "latest" or a path); returns the
     run directory."""
     t = run_fields(cfg)
-    if t.dynamic_sampling.enable and type(recipe).merge is Recipe.merge:
+    if t.dynamic_sampling.enable and not isinstance(recipe, MergesRounds):
         raise ConfigError(f"train.dynamic_sampling.enable: {recipe.name} cannot merge rollout rounds "
-                          "(its recipe has no `merge` hook); set it to false")
+                          "(its recipe is no `MergesRounds`); set it to false")
     acc = _accelerator(t.sharding, t.fsdp_cpu_offload)
     recipe.check(cfg, acc.num_processes)
     ckpt, name = resume_point(resume, t.output_dir, t.run_name)
@@ -404,7 +415,8 @@ class _Loop(Generic[C, S, B]):
             steps.append(more_weights)
             groups.add(len(rounds) - 1, scored)
         chosen, _ = groups.selection()
-        merged = recipe.merge(self.state, [(batches[r], rows) for r, rows in chosen])
+        merger = cast(MergesRounds[S, B], recipe)  # checked before setup
+        merged = merger.merge(self.state, [(batches[r], rows) for r, rows in chosen])
         merged_scores = merge_scores([(rounds[r], rows) for r, rows in chosen], rounds,
                                      group_offset=acc.process_index * 1_000_000)
         metrics = groups.metrics(len(rounds), acc)

@@ -48,7 +48,7 @@ from rl_core.train.policy_weights import PolicyWeights
 from rl_core.train.samples import SampleLog
 from rl_core.train.update import NonFiniteGuard
 
-__all__ = ["Checkpoint", "Recipe", "RunContext", "RunFields", "Schedule", "Scores", "Skip", "check_batch_split", "check_group_size", "run_fields"]
+__all__ = ["Checkpoint", "MergesRounds", "Recipe", "RunContext", "RunFields", "Schedule", "Scores", "Skip", "check_batch_split", "check_group_size", "run_fields"]
 
 
 def check_batch_split(batch_size: int, world_size: int, mini_batch_size: int | None = None, *,
@@ -254,13 +254,6 @@ class Recipe(ABC, Generic[C, S, B]):
         needs the trained weights (old and reference log-probs) or other processes."""
         return sampled  # type: ignore[no-any-return]
 
-    def merge(self, state: S, groups: Sequence[tuple[B, Sequence[int]]]) -> B:
-        """One batch from the groups that dynamic sampling kept (`train.dynamic_sampling`): each
-        entry is a rollout round's batch and the sample rows of one group in it; the merged batch
-        holds those samples in this order (its group ids are the loop's business). A recipe
-        without it cannot run dynamic sampling (refused before setup)."""
-        raise NotImplementedError(f"{self.name} has no merge hook")
-
     def evaluate(self, state: S, step: int) -> Mapping[str, float]:
         """Held-out metrics (the loop logs them under `eval/`); run on a saved-and-restored RNG
         state, so evaluating never changes the training run."""
@@ -273,3 +266,15 @@ class Recipe(ABC, Generic[C, S, B]):
 
     def close(self, state: S) -> None:
         """Release engines, workers and connections (also after an error)."""
+
+
+class MergesRounds(ABC, Generic[S, B]):
+    """A recipe that can run dynamic sampling (`train.dynamic_sampling`) says so by inheriting
+    this next to `Recipe` (`class App(Recipe[C, S, B], MergesRounds[S, B])`) and implementing
+    `merge`; for any other the loop refuses the option before setup."""
+
+    @abstractmethod
+    def merge(self, state: S, groups: Sequence[tuple[B, Sequence[int]]]) -> B:
+        """One batch from the groups that dynamic sampling kept: each entry is a rollout round's
+        batch and the sample rows of one group in it; the merged batch holds those samples in
+        this order (its group ids are the loop's business)."""
