@@ -352,15 +352,15 @@ def build_policy_engine(
     tokenizer or processor. `path`: the checkpoint `vllm` loads. `full`: a sharded policy's
     full-weights copy. `offload_optimizer`: move `optimizer`'s state (Adam: 2x the weights) to
     pinned host memory during each session, on CUDA, unsharded: `auto` with `hf` (its KV cache
-    grows into that memory, ~0.2 s per direction for 8 GiB on an H100), `always` with either
+    grows into that memory; the copies run at PCIe bandwidth), `always` with either
     engine (vLLM's memory fraction then has more room), `never`. `release_cache`: free `hf`'s
     KV cache after each session (the update gets that memory; a compiled decode step with
     CUDA graphs then records a new graph per session). `compile`/`compile_mode`: `hf`'s decode
     step; `compile_mode="auto"` is `default` (fused kernels) for the synchronous engine and
-    `reduce-overhead` (CUDA graphs) for the asynchronous one (`weight_channel`), which stays
+    `reduce-overhead` (CUDA graphs) for the asynchronous one (`channel`), which stays
     awake and keeps its KV cache anyway: one launch per token holds the interpreter lock, which
-    the rollout thread shares with the trainer's, far less (on 2 H200s, split placement: 1.38x
-    our synchronous DDP run with CUDA graphs, 1.11x with fused kernels). `gpu_memory_utilization`,
+    the rollout thread shares with the trainer's, far less (RESULTS.md has the measured gain).
+    `gpu_memory_utilization`,
     `engine_options` (more `vllm.LLM` arguments), `seed`: `vllm`'s. `timer`: times the engine
     layer's phases (see the module doc); pass the trainer's `run.timer`. `rollout_device`: the
     rollout's GPU of its own (split placement, `rollout_device()`): `vllm` is built there and

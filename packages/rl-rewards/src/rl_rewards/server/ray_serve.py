@@ -94,8 +94,7 @@ CONTROLLER_ENV = {"RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1"}
 """Ray Serve's controller kills a replica that failed its health checks, instead of stopping it
 gracefully: a graceful stop waits `graceful_shutdown_timeout_s` (`shutdown_timeout_s`, 30 s) for
 the replica to finish its open calls, and a hung one (SIGSTOP, a wedged driver) never does, so
-the calls it held waited those 30 s too (a SIGSTOPped replica delayed requests by up to 35.8 s).
-Killed, its calls fail at once and are sent again to another replica. Set for the controller
+the calls it held waited those 30 s too. Killed, its calls fail at once and are sent again to another replica. Set for the controller
 `serve.start` starts (`controller_options`); a Ray Serve already running on a cluster keeps its own
 controller's settings."""
 STOP_POLL_S = 0.2
