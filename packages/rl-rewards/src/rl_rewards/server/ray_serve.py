@@ -119,8 +119,7 @@ THROUGHPUT_ENV = {
 `throughput_env` sets it for a local Ray. HAProxy (C) takes the connections and hands each to
 the ingress replica's own HTTP server (direct ingress) instead of Ray Serve's Python proxy actor,
 which cost more CPU per request than the ingress itself; the ingress calls the reward replicas
-over gRPC. Measured with rules on 2 busy cores, one replica: 20,116 samples/s against 7,305-9,063
-behind the Python proxy (benchmarks/RESULTS.md). The HAProxy manager starts slower than the proxy actor's 5 s readiness
+over gRPC (benchmarks/RESULTS.md has the throughput of both). The HAProxy manager starts slower than the proxy actor's 5 s readiness
 check on a busy machine: it gets 60 s. A stopping ingress replica stays open 1 s for HAProxy to
 take it out (Ray Serve's 30 s, meant for load balancers on other machines, held every shutdown)."""
 
