@@ -15,7 +15,13 @@ version it was produced with, so an off-policy batch is caught instead of traine
   reloaded) and its shard retried once; a second death raises `WorkerDiedError` naming the
   worker and the items.
 
-`connect()` joins `RAY_ADDRESS` (or the address passed) or starts a local Ray instance. Pick a
+`connect()` joins `RAY_ADDRESS` (or the address passed) or starts a local Ray instance: a new
+one (never the cluster a past `ray start` left on the machine) bound to 127.0.0.1 only, and, also
+under `uv run`, with workers that run this interpreter (Ray's uv hook, which would start each
+worker as `uv run` in an upload of the working directory and build an environment of its own
+for it, stays off unless `RAY_ENABLE_UV_RUN_RUNTIME_ENV` is set). To use several machines,
+start a cluster with `ray start` and pass its address; its workers run the Python its nodes were
+started with. Pick a
 pool when generation is the bottleneck and spare devices exist (split), or to keep an engine
 in its own process next to the trainer (colocated, with `sleep()`/`wake()` around training);
 otherwise an in-process engine is simpler and has no copy of the weights to keep in sync.
@@ -23,9 +29,10 @@ otherwise an in-process engine is simpler and has no copy of the weights to keep
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -185,30 +192,65 @@ def connect(address: str | None = None, *, num_cpus: int | None = None,
     """Join `address` (else `RAY_ADDRESS`) or start a local Ray instance; True if this call
     started one (the caller then owns `ray.shutdown()`). Already connected: returns False.
 
-    A local instance gets `num_cpus` (default: the machine's, at least 1) and exactly the GPUs
-    `gpu_ids` (CUDA ids as `CUDA_VISIBLE_DEVICES` names them; None = none unless CUDA is
-    visible, then all), so actors can be kept off the trainer's GPU.
+    A local instance (on the loopback, see the module's docstring) gets `num_cpus` (default: the
+    machine's, at least 1) and exactly the GPUs `gpu_ids` (CUDA ids as `CUDA_VISIBLE_DEVICES`
+    names them; None = none unless CUDA is visible, then all), so actors can be kept off the
+    trainer's GPU.
     """
     ray = _ray()
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address)
+        with _ray_defaults(local=False):
+            ray.init(address=address)
         return False
     kwargs: dict[str, Any] = {"num_cpus": num_cpus or os.cpu_count() or 1, "include_dashboard": False}
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if gpu_ids is not None:  # the raylet reads it when it starts; this process's CUDA is unaffected
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+    env = dict(LOCAL_RAY_ENV)  # the raylet reads CUDA_VISIBLE_DEVICES when it starts; this process's CUDA is unaffected
+    if gpu_ids is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
         kwargs["num_gpus"] = len(gpu_ids)
-    try:
-        ray.init(**kwargs)
-    finally:
-        if saved is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    with _ray_defaults(local=True), _environ(env):
+        ray.init(address="local", **kwargs)
     return True
+
+
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+"""Taken along by the processes of a local Ray: each binds the loopback (Ray's single-machine mode)."""
+
+
+@contextlib.contextmanager
+def _ray_defaults(*, local: bool) -> Iterator[None]:
+    """Ray's module constants as `connect` wants them for one `ray.init` (Ray read them from the
+    environment when it was imported): uv hook off unless the user set it; a local node on the
+    loopback."""
+    from ray._private import ray_constants
+
+    values = {} if "RAY_ENABLE_UV_RUN_RUNTIME_ENV" in os.environ else {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": False}
+    if local:
+        values["ENABLE_RAY_CLUSTER"] = False
+    saved = {name: getattr(ray_constants, name) for name in values}
+    for name, value in values.items():
+        setattr(ray_constants, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(ray_constants, name, value)
+
+
+@contextlib.contextmanager
+def _environ(values: Mapping[str, str]) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def ship_module(module: ModuleType) -> None:
