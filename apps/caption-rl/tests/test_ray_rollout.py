@@ -21,7 +21,8 @@ def rows(run) -> list[dict[str, str]]:
         return [r for r in csv.DictReader(f) if r.get("step")]
 
 
-@pytest.mark.parametrize("staleness", [0, 1])
+@pytest.mark.parametrize("staleness", [pytest.param(0, marks=pytest.mark.slow), 1])  # 1 covers 0's first step;
+# the synchronous path of the actors is also rl-policy's test_policy_pool
 def test_ray_actor_rollouts_train_as_the_in_process_engine(app, tmp_path, staleness):
     """Full fine-tuning (the actors get the weights merged; a LoRA's unmerged decode would differ
     in the last bits), per-prompt seeds: each step's samples, rewards, loss and weight version

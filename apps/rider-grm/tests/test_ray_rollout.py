@@ -16,7 +16,8 @@ TRAINED = ("loss/policy", "grad_norm")  # equal to float32 rounding: the actor's
 # copy of the weights, so its log-probs (the IS correction at staleness 1) differ in the last bits
 
 
-@pytest.mark.parametrize("staleness", [0, 1])
+@pytest.mark.parametrize("staleness", [pytest.param(0, marks=pytest.mark.slow), 1])  # 1 covers 0's first step;
+# the synchronous path of the actors is also rl-policy's test_policy_pool
 def test_ray_actor_rollouts_train_as_the_in_process_engine(tmp_path: Path, staleness: int) -> None:
     """Per-prompt seeds; staleness 1 samples from the weights one step older, in both runs."""
     extra: dict[str, object] = {"rollout.per_prompt_seeds": "true", "rollout.engine": '"hf"',
@@ -34,6 +35,7 @@ def test_ray_actor_rollouts_train_as_the_in_process_engine(tmp_path: Path, stale
     assert [float(r["rollout/weight_version"]) for r in actors] == ([0.0, 1.0, 2.0] if not staleness else [0.0, 0.0, 1.0])
 
 
+@pytest.mark.slow  # the same placement as caption-rl's test of that name, which CI runs
 def test_two_training_processes_each_drive_actors_of_their_own_on_a_cluster(tmp_path: Path) -> None:
     """`accelerate launch` with 2 processes on a running Ray cluster (started here, as `ray start
     --head` would be), one actor per process, 3 asynchronous steps = 1 process with twice the
