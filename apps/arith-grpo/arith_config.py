@@ -10,6 +10,7 @@ from typing import ClassVar, Literal
 import msgspec
 
 from rl_core import train
+from rl_core.train.entry import AppEntry
 from rl_rewards import RewardSpec
 
 NAME = "arith-grpo"
@@ -52,3 +53,8 @@ class Config(train.AppConfig, kw_only=True, frozen=True):
     algo: train.TokenPolicyFields = train.TokenPolicyFields()
     reward: RewardConfig = RewardConfig()
     train: TrainConfig = TrainConfig()
+
+
+ENTRY = AppEntry(NAME, Config, DEFAULT_CONFIG, None, recipe="arith_recipe")
+"""The app: `__main__.py` attaches it (the command line and the config are read before the recipe
+and torch load)."""

@@ -23,6 +23,7 @@ from rl_core.train import (
     TokenPolicyFields,
     UnitInterval,
 )
+from rl_core.train.entry import AppEntry
 from rl_policy.placement import PolicyRolloutFields
 from rl_rewards.spec import RewardSpec
 
@@ -205,3 +206,8 @@ ENV = {
     "REWARD_QA_PROMPT_FILE": "reward.qa_prompt_file",
     "RUN_NAME": "train.run_name",
 }
+
+
+ENTRY = AppEntry(NAME, Config, default_config, ENV, recipe="caption_recipe")
+"""The app: `__main__.py` attaches it (the command line and the config are read before the recipe
+and torch load)."""

@@ -19,7 +19,7 @@ the eval images.
   model.
 
 Asynchronous rollouts (`train.max_staleness >= 1`): `weight_channel` gives the loop the rollout's
-weights by version (`RolloutWeights`). In process (both families) the rollout thread samples with
+weights by version (`FamilyWeights` counts their optimizer steps). In process (both families) the rollout thread samples with
 an engine of its own over a copy of the LoRA model whose frozen base is the trainer's (shared
 memory, `copy_sharing_frozen`); the trainer's engine keeps the eval. With Ray workers each
 published LoRA is kept as a host copy and pushed to the workers, with its optimizer-step count,
@@ -55,8 +55,8 @@ from rl_core.flow import SDEStep, compute_ratio_guard, flow_kl
 from rl_core.kl import compute_kl
 from rl_core.train import (
     CopyChannel,
+    CountedWeights,
     FullWeights,
-    ParameterEMA,
     Replay,
     UserError,
     WeightChannel,
@@ -110,12 +110,12 @@ class Family(Protocol):
     model: torch.nn.Module  # what the optimizer steps through (DDP-wrapped, or sharded in place)
     optimizer: torch.optim.Optimizer
     full: FullWeights | None = None  # a sharded model's whole copy, which the engine samples from
-    weights: RolloutWeights | None = None  # asynchronous runs: the rollout's weights by version
+    channel: WeightChannel | None = None  # asynchronous runs: the rollout's weights by version
     old: OldPolicy | None = None  # train.method = "nft" (sd3): DiffusionNFT's old policy, which samples
 
-    def weight_channel(self, steps: Callable[[], int]) -> RolloutWeights:
+    def weight_channel(self) -> WeightChannel:
         """Switch the rollout to weights of its own, changed only by version (asynchronous runs;
-        see the module doc); `steps()`: the optimizer steps in the trained weights now."""
+        see the module doc)."""
 
     def start(self) -> None:
         """Start rollout workers, once the starting weights are in place (none by default)."""
@@ -175,7 +175,7 @@ class SD3(Family):
 
                 ray.shutdown()
 
-    def weight_channel(self, steps: Callable[[], int]) -> RolloutWeights:
+    def weight_channel(self) -> WeightChannel:
         """The rollout thread samples with a copy of the LoRA model: sharing the frozen base with
         the trainer's, or, for a sharded policy (FSDP2), a whole copy of its own made from one
         gather on every process (budget the transformer once more per GPU); each version's LoRA
@@ -194,25 +194,25 @@ class SD3(Family):
                 twin = copy_sharing_frozen(self.peft)
             self.rollout_engine = engine_over(self.engine, cast(PeftModel, twin).get_base_model())
             inner = CopyChannel(self.peft, twin)
-        self.weights = RolloutWeights(inner, steps)
-        return self.weights
+        self.channel = inner
+        return inner
 
     def collect(self, chunks: list[Chunk], version: int) -> Sequence[ImageSamples]:
-        s, pool, weights = self.cfg.sampling, self.pool, self.weights
-        colocated = self.cfg.rollout.placement == "colocated" and weights is None  # asynchronous: awake throughout
+        s, pool, channel = self.cfg.sampling, self.pool, self.channel
+        colocated = self.cfg.rollout.placement == "colocated" and channel is None  # asynchronous: awake throughout
         kwargs: dict[str, Any] = {
             "num_steps": s.num_steps, "guidance_scale": s.guidance_scale, "height": s.resolution, "width": s.resolution,
             "noise_level": s.noise_level, "kind": s.kind, "max_sequence_length": s.max_sequence_length,
             "keep_means": self.cfg.train.ratio_norm}  # GRPO-Guard's RatioNorm needs the rollout's step means
         # a sharded policy's weights gathered into the engine's copy (asynchronous: the rollout
         # thread's copy holds them already, and the gather, a collective, stays on the trainer's thread)
-        with whole_weights(self) if weights is None else nullcontext():
+        with whole_weights(self) if channel is None else nullcontext():
             if pool is None:
                 return sample_chunks(self.rollout_engine, chunks, **kwargs)
             if colocated:
                 pool.wake()
             if pool.version != version:  # the workers' LoRA synced to this version (each refuses another)
-                lora = (cast(LoraVersions, weights.inner).loaded if weights is not None else
+                lora = (cast(LoraVersions, channel).loaded if channel is not None else
                         {n: p.detach() for n, p in lora_params(self.engine.transformer).items()})
                 pool.load_weights(lora, version)
         rollout = pool.map(sample_chunk_to_cpu, chunks, **kwargs)
@@ -284,7 +284,7 @@ class Janus(Family):
         self.model, self.optimizer = acc.prepare(JanusImagePolicy(self.peft), optimizer)
         self.rollout_engine = self.engine  # an engine of its own when asynchronous
 
-    def weight_channel(self, steps: Callable[[], int]) -> RolloutWeights:
+    def weight_channel(self) -> WeightChannel:
         """The rollout thread's engine decodes with a copy of the LoRA model (its own KV cache and
         processor). Its decode step compiles without CUDA graphs: captured from the rollout
         thread, which runs on a CUDA stream of its own, the graphs of "reduce-overhead" come out
@@ -295,8 +295,8 @@ class Janus(Family):
                                           copy.deepcopy(e.processor), device=e.device, max_batch_size=e.max_batch_size,
                                           compile=e.compile, compile_mode=mode, logprobs=e.logprobs,
                                           chunk_size=e.chunk_size)
-        self.weights = RolloutWeights(CopyChannel(self.peft, twin), steps)
-        return self.weights
+        self.channel = CopyChannel(self.peft, twin)
+        return self.channel
 
     def collect(self, chunks: list[Chunk], version: int) -> Sequence[ImageSamples]:
         """Image tokens drawn with CFG (`sampling.guidance_scale`) at `rollout.temperature`; each
@@ -374,62 +374,17 @@ class OldPolicy:
                 p.copy_(state[name])
 
 
-class RolloutWeights:
-    """An asynchronous run's `WeightChannel` (`rl_core.train.pipeline`): `inner` keeps the trained
-    LoRA by loop step (a `CopyChannel` into the rollout engine's copy, or `LoraVersions` for Ray
-    workers); `steps()`, the optimizer steps in the trained weights at each publish, becomes
-    `loaded` at `load`: the version a rollout reports (`FamilyWeights.weight_version`)."""
+class FamilyWeights(CountedWeights):
+    """A family's `PolicyWeights` for the trainer loop. Synchronous, the rollout samples with the
+    trained LoRA itself (Ray workers take it at each `collect`): nothing to push; asynchronous,
+    `channel` is the family's `weight_channel`."""
 
-    def __init__(self, inner: WeightChannel, steps: Callable[[], int]) -> None:
-        self.inner, self.steps = inner, steps
-        self.published: dict[int, int] = {}  # loop step -> optimizer steps in its weights
-        self.loaded = 0
-        self._lock = threading.Lock()
+    def __init__(self, family: Family) -> None:
+        super().__init__()
+        self.family = family
 
-    def publish(self, version: int) -> None:
-        self.inner.publish(version)
-        with self._lock:
-            self.published[version] = self.steps()
-
-    def load(self, version: int, *, prune: bool = True) -> None:
-        self.inner.load(version, prune=prune)
-        with self._lock:
-            self.loaded = self.published[version]
-            if prune:
-                self.published = {v: n for v, n in self.published.items() if v >= version}
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class FamilyWeights:
-    """A family's `PolicyWeights` for the trainer loop: `ema.steps` counts the optimizer steps
-    (`after_step=ema.step`, and the EMA's checkpoint holds it). Synchronous, the rollout samples
-    with the trained LoRA itself (Ray workers take it at each `collect`); asynchronous,
-    `channel` gives the family's `RolloutWeights`."""
-
-    def __init__(self, family: Family, ema: ParameterEMA) -> None:
-        self.family, self.ema = family, ema
-
-    @property
-    def weight_version(self) -> int:
-        weights = self.family.weights
-        return weights.loaded if weights is not None else self.ema.steps
-
-    def start(self) -> None:
-        """Nothing to push: the trained LoRA is what samples, or goes to the workers with each `collect`."""
-
-    def stepped(self) -> None:
-        """Counted by the EMA."""
-
-    def channel(self) -> RolloutWeights:
-        return self.family.weight_channel(lambda: self.ema.steps)
-
-    def state_dict(self) -> dict[str, int]:
-        return {}  # the EMA's checkpoint entry holds the count
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Nothing of its own to restore."""
+    def channel(self) -> WeightChannel:
+        return self.counted(self.family.weight_channel())
 
 
 class LoraVersions:

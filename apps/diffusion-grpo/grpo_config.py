@@ -25,6 +25,7 @@ from rl_core.train import (
     UnitInterval,
     UserError,
 )
+from rl_core.train.entry import AppEntry
 from rl_rewards import Component, RewardSpec, load_spec
 
 if TYPE_CHECKING:
@@ -445,3 +446,8 @@ def reward_spec(cfg: RewardConfig, *, tiny: bool) -> RewardSpec:
     if not components:
         raise UserError(f"reward.components {cfg.components} has no non-zero weight")
     return RewardSpec(components=components)
+
+
+ENTRY = AppEntry(NAME, Config, DEFAULT_CONFIG, ENV, recipe="grpo_recipe")
+"""The app: `__main__.py` attaches it (the command line and the config are read before the recipe
+and torch load)."""

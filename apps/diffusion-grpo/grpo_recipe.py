@@ -81,7 +81,8 @@ class State:
     cfg: Config
     run: RunContext
     family: Family  # the engine, the LoRA model it samples from and the optimizer
-    ema: ParameterEMA  # also counts the optimizer steps: the weights' version
+    ema: ParameterEMA
+    policy: FamilyWeights  # the rollout's weights, their version counted
     reward: Scorer  # composed in process, or a RemoteScorer
     weights: dict[str, float]  # the reward's component weights, for algo.reward_aggregation=normalize_then_sum
     prompts: list[OCRPrompt]
@@ -123,10 +124,10 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
                 weights = cast(Reward, reward).sum_weights()
             except ValueError as e:
                 raise ConfigError(f"algo.reward_aggregation=normalize_then_sum: {e}") from None
-        return State(cfg, run, family, ema, reward, weights, prompts, eval_prompts, sampler)
+        return State(cfg, run, family, ema, FamilyWeights(family), reward, weights, prompts, eval_prompts, sampler)
 
     def policy(self, state: State) -> FamilyWeights:
-        return FamilyWeights(state.family, state.ema)
+        return state.policy
 
     def start(self, state: State) -> None:
         state.family.start()
@@ -167,7 +168,7 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         chunks = [Chunk(tuple(r.prompt for r in records[i:i + size]), tuple(seeds[i:i + size]),
                         sde_window(cfg, epoch, sample_index(i, n, world, run.rank)))
                   for i in range(0, len(records), size)]
-        samples = state.family.collect(chunks, FamilyWeights(state.family, state.ema).weight_version)
+        samples = state.family.collect(chunks, state.policy.weight_version)
         images = [image for s in samples for image in to_pil(s.images)]
         return Batch(samples, records, torch.arange(len(records)) // n + run.rank * groups, images)
 

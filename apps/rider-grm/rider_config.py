@@ -29,6 +29,7 @@ from rl_core.train import (
     UnitInterval,
     check_loss_options,
 )
+from rl_core.train.entry import AppEntry
 from rl_policy.placement import PolicyRolloutFields
 from rl_rewards.modules import load_reward_module
 from rl_rewards.spec import RewardSpec, load_spec
@@ -351,3 +352,8 @@ def resolve_model(spec: str, key: str = "model.path") -> str:
     from rl_models import tiny  # torch and transformers
 
     return tiny.resolve(spec if spec.startswith("tiny:") else resolve_path(spec), key=key)
+
+
+ENTRY = AppEntry(NAME, Config, DEFAULT_CONFIG, ENV, recipe="rider_recipe")
+"""The app: `__main__.py` attaches it (the command line and the config are read before the recipe
+and torch load)."""

@@ -26,7 +26,7 @@ def test_an_hf_session_samples_from_the_trained_module_and_frees_its_cache() -> 
     assert isinstance(engine.engine, HFEngine) and engine.engine._cache_released
     with torch.no_grad():  # the engine decodes with the trained module: a change is seen at once
         model.get_output_embeddings().weight.mul_(-1)
-    engine.sync()
+    engine.stepped()
     with engine.session() as sampler:
         second = sampler.generate(["Hi"], SamplingParams(max_new_tokens=4, seed=1))
     assert engine.weight_version == 1 and first[0].logprobs != second[0].logprobs

@@ -1,7 +1,7 @@
 """The policy's engine as Ray actors (`build_policy_engine(workers=N)`, `rl_rollout.policy_pool`)
 on a real local Ray instance started by the builder, hf engines on CPU: the actors sample what
 the in-process engine samples from the same weights, before and after a push, synchronous
-(`sync`) and by version (`weight_channel`), whatever the number of actors."""
+(`stepped`) and by version (`weight_channel`), whatever the number of actors."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_ray_actors_sample_what_the_in_process_engine_samples(workers: int) -> N
         with torch.no_grad():  # an "optimizer step": the actors see it only after the push
             model.get_output_embeddings().weight.mul_(-1)
         assert _samples(remote) == before
-        remote.sync()
+        remote.stepped()
         after = _samples(local)
         assert after != before and _samples(remote) == after
         assert remote.weight_version == 1 and remote.engine.pool.version == 1
@@ -55,7 +55,7 @@ def test_ray_actors_sample_what_the_in_process_engine_samples(workers: int) -> N
         channel.publish(1)
         with torch.no_grad():
             model.get_output_embeddings().weight.mul_(-1)  # back to the first weights
-        remote.sync()  # only counts optimizer steps now
+        remote.stepped()  # only counts optimizer steps now
         channel.publish(2)
         channel.load(1)
         assert _samples(remote) == after
@@ -76,7 +76,7 @@ def test_ray_actors_for_several_training_processes_need_a_cluster(monkeypatch) -
 
 
 def _pushed_by_handles(remote, local, model) -> None:
-    """What the IPC tests below check: a push (`sync`), then versions by the channel, then an
+    """What the IPC tests below check: a push (`stepped`), then versions by the channel, then an
     actor killed and restarted from the last push's handles, each sampling as `local` does."""
     import ray
 
@@ -84,14 +84,14 @@ def _pushed_by_handles(remote, local, model) -> None:
     assert _samples(remote) == before
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(-1)
-    remote.sync()
+    remote.stepped()
     after = _samples(local)
     assert after != before and _samples(remote) == after
     channel = remote.weight_channel()  # each version copied onto the actor's GPU by the trainer
     channel.publish(1)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(-1)
-    remote.sync()
+    remote.stepped()
     channel.publish(2)
     channel.load(1)
     assert _samples(remote) == after

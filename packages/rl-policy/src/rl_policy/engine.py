@@ -13,11 +13,11 @@ calls `stepped()` after each optimizer step itself.
 - `hf` (`rl_rollout.hf.HFEngine`): decodes with the very module being trained. A session puts
   it in eval mode, moves the optimizer state to pinned host memory while it decodes (making
   room for the KV cache; `offload_optimizer`), gathers a sharded policy's full weights
-  (`rl_core.train.FullWeights`), and frees the KV cache afterwards (`release_cache`). `sync`
+  (`rl_core.train.FullWeights`), and frees the KV cache afterwards (`release_cache`). A step
   has nothing to copy.
 - `vllm`: a colocated `vllm.LLM` in this process (`rl_rollout.colocated`), asleep outside
-  sessions (weights in host memory, KV cache freed) so the trainer has the GPU; `sync` pushes
-  the trained weights (a LoRA merged, a sharded policy's gathered) into it while it sleeps.
+  sessions (weights in host memory, KV cache freed) so the trainer has the GPU; each step
+  pushes the trained weights (a LoRA merged, a sharded policy's gathered) into it while it sleeps.
   With `rollout_device` (split placement) it lives on a GPU of its own, its engine core in a
   process of its own (weights pushed as CUDA IPC handles), and never sleeps.
 
@@ -63,6 +63,7 @@ from transformers import PreTrainedModel, ProcessorMixin
 from rl_core.train import (
     ConfigError,
     CopyChannel,
+    CountedWeights,
     FullWeights,
     OptimizerOffload,
     WeightChannel,
@@ -84,7 +85,7 @@ def _untimed(name: str) -> AbstractContextManager[Any]:
     return nullcontext()
 
 
-class PolicyEngine:
+class PolicyEngine(CountedWeights):
     """A rollout engine bound to the policy it samples for (see the module doc).
 
     `shares_weights`: the engine decodes with the trained module itself (`hf`), so moving that
@@ -98,28 +99,19 @@ class PolicyEngine:
                  rebuild: Callable[[torch.nn.Module, torch.device], Engine] | None = None,
                  timer: PhaseTimer = _untimed, rollout_device: torch.device | None = None,
                  remote: bool = False, channel_device: torch.device | None = None) -> None:
-        self.engine, self.kind, self.trained, self.pad_id, self.timer = engine, kind, trained, pad_id, timer
+        super().__init__(timer)
+        self.engine, self.kind, self.trained, self.pad_id = engine, kind, trained, pad_id
         self.rollout_device = rollout_device  # vllm: the GPU of its own it was built on (split placement)
         self.channel_device = channel_device  # hf: where `channel()` moves its copy (split placement)
         self.remote = remote  # Ray actors (`rl_rollout.policy_pool`): weights of their own, pushed by version
         self.full, self.optimizer_offload, self.release_cache = full, optimizer_offload, release_cache
         self.rebuild = rebuild  # hf: an engine over another copy of the model (asynchronous runs)
         self.shares_weights = kind == "hf" and not remote
-        self.weight_version = 0
-        self.versions: _EngineChannel | None = None  # set by weight_channel(): asynchronous rollouts
 
     @property
     def state(self) -> str:
         """"awake" | "asleep" | "closed" (the engine's)."""
         return self.engine.state
-
-    def start(self) -> None:
-        """The trained weights into the engine, counting no step (`PolicyWeights.start`)."""
-        self.sync(bump=False)
-
-    def stepped(self) -> None:
-        """After an optimizer step (`PolicyWeights.stepped`)."""
-        self.sync()
 
     def channel(self) -> WeightChannel:
         """`weight_channel` on the rollout's own device (`build_policy_engine`'s `rollout_device`)."""
@@ -138,8 +130,7 @@ class PolicyEngine:
         trained = unwrap_peft(self.trained)
         if self.remote:  # each version a copy where the pool takes it (an actor's GPU, or host memory), pushed
             where = getattr(self.engine, "weight_device", torch.device("cpu"))  # by the rollout thread
-            self.versions = _EngineChannel(self, _PushChannel(self.engine, trained, self.full, where))
-            return self.versions
+            return self.counted(_PushChannel(self.engine, trained, self.full, where))
         if self.kind == "hf":
             if self.rebuild is None:
                 raise ValueError("this hf policy engine cannot be rebuilt over a copy of the model")
@@ -151,15 +142,14 @@ class PolicyEngine:
                 where = torch.device(device) if device is not None else next(trained.parameters()).device
                 twin = copy_sharing_frozen(trained, where)
             self.engine, self.shares_weights = self.rebuild(twin, where), False
-            self.versions = _EngineChannel(self, CopyChannel(trained, twin))
+            return self.counted(CopyChannel(trained, twin))
         else:
             wanted = torch.device(device) if device is not None else None
             if wanted != self.rollout_device:
                 raise ValueError(f"this vLLM policy engine was built on {self.rollout_device or 'the trainer GPU'}, "
                                  f"not on {wanted or 'the trainer GPU'}: pass the rollout device to build_policy_engine")
             self.engine.wake()  # awake for the whole run: the rollout thread samples while the trainer updates
-            self.versions = _EngineChannel(self, _PushChannel(self.engine, trained, self.full, self.rollout_device))
-        return self.versions
+            return self.counted(_PushChannel(self.engine, trained, self.full, self.rollout_device))
 
     @contextmanager
     def session(self) -> Iterator[Engine]:
@@ -196,26 +186,9 @@ class PolicyEngine:
                 if self.optimizer_offload is not None:
                     self.optimizer_offload.to_device()
 
-    def state_dict(self) -> dict[str, int]:
-        """The optimizer steps in the trained weights (the count `sync` keeps), for a checkpoint:
-        a resumed run's engine goes on counting from there, not from 0 (`Stateful`; put the
-        engine in the recipe's `Checkpoint.state`). An asynchronous run counts them in its
-        channel; `weight_version` is then the version the rollout thread last loaded."""
-        return {"weight_version": self.versions.steps if self.versions is not None else self.weight_version}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Before `weight_channel()`, as the trainer loop restores a checkpoint before it starts."""
-        if self.versions is not None:
-            raise RuntimeError("load the engine's state before its weight channel is made")
-        self.weight_version = int(state["weight_version"])
-
-    def sync(self, *, bump: bool = True) -> None:
-        """After an optimizer step (`bump=False`: at start-up, when a resumed checkpoint is newer
-        than the weights the engine loaded): the next session samples from the trained weights."""
-        if self.versions is not None:  # asynchronous: the loop publishes the weights by version; the
-            self.versions.steps += int(bump)  # rollout thread sets weight_version when it loads one
-            return
-        self.weight_version += int(bump)
+    def push(self) -> None:
+        """Synchronous: the trained weights into the engine (after each optimizer step, and at
+        start-up, when a resumed checkpoint is newer than the weights the engine loaded)."""
         if self.shares_weights:
             return
         from rl_rollout.colocated import push_weights
@@ -269,29 +242,6 @@ class _PushChannel:
     def close(self) -> None:
         with self._lock:
             self.versions.clear()
-
-
-class _EngineChannel:
-    """The policy engine's `WeightChannel`: the weights by loop step (`inner`), and the engine's
-    `weight_version` set to the optimizer steps those weights hold."""
-
-    def __init__(self, policy: PolicyEngine, inner: WeightChannel) -> None:
-        self.policy, self.inner = policy, inner
-        self.steps = policy.weight_version  # optimizer steps in the trained weights now
-        self.published: dict[int, int] = {}  # loop step -> optimizer steps in its weights
-
-    def publish(self, version: int) -> None:
-        with self.policy.timer("weight_publish"):  # the trainer's copy of this version
-            self.inner.publish(version)
-        self.published[version] = self.steps
-
-    def load(self, version: int, *, prune: bool = True) -> None:
-        with self.policy.timer("weight_sync"):  # on the rollout thread: into the engine's weights
-            self.inner.load(version, prune=prune)
-        self.policy.weight_version = self.published[version]
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def _on(device: torch.device | None) -> AbstractContextManager[Any]:

@@ -71,7 +71,7 @@ if TYPE_CHECKING:
         finish_copies,
     )
     from rl_core.train.plots import plot_reward_curve
-    from rl_core.train.policy_weights import ModuleWeights, PolicyWeights
+    from rl_core.train.policy_weights import CountedWeights, ModuleWeights, PolicyWeights
     from rl_core.train.process_state import ProcessState
     from rl_core.train.progress import TrainProgress
     from rl_core.train.recipe import (
@@ -141,7 +141,7 @@ _EXPORTS = {
     "pipeline": ["CopyChannel", "PendingRollouts", "RolloutPipeline", "Sampled", "WeightChannel", "copy_sharing_frozen",
                  "finish_copies"],
     "plots": ["plot_reward_curve"],
-    "policy_weights": ["ModuleWeights", "PolicyWeights"],
+    "policy_weights": ["CountedWeights", "ModuleWeights", "PolicyWeights"],
     "process_state": ["ProcessState"],
     "progress": ["TrainProgress"],
     "recipe": ["Checkpoint", "MergesRounds", "Recipe", "RunContext", "Schedule", "Scores", "Skip", "check_batch_split",
@@ -171,6 +171,7 @@ __all__ = [
     "CompileMode",
     "ConfigError",
     "CopyChannel",
+    "CountedWeights",
     "DType",
     "DynamicSampling",
     "FullWeights",

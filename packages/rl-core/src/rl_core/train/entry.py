@@ -1,14 +1,13 @@
-"""One app entry for every recipe: an app's `__main__.py` names its config and its recipe
+"""One app entry for every recipe: the app's config module names its config and its recipe
 module, and `AppEntry` does the rest (`main`, the module's lazy names, the process exit).
 
-    from caption_config import ENV, NAME, Config, default_config
-    from rl_core.train.entry import AppEntry
+    # caption_config.py
+    ENTRY = AppEntry(NAME, Config, default_config, ENV, recipe="caption_recipe")
 
-    entry = AppEntry(NAME, Config, default_config, ENV, recipe="caption_recipe")
-    main, __getattr__ = entry.main, entry.module_getattr
+    # __main__.py
+    from caption_config import ENTRY
 
-    if __name__ == "__main__":
-        entry.exit()
+    ENTRY.attach(__name__)
 
 The command line and the config are read before the recipe module (and torch) is imported, so
 `--help` and config errors answer at once.
@@ -59,6 +58,14 @@ class AppEntry:
         if name.startswith("__"):  # Python's own probes (`__path__`, ...) must not import torch
             raise AttributeError(name)
         return getattr(self._recipe_module(), name)
+
+    def attach(self, module: str) -> None:
+        """Make the module `module` (an app's `__main__.py`, by its `__name__`) the app: its
+        `main`, and the recipe module's names on first use; run as a script (`__main__`), train
+        and exit."""
+        sys.modules[module].__dict__.update(main=self.main, __getattr__=self.module_getattr)
+        if module == "__main__":
+            self.exit()
 
     def exit(self) -> NoReturn:
         """Run from the command line: exit 0, or 2 after a one-line user error."""

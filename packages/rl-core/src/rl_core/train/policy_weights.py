@@ -14,18 +14,21 @@ the weights:
 Synchronous training is the same path at staleness 0: the engine samples from the weights of
 the last optimizer step. `rl_policy.engine.PolicyEngine` is the text policies' (hf, vLLM, Ray
 actors; colocated or split); `ModuleWeights` a module's that samples in this process; an app
-with an engine of its own implements the five members.
+with an engine of its own subclasses `CountedWeights` (or implements the six members).
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from rl_core.train.pipeline import CopyChannel, WeightChannel, copy_sharing_frozen
 
-__all__ = ["ModuleWeights", "PolicyWeights"]
+__all__ = ["CountedWeights", "ModuleWeights", "PolicyWeights"]
 
 
 @runtime_checkable
@@ -55,7 +58,79 @@ class PolicyWeights(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-class ModuleWeights:
+class CountedWeights:
+    """The counting every `PolicyWeights` does, to subclass: `steps` (the optimizer steps in the
+    trained weights, in the checkpoint) and `weight_version` (those in the weights the sampler
+    holds). Synchronous, `stepped()` counts a step and calls `push()` (override it to put the
+    trained weights into an engine of its own; the default, for a sampler that is the trained
+    module, does nothing); `start()` pushes without counting. Asynchronous, the subclass's
+    `channel()` returns `self.counted(inner)` over a `WeightChannel` of its own: each published version remembers
+    its step count, which becomes `weight_version` when the rollout thread loads it. `timer`
+    (the trainer's `PhaseTimer`, or any `timer(name)` context manager) times the copies as the
+    phases `weight_publish` (trainer's thread) and `weight_sync` (rollout thread)."""
+
+    def __init__(self, timer: Callable[[str], AbstractContextManager[Any]] | None = None) -> None:
+        self.steps = self.weight_version = 0
+        self.timer = timer or (lambda name: nullcontext())
+        self.versions: _CountedChannel | None = None  # set by `counted`: asynchronous
+
+    def push(self) -> None:
+        """Synchronous runs: the trained weights into the sampler, which samples with them next."""
+
+    def start(self) -> None:
+        self.weight_version = self.steps
+        if self.versions is None:
+            self.push()
+
+    def stepped(self) -> None:
+        self.steps += 1
+        if self.versions is None:
+            self.weight_version = self.steps
+            self.push()
+
+    def counted(self, inner: WeightChannel) -> WeightChannel:
+        """`inner`, with each version's step count (once: later calls return the first channel)."""
+        if self.versions is None:
+            self.versions = _CountedChannel(self, inner)
+        return self.versions
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weight_version": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Before `channel()`, as the trainer loop restores a checkpoint before it starts."""
+        if self.versions is not None:
+            raise RuntimeError("restore the policy's weights before its weight channel is made")
+        self.steps = self.weight_version = int(state["weight_version"])
+
+
+class _CountedChannel:
+    """`CountedWeights`' versions: `inner`'s copies, and the optimizer steps each holds."""
+
+    def __init__(self, weights: CountedWeights, inner: WeightChannel) -> None:
+        self.weights, self.inner = weights, inner
+        self.published: dict[int, int] = {}  # loop step -> optimizer steps in its weights
+        self._lock = threading.Lock()
+
+    def publish(self, version: int) -> None:
+        with self.weights.timer("weight_publish"):
+            self.inner.publish(version)
+        with self._lock:
+            self.published[version] = self.weights.steps
+
+    def load(self, version: int, *, prune: bool = True) -> None:
+        with self.weights.timer("weight_sync"):
+            self.inner.load(version, prune=prune)
+        with self._lock:
+            self.weights.weight_version = self.published[version]
+            if prune:
+                self.published = {v: n for v, n in self.published.items() if v >= version}
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class ModuleWeights(CountedWeights):
     """`PolicyWeights` for a policy that samples with a torch module in this process: `sampler`
     is the trained module itself in a synchronous run, and after `channel()` a copy of it
     (`copy_sharing_frozen`: frozen weights shared) that changes only by version. Choose it when
@@ -63,42 +138,10 @@ class ModuleWeights:
     brings its own (`rl_policy.engine.PolicyEngine`)."""
 
     def __init__(self, trained: torch.nn.Module) -> None:
+        super().__init__()
         self.trained, self.sampler = trained, trained
-        self.steps = self.weight_version = 0  # optimizer steps in the trained weights; in the sampler's
-        self.published: dict[int, int] = {}  # loop step -> optimizer steps in its weights
-
-    def start(self) -> None:
-        self.weight_version = self.steps
-
-    def stepped(self) -> None:
-        self.steps += 1
-        if self.sampler is self.trained:
-            self.weight_version = self.steps
 
     def channel(self) -> WeightChannel:
-        self.sampler = copy_sharing_frozen(self.trained)
-        return _CountedChannel(self, CopyChannel(self.trained, self.sampler))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"weight_version": self.steps}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.steps = self.weight_version = int(state["weight_version"])
-
-
-class _CountedChannel:
-    """`ModuleWeights`' versions: the copies, and the optimizer steps each holds."""
-
-    def __init__(self, weights: ModuleWeights, inner: CopyChannel) -> None:
-        self.weights, self.inner = weights, inner
-
-    def publish(self, version: int) -> None:
-        self.inner.publish(version)
-        self.weights.published[version] = self.weights.steps
-
-    def load(self, version: int, *, prune: bool = True) -> None:
-        self.inner.load(version, prune=prune)
-        self.weights.weight_version = self.weights.published[version]
-
-    def close(self) -> None:
-        self.inner.close()
+        if self.versions is None:
+            self.sampler = copy_sharing_frozen(self.trained)
+        return self.counted(CopyChannel(self.trained, self.sampler))
