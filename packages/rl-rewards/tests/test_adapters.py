@@ -231,7 +231,7 @@ def test_a_non_finite_served_reward_is_a_failed_sample_not_a_null(served):
     from rl_rewards.samples import Sample
 
     with RewardClient(served.url) as client:
-        (result,) = client.score([Sample(completion="[00:01] cat")], reward="overflow")  # 1e308 + 1e308
+        (result,) = client.score("overflow", [Sample(completion="[00:01] cat")])  # 1e308 + 1e308
     assert result.score is None and "the combined reward is inf" in result.error
     verl = as_verl_compute_score(served.url, reward="overflow", error_score=-1.0)
     out = verl(data_source="d", solution_str="[00:01] cat", ground_truth=None)
@@ -337,7 +337,7 @@ def test_a_non_finite_component_is_a_failed_sample_on_every_route_not_a_null(tmp
     env = {"REWARD_MODEL": "tiny:qwen3", "REWARD_SCORE_MODE": "qa", "REWARD_TASK": "image"}
     with ServerProcess(["--config", str(config)], env=env, log_path=tmp_path / "server.log") as server:
         with RewardClient(server.url) as client:
-            results = client.score([Sample(completion=t) for t in ("nan", "ok", "inf")], reward="caption_qa")
+            results = client.score("caption_qa", [Sample(completion=t) for t in ("nan", "ok", "inf")])
         openrlhf = httpx.post(f"{server.url}/openrlhf/get_reward", json={"query": ["ok", "-inf"]}, timeout=30).json()
         caprl = httpx.post(f"{server.url}/get_reward", json={"prompts": [["nan", [["Q?\n   - A) x", "A"]]],
                                                                          ["ok", [["Q?\n   - A) x", "A"]]]]}, timeout=30)

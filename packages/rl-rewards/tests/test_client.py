@@ -69,7 +69,7 @@ def url(server) -> str:
 def test_retries_5xx_and_429_then_succeeds(scripted):
     scripted.script = [(503, {}, b"loading"), (500, {}, b"boom"), (429, {"retry-after": "0.01"}, b"slow down")]
     with RewardClient(url(scripted), retry=FAST) as client:
-        results = client.score([Sample(completion="x")])
+        results = client.score("", [Sample(completion="x")])
     assert [r.score for r in results] == [0.5]
     assert scripted.calls == 4
 
@@ -77,16 +77,35 @@ def test_retries_5xx_and_429_then_succeeds(scripted):
 def test_never_retries_a_4xx(scripted):
     scripted.script = [(422, {}, b'{"error": "bad", "field": "$.samples[0]"}')] * 3
     with RewardClient(url(scripted), retry=FAST) as client, pytest.raises(RewardRequestError) as info:
-        client.score([Sample(completion="x")])
+        client.score("", [Sample(completion="x")])
     assert scripted.calls == 1
     assert info.value.status == 422 and info.value.field == "$.samples[0]"
     assert "$.samples[0]" in str(info.value)
 
 
+def test_the_old_order_samples_then_reward_is_refused_with_the_new_one(scripted):
+    """Every method names the reward first, as the wire does: the old `score(samples, reward)`
+    is refused before anything is sent, with the call to make instead."""
+    samples = [Sample(completion="x")]
+    new_order = r'score\(reward, samples\): the reward\'s name comes first, as on the wire; score\(\"\", samples\)'
+    with RewardClient(url(scripted), retry=FAST) as client:
+        for old in ((samples,), (samples, "timestamp_format")):
+            with pytest.raises(TypeError, match=new_order):
+                client.score(*old)
+
+    async def old_async_call() -> None:
+        async with AsyncRewardClient(url(scripted), retry=FAST) as client:
+            await client.score(samples, "timestamp_format")
+
+    with pytest.raises(TypeError, match=new_order):
+        asyncio.run(old_async_call())
+    assert scripted.calls == 0
+
+
 def test_gives_up_with_a_clear_error(scripted):
     scripted.script = [(503, {}, b"down")] * 10
     with RewardClient(url(scripted), retry=FAST) as client, pytest.raises(RewardServerUnavailable) as info:
-        client.score([Sample(completion="x")])
+        client.score("", [Sample(completion="x")])
     assert scripted.calls == 4 and info.value.attempts == 4
     assert "gave up after 4 attempt(s)" in str(info.value) and "HTTP 503" in str(info.value)
 
@@ -113,12 +132,12 @@ def test_call_survives_a_server_restart(tmp_path: Path):
     args = ["--config", str(config)]
     server = ServerProcess(args, port=port, log_path=tmp_path / "first.log").start()
     client = RewardClient(server.url, retry=RetryPolicy(attempts=100, backoff_s=0.2, max_backoff_s=1.0))
-    assert client.score([Sample(completion="[00:01] a")], "timestamp_format")[0].score == 1.0
+    assert client.score("timestamp_format", [Sample(completion="[00:01] a")])[0].score == 1.0
     server.stop()
     restarted = ServerProcess(args, port=port, log_path=tmp_path / "second.log")
     try:
         with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(client.score, [Sample(completion="[00:02] b [00:01] c")], "timestamp_format")
+            pending = pool.submit(client.score, "timestamp_format", [Sample(completion="[00:02] b [00:01] c")])
             time.sleep(0.5)
             assert not pending.done()  # retrying against a dead port
             restarted.start()
@@ -132,7 +151,7 @@ def test_async_client_all_protocols(tmp_path: Path):
     async def scenario(base: str):
         async with AsyncRewardClient(base, retry=FAST) as client:
             health = await client.health()
-            scored = await client.score([Sample(completion="[00:01] a")], "timestamp_format")
+            scored = await client.score("timestamp_format", [Sample(completion="[00:01] a")])
             rlhf = await client.openrlhf(["p[00:01] a"], prompts=["p"])
             empty = await client.get_reward([])
             with pytest.raises(RewardRequestError, match="no judge configured"):
@@ -178,16 +197,16 @@ def test_a_garbage_answer_is_a_response_error_and_a_failed_request_is_not(script
     with RewardClient(url(scripted), retry=FAST) as client:
         scripted.ok_body = b"<html><body>502 Bad Gateway</body></html>"
         with pytest.raises(RewardResponseError, match="does not match the protocol"):
-            client.score(two)
+            client.score("", two)
         assert scripted.calls == 1
         scripted.ok_body = json.dumps({"reward": "r", "results": [{"score": 0.5}]}).encode()
         with pytest.raises(RewardResponseError, match=r"1 answer\(s\) for 2 sample\(s\)"):
-            client.score(two)
+            client.score("", two)
         remote = RemoteScorer(url(scripted), "r", retry=FAST)
         with pytest.raises(RewardResponseError, match=r"1 answer\(s\) for 2 sample\(s\)"):
             asyncio.run(remote.ascore(two))
         remote.close()
         scripted.script = [(503, {}, b"busy")] * FAST.attempts
         with pytest.raises(RewardServerUnavailable) as failed:
-            client.score(two)
+            client.score("", two)
         assert not isinstance(failed.value, RewardResponseError)

@@ -72,7 +72,7 @@ def test_streamed_results_equal_score_results(server):
 
     async def scored() -> list[ScoreResult]:
         async with AsyncRewardClient(server.url) as client:
-            return await client.score([s for s in samples if len(s.completion) <= 200], "slow")
+            return await client.score("slow", [s for s in samples if len(s.completion) <= 200])
 
     streamed, [indices] = asyncio.run(collect(server.url, [samples], batch_size=4))
     assert indices == range(len(texts))
@@ -233,15 +233,15 @@ def test_a_sample_that_cannot_be_encoded_fails_alone(server, bad):
                 stream.close_submissions()
                 with_long = [item async for item in stream]
             with pytest.raises(RewardRequestError) as info:
-                await client.score([*samples, sample("x" * 300)], "slow")
+                await client.score("slow", [*samples, sample("x" * 300)])
             assert info.value.field == "$.samples[7].completion", info.value
-            return streamed, await client.score(samples, "slow"), with_long
+            return streamed, await client.score("slow", samples), with_long
 
     streamed, scored, with_long = asyncio.run(scenario())
     with RewardClient(server.url) as client:
-        scored_sync = client.score(samples, "slow")
+        scored_sync = client.score("slow", samples)
         with pytest.raises(RewardRequestError, match=r"\$\.samples\[7\]\.completion has 300 characters"):
-            client.score([*samples, sample("x" * 300)], "slow")
+            client.score("slow", [*samples, sample("x" * 300)])
     assert sorted(i for i, _ in streamed) == list(range(7))
     assert sorted(i for i, _ in with_long) == list(range(8))
     long = dict(with_long).pop(7)

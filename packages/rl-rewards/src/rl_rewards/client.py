@@ -2,7 +2,7 @@
 
     from rl_rewards.client import RewardClient
     with RewardClient("http://127.0.0.1:18889") as client:
-        results = client.score([Sample(completion="[00:01] a dog runs")], reward="timestamp_format")
+        results = client.score("timestamp_format", [Sample(completion="[00:01] a dog runs")])
 
 Connections are pooled (one httpx client per `RewardClient`). Every call has a timeout and is
 retried with exponential backoff and full jitter on connection errors, timeouts, 5xx, 408 (the
@@ -15,6 +15,9 @@ the request, so retrying a POST is safe.
 `score` sends only the samples JSON can carry: one it cannot (a string with a lone surrogate,
 metadata nested past Python's recursion limit) comes back failed (`error` starting with
 `not sent:`), the others are scored, as the server fails one bad sample alone.
+
+Every method names the reward first, as the wire does (`{"reward": ..., "samples": [...]}`):
+`score(reward, samples)`, `stream(reward)`; `""` is the server's default reward.
 
 `AsyncRewardClient.stream` scores samples as rollouts finish and yields each result as soon as
 its request is answered (`RewardStream`).
@@ -194,6 +197,14 @@ def _qa_request(prompts: Sequence[wire.CaptionQA], score_mode: _ScoreMode | None
     )
 
 
+def _reward_first(method: str, reward: object, samples: Sequence[Sample] | None) -> Sequence[Sample]:
+    """`samples`, or a TypeError naming the order for the old `score(samples, reward)` call."""
+    if not isinstance(reward, str) or samples is None:
+        raise TypeError(f"{method}(reward, samples): the reward's name comes first, as on the wire; "
+                        f'{method}("", samples) scores with the server\'s default reward')
+    return samples
+
+
 class RewardClient:
     """Synchronous client. `timeout` is per attempt, in seconds (OpenRLHF uses 180)."""
 
@@ -233,10 +244,11 @@ class RewardClient:
                 time.sleep(self.retry.delay(attempt, retry_after))
         raise RewardServerUnavailable(f"{self.base_url}{path}", self.retry.attempts, last)
 
-    def score(self, samples: Sequence[Sample], reward: str = "") -> list[ScoreResult]:
+    def score(self, reward: str, samples: Sequence[Sample] | None = None) -> list[ScoreResult]:
         """Native `/v1/score`: one ScoreResult per sample (`reward` "" = the server's default). A
         sample JSON cannot carry (a lone surrogate, metadata nested thousands deep) is not sent:
         its result is failed (`error` starting with `not sent:`), the others are scored."""
+        samples = _reward_first("score", reward, samples)
         content, failed = _score_body(samples, reward)
         if content is None:
             return _with_failed([], failed)
@@ -329,8 +341,10 @@ class AsyncRewardClient:
                 await asyncio.sleep(self.retry.delay(attempt, retry_after))
         raise RewardServerUnavailable(f"{self.base_url}{path}", self.retry.attempts, last)
 
-    async def score(self, samples: Sequence[Sample], reward: str = "", timeout: float | None = None) -> list[ScoreResult]:
+    async def score(self, reward: str, samples: Sequence[Sample] | None = None,
+                    timeout: float | None = None) -> list[ScoreResult]:
         """`RewardClient.score`; `timeout` (s, per attempt) overrides the client's for this call."""
+        samples = _reward_first("score", reward, samples)
         content, failed = _score_body(samples, reward)
         if content is None:
             return _with_failed([], failed)
@@ -508,7 +522,7 @@ class RewardStream:
         try:
             while batch:
                 try:
-                    results = await self._client.score([s for _, s in batch], self.reward, self.timeout)
+                    results = await self._client.score(self.reward, [s for _, s in batch], self.timeout)
                 except RewardRequestError as e:
                     match = _SAMPLE_FIELD.match(e.field or "")
                     bad = int(match.group(1)) if match else len(batch)
@@ -564,11 +578,11 @@ class RemoteScorer:
         return self._sync
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
-        return self._client().score(samples, self.reward)
+        return self._client().score(self.reward, samples)
 
     async def ascore(self, samples: Sequence[Sample]) -> list[ScoreResult]:
         async with AsyncRewardClient(self.url, **self._options) as client:
-            return await client.score(samples, self.reward)
+            return await client.score(self.reward, samples)
 
     def keys(self) -> tuple[str, ...]:
         """The component keys every result of the served reward carries (asked once from
