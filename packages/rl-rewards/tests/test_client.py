@@ -19,6 +19,7 @@ from rl_rewards.client import (
     RemoteScorer,
     RetryPolicy,
     RewardClient,
+    RewardEncodeError,
     RewardRequestError,
     RewardResponseError,
     RewardServerUnavailable,
@@ -99,6 +100,27 @@ def test_the_old_order_samples_then_reward_is_refused_with_the_new_one(scripted)
 
     with pytest.raises(TypeError, match=new_order):
         asyncio.run(old_async_call())
+    assert scripted.calls == 0
+
+
+def test_a_request_json_cannot_carry_is_not_sent_and_names_its_item(scripted):
+    """get_reward / vl_judge / openrlhf: a lone surrogate or an object with no JSON form is a
+    `RewardEncodeError` naming the item, raised before anything is sent (not msgspec's bare error)."""
+    with RewardClient(url(scripted), retry=FAST) as client:
+        with pytest.raises(RewardEncodeError, match=r"POST /get_reward not sent: prompts\[1\] cannot be encoded as JSON "
+                                                    r"\(UnicodeEncodeError"):
+            client.get_reward([("a caption", [("Q?", "A")]), ("bad \ud800", [("Q?", "A")])])
+        with pytest.raises(RewardEncodeError, match=r"POST /openrlhf/get_reward not sent: labels\[0\] "):
+            client.openrlhf(["q"], labels=[object()])
+        with pytest.raises(RewardEncodeError, match=r"POST /get_reward not sent: samples\[0\] "):
+            client.vl_judge([wire.VLJudgeSample(caption="\ud800", video_path="v.mp4")])
+
+    async def async_call() -> None:
+        async with AsyncRewardClient(url(scripted), retry=FAST) as client:
+            await client.openrlhf(["fine", "\udfff"])
+
+    with pytest.raises(RewardEncodeError, match=r"query\[1\]"):
+        asyncio.run(async_call())
     assert scripted.calls == 0
 
 

@@ -70,6 +70,13 @@ class RewardResponseError(RewardClientError):
         self.problem = problem
 
 
+class RewardEncodeError(RewardClientError, ValueError):
+    """A request the client cannot send: a value JSON cannot carry (a lone surrogate, nesting
+    past the recursion limit, an object with no JSON form) in a `get_reward`, `vl_judge` or
+    `openrlhf` call, named by its place (`prompts[2]`). Nothing was sent. (`score` sends the
+    other samples and fails such a sample alone.)"""
+
+
 class RewardServerUnavailable(RewardClientError):
     """Every attempt failed with a connection error, timeout, 5xx, 408 or 429."""
 
@@ -142,6 +149,26 @@ _SAMPLE_FIELD = re.compile(r"^\$\.samples\[(\d+)\]")  # a 4xx about one sample o
 # what msgspec raises for a value JSON cannot carry: a lone surrogate (UnicodeEncodeError), nesting
 # past Python's recursion limit, a type with no JSON form (TypeError), an int over 64 bits
 _ENCODE_ERRORS = (msgspec.EncodeError, TypeError, ValueError, RecursionError, OverflowError)
+
+
+def _body(request: msgspec.Struct, path: str) -> bytes:
+    """`request` as JSON, or a `RewardEncodeError` naming the first field or item JSON cannot carry."""
+    try:
+        return wire.encode_json(request)
+    except _ENCODE_ERRORS as e:
+        raise RewardEncodeError(f"POST {path} not sent: {_unencodable(request)} cannot be encoded as JSON "
+                                f"({type(e).__name__}: {e})") from None
+
+
+def _unencodable(request: msgspec.Struct) -> str:
+    for name in request.__struct_fields__:
+        value = getattr(request, name)
+        for i, item in enumerate(value if isinstance(value, list) else [value]):
+            try:
+                wire.encode_json(item)
+            except _ENCODE_ERRORS:
+                return f"{name}[{i}]" if isinstance(value, list) else name
+    return "the request"
 
 
 def _score_body(samples: Sequence[Sample], reward: str) -> tuple[bytes | None, dict[int, ScoreResult]]:
@@ -263,20 +290,20 @@ class RewardClient:
         self, prompts: Sequence[wire.CaptionQA], score_mode: _ScoreMode | None = None
     ) -> wire.GetRewardResponse:
         """CapRL qa: `prompts` is `[(caption, [(question_text, answer_letter), ...]), ...]`."""
-        body = wire.encode_json(_qa_request(prompts, score_mode))
+        body = _body(_qa_request(prompts, score_mode), "/get_reward")
         response = self._call("POST", "/get_reward", wire.GetRewardResponse, body)
         return _rewards_for(f"{self.base_url}/get_reward", response, len(prompts))
 
     def vl_judge(self, samples: Sequence[wire.VLJudgeSample]) -> wire.GetRewardResponse:
         request = wire.GetRewardRequest(score_mode="vl_judge", samples=list(samples))
-        response = self._call("POST", "/get_reward", wire.GetRewardResponse, wire.encode_json(request))
+        response = self._call("POST", "/get_reward", wire.GetRewardResponse, _body(request, "/get_reward"))
         return _rewards_for(f"{self.base_url}/get_reward", response, len(samples))
 
     def openrlhf(
         self, query: Sequence[str], prompts: Sequence[str] = (), labels: Sequence[Any] = ()
     ) -> wire.OpenRLHFResponse:
         request = wire.OpenRLHFRequest(query=list(query), prompts=list(prompts), labels=list(labels))
-        response = self._call("POST", "/openrlhf/get_reward", wire.OpenRLHFResponse, wire.encode_json(request))
+        response = self._call("POST", "/openrlhf/get_reward", wire.OpenRLHFResponse, _body(request, "/openrlhf/get_reward"))
         return _rewards_for(f"{self.base_url}/openrlhf/get_reward", response, len(query))
 
     def health(self) -> wire.HealthResponse:
@@ -370,20 +397,20 @@ class AsyncRewardClient:
     async def get_reward(
         self, prompts: Sequence[wire.CaptionQA], score_mode: _ScoreMode | None = None
     ) -> wire.GetRewardResponse:
-        body = wire.encode_json(_qa_request(prompts, score_mode))
+        body = _body(_qa_request(prompts, score_mode), "/get_reward")
         response = await self._call("POST", "/get_reward", wire.GetRewardResponse, body)
         return _rewards_for(f"{self.base_url}/get_reward", response, len(prompts))
 
     async def vl_judge(self, samples: Sequence[wire.VLJudgeSample]) -> wire.GetRewardResponse:
         request = wire.GetRewardRequest(score_mode="vl_judge", samples=list(samples))
-        response = await self._call("POST", "/get_reward", wire.GetRewardResponse, wire.encode_json(request))
+        response = await self._call("POST", "/get_reward", wire.GetRewardResponse, _body(request, "/get_reward"))
         return _rewards_for(f"{self.base_url}/get_reward", response, len(samples))
 
     async def openrlhf(
         self, query: Sequence[str], prompts: Sequence[str] = (), labels: Sequence[Any] = ()
     ) -> wire.OpenRLHFResponse:
         request = wire.OpenRLHFRequest(query=list(query), prompts=list(prompts), labels=list(labels))
-        response = await self._call("POST", "/openrlhf/get_reward", wire.OpenRLHFResponse, wire.encode_json(request))
+        response = await self._call("POST", "/openrlhf/get_reward", wire.OpenRLHFResponse, _body(request, "/openrlhf/get_reward"))
         return _rewards_for(f"{self.base_url}/openrlhf/get_reward", response, len(query))
 
     async def health(self) -> wire.HealthResponse:
