@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -199,3 +200,8 @@ def run(settings: ServerSettings) -> None:
     else:
         serve(build_app(settings), settings, common)
     logging.getLogger("rl_rewards.server").info("stopped after %.0fs", time.perf_counter() - started)
+    if settings.ray or settings.backend == "ray-serve":  # drained, Ray left, all logged: skip the interpreter's teardown,
+        logging.shutdown()  # where Ray's native library can still abort the process (SIGABRT, exit -6)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

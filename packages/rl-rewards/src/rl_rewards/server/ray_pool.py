@@ -119,11 +119,21 @@ class RayRouter(Router):
         gpus = [float(len(g.split(","))) if g else 0.0 for g in groups]
         super().__init__(lambda i: RayWorker(i, settings, gpus[i]), len(groups), metrics, settings.pool)
         self._address = settings.ray_address
+        self._connected = False  # this router called `ray.init` (and disconnects at close)
 
     async def start(self) -> None:
         if not ray.is_initialized():
             await asyncio.to_thread(init_ray, self._address, log_to_driver=False)
+            self._connected = True
         await super().start()
+
+    async def close(self) -> None:
+        """Stop the actors, then leave Ray (a local Ray of the server's own stops with it): left
+        to the interpreter's exit, Ray's shutdown aborted the process (SIGABRT) after a clean
+        drain."""
+        await super().close()
+        if self._connected:
+            await asyncio.to_thread(ray.shutdown)
 
     def actors(self) -> list[Any]:
         return [w.actor for w in self._workers if isinstance(w, RayWorker)]  # every worker here is one
