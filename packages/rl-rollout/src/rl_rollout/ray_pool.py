@@ -32,10 +32,11 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
+from unittest import mock
 
 import msgspec
 import torch
@@ -210,7 +211,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None,
     if gpu_ids is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
         kwargs["num_gpus"] = len(gpu_ids)
-    with _ray_defaults(local=True), _environ(env):
+    with _ray_defaults(local=True), mock.patch.dict(os.environ, env):  # the processes Ray starts inherit it
         ray.init(address="local", **kwargs)
     return True
 
@@ -219,38 +220,16 @@ LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 """Taken along by the processes of a local Ray: each binds the loopback (Ray's single-machine mode)."""
 
 
-@contextlib.contextmanager
-def _ray_defaults(*, local: bool) -> Iterator[None]:
+def _ray_defaults(*, local: bool) -> contextlib.AbstractContextManager[Any]:
     """Ray's module constants as `connect` wants them for one `ray.init` (Ray read them from the
     environment when it was imported): uv hook off unless the user set it; a local node on the
     loopback."""
     from ray._private import ray_constants
 
-    values = {} if "RAY_ENABLE_UV_RUN_RUNTIME_ENV" in os.environ else {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": False}
+    values: dict[str, Any] = {} if "RAY_ENABLE_UV_RUN_RUNTIME_ENV" in os.environ else {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": False}
     if local:
         values["ENABLE_RAY_CLUSTER"] = False
-    saved = {name: getattr(ray_constants, name) for name in values}
-    for name, value in values.items():
-        setattr(ray_constants, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(ray_constants, name, value)
-
-
-@contextlib.contextmanager
-def _environ(values: Mapping[str, str]) -> Iterator[None]:
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return mock.patch.multiple(ray_constants, **values) if values else contextlib.nullcontext()
 
 
 def ship_module(module: ModuleType) -> None:
