@@ -1,7 +1,7 @@
 """Test sessions: one per package, each in its own environment holding only that package and
 its declared dependencies (so an undeclared import fails), plus lint and opt-in marker sessions.
 
-    uv run nox                 # lint + every package's tests (what CI runs)
+    uv run nox                 # CI: every session below except the opt-in ones, two at a time
     uv run nox -s lint         # ruff + mypy (see `lint` for how the apps are type-checked)
     uv run nox -s "tests(rl-core)"
     uv run nox -s gpu          # opt-in: tests marked gpu (needs CUDA)
@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import configparser
 import email.parser
+import os
 import re
+import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 import tomllib
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nox
@@ -32,8 +36,7 @@ from packaging.utils import canonicalize_name
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "tests", "rewards_no_torch", "third_party", "coinstall_resolve", "app",
-                        "packaging", "docs"]
+nox.options.sessions = ["ci"]  # `uv run nox`: every session of CI_SESSIONS, CI_JOBS at a time (see `ci`)
 
 # package -> extras its tests need (never vllm: it needs a GPU and is opt-in).
 PACKAGES: dict[str, list[str]] = {
@@ -48,6 +51,20 @@ DEFAULT_MARKERS = "not gpu and not slow and not vllm"
 # Every app: a folder of apps/ with a __main__.py (and its own pyproject.toml, a workspace member).
 # A new recipe is found here and by the root workspace (`members = ["apps/*"]`) without edits.
 APPS = sorted(p.parent.name for p in Path(__file__).resolve().parent.glob("apps/*/__main__.py"))
+
+
+# What `uv run nox` (CI) runs, each session in its own environment; `ci` starts the longest first
+# (minutes each took alone on the 2-core dev machine; a new one counts 5) so its queues end together.
+CI_MINUTES = {"docs": 19, "app(diffusion-grpo)": 9, "app(caption-rl)": 8, "tests(rl-rewards)": 6,
+              "app(rider-grm)": 6, "tests(rl-rollout)": 5, "tests(rl-core)": 4, "rewards_no_torch": 3,
+              "lint": 2, "tests(rl-models)": 2, "tests(rl-policy)": 2, "third_party": 2, "app(arith-grpo)": 2,
+              "packaging": 2, "tests(rl-data)": 0.3, "coinstall_resolve": 0.2}
+CI_SESSIONS = sorted(["lint", *(f"tests({p})" for p in PACKAGES), "rewards_no_torch", "third_party",
+                      "coinstall_resolve", *(f"app({app})" for app in APPS), "packaging", "docs"],
+                     key=lambda name: -CI_MINUTES.get(name, 5))
+# Sessions run side by side by `ci`: one session keeps about one core busy (its tests wait on
+# subprocesses, servers and Ray), so two fill a 2-core machine.
+CI_JOBS = int(os.environ.get("CI_JOBS", "2"))
 
 
 def _sync(session: nox.Session, package: str, extras: list[str]) -> None:
@@ -77,6 +94,44 @@ def _pytest(session: nox.Session, package: str, markers: str, *args: str, requir
 # environment of `rewards_no_torch` (what `pip install rl-rewards` gives); `tests(rl-rewards)` runs
 # the rest, with the extras installed.
 NO_TORCH_MARKERS = f"no_torch and {DEFAULT_MARKERS}"
+
+
+@nox.session(venv_backend="none")
+def ci(session: nox.Session) -> None:
+    """What CI runs (`uv run nox`): every session of CI_SESSIONS, each as its own `nox -s NAME`
+    process, CI_JOBS at a time (env `CI_JOBS`, default 2). A session's output is printed whole
+    when it ends (a line says when each starts), then a table of every session's result and time;
+    fails if any session failed. `uv run nox -s NAME` runs one session alone, as before."""
+    names = CI_SESSIONS
+    logs = Path(".nox") / "ci-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    lock = threading.Lock()
+    results: dict[str, tuple[int, float]] = {}
+
+    def run(name: str) -> None:
+        log = logs / (re.sub(r"[^\w.-]+", "_", name) + ".log")
+        with lock:
+            print(f"ci > {name}: started", flush=True)
+        start = time.monotonic()
+        with log.open("wb") as out:
+            code = subprocess.run([sys.executable, "-m", "nox", "--no-color", "-s", name],
+                                  stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+        seconds = time.monotonic() - start
+        with lock:
+            results[name] = (code, seconds)
+            sys.stdout.write(log.read_text(errors="replace"))
+            print(f"ci > {name}: {'passed' if code == 0 else f'FAILED (exit {code})'} in {seconds:.0f} s "
+                  f"({len(results)} of {len(names)} sessions done)", flush=True)
+
+    with ThreadPoolExecutor(max_workers=max(1, CI_JOBS)) as pool:
+        list(pool.map(run, names))
+    width = max(map(len, names))
+    for name in names:
+        code, seconds = results[name]
+        print(f"ci > {name:<{width}}  {'passed' if code == 0 else 'FAILED':<6}  {seconds:6.0f} s")
+    failed = [name for name in names if results[name][0] != 0]
+    if failed:
+        session.error(f"{len(failed)} of {len(names)} sessions failed: {', '.join(failed)}")
 
 
 @nox.session
