@@ -81,6 +81,7 @@ def test_a_registry_typo_is_one_line_and_exit_2(tmp_path: Path) -> None:
         "mean: train.seed, train.run_name, train.lr?"]
     helped = run_cli(APP, "--help", cwd=REPO)
     assert helped.returncode == 0 and "algo.loss" in helped.stdout and "arith-grpo: error" not in helped.stderr
+    assert max(map(len, helped.stdout.splitlines())) < 100 and "\n[algo]\n" in helped.stdout  # wrapped, grouped
     assert not done.imported_torch and not unknown.imported_torch and not helped.imported_torch
 
 

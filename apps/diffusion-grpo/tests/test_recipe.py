@@ -226,6 +226,7 @@ def test_help_and_config_errors_answer_before_torch_is_imported(argv: list[str],
     assert not done.imported_torch
     if line is None:
         assert done.returncode == 0 and "algo.kl_coef" in done.stdout and "VRL_OUTPUT_DIR" in done.stdout
+        assert max(map(len, done.stdout.splitlines())) < 100  # wrapped: off a terminal, to 100 columns
     else:
         assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and re.match(line, done.stderr), done.stderr
 

@@ -76,8 +76,8 @@ def test_help_and_config_errors_import_no_torch(tmp_path: Path, argv: list[str],
     assert (done.returncode, done.stderr) == (code, stderr)
     assert done.stdout.splitlines()[-1] == "torch imported: False"
     if argv == ["--help"]:
-        assert re.search(r'algo\.loss +str \(one of: cispo, dual_clip, gspo, ppo_clip, sapo\) = "ppo_clip" +the policy '
-                         r"loss +\[env TOY_LOSS\]", done.stdout), done.stdout
+        assert re.search(r'\n  algo\.loss  str \(one of: cispo, dual_clip, gspo, ppo_clip, sapo\) = "ppo_clip"\s+'  # wrapped to the width
+                         r"\[env TOY_LOSS\]\n      the policy loss", done.stdout), done.stdout
 
 
 def test_parse_run_returns_the_config_and_the_resume_value(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -211,21 +211,47 @@ def test_dump_config_writes_none_as_comment() -> None:
 
 
 def test_config_help_lists_every_key_with_type_default_doc_env() -> None:
-    text = config_help(Config, env=ENV, prog="my-app")
+    text = config_help(Config, env=ENV, prog="my-app", width=100)
     assert text.startswith("usage: my-app [--config FILE] [--resume [PATH]] [key=value ...]")
-    lines = {line.split()[0]: line for line in text.split("keys:\n", 1)[1].splitlines()}
+    keys = text.split("keys:\n", 1)[1]
+    lines = {line.split()[0]: line for line in keys.splitlines() if line.startswith("  ") and line[2] != " "}
     assert set(lines) == {"name", "steps", "estimator", "bf16", "seed", "tags", "optim.lr",
-                          "weights", "optim.betas", "optim.warmup", "eval.every", "eval.seeds",
+                          "weights", "optim.betas", "optim.warmup", "eval", "eval.every", "eval.seeds",
                           "judges", "judges[i].module", "judges[i].weight"}
-    assert "str = (required)" in lines["judges[i].module"]  # the keys of each [[judges]] table
-    assert "float = 1.0" in lines["judges[i].weight"] and "scales this judge's score" in lines["judges[i].weight"]
-    assert "float > 0 = 1e-05" in lines["optim.lr"]
-    assert "AdamW learning rate  [env TEST_RL_LR]" in lines["optim.lr"]
-    assert "linear warmup steps" in lines["optim.warmup"]  # trailing comment
-    assert "Evaluate every N steps." in lines["eval.every"]  # attribute docstring
-    assert "'grpo' | 'rloo' = \"grpo\"" in lines["estimator"]
-    assert "int | None = 0" in lines["seed"]
-    assert "list[float] = [0.9, 0.999]" in lines["optim.betas"]
+    assert lines["judges[i].module"] == "  judges[i].module  str = (required)"  # the keys of each [[judges]] table
+    assert lines["judges[i].weight"] == "  judges[i].weight  float = 1.0"
+    assert lines["optim.lr"] == "  optim.lr  float > 0 = 1e-05  [env TEST_RL_LR]"
+    assert lines["estimator"] == "  estimator  'grpo' | 'rloo' = \"grpo\""
+    assert lines["seed"] == "  seed  int | None = 0" and lines["optim.betas"] == "  optim.betas  list[float] = [0.9, 0.999]"
+    # grouped by table, each key's doc on the lines below it; an optional table says so, and its
+    # keys are required only when it is given
+    assert "\n[optim]\n  optim.lr  float > 0 = 1e-05  [env TEST_RL_LR]\n      AdamW learning rate\n" in keys
+    assert "  optim.warmup  int = 0  [env TEST_RL_WARMUP]\n      linear warmup steps\n" in keys  # trailing comment
+    assert "\n[eval]  (optional)\n  eval.every  int = 10\n      Evaluate every N steps.\n" in keys  # docstring
+    assert "  eval  EvalConfig | None = null\n" in keys  # the optional table's own key, with the top-level keys
+    assert "\n[[judges]]  (each entry of the list)\n  judges[i].module  str = (required)\n" in keys
+    assert "  judges[i].weight  float = 1.0\n      scales this judge's score\n" in keys
+    assert keys.index("  judges  ") < keys.index("[optim]")  # top-level keys first, then the tables
+
+
+class Optional_(msgspec.Struct, kw_only=True, frozen=True):
+    spec: str | JudgeConfig | None = None
+    """A registered spec's name, or the table."""
+
+
+def test_config_help_wraps_to_the_width_and_marks_the_keys_of_an_optional_table() -> None:
+    long_doc = "word " * 60
+    Wide = msgspec.defstruct("Wide", [("choice", Annotated[Literal[tuple(f"option_{i}" for i in range(20))],
+                                                           msgspec.Meta(description=long_doc)], "option_0"),
+                                      ("judge", Optional_, msgspec.field(default_factory=Optional_))],
+                             kw_only=True, frozen=True)
+    for width in (60, 80, 120):
+        text = config_help(Wide, width=width)
+        assert max(map(len, text.splitlines())) <= width
+        assert text.count("word") == 60 and text.count("option_19") == 1
+    text = config_help(Wide, width=80)
+    assert "\n[judge.spec]  (optional)\n  judge.spec.module  str = (required in the table)\n" in text
+    assert "\n  judge.spec  str | JudgeConfig | None = null\n      A registered spec's name, or the table.\n" in text
 
 
 class RenamedConfig(AppConfig, kw_only=True, frozen=True):

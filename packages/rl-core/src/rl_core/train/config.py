@@ -31,6 +31,7 @@ import json
 import math
 import os
 import re
+import shutil
 import textwrap
 import tokenize
 import tomllib
@@ -524,32 +525,59 @@ def _own_field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _help_rows(cls: type[msgspec.Struct], prefix: str = "", values: Any = None) -> list[tuple[str, str, str]]:
+class _HelpRow(msgspec.Struct, frozen=True):
+    table: str  # the key's table: "" (top level), "model", "reward.spec", "reward.judges[i]"
+    key: str
+    typed: str  # "int >= 1 = 8": the type, its range and the default
+    doc: str
+
+
+def _default_text(info: msgspec.structs.FieldInfo, value: Any, has_values: bool, optional: bool) -> str:
+    if has_values:
+        return _toml_value(msgspec.to_builtins(value)) if value is not None else "null"
+    if info.default is not msgspec.NODEFAULT:
+        return _toml_value(info.default) if info.default is not None else "null"
+    if info.default_factory is not msgspec.NODEFAULT:
+        return _toml_value(msgspec.to_builtins(info.default_factory()))
+    return "(required in the table)" if optional else "(required)"
+
+
+def _help_rows(cls: type[msgspec.Struct], prefix: str = "", values: Any = None,
+               optional: bool = False) -> tuple[list[_HelpRow], dict[str, str]]:
+    """Every leaf key of `cls` as a row, and the tables met on the way -> their heading note
+    (`optional`: a table the config may leave out; its keys marked required are required only
+    when the table is given)."""
     docs = _field_docs(cls)
-    rows = []
+    table = prefix[:-1]
+    rows: list[_HelpRow] = []
+    tables: dict[str, str] = {}
     for info in msgspec.structs.fields(cls):
         key = prefix + info.encode_name
         sub = _struct_of(info.type)
         value = getattr(values, info.name) if values is not None else None
-        if sub is not None:
-            rows += _help_rows(sub, key + ".", value)
-            continue
-        if values is not None:
-            default = _toml_value(msgspec.to_builtins(value)) if value is not None else "null"
-        elif info.default is not msgspec.NODEFAULT:
-            default = _toml_value(info.default) if info.default is not None else "null"
-        elif info.default_factory is not msgspec.NODEFAULT:
-            default = _toml_value(msgspec.to_builtins(info.default_factory()))
-        else:
-            default = "(required)"
         described = [m.description for m in _unwrap(info.type)[1]
                      if isinstance(m, msgspec.Meta) and m.description]
-        rows.append((key, f"{_type_name(info.type)} = {default}",
-                     described[0] if described else docs.get(info.name, "")))
+        doc = described[0] if described else docs.get(info.name, "")
+        if sub is not None:
+            leaf_too = len(_members(info.type)) > 1  # `S | None`, `str | S | None`: the key itself is set too
+            if leaf_too:
+                rows.append(_HelpRow(table, key, f"{_type_name(info.type)} = "
+                                     f"{_default_text(info, value, values is not None, optional)}", doc))
+            sub_optional = optional or (leaf_too and value is None and info.default is None)
+            tables[key] = "optional" if sub_optional else ""
+            sub_rows, sub_tables = _help_rows(sub, key + ".", value, sub_optional)
+            rows += sub_rows
+            tables |= sub_tables
+            continue
+        rows.append(_HelpRow(table, key, f"{_type_name(info.type)} = "
+                             f"{_default_text(info, value, values is not None, optional)}", doc))
         item = _list_item_struct(info.type)
         if item is not None:  # a list of tables (`[[reward.judges]]`): the keys each entry takes
-            rows += _help_rows(item, key + "[i].")
-    return rows
+            tables[key + "[i]"] = "each entry"
+            sub_rows, sub_tables = _help_rows(item, key + "[i].")
+            rows += sub_rows
+            tables |= sub_tables
+    return rows, tables
 
 
 def _list_item_struct(tp: Any) -> type[msgspec.Struct] | None:
@@ -560,33 +588,51 @@ def _list_item_struct(tp: Any) -> type[msgspec.Struct] | None:
     return None
 
 
+_HELP_OPTIONS = [
+    ("--config FILE", "TOML (.toml) or YAML (.yaml) file setting any key below"),
+    ("--resume [PATH]", "resume from a checkpoint or run directory (default: the latest run)"),
+    ("key=value", "set one key; precedence: defaults < --config < env < key=value"),
+    ("--debug", "show the full traceback of a user error"),
+]
+
+
 def config_help(cls: type[msgspec.Struct], *, env: Mapping[str, str] | None = None,
-                prog: str = "app", defaults: msgspec.Struct | None = None, defaults_from: str = "") -> str:
-    """`--help` text: usage, then every dotted key with its type and range, default, doc and
-    env var.
+                prog: str = "app", defaults: msgspec.Struct | None = None, defaults_from: str = "",
+                width: int | None = None) -> str:
+    """`--help` text: usage, then every dotted key grouped by its table (`[model]`, `[[reward.judges]]`
+    for the keys of each list entry; a table the config may leave out says so), each with its type
+    and range, default and env var on one line and its doc wrapped below it.
 
     Docs come from `msgspec.Meta(description=...)`, else the field's attribute docstring,
     else its trailing `# comment`. `defaults` (an instance, e.g. the app's embedded default
     config) shows the values a bare run uses instead of the class defaults; `defaults_from`
     says where they come from. An `AppConfig`'s `RENAMED` keys close the list, old -> new.
+    `width`: the line length to wrap to (default: the terminal's, 100 off a terminal).
     """
+    width = max(60, width or shutil.get_terminal_size((100, 24)).columns - 1)
     env_of = {dotted: var for var, dotted in (env or {}).items()}
-    rows = _help_rows(cls, values=defaults)
-    key_w = max((len(r[0]) for r in rows), default=0)
-    type_w = max((len(r[1]) for r in rows), default=0)
-    lines = [
-        f"usage: {prog} [--config FILE] [--resume [PATH]] [key=value ...]",
-        "",
-        "  --config FILE    TOML (.toml) or YAML (.yaml) file setting any key below",
-        "  --resume [PATH]  resume from a checkpoint or run directory (default: the latest run)",
-        "  key=value        set one key; precedence: defaults < --config < env < key=value",
-        "  --debug          show the full traceback of a user error",
-        "",
-        f"keys (defaults: {defaults_from}):" if defaults_from else "keys:",
-    ]
-    for key, typed, doc in rows:
-        note = f"  [env {env_of[key]}]" if key in env_of else ""
-        lines.append(f"  {key:<{key_w}}  {typed:<{type_w}}  {doc}{note}".rstrip())
+    rows, tables = _help_rows(cls, values=defaults)
+
+    def wrap(text: str, indent: int) -> list[str]:  # continued lines at the doc's indent (6)
+        return textwrap.wrap(text, width, initial_indent=" " * indent, subsequent_indent=" " * 6,
+                             break_long_words=False, break_on_hyphens=False)
+
+    lines = [f"usage: {prog} [--config FILE] [--resume [PATH]] [key=value ...]", ""]
+    for option, text in _HELP_OPTIONS:
+        lines += textwrap.wrap(f"  {option:<15}  {text}", width, subsequent_indent=" " * 19)
+    lines += ["", f"keys (defaults: {defaults_from}):" if defaults_from else "keys:"]
+    for table in dict.fromkeys(row.table for row in rows):  # tables in the order their first key comes
+        grouped = [row for row in rows if row.table == table]
+        if table:
+            note = tables.get(table, "")
+            heading = f"[[{table.removesuffix('[i]')}]]" if table.endswith("[i]") else f"[{table}]"
+            lines += ["", heading + (f"  ({note})" if note and not table.endswith("[i]") else
+                                     "  (each entry of the list)" if table.endswith("[i]") else "")]
+        for row in grouped:
+            env_note = f"  [env {env_of[row.key]}]" if row.key in env_of else ""
+            lines += wrap(f"{row.key}  {row.typed}{env_note}", 2)
+            if row.doc:
+                lines += wrap(row.doc, 6)
     renamed = _renames(cls)
     if renamed:
         old_w = max(len(old) for old in renamed)
