@@ -60,11 +60,14 @@ def test_one_run_logs_the_table_names_and_pinned_numbers(tmp_path: Path) -> None
     assert float(table[0]["reward/answer.has_number"]) >= 0 and float(table[0]["replay/engine_diff_mean"]) < 1e-4
 
 
-def test_the_embedded_default_learns_to_answer_with_a_number(tmp_path: Path) -> None:
+def test_the_embedded_default_learns_to_answer_with_a_number(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The default (12 steps, lr 3e-2): the answers turn into numbers (the 0.1 format bonus), as a
-    random tiny policy can learn; exact sums are beyond it."""
-    rewards = [float(r["reward/mean"]) for r in metric_rows(app.main([f"train.output_dir={tmp_path}"]))]
+    random tiny policy can learn; exact sums are beyond it. The summary lists what the run wrote."""
+    run = app.main([f"train.output_dir={tmp_path}"])
+    rewards = [float(r["reward/mean"]) for r in metric_rows(run)]
     assert sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3 > 0.04, rewards
+    listed = [line.split()[-1] for line in capsys.readouterr().out.splitlines() if str(run) in line]
+    assert listed and all(Path(path).exists() for path in listed) and not any(p.endswith("samples") for p in listed)
 
 
 def test_a_registry_typo_is_one_line_and_exit_2(tmp_path: Path) -> None:

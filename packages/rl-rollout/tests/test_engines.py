@@ -28,15 +28,25 @@ def test_one_builder_for_every_kind_from_a_checkpoint() -> None:
             load_engine("vllm", str(tiny.build("qwen3")), key="judge.engine")
 
 
-def test_a_judge_engine_with_several_training_processes_is_hf_and_vllm_is_refused() -> None:
-    """A vLLM judge's engine core starts on GPU 0 whatever the rank: with 2 processes `auto` is hf
-    (saying why) and `vllm` is refused naming the key, on any machine."""
+@pytest.mark.parametrize("cuda", [True, False])
+def test_a_judge_engine_with_several_training_processes_is_hf_and_vllm_is_refused(
+        monkeypatch: pytest.MonkeyPatch, cuda: bool) -> None:
+    """A vLLM judge's engine core starts on GPU 0 whatever the rank: with 2 processes on a CUDA
+    machine `auto` is hf (saying why) and `vllm` is refused naming the key; without CUDA the
+    reason given is that one."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)  # the machine's answer, both ways
     key = "reward.judge_engine"
-    assert resolve_judge_engine("auto", key=key, world_size=2) == (
-        "hf", "hf (auto: 2 training processes, a vLLM judge serves one)")
     assert resolve_judge_engine("hf", key=key, world_size=2) == ("hf", "hf (as configured)")
-    with pytest.raises(UserError, match=r'^reward\.judge_engine = "vllm" serves one training process and this run has 2'):
-        resolve_judge_engine("vllm", key=key, world_size=2)
+    if cuda:
+        assert resolve_judge_engine("auto", key=key, world_size=2) == (
+            "hf", "hf (auto: 2 training processes, a vLLM judge serves one)")
+        with pytest.raises(UserError, match=r'^reward\.judge_engine = "vllm" serves one training process and this '
+                                            r"run has 2"):
+            resolve_judge_engine("vllm", key=key, world_size=2)
+    else:
+        assert resolve_judge_engine("auto", key=key, world_size=2) == ("hf", "hf (auto: no CUDA device, vLLM needs one)")
+        with pytest.raises(UserError, match=r'^reward\.judge_engine = "vllm" needs a CUDA GPU'):
+            resolve_judge_engine("vllm", key=key, world_size=2)
 
 
 @pytest.mark.parametrize("kind", ["sd3", "janus"])

@@ -69,6 +69,25 @@ def test_resume_continues_bit_for_bit(tmp_path: Path) -> None:
                                    keys=("reward/mean", "loss/policy", "grad_norm", "adv/std"))
 
 
+def test_a_resumed_runs_summary_covers_the_whole_run_and_lists_only_what_it_wrote(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def summary(out: str) -> list[str]:
+        return out[out.index("bandit finished"):].splitlines()
+
+    whole = go(tmp_path, "whole")
+    uninterrupted = summary(capsys.readouterr().out)
+    part = go(tmp_path, "part", "train.max_steps=2")
+    capsys.readouterr()
+    go(tmp_path, "part", resume=str(part))
+    resumed = summary(capsys.readouterr().out)
+    assert resumed[0].startswith("bandit finished: 3 steps (1 run now, 0 skipped)")
+    reward_lines = [line for line in uninterrupted if line.startswith(("  train reward", "  failed rewards"))]
+    assert len(reward_lines) == 2 and all(line in resumed for line in reward_lines)  # first reward: step 1's
+    assert "first 0.1875 (step 1)" in reward_lines[0]
+    listed = [line.split()[-1] for line in uninterrupted if str(whole) in line]
+    assert len(listed) >= 5 and all(Path(path).exists() for path in listed)  # what the run wrote, and nothing else
+
+
 def test_resume_of_another_run_name_and_a_missing_path_are_user_errors(tmp_path: Path) -> None:
     first = go(tmp_path, "a", "train.max_steps=1")
     with pytest.raises(UserError, match=r"--resume continues run 'a', but train.run_name='b' names another run"):

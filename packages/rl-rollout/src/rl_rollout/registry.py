@@ -55,12 +55,16 @@ def resolve_engine(kind: str, *, key: str = "engine") -> tuple[str, str]:
 def resolve_judge_engine(kind: str, *, key: str, world_size: int = 1) -> tuple[str, str]:
     """`(engine, why)` for a judge's engine (`resolve_engine`), in a run of `world_size`
     training processes: a vLLM judge serves one process (its engine core, a process of its own,
-    would start on GPU 0 for every rank), so with several `auto` is `hf` and `vllm` is refused."""
-    if world_size > 1 and kind == "vllm":
-        raise UserError(f'{key} = "vllm" serves one training process and this run has {world_size}: each would '
-                        f'start its judge on GPU 0; use {key} = "hf" (or "auto"), or a reward server')
-    if world_size > 1 and kind == "auto":
-        return "hf", f"hf (auto: {world_size} training processes, a vLLM judge serves one)"
+    would start on GPU 0 for every rank), so with several on a CUDA machine `auto` is `hf` and `vllm`
+    is refused (without CUDA the reason given is that one)."""
+    import torch
+
+    if world_size > 1 and torch.cuda.is_available():
+        if kind == "vllm":
+            raise UserError(f'{key} = "vllm" serves one training process and this run has {world_size}: each would '
+                            f'start its judge on GPU 0; use {key} = "hf" (or "auto"), or a reward server')
+        if kind == "auto":
+            return "hf", f"hf (auto: {world_size} training processes, a vLLM judge serves one)"
     return resolve_engine(kind, key=key)
 
 

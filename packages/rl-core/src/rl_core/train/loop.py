@@ -226,6 +226,11 @@ class _Record:
             self.trained += not metrics["skipped"]
             if metrics["skipped"]:
                 self.reasons.append(f"step {step}: {metrics.get('error', '')}")
+        self.add_outcomes(step, metrics)
+
+    def add_outcomes(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Rewards, failures and staleness of one step; a resumed run adds those of the steps
+        before its checkpoint (metrics.csv's rows), so the summary covers the whole run."""
         # a caption that sampled a vision placeholder gets a NaN reward, counted in reward/failed,
         # but it is the policy's sample, not the reward, that failed: the summary names it apart
         failed, placeholders = float(metrics.get("reward/failed", 0.0)), metrics.get("response/placeholder_rows")
@@ -234,7 +239,7 @@ class _Record:
             failed = max(failed - float(placeholders), 0.0)  # dynamic sampling: round 1's count, not the kept rows'
         self.failed += failed
         if "rollout/staleness" in metrics:
-            age = int(metrics["rollout/staleness"])
+            age = int(float(metrics["rollout/staleness"]))
             self.staleness[age] = self.staleness.get(age, 0) + 1
         for key, out in (("reward/mean", self.rewards), ("eval/reward/mean", self.evals)):
             value = metrics.get(key)
@@ -249,6 +254,8 @@ class _Loop(Generic[C, S, B]):
         self.acc, self.timer, self.fields = run.accelerator, run.timer, run_fields(cfg)
         self.logger = MetricsLogger(run.run_dir, accelerator=self.acc, start_step=run.start_step)
         self.record = _Record()
+        for row in self.logger.earlier:  # a resumed run: the steps before its checkpoint
+            self.record.add_outcomes(int(row["step"]), {k: v for k, v in row.items() if v not in ("", None)})
         self.compiles = CompileWatch()  # from here: a compile in the recipe's setup counts in step 1 too
         # the rollouts a resumed asynchronous run had in flight: the rollout thread hands them out
         # first, or (resumed with train.max_staleness=0) the loop does
@@ -483,5 +490,6 @@ class _Loop(Generic[C, S, B]):
         for label, where in {"run directory": str(d), "metrics": str(d / "metrics.csv"),
                              "reward curve": str(d / "reward_curve.png"), "samples": str(d / "samples"),
                              "checkpoints": str(d / "checkpoints"), **outputs}.items():
-            lines.append(f"  {label:<16}{where}")
+            if Path(where).exists():  # only what the run wrote (a recipe that logs no samples has no folder)
+                lines.append(f"  {label:<16}{where}")
         self.acc.print("\n".join(lines))

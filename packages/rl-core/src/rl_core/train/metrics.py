@@ -61,11 +61,13 @@ class MetricsLogger:
         self.accelerator = accelerator
         self.main = accelerator is None or accelerator.is_main_process
         self.columns = ["step"]
+        self.earlier: list[dict[str, str]] = []  # resumed, main process: the rows kept, as read
         if self.main and self.path.exists():
             columns, rows = self._read()
             self.columns = columns or self.columns
             if start_step is not None:
-                self._rewrite([r for r in rows if int(r["step"]) <= start_step])
+                self.earlier = [r for r in rows if int(r["step"]) <= start_step]
+                self._rewrite(self.earlier)
 
     def _read(self) -> tuple[list[str], list[dict[str, str]]]:
         with self.path.open(newline="", encoding="utf-8") as f:
