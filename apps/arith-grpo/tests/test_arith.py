@@ -67,7 +67,7 @@ def test_the_embedded_default_learns_to_answer_with_a_number(tmp_path: Path, cap
     rewards = [float(r["reward/mean"]) for r in metric_rows(run)]
     assert sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3 > 0.04, rewards
     listed = [line.split()[-1] for line in capsys.readouterr().out.splitlines() if str(run) in line]
-    assert listed and all(Path(path).exists() for path in listed) and not any(p.endswith("samples") for p in listed)
+    assert len(listed) >= 5 and all(Path(path).exists() for path in listed)
 
 
 def test_a_registry_typo_is_one_line_and_exit_2(tmp_path: Path) -> None:
