@@ -3,6 +3,8 @@ numbers, learning, and the one-line errors."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,27 @@ def test_asynchronous_two_processes_equal_one(tmp_path: Path) -> None:
     assert [r["rollout/staleness"] for r in table] == ["0.0", "1.0"]
     assert float(table[1]["replay/engine_diff_mean"]) > 1e-3  # trained on since: the trainer moved off the engine
     assert float(table[1]["policy/is_ratio_mean"]) != 1.0  # the correction weighs the stale tokens
+
+
+def test_the_console_shows_the_runs_own_lines_and_the_libraries_go_to_a_file(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    """As a user runs it, output piped: the engine pick, a line per step and the summary; the
+    libraries' messages and progress bars ("Loading weights", accelerate's shared-tensor notice)
+    are in third_party.log, counted in the summary. `--verbose` prints them as before."""
+    done = subprocess.run([sys.executable, str(APP), *SMALL, f"train.output_dir={tmp_path / 'quiet'}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[:3] == ["rollout.engine: hf (auto: no CUDA device, vLLM needs one)", *lines[1:3]]
+    assert [line.split()[:2] for line in lines[1:3]] == [["step", "1/2"], ["step", "2/2"]] and lines[3] == ""
+    [said] = [line for line in lines if line.startswith("  libraries said")]
+    log = next((tmp_path / "quiet").glob("run-*/third_party.log"))
+    assert said == f"  libraries said  1 message in {log} (--verbose prints them)"
+    assert "Removed shared tensor" in log.read_text()
+    capfd.readouterr()
+    run = app.main([*SMALL, "train.max_steps=1", f"train.output_dir={tmp_path / 'verbose'}", "--verbose"])
+    assert "Loading weights" in capfd.readouterr().err and not (run / "third_party.log").exists()
+    assert "Removed shared tensor" in caplog.text  # logged as the library logs it (pytest's handler here)
 
 
 # one process, SMALL, seed 0 (pinned on the 2-core CPU)

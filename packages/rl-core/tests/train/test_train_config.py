@@ -310,6 +310,7 @@ def test_a_rename_table_that_keeps_the_old_key_or_names_no_key_is_a_bug(renamed:
     (["--resume", "runs/x/checkpoints/checkpoint-3", "-h"],
      CliArgs(resume="runs/x/checkpoints/checkpoint-3", help=True)),
     (["--resume=ck", "--help"], CliArgs(resume="ck", help=True)),
+    (["a=1", "--verbose"], CliArgs(overrides=("a=1", "train.verbose=true"))),
 ])
 def test_parse_cli(argv: list[str], expected: CliArgs) -> None:
     assert parse_cli(argv) == expected

@@ -450,7 +450,7 @@ class CliArgs(msgspec.Struct, frozen=True, kw_only=True):
     overrides: tuple[str, ...] = ()
 
 
-_OPTIONS = "--config FILE, --resume [PATH], --help and key=value overrides"
+_OPTIONS = "--config FILE, --resume [PATH], --verbose, --help and key=value overrides"
 
 
 def parse_cli(argv: Sequence[str]) -> CliArgs:
@@ -472,6 +472,8 @@ def parse_cli(argv: Sequence[str]) -> CliArgs:
         takes_next = following is not None and not following.startswith("-") and "=" not in following
         if token in ("-h", "--help"):
             show_help = True
+        elif token == "--verbose":
+            overrides.append("train.verbose=true")
         elif flag == "--config":
             if not (eq or takes_next):
                 raise ConfigError("--config needs a file: --config FILE")
@@ -592,6 +594,7 @@ _HELP_OPTIONS = [
     ("--config FILE", "TOML (.toml) or YAML (.yaml) file setting any key below"),
     ("--resume [PATH]", "resume from a checkpoint or run directory (default: the latest run)"),
     ("key=value", "set one key; precedence: defaults < --config < env < key=value"),
+    ("--verbose", "print the libraries' warnings and progress bars (train.verbose=true)"),
     ("--debug", "show the full traceback of a user error"),
 ]
 

@@ -95,6 +95,9 @@ class RunFields(ShardingFields, kw_only=True, frozen=True):
     max_nonfinite_steps: Positive = 3
     """Consecutive optimizer steps with a non-finite loss or gradient (each skipped, weights
     untouched) after which the run stops with an error."""
+    verbose: bool = False
+    """Print the libraries' own warnings, notices and progress bars as they come (`--verbose`);
+    by default they go to the run directory's third_party.log, counted in the summary."""
 
 
 def run_fields(cfg: msgspec.Struct) -> RunFields:

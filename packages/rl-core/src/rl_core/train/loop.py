@@ -47,6 +47,7 @@ from rl_core.errors import UserError
 from rl_core.train.app import parse_run
 from rl_core.train.checkpoint import load_checkpoint, save_checkpoint
 from rl_core.train.config import ConfigError, flat_config
+from rl_core.train.console import ThirdPartyLog, third_party_output
 from rl_core.train.dynamic_sampling import GroupFilter, merge_scores
 from rl_core.train.groups import component_means, group_advantages
 from rl_core.train.metrics import CompileWatch, MetricsLogger, PhaseTimer
@@ -108,21 +109,24 @@ def train(recipe: Recipe[C, S, B], cfg: C, resume: str | None = None) -> Path:
         pending.load(ckpt / PIPELINE)
     context = RunContext(acc, run_dir, start, PhaseTimer(), SampleLog(run_dir, main=acc.is_main_process, start_step=start),
                          NonFiniteGuard(t.max_nonfinite_steps), stale_start=bool(pending.items))
-    state = recipe.setup(cfg, context)
-    try:
-        policy = recipe.policy(state)
-        context.guard.after_step(policy.stepped)  # every optimizer step taken, whichever hook takes it
-        if ckpt is not None:
-            spec = recipe.checkpoint(state)
-            load_checkpoint(ckpt, state={**spec.state, POLICY: policy}, accelerator=acc if spec.accelerator else None)
-            acc.print(f"resumed from {ckpt} at step {start}")
-        policy.start()
-        recipe.start(state)
-        _trackers(acc, t.log_with, run_dir, recipe.name, cfg)
-        point_latest(run_dir, acc)  # only a run that started: a failed start leaves `latest` alone
-        return _Loop(recipe, state, policy, context, recipe.schedule(state), cfg, pending.items).fit()
-    finally:
-        recipe.close(state)
+    with third_party_output(run_dir, verbose=t.verbose, rank=acc.process_index) as notes:
+        state = recipe.setup(cfg, context)
+        try:
+            policy = recipe.policy(state)
+            context.guard.after_step(policy.stepped)  # every optimizer step taken, whichever hook takes it
+            if ckpt is not None:
+                spec = recipe.checkpoint(state)
+                load_checkpoint(ckpt, state={**spec.state, POLICY: policy}, accelerator=acc if spec.accelerator else None)
+                acc.print(f"resumed from {ckpt} at step {start}")
+            policy.start()
+            recipe.start(state)
+            _trackers(acc, t.log_with, run_dir, recipe.name, cfg)
+            point_latest(run_dir, acc)  # only a run that started: a failed start leaves `latest` alone
+            loop = _Loop(recipe, state, policy, context, recipe.schedule(state), cfg, pending.items)
+            loop.notes = notes
+            return loop.fit()
+        finally:
+            recipe.close(state)
 
 
 PIPELINE = "pipeline"  # the checkpoint folder of an asynchronous run's rollouts in flight
@@ -254,6 +258,7 @@ class _Loop(Generic[C, S, B]):
         self.acc, self.timer, self.fields = run.accelerator, run.timer, run_fields(cfg)
         self.logger = MetricsLogger(run.run_dir, accelerator=self.acc, start_step=run.start_step)
         self.record = _Record()
+        self.notes: ThirdPartyLog | None = None  # the libraries' messages kept off the console
         for row in self.logger.earlier:  # a resumed run: the steps before its checkpoint
             self.record.add_outcomes(int(row["step"]), {k: v for k, v in row.items() if v not in ("", None)})
         self.compiles = CompileWatch()  # from here: a compile in the recipe's setup counts in step 1 too
@@ -487,6 +492,9 @@ class _Loop(Generic[C, S, B]):
         if r.staleness:
             lines.append(f"  {'staleness':<16}" + ", ".join(f"{age}: {count} step{'s' * (count != 1)}"
                                                                for age, count in sorted(r.staleness.items())))
+        notes = self.notes.summary() if self.notes is not None else None
+        if notes:
+            lines.append(f"  {'libraries said':<16}{notes}")
         for label, where in {"run directory": str(d), "metrics": str(d / "metrics.csv"),
                              "reward curve": str(d / "reward_curve.png"), "samples": str(d / "samples"),
                              "checkpoints": str(d / "checkpoints"), **outputs}.items():
