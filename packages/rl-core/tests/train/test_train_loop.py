@@ -163,12 +163,13 @@ def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path, ca
     torch.testing.assert_close(bandit.weights(tmp_path / "two"), bandit.weights(tmp_path / "one"), atol=1e-7, rtol=0)
 
 
-def test_tensorboard_gets_the_scalars_of_metrics_csv(tmp_path: Path) -> None:
+def test_tensorboard_gets_the_scalars_of_metrics_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`train.log_with=[tensorboard]` (the README's form): Accelerate's tracker writes into the run
     directory, and its event file holds the same scalars as metrics.csv."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = go(tmp_path, "tb", "train.log_with=[tensorboard]")
+    assert f"  tensorboard     {run_dir / 'bandit'}\n" in capsys.readouterr().out  # named in the summary
     [events] = list((run_dir / "bandit").glob("events.out.tfevents.*"))  # run_dir/<app>/: the scalars
     logged = EventAccumulator(str(events.parent)).Reload()
     table = rows(run_dir)
@@ -181,9 +182,17 @@ def test_tensorboard_gets_the_scalars_of_metrics_csv(tmp_path: Path) -> None:
     assert first.splitlines()[0] == "| prompt | answer | reward |" and len(first.splitlines()) == 4
 
 
-def test_a_tracker_that_is_not_installed_or_unknown_is_a_user_error(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match=r"train\.log_with=\['aim'\]: aim is not installed \(pip install aim\)"):
+def test_a_tracker_that_is_not_installed_or_unknown_is_a_user_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused with the config, before any directory, with the command that installs it where the
+    user is: `uv run --with` under uv (which sets UV), `pip install` elsewhere."""
+    monkeypatch.setenv("UV", "/usr/bin/uv")
+    with pytest.raises(UserError, match=r"^train\.log_with=\['aim', 'dvclive'\]: aim, dvclive are not installed; run "
+                                        r"the same command as uv run --with aim --with dvclive \.\.\.$"):
+        go(tmp_path, "aim", "train.log_with=[aim, dvclive]")
+    monkeypatch.delenv("UV")
+    with pytest.raises(UserError, match=r"^train\.log_with=\['aim'\]: aim is not installed; pip install aim$"):
         go(tmp_path, "aim", "train.log_with=[aim]")
+    assert not (tmp_path / "aim").exists()
     with pytest.raises(UserError, match=r"train\.log_with\[0\]: unknown value 'nope'; valid choices: all, aim, "
                                         r"tensorboard, .* \(from override train\.log_with=\[nope\]\)"):
         go(tmp_path, "nope", "train.log_with=[nope]")  # refused with the config, before any run directory

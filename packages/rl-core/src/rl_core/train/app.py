@@ -33,6 +33,7 @@ from rl_core.errors import UserError
 from rl_core.train.config import config_help, load_config, parse_cli
 from rl_core.train.fields import run_fields
 from rl_core.train.rundir import resume_point
+from rl_core.train.trackers import check_trackers
 
 __all__ = ["UserError", "parse_run", "run_app"]
 
@@ -46,7 +47,8 @@ def parse_run(name: str, config: type[C], default_config: Path | None, env: Mapp
     the embedded default a bare run reads) and returns None. Else returns the config (defaults <
     `--config FILE`, or `default_config` without one < `env` (variable -> dotted key) <
     `key=value`; registry names checked) and the `--resume` value, for `rl_core.train.train`. A config error, a missing
-    `--config` file or a `--resume` that finds no checkpoint raises a `UserError`."""
+    `--config` file, a tracker not installed or a `--resume` that finds no checkpoint raises a
+    `UserError`."""
     cli = parse_cli(sys.argv[1:] if argv is None else argv)
     if cli.help:
         print(config_help(config, env=env, prog=name,
@@ -59,6 +61,7 @@ def parse_run(name: str, config: type[C], default_config: Path | None, env: Mapp
         raise UserError(f"--config {path}: no such file")
     cfg = load_config(config, path, cli.overrides, env=env)
     t = run_fields(cfg)
+    check_trackers(t.log_with)
     resume_point(cli.resume, t.output_dir, t.run_name)  # refused now, not after torch and the accelerator
     return cfg, cli.resume
 

@@ -32,6 +32,7 @@ error naming why.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -72,15 +73,10 @@ from rl_core.train.samples import SampleLog
 from rl_core.train.seeding import isolated_rng, seed_everything
 from rl_core.train.sharding import accelerator_kwargs
 from rl_core.train.shutdown import end_training
+from rl_core.train.trackers import tracker_dirs, tracker_init_kwargs
 from rl_core.train.update import NonFiniteGuard, check_finite_parameters
 
 __all__ = ["run", "train"]
-
-# what to install for each of Accelerate's trackers, for the error when one is asked for but missing
-TRACKER_PACKAGES = {"tensorboard": '"rl-core[tensorboard]"', "wandb": '"rl-core[wandb]"', "mlflow": "mlflow",
-                    "trackio": "trackio", "aim": "aim", "comet_ml": "comet-ml", "dvclive": "dvclive",
-                    "swanlab": "swanlab"}
-
 
 def run(recipe: Recipe[C, S, B], argv: Sequence[str] | None = None) -> Path | None:
     """Parse `argv` (`--config FILE`, `--resume [PATH]`, `--help`, `key=value`), load the config
@@ -120,10 +116,10 @@ def train(recipe: Recipe[C, S, B], cfg: C, resume: str | None = None) -> Path:
                 acc.print(f"resumed from {ckpt} at step {start}")
             policy.start()
             recipe.start(state)
-            _trackers(acc, t.log_with, run_dir, recipe.name, cfg)
+            trackers = _trackers(acc, t.log_with, run_dir, recipe.name, cfg)
             point_latest(run_dir, acc)  # only a run that started: a failed start leaves `latest` alone
             loop = _Loop(recipe, state, policy, context, recipe.schedule(state), cfg, pending.items)
-            loop.notes = notes
+            loop.notes, loop.tracker_dirs = notes, trackers
             return loop.fit()
         finally:
             recipe.close(state)
@@ -141,10 +137,11 @@ def _accelerator(sharding: Any, cpu_offload: bool) -> Any:
     return Accelerator(cpu=not torch.cuda.is_available(), **accelerator_kwargs(sharding=sharding, cpu_offload=cpu_offload))
 
 
-def _trackers(acc: Any, names: Sequence[str], run_dir: Path, project: str, cfg: Any) -> None:
-    """Accelerate's trackers logging into the run directory; one not installed is an error."""
+def _trackers(acc: Any, names: Sequence[str], run_dir: Path, project: str, cfg: Any) -> dict[str, str]:
+    """Accelerate's trackers logging into the run directory (checked installed with the config,
+    `check_trackers`); returns where each one writes, for the summary."""
     if not names:
-        return
+        return {}
     from accelerate.tracking import filter_trackers
 
     acc.project_configuration.set_directories(str(run_dir))
@@ -153,11 +150,13 @@ def _trackers(acc: Any, names: Sequence[str], run_dir: Path, project: str, cfg: 
     except ValueError as e:  # an unknown tracker name
         raise UserError(f"train.log_with: {e}") from None
     found = {str(t) for t in acc.log_with}
-    missing = [n for n in names if n not in found]
-    if missing:
-        hint = " ".join(TRACKER_PACKAGES.get(n, n) for n in missing)
-        raise UserError(f"train.log_with={names}: {', '.join(missing)} is not installed (pip install {hint})")
-    acc.init_trackers(project, config=flat_config(cfg))
+    missing = [n for n in names if n not in found and n != "all"]
+    if missing:  # installed but would not import (check_trackers found the package)
+        raise UserError(f"train.log_with={list(names)}: {', '.join(missing)} is installed but Accelerate cannot use it")
+    if "mlflow" in found:  # its store, ./mlruns by default, in the run directory too
+        os.environ.setdefault("MLFLOW_TRACKING_URI", (run_dir / "mlruns").as_uri())
+    acc.init_trackers(project, config=flat_config(cfg), init_kwargs=tracker_init_kwargs(run_dir))
+    return tracker_dirs(found, run_dir, project)
 
 
 def _objectives(scores: Scores) -> dict[str, Any]:
@@ -259,6 +258,7 @@ class _Loop(Generic[C, S, B]):
         self.logger = MetricsLogger(run.run_dir, accelerator=self.acc, start_step=run.start_step)
         self.record = _Record()
         self.notes: ThirdPartyLog | None = None  # the libraries' messages kept off the console
+        self.tracker_dirs: dict[str, str] = {}  # tracker -> where it writes
         for row in self.logger.earlier:  # a resumed run: the steps before its checkpoint
             self.record.add_outcomes(int(row["step"]), {k: v for k, v in row.items() if v not in ("", None)})
         self.compiles = CompileWatch()  # from here: a compile in the recipe's setup counts in step 1 too
@@ -500,4 +500,6 @@ class _Loop(Generic[C, S, B]):
                              "checkpoints": str(d / "checkpoints"), **outputs}.items():
             if Path(where).exists():  # only what the run wrote (a recipe that logs no samples has no folder)
                 lines.append(f"  {label:<16}{where}")
+        for tracker, where in self.tracker_dirs.items():
+            lines.append(f"  {tracker:<16}{where}")
         self.acc.print("\n".join(lines))
