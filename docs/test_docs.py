@@ -99,6 +99,16 @@ def _blocks() -> list[pytest.param]:
     return params
 
 
+def test_the_root_readme_is_short_enough_to_read() -> None:
+    """What it is, the two commands, the apps, the packages, the status in short and where to go
+    next: under 2,000 words and 160 characters a line (details live in docs/ and the packages'
+    READMEs)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    words = len(text.split())
+    long_lines = [n for n, line in enumerate(text.splitlines(), 1) if len(line) > 160]
+    assert words < 2000 and not long_lines, (words, long_lines)
+
+
 def test_every_cont_marker_continues_a_block_that_runs() -> None:
     """A `cont` block is merged into the block before it; after an untagged or `text` fence the
     merged block is not a language this check runs, so the continued code would never run."""

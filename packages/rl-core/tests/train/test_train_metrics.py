@@ -147,13 +147,13 @@ def test_metric_table_covers_a_judges_eval_counters_and_no_other_deep_eval_name(
     assert unknown_metric_names(names) == ["eval/judge/rubric/scored/extra", "eval/reward/qa/extra"]
 
 
-def test_the_root_readme_shows_the_table_of_metric_names() -> None:
-    """The README's table is the one in code, row for row (docs are code)."""
+def test_the_docs_show_the_table_of_metric_names() -> None:
+    """docs/metrics.md's table is the one in code, row for row (docs are code)."""
     from pathlib import Path
 
     from rl_core.train.metric_names import METRIC_NAMES
 
-    readme = (Path(__file__).resolve().parents[4] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[4] / "docs" / "metrics.md").read_text(encoding="utf-8")
     rows = [line for line in readme.splitlines() if line.startswith("| `")]
     shown = {line.split("`")[1]: line.split(" | ", 1)[1].removesuffix(" |") for line in rows if "`" in line}
     assert {k: shown.get(k) for k in METRIC_NAMES} == METRIC_NAMES

@@ -2,7 +2,7 @@
 the trackers and the console, whichever app logged it.
 
 `METRIC_NAMES` maps a name (or a family: `<component>`, `<phase>` stand for one path segment) to
-what it means; the root README shows it. `unknown_metric_names(columns)` returns the columns no
+what it means; docs/metrics.md shows it. `unknown_metric_names(columns)` returns the columns no
 entry covers: each app's tests call it on a real run's metrics.csv, so a new metric is added
 here before an app logs it.
 """
