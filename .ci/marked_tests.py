@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run the tests carrying one marker (`gpu`, `vllm`, `slow`) in every package and app, with this
 Python. `nox -s vllm` runs it in an environment it builds; on a GPU machine that cannot reach a
-package index (vLLM from a wheel set, see the root README), run it directly from the repository
+package index (vLLM from a wheel set, see docs/install.md), run it directly from the repository
 root:
 
     python .ci/marked_tests.py vllm          # or gpu; extra arguments go to every pytest run
