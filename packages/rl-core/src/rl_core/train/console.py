@@ -124,20 +124,13 @@ def _progress_bars_off() -> list[Any]:
     """Turn off the progress bars of the libraries already imported; the calls that turn each
     back on."""
     undo: list[Any] = []
-    transformers = sys.modules.get("transformers")
-    if transformers is not None:
-        tlog = transformers.utils.logging
-        if tlog.is_progress_bar_enabled():
-            tlog.disable_progress_bar()
-            undo.append(tlog.enable_progress_bar)
+    for name in ("transformers", "diffusers"):  # the same switches in both libraries' utils.logging
+        library = sys.modules.get(name)
+        if library is not None and library.utils.logging.is_progress_bar_enabled():
+            library.utils.logging.disable_progress_bar()
+            undo.append(library.utils.logging.enable_progress_bar)
     hub = sys.modules.get("huggingface_hub")
     if hub is not None and not hub.utils.are_progress_bars_disabled():
         hub.utils.disable_progress_bars()
         undo.append(hub.utils.enable_progress_bars)
-    diffusers = sys.modules.get("diffusers")
-    if diffusers is not None:
-        dlog = diffusers.utils.logging
-        if dlog.is_progress_bar_enabled():
-            dlog.disable_progress_bar()
-            undo.append(dlog.enable_progress_bar)
     return undo
