@@ -72,10 +72,7 @@ class ArithGRPO(train.Recipe[Config, State, Batch], train.MergesRounds[State, Ba
         problems = [(draw.randrange(10), draw.randrange(10)) for _ in range(64)]  # "a + b", drawn from the seed
         sampler = GroupSampler(len(problems), r.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
         reward = build_reward(spec)
-        try:
-            weights = reward.sum_weights() if cfg.algo.reward_aggregation == "normalize_then_sum" else {}
-        except ValueError as e:
-            raise train.ConfigError(f"algo.reward_aggregation=normalize_then_sum: {e}") from None
+        weights = train.component_weights(reward, cfg.algo.reward_aggregation)
         return State(cfg, run, model, policy, optimizer, engine, reward, sampler, problems, weights)
 
     def policy(self, s: State) -> PolicyEngine:

@@ -52,7 +52,6 @@ from rl_core.advantages import group_ids_from_keys, nonzero_advantage_indices
 from rl_core.flow import compute_sde_window
 from rl_core.train import (
     Checkpoint,
-    ConfigError,
     GroupAdvantages,
     ParameterEMA,
     Recipe,
@@ -60,6 +59,7 @@ from rl_core.train import (
     Schedule,
     Scores,
     TrainableState,
+    component_weights,
     gather_rows,
     replay_update,
     sample_seed,
@@ -70,7 +70,6 @@ from rl_models import tiny
 from rl_models.lora import export_lora
 from rl_rewards import SCORERS, Sample, Scorer, ScoreResult, build_reward, register_scorer
 from rl_rewards.client import RemoteScorer
-from rl_rewards.composition import Reward
 from rl_rewards.scorers.media import load_image
 from rl_rollout import ImageSamples
 from rl_rollout.diffusion import Trajectory
@@ -118,12 +117,7 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         ema = ParameterEMA(family.peft, decay=cfg.train.ema_decay, interval=cfg.train.ema_interval)
         reward = RemoteScorer(cfg.reward.url, cfg.reward.server_reward) if cfg.reward.url else build_reward(
             reward_spec(cfg.reward, tiny=cfg.model.path.startswith("tiny:")))
-        weights: dict[str, float] = {}
-        if cfg.algo.reward_aggregation == "normalize_then_sum":
-            try:
-                weights = cast(Reward, reward).sum_weights()
-            except ValueError as e:
-                raise ConfigError(f"algo.reward_aggregation=normalize_then_sum: {e}") from None
+        weights = component_weights(reward, cfg.algo.reward_aggregation)
         return State(cfg, run, family, ema, FamilyWeights(family), reward, weights, prompts, eval_prompts, sampler)
 
     def policy(self, state: State) -> FamilyWeights:

@@ -227,3 +227,22 @@ def test_two_processes_with_uneven_rows_equal_one_process(tmp_path):
         assert r["stats"]["score"] == pytest.approx(stats["score"], abs=1e-6)
         assert r["stats"]["loss/policy"] == pytest.approx(stats["loss/policy"], abs=1e-6)
         assert r["stats"]["y_max"] == pytest.approx(stats["y_max"], abs=1e-6)
+
+
+def test_component_weights_are_asked_only_for_normalize_then_sum_and_refused_where_there_are_none() -> None:
+    from rl_core.train import ConfigError, component_weights
+
+    class Summed:
+        def sum_weights(self) -> dict[str, float]:
+            return {"qa": 1.0, "format": 0.2}
+
+    class Folded:
+        def sum_weights(self) -> dict[str, float]:
+            raise ValueError("a fold reward has no summed weights")
+
+    assert component_weights(Summed(), "normalize_then_sum") == {"qa": 1.0, "format": 0.2}
+    assert component_weights(Folded(), "sum_then_normalize") == {} and component_weights(object(), "sum_then_normalize") == {}
+    with pytest.raises(ConfigError, match=r"^algo\.reward_aggregation=normalize_then_sum: a fold reward has no"):
+        component_weights(Folded(), "normalize_then_sum")
+    with pytest.raises(ConfigError, match=r"^algo\.reward_aggregation=normalize_then_sum: object reports no component"):
+        component_weights(object(), "normalize_then_sum")

@@ -56,7 +56,13 @@ if TYPE_CHECKING:
         RunFields,
         ShardingFields,
     )
-    from rl_core.train.groups import GroupAdvantages, component_means, gather_rows, group_advantages
+    from rl_core.train.groups import (
+        GroupAdvantages,
+        component_means,
+        component_weights,
+        gather_rows,
+        group_advantages,
+    )
     from rl_core.train.loop import run, train
     from rl_core.train.metric_names import METRIC_NAMES, unknown_metric_names
     from rl_core.train.metrics import MetricsLogger, PhaseTimer
@@ -133,7 +139,7 @@ _EXPORTS = {
     "entry": ["AppEntry"],
     "ema": ["ParameterEMA", "TrainableState", "trainable_parameters"],
     "fields": ["CompileMode", "DType", "DynamicSampling", "RunFields", "ShardingFields"],
-    "groups": ["GroupAdvantages", "component_means", "gather_rows", "group_advantages"],
+    "groups": ["GroupAdvantages", "component_means", "component_weights", "gather_rows", "group_advantages"],
     "loop": ["run", "train"],
     "metric_names": ["METRIC_NAMES", "unknown_metric_names"],
     "metrics": ["MetricsLogger", "PhaseTimer"],
@@ -226,6 +232,7 @@ __all__ = [
     "check_group_size",
     "check_loss_options",
     "component_means",
+    "component_weights",
     "config_help",
     "copy_sharing_frozen",
     "dump_config",

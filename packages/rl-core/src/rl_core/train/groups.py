@@ -31,7 +31,24 @@ from torch import Tensor
 
 from rl_core.advantages import REWARD_AGGREGATIONS, compute_advantages, uses_group_baseline
 
-__all__ = ["GroupAdvantages", "component_means", "gather_rows", "group_advantages"]
+__all__ = ["GroupAdvantages", "component_means", "component_weights", "gather_rows", "group_advantages"]
+
+
+def component_weights(reward: Any, aggregation: str) -> dict[str, float]:
+    """The reward components' weights that `Scores(weights=...)` needs under
+    `normalize_then_sum` (the reward's `sum_weights()`), else `{}`. A reward that cannot give
+    them (a fold, a remote scorer) is a `ConfigError` naming `algo.reward_aggregation`."""
+    if aggregation != "normalize_then_sum":
+        return {}
+    from rl_core.train.config import ConfigError
+
+    if not hasattr(reward, "sum_weights"):
+        raise ConfigError(f"algo.reward_aggregation=normalize_then_sum: {type(reward).__name__} reports no "
+                          "component weights; use sum_then_normalize")
+    try:
+        return dict(reward.sum_weights())
+    except ValueError as e:
+        raise ConfigError(f"algo.reward_aggregation=normalize_then_sum: {e}") from None
 
 
 def gather_rows(tensor: Tensor, accelerator: Any = None) -> tuple[Tensor, slice]:
