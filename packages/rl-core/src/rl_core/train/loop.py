@@ -125,6 +125,9 @@ def train(recipe: Recipe[C, S, B], cfg: C, resume: str | None = None) -> Path:
             recipe.close(state)
 
 
+# reward_curve.png is redrawn after a step at most this often, and after the last step (a
+# drawing costs about half a second of CPU)
+PLOT_EVERY_S = 30.0
 PIPELINE = "pipeline"  # the checkpoint folder of an asynchronous run's rollouts in flight
 POLICY = "engine"  # the checkpoint entry of the policy's weight version (`PolicyWeights.state_dict`)
 
@@ -259,6 +262,7 @@ class _Loop(Generic[C, S, B]):
         self.record = _Record()
         self.notes: ThirdPartyLog | None = None  # the libraries' messages kept off the console
         self.tracker_dirs: dict[str, str] = {}  # tracker -> where it writes
+        self.plotted = time.perf_counter()  # when reward_curve.png was last drawn
         for row in self.logger.earlier:  # a resumed run: the steps before its checkpoint
             self.record.add_outcomes(int(row["step"]), {k: v for k, v in row.items() if v not in ("", None)})
         self.compiles = CompileWatch()  # from here: a compile in the recipe's setup counts in step 1 too
@@ -330,8 +334,10 @@ class _Loop(Generic[C, S, B]):
             if save:
                 with self.timer("checkpoint"):
                     self._save(step, pending)
-        if acc.is_main_process:
+        last = step == sched.total_steps
+        if acc.is_main_process and (last or time.perf_counter() - self.plotted >= PLOT_EVERY_S):
             plot_reward_curve(self.run.run_dir, title=f"{self.recipe.name}: {self.run.run_dir.name}")
+            self.plotted = time.perf_counter()
 
     def _sample(self, step: int) -> tuple[Any, int]:
         """The recipe's `sample` and the optimizer steps in the weights it sampled with (on the

@@ -60,16 +60,14 @@ def plot_panels(rows: list[dict[str, str]]) -> list[tuple[str, list[str]]]:
 def plot_reward_curve(run_dir: str | os.PathLike[str], *, title: str | None = None) -> Path:
     """Draw `run_dir/reward_curve.png` (written atomically) from `run_dir/metrics.csv`; returns
     its path. `title` defaults to the run directory's name."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no backend, no global figure registry
     from matplotlib.ticker import MaxNLocator
 
     run_dir = Path(run_dir)
     rows = _read(run_dir / "metrics.csv")
     panels = plot_panels(rows) or [("reward", [])]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.4 * len(panels) + 0.6), sharex=True, squeeze=False)
+    fig = Figure(figsize=(7, 2.4 * len(panels) + 0.6))
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)
     for ax, (name, cols) in zip(axes[:, 0], panels, strict=True):
         for col in cols:
             points = _series(rows, col)
@@ -87,6 +85,5 @@ def plot_reward_curve(run_dir: str | os.PathLike[str], *, title: str | None = No
     out = run_dir / "reward_curve.png"
     tmp = out.with_name(f".{out.name}.tmp.png")
     fig.savefig(tmp, dpi=100)
-    plt.close(fig)
     os.replace(tmp, out)
     return out
