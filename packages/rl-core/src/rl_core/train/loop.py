@@ -501,11 +501,10 @@ class _Loop(Generic[C, S, B]):
         notes = self.notes.summary() if self.notes is not None else None
         if notes:
             lines.append(f"  {'libraries said':<16}{notes}")
-        for label, where in {"run directory": str(d), "metrics": str(d / "metrics.csv"),
-                             "reward curve": str(d / "reward_curve.png"), "samples": str(d / "samples"),
-                             "checkpoints": str(d / "checkpoints"), **outputs}.items():
-            if Path(where).exists():  # only what the run wrote (a recipe that logs no samples has no folder)
-                lines.append(f"  {label:<16}{where}")
+        written = {"run directory": d, "metrics": d / "metrics.csv", "reward curve": d / "reward_curve.png",
+                   "samples": d / "samples", "checkpoints": d / "checkpoints"}
+        for label, where in {**{k: str(v) for k, v in written.items() if v.exists()}, **outputs}.items():
+            lines.append(f"  {label:<16}{where}")  # the recipe's `outputs` as given (a path or a count)
         for tracker, where in self.tracker_dirs.items():
             lines.append(f"  {tracker:<16}{where}")
         self.acc.print("\n".join(lines))
