@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,7 +75,7 @@ class MetricsLogger:
             rows = list(reader)
             return list(reader.fieldnames or []), rows
 
-    def _rewrite(self, rows: list[Mapping[str, Any]]) -> None:
+    def _rewrite(self, rows: Sequence[Mapping[str, Any]]) -> None:
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=self.columns, lineterminator="\n")
         writer.writeheader()
