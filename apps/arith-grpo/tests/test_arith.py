@@ -89,7 +89,7 @@ def test_the_embedded_default_learns_to_answer_with_a_number(tmp_path: Path, cap
     run = app.main([f"train.output_dir={tmp_path}"])
     rewards = [float(r["reward/mean"]) for r in metric_rows(run)]
     assert sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3 > 0.04, rewards
-    listed = [line.split()[-1] for line in capsys.readouterr().out.splitlines() if str(run) in line]
+    listed = [word for line in capsys.readouterr().out.splitlines() for word in line.split() if word.startswith(str(run))]
     assert len(listed) >= 5 and all(Path(path).exists() for path in listed)
 
 

@@ -84,7 +84,7 @@ def test_a_resumed_runs_summary_covers_the_whole_run_and_lists_only_what_it_wrot
     reward_lines = [line for line in uninterrupted if line.startswith(("  train reward", "  failed rewards"))]
     assert len(reward_lines) == 2 and all(line in resumed for line in reward_lines)  # first reward: step 1's
     assert "first 0.1875 (step 1)" in reward_lines[0]
-    listed = [line.split()[-1] for line in uninterrupted if str(whole) in line]
+    listed = [word for line in uninterrupted for word in line.split() if word.startswith(str(whole))]
     assert len(listed) >= 5 and all(Path(path).exists() for path in listed)  # what the run wrote, and nothing else
 
 
