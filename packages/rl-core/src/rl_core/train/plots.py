@@ -4,8 +4,9 @@ Panels, each drawn when the run logged any of its metrics (names from the metric
 reward (`reward/mean`, every `reward/<component>` but scorers' sub-components,
 `eval/reward/mean` as points), KL
 (`loss/kl`, `policy/approx_kl`), entropy (`policy/entropy`), response length
-(`response/length_mean`) and loss (`loss/policy`, `loss/total`). The figure is titled with the
-run's name; steps are integers.
+(`response/length_mean`) and loss (`loss/policy`, `loss/total`). A metric that is 0 at every
+step is a quantity switched off (`loss/kl` without a KL term) and is not drawn. The figure is
+titled with the run's name; steps are integers.
 """
 
 from __future__ import annotations
@@ -48,8 +49,14 @@ def _columns(rows: list[dict[str, str]], names: Sequence[str]) -> list[str]:
         matches = ([c for c in columns if c.startswith(name[:-1]) and c not in _NOT_A_REWARD and c.count("/") == 1
                     and "." not in c]  # a component, not a scorer's sub-component (`length.n_tokens`: a count)
                    if name.endswith("*") else [name] if name in columns else [])
-        found += [m for m in matches if m not in found]
+        found += [m for m in matches if m not in found and not _always_zero(rows, m)]
     return found
+
+
+def _always_zero(rows: list[dict[str, str]], column: str) -> bool:
+    """Logged only as 0: a quantity that is off (`loss/kl` with no KL term), not a flat curve."""
+    values = [float(r[column]) for r in rows if r.get(column) not in (None, "")]
+    return bool(values) and all(v == 0 for v in values)
 
 
 def plot_panels(rows: list[dict[str, str]]) -> list[tuple[str, list[str]]]:
