@@ -7,6 +7,7 @@ config values before setup) and what a run prints and writes."""
 from __future__ import annotations
 
 import csv
+import os
 import sys
 from pathlib import Path
 
@@ -197,3 +198,22 @@ def test_a_tracker_that_is_not_installed_or_unknown_is_a_user_error(tmp_path: Pa
                                         r"tensorboard, .* \(from override train\.log_with=\[nope\]\)"):
         go(tmp_path, "nope", "train.log_with=[nope]")  # refused with the config, before any run directory
     assert not (tmp_path / "nope").exists()
+
+
+def test_mlflows_store_is_each_runs_own_and_a_users_store_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs in one process (a notebook): each run's MLflow store is its own run directory's
+    `mlruns` (it was the first run's for both: the variable outlived the run); a store the user
+    names stays; without mlflow asked for, nothing is set."""
+    from rl_core.train.trackers import mlflow_store
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for run in ("run-1", "run-2"):
+        with mlflow_store(tmp_path / run, ["tensorboard", "mlflow"]):
+            assert os.environ["MLFLOW_TRACKING_URI"] == (tmp_path / run / "mlruns").as_uri()
+        assert "MLFLOW_TRACKING_URI" not in os.environ
+    with mlflow_store(tmp_path / "run-3", ["tensorboard"]):
+        assert "MLFLOW_TRACKING_URI" not in os.environ
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    with mlflow_store(tmp_path / "run-4", ["all"]):
+        assert os.environ["MLFLOW_TRACKING_URI"] == "http://127.0.0.1:5000"
+    assert os.environ["MLFLOW_TRACKING_URI"] == "http://127.0.0.1:5000"

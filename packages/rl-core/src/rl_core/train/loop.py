@@ -32,7 +32,6 @@ error naming why.
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -73,7 +72,7 @@ from rl_core.train.samples import SampleLog
 from rl_core.train.seeding import isolated_rng, seed_everything
 from rl_core.train.sharding import accelerator_kwargs
 from rl_core.train.shutdown import end_training
-from rl_core.train.trackers import tracker_dirs, tracker_init_kwargs
+from rl_core.train.trackers import mlflow_store, tracker_dirs, tracker_init_kwargs
 from rl_core.train.update import NonFiniteGuard, check_finite_parameters
 
 __all__ = ["run", "train"]
@@ -105,7 +104,7 @@ def train(recipe: Recipe[C, S, B], cfg: C, resume: str | None = None) -> Path:
         pending.load(ckpt / PIPELINE)
     context = RunContext(acc, run_dir, start, PhaseTimer(), SampleLog(run_dir, main=acc.is_main_process, start_step=start),
                          NonFiniteGuard(t.max_nonfinite_steps), stale_start=bool(pending.items))
-    with third_party_output(run_dir, verbose=t.verbose, rank=acc.process_index) as notes:
+    with third_party_output(run_dir, verbose=t.verbose, rank=acc.process_index) as notes, mlflow_store(run_dir, t.log_with):
         state = recipe.setup(cfg, context)
         try:
             policy = recipe.policy(state)
@@ -118,9 +117,8 @@ def train(recipe: Recipe[C, S, B], cfg: C, resume: str | None = None) -> Path:
             recipe.start(state)
             trackers = _trackers(acc, t.log_with, run_dir, recipe.name, cfg)
             point_latest(run_dir, acc)  # only a run that started: a failed start leaves `latest` alone
-            loop = _Loop(recipe, state, policy, context, recipe.schedule(state), cfg, pending.items)
-            loop.notes, loop.tracker_dirs = notes, trackers
-            return loop.fit()
+            return _Loop(recipe, state, policy, context, recipe.schedule(state), cfg, pending.items, notes=notes,
+                         tracker_dirs=trackers).fit()
         finally:
             recipe.close(state)
 
@@ -156,8 +154,6 @@ def _trackers(acc: Any, names: Sequence[str], run_dir: Path, project: str, cfg: 
     missing = [n for n in names if n not in found and n != "all"]
     if missing:  # installed but would not import (check_trackers found the package)
         raise UserError(f"train.log_with={list(names)}: {', '.join(missing)} is installed but Accelerate cannot use it")
-    if "mlflow" in found:  # its store, ./mlruns by default, in the run directory too
-        os.environ.setdefault("MLFLOW_TRACKING_URI", (run_dir / "mlruns").as_uri())
     acc.init_trackers(project, config=flat_config(cfg), init_kwargs=tracker_init_kwargs(run_dir))
     return tracker_dirs(found, run_dir, project)
 
@@ -255,13 +251,14 @@ class _Record:
 
 class _Loop(Generic[C, S, B]):
     def __init__(self, recipe: Recipe[C, S, B], state: S, policy: PolicyWeights, run: RunContext, schedule: Schedule,
-                 cfg: C, pending: list[Sampled]) -> None:
+                 cfg: C, pending: list[Sampled], *, notes: ThirdPartyLog | None = None,
+                 tracker_dirs: dict[str, str] | None = None) -> None:
         self.recipe, self.state, self.policy, self.run, self.schedule, self.cfg = recipe, state, policy, run, schedule, cfg
         self.acc, self.timer, self.fields = run.accelerator, run.timer, run_fields(cfg)
         self.logger = MetricsLogger(run.run_dir, accelerator=self.acc, start_step=run.start_step)
         self.record = _Record()
-        self.notes: ThirdPartyLog | None = None  # the libraries' messages kept off the console
-        self.tracker_dirs: dict[str, str] = {}  # tracker -> where it writes
+        self.notes = notes  # the libraries' messages kept off the console
+        self.tracker_dirs = tracker_dirs or {}  # tracker -> where it writes
         self.plotted = time.perf_counter()  # when reward_curve.png was last drawn
         for row in self.logger.earlier:  # a resumed run: the steps before its checkpoint
             self.record.add_outcomes(int(row["step"]), {k: v for k, v in row.items() if v not in ("", None)})

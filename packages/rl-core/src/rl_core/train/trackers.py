@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from rl_core.errors import UserError
 
-__all__ = ["check_trackers", "tracker_dirs", "tracker_init_kwargs"]
+__all__ = ["check_trackers", "mlflow_store", "tracker_dirs", "tracker_init_kwargs"]
 
 # tracker -> (module Accelerate imports, the package to install)
 TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
@@ -39,6 +40,21 @@ def tracker_init_kwargs(run_dir: Path) -> dict[str, dict[str, str]]:
     `./wandb`, DVCLive `./dvclive`, SwanLab `./swanlog` by default)."""
     return {"wandb": {"dir": str(run_dir)}, "dvclive": {"dir": str(run_dir / "dvclive")},
             "swanlab": {"logdir": str(run_dir / "swanlog")}}
+
+
+@contextmanager
+def mlflow_store(run_dir: Path, names: Sequence[str]) -> Iterator[None]:
+    """MLflow's store (`./mlruns` by default) in the run directory while the run lasts, unless
+    `MLFLOW_TRACKING_URI` names one of the user's; unset again when the run ends, so the next run
+    in the same process (a notebook, a test) gets a store of its own."""
+    if not {"mlflow", "all"} & set(names) or "MLFLOW_TRACKING_URI" in os.environ:
+        yield
+        return
+    os.environ["MLFLOW_TRACKING_URI"] = (run_dir / "mlruns").as_uri()
+    try:
+        yield
+    finally:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 
 def tracker_dirs(found: Iterable[str], run_dir: Path, project: str) -> dict[str, str]:
