@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import msgspec
 import torch
@@ -47,6 +47,9 @@ from rl_core.train.metrics import PhaseTimer
 from rl_core.train.policy_weights import PolicyWeights
 from rl_core.train.samples import SampleLog
 from rl_core.train.update import NonFiniteGuard
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 __all__ = ["Checkpoint", "MergesRounds", "Recipe", "RunContext", "RunFields", "Schedule", "Scores", "Skip", "check_batch_split", "check_group_size", "run_fields"]
 
@@ -77,7 +80,7 @@ B = TypeVar("B")
 class RunContext:
     """What the loop built before `Recipe.setup`, for the recipe's hooks to use."""
 
-    accelerator: Any  # accelerate.Accelerator
+    accelerator: Accelerator
     run_dir: Path
     start_step: int  # 0, or the step of the checkpoint being resumed
     timer: PhaseTimer  # `with run.timer("logprob"): ...` inside a hook adds `time/logprob`
