@@ -108,7 +108,7 @@ class Sampled:
     prompt_ids: tuple[int, ...] = ()  # [B / n]
 
 
-class RiderGRM(Recipe[Config, State, Batch], MergesRounds[State, Batch]):
+class RiderGRM(Recipe[Config, State, Batch, Sampled], MergesRounds[State, Batch]):
     name, config, default_config, env = NAME, Config, DEFAULT_CONFIG, ENV
 
     def check(self, cfg: Config, world_size: int) -> None:

@@ -59,6 +59,7 @@ from rl_core.train.recipe import (
     B,
     C,
     MergesRounds,
+    R,
     Recipe,
     RunContext,
     S,
@@ -77,7 +78,7 @@ from rl_core.train.update import NonFiniteGuard, check_finite_parameters
 
 __all__ = ["run", "train"]
 
-def run(recipe: Recipe[C, S, B], argv: Sequence[str] | None = None) -> Path | None:
+def run(recipe: Recipe[C, S, B, R], argv: Sequence[str] | None = None) -> Path | None:
     """Parse `argv` (`--config FILE`, `--resume [PATH]`, `--help`, `key=value`), load the config
     and train; returns the run directory (None after --help). An app whose recipe module imports
     torch calls `rl_core.train.parse_run` from its `__main__` and then `train`, so `--help` and
@@ -86,7 +87,7 @@ def run(recipe: Recipe[C, S, B], argv: Sequence[str] | None = None) -> Path | No
     return None if parsed is None else train(recipe, *parsed)
 
 
-def train(recipe: Recipe[C, S, B], cfg: C, resume: str | None = None) -> Path:
+def train(recipe: Recipe[C, S, B, R], cfg: C, resume: str | None = None) -> Path:
     """Train `recipe` on `cfg` (resuming from `resume`: None, "latest" or a path); returns the
     run directory."""
     t = run_fields(cfg)
@@ -249,8 +250,8 @@ class _Record:
                 out.append((step, float(value)))
 
 
-class _Loop(Generic[C, S, B]):
-    def __init__(self, recipe: Recipe[C, S, B], state: S, policy: PolicyWeights, run: RunContext, schedule: Schedule,
+class _Loop(Generic[C, S, B, R]):
+    def __init__(self, recipe: Recipe[C, S, B, R], state: S, policy: PolicyWeights, run: RunContext, schedule: Schedule,
                  cfg: C, pending: list[Sampled], *, notes: ThirdPartyLog | None = None,
                  tracker_dirs: dict[str, str] | None = None) -> None:
         self.recipe, self.state, self.policy, self.run, self.schedule, self.cfg = recipe, state, policy, run, schedule, cfg

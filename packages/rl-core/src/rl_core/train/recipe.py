@@ -33,11 +33,12 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, cast
 
 import msgspec
 import torch
 from torch import Tensor
+from typing_extensions import TypeVar  # a default (PEP 696): typing's has one from Python 3.13
 
 from rl_core.advantages import uses_group_baseline
 from rl_core.train.config import ConfigError
@@ -74,6 +75,7 @@ def check_group_size(estimator: str, n: int, *, key: str, n_key: str) -> None:
 C = TypeVar("C", bound=msgspec.Struct)  # the app config: a Struct whose `train` table is a RunFields
 S = TypeVar("S")
 B = TypeVar("B")
+R = TypeVar("R", default=B)  # what `sample` returns, before `prepare`: the batch itself unless given
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,7 @@ class Checkpoint:
     gather: AbstractContextManager[Any] = field(default_factory=nullcontext)
 
 
-class Recipe(ABC, Generic[C, S, B]):
+class Recipe(ABC, Generic[C, S, B, R]):
     """An app for the trainer loop. Subclass it with the app's config, state and batch types
     and implement the hooks; `evaluate`, `finish`, `close`, `check` and `start` have defaults.
 
@@ -246,16 +248,18 @@ class Recipe(ABC, Generic[C, S, B]):
 
     # asynchronous rollouts (`train.max_staleness >= 1`, `rl_core.train.pipeline`): both needed
     @abstractmethod
-    def sample(self, state: S, step: int) -> Any:
+    def sample(self, state: S, step: int) -> R:
         """Draw the step's prompts and sample them with the policy's engine. With
         `train.max_staleness >= 1` it runs on the rollout thread, ahead of the trainer: it must
         not touch the trained weights or the optimizer (the trainer is updating them meanwhile)
         and must run no collective (no gather or reduce across processes)."""
 
-    def prepare(self, state: S, step: int, sampled: Any) -> B:
+    def prepare(self, state: S, step: int, sampled: R) -> B:
         """The rest of `rollout`, on the trainer's thread, just before the step's reward: what
-        needs the trained weights (old and reference log-probs) or other processes."""
-        return sampled  # type: ignore[no-any-return]
+        needs the trained weights (old and reference log-probs) or other processes. The default
+        hands the sample on as the batch; a recipe whose `sample` returns another type
+        (`Recipe[Config, State, Batch, Sampled]`) overrides it."""
+        return cast(B, sampled)
 
     def evaluate(self, state: S, step: int) -> Mapping[str, float]:
         """Held-out metrics (the loop logs them under `eval/`); run on a saved-and-restored RNG
