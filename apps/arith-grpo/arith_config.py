@@ -40,6 +40,7 @@ class TrainConfig(train.RunFields, kw_only=True, frozen=True):
     micro_batch_size: train.Positive = 8  # answers per forward/backward
     max_steps: train.Positive = 100
     lr: train.PositiveFloat = 1e-5
+    eval_freq: train.NonNegative = 0  # greedy answers to every problem every N steps, before the first and after the last (0 = never)
 
 
 class Config(train.AppConfig, kw_only=True, frozen=True):

@@ -26,7 +26,7 @@ from rl_policy.training import (
     response_metrics,
     token_update,
 )
-from rl_rewards import Component, Reward, RewardSpec, Sample, build_reward
+from rl_rewards import Component, Reward, RewardSpec, Sample, ScoreResult, build_reward
 from rl_rollout import Generation, SamplingParams, generate_seeded
 from rl_rollout.prompts import EncodedPrompt
 
@@ -79,25 +79,19 @@ class ArithGRPO(train.Recipe[Config, State, Batch], train.MergesRounds[State, Ba
         return s.engine
 
     def schedule(self, s: State) -> train.Schedule:
-        return train.Schedule(s.cfg.train.max_steps)
+        every = s.cfg.train.eval_freq
+        return train.Schedule(s.cfg.train.max_steps, eval_every=every, eval_at_start=every > 0, eval_at_end=every > 0)
 
     def checkpoint(self, s: State) -> train.Checkpoint:
         return train.Checkpoint(state={"sampler": s.sampler}, trained=s.model)
 
     def sample(self, s: State, step: int) -> Batch:
         r, picked = s.cfg.rollout, s.sampler.next_prompts(s.cfg.train.batch_size // s.run.world_size)
-        prompts = [[{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}]
-                   for a, b in (s.problems[i] for i in picked)]
-        with s.engine.session() as engine:  # one seed per prompt: the same answers whatever the process count
-            gens = generate_seeded(engine, prompts, SamplingParams(n=r.n, temperature=r.temperature,
-                                                                   max_new_tokens=r.max_new_tokens),
-                                   [train.sample_seed(s.cfg.train.seed, step, i) for i in picked])
-        return Batch(picked, gens)
+        return Batch(picked, generate(s, picked, SamplingParams(n=r.n, temperature=r.temperature,
+                                                                max_new_tokens=r.max_new_tokens), step))
 
     def score(self, s: State, step: int, batch: Batch) -> train.Scores:
-        results = s.reward.score([Sample(completion=g.text, reference=sum(s.problems[batch.picked[g.request_index]]),
-                                         metadata={"completion_tokens": len(g.completion_ids)})
-                                  for g in batch.generations])
+        results = score(s, batch)
         rewards = torch.tensor([math.nan if x.score is None else x.score for x in results])  # [B] NaN: failed
         groups = torch.tensor([s.run.rank * len(batch.picked) + g.request_index for g in batch.generations])  # [B]
         return train.Scores(rewards, groups, s.cfg.algo.advantage, components=[x.components for x in results],
@@ -116,14 +110,41 @@ class ArithGRPO(train.Recipe[Config, State, Batch], train.MergesRounds[State, Ba
         s.run.record_prompts(step, batch.picked)
         rollouts = [Rollout(EncodedPrompt(g.prompt_ids), g.completion_ids, g.logprobs, valid=bool(advantages.valid[i]))
                     for i, g in enumerate(batch.generations)]
-        out = token_update(s.run.accelerator, s.policy, s.optimizer, rollouts,
-                           [advantages.advantages[i].expand(len(r.completion_ids)) for i, r in enumerate(rollouts)],
-                           options=LossOptions(temperature=s.cfg.rollout.temperature, **loss_fields(s.cfg.algo)),
-                           old=None,
-                           ref=None, num_minibatches=1, micro_batch_size=s.cfg.train.micro_batch_size, ppo_epochs=1,
-                           grad_clip=1.0, guard=s.run.guard, pad_id=s.engine.pad_id,
-                           check_tolerance=1e-3 if s.run.first_step(step) else None)
-        return out
+        return token_update(s.run.accelerator, s.policy, s.optimizer, rollouts,
+                            [advantages.advantages[i].expand(len(r.completion_ids)) for i, r in enumerate(rollouts)],
+                            options=LossOptions(temperature=s.cfg.rollout.temperature, **loss_fields(s.cfg.algo)),
+                            old=None, ref=None, num_minibatches=1, micro_batch_size=s.cfg.train.micro_batch_size,
+                            ppo_epochs=1, grad_clip=1.0, guard=s.run.guard, pad_id=s.engine.pad_id,
+                            check_tolerance=1e-3 if s.run.first_step(step) else None)
+
+    def evaluate(self, s: State, step: int) -> dict[str, float]:
+        """Greedy answers to every problem (every world_size-th on each process) in
+        `samples/eval.jsonl`; `reward/mean` and `accuracy` (the exact answers' share) over all."""
+        picked = list(range(s.run.rank, len(s.problems), s.run.world_size))
+        gens = generate(s, picked, SamplingParams(temperature=0.0, max_new_tokens=s.cfg.rollout.max_new_tokens))
+        scores = [x.score or 0.0 for x in score(s, Batch(picked, gens))]  # a failed answer counts 0
+        s.run.samples.write("eval", step, [{"problem": "{} + {}".format(*s.problems[i]), "answer": g.text, "reward": x}
+                                           for i, g, x in zip(picked, gens, scores, strict=True)])
+        totals = torch.tensor([sum(scores), scores.count(1.0), len(scores)], dtype=torch.float64, device=s.run.device)
+        total, exact, count = s.run.accelerator.reduce(totals, reduction="sum").tolist()  # over every process
+        return {"reward/mean": total / count, "accuracy": exact / count}
+
+
+def generate(s: State, picked: list[int], params: SamplingParams, step: int = 0) -> list[Generation]:
+    """`params.n` answers to each picked problem; sampled: one seed per prompt (the same answers
+    whatever the process count), greedy: one batch."""
+    prompts = [[{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}]
+               for a, b in (s.problems[i] for i in picked)]
+    with s.engine.session() as engine:
+        if params.temperature == 0:
+            return engine.generate(prompts, params)
+        return generate_seeded(engine, prompts, params, [train.sample_seed(s.cfg.train.seed, step, i) for i in picked])
+
+
+def score(s: State, batch: Batch) -> list[ScoreResult]:
+    return s.reward.score([Sample(completion=g.text, reference=sum(s.problems[batch.picked[g.request_index]]),
+                                  metadata={"completion_tokens": len(g.completion_ids)})
+                           for g in batch.generations])
 
 
 RECIPE = ArithGRPO()

@@ -3,6 +3,7 @@ numbers, learning, and the one-line errors."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,8 @@ from rl_core.train.testing import (
     run_cli,
 )
 
-SMALL = ["rollout.n=4", "rollout.max_new_tokens=4", "train.batch_size=4", "train.micro_batch_size=3", "train.max_steps=2"]
+SMALL = ["rollout.n=4", "rollout.max_new_tokens=4", "train.batch_size=4", "train.micro_batch_size=3", "train.max_steps=2",
+         "train.eval_freq=0"]
 KEYS = ("reward/mean", "reward/std", "adv/std", "loss/policy", "grad_norm", "policy/entropy", "response/length_mean")
 
 
@@ -85,10 +87,18 @@ def test_one_run_logs_the_table_names_and_pinned_numbers(tmp_path: Path) -> None
 
 def test_the_embedded_default_learns_to_answer_with_a_number(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The default (12 steps, lr 3e-2): the answers turn into numbers (the 0.1 format bonus), as a
-    random tiny policy can learn; exact sums are beyond it. The summary lists what the run wrote."""
+    random tiny policy can learn; exact sums are beyond it. Greedy answers to all 64 problems
+    before the first step and after steps 6 and 12 are in samples/eval.jsonl, scored in
+    `eval/reward/mean`. The summary lists what the run wrote."""
     run = app.main([f"train.output_dir={tmp_path}"])
-    rewards = [float(r["reward/mean"]) for r in metric_rows(run)]
+    table = metric_rows(run)
+    rewards = [float(r["reward/mean"]) for r in table if r["reward/mean"]]
     assert sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3 > 0.04, rewards
+    evals = {r["step"]: float(r["eval/reward/mean"]) for r in table if r["eval/reward/mean"]}
+    assert list(evals) == ["0", "6", "12"] and evals["12"] > evals["0"], evals
+    answers = [json.loads(line) for line in (run / "samples" / "eval.jsonl").read_text().splitlines()]
+    assert [a["step"] for a in answers] == [0] * 64 + [6] * 64 + [12] * 64
+    assert sum(a["reward"] for a in answers[-64:]) / 64 == pytest.approx(evals["12"])
     listed = [word for line in capsys.readouterr().out.splitlines() for word in line.split() if word.startswith(str(run))]
     assert len(listed) >= 5 and all(Path(path).exists() for path in listed)
 

@@ -10,7 +10,7 @@ from conftest import app
 
 from rl_core.train.testing import assert_resume_is_bit_identical, metric_rows
 
-SMALL = ["rollout.n=4", "rollout.max_new_tokens=4", "train.batch_size=4", "train.micro_batch_size=3"]
+SMALL = ["rollout.n=4", "rollout.max_new_tokens=4", "train.batch_size=4", "train.micro_batch_size=3", "train.eval_freq=0"]
 
 
 def prompts(run: Path) -> list[dict[str, object]]:
