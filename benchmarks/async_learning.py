@@ -33,7 +33,8 @@ def run(out: Path, name: str, staleness: int, seed: int, steps: int) -> list[flo
     """One arith-grpo run in a fresh process; its train reward per step."""
     done = subprocess.run([sys.executable, str(REPO / "apps" / "arith-grpo"), f"train.output_dir={out}",
                            f"train.run_name={name}", f"train.max_steps={steps}", f"train.seed={seed}",
-                           f"train.max_staleness={staleness}", "algo.rollout_correction=token_truncate"],
+                           f"train.max_staleness={staleness}", "algo.rollout_correction=token_truncate",
+                           "train.eval_freq=0"],
                           capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"arith-grpo {name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")

@@ -89,7 +89,7 @@ def run(app, out: Path, policy: Path, judge: Path, mode: str, smoke: bool) -> di
         'data.train_files=["examples/data/rider/train.parquet"]', 'data.val_files=["examples/data/rider/val.parquet"]',
         f"rollout.max_new_tokens={8 if smoke else 256}", "rollout.n=4", f"train.batch_size={2 if smoke else 8}",
         f"train.mini_batch_size={2 if smoke else 8}", "train.micro_batch_size=8",
-        "train.lr=1e-6", "train.max_steps=3", "train.save_freq=1000",
+        "train.lr=1e-6", "train.max_steps=3", "train.save_freq=1000", "train.val_before_train=false",
         f'train.output_dir="{out / mode.replace(" ", "_")}"', "algo.replay_tolerance=0.5",
         "rollout.max_batch_size=64", "reward.rule=rider_rules:compute_score",
     ]

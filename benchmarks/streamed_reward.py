@@ -53,6 +53,7 @@ def run(app, out: Path, url: str, stream: bool, args: argparse.Namespace) -> dic
         "rollout.per_prompt_seeds": "true", "rollout.n": args.n, "rollout.max_new_tokens": args.tokens,
         "train.batch_size": args.prompts, "train.mini_batch_size": args.prompts, "train.micro_batch_size": 8,
         "train.max_steps": args.steps + 1, "train.epochs": 100, "train.save_freq": 1000, "train.eval_freq": 0,
+        "train.val_before_train": "false",
     }
     run_dir = app.main([f"{k}={v}" for k, v in overrides.items()])
     with (run_dir / "metrics.csv").open() as f:

@@ -210,7 +210,8 @@ class CaptionRL(Recipe[Config, State, Batch], MergesRounds[State, Batch]):
             note = (f"train.max_steps={t.max_steps} is more than train.epochs={t.epochs} give ({total} steps): "
                     f"the run stops after {total}; raise train.epochs for more")
         every = t.eval_freq if s.data.eval else 0
-        return Schedule(min(total, t.max_steps or total), eval_every=every, eval_at_end=every > 0, note=note)
+        return Schedule(min(total, t.max_steps or total), eval_every=every, eval_at_start=every > 0, eval_at_end=every > 0,
+                        note=note)
 
     def checkpoint(self, s: State) -> Checkpoint:
         return Checkpoint(state={"sampler": s.sampler, **sharded_state(s.policy, s.optimizer)},

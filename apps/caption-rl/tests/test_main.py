@@ -119,8 +119,8 @@ def test_end_to_end_images_and_a_video_with_the_qa_judge(app, tmp_path, capsys):
         "reward.spec=null", "reward.judge=tiny:qwen3", "reward.length_l1=4", "reward.length_l2=12",
         "train.batch_size=3", "train.mini_batch_size=1", "train.micro_batch_size=2", "train.eval_freq=2",
         "train.lr=1e-3"))
-    table = rows(run)
-    assert [r["step"] for r in table] == ["1", "2"]
+    evaluated, *table = rows(run)  # the eval before the first step is logged as step 0
+    assert [evaluated["step"], *(r["step"] for r in table)] == ["0", "1", "2"] and evaluated["eval/reward/mean"]
     missing = [c for c in METRIC_COLUMNS if c not in table[0]]
     assert not missing, missing
     assert not unknown_metric_names(table[0])  # every column is in the one table of metric names
@@ -130,7 +130,8 @@ def test_end_to_end_images_and_a_video_with_the_qa_judge(app, tmp_path, capsys):
     before, after = weights(tiny.build("qwen2_5_vl")), weights(run / "export")
     unchanged = [name for name, value in before.items() if torch.equal(value, after[name])]
     assert not unchanged, unchanged
-    for path in ("reward_curve.png", "config.toml", "samples/train.jsonl", "samples/eval-step-000002.jsonl",
+    for path in ("reward_curve.png", "config.toml", "samples/train.jsonl", "samples/eval-step-000000.jsonl",
+                 "samples/eval-step-000002.jsonl",
                  "checkpoints/checkpoint-2/meta.json", "export/processor_config.json"):
         assert (run / path).is_file(), path
     assert len((run / "samples" / "eval-step-000002.jsonl").read_text().splitlines()) == 3  # the 3 eval videos

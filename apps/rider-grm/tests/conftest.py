@@ -53,6 +53,7 @@ def tiny_overrides(out: Path, **extra: object) -> list[str]:
         "train.output_dir": f'"{out}"', "rollout.max_new_tokens": "8",
         "rollout.n": "2", "train.batch_size": "2", "train.mini_batch_size": "2", "train.micro_batch_size": "4",
         "train.lr": "1e-3", "train.epochs": "1", "train.max_steps": "3", "train.save_freq": "2",
+        "train.val_before_train": "false",
         "reward.rule": '"rider_rules:compute_score"', "reward.embedding.weight": "1.0",
     }
     base |= {k: str(v) for k, v in extra.items()}

@@ -182,9 +182,11 @@ DEFAULT_MARGIN = 0.15
 def test_the_embedded_default_learns_its_rule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`uv run apps/rider-grm` as a user runs it (only the output folder moved): REINFORCE++ raises
     the rule's share of "e" over the 16 steps, the gated rubric judge sees more replies as it
-    does, and the closing summary quotes the first and the last step."""
+    does, and the closing summary quotes the first and the last step. The val rows are evaluated
+    before the first step (logged as step 0) and after the last."""
     run = app.main([f'train.output_dir="{tmp_path}"'])
-    rows = read_metrics(run)
+    before, *rows = read_metrics(run)
+    assert before["step"] == "0" and before["eval/reward/mean"] and rows[-1]["eval/reward/mean"], before
     rewards = [float(r["reward/mean"]) for r in rows]
     assert len(rewards) == 16, rewards
     assert sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3 > DEFAULT_MARGIN, rewards
