@@ -180,15 +180,17 @@ def test_phases_nest_and_a_scope_names_them_apart() -> None:
 def test_the_run_plot_has_a_panel_per_logged_family(tmp_path) -> None:
     from rl_core.train.plots import plot_panels, plot_reward_curve
 
-    header = ["step", "reward/mean", "reward/std", "reward/failed", "reward/qa", "reward/length.n_tokens",
-              "eval/reward/mean", "policy/entropy", "loss/policy", "loss/kl", "policy/approx_kl", "time/step"]
-    lines = [",".join(header), "0,,,,,,0.15,,,,,", "1,0.2,0.1,0,0.3,40,,6.4,0.01,0,0.0,1.0",
-             "2,0.4,0.1,0,0.5,38,0.45,6.3,0.02,0,0.0,1.0"]
+    header = ["step", "reward/mean", "reward/std", "reward/failed", "reward/qa", "reward/format",
+              "reward/length.n_tokens", "eval/reward/mean", "policy/entropy", "loss/policy", "loss/kl",
+              "policy/approx_kl", "time/step"]
+    lines = [",".join(header), "0,,,,,,,0.15,,,,,", "1,0.2,0.1,0,0.3,0,40,,6.4,0.01,0,0.0,1.0",
+             "2,0.4,0.1,0,0.5,0,38,0.45,6.3,0.02,0,0.0,1.0"]
     (tmp_path / "metrics.csv").write_text("\n".join(lines) + "\n")
     from rl_core.train.plots import _read
 
     assert plot_panels(_read(tmp_path / "metrics.csv")) == [
-        ("reward", ["reward/mean", "reward/qa", "eval/reward/mean"]),  # no counts, spreads or sub-components
+        # no counts, spreads or sub-components; a component at 0 throughout is drawn (not learnt)
+        ("reward", ["reward/mean", "reward/qa", "reward/format", "eval/reward/mean"]),
         ("entropy", ["policy/entropy"]), ("loss", ["loss/policy"])]  # no KL panel: 0 throughout is off
     out = plot_reward_curve(tmp_path, title="app: run-1")
     assert out == tmp_path / "reward_curve.png" and out.stat().st_size > 10_000

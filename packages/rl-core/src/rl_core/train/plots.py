@@ -4,8 +4,9 @@ Panels, each drawn when the run logged any of its metrics (names from the metric
 reward (`reward/mean`, every `reward/<component>` but scorers' sub-components,
 `eval/reward/mean` as points), KL
 (`loss/kl`, `policy/approx_kl`), entropy (`policy/entropy`), response length
-(`response/length_mean`) and loss (`loss/policy`, `loss/total`). A metric that is 0 at every
-step is a quantity switched off (`loss/kl` without a KL term) and is not drawn. The figure is
+(`response/length_mean`) and loss (`loss/policy`, `loss/total`). Outside the reward panel, a
+metric that is 0 at every step is a quantity switched off (`loss/kl` without a KL term) and is
+not drawn; a reward component at 0 throughout is drawn (nothing was learnt on it). The figure is
 titled with the run's name; steps are integers.
 """
 
@@ -41,7 +42,7 @@ def _series(rows: list[dict[str, str]], key: str) -> list[tuple[int, float]]:
     return [(int(r["step"]), float(r[key])) for r in rows if r.get(key) not in (None, "")]
 
 
-def _columns(rows: list[dict[str, str]], names: Sequence[str]) -> list[str]:
+def _columns(rows: list[dict[str, str]], names: Sequence[str], *, hide_zero: bool = False) -> list[str]:
     """The logged columns a panel shows, in the panel's order (`prefix*` expands to a family)."""
     found: list[str] = []
     columns = list(rows[0]) if rows else []
@@ -49,7 +50,7 @@ def _columns(rows: list[dict[str, str]], names: Sequence[str]) -> list[str]:
         matches = ([c for c in columns if c.startswith(name[:-1]) and c not in _NOT_A_REWARD and c.count("/") == 1
                     and "." not in c]  # a component, not a scorer's sub-component (`length.n_tokens`: a count)
                    if name.endswith("*") else [name] if name in columns else [])
-        found += [m for m in matches if m not in found and not _always_zero(rows, m)]
+        found += [m for m in matches if m not in found and not (hide_zero and _always_zero(rows, m))]
     return found
 
 
@@ -61,7 +62,7 @@ def _always_zero(rows: list[dict[str, str]], column: str) -> bool:
 
 def plot_panels(rows: list[dict[str, str]]) -> list[tuple[str, list[str]]]:
     """The panels a run's metrics.csv rows fill: `(title, columns)`, empty panels left out."""
-    return [(name, cols) for name, keys in PANELS if (cols := _columns(rows, keys))]
+    return [(name, cols) for name, keys in PANELS if (cols := _columns(rows, keys, hide_zero=name != "reward"))]
 
 
 def plot_reward_curve(run_dir: str | os.PathLike[str], *, title: str | None = None) -> Path:
