@@ -18,21 +18,15 @@ the eval images.
   an image token carrying its sample's advantage; KL = `algo.kl` per token to the LoRA-disabled
   model.
 
-Asynchronous rollouts (`train.max_staleness >= 1`): `weight_channel` gives the loop the rollout's
-weights by version (`FamilyWeights` counts their optimizer steps). In process (both families) the rollout thread samples with
-an engine of its own over a copy of the LoRA model whose frozen base is the trainer's (shared
-memory, `copy_sharing_frozen`); the trainer's engine keeps the eval. With Ray workers each
-published LoRA is kept as a host copy and pushed to the workers, with its optimizer-step count,
-by the rollout that needs it; colocated workers then stay awake (they sample during the update).
+The loop moves the weights through each family's `weights` (`rl_policy.lora_weights`): Ray
+workers get the trained LoRA by version, and an asynchronous run (`train.max_staleness >= 1`)
+samples on the rollout thread with an engine of its own over the rollout's copy of the LoRA
+model (`on_copy`); the trainer's engine keeps the eval.
 """
 
 from __future__ import annotations
 
-import copy
 import math
-import os
-import sys
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -41,8 +35,6 @@ from typing import Any, Protocol, cast
 import torch
 from grpo_config import (
     Config,
-    ModelConfig,
-    RolloutConfig,
     SamplingConfig,
     compiles_blocks,
     first_replay_tolerance,
@@ -54,12 +46,9 @@ from transformers import JanusForConditionalGeneration
 from rl_core.flow import SDEStep, compute_ratio_guard, flow_kl
 from rl_core.kl import compute_kl
 from rl_core.train import (
-    CopyChannel,
-    CountedWeights,
     FullWeights,
     Replay,
     UserError,
-    WeightChannel,
     copy_sharing_frozen,
     gathered,
     prepare_policy,
@@ -74,21 +63,25 @@ from rl_models.janus import (
     reference_image_token_logprobs,
 )
 from rl_models.lora import add_lora
+from rl_policy.lora_weights import (
+    LoraPolicyWeights,
+    build_sd3_lora_engine,
+    load_lora,
+    lora_params,
+    start_lora_workers,
+)
 from rl_rollout import ImageSamples, build_image_engine
-from rl_rollout.diffusion import DiffusionEngine, PromptEmbeddings, SampleBatch, Trajectory
+from rl_rollout.diffusion import (
+    DiffusionEngine,
+    PromptEmbeddings,
+    SampleBatch,
+    Trajectory,
+    sample_to_cpu,
+)
 from rl_rollout.janus import ImageRollout, JanusEngine
-from rl_rollout.ray_pool import EngineSpec, RolloutPool, connect, ship_module
+from rl_rollout.ray_pool import EngineSpec
 
 Micro = tuple[int, torch.Tensor, float]  # (sampled batch, its rows [b], loss weight)
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One sampled batch: a prompt and a seed per image, drawn alike in process or on a Ray worker."""
-
-    prompts: tuple[str, ...]
-    seeds: tuple[int, ...]
-    window: tuple[int, int] | None = None  # sd3: the stochastic steps [start, stop); None = all
 
 
 @dataclass(frozen=True)
@@ -110,21 +103,12 @@ class Family(Protocol):
     model: torch.nn.Module  # what the optimizer steps through (DDP-wrapped, or sharded in place)
     optimizer: torch.optim.Optimizer
     full: FullWeights | None = None  # a sharded model's whole copy, which the engine samples from
-    channel: WeightChannel | None = None  # asynchronous runs: the rollout's weights by version
+    weights: LoraPolicyWeights  # the rollout side's weights, as the loop drives them
     old: OldPolicy | None = None  # train.method = "nft" (sd3): DiffusionNFT's old policy, which samples
 
-    def weight_channel(self) -> WeightChannel:
-        """Switch the rollout to weights of its own, changed only by version (asynchronous runs;
-        see the module doc)."""
-
-    def start(self) -> None:
-        """Start rollout workers, once the starting weights are in place (none by default)."""
-
-    def close(self) -> None:
-        """Release them (also after an error)."""
-
-    def collect(self, chunks: list[Chunk], version: int) -> Sequence[ImageSamples]:
-        """One sampled batch per chunk; `version`: optimizer steps in the weights."""
+    def collect(self, batches: list[SampleBatch]) -> Sequence[ImageSamples]:
+        """One sampled batch per batch (`sde_window`: sd3's stochastic steps, janus's trained
+        token positions), with the weights of `weights.weight_version`."""
 
     def replays(self, samples: Sequence[ImageSamples], adv: Sequence[torch.Tensor], plan: list[list[Micro]]) -> Replays:
         """The update over `samples` (advantages `[b_k]` per sampled batch) along `plan_micro_batches`'s plan."""
@@ -134,9 +118,6 @@ class Family(Protocol):
 
 
 class SD3(Family):
-    pool: RolloutPool | None = None  # the Ray rollout actors (rollout.workers > 0), started by `start`
-    owns_ray = False  # this process started Ray (and stops it)
-
     def __init__(self, cfg: Config, acc: Any, path: str) -> None:
         m, t, s = cfg.model, cfg.train, cfg.sampling
         self.cfg, self.acc, self.path = cfg, acc, path
@@ -161,64 +142,26 @@ class SD3(Family):
         # train.method = "nft": the old policy samples (asynchronous rollouts: an engine of their own)
         self.old = OldPolicy(self.peft, self.engine) if t.method == "nft" else None
         self.rollout_engine = self.old.engine if self.old is not None else self.engine
+        r = cfg.rollout
+        self.weights = LoraPolicyWeights(
+            self.peft, sampler=self.engine.transformer, full=self.full, colocated=r.placement == "colocated",
+            on_copy=lambda twin: setattr(self, "rollout_engine", self.engine.over(cast(PeftModel, twin).get_base_model())),
+            workers=(lambda: start_lora_workers(worker_spec(cfg, path, self.compiled), r.workers, placement=r.placement,
+                                                device=acc.device, gpus_per_worker=r.gpus_per_worker,
+                                                address=r.ray_address)) if r.workers else None)
 
-    def start(self) -> None:
-        if self.cfg.rollout.workers:
-            self.pool, self.owns_ray = start_workers(self.cfg.rollout, self.cfg.model, self.path, self.acc,
-                                                     self.cfg.sampling, compile=self.compiled)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-            if self.owns_ray:
-                import ray
-
-                ray.shutdown()
-
-    def weight_channel(self) -> WeightChannel:
-        """The rollout thread samples with a copy of the LoRA model: sharing the frozen base with
-        the trainer's, or, for a sharded policy (FSDP2), a whole copy of its own made from one
-        gather on every process (budget the transformer once more per GPU); each version's LoRA
-        is then all-gathered on the trainer's thread, where the collective belongs. Ray workers
-        get each version's LoRA instead."""
-        inner: WeightChannel
-        if self.pool is not None:  # unsharded: check_config refuses Ray workers with a sharded LoRA
-            if self.cfg.rollout.placement == "colocated":
-                self.pool.wake()  # awake for the whole run: the workers sample while the trainer updates
-            inner = LoraVersions(self.engine.transformer)
-        else:
-            if self.full is not None:
-                with whole_weights(self) as whole:
-                    twin = cast(torch.nn.Module, copy.deepcopy(whole)).requires_grad_(False)
-            else:
-                twin = copy_sharing_frozen(self.peft)
-            self.rollout_engine = engine_over(self.engine, cast(PeftModel, twin).get_base_model())
-            inner = CopyChannel(self.peft, twin)
-        self.channel = inner
-        return inner
-
-    def collect(self, chunks: list[Chunk], version: int) -> Sequence[ImageSamples]:
-        s, pool, channel = self.cfg.sampling, self.pool, self.channel
-        colocated = self.cfg.rollout.placement == "colocated" and channel is None  # asynchronous: awake throughout
+    def collect(self, batches: list[SampleBatch]) -> Sequence[ImageSamples]:
+        s = self.cfg.sampling
         kwargs: dict[str, Any] = {
             "num_steps": s.num_steps, "guidance_scale": s.guidance_scale, "height": s.resolution, "width": s.resolution,
             "noise_level": s.noise_level, "kind": s.kind, "max_sequence_length": s.max_sequence_length,
             "keep_means": self.cfg.train.ratio_norm}  # GRPO-Guard's RatioNorm needs the rollout's step means
+        if self.weights.pool is not None:
+            return [traj.to(self.acc.device) for traj in self.weights.on_workers(sample_to_cpu, batches, **kwargs)]
         # a sharded policy's weights gathered into the engine's copy (asynchronous: the rollout
         # thread's copy holds them already, and the gather, a collective, stays on the trainer's thread)
-        with whole_weights(self) if channel is None else nullcontext():
-            if pool is None:
-                return sample_chunks(self.rollout_engine, chunks, **kwargs)
-            if colocated:
-                pool.wake()
-            if pool.version != version:  # the workers' LoRA synced to this version (each refuses another)
-                lora = (cast(LoraVersions, channel).loaded if channel is not None else
-                        {n: p.detach() for n, p in lora_params(self.engine.transformer).items()})
-                pool.load_weights(lora, version)
-        rollout = pool.map(sample_chunk_to_cpu, chunks, **kwargs)
-        if colocated:
-            pool.sleep()  # VRL colocated: actors release the GPU before the update
-        return [to_device(traj, self.acc.device) for traj in rollout.outputs]
+        with whole_weights(self) if self.weights.versions is None else nullcontext():
+            return self.rollout_engine.sample_many(batches, **kwargs)
 
     def replays(self, samples: Sequence[ImageSamples], adv: Sequence[torch.Tensor], plan: list[list[Micro]]) -> Replays:
         """Every (micro-batch, trained step) pair is one forward and backward, every (sample, step)
@@ -282,28 +225,17 @@ class Janus(Family):
         optimizer = torch.optim.AdamW(trainable_parameters(self.peft).values(), lr=cfg.train.lr,
                                       weight_decay=cfg.train.weight_decay)
         self.model, self.optimizer = acc.prepare(JanusImagePolicy(self.peft), optimizer)
-        self.rollout_engine = self.engine  # an engine of its own when asynchronous
+        self.rollout_engine = self.engine  # asynchronous: an engine of its own over the rollout's copy
+        self.weights = LoraPolicyWeights(self.peft, sampler=self.engine.model, on_copy=lambda twin: setattr(
+            self, "rollout_engine", self.engine.over(cast(JanusForConditionalGeneration,
+                                                          cast(PeftModel, twin).get_base_model()))))
 
-    def weight_channel(self) -> WeightChannel:
-        """The rollout thread's engine decodes with a copy of the LoRA model (its own KV cache and
-        processor). Its decode step compiles without CUDA graphs: captured from the rollout
-        thread, which runs on a CUDA stream of its own, the graphs of "reduce-overhead" come out
-        empty (torch 2.11)."""
-        twin, e = copy_sharing_frozen(self.peft), self.engine
-        mode = "default" if e.compile_mode == "reduce-overhead" else e.compile_mode
-        self.rollout_engine = JanusEngine(cast(JanusForConditionalGeneration, cast(PeftModel, twin).get_base_model()),
-                                          copy.deepcopy(e.processor), device=e.device, max_batch_size=e.max_batch_size,
-                                          compile=e.compile, compile_mode=mode, logprobs=e.logprobs,
-                                          chunk_size=e.chunk_size)
-        self.channel = CopyChannel(self.peft, twin)
-        return self.channel
-
-    def collect(self, chunks: list[Chunk], version: int) -> Sequence[ImageSamples]:
+    def collect(self, batches: list[SampleBatch]) -> Sequence[ImageSamples]:
         """Image tokens drawn with CFG (`sampling.guidance_scale`) at `rollout.temperature`; each
         sampled batch keeps its window of trained token positions (`sampling.sde_window*`)."""
-        return [replace(self.rollout_engine.sample(list(c.prompts), guidance_scale=self.cfg.sampling.guidance_scale,
-                                                   temperature=self.cfg.rollout.temperature, seeds=c.seeds), window=c.window)
-                for c in chunks]
+        return [replace(self.rollout_engine.sample(list(b.prompts), guidance_scale=self.cfg.sampling.guidance_scale,
+                                                   temperature=self.cfg.rollout.temperature, seeds=b.seeds),
+                        window=b.sde_window) for b in batches]
 
     def replays(self, samples: Sequence[ImageSamples], adv: Sequence[torch.Tensor], plan: list[list[Micro]]) -> Replays:
         """Each micro-batch is one forward and backward over its images' N tokens, or, with a window
@@ -353,7 +285,7 @@ class OldPolicy:
 
     def __init__(self, peft: PeftModel, engine: DiffusionEngine) -> None:
         self.model = cast(PeftModel, copy_sharing_frozen(peft))
-        self.engine = engine_over(engine, self.model.get_base_model())
+        self.engine = engine.over(self.model.get_base_model())
         self.trained, self.params = lora_params(peft), lora_params(self.model)  # the same names
 
     @torch.no_grad()
@@ -372,62 +304,6 @@ class OldPolicy:
         with torch.no_grad():
             for name, p in self.params.items():
                 p.copy_(state[name])
-
-
-class FamilyWeights(CountedWeights):
-    """A family's `PolicyWeights` for the trainer loop. Synchronous, the rollout samples with the
-    trained LoRA itself (Ray workers take it at each `collect`): nothing to push; asynchronous,
-    `channel` is the family's `weight_channel`."""
-
-    def __init__(self, family: Family) -> None:
-        super().__init__()
-        self.family = family
-
-    def channel(self) -> WeightChannel:
-        return self.counted(self.family.weight_channel())
-
-
-class LoraVersions:
-    """The trained LoRA by loop step as host copies, for Ray workers: `load` picks the copy that
-    the next rollout pushes (`SD3.collect`), so only the rollout thread talks to the workers."""
-
-    def __init__(self, transformer: torch.nn.Module) -> None:
-        self.transformer = transformer
-        self.versions: dict[int, dict[str, torch.Tensor]] = {}
-        self.loaded: dict[str, torch.Tensor] = {}
-        self._lock = threading.Lock()
-
-    def publish(self, version: int) -> None:
-        with torch.no_grad():
-            held = {n: p.detach().to("cpu", copy=True) for n, p in lora_params(self.transformer).items()}
-        with self._lock:
-            self.versions[version] = held
-
-    def load(self, version: int, *, prune: bool = True) -> None:
-        with self._lock:
-            self.loaded = self.versions[version]
-            if prune:
-                self.versions = {v: w for v, w in self.versions.items() if v >= version}
-
-    def close(self) -> None:
-        with self._lock:
-            self.versions.clear()
-
-
-def engine_over(engine: DiffusionEngine, transformer: torch.nn.Module) -> DiffusionEngine:
-    """An engine sampling with `transformer` that shares `engine`'s text encoders and VAE, for
-    the rollout thread. Its scheduler and tokenizers are its own: sampling sets the scheduler's
-    timesteps, and a fast tokenizer's call sets its padding and truncation, while the trainer's
-    engine may encode (its unconditional embeddings, at the first replay)."""
-    for block in getattr(transformer, "transformer_blocks", []):  # a copy made after a compiled forward
-        block.__dict__.pop("forward", None)  # would call the original block's compiled forward
-    pipeline = engine.pipeline
-    own = {name: copy.deepcopy(part) for name, part in pipeline.components.items()
-           if name == "scheduler" or name.startswith("tokenizer")}
-    parts = {**pipeline.components, **own, "transformer": transformer}
-    return DiffusionEngine(type(pipeline)(**parts), device=engine.device, compile=engine.compile,
-                           cuda_graphs=engine.cuda_graphs, attention_backend=engine.attention_backend,
-                           overlap_decode=engine.overlap_decode)
 
 
 def pack_rows(trajectories: Sequence[Trajectory], adv: Sequence[torch.Tensor], steps: Sequence[Sequence[int]],
@@ -504,98 +380,19 @@ def guarded(traj: Trajectory, step: int, rows: torch.Tensor, out: SDEStep) -> di
     return {"log_ratio": log_ratio[:, None], "policy_scale": 1 / (sigma - sigma_next)}
 
 
-def sample_chunk(engine: DiffusionEngine, chunk: Chunk, *, max_sequence_length: int, **sampling: Any) -> Trajectory:
-    """Encode the chunk's distinct prompts once, then sample one image per row with its seed."""
-    unique = list(dict.fromkeys(chunk.prompts))
-    conditioning = engine.encode(unique, max_sequence_length=max_sequence_length)
-    rows = [unique.index(p) for p in chunk.prompts]
-    return engine.sample(list(chunk.prompts), conditioning=conditioning.index(rows), seeds=list(chunk.seeds),
-                         sde_window=chunk.window, **sampling)
-
-
-def sample_chunks(engine: DiffusionEngine, chunks: list[Chunk], *, max_sequence_length: int,
-                  **sampling: Any) -> list[Trajectory]:
-    """`sample_chunk` for each chunk, through `sample_many` (sampling.overlap_decode overlaps each
-    chunk's VAE decode with the next chunk's denoising)."""
-    batches = []
-    for chunk in chunks:
-        unique = list(dict.fromkeys(chunk.prompts))
-        conditioning = engine.encode(unique, max_sequence_length=max_sequence_length)
-        batches.append(SampleBatch(chunk.prompts, conditioning=conditioning.index([unique.index(p) for p in chunk.prompts]),
-                                   seeds=chunk.seeds, sde_window=chunk.window))
-    return engine.sample_many(batches, max_sequence_length=max_sequence_length, **sampling)
-
-
 def rollout_options(sampling: SamplingConfig) -> dict[str, Any]:
     """The engine's rollout options from the [sampling] table (rl_rollout.diffusion's docstring)."""
     return {"cuda_graphs": sampling.cuda_graphs, "attention_backend": sampling.attention_backend,
             "overlap_decode": sampling.overlap_decode}
 
 
-def sample_chunk_to_cpu(engine: DiffusionEngine, chunk: Chunk, **kwargs: Any) -> Trajectory:
-    """`sample_chunk` in a worker: tensors come back on CPU (the trainer moves them to its device)."""
-    return to_device(sample_chunk(engine, chunk, **kwargs), torch.device("cpu"))
-
-
-def to_device(traj: Trajectory, device: torch.device) -> Trajectory:
-    """The per-sample tensors on `device` (the schedule stays on CPU, as the engine returns it)."""
-    cond = PromptEmbeddings(traj.conditioning.embeds.to(device), traj.conditioning.pooled.to(device))
-    return replace(traj, conditioning=cond, latents=traj.latents.to(device), log_probs=traj.log_probs.to(device),
-                   images=traj.images.to(device), means=None if traj.means is None else traj.means.to(device))
-
-
-def lora_params(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The LoRA weights of a peft-injected transformer, by name (the same names in every process)."""
-    return {name: p for name, p in module.named_parameters() if ".lora_" in name}
-
-
-def build_lora_engine(path: str, *, dtype: str, text_encoder_dtype: str | None, lora_rank: int,
-                      lora_alpha: float, lora_targets: list[str] | None, compile: bool = False,
-                      **options: Any) -> DiffusionEngine:
-    """A worker's pipeline with the trainer's LoRA layout (weights by `load_lora`), on its GPU."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = DiffusionEngine.from_pretrained(path, dtype=dtype, device=device, text_encoder_dtype=text_encoder_dtype,
-                                             compile=compile, **options)  # as the trainer's engine
-    engine.transformer.requires_grad_(False)
-    add_lora(engine.transformer, family="sd3", r=lora_rank, alpha=lora_alpha, target_modules=lora_targets)
-    return engine
-
-
-def load_lora(engine: DiffusionEngine, state: Mapping[str, torch.Tensor]) -> None:
-    with torch.no_grad():  # the worker's adapters are the trainer's (the same model.lora_* settings)
-        for name, p in lora_params(engine.transformer).items():
-            p.copy_(state[name])
-
-
-def start_workers(rollout: RolloutConfig, model: ModelConfig, path: str, acc: Any,
-                  sampling: SamplingConfig, *, compile: bool) -> tuple[RolloutPool, bool]:
-    """`rollout.workers` actors per trainer process, placed as `rollout.placement` says, and
-    whether this process started Ray (and stops it). `compile`: the trainer's resolved
-    model.compile, so a worker samples with the blocks the trainer replays with."""
-    address, colocated = rollout.ray_address, rollout.placement == "colocated"
-    gpus = rollout.gpus_per_worker
-    if gpus is None:  # split 1, colocated 1 / workers, 0 without CUDA
-        gpus = 0.0 if not torch.cuda.is_available() else 1.0 / rollout.workers if colocated else 1.0
-    gpu_ids = None
-    if torch.cuda.is_available() and not address:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(torch.cuda.device_count())))
-        ids = visible.split(",")
-        mine = ids[acc.device.index or 0]
-        gpu_ids = [mine] if colocated else [g for g in ids if g != mine]
-        if gpus * rollout.workers > len(gpu_ids):
-            raise UserError(f"rollout.placement={rollout.placement!r}: {rollout.workers} workers x {gpus} GPUs "
-                            f"do not fit on GPUs {gpu_ids} (the trainer has GPU {mine}); lower rollout.workers "
-                            "or rollout.gpus_per_worker, or use placement 'colocated'")
-    owns = connect(address, num_cpus=max(os.cpu_count() or 1, rollout.workers), gpu_ids=gpu_ids)
-    ship_module(sys.modules[__name__])  # workers cannot import the app folder: send this module by value
-    spec = EngineSpec(factory=build_lora_engine, load_weights=load_lora, kwargs={
-        "path": path, "dtype": model.dtype, "text_encoder_dtype": model.text_encoder_dtype,
-        "lora_rank": model.lora_rank, "lora_alpha": model.lora_alpha, "lora_targets": model.lora_targets,
-        "compile": compile, **rollout_options(sampling)})
-    pool = RolloutPool(spec, rollout.workers, num_cpus=1.0, num_gpus=gpus, address=address)
-    if colocated:
-        pool.sleep()
-    return pool, owns
+def worker_spec(cfg: Config, path: str, compile: bool) -> EngineSpec:
+    """A Ray worker's engine: the trainer's pipeline and LoRA layout (`compile`: the trainer's
+    resolved model.compile, so a worker samples with the blocks the trainer replays with)."""
+    m = cfg.model
+    return EngineSpec(factory=build_sd3_lora_engine, load_weights=load_lora, kwargs={
+        "path": path, "dtype": m.dtype, "text_encoder_dtype": m.text_encoder_dtype, "lora_rank": m.lora_rank,
+        "lora_alpha": m.lora_alpha, "lora_targets": m.lora_targets, "compile": compile, **rollout_options(cfg.sampling)})
 
 
 FAMILIES: dict[str, Callable[[Config, Any, str], Family]] = {"sd3": SD3, "janus": Janus}

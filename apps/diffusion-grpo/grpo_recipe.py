@@ -13,7 +13,7 @@ seeds, contact sheet). `model.family = "janus"` trains Janus-Pro image tokens (f
 `train.method = "nft"` replaces the update with DiffusionNFT's (nft.py): an old policy samples with
 any sampler, the clean images are trained on the forward process, every scored image counts.
 `train.max_staleness >= 1` samples on the loop's rollout thread (`sample`) from the weights of
-an earlier step (`weight_channel`, families.py) while the trainer updates.
+an earlier step (the family's `weights`, families.py) while the trainer updates.
 `__main__.py` reads the command line and the config (`grpo_config.py`) before this module and
 torch load.
 """
@@ -32,7 +32,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 from accelerate.utils import gather_object
-from families import FAMILIES, SD3, Chunk, Family, FamilyWeights, Micro, whole_weights
+from families import FAMILIES, SD3, Family, Micro, whole_weights
 from grpo_config import (
     DEFAULT_CONFIG,
     ENV,
@@ -68,11 +68,11 @@ from rl_core.train import (
 from rl_data import GroupSampler, OCRPrompt
 from rl_models import tiny
 from rl_models.lora import export_lora
-from rl_rewards import SCORERS, Sample, Scorer, ScoreResult, build_reward, register_scorer
+from rl_policy.lora_weights import LoraPolicyWeights
+from rl_rewards import Sample, Scorer, build_reward
 from rl_rewards.client import RemoteScorer
-from rl_rewards.scorers.media import load_image
 from rl_rollout import ImageSamples
-from rl_rollout.diffusion import Trajectory
+from rl_rollout.diffusion import SampleBatch, Trajectory
 
 
 @dataclass
@@ -81,7 +81,6 @@ class State:
     run: RunContext
     family: Family  # the engine, the LoRA model it samples from and the optimizer
     ema: ParameterEMA
-    policy: FamilyWeights  # the rollout's weights, their version counted
     reward: Scorer  # composed in process, or a RemoteScorer
     weights: dict[str, float]  # the reward's component weights, for algo.reward_aggregation=normalize_then_sum
     prompts: list[OCRPrompt]
@@ -118,13 +117,10 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         reward = RemoteScorer(cfg.reward.url, cfg.reward.server_reward) if cfg.reward.url else build_reward(
             reward_spec(cfg.reward, tiny=cfg.model.path.startswith("tiny:")))
         weights = component_weights(reward, cfg.algo.reward_aggregation)
-        return State(cfg, run, family, ema, FamilyWeights(family), reward, weights, prompts, eval_prompts, sampler)
+        return State(cfg, run, family, ema, reward, weights, prompts, eval_prompts, sampler)
 
-    def policy(self, state: State) -> FamilyWeights:
-        return state.policy
-
-    def start(self, state: State) -> None:
-        state.family.start()
+    def policy(self, state: State) -> LoraPolicyWeights:
+        return state.family.weights
 
     def schedule(self, state: State) -> Schedule:
         every = state.cfg.train.eval_freq
@@ -153,16 +149,16 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         """n copies of each of this process's prompts, one seed per sample: it depends on the
         group's place in the epoch's prompt order (group g of rank r is the (g * world + r)-th
         prompt) and the index in the group, not on the process count. `train.max_staleness >= 1`:
-        on the rollout thread, with the rollout's own weights (`weight_channel`)."""
+        on the rollout thread, with the rollout's own weights (`LoraPolicyWeights.channel`)."""
         cfg, run, epoch = state.cfg, state.run, step - 1
         n, size, world = cfg.rollout.n, cfg.rollout.sample_batch_size, run.world_size
         groups = cfg.rollout.groups_per_epoch // world
         records = [state.prompts[next(iter(state.sampler))] for _ in range(groups * n)]
         seeds = [sample_seed(cfg.train.seed, epoch, sample_index(i, n, world, run.rank)) for i in range(len(records))]
-        chunks = [Chunk(tuple(r.prompt for r in records[i:i + size]), tuple(seeds[i:i + size]),
-                        sde_window(cfg, epoch, sample_index(i, n, world, run.rank)))
-                  for i in range(0, len(records), size)]
-        samples = state.family.collect(chunks, state.policy.weight_version)
+        batches = [SampleBatch(tuple(r.prompt for r in records[i:i + size]), seeds=tuple(seeds[i:i + size]),
+                               sde_window=sde_window(cfg, epoch, sample_index(i, n, world, run.rank)))
+                   for i in range(0, len(records), size)]
+        samples = state.family.collect(batches)
         images = [image for s in samples for image in to_pil(s.images)]
         return Batch(samples, records, torch.arange(len(records)) // n + run.rank * groups, images)
 
@@ -260,7 +256,7 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         return {"adapters": f"{out / 'lora'}, {out / 'lora_ema'}"}
 
     def close(self, state: State) -> None:
-        state.family.close()
+        state.family.weights.close()
 
 
 def sample_index(i: int, n: int, world: int, rank: int) -> int:
@@ -434,26 +430,6 @@ def export_adapters(model: PeftModel, ema: ParameterEMA, out: Path) -> None:
     export_lora(model, out / "lora")
     with ema.swapped(model):
         export_lora(model, out / "lora_ema")
-
-
-class BrightnessScorer:
-    """Mean grey level of `Sample.metadata["image"]` in [0, 1]: a reward the tiny model learns (tests)."""
-
-    name = "brightness"
-
-    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
-        results = []
-        for sample in samples:
-            try:
-                grey = np.asarray(load_image(sample.metadata).convert("L"), dtype=np.float64)
-                results.append(ScoreResult(score=float(grey.mean() / 255)))
-            except (ValueError, OSError) as e:
-                results.append(ScoreResult.failed(f"brightness: {e}"))
-        return results
-
-
-if "brightness" not in SCORERS:  # the app module is imported once per process, tests included
-    register_scorer("brightness", BrightnessScorer)
 
 
 RECIPE = DiffusionGRPO()

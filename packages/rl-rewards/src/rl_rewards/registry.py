@@ -105,6 +105,7 @@ _BUILTIN: dict[str, tuple[str, ComponentKeys]] = {
     "ocr": ("rl_rewards.scorers.ocr:OcrScorer", ()),
     "clip_score": ("rl_rewards.scorers.vision:ClipScorer", ()),
     "aesthetic": ("rl_rewards.scorers.vision:AestheticScorer", ()),
+    "brightness": ("rl_rewards.scorers.media:BrightnessScorer", ()),
     "embedding_similarity": ("rl_rewards.scorers.embedding:EmbeddingSimilarityScorer", _embedding_keys),
     "caption_qa": ("rl_rewards.scorers.caption_qa:build_caption_qa", _caption_qa_keys),
     "vl_judge": ("rl_rewards.scorers.vl_judge:build_vl_judge", _VL_JUDGE_KEYS),

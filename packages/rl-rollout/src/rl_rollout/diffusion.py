@@ -50,6 +50,7 @@ CFG needs no option: `[uncond; cond]` already run as one batched forward.
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -72,7 +73,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
         'rl_rollout.diffusion needs diffusers: pip install "rl-rollout[diffusers]"; in a clone of the repository: uv sync --all-packages --extra diffusers'
     ) from error
 
-__all__ = ["AUTO_ON_CUDA", "DiffusionEngine", "PromptEmbeddings", "SampleBatch", "Trajectory"]
+__all__ = ["AUTO_ON_CUDA", "DiffusionEngine", "PromptEmbeddings", "SampleBatch", "Trajectory", "sample_to_cpu"]
 
 SamplerKind = Literal["sde", "cps", "ode"]
 
@@ -146,6 +147,12 @@ class Trajectory:
     @property
     def num_steps(self) -> int:
         return self.timesteps.shape[0]
+
+    def to(self, device: str | torch.device) -> Trajectory:
+        """The per-sample tensors on `device` (the schedule stays on CPU, as the engine returns it)."""
+        cond = PromptEmbeddings(self.conditioning.embeds.to(device), self.conditioning.pooled.to(device))
+        return replace(self, conditioning=cond, latents=self.latents.to(device), log_probs=self.log_probs.to(device),
+                       images=self.images.to(device), means=None if self.means is None else self.means.to(device))
 
 
 @dataclass(frozen=True)
@@ -257,6 +264,22 @@ class DiffusionEngine:
         pipeline = load_sd3(path, dtype=dtype, text_encoder_dtype=text_encoder_dtype)
         return cls(pipeline, device=device, compile=compile, cuda_graphs=cuda_graphs,
                    attention_backend=attention_backend, overlap_decode=overlap_decode)
+
+    def over(self, transformer: torch.nn.Module) -> DiffusionEngine:
+        """An engine sampling with `transformer` (a copy of this one's, e.g. an asynchronous
+        rollout's weights) that shares this engine's text encoders and VAE, with the same options.
+        Its scheduler and tokenizers are its own: sampling sets the scheduler's timesteps, and a
+        fast tokenizer's call sets its padding and truncation, while this engine may encode on
+        another thread."""
+        for block in getattr(transformer, "transformer_blocks", []):  # a copy made after a compiled forward
+            block.__dict__.pop("forward", None)  # would call the original block's compiled forward
+        pipeline = self.pipeline
+        own = {name: copy.deepcopy(part) for name, part in pipeline.components.items()
+               if name == "scheduler" or name.startswith("tokenizer")}
+        parts = {**pipeline.components, **own, "transformer": transformer}
+        return DiffusionEngine(type(pipeline)(**parts), device=self.device, compile=self.compile,
+                               cuda_graphs=self.cuda_graphs, attention_backend=self.attention_backend,
+                               overlap_decode=self.overlap_decode)
 
     @property
     def transformer(self) -> torch.nn.Module:
@@ -498,11 +521,16 @@ class DiffusionEngine:
         """`sample` for each batch in turn, with the shared arguments; one trajectory per batch,
         each equal to its own `sample` call. Choose it over a loop of `sample` calls where a
         rollout has several batches: with `overlap_decode` the VAE decode of batch k runs on a
-        side CUDA stream while batch k + 1 denoises (the images are ready when this returns)."""
+        side CUDA stream while batch k + 1 denoises (the images are ready when this returns). A
+        batch without `conditioning` has each of its distinct prompts encoded once."""
         side = torch.cuda.Stream(self.device) if self.overlap_decode else None
         main = torch.cuda.current_stream(self.device) if side is not None else None
         out: list[Trajectory] = []
         for batch in batches:
+            if batch.conditioning is None:  # a group's n samples share their prompt: each distinct one encoded once
+                distinct = list(dict.fromkeys(batch.prompts))
+                encoded = self.encode(distinct, max_sequence_length=max_sequence_length)
+                batch = replace(batch, conditioning=encoded.index([distinct.index(p) for p in batch.prompts]))
             traj = self._denoise(batch, num_steps=num_steps, guidance_scale=guidance_scale, height=height,
                                  width=width, noise_level=noise_level, kind=kind,
                                  max_sequence_length=max_sequence_length, keep_means=keep_means)
@@ -716,3 +744,9 @@ class DiffusionEngine:
     @property
     def is_asleep(self) -> bool:
         return self._asleep
+
+
+def sample_to_cpu(engine: DiffusionEngine, batch: SampleBatch, **sampling: Any) -> Trajectory:
+    """`engine.sample_many([batch], **sampling)` with its tensors on CPU: the sampling call of a
+    Ray worker (`rl_rollout.ray_pool.RolloutPool.map`), whose caller moves them to its device."""
+    return engine.sample_many([batch], **sampling)[0].to("cpu")

@@ -36,6 +36,7 @@ Log-probs (`logprobs=`):
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,6 +153,16 @@ class JanusEngine:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         model, processor = load_janus(path, dtype=dtype, attn_implementation=attn_implementation)
         return cls(model, processor, device=device, **kwargs)
+
+    def over(self, model: JanusForConditionalGeneration) -> JanusEngine:
+        """An engine decoding with `model` (a copy of this one's, e.g. an asynchronous rollout's
+        weights), with the same options and a processor and KV cache of its own. Its decode step
+        compiles without CUDA graphs: captured from a rollout thread, which runs on a CUDA stream
+        of its own, the graphs of "reduce-overhead" come out empty (torch 2.11)."""
+        mode = "default" if self.compile_mode == "reduce-overhead" else self.compile_mode
+        return JanusEngine(model, copy.deepcopy(self.processor), device=self.device, max_batch_size=self.max_batch_size,
+                           compile=self.compile, compile_mode=mode, logprobs=self.logprobs,
+                           chunk_size=self.chunk_size, kv_block=self.kv_block)
 
     # -- prompts -------------------------------------------------------------------------------
 

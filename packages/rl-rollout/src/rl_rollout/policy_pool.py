@@ -143,14 +143,15 @@ class PoolEngine:
         self._state = "closed"
 
 
-def worker_gpu_ids(trainer_device: torch.device) -> list[str] | None:
-    """The GPUs a local Ray instance may give the actors: every visible one but the trainer's
-    (as `CUDA_VISIBLE_DEVICES` names them); None without CUDA."""
+def worker_gpu_ids(trainer_device: torch.device, *, colocated: bool = False) -> list[str] | None:
+    """The GPUs a local Ray instance may give the actors (as `CUDA_VISIBLE_DEVICES` names them):
+    every visible one but the trainer's, or with `colocated` the trainer's alone; None without
+    CUDA."""
     if trainer_device.type != "cuda" or not torch.cuda.is_available():
         return None
     ids = _visible_gpus()
     mine = ids[trainer_device.index or 0]
-    return [g for g in ids if g != mine]
+    return [mine] if colocated else [g for g in ids if g != mine]
 
 
 def local_worker_devices(health: Sequence[Any]) -> list[torch.device] | None:

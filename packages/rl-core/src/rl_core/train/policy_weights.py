@@ -13,8 +13,10 @@ the weights:
 
 Synchronous training is the same path at staleness 0: the engine samples from the weights of
 the last optimizer step. `rl_policy.engine.PolicyEngine` is the text policies' (hf, vLLM, Ray
-actors; colocated or split); `ModuleWeights` a module's that samples in this process; an app
-with an engine of its own subclasses `CountedWeights` (or implements the six members).
+actors; colocated or split); `rl_policy.lora_weights.LoraPolicyWeights` a LoRA policy's that an
+app's own engine samples with (diffusion-grpo's SD3 and Janus, in process or on Ray actors);
+`ModuleWeights` a module's that samples in this process; anything else subclasses
+`CountedWeights` (or implements the six members).
 """
 
 from __future__ import annotations

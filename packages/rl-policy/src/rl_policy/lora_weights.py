@@ -1,0 +1,198 @@
+"""A LoRA policy's weights on the rollout side, for an engine the app builds itself (diffusion-grpo's
+SD3 and Janus image engines): the `rl_core.train.PolicyWeights` the trainer loop drives, and the
+Ray actors that sample with the trained LoRA by version.
+
+    weights = LoraPolicyWeights(peft, sampler=engine.transformer, full=full,
+                                on_copy=lambda twin: ...,            # asynchronous: the rollout engine over it
+                                workers=lambda: start_lora_workers(spec, ...))   # optional Ray actors
+    # Recipe.policy(state) returns it; then, each rollout:
+    samples = weights.on_workers(sample_to_cpu, batches, **sampling)   # or the app's engine in process
+
+Synchronous (`train.max_staleness = 0`): the app's engine samples with the trained LoRA model
+itself, so there is nothing to copy in process; Ray workers get its LoRA before a rollout whose
+version they do not hold (each refuses another). Asynchronous, `channel()` gives the rollout weights
+of its own that change only by version:
+- in process: a copy of the LoRA model whose frozen base is the trainer's (shared memory), or for a
+  sharded policy (FSDP2) a whole copy of its own made from one gather on every process (budget
+  the model once more per GPU), handed to `on_copy`, where the app builds its rollout engine over
+  it; each version's LoRA is copied into it (all-gathered first when sharded, on the trainer's
+  thread, where the collective belongs);
+- with Ray workers: each published LoRA as a host copy, pushed by the rollout that needs it, so
+  only the rollout thread talks to the workers; colocated workers then stay awake (they sample
+  while the trainer updates).
+The version (optimizer steps in the weights) is counted and checkpointed by `CountedWeights`.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal
+
+import torch
+
+from rl_core.train import (
+    CopyChannel,
+    CountedWeights,
+    FullWeights,
+    UserError,
+    WeightChannel,
+    copy_sharing_frozen,
+    gathered,
+)
+
+__all__ = ["LoraPolicyWeights", "build_sd3_lora_engine", "load_lora", "lora_params", "start_lora_workers"]
+
+
+def lora_params(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The LoRA weights of a peft-injected module, by name (the same names in every process)."""
+    return {name: p for name, p in module.named_parameters() if ".lora_" in name}
+
+
+class LoraPolicyWeights(CountedWeights):
+    """`PolicyWeights` for a LoRA policy sampled by an engine of the app's (see the module doc).
+
+    `peft`: the trained LoRA model (unsharded, or sharded in place with `full` its whole copy);
+    `sampler`: the module whose LoRA Ray workers take in a synchronous run (the engine's
+    transformer; for a sharded policy the whole copy's, filled inside `gathered`); `on_copy`:
+    called once with the asynchronous rollout's copy of the LoRA model; `workers`: starts the Ray
+    actors (`start_lora_workers`) once the starting weights are in place; `colocated`: they share
+    the trainer's GPU and sleep outside rollouts."""
+
+    def __init__(self, peft: torch.nn.Module, *, sampler: torch.nn.Module, full: FullWeights | None = None,
+                 on_copy: Callable[[torch.nn.Module], None] | None = None,
+                 workers: Callable[[], Any] | None = None, colocated: bool = False,
+                 timer: Callable[[str], AbstractContextManager[Any]] | None = None) -> None:
+        super().__init__(timer)
+        self.peft, self.sampler, self.full, self.on_copy = peft, sampler, full, on_copy
+        self._start_workers, self.colocated = workers, colocated
+        self.pool: Any = None  # rl_rollout.ray_pool.RolloutPool, once started
+        self._host: _HostVersions | None = None  # asynchronous with workers: the published LoRAs
+
+    def start(self) -> None:
+        if self._start_workers is not None and self.pool is None:
+            self.pool = self._start_workers()
+        super().start()
+
+    def channel(self) -> WeightChannel:
+        if self.versions is not None:
+            return self.versions
+        inner: WeightChannel
+        if self.pool is not None:
+            if self.colocated:
+                self.pool.wake()  # awake for the whole run: the workers sample while the trainer updates
+            inner = self._host = _HostVersions(self.sampler)
+        else:
+            if self.full is not None:
+                with gathered(self.full, self.peft) as whole:
+                    twin = copy.deepcopy(whole).requires_grad_(False)
+            else:
+                twin = copy_sharing_frozen(self.peft)
+            if self.on_copy is not None:
+                self.on_copy(twin)
+            inner = CopyChannel(self.peft, twin)
+        return self.counted(inner)
+
+    def on_workers(self, fn: Callable[..., Any], items: Sequence[Any], **kwargs: Any) -> list[Any]:
+        """`fn(engine, item, **kwargs)` for each item on the Ray workers, holding the weights of
+        `weight_version` first (pushed if they hold another). Call it on every process: a
+        synchronous push of a sharded policy gathers its LoRA (a collective)."""
+        pool = self.pool
+        if pool is None:
+            raise RuntimeError("no Ray workers: build LoraPolicyWeights with `workers` and start it first")
+        colocated = self.colocated and self._host is None  # asynchronous: awake throughout
+        if colocated:
+            pool.wake()
+        if pool.version != self.weight_version:
+            if self._host is not None:
+                pool.load_weights(self._host.loaded, self.weight_version)
+            else:
+                with gathered(self.full, self.peft) if self.full is not None else nullcontext():
+                    pool.load_weights({n: p.detach() for n, p in lora_params(self.sampler).items()},
+                                      self.weight_version)
+        outputs = list(pool.map(fn, items, **kwargs).outputs)
+        if colocated:
+            pool.sleep()  # VRL colocated: the actors release the GPU before the update
+        return outputs
+
+    def close(self) -> None:
+        """Stop the Ray workers (also after an error)."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+
+class _HostVersions:
+    """The trained LoRA by loop step as host copies, for Ray workers: `load` picks the copy that
+    the next `on_workers` pushes."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}
+        self.loaded: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def publish(self, version: int) -> None:
+        with torch.no_grad():
+            held = {n: p.detach().to("cpu", copy=True) for n, p in lora_params(self.module).items()}
+        with self._lock:
+            self.versions[version] = held
+
+    def load(self, version: int, *, prune: bool = True) -> None:
+        with self._lock:
+            self.loaded = self.versions[version]
+            if prune:
+                self.versions = {v: w for v, w in self.versions.items() if v >= version}
+
+    def close(self) -> None:
+        with self._lock:
+            self.versions.clear()
+
+
+def start_lora_workers(spec: Any, workers: int, *, placement: Literal["split", "colocated"], device: torch.device,
+                       gpus_per_worker: float | None = None, address: str | None = None) -> Any:
+    """`workers` Ray actors (`rl_rollout.ray_pool.RolloutPool` of `spec`) for this training
+    process: `split` on GPUs of their own (a local Ray gets every visible GPU but the trainer's),
+    `colocated` on the trainer's GPU, asleep until a rollout. `gpus_per_worker` None: split 1,
+    colocated 1 / workers, 0 without CUDA. `address` (else RAY_ADDRESS) joins a running cluster."""
+    from rl_rollout.policy_pool import worker_gpu_ids
+    from rl_rollout.ray_pool import RolloutPool
+
+    colocated = placement == "colocated"
+    gpus = gpus_per_worker
+    if gpus is None:
+        gpus = 0.0 if not torch.cuda.is_available() else 1.0 / workers if colocated else 1.0
+    gpu_ids = None if address else worker_gpu_ids(torch.device(device), colocated=colocated)
+    if gpu_ids is not None and gpus * workers > len(gpu_ids):
+        raise UserError(f"rollout.placement={placement!r}: {workers} workers x {gpus} GPUs do not fit on GPUs "
+                        f"{gpu_ids} (the trainer has GPU {torch.device(device).index or 0}); lower rollout.workers "
+                        "or rollout.gpus_per_worker, or use placement 'colocated'")
+    pool = RolloutPool(spec, workers, num_cpus=1.0, num_gpus=gpus, address=address, gpu_ids=gpu_ids)
+    if colocated:
+        pool.sleep()
+    return pool
+
+
+def build_sd3_lora_engine(path: str, *, dtype: str, text_encoder_dtype: str | None, lora_rank: int,
+                          lora_alpha: float, lora_targets: list[str] | None, **options: Any) -> Any:
+    """A Ray worker's SD3 engine with the trainer's LoRA layout (`EngineSpec.factory`; weights by
+    `load_lora`), on the worker's GPU (or the CPU); `options` are `DiffusionEngine`'s."""
+    from rl_models.lora import add_lora
+    from rl_rollout.diffusion import DiffusionEngine
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = DiffusionEngine.from_pretrained(path, dtype=dtype, device=device, text_encoder_dtype=text_encoder_dtype,
+                                             **options)
+    engine.transformer.requires_grad_(False)
+    add_lora(engine.transformer, family="sd3", r=lora_rank, alpha=lora_alpha, target_modules=lora_targets)
+    return engine
+
+
+def load_lora(engine: Any, state: Mapping[str, torch.Tensor]) -> None:
+    """A pushed LoRA into a worker's engine (`EngineSpec.load_weights`): the same names as the
+    trainer's, as both add it with the same settings."""
+    with torch.no_grad():
+        for name, p in lora_params(engine.transformer).items():
+            p.copy_(state[name])
