@@ -7,7 +7,7 @@
     uv run apps/rider-grm --resume                            # continue the latest run
 
 The loop (`rl_core.train.loop`) owns the step. rollout: the policy's engine samples, then the old
-and reference log-probs, then the policy sleeps as the swap plan says (`swapping`). reward: the
+and reference log-probs, then the policy sleeps as the swap plan says (`rl_policy.swap`). reward: the
 rule, each judge woken in turn for what its gate lets through, the similarity, folded (`rewarding`,
 `judging`) into token rewards. update: the policy wakes; clipped policy gradient + k3 KL loss (the
 loop syncs the engine after each optimizer step); the swap plan decided from the measured peaks.
@@ -35,7 +35,6 @@ from rider_config import (
     judge_configs,
     resolve_model,
 )
-from swapping import PolicySwap, initial_plan
 
 from rl_core.kl import compute_kl
 from rl_core.train import GroupAdvantages, PinnedOffload, isolated_rng, sample_seed
@@ -46,6 +45,7 @@ from rl_data import GroupSampler, JudgeRecord
 from rl_models.text import load_causal_lm
 from rl_policy import training
 from rl_policy.engine import PolicyEngine, build_policy_engine, rollout_device
+from rl_policy.swap import PolicySwap, initial_plan
 from rl_rewards.composition import Reward
 from rl_rewards.samples import Sample, ScoreResult
 from rl_rollout import Generation, SamplingParams, generate_seeded

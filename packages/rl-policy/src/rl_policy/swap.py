@@ -1,25 +1,37 @@
-"""Moving the policy on and off the accelerator while the judges score, and deciding when not to.
+"""Moving the policy on and off the accelerator while other models on it (reward judges) score,
+and deciding when not to (rider-grm's `reward.swap`).
 
 VeRL-with-RMs keeps one model on the GPU at a time. The copies go through page-locked host buffers
-allocated once and reused (`rl_core.train.offload`, far cheaper than `model.to("cpu")`;
-benchmarks/RESULTS.md, "rider-grm: judges swapped vs auto vs resident"); the engines' own
-sleep/wake then find the weights moved. `compute_swap_plan` decides from one measured step
-whether to swap at all (`auto`).
+allocated once and reused (`rl_core.train.offload`, far cheaper than `model.to("cpu")`); the
+engines' own sleep/wake then find the weights moved. `compute_swap_plan` decides from one
+measured step whether to swap at all (`auto`). Choose it when a policy and in-process judges
+share one GPU; judges served elsewhere need none of it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
-from judging import Judge
 
 from rl_core.train import OptimizerOffload, PhaseTimer, PinnedOffload
 from rl_policy.engine import PolicyEngine
 
+__all__ = ["PLANS", "Judge", "PolicySwap", "SwapPlan", "compute_swap_plan", "initial_plan"]
+
 PlanName = Literal["always", "judges", "never"]
+
+
+class Judge(Protocol):
+    """A model that takes turns with the policy: its `name` (its scoring is timed as the phase
+    `judge_<name>_score`), its weights' offloader (None: not in this process, nothing to
+    measure) and whether it sleeps after scoring (`swap`, set by the plan)."""
+
+    name: str
+    offload: PinnedOffload | None
+    swap: bool
 
 
 @dataclass(frozen=True)
