@@ -107,8 +107,8 @@ class Family(Protocol):
     old: OldPolicy | None = None  # train.method = "nft" (sd3): DiffusionNFT's old policy, which samples
 
     def collect(self, batches: list[SampleBatch]) -> Sequence[ImageSamples]:
-        """One sampled batch per batch (`sde_window`: sd3's stochastic steps, janus's trained
-        token positions), with the weights of `weights.weight_version`."""
+        """The samples of each `SampleBatch` (its `sde_window`: sd3's stochastic steps, janus's
+        trained token positions), drawn with the weights of `weights.weight_version`."""
 
     def replays(self, samples: Sequence[ImageSamples], adv: Sequence[torch.Tensor], plan: list[list[Micro]]) -> Replays:
         """The update over `samples` (advantages `[b_k]` per sampled batch) along `plan_micro_batches`'s plan."""
@@ -160,7 +160,7 @@ class SD3(Family):
             return [traj.to(self.acc.device) for traj in self.weights.on_workers(sample_to_cpu, batches, **kwargs)]
         # a sharded policy's weights gathered into the engine's copy (asynchronous: the rollout
         # thread's copy holds them already, and the gather, a collective, stays on the trainer's thread)
-        with whole_weights(self) if self.weights.versions is None else nullcontext():
+        with nullcontext() if self.weights.asynchronous else whole_weights(self):
             return self.rollout_engine.sample_many(batches, **kwargs)
 
     def replays(self, samples: Sequence[ImageSamples], adv: Sequence[torch.Tensor], plan: list[list[Micro]]) -> Replays:

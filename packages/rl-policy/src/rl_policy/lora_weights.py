@@ -71,6 +71,11 @@ class LoraPolicyWeights(CountedWeights):
         self.pool: Any = None  # rl_rollout.ray_pool.RolloutPool, once started
         self._host: _HostVersions | None = None  # asynchronous with workers: the published LoRAs
 
+    @property
+    def asynchronous(self) -> bool:
+        """Whether `channel()` was called: the rollout samples with weights of its own."""
+        return self.versions is not None
+
     def start(self) -> None:
         if self._start_workers is not None and self.pool is None:
             self.pool = self._start_workers()
@@ -102,7 +107,7 @@ class LoraPolicyWeights(CountedWeights):
         pool = self.pool
         if pool is None:
             raise RuntimeError("no Ray workers: build LoraPolicyWeights with `workers` and start it first")
-        colocated = self.colocated and self._host is None  # asynchronous: awake throughout
+        colocated = self.colocated and not self.asynchronous  # asynchronous: awake throughout
         if colocated:
             pool.wake()
         if pool.version != self.weight_version:
