@@ -6,8 +6,9 @@ state, FSDP2 sharding (`sharding`), trainable weights as checkpoint state and th
 (`ema`), and the training phases the apps share: group advantages
 over processes (`groups`), the accumulated optimizer step with its non-finite guard and
 first-replay check (`update`), the update over replayed samples that image apps share
-(`replay_update`), the `main()` contract with user errors (`app`), and the end of a
-multi-process run (`shutdown`).
+(`replay_update`) and its micro-batch plan (`replay_plan`), a run's image artifacts (`images`:
+contact sheets, collapse statistics), the `main()` contract with user errors (`app`), and the
+end of a multi-process run (`shutdown`).
 
 Accelerate is imported only where an accelerator is used, never at import time. The names below
 are imported on first use (PEP 562), each from its module: `from rl_core.train import RunFields,
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
         gather_rows,
         group_advantages,
     )
+    from rl_core.train.images import contact_sheet, image_stats, to_pil
     from rl_core.train.loop import run, train
     from rl_core.train.metric_names import METRIC_NAMES, unknown_metric_names
     from rl_core.train.metrics import MetricsLogger, PhaseTimer
@@ -90,6 +92,13 @@ if TYPE_CHECKING:
         Skip,
         check_batch_split,
         check_group_size,
+    )
+    from rl_core.train.replay_plan import (
+        Micro,
+        by_trajectory,
+        chunked_steps,
+        flow_grpo_steps,
+        plan_micro_batches,
     )
     from rl_core.train.replay_update import Replay, replay_update
     from rl_core.train.rundir import latest_checkpoint, latest_run, make_run_dir, resolve_resume
@@ -140,6 +149,7 @@ _EXPORTS = {
     "ema": ["ParameterEMA", "TrainableState", "trainable_parameters"],
     "fields": ["CompileMode", "DType", "DynamicSampling", "RunFields", "ShardingFields"],
     "groups": ["GroupAdvantages", "component_means", "component_weights", "gather_rows", "group_advantages"],
+    "images": ["contact_sheet", "image_stats", "to_pil"],
     "loop": ["run", "train"],
     "metric_names": ["METRIC_NAMES", "unknown_metric_names"],
     "metrics": ["MetricsLogger", "PhaseTimer"],
@@ -152,6 +162,7 @@ _EXPORTS = {
     "progress": ["TrainProgress"],
     "recipe": ["Checkpoint", "MergesRounds", "Recipe", "RunContext", "Schedule", "Scores", "Skip", "check_batch_split",
                "check_group_size"],
+    "replay_plan": ["Micro", "by_trajectory", "chunked_steps", "flow_grpo_steps", "plan_micro_batches"],
     "replay_update": ["Replay", "replay_update"],
     "rundir": ["latest_checkpoint", "latest_run", "make_run_dir", "resolve_resume"],
     "samples": ["SampleLog"],
@@ -185,6 +196,7 @@ __all__ = [
     "KLName",
     "MergesRounds",
     "MetricsLogger",
+    "Micro",
     "ModuleWeights",
     "NonFiniteError",
     "NonFiniteGuard",
@@ -227,23 +239,28 @@ __all__ = [
     "UserError",
     "WeightChannel",
     "accelerator_kwargs",
+    "by_trajectory",
     "check_batch_split",
     "check_finite_parameters",
     "check_group_size",
     "check_loss_options",
+    "chunked_steps",
     "component_means",
     "component_weights",
     "config_help",
+    "contact_sheet",
     "copy_sharing_frozen",
     "dump_config",
     "end_training",
     "finish_copies",
     "flat_config",
+    "flow_grpo_steps",
     "full_state_dict",
     "gather_rows",
     "gathered",
     "get_rng_state",
     "group_advantages",
+    "image_stats",
     "is_sharded",
     "isolated_rng",
     "latest_checkpoint",
@@ -254,6 +271,7 @@ __all__ = [
     "optimizer_step",
     "parse_cli",
     "parse_run",
+    "plan_micro_batches",
     "plot_reward_curve",
     "prepare_policy",
     "replay_update",
@@ -267,6 +285,7 @@ __all__ = [
     "set_rng_state",
     "shard_model",
     "sharded_state",
+    "to_pil",
     "train",
     "trainable_parameters",
     "unknown_metric_names",
