@@ -10,7 +10,15 @@ from peft import PeftModel
 
 from rl_models import tiny
 from rl_models.lora import add_lora
-from rl_rollout.diffusion import AUTO_ON_CUDA, DiffusionEngine, SampleBatch, resolve_options
+from rl_rollout.diffusion import (
+    AUTO_ON_CUDA,
+    DiffusionEngine,
+    SampleBatch,
+    join_rows,
+    pack_rows,
+    resolve_options,
+    same_schedule,
+)
 
 PROMPTS = ['a sign that says "hello"', 'a poster reading "rl"']
 SIZE = 32  # pixels; latents are SIZE / vae_scale_factor
@@ -341,3 +349,30 @@ def test_cuda_graphs_and_overlapped_decode_sample_what_the_plain_loop_does(compi
     engine.cuda_graphs = False
     _assert_same_sample(graphed_lora, _sample(engine, conditioning=conditioning), atol=0.0)
     assert not torch.allclose(graphed_lora.images, plain.images, atol=1e-3)
+
+
+def test_pack_rows_joins_the_rows_of_one_schedule_and_replays_what_each_batch_does(engine: DiffusionEngine) -> None:
+    """Sampled batches a, b (one schedule) and c (other guidance), 2 images each; one optimizer
+    step trains a's rows 0, 1, b's row 1 and c's row 0, plus a weight-0 filler. In forwards of 3
+    rows, a's and b's rows become one joined trajectory (source 3), c's stay apart (another
+    schedule), the filler is kept as it is; the joined replay gives each batch's own log-probs."""
+    a, b, c = _sample(engine), _sample(engine, seeds=[3, 4]), _sample(engine, guidance_scale=1.0)
+    steps = [[0, 1, 2]] * 3
+    assert same_schedule(a, b, steps[0], steps[1]) and not same_schedule(a, c, steps[0], steps[2])
+    assert not same_schedule(a, b, [0, 1], [0, 2])
+    adv = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]), torch.tensor([5.0, 6.0])]
+    plan = [[(0, torch.tensor([0, 1]), 1.0), (1, torch.tensor([1]), 1.0), (2, torch.tensor([0]), 1.0),
+             (0, torch.tensor([0]), 0.0)]]
+    sources, advs, packed = pack_rows([a, b, c], adv, steps, plan, 3)
+    assert [(k, rows.tolist(), w) for k, rows, w in packed[0]] == [(0, [0], 0.0), (3, [0, 1, 2], 1.0), (2, [0], 1.0)]
+    joined, joined_steps = sources[3]
+    assert len(sources) == 4 and joined_steps == [0, 1, 2] and advs[3].tolist() == [1.0, 2.0, 4.0]
+    assert joined.prompts == (PROMPTS[0], PROMPTS[1], PROMPTS[1])
+    torch.testing.assert_close(joined.latents, torch.cat([a.latents, b.latents[1:]]), atol=0, rtol=0)
+    assert torch.equal(joined.conditioning.embeds, torch.cat([a.conditioning.embeds, b.conditioning.embeds[1:]]))
+    assert torch.equal(join_rows([(a, torch.tensor([1]))]).log_probs, a.log_probs[1:])
+    with torch.no_grad():
+        replayed = engine.replay(joined, 1, rows=torch.arange(3)).log_prob  # [3]
+        apart = torch.cat([engine.replay(a, 1, rows=torch.tensor([0, 1])).log_prob,
+                           engine.replay(b, 1, rows=torch.tensor([1])).log_prob])  # [3]
+    torch.testing.assert_close(replayed, apart, atol=1e-5, rtol=1e-5)

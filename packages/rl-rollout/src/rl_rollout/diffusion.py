@@ -45,6 +45,10 @@ compared alone with the compiled plain pipeline by benchmarks/diffusion_grpo.py)
 - `overlap_decode`: `sample_many` decodes batch k with the VAE on a side CUDA stream while batch
   k + 1 denoises; the last decode is waited for before it returns. CUDA only.
 CFG needs no option: `[uncond; cond]` already run as one batched forward.
+
+For the replay: `pack_rows` regroups a trainer's micro-batches across sampled batches of one
+schedule (`same_schedule`), joining their rows into one trajectory (`join_rows`), so every
+replay forward has the micro-batch's size.
 """
 
 from __future__ import annotations
@@ -52,10 +56,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -73,7 +77,8 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
         'rl_rollout.diffusion needs diffusers: pip install "rl-rollout[diffusers]"; in a clone of the repository: uv sync --all-packages --extra diffusers'
     ) from error
 
-__all__ = ["AUTO_ON_CUDA", "DiffusionEngine", "PromptEmbeddings", "SampleBatch", "Trajectory", "sample_to_cpu"]
+__all__ = ["AUTO_ON_CUDA", "DiffusionEngine", "PromptEmbeddings", "SampleBatch", "Trajectory", "join_rows", "pack_rows",
+           "same_schedule", "sample_to_cpu"]
 
 SamplerKind = Literal["sde", "cps", "ode"]
 
@@ -750,3 +755,69 @@ def sample_to_cpu(engine: DiffusionEngine, batch: SampleBatch, **sampling: Any) 
     """`engine.sample_many([batch], **sampling)` with its tensors on CPU: the sampling call of a
     Ray worker (`rl_rollout.ray_pool.RolloutPool.map`), whose caller moves them to its device."""
     return engine.sample_many([batch], **sampling)[0].to("cpu")
+
+
+RowBatch = tuple[int, Tensor, float]  # (sampled batch, its rows [b], loss weight): `rl_core.train.Micro`
+
+
+def pack_rows(trajectories: Sequence[Trajectory], adv: Sequence[Tensor], steps: Sequence[Sequence[int]],
+              plan: Sequence[Sequence[RowBatch]], size: int) -> tuple[list[tuple[Trajectory, Sequence[int]]],
+                                                                    list[Tensor], list[list[RowBatch]]]:
+    """`plan` (a trainer's optimizer steps of micro-batches over `trajectories`, advantages `adv`
+    `[b_k]` and trained `steps` each) with each optimizer step's rows regrouped into micro-batches
+    of at most `size` rows that may span sampled batches: the rows of one weight and one schedule
+    (`same_schedule`), in plan order, cut every `size` rows. Returns the replayed sources,
+    (trajectory, its trained steps) each (the sampled batches, then one joined batch per
+    micro-batch that spans several), their advantages `[b]` and the plan over them. The loss is
+    unchanged (a micro-batch's loss is its units' sum over the step's unit count); only rounding
+    differs. Filler micro-batches (weight 0) are kept as they are. Pick it where ragged
+    per-batch forwards cost more than the join (compiled blocks: each new batch size recompiles)."""
+    sources = [(traj, s) for traj, s in zip(trajectories, steps, strict=True)]
+    advs = list(adv)
+
+    def schedule(k: int) -> int:  # the first sampled batch replayed alike
+        return next(j for j in range(k + 1) if same_schedule(trajectories[j], trajectories[k], steps[j], steps[k]))
+
+    packed = []
+    for micro_batches in plan:
+        groups: dict[tuple[float, int], list[tuple[int, int]]] = {}
+        kept: list[RowBatch] = []
+        for k, rows, weight in micro_batches:
+            if not weight:
+                kept.append((k, rows, weight))
+                continue
+            groups.setdefault((weight, schedule(k)), []).extend((k, int(r)) for r in rows)
+        for (weight, _), pairs in groups.items():
+            for start in range(0, len(pairs), size):
+                chunk = pairs[start:start + size]
+                ks = list(dict.fromkeys(k for k, _ in chunk))
+                parts = [(k, torch.tensor([r for j, r in chunk if j == k])) for k in ks]  # [b_k] rows each
+                if len(parts) == 1:
+                    kept.append((parts[0][0], parts[0][1], weight))
+                    continue
+                sources.append((join_rows([(trajectories[k], rows) for k, rows in parts]), steps[ks[0]]))
+                advs.append(torch.cat([adv[k][rows.to(adv[k].device)] for k, rows in parts]))  # [b]
+                kept.append((len(sources) - 1, torch.arange(len(chunk)), weight))
+        packed.append(kept)
+    return sources, advs, packed
+
+
+def same_schedule(a: Trajectory, b: Trajectory, steps_a: Sequence[int], steps_b: Sequence[int]) -> bool:
+    """Whether rows of `a` and `b` can be replayed in one forward: the same trained steps at the
+    same noise levels, guidance, noise level and sampler."""
+    return (list(steps_a) == list(steps_b) and torch.equal(a.sigmas, b.sigmas)
+            and (a.guidance_scale, a.noise_level, a.kind, a.means is None) == (b.guidance_scale, b.noise_level, b.kind,
+                                                                               b.means is None))
+
+
+def join_rows(parts: Sequence[tuple[Trajectory, Tensor]]) -> Trajectory:
+    """One trajectory of the rows `[b_i]` of each of `parts`' trajectories (of one schedule:
+    `same_schedule`), in order: what a sampled batch of those images would have kept."""
+    def cat(field: Callable[[Trajectory], Tensor]) -> Tensor:
+        return torch.cat([field(traj)[rows.to(field(traj).device)] for traj, rows in parts])  # [b, ...]
+
+    first = parts[0][0]
+    return replace(first, prompts=tuple(traj.prompts[r] for traj, rows in parts for r in rows.tolist()),
+                   conditioning=PromptEmbeddings(cat(lambda x: x.conditioning.embeds), cat(lambda x: x.conditioning.pooled)),
+                   latents=cat(lambda x: x.latents), log_probs=cat(lambda x: x.log_probs), images=cat(lambda x: x.images),
+                   means=None if first.means is None else cat(lambda x: cast(Tensor, x.means)))
