@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_policy.lora_weights import LoraPolicyWeights, lora_params
+from rl_core.train import ParameterEMA
+from rl_policy.lora_weights import LoraCopy, LoraPolicyWeights, lora_params
 
 
 class LoraToy(torch.nn.Module):
@@ -60,3 +61,40 @@ def test_asynchronous_weights_are_a_copy_changed_only_by_version() -> None:
     assert weights.state_dict() == {"weight_version": 6}
     with pytest.raises(KeyError, match="step 3 were not published"):
         channel.load(3)  # pruned: older than the version loaded last
+
+
+def test_the_ema_steps_with_every_optimizer_step_the_weights_count() -> None:
+    """`stepped()` (each optimizer step taken) steps the EMA too: interval 2, decay 0.5, the
+    LoRA weight at 1 then 3 -> after 2 steps the shadow is 0.5 x w0 + 0.5 x 3; the frozen base is
+    not averaged."""
+    trained = LoraToy()
+    with torch.no_grad():
+        trained.adapter.lora_A.weight.fill_(1.0)
+    ema = ParameterEMA(trained, decay=0.5, interval=2)
+    weights = LoraPolicyWeights(trained, sampler=trained, ema=ema)
+    weights.start()
+    assert weights.ema is ema and list(ema.shadow) == ["adapter.lora_A.weight"]
+    weights.stepped()  # step 1: not a multiple of the interval
+    assert (ema.steps, ema.updates) == (1, 0) and torch.equal(ema.shadow["adapter.lora_A.weight"], torch.ones(2, 4))
+    with torch.no_grad():
+        trained.adapter.lora_A.weight.fill_(3.0)
+    weights.stepped()
+    assert (weights.steps, ema.steps, ema.updates) == (2, 2, 1)
+    assert torch.equal(ema.shadow["adapter.lora_A.weight"], torch.full((2, 4), 2.0))
+
+
+def test_a_lora_copy_shares_the_base_and_moves_towards_the_trained_lora() -> None:
+    """DiffusionNFT's old policy: copy <- 0.75 copy + 0.25 trained, by name; its checkpoint state
+    is its LoRA, and another LoRA's state is refused."""
+    trained = LoraToy()
+    copy = LoraCopy(trained)
+    assert copy.model.base.weight.data_ptr() == trained.base.weight.data_ptr()
+    start = trained.adapter.lora_A.weight.detach().clone()
+    with torch.no_grad():
+        trained.adapter.lora_A.weight.add_(4.0)
+    copy.move_towards(0.75)
+    torch.testing.assert_close(copy.state_dict()["adapter.lora_A.weight"], start + 1.0)
+    copy.load_state_dict({"adapter.lora_A.weight": start})
+    assert torch.equal(copy.model.adapter.lora_A.weight, start)
+    with pytest.raises(ValueError, match="another LoRA rank"):
+        copy.load_state_dict({})

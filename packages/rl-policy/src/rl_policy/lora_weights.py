@@ -3,6 +3,7 @@ SD3 and Janus image engines): the `rl_core.train.PolicyWeights` the trainer loop
 Ray actors that sample with the trained LoRA by version.
 
     weights = LoraPolicyWeights(peft, sampler=engine.transformer, full=full,
+                                ema=ParameterEMA(peft, decay=0.9),   # optional: stepped with the policy
                                 on_copy=lambda twin: ...,            # asynchronous: the rollout engine over it
                                 workers=lambda: start_lora_workers(spec, ...))   # optional Ray actors
     # Recipe.policy(state) returns it; then, each rollout:
@@ -20,7 +21,10 @@ of its own that change only by version:
 - with Ray workers: each published LoRA as a host copy, pushed by the rollout that needs it, so
   only the rollout thread talks to the workers; colocated workers then stay awake (they sample
   while the trainer updates).
-The version (optimizer steps in the weights) is counted and checkpointed by `CountedWeights`.
+The version (optimizer steps in the weights) is counted and checkpointed by `CountedWeights`;
+an `ema` (`ParameterEMA`) steps with it, after every optimizer step taken (the app checkpoints
+it and evaluates or exports through it). `LoraCopy` is a second LoRA over the same frozen base
+that follows the trained one by an EMA step (DiffusionNFT's old policy).
 """
 
 from __future__ import annotations
@@ -32,18 +36,20 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal
 
 import torch
+from torch import Tensor
 
 from rl_core.train import (
     CopyChannel,
     CountedWeights,
     FullWeights,
+    ParameterEMA,
     UserError,
     WeightChannel,
     copy_sharing_frozen,
     gathered,
 )
 
-__all__ = ["LoraPolicyWeights", "build_sd3_lora_engine", "load_lora", "lora_params", "start_lora_workers"]
+__all__ = ["LoraCopy", "LoraPolicyWeights", "build_sd3_lora_engine", "load_lora", "lora_params", "start_lora_workers"]
 
 
 def lora_params(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -59,14 +65,16 @@ class LoraPolicyWeights(CountedWeights):
     transformer; for a sharded policy the whole copy's, filled inside `gathered`); `on_copy`:
     called once with the asynchronous rollout's copy of the LoRA model; `workers`: starts the Ray
     actors (`start_lora_workers`) once the starting weights are in place; `colocated`: they share
-    the trainer's GPU and sleep outside rollouts."""
+    the trainer's GPU and sleep outside rollouts; `ema`: the trained LoRA's EMA, stepped by
+    `stepped()` (after every optimizer step taken, as the loop's `NonFiniteGuard` calls it)."""
 
     def __init__(self, peft: torch.nn.Module, *, sampler: torch.nn.Module, full: FullWeights | None = None,
                  on_copy: Callable[[torch.nn.Module], None] | None = None,
                  workers: Callable[[], Any] | None = None, colocated: bool = False,
-                 timer: Callable[[str], AbstractContextManager[Any]] | None = None) -> None:
+                 timer: Callable[[str], AbstractContextManager[Any]] | None = None,
+                 ema: ParameterEMA | None = None) -> None:
         super().__init__(timer)
-        self.peft, self.sampler, self.full, self.on_copy = peft, sampler, full, on_copy
+        self.peft, self.sampler, self.full, self.on_copy, self.ema = peft, sampler, full, on_copy, ema
         self._start_workers, self.colocated = workers, colocated
         self.pool: Any = None  # rl_rollout.ray_pool.RolloutPool, once started
         self._host: _HostVersions | None = None  # asynchronous with workers: the published LoRAs
@@ -80,6 +88,11 @@ class LoraPolicyWeights(CountedWeights):
         if self._start_workers is not None and self.pool is None:
             self.pool = self._start_workers()
         super().start()
+
+    def stepped(self) -> None:
+        super().stepped()
+        if self.ema is not None:
+            self.ema.step()
 
     def channel(self) -> WeightChannel:
         if self.versions is not None:
@@ -127,6 +140,34 @@ class LoraPolicyWeights(CountedWeights):
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+
+class LoraCopy:
+    """A copy of the LoRA model `peft` whose frozen base is `peft`'s (`copy_sharing_frozen`),
+    starting at the trained LoRA, that follows it only by `move_towards`: DiffusionNFT's old
+    policy, which samples the rollouts and gives `v_old` in the loss. A checkpoint `Stateful`
+    (its LoRA by the trained one's names)."""
+
+    def __init__(self, peft: torch.nn.Module) -> None:
+        self.model = copy_sharing_frozen(peft)
+        self.trained, self.params = lora_params(peft), lora_params(self.model)  # the same names
+
+    @torch.no_grad()
+    def move_towards(self, decay: float) -> None:
+        """`copy <- decay copy + (1 - decay) trained` (DiffusionNFT's order of operations)."""
+        for name, p in self.params.items():
+            p.copy_(p * decay + self.trained[name].detach() * (1.0 - decay))
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {name: p.detach().cpu().clone() for name, p in self.params.items()}
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        if set(state) != set(self.params):
+            raise ValueError(f"its LoRA copy is not this model's ({len(state)} vs {len(self.params)} tensors): "
+                             "another LoRA rank or target modules?")
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(state[name])
 
 
 class _HostVersions:
