@@ -53,6 +53,11 @@ def janus_path(_tiny_cache):
     return tiny.build("janus")
 
 
+@pytest.fixture(scope="session")
+def wan_path(_tiny_cache):
+    return tiny.build("wan")
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests (opt-in: `nox -s gpu`) skip with the reason on a machine without CUDA,
     instead of failing there."""

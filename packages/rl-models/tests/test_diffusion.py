@@ -91,3 +91,29 @@ def test_missing_diffusers_names_install_command(monkeypatch):
     monkeypatch.setattr(diffusion.importlib, "import_module", lambda name: fake_import(name))
     with pytest.raises(ImportError, match=r'pip install "rl-models\[diffusers\]"'):
         diffusion.require_diffusers()
+
+
+def test_tiny_wan_is_a_wan_pipeline_that_samples_videos(wan_path):
+    """`tiny:wan` loads through diffusers' own `WanPipeline`: a prompt's UMT5 states reach the
+    transformer (another prompt, another velocity), the VAE keeps Wan's 4x temporal compression
+    (5 frames <-> 2 latent frames), and a seeded call gives the same frames again."""
+    import diffusers
+
+    pipe = diffusers.WanPipeline.from_pretrained(wan_path)
+    assert pipe.text_encoder.config.d_model == pipe.transformer.config.text_dim
+    embeds = {p: pipe.encode_prompt(p, do_classifier_free_guidance=False, max_sequence_length=16)[0]
+              for p in ("a red sign", "a cat")}
+    latents = torch.randn(1, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0))  # [B, C, F', h, w]
+    with torch.no_grad():
+        velocity = {p: pipe.transformer(latents, timestep=torch.tensor([500.0]), encoder_hidden_states=e).sample
+                    for p, e in embeds.items()}
+    assert velocity["a cat"].shape == latents.shape
+    assert not torch.allclose(velocity["a cat"], velocity["a red sign"])
+
+    def sample() -> torch.Tensor:
+        return pipe("a red sign", num_frames=5, height=32, width=32, num_inference_steps=2, output_type="pt",
+                    max_sequence_length=16, generator=torch.Generator().manual_seed(0)).frames
+
+    video = sample()
+    assert video.shape == (1, 5, 3, 32, 32)  # [B, F, 3, H, W]
+    assert torch.isfinite(video).all() and torch.equal(video, sample())

@@ -33,6 +33,7 @@ def test_every_family_of_the_issue_is_registered():
         "qwen3_vl",
         "sd3",
         "janus",
+        "wan",
         "embedding",
         "clip",
     }
