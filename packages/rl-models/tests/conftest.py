@@ -58,6 +58,11 @@ def wan_path(_tiny_cache):
     return tiny.build("wan")
 
 
+@pytest.fixture(scope="session")
+def cosmos_path(_tiny_cache):
+    return tiny.build("cosmos")
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests (opt-in: `nox -s gpu`) skip with the reason on a machine without CUDA,
     instead of failing there."""

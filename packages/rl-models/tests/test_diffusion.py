@@ -117,3 +117,46 @@ def test_tiny_wan_is_a_wan_pipeline_that_samples_videos(wan_path):
     video = sample()
     assert video.shape == (1, 5, 3, 32, 32)  # [B, F, 3, H, W]
     assert torch.isfinite(video).all() and torch.equal(video, sample())
+
+
+class _NoSafetyCheck:
+    """Diffusers' Cosmos safety checker needs `cosmos_guardrail`; a caller passes its own."""
+
+    def check_text_safety(self, prompt: str) -> bool:
+        return True
+
+    def check_video_safety(self, video):
+        return video
+
+    def to(self, *args, **kwargs):
+        return self
+
+
+def test_tiny_cosmos_is_a_cosmos_predict2_5_pipeline_that_samples_videos(cosmos_path):
+    """`tiny:cosmos` loads through diffusers' own `Cosmos2_5_PredictBasePipeline` (safety checker
+    of the caller's choice): the prompt embeddings are every hidden layer of the Qwen2.5-VL
+    encoder, concatenated, and another prompt gives another velocity; a seeded call gives the
+    same 5 frames again. (The pipeline's system turn comes first, ~46 tokens of the tiny tokenizer: 96 keep the prompt.)"""
+    import diffusers
+
+    pipe = diffusers.Cosmos2_5_PredictBasePipeline.from_pretrained(cosmos_path, safety_checker=_NoSafetyCheck())
+    text = pipe.text_encoder.config.text_config
+    embeds = {p: pipe._get_prompt_embeds(p, max_sequence_length=96) for p in ("a red sign", "a cat")}
+    assert embeds["a cat"].shape == (1, 96, text.num_hidden_layers * text.hidden_size)
+    assert pipe.transformer.config.crossattn_proj_in_channels == embeds["a cat"].shape[-1]
+    latents = torch.randn(1, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0))  # [B, C, F', h, w]
+    mask = torch.zeros(1, 1, 2, 4, 4)  # the condition-mask channel: nothing given
+    with torch.no_grad():
+        velocity = {p: pipe.transformer(latents, timestep=torch.tensor([0.5]), encoder_hidden_states=e,
+                                        condition_mask=mask, padding_mask=torch.zeros(1, 1, 32, 32)).sample
+                    for p, e in embeds.items()}
+    assert velocity["a cat"].shape == latents.shape
+    assert not torch.allclose(velocity["a cat"], velocity["a red sign"])
+
+    def sample() -> torch.Tensor:
+        return pipe(prompt="a red sign", num_frames=5, height=32, width=32, num_inference_steps=2, output_type="pt",
+                    max_sequence_length=96, generator=torch.Generator().manual_seed(0)).frames
+
+    video = sample()
+    assert video.shape == (1, 5, 3, 32, 32)  # [B, F, 3, H, W]
+    assert torch.isfinite(video).all() and torch.equal(video, sample())

@@ -34,6 +34,7 @@ def test_every_family_of_the_issue_is_registered():
         "sd3",
         "janus",
         "wan",
+        "cosmos",
         "embedding",
         "clip",
     }

@@ -30,7 +30,7 @@ import torch
 from filelock import FileLock
 
 from rl_core.errors import UserError
-from rl_models import tiny_families, tiny_janus, tiny_sd3, tiny_vl, tiny_wan
+from rl_models import tiny_cosmos, tiny_families, tiny_janus, tiny_sd3, tiny_vl, tiny_wan
 
 Builder = Callable[[Path], None]
 # family -> (builder version, builder). Bump a version whenever its output changes.
@@ -198,3 +198,4 @@ register_family("qwen3_vl", "v1", tiny_vl.build_qwen3_vl)
 register_family("sd3", "v1", tiny_sd3.build_sd3)
 register_family("janus", "v1", tiny_janus.build_janus)
 register_family("wan", "v1", tiny_wan.build_wan)
+register_family("cosmos", "v1", tiny_cosmos.build_cosmos)

@@ -79,6 +79,18 @@ def _pixels(factor: int) -> dict[str, int]:
 def build_qwen2_5_vl(out: Path) -> None:
     """Qwen2.5-VL: windowed-attention ViT (patch 14, merge 2) + Qwen2 text tower with M-RoPE."""
     tokenizer = build_qwen_tokenizer()
+    qwen2_5_vl_model(tokenizer).save_pretrained(out)
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(size=_pixels(28), patch_size=14, merge_size=2),
+        video_processor=Qwen2VLVideoProcessor(size=_pixels(28), patch_size=14, merge_size=2),
+        tokenizer=tokenizer,
+        chat_template=QWEN_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+
+
+def qwen2_5_vl_model(tokenizer) -> Qwen2_5_VLForConditionalGeneration:
+    """The tiny Qwen2.5-VL model over `tokenizer` (`build_qwen2_5_vl`'s; Cosmos-Predict2.5's text encoder)."""
     config = Qwen2_5_VLConfig(
         text_config={
             **_TEXT,
@@ -110,14 +122,7 @@ def build_qwen2_5_vl(out: Path) -> None:
     )
     model = Qwen2_5_VLForConditionalGeneration(config)
     model.generation_config = qwen_generation_config(tokenizer)
-    model.save_pretrained(out)
-    processor = Qwen2_5_VLProcessor(
-        image_processor=Qwen2VLImageProcessor(size=_pixels(28), patch_size=14, merge_size=2),
-        video_processor=Qwen2VLVideoProcessor(size=_pixels(28), patch_size=14, merge_size=2),
-        tokenizer=tokenizer,
-        chat_template=QWEN_CHAT_TEMPLATE,
-    )
-    processor.save_pretrained(out)
+    return model
 
 
 def build_qwen3_vl(out: Path) -> None:

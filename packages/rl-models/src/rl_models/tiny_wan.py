@@ -52,19 +52,23 @@ def build_wan(out: Path) -> None:
         num_layers=2,
         rope_max_seq_len=32,
     )
-    vae = diffusers.AutoencoderKLWan(
+    tokenizer = build_t5_tokenizer()
+    pipeline = diffusers.WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=_umt5_encoder(tokenizer),
+        transformer=transformer,
+        vae=tiny_wan_vae(),
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
+    pipeline.save_pretrained(out)
+
+
+def tiny_wan_vae() -> object:
+    """Wan 2.1's causal video VAE at 8 base channels (Cosmos-Predict2.5 decodes with it too)."""
+    return require_diffusers().AutoencoderKLWan(
         base_dim=8,
         z_dim=Z_DIM,
         dim_mult=[1, 1, 1, 1],
         num_res_blocks=1,
         temperal_downsample=[False, True, True],
     )
-    tokenizer = build_t5_tokenizer()
-    pipeline = diffusers.WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=_umt5_encoder(tokenizer),
-        transformer=transformer,
-        vae=vae,
-        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
-    )
-    pipeline.save_pretrained(out)
