@@ -13,21 +13,22 @@ the eval images.
   own), `colocated` (on the trainer's GPU, asleep during the update), or a running cluster
   (`rollout.ray_address`, env RAY_ADDRESS).
   With `train.method = "nft"` (DiffusionNFT, `nft.py`) an `OldPolicy` (a LoRA copy over the same
-  frozen base) samples the rollouts, in process.
+  frozen base, `rl_policy.lora_weights.LoraCopy`) samples the rollouts, in process.
 - `janus`: token-level GRPO on Janus-Pro image tokens (VRL's autoregressive trainer). A unit is
   an image token carrying its sample's advantage; KL = `algo.kl` per token to the LoRA-disabled
   model.
 
-The loop moves the weights through each family's `weights` (`rl_policy.lora_weights`): Ray
-workers get the trained LoRA by version, and an asynchronous run (`train.max_staleness >= 1`)
-samples on the rollout thread with an engine of its own over the rollout's copy of the LoRA
-model (`on_copy`); the trainer's engine keeps the eval.
+The loop moves the weights through each family's `weights` (`rl_policy.lora_weights`), which
+also step the LoRA's EMA (`train.ema_*`) after each optimizer step: Ray workers get the trained
+LoRA by version, and an asynchronous run (`train.max_staleness >= 1`) samples on the rollout
+thread with an engine of its own over the rollout's copy of the LoRA model (`on_copy`); the
+trainer's engine keeps the eval.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, cast
@@ -47,9 +48,10 @@ from rl_core.flow import SDEStep, compute_ratio_guard, flow_kl
 from rl_core.kl import compute_kl
 from rl_core.train import (
     FullWeights,
+    Micro,
+    ParameterEMA,
     Replay,
     UserError,
-    copy_sharing_frozen,
     gathered,
     prepare_policy,
     resolve_sharding,
@@ -64,24 +66,22 @@ from rl_models.janus import (
 )
 from rl_models.lora import add_lora
 from rl_policy.lora_weights import (
+    LoraCopy,
     LoraPolicyWeights,
     build_sd3_lora_engine,
     load_lora,
-    lora_params,
     start_lora_workers,
 )
 from rl_rollout import ImageSamples, build_image_engine
 from rl_rollout.diffusion import (
     DiffusionEngine,
-    PromptEmbeddings,
     SampleBatch,
     Trajectory,
+    pack_rows,
     sample_to_cpu,
 )
 from rl_rollout.janus import ImageRollout, JanusEngine
 from rl_rollout.ray_pool import EngineSpec
-
-Micro = tuple[int, torch.Tensor, float]  # (sampled batch, its rows [b], loss weight)
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,7 @@ class Family(Protocol):
     model: torch.nn.Module  # what the optimizer steps through (DDP-wrapped, or sharded in place)
     optimizer: torch.optim.Optimizer
     full: FullWeights | None = None  # a sharded model's whole copy, which the engine samples from
+    ema: ParameterEMA  # the LoRA's EMA (train.ema_*), stepped by `weights` after each optimizer step
     weights: LoraPolicyWeights  # the rollout side's weights, as the loop drives them
     old: OldPolicy | None = None  # train.method = "nft" (sd3): DiffusionNFT's old policy, which samples
 
@@ -120,7 +121,7 @@ class Family(Protocol):
 class SD3(Family):
     def __init__(self, cfg: Config, acc: Any, path: str) -> None:
         m, t, s = cfg.model, cfg.train, cfg.sampling
-        self.cfg, self.acc, self.path = cfg, acc, path
+        self.cfg, self.acc = cfg, acc
         # model.compile (None: on CUDA): blocks compiled for sampling and replay (first replay |log ratio|
         # ~4e-4 in bf16, inside the automatic algo.replay_tolerance)
         self.compiled = compiles_blocks(cfg, acc.device.type)
@@ -143,8 +144,9 @@ class SD3(Family):
         self.old = OldPolicy(self.peft, self.engine) if t.method == "nft" else None
         self.rollout_engine = self.old.engine if self.old is not None else self.engine
         r = cfg.rollout
+        self.ema = ParameterEMA(self.peft, decay=t.ema_decay, interval=t.ema_interval)
         self.weights = LoraPolicyWeights(
-            self.peft, sampler=self.engine.transformer, full=self.full, colocated=r.placement == "colocated",
+            self.peft, sampler=self.engine.transformer, full=self.full, ema=self.ema, colocated=r.placement == "colocated",
             on_copy=lambda twin: setattr(self, "rollout_engine", self.engine.over(cast(PeftModel, twin).get_base_model())),
             workers=(lambda: start_lora_workers(worker_spec(cfg, path, self.compiled), r.workers, placement=r.placement,
                                                 device=acc.device, gpus_per_worker=r.gpus_per_worker,
@@ -226,9 +228,11 @@ class Janus(Family):
                                       weight_decay=cfg.train.weight_decay)
         self.model, self.optimizer = acc.prepare(JanusImagePolicy(self.peft), optimizer)
         self.rollout_engine = self.engine  # asynchronous: an engine of its own over the rollout's copy
-        self.weights = LoraPolicyWeights(self.peft, sampler=self.engine.model, on_copy=lambda twin: setattr(
-            self, "rollout_engine", self.engine.over(cast(JanusForConditionalGeneration,
-                                                          cast(PeftModel, twin).get_base_model()))))
+        self.ema = ParameterEMA(self.peft, decay=cfg.train.ema_decay, interval=cfg.train.ema_interval)
+        self.weights = LoraPolicyWeights(
+            self.peft, sampler=self.engine.model, ema=self.ema, on_copy=lambda twin: setattr(
+                self, "rollout_engine", self.engine.over(cast(JanusForConditionalGeneration,
+                                                              cast(PeftModel, twin).get_base_model()))))
 
     def collect(self, batches: list[SampleBatch]) -> Sequence[ImageSamples]:
         """Image tokens drawn with CFG (`sampling.guidance_scale`) at `rollout.temperature`; each
@@ -277,94 +281,14 @@ class Janus(Family):
                                   temperature=self.cfg.rollout.temperature, seeds=seeds).images
 
 
-class OldPolicy:
-    """DiffusionNFT's old policy (`train.method = "nft"`): a copy of the LoRA model whose frozen
-    base is the trainer's (`copy_sharing_frozen`), starting at the trained LoRA. It samples the
-    rollouts (`engine`, sharing the trainer's text encoders and VAE) and gives `v_old` in the loss;
-    after each epoch `move_towards` pulls it towards the trained LoRA. A checkpoint `Stateful`."""
+class OldPolicy(LoraCopy):
+    """DiffusionNFT's old policy (`train.method = "nft"`): a `LoraCopy` of the trained LoRA model
+    that samples the rollouts (`engine`, sharing the trainer's text encoders and VAE) and gives
+    `v_old` in the loss; after each epoch `move_towards` pulls it towards the trained LoRA."""
 
     def __init__(self, peft: PeftModel, engine: DiffusionEngine) -> None:
-        self.model = cast(PeftModel, copy_sharing_frozen(peft))
-        self.engine = engine.over(self.model.get_base_model())
-        self.trained, self.params = lora_params(peft), lora_params(self.model)  # the same names
-
-    @torch.no_grad()
-    def move_towards(self, decay: float) -> None:
-        """`old <- decay old + (1 - decay) trained` (upstream's order of operations)."""
-        for name, p in self.params.items():
-            p.copy_(p * decay + self.trained[name].detach() * (1.0 - decay))
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().cpu().clone() for name, p in self.params.items()}
-
-    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        if set(state) != set(self.params):
-            raise ValueError(f"its old-policy LoRA is not this model's ({len(state)} vs {len(self.params)} tensors): "
-                             "another LoRA rank or target modules?")
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.copy_(state[name])
-
-
-def pack_rows(trajectories: Sequence[Trajectory], adv: Sequence[torch.Tensor], steps: Sequence[Sequence[int]],
-              plan: list[list[Micro]], size: int) -> tuple[list[tuple[Trajectory, Sequence[int]]],
-                                                          list[torch.Tensor], list[list[Micro]]]:
-    """`plan` with each optimizer step's rows regrouped into micro-batches of at most `size` rows
-    that may span sampled batches: the rows of one weight and one schedule (the same trained
-    `steps`, sigmas, guidance, noise level and sampler), in plan order, cut every `size` rows.
-    Returns the replayed sources, (trajectory, its trained steps) each (the sampled batches,
-    then one joined batch per micro-batch that spans several), their advantages `[b]` and the
-    plan over them. The loss is unchanged (a micro-batch's loss is its units' sum over the step's
-    unit count); only rounding differs. Filler micro-batches (weight 0) are kept as they are."""
-    sources = [(traj, s) for traj, s in zip(trajectories, steps, strict=True)]
-    advs = list(adv)
-
-    def schedule(k: int) -> int:  # the first sampled batch replayed alike
-        return next(j for j in range(k + 1) if same_schedule(trajectories[j], trajectories[k], steps[j], steps[k]))
-
-    packed = []
-    for micro_batches in plan:
-        groups: dict[tuple[float, int], list[tuple[int, int]]] = {}
-        kept: list[Micro] = []
-        for k, rows, weight in micro_batches:
-            if not weight:
-                kept.append((k, rows, weight))
-                continue
-            groups.setdefault((weight, schedule(k)), []).extend((k, int(r)) for r in rows)
-        for (weight, _), pairs in groups.items():
-            for start in range(0, len(pairs), size):
-                chunk = pairs[start:start + size]
-                ks = list(dict.fromkeys(k for k, _ in chunk))
-                parts = [(k, torch.tensor([r for j, r in chunk if j == k])) for k in ks]  # [b_k] rows each
-                if len(parts) == 1:
-                    kept.append((parts[0][0], parts[0][1], weight))
-                    continue
-                sources.append((join_rows([(trajectories[k], rows) for k, rows in parts]), steps[ks[0]]))
-                advs.append(torch.cat([adv[k][rows.to(adv[k].device)] for k, rows in parts]))  # [b]
-                kept.append((len(sources) - 1, torch.arange(len(chunk)), weight))
-        packed.append(kept)
-    return sources, advs, packed
-
-
-def same_schedule(a: Trajectory, b: Trajectory, steps_a: Sequence[int], steps_b: Sequence[int]) -> bool:
-    """Whether rows of `a` and `b` can be replayed in one forward: the same trained steps at the
-    same noise levels, guidance, noise level and sampler."""
-    return (list(steps_a) == list(steps_b) and torch.equal(a.sigmas, b.sigmas)
-            and (a.guidance_scale, a.noise_level, a.kind, a.means is None) == (b.guidance_scale, b.noise_level, b.kind,
-                                                                               b.means is None))
-
-
-def join_rows(parts: Sequence[tuple[Trajectory, torch.Tensor]]) -> Trajectory:
-    """One trajectory of the rows `[b_i]` of each of `parts`' trajectories (of one schedule:
-    `same_schedule`), in order: what a sampled batch of those images would have kept."""
-    def cat(field: Callable[[Trajectory], torch.Tensor]) -> torch.Tensor:
-        return torch.cat([field(traj)[rows.to(field(traj).device)] for traj, rows in parts])  # [b, ...]
-
-    first = parts[0][0]
-    return replace(first, prompts=tuple(traj.prompts[r] for traj, rows in parts for r in rows.tolist()),
-                   conditioning=PromptEmbeddings(cat(lambda x: x.conditioning.embeds), cat(lambda x: x.conditioning.pooled)),
-                   latents=cat(lambda x: x.latents), log_probs=cat(lambda x: x.log_probs), images=cat(lambda x: x.images),
-                   means=None if first.means is None else cat(lambda x: cast(torch.Tensor, x.means)))
+        super().__init__(peft)
+        self.engine = engine.over(cast(PeftModel, self.model).get_base_model())
 
 
 def guarded(traj: Trajectory, step: int, rows: torch.Tensor, out: SDEStep) -> dict[str, Any]:

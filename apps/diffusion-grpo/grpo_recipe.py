@@ -7,11 +7,12 @@ canonical recipe, `experiment/diffusion/sd3_5/online_grpo_ocr`), on the shared t
 
 A step is an epoch: `rollout.groups_per_epoch` prompts x `rollout.n` images (SDE sampler, per-step
 log-probs kept) -> reward -> GRPO advantages (global std, clip 5) -> update (zero-advantage images
-dropped or refilled, `plan_micro_batches`; the stored steps replayed: `ppo_clip` + beta x flow KL
-to the LoRA-disabled model, AdamW, EMA) -> log -> checkpoint -> eval (ODE, EMA weights, fixed
-seeds, contact sheet). `model.family = "janus"` trains Janus-Pro image tokens (families.py).
-`train.method = "nft"` replaces the update with DiffusionNFT's (nft.py): an old policy samples with
-any sampler, the clean images are trained on the forward process, every scored image counts.
+dropped or refilled, `rl_core.train.plan_micro_batches`; the stored steps replayed: `ppo_clip` +
+beta x flow KL to the LoRA-disabled model, AdamW, EMA stepped with the policy's weights) -> log
+-> checkpoint -> eval (ODE, EMA weights, fixed seeds, contact sheet). `model.family = "janus"`
+trains Janus-Pro image tokens (families.py). `train.method = "nft"` replaces the update with
+DiffusionNFT's (nft.py): an old policy samples with any sampler, the clean images are trained on
+the forward process, every scored image counts.
 `train.max_staleness >= 1` samples on the loop's rollout thread (`sample`) from the weights of
 an earlier step (the family's `weights`, families.py) while the trainer updates.
 `__main__.py` reads the command line and the config (`grpo_config.py`) before this module and
@@ -22,17 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import textwrap
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
 import torch
 from accelerate.utils import gather_object
-from families import FAMILIES, SD3, Family, Micro, whole_weights
+from families import FAMILIES, SD3, Family, whole_weights
 from grpo_config import (
     DEFAULT_CONFIG,
     ENV,
@@ -46,24 +45,31 @@ from grpo_config import (
 )
 from nft import nft_update
 from peft import PeftModel
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image
 
-from rl_core.advantages import group_ids_from_keys, nonzero_advantage_indices
+from rl_core.advantages import group_ids_from_keys
 from rl_core.flow import compute_sde_window
 from rl_core.train import (
     Checkpoint,
     GroupAdvantages,
+    Micro,
     ParameterEMA,
     Recipe,
     RunContext,
     Schedule,
     Scores,
     TrainableState,
+    chunked_steps,
+    component_means,
     component_weights,
+    contact_sheet,
     gather_rows,
+    image_stats,
+    replay_plan,
     replay_update,
     sample_seed,
     sharded_state,
+    to_pil,
 )
 from rl_data import GroupSampler, OCRPrompt
 from rl_models import tiny
@@ -80,7 +86,7 @@ class State:
     cfg: Config
     run: RunContext
     family: Family  # the engine, the LoRA model it samples from and the optimizer
-    ema: ParameterEMA
+    ema: ParameterEMA  # the family's, stepped by its `weights` after each optimizer step
     reward: Scorer  # composed in process, or a RemoteScorer
     weights: dict[str, float]  # the reward's component weights, for algo.reward_aggregation=normalize_then_sum
     prompts: list[OCRPrompt]
@@ -113,11 +119,10 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         eval_prompts = read_prompts(cfg.data.eval_manifest, "data.eval_manifest")[: cfg.eval.max_prompts]
         family = FAMILIES[cfg.model.family](cfg, run.accelerator, str(tiny.resolve(cfg.model.path)))
         sampler = GroupSampler(len(prompts), cfg.rollout.n, seed=cfg.train.seed, rank=run.rank, world_size=run.world_size)
-        ema = ParameterEMA(family.peft, decay=cfg.train.ema_decay, interval=cfg.train.ema_interval)
         reward = RemoteScorer(cfg.reward.url, cfg.reward.server_reward) if cfg.reward.url else build_reward(
             reward_spec(cfg.reward, tiny=cfg.model.path.startswith("tiny:")))
         weights = component_weights(reward, cfg.algo.reward_aggregation)
-        return State(cfg, run, family, ema, reward, weights, prompts, eval_prompts, sampler)
+        return State(cfg, run, family, family.ema, reward, weights, prompts, eval_prompts, sampler)
 
     def policy(self, state: State) -> LoraPolicyWeights:
         return state.family.weights
@@ -171,14 +176,13 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
     def score(self, state: State, step: int, batch: Batch) -> Scores:
         run = state.run
         files = run.run_dir / "rollouts" / f"step_{step}" / f"rank_{run.rank}" if state.cfg.reward.url else None
-        rewards, parts, components = score_images(state.reward, batch.images, batch.records, files=files,
-                                                  send_paths=True)
+        rewards, components = score_images(state.reward, batch.images, batch.records, files=files, send_paths=True)
         run.samples.write("train", step, [{"prompt": r.prompt, "target": r.target, "reward": v}
                                           for r, v in zip(batch.records, rewards.tolist(), strict=True)])
-        stats = {key: [value] for key, value in image_stats(batch.images).items()}  # equal image counts per process
-        return grpo_scores(state.cfg, run.accelerator, rewards, batch.group_ids,
-                           [r.prompt for r in batch.records], means({**parts, **stats}, run.accelerator),
-                           components=components, weights=state.weights)
+        # one row per process (equal image counts); the loop averages the reward's `components`
+        stats = component_means([image_stats(batch.images)], run.accelerator, prefix="")
+        return grpo_scores(state.cfg, run.accelerator, rewards, batch.group_ids, [r.prompt for r in batch.records],
+                           stats, components=components, weights=state.weights)
 
     def update(self, state: State, step: int, batch: Batch, advantages: GroupAdvantages) -> dict[str, float]:
         t, run, f, adv, acc = state.cfg.train, state.run, state.family, advantages.advantages, state.run.accelerator
@@ -195,7 +199,7 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         metrics |= replay_update(
             acc, f.model, f.optimizer, job.plan, job.replay, units=job.units, clip_range=t.clip_range,
             kl_beta=state.cfg.algo.kl_coef, grad_clip=t.grad_clip, guard=run.guard, filler=job.filler,
-            tolerance=tolerance, after_step=state.ema.step,
+            tolerance=tolerance,
             what=f"step {step}: first replay, |log ratio| vs algo.replay_tolerance (bf16 "
                  "with micro_batch_size != sample_batch_size needs a looser tolerance)")
         trained = sum(len(rows) * weight for micro in plan for _, rows, weight in micro)
@@ -211,12 +215,12 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         """DiffusionNFT's update (`nft.py`) over the scored images, in micro-batches as `drop` plans them."""
         run, t = state.run, state.cfg.train
         n, world = state.cfg.rollout.n, run.world_size
-        plan = chunked_steps(t, run.accelerator, sizes, advantages.valid.nonzero().flatten())
+        plan = chunked_steps(run.accelerator, sizes, advantages.valid.nonzero().flatten(),
+                             micro_batch_size=t.micro_batch_size, accumulation=t.gradient_accumulation_steps)
         places = torch.tensor([sample_index(i, n, world, run.rank) for i in range(sum(sizes))])  # [N]
         metrics = nft_update(state.cfg, run.accelerator, run.guard, cast(SD3, state.family),
                              cast(Sequence[Trajectory], batch.samples),
-                             advantages.advantages.split(sizes), places.split(sizes), plan, epoch=step - 1,
-                             optimizer_steps=lambda: state.ema.steps, after_step=state.ema.step)
+                             advantages.advantages.split(sizes), places.split(sizes), plan, epoch=step - 1)
         trained = sum(len(rows) * weight for micro in plan for _, rows, weight in micro)
         acc = run.accelerator
         metrics["adv/trained_samples"] = acc.reduce(torch.tensor(float(trained), device=acc.device), reduction="sum").item()
@@ -234,13 +238,14 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
                 for i in range(0, len(records), e.batch_size):
                     prompts = [r.prompt for r in records[i:i + e.batch_size]]
                     images += to_pil(state.family.eval_images(prompts, [e.seed + i + k for k in range(len(prompts))]))
-        rewards, parts, _ = score_images(state.reward, images, records, files=out / "images",
-                                         send_paths=state.cfg.reward.url is not None)
+        rewards, components = score_images(state.reward, images, records, files=out / "images",
+                                           send_paths=state.cfg.reward.url is not None)
         contact_sheet(images, [f"{r.prompt} | reward {v:.3f}" for r, v in zip(records, rewards.tolist(), strict=True)],
                       out / "contact_sheet.png")
         ok = rewards[torch.isfinite(rewards)]  # [V]
         return {"reward/mean": ok.mean().item() if ok.numel() else math.nan,
-                "reward/failed": float((~torch.isfinite(rewards)).sum()), **means(parts), **image_stats(images)}
+                "reward/failed": float((~torch.isfinite(rewards)).sum()), **component_means(components),
+                **image_stats(images)}
 
     def finish(self, state: State) -> dict[str, str]:
         out, f = state.run.run_dir / "checkpoint-final", state.family
@@ -278,107 +283,16 @@ def sde_window(cfg: Config, epoch: int, first: int) -> tuple[int, int] | None:
 
 
 def plan_micro_batches(t: TrainConfig, acc: Any, sizes: list[int], adv: torch.Tensor, epoch: int) -> list[list[Micro]]:
-    """The epoch's optimizer steps, each a list of micro-batches of this process's trajectories
-    (`sizes`: images per trajectory). Every process plans the same number of steps. How
-    zero-advantage images are handled is `train.zero_adv`:
-
-    - `drop`: the kept (non-zero advantage) rows of each trajectory in chunks of
-      `micro_batch_size`, `gradient_accumulation_steps` chunks per step; a process with fewer
-      chunks repeats its last one with weight 0, so the steps line up.
-    - `flow_grpo`: `flow_grpo_steps`.
-    """
-    if t.zero_adv == "flow_grpo":
-        return flow_grpo_steps(t, acc, sizes, adv, epoch)
-    return chunked_steps(t, acc, sizes, (adv != 0).nonzero().flatten())
-
-
-def chunked_steps(t: TrainConfig, acc: Any, sizes: list[int], rows: torch.Tensor) -> list[list[Micro]]:
-    """This process's sorted sample indices `rows` `[b]` in chunks of `micro_batch_size` of one
-    trajectory each, `gradient_accumulation_steps` chunks per optimizer step; a process with fewer
-    chunks repeats its last one with weight 0, so the steps line up."""
-    plan = by_trajectory(rows, sizes, t.micro_batch_size)
-    count = acc.gather(torch.tensor([len(plan)], device=acc.device)).max().item()
-    filler = (plan[-1][0], plan[-1][1], 0.0) if plan else (0, torch.tensor([0]), 0.0)
-    plan += [filler] * (count - len(plan))
-    accum = t.gradient_accumulation_steps
-    return [plan[start:start + accum] for start in range(0, len(plan), accum)]
-
-
-def flow_grpo_steps(t: TrainConfig, acc: Any, sizes: list[int], adv: torch.Tensor, epoch: int) -> list[list[Micro]]:
-    """Flow-GRPO's zero-advantage filter (`scripts/train_sd3.py`) over the global batch: the
-    non-zero advantages kept, randomly chosen zero ones put back until the count divides into the
-    B = images per process / micro_batch_size batches (`nonzero_advantage_indices`), shuffled, cut
-    into B equal batches, `gradient_accumulation_steps` per optimizer step. The draws are seeded
-    with (train.seed, epoch): the same on every process and on resume. Every kept image, refilled
-    ones included (advantage 0, still under the KL term), weighs the same."""
-    everything, own = gather_rows(adv, acc)  # [N * world]
-    num_batches = sum(sizes) // t.micro_batch_size
-    generator = torch.Generator().manual_seed(sample_seed(t.seed, epoch))
-    kept = nonzero_advantage_indices(everything.cpu(), num_batches=num_batches, generator=generator)  # [K]
-    shuffled = kept[torch.randperm(len(kept), generator=generator)]  # [K]
-    batches = shuffled.tensor_split(num_batches)
-    steps = []
-    for first in range(0, num_batches, t.gradient_accumulation_steps):
-        chosen = torch.cat(batches[first:first + t.gradient_accumulation_steps])  # [b] global indices
-        local = chosen[(chosen >= own.start) & (chosen < own.stop)].sort().values - own.start  # [b_r]
-        steps.append(by_trajectory(local, sizes, t.micro_batch_size))
-    return steps
-
-
-def by_trajectory(rows: torch.Tensor, sizes: list[int], size: int) -> list[Micro]:
-    """This process's sorted sample indices `[b]` -> micro-batches of at most `size` rows of one
-    trajectory each; trajectories with no row get none. (SD3 regroups each optimizer step's
-    rows into forwards across trajectories: `families.pack_rows`.)"""
-    out, start = [], 0
-    for k, n in enumerate(sizes):
-        mine = rows[(rows >= start) & (rows < start + n)] - start  # [b_k]
-        out += [(k, chunk, 1.0) for chunk in mine.split(size) if len(chunk)]
-        start += n
-    return out
-
-
-def to_pil(images: torch.Tensor) -> list[Image.Image]:
-    """`[B, 3, H, W]` floats in [0, 1] -> RGB PIL images."""
-    arrays = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)  # [B, 3, H, W]
-    return [Image.fromarray(a.permute(1, 2, 0).cpu().numpy()) for a in arrays]
-
-
-def image_stats(images: Sequence[Image.Image]) -> dict[str, float]:
-    """Mean brightness (grey level in [0, 1]) and colour entropy (bits of the 8x8x8 RGB histogram)
-    of `images`: either collapsing is reward hacking's signature (blank or single-colour images)."""
-    brightness, entropy = [], []
-    for image in images:
-        rgb = np.asarray(image.convert("RGB"), dtype=np.int64)  # [H, W, 3]
-        brightness.append(float(np.asarray(image.convert("L"), dtype=np.float64).mean() / 255))
-        bins = (rgb // 32) @ np.array([64, 8, 1])  # [H, W] index into 512 colour bins
-        p = np.bincount(bins.ravel(), minlength=512) / bins.size
-        p = p[p > 0]
-        entropy.append(float(-(p * np.log2(p)).sum()))
-    return {"image/brightness": float(np.mean(brightness)), "image/colour_entropy": float(np.mean(entropy))}
-
-
-def contact_sheet(images: Sequence[Image.Image], captions: Sequence[str], path: Path, *,
-                  columns: int = 4, cell: int = 256) -> Path:
-    """A grid of `images` (scaled to `cell` px), each with its caption (prompt, reward) under it."""
-    rows = math.ceil(len(images) / columns)
-    font, text_h = ImageFont.load_default(), 4 * 12  # 4 caption lines of 12 px
-    sheet = Image.new("RGB", (columns * cell, rows * (cell + text_h)), "white")
-    draw = ImageDraw.Draw(sheet)
-    for i, (image, caption) in enumerate(zip(images, captions, strict=True)):
-        x, y = (i % columns) * cell, (i // columns) * (cell + text_h)
-        sheet.paste(image.resize((cell, cell), Image.Resampling.NEAREST), (x, y))
-        for line_no, line in enumerate(textwrap.wrap(caption, width=cell // 6)[:4]):
-            draw.text((x + 2, y + cell + 1 + 12 * line_no), line, fill="black", font=font)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sheet.save(path)
-    return path
+    """The epoch's optimizer steps of micro-batches (`rl_core.train.plan_micro_batches`) as
+    `train.zero_adv`, `train.micro_batch_size` and `train.gradient_accumulation_steps` say."""
+    return replay_plan.plan_micro_batches(acc, sizes, adv, zero_adv=t.zero_adv, micro_batch_size=t.micro_batch_size,
+                                          accumulation=t.gradient_accumulation_steps, seed=t.seed, epoch=epoch)
 
 
 def score_images(scorer: Scorer, images: list[Image.Image], records: list[OCRPrompt], *, files: Path | None = None,
-                 send_paths: bool = False) -> tuple[torch.Tensor, dict[str, list[float]], list[dict[str, float]]]:
-    """Rewards `[N]` (NaN where scoring failed), each component's values, and each image's
-    components. `files`: the images are saved there as PNGs, and with `send_paths` sent as paths
-    (a reward server reads files)."""
+                 send_paths: bool = False) -> tuple[torch.Tensor, list[dict[str, float]]]:
+    """Rewards `[N]` (NaN where scoring failed) and each image's components. `files`: the images
+    are saved there as PNGs, and with `send_paths` sent as paths (a reward server reads files)."""
     if files is not None:
         files.mkdir(parents=True, exist_ok=True)
         for i, image in enumerate(images):
@@ -386,21 +300,8 @@ def score_images(scorer: Scorer, images: list[Image.Image], records: list[OCRPro
     sent = [str(files / f"{i:03d}.png") if files and send_paths else image for i, image in enumerate(images)]
     results = scorer.score([Sample(completion="", prompt=r.prompt, reference=r.target, metadata={"image": x})
                             for r, x in zip(records, sent, strict=True)])
-    parts: dict[str, list[float]] = {}
-    for r in results:
-        for key, value in r.components.items():
-            parts.setdefault(f"reward/{key}", []).append(value)
     rewards = torch.tensor([math.nan if r.score is None else r.score for r in results])  # [N]
-    return rewards, parts, [dict(r.components) for r in results]
-
-
-def means(values: Mapping[str, list[float]], accelerator: Any = None) -> dict[str, float]:
-    """The mean of each list, over every process's lists when `accelerator` is given."""
-    merged: dict[str, list[float]] = {}
-    for part in gather_object([dict(values)]) if accelerator is not None else [values]:
-        for key, v in part.items():
-            merged.setdefault(key, []).extend(v)
-    return {key: sum(v) / len(v) for key, v in merged.items() if v}
+    return rewards, [dict(r.components) for r in results]
 
 
 def grpo_scores(cfg: Config, acc: Any, rewards: torch.Tensor, group_ids: torch.Tensor, prompts: list[str],

@@ -14,15 +14,15 @@ resumed run draws them again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
-from families import SD3, Micro, OldPolicy
+from families import SD3, OldPolicy
 from grpo_config import Config
 
 from rl_core.flow import compute_nft_decay, compute_nft_loss, flow_noise, host_randn
-from rl_core.train import NonFiniteGuard, UpdateStats, optimizer_step, sample_seed
+from rl_core.train import Micro, NonFiniteGuard, UpdateStats, optimizer_step, sample_seed
 from rl_rollout.diffusion import Trajectory
 
 NFTMicro = tuple[int, torch.Tensor, float, int]  # (sampled batch, its rows [b], loss weight, noise draw j)
@@ -38,11 +38,11 @@ def noise_levels(seed: int, epoch: int, index: int, num_steps: int, count: int) 
 
 def nft_update(cfg: Config, acc: Any, guard: NonFiniteGuard, family: SD3, samples: Sequence[Trajectory],
                advantages: Sequence[torch.Tensor], indices: Sequence[torch.Tensor], plan: list[list[Micro]], *,
-               epoch: int, optimizer_steps: Callable[[], int], after_step: Callable[[], None]) -> dict[str, float]:
+               epoch: int) -> dict[str, float]:
     """One epoch's DiffusionNFT update along `plan` (optimizer steps of micro-batches of the
-    scored images), then the old policy's move. `advantages[k]`, `indices[k]` `[b_k]`: sampled
-    batch k's advantages and its images' places in the epoch; `optimizer_steps()`: the optimizer
-    steps taken so far (the old policy's schedule); `after_step` runs after each one taken."""
+    scored images), then the old policy's move, scheduled by the optimizer steps taken so far
+    (`family.weights.steps`, which the loop's guard counts). `advantages[k]`, `indices[k]`
+    `[b_k]`: sampled batch k's advantages and its images' places in the epoch."""
     t, n = cfg.train, cfg.nft
     old = cast(OldPolicy, family.old)  # built by SD3 for train.method = "nft"
     count = int(cfg.sampling.num_steps * t.timestep_fraction)
@@ -77,13 +77,11 @@ def nft_update(cfg: Config, acc: Any, guard: NonFiniteGuard, family: SD3, sample
     stats = UpdateStats()
     family.model.train()
     for micro_batches in units:
-        stepped = optimizer_step(acc, family.model, family.optimizer, micro_batches, loss_fn,
-                                 units=lambda m: float(len(m[1])) * m[2], grad_clip=t.grad_clip, guard=guard,
-                                 stats=stats, filler=(0, torch.tensor([0]), 0.0, 0)).stepped
-        if stepped:
-            after_step()
+        optimizer_step(acc, family.model, family.optimizer, micro_batches, loss_fn,
+                       units=lambda m: float(len(m[1])) * m[2], grad_clip=t.grad_clip, guard=guard,
+                       stats=stats, filler=(0, torch.tensor([0]), 0.0, 0))
     family.model.eval()
-    decay = compute_nft_decay(optimizer_steps(), start=n.old_decay_start, rate=n.old_decay_rate,
+    decay = compute_nft_decay(family.weights.steps, start=n.old_decay_start, rate=n.old_decay_rate,
                               limit=n.old_decay_max)
     old.move_towards(decay)
     return {**stats.reduce(acc), "nft/old_decay": decay}

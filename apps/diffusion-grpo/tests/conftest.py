@@ -116,6 +116,7 @@ def setup_state(app, cfg):
     seed_everything(cfg.train.seed)
     run = RunContext(acc, run_dir, 0, PhaseTimer(), SampleLog(run_dir), NonFiniteGuard(cfg.train.max_nonfinite_steps))
     state = app.RECIPE.setup(cfg, run)
+    run.guard.after_step(app.RECIPE.policy(state).stepped)  # the loop counts each optimizer step taken (and the EMA's)
     app.RECIPE.start(state)
     return state
 
