@@ -9,7 +9,6 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import msgspec
 import torch
 from arith_config import DEFAULT_CONFIG, NAME, Config
 
@@ -21,14 +20,14 @@ from rl_policy.engine import PolicyEngine, build_policy_engine
 from rl_policy.training import (
     LossOptions,
     Policy,
-    Rollout,
     loss_fields,
+    regroup,
     response_metrics,
+    to_rollouts,
     token_update,
 )
 from rl_rewards import Component, Reward, RewardSpec, Sample, ScoreResult, build_reward
-from rl_rollout import Generation, SamplingParams, generate_seeded
-from rl_rollout.prompts import EncodedPrompt
+from rl_rollout import Generation, SamplingParams
 
 
 @dataclass
@@ -99,19 +98,13 @@ class ArithGRPO(train.Recipe[Config, State, Batch], train.MergesRounds[State, Ba
                             aggregation=s.cfg.algo.reward_aggregation, weights=s.weights)
 
     def merge(self, s: State, groups: Sequence[tuple[Batch, Sequence[int]]]) -> Batch:
-        picked: list[int] = []
-        gens: list[Generation] = []
-        for batch, rows in groups:  # one prompt's answers per entry
-            picked.append(batch.picked[batch.generations[rows[0]].request_index])
-            gens += [msgspec.structs.replace(batch.generations[i], request_index=len(picked) - 1) for i in rows]
-        return Batch(picked, gens)
+        heads, gens = regroup(groups, lambda batch: batch.generations)  # one prompt's answers per entry
+        return Batch([batch.picked[request] for batch, request in heads], gens)
 
     def update(self, s: State, step: int, batch: Batch, advantages: train.GroupAdvantages) -> dict[str, float]:
         s.run.record_prompts(step, batch.picked)
-        rollouts = [Rollout(EncodedPrompt(g.prompt_ids), g.completion_ids, g.logprobs, valid=bool(advantages.valid[i]))
-                    for i, g in enumerate(batch.generations)]
-        return token_update(s.run.accelerator, s.policy, s.optimizer, rollouts,
-                            [advantages.advantages[i].expand(len(r.completion_ids)) for i, r in enumerate(rollouts)],
+        return token_update(s.run.accelerator, s.policy, s.optimizer, to_rollouts(batch.generations, advantages.valid),
+                            advantages.advantages,
                             options=LossOptions(temperature=s.cfg.rollout.temperature, **loss_fields(s.cfg.algo)),
                             old=None, ref=None, num_minibatches=1, micro_batch_size=s.cfg.train.micro_batch_size,
                             ppo_epochs=1, grad_clip=1.0, guard=s.run.guard, pad_id=s.engine.pad_id,
@@ -135,10 +128,8 @@ def generate(s: State, picked: list[int], params: SamplingParams, step: int = 0)
     whatever the process count), greedy: one batch."""
     prompts = [[{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}]
                for a, b in (s.problems[i] for i in picked)]
-    with s.engine.session() as engine:
-        if params.temperature == 0:
-            return engine.generate(prompts, params)
-        return generate_seeded(engine, prompts, params, [train.sample_seed(s.cfg.train.seed, step, i) for i in picked])
+    seeds = None if params.temperature == 0 else [train.sample_seed(s.cfg.train.seed, step, i) for i in picked]
+    return s.engine.sample(prompts, params, seeds=seeds)[0]
 
 
 def score(s: State, batch: Batch) -> list[ScoreResult]:

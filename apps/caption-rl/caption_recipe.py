@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
 from accelerate.utils import gather_object
 from caption_config import DEFAULT_CONFIG, ENV, NAME, Config, default_config
@@ -60,22 +59,18 @@ from rl_policy.placement import check_placement, check_ray
 from rl_policy.training import (
     LossOptions,
     Policy,
-    Rollout,
     engine_check,
     loss_fields,
+    regroup,
+    replay_tolerance,
     response_metrics,
     rollout_logprobs,
+    to_rollouts,
     token_update,
 )
 from rl_rewards import ScoreResult
-from rl_rollout import (
-    Generation,
-    SamplingParams,
-    generate_seeded,
-    resolve_engine,
-    resolve_judge_engine,
-)
-from rl_rollout.streaming import ScoredRollout, generate_scored
+from rl_rollout import Generation, SamplingParams, resolve_engine, resolve_judge_engine
+from rl_rollout.streaming import ScoredRollout
 
 
 @dataclass
@@ -227,15 +222,9 @@ class CaptionRL(Recipe[Config, State, Batch], MergesRounds[State, Batch]):
         params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
         # each group from its own seed: independent of the process count and batch split
         seeds = [sample_seed(s.cfg.train.seed, step, picked[i]) for i in enc.positions] if r.per_prompt_seeds else None
-        scored = None
-        with s.engine.session() as engine:
-            if s.stream:  # the server scores each prompt's captions while the next prompt samples
-                scored = generate_scored(engine, enc.messages, params, lambda _, gens: _score(s, enc, gens), seeds=seeds)
-                generations = scored.generations
-            elif seeds is not None:
-                generations = generate_seeded(engine, enc.messages, params, seeds)
-            else:
-                generations = engine.generate(enc.messages, params)
+        # the server scores each prompt's captions while the next prompt samples (reward.stream)
+        score = (lambda _, gens: _score(s, enc, gens)) if s.stream else None
+        generations, scored = s.engine.sample(enc.messages, params, seeds=seeds, score=score)
         for g in generations:
             if g.prompt_ids != enc.prompts[g.request_index].ids:
                 raise RuntimeError(f"prompt {g.request_index}: the engine encoded it differently from the trainer")
@@ -266,24 +255,19 @@ class CaptionRL(Recipe[Config, State, Batch], MergesRounds[State, Batch]):
 
     def merge(self, s: State, groups: Sequence[tuple[Batch, Sequence[int]]]) -> Batch:
         """The kept groups of several rounds (dynamic sampling) as one batch, a record per group."""
-        picked = [(batch.encoded, batch.generations[rows[0]].request_index) for batch, rows in groups]
+        heads, gens = regroup(groups, lambda batch: batch.generations)
+        picked = [(batch.encoded, r) for batch, r in heads]
         encoded = Encoded([e.records[r] for e, r in picked], [e.prompts[r] for e, r in picked],
                           [e.messages[r] for e, r in picked], [e.positions[r] for e, r in picked],
                           sum({id(b.encoded): b.encoded.too_long for b, _ in groups}.values()))
-        gens = [msgspec.structs.replace(batch.generations[i], request_index=j)
-                for j, (batch, rows) in enumerate(groups) for i in rows]
-        ids = tuple(batch.prompt_ids[batch.generations[rows[0]].request_index] for batch, rows in groups)
-        return Batch(encoded, gens, prompt_ids=ids)
+        return Batch(encoded, gens, prompt_ids=tuple(batch.prompt_ids[r] for batch, r in heads))
 
     def update(self, s: State, step: int, batch: Batch, advantages: GroupAdvantages) -> dict[str, float]:
         cfg, acc, a, t = s.cfg, s.run.accelerator, s.cfg.algo, s.cfg.train
         gens = batch.generations
         s.run.record_prompts(step, batch.prompt_ids)
-        rollouts = [Rollout(batch.encoded.prompts[g.request_index], g.completion_ids, g.logprobs,
-                            valid=bool(advantages.valid[i])) for i, g in enumerate(gens)]
-        first = s.run.first_step(step)
-        tolerance = a.replay_tolerance if a.replay_tolerance is not None else (
-            1e-3 if next(s.model.parameters()).dtype == torch.float32 else 5e-2)
+        rollouts = to_rollouts(gens, advantages.valid, batch.encoded.prompts)
+        first, tolerance = s.run.first_step(step), replay_tolerance(a.replay_tolerance, s.model)
         options = dict(micro_batch_size=t.micro_batch_size, temperature=cfg.rollout.temperature,
                        pad_id=s.engine.pad_id, device=acc.device, placeholders=s.placeholders)
         mini = t.mini_batch_size or t.batch_size
@@ -299,8 +283,7 @@ class CaptionRL(Recipe[Config, State, Batch], MergesRounds[State, Batch]):
                 with reference_model(acc.unwrap_model(s.policy), s.model, s.frozen_reference) as reference:
                     ref = rollout_logprobs(reference, rollouts, **options)
         update = token_update(
-            acc, s.policy, s.optimizer, rollouts,
-            [advantages.advantages[i].expand(len(r.completion_ids)) for i, r in enumerate(rollouts)],
+            acc, s.policy, s.optimizer, rollouts, advantages.advantages,
             options=LossOptions(kl=a.kl, kl_coef=a.kl_coef, temperature=cfg.rollout.temperature,
                                 norm_length=cfg.rollout.max_new_tokens, **loss_fields(a)),
             old=old, ref=ref, num_minibatches=t.batch_size // mini, micro_batch_size=t.micro_batch_size,
@@ -315,9 +298,7 @@ class CaptionRL(Recipe[Config, State, Batch], MergesRounds[State, Batch]):
         mine = slice(s.run.rank, None, s.run.world_size)
         enc = encode_records(s.data.eval[mine], s.data.eval_where[mine], s.processor, s.cfg.data,
                              s.cfg.rollout.max_prompt_length, s.bad_records)
-        with s.engine.session() as engine:
-            gens = engine.generate(enc.messages, SamplingParams(temperature=0.0,
-                                                                max_new_tokens=s.cfg.rollout.max_new_tokens))
+        gens, _ = s.engine.sample(enc.messages, SamplingParams(temperature=0.0, max_new_tokens=s.cfg.rollout.max_new_tokens))
         rows = gather_object(_scored(s, enc, gens)[1])
         s.run.samples.write(f"eval-step-{step:06d}", step, rows)
         scores = [r["reward"] for r in rows if r["reward"] is not None]

@@ -48,9 +48,8 @@ from rl_policy.engine import PolicyEngine, build_policy_engine, rollout_device
 from rl_policy.swap import PolicySwap, initial_plan
 from rl_rewards.composition import Reward
 from rl_rewards.samples import Sample, ScoreResult
-from rl_rollout import Generation, SamplingParams, generate_seeded
-from rl_rollout.prompts import EncodedPrompt
-from rl_rollout.streaming import ChunkScorer, ScoredRollout, generate_scored
+from rl_rollout import Generation, SamplingParams
+from rl_rollout.streaming import ChunkScorer, ScoredRollout
 
 Scored = tuple[ScoreResult, dict[str, JudgeLog]]  # a sample's reward; a chunk's first row carries its judges' logs
 
@@ -277,16 +276,13 @@ class RiderGRM(Recipe[Config, State, Batch, Sampled], MergesRounds[State, Batch]
         cfg, run, acc, a, t = state.cfg, state.run, state.run.accelerator, state.cfg.algo, state.cfg.train
         run.record_prompts(step, batch.prompt_ids)
         state.swap.wake(run.timer)
-        rollouts = to_rollouts(batch.gens, advantages.valid.tolist())
-        dtype = next(state.model.parameters()).dtype
-        tolerance = a.replay_tolerance if a.replay_tolerance is not None else 1e-3 if dtype == torch.float32 else 5e-2
+        rollouts = training.to_rollouts(batch.gens, advantages.valid)
+        tolerance = training.replay_tolerance(a.replay_tolerance, state.model)
         with run.timer("update_actor"):
             first = tolerance if run.first_step(step) else math.inf
             out = training.engine_check(rollouts, batch.old).verify(acc, first, "first replay")
             out |= training.token_update(
-                acc, state.policy, state.optimizer, rollouts,
-                [advantages.advantages[i, : len(r.completion_ids)] if advantages.advantages.dim() == 2
-                 else advantages.advantages[i].expand(len(r.completion_ids)) for i, r in enumerate(rollouts)],
+                acc, state.policy, state.optimizer, rollouts, advantages.advantages,
                 options=training.LossOptions(kl=a.kl, kl_coef=a.kl_coef if a.use_kl_loss else 0.0,
                                              temperature=cfg.rollout.temperature,
                                              norm_length=cfg.rollout.max_new_tokens, **training.loss_fields(a)),
@@ -329,12 +325,9 @@ def generate(state: State, records: list[JudgeRecord], n: int, temperature: floa
     r = state.cfg.rollout
     params = SamplingParams(n=n, temperature=temperature, top_p=r.top_p, top_k=r.top_k,
                             max_new_tokens=r.max_new_tokens)
-    prompts = [rewarding.messages(x) for x in records]
-    with state.engine.session() as engine:
-        if score is not None:
-            scored = generate_scored(engine, prompts, params, score, seeds=seeds, timer=state.run.timer)
-            return scored.generations, awake, scored
-        return (engine.generate(prompts, params) if seeds is None else generate_seeded(engine, prompts, params, seeds)), awake, None
+    gens, scored = state.engine.sample([rewarding.messages(x) for x in records], params, seeds=seeds, score=score,
+                                       timer=state.run.timer)
+    return gens, awake, scored
 
 
 def score_now(state: State, samples: list[Sample]) -> tuple[list[ScoreResult], dict[str, JudgeLog]]:
@@ -353,14 +346,9 @@ def _chunk_scorer(state: State, records: list[JudgeRecord], width: int) -> Chunk
     return score
 
 
-def to_rollouts(gens: list[Generation], valid: list[bool]) -> list[training.Rollout]:
-    return [training.Rollout(EncodedPrompt(g.prompt_ids), g.completion_ids, g.logprobs, valid=ok)
-            for g, ok in zip(gens, valid, strict=True)]
-
-
 def logprobs(state: State, model: Any, gens: list[Generation]) -> list[torch.Tensor]:
     """No-grad log-probs `[C_i]` of each completion under `model` (the policy or the reference)."""
-    return training.rollout_logprobs(model, to_rollouts(gens, [True] * len(gens)), pad_id=state.engine.pad_id,
+    return training.rollout_logprobs(model, training.to_rollouts(gens), pad_id=state.engine.pad_id,
                                      micro_batch_size=state.cfg.train.micro_batch_size,
                                      temperature=state.cfg.rollout.temperature, device=state.run.device)
 

@@ -53,9 +53,9 @@ from __future__ import annotations
 import copy
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 from transformers import PreTrainedModel, ProcessorMixin
@@ -72,13 +72,16 @@ from rl_core.train import (
     gathered,
     isolated_rng,
 )
-from rl_rollout.protocol import Engine
+from rl_rollout.protocol import Engine, Generation, Prompt, SamplingParams, generate_seeded
 from rl_rollout.registry import resolve_engine
+from rl_rollout.streaming import ChunkScorer, ScoredRollout, generate_scored
+from rl_rollout.streaming import PhaseTimer as ScoringTimer
 
 __all__ = ["PolicyEngine", "build_policy_engine", "rollout_device"]
 
 OffloadOptimizer = Literal["auto", "always", "never"]
 PhaseTimer = Callable[[str], AbstractContextManager[Any]]
+R = TypeVar("R")
 
 
 def _untimed(name: str) -> AbstractContextManager[Any]:
@@ -185,6 +188,21 @@ class PolicyEngine(CountedWeights):
                     self.release_cache()
                 if self.optimizer_offload is not None:
                     self.optimizer_offload.to_device()
+
+    def sample(self, prompts: Sequence[Prompt], params: SamplingParams, *, seeds: Sequence[int] | None = None,
+               score: ChunkScorer[R] | None = None, timer: ScoringTimer | None = None,
+               ) -> tuple[list[Generation], ScoredRollout[R] | None]:
+        """`params.n` samples of each prompt in a session (request-major). `seeds`: each prompt
+        from its own seed (`generate_seeded`: the same samples whatever the process count and
+        batch split); `score`: scored chunk by chunk on a thread as they finish
+        (`rl_rollout.streaming.generate_scored`, its `timer` phases), returned with them."""
+        with self.session() as engine:
+            if score is not None:
+                scored = generate_scored(engine, prompts, params, score, seeds=seeds, timer=timer)
+                return scored.generations, scored
+            if seeds is not None:
+                return generate_seeded(engine, prompts, params, seeds), None
+            return engine.generate(prompts, params), None
 
     def push(self) -> None:
         """Synchronous: the trained weights into the engine (after each optimizer step, and at

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
 import torch
 from torch import Tensor
 
@@ -35,6 +36,8 @@ from rl_models.logprobs import TokenBatch, completion_logprobs, completion_logpr
 from rl_rollout.prompts import EncodedPrompt, pad_batch
 from rl_rollout.protocol import Generation
 
+B = TypeVar("B")
+
 __all__ = [
     "LossOptions",
     "Policy",
@@ -42,9 +45,13 @@ __all__ = [
     "collate",
     "loss_fields",
     "pad_rows",
+    "regroup",
+    "replay_tolerance",
     "response_metrics",
     "rollout_logprobs",
     "to_device",
+    "to_rollouts",
+    "token_advantages",
     "token_update",
 ]
 
@@ -57,6 +64,42 @@ class Rollout:
     completion_ids: list[int]
     engine_logprobs: list[float]  # the rollout engine's sampling log-probs
     valid: bool  # False: failed to score (or unusable); stays in the batch with weight 0
+
+
+def to_rollouts(generations: Sequence[Generation], valid: Sequence[bool] | Tensor | None = None,
+                prompts: Sequence[EncodedPrompt] | None = None) -> list[Rollout]:
+    """The `Rollout` of each generation: its prompt as the engine encoded it (`prompts[request_index]`
+    where given, for a VL prompt's media tensors), its engine log-probs, `valid[i]` (None: all)."""
+    flags = [True] * len(generations) if valid is None else [bool(v) for v in valid]
+    return [Rollout(EncodedPrompt(g.prompt_ids) if prompts is None else prompts[g.request_index], g.completion_ids,
+                    g.logprobs, valid=ok) for g, ok in zip(generations, flags, strict=True)]
+
+
+def regroup(groups: Sequence[tuple[B, Sequence[int]]], generations: Callable[[B], Sequence[Generation]],
+            ) -> tuple[list[tuple[B, int]], list[Generation]]:
+    """Dynamic sampling's kept groups (`Recipe.merge`'s: a batch and the rows of one prompt's
+    samples each) as one batch: each group's batch and the request index of its prompt there,
+    and the groups' samples, in order, renumbered so that group j's have `request_index` j."""
+    heads = [(batch, generations(batch)[rows[0]].request_index) for batch, rows in groups]
+    gens = [msgspec.structs.replace(generations(batch)[i], request_index=j)
+            for j, (batch, rows) in enumerate(groups) for i in rows]
+    return heads, gens
+
+
+def token_advantages(advantages: Tensor, rollouts: Sequence[Rollout]) -> list[Tensor]:
+    """Each rollout's advantage per completion token `[C_i]`: a row of token advantages
+    (`advantages` `[B, T]`) cut to its completion, or a sequence advantage (`[B]`) repeated."""
+    if advantages.dim() == 2:
+        return [advantages[i, : len(r.completion_ids)] for i, r in enumerate(rollouts)]
+    return [advantages[i].expand(len(r.completion_ids)) for i, r in enumerate(rollouts)]
+
+
+def replay_tolerance(given: float | None, model: torch.nn.Module) -> float:
+    """The largest mean |engine - trainer| log-prob gap the first replay accepts: `given`
+    (`algo.replay_tolerance`), else 1e-3 for a float32 policy and 5e-2 for 16-bit kernels."""
+    if given is not None:
+        return given
+    return 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
 
 
 def collate(rollouts: Sequence[Rollout], pad_id: int, placeholders: frozenset[int] = frozenset()) -> TokenBatch:
@@ -190,7 +233,7 @@ def token_update(
     policy: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     rollouts: Sequence[Rollout],
-    advantages: Sequence[Tensor],
+    advantages: Sequence[Tensor] | Tensor,
     *,
     options: LossOptions,
     old: Sequence[Tensor] | None,
@@ -209,13 +252,15 @@ def token_update(
     """`ppo_epochs` passes over `num_minibatches` minibatches of this process's rollouts; each
     minibatch is one `optimizer_step` over micro-batches of `micro_batch_size` rollouts.
 
-    `policy` is the prepared `Policy`. `advantages[i]` is rollout i's per-token advantage `[C_i]`
-    (broadcast a sequence advantage with `expand`). `old=None` means on-policy (one optimizer
+    `policy` is the prepared `Policy`. `advantages[i]` is rollout i's per-token advantage `[C_i]`,
+    or a tensor of sequence (`[B]`) or token (`[B, T]`) advantages (`token_advantages`). `old=None` means on-policy (one optimizer
     step per batch): each micro-batch's own detached log-probs are its old ones, as TRL and verl
     do, and the engine's sampling log-probs are compared with them before the first optimizer
     step; `check_tolerance` (the run's first step) raises when they disagree. `ref` holds the
     KL reference's log-probs when `options.kl_coef > 0`. `after_step` runs after each optimizer
     step that was taken (a vLLM weight push, say)."""
+    if isinstance(advantages, Tensor):
+        advantages = token_advantages(advantages, rollouts)
     parts = [p.tolist() for p in torch.arange(len(rollouts)).tensor_split(num_minibatches)]
     stats, check = UpdateStats(), ReplayCheck()
     device = accelerator.device
