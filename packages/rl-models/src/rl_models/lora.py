@@ -35,6 +35,9 @@ DEFAULT_TARGET_MODULES: dict[str, list[str] | str] = {
     # out); the VQ and SigLIP towers stay frozen. The head matters when its weights are small:
     # the language model's output is RMS-normalised, so through a frozen head LoRA can move the
     # image-token logits only as far as the head's norm allows (~0.1 on the tiny random model).
+    # Wan 2.1: the self- and cross-attention projections of every block (diffusers' Wan LoRA
+    # training and DanceGRPO's targets).
+    "wan": ["to_q", "to_k", "to_v", "to_out.0"],
     "janus": r".*(language_model.*\.(" + "|".join(_QWEN_PROJ) + r")|generation_head\.proj_out)",
 }
 
@@ -62,8 +65,9 @@ def add_lora(
     """Wrap `model` with fresh LoRA adapters (`get_peft_model`); only they are trainable.
 
     `family` defaults to `model.config.model_type` for transformers models; pass "sd3" for an
-    `SD3Transformer2DModel`. peft initialises B to zero, so the wrapped model starts equal to the
-    base model (`init_lora_weights=False` gives random B, for tests).
+    `SD3Transformer2DModel`, "wan" for a `WanTransformer3DModel`. peft initialises B to zero, so
+    the wrapped model starts equal to the base model (`init_lora_weights=False` gives random B,
+    for tests).
     """
     if target_modules is None:
         if family is None:

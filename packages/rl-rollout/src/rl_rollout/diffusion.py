@@ -224,7 +224,12 @@ class DiffusionEngine:
 
     `cuda_graphs`, `attention_backend` and `overlap_decode` are the rollout options of the module
     docstring (`None`/"auto": `AUTO_ON_CUDA` on CUDA, off on CPU); set the attributes to switch.
+    Another flow-matching family subclasses it (`rl_rollout.wan.WanEngine`) by its model's inputs
+    and outputs: `encode`, `negative`, `_text_kwargs`, `_sequence_length`, `initial_noise`,
+    `decode` and `blocks_attribute`.
     """
+
+    blocks_attribute = "transformer_blocks"  # the transformer's repeated blocks, compiled one by one
 
     def __init__(
         self,
@@ -276,7 +281,7 @@ class DiffusionEngine:
         Its scheduler and tokenizers are its own: sampling sets the scheduler's timesteps, and a
         fast tokenizer's call sets its padding and truncation, while this engine may encode on
         another thread."""
-        for block in getattr(transformer, "transformer_blocks", []):  # a copy made after a compiled forward
+        for block in getattr(transformer, self.blocks_attribute, []):  # a copy made after a compiled forward
             block.__dict__.pop("forward", None)  # would call the original block's compiled forward
         pipeline = self.pipeline
         own = {name: copy.deepcopy(part) for name, part in pipeline.components.items()
@@ -386,9 +391,8 @@ class DiffusionEngine:
             model or self.transformer,
             hidden_states=model_in,
             timestep=timestep,
-            encoder_hidden_states=embeds,
-            pooled_projections=pooled,
             return_dict=False,
+            **self._text_kwargs(embeds, pooled),
         ).float()  # [B or 2B, C, h, w]
         if not use_cfg:
             return out
@@ -396,6 +400,10 @@ class DiffusionEngine:
         if detach_uncond:
             uncond = uncond.detach()
         return uncond + guidance_scale * (cond - uncond)  # [B, C, h, w]
+
+    def _text_kwargs(self, embeds: Tensor, pooled: Tensor) -> dict[str, Tensor]:
+        """The transformer's text keyword arguments (SD3: the token states and the pooled vector)."""
+        return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
 
     # -- compilation ---------------------------------------------------------------------------
 
@@ -434,7 +442,7 @@ class DiffusionEngine:
         """Compile the blocks of the current transformer if `self.compile`, else restore them.
         Each block's `forward` is replaced by its compiled self (module hooks, e.g. FSDP2's, stay
         outside the graph); all blocks share the compiled code and its cache of graphs."""
-        blocks = list(self.pipeline.transformer.transformer_blocks) if self.compile else []
+        blocks = list(getattr(self.pipeline.transformer, self.blocks_attribute)) if self.compile else []
         if self._compiled and self._compiled_backend != self.attention_backend:
             torch.compiler.reset()  # the compiled graphs call the old backend's kernel, unguarded
             self._graphs.clear()
@@ -467,6 +475,11 @@ class DiffusionEngine:
             )
         scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
         return scheduler.sigmas.to(torch.float32).clone()  # [S + 1]
+
+    def _sequence_length(self, latents: Tensor) -> int:
+        """Tokens of the latents `[B, C, h, w]` once patched (the dynamic shift's input)."""
+        patch = self._transformer_config.patch_size
+        return (latents.shape[-2] // patch) * (latents.shape[-1] // patch)
 
     def initial_noise(self, batch: int, height: int, width: int, generators: list[torch.Generator]) -> Tensor:
         """Float32 noise `[B, C, h, w]`, one generator per sample (reproducible per seed)."""
@@ -580,9 +593,7 @@ class DiffusionEngine:
             conditioning = self.encode(prompts, max_sequence_length=max_sequence_length)
         generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
         latents = self.initial_noise(size, height, width, generators)  # [B, C, h, w]
-        patch = self._transformer_config.patch_size
-        seq_len = (latents.shape[-2] // patch) * (latents.shape[-1] // patch)
-        sigmas = self.schedule(num_steps, seq_len)  # [S + 1]
+        sigmas = self.schedule(num_steps, self._sequence_length(latents))  # [S + 1]
         sde_steps = self._sde_mask(num_steps, kind, batch.sde_window)  # [S]
         embeds, pooled = self._text_inputs(conditioning, guidance_scale)
         graph = self._graph(latents, embeds, pooled, guidance_scale) if self.cuda_graphs else None
