@@ -106,6 +106,8 @@ _BUILTIN: dict[str, tuple[str, ComponentKeys]] = {
     "clip_score": ("rl_rewards.scorers.vision:ClipScorer", ()),
     "aesthetic": ("rl_rewards.scorers.vision:AestheticScorer", ()),
     "brightness": ("rl_rewards.scorers.media:BrightnessScorer", ()),
+    "per_frame": ("rl_rewards.scorers.video:PerFrameScorer", ()),
+    "temporal_consistency": ("rl_rewards.scorers.video:TemporalConsistencyScorer", ()),
     "embedding_similarity": ("rl_rewards.scorers.embedding:EmbeddingSimilarityScorer", _embedding_keys),
     "caption_qa": ("rl_rewards.scorers.caption_qa:build_caption_qa", _caption_qa_keys),
     "vl_judge": ("rl_rewards.scorers.vl_judge:build_vl_judge", _VL_JUDGE_KEYS),

@@ -1,0 +1,69 @@
+"""`per_frame` and `temporal_consistency`: video rewards over a sample's frames, through the registry."""
+
+import pytest
+
+pytest.importorskip("PIL")  # the [ocr] or [vision] extra; skipped in the torch-free session
+
+import numpy as np
+from PIL import Image
+
+from rl_rewards.composition import build_reward
+from rl_rewards.registry import build_scorer
+from rl_rewards.samples import Sample
+from rl_rewards.spec import Component, RewardSpec
+
+
+def grey(level: int) -> Image.Image:
+    return Image.new("RGB", (4, 4), (level, level, level))
+
+
+VIDEO = [grey(51), grey(102), grey(153), grey(204)]  # brightness 0.2, 0.4, 0.6, 0.8
+
+
+@pytest.mark.parametrize("aggregate, frames, expected", [
+    ("mean", None, 0.5), ("min", None, 0.2), ("max", None, 0.8),
+    ("mean", 2, 0.5),  # the first and the last frame
+    ("min", 3, 0.2), ("mean", 1, 0.2),  # frames 0, 2 (rounded from 1.5), 3; the first alone
+])
+def test_per_frame_folds_an_image_scorer_over_the_kept_frames(aggregate, frames, expected):
+    scorer = build_scorer("per_frame", scorer="brightness", aggregate=aggregate, frames=frames)
+    [result] = scorer.score([Sample(completion="", metadata={"video": VIDEO})])
+    assert result.score == pytest.approx(expected)
+
+
+def test_per_frame_takes_arrays_and_fails_a_bad_sample_alone():
+    array = np.stack([np.full((4, 4, 3), v, dtype=np.uint8) for v in (0, 255)])  # [F, H, W, 3]
+    results = build_scorer("per_frame", scorer="brightness").score([
+        Sample(completion="", metadata={"video": array}),
+        Sample(completion="", metadata={}),
+        Sample(completion="", metadata={"video": "clip.mp4"}),
+        Sample(completion="", metadata={"video": []}),
+    ])
+    assert results[0].score == pytest.approx(0.5)
+    assert [r.score for r in results[1:]] == [None] * 3
+    assert "no 'video'" in str(results[1].error) and "not a file path" in str(results[2].error)
+    assert "no frames" in str(results[3].error)
+    with pytest.raises(ValueError, match="aggregate='median'"):
+        build_scorer("per_frame", scorer="brightness", aggregate="median")
+    with pytest.raises(KeyError, match="unknown scorer 'sharpness'"):
+        build_scorer("per_frame", scorer="sharpness")
+
+
+def test_temporal_consistency_is_one_minus_the_mean_frame_change():
+    flicker = [grey(0), grey(255), grey(0)]
+    results = build_scorer("temporal_consistency").score([
+        Sample(completion="", metadata={"video": VIDEO}),
+        Sample(completion="", metadata={"video": [grey(10)] * 3}),
+        Sample(completion="", metadata={"video": flicker}),
+        Sample(completion="", metadata={"video": VIDEO[:1]}),
+    ])
+    assert [r.score for r in results] == pytest.approx([0.8, 1.0, 0.0, 1.0])
+
+
+def test_a_video_reward_spec_sums_a_per_frame_term_and_consistency():
+    spec = RewardSpec(components={
+        "bright": Component(scorer="per_frame", options={"scorer": "brightness", "aggregate": "min"}),
+        "steady": Component(scorer="temporal_consistency", weight=0.5)})
+    [result] = build_reward(spec).score([Sample(completion="", metadata={"video": VIDEO})])
+    assert result.score == pytest.approx(0.2 + 0.5 * 0.8)
+    assert result.components == pytest.approx({"bright": 0.2, "steady": 0.8})
