@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 
-from rl_core.train import contact_sheet, image_stats, to_pil
+from rl_core.train import contact_sheet, image_stats, to_pil, write_video
 
 
 def test_to_pil_rounds_and_clamps_into_rgb_bytes() -> None:
@@ -39,3 +40,27 @@ def test_contact_sheet_is_a_grid_of_cells_with_captions(tmp_path: Path) -> None:
         assert sheet.getpixel((16, 16)) == (255, 0, 0) and sheet.getpixel((16, 80 + 16)) == (0, 0, 0)
     with pytest.raises(ValueError, match="zip"):
         contact_sheet(images, ["one caption"], tmp_path / "short.png")
+
+
+FRAMES = [Image.new("RGB", (7, 5), (40 * k, 0, 255 - 40 * k)) for k in range(5)]  # odd sizes, changing colour
+
+
+def test_write_video_writes_an_mp4_a_player_decodes(tmp_path: Path) -> None:
+    av = pytest.importorskip("av")  # rl-core's test group installs it
+    out = write_video(FRAMES, tmp_path / "videos" / "sample.mp4", fps=4)
+    assert out == tmp_path / "videos" / "sample.mp4"
+    with av.open(str(out)) as container:
+        decoded = [f.to_image() for f in container.decode(video=0)]
+    assert len(decoded) == 5 and decoded[0].size == (8, 6)  # padded to even sizes for 4:2:0
+    first, last = (d.getpixel((2, 2)) for d in (decoded[0], decoded[-1]))
+    assert first[2] > 200 and last[0] > 120  # blue first, then red, through the codec's rounding
+
+
+def test_write_video_falls_back_to_a_gif_without_pyav(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "av", None)  # import av raises ImportError
+    out = write_video(FRAMES, tmp_path / "sample.mp4", fps=4)
+    assert out == tmp_path / "sample.gif" and not (tmp_path / "sample.mp4").exists()
+    with Image.open(out) as gif:
+        assert gif.n_frames == 5 and gif.info["duration"] == 250
+    with pytest.raises(ValueError, match="no frames"):
+        write_video([], tmp_path / "empty.mp4")

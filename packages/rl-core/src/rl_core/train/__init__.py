@@ -64,7 +64,7 @@ if TYPE_CHECKING:
         gather_rows,
         group_advantages,
     )
-    from rl_core.train.images import contact_sheet, image_stats, to_pil
+    from rl_core.train.images import contact_sheet, image_stats, to_pil, write_video
     from rl_core.train.loop import run, train
     from rl_core.train.metric_names import METRIC_NAMES, unknown_metric_names
     from rl_core.train.metrics import MetricsLogger, PhaseTimer
@@ -149,7 +149,7 @@ _EXPORTS = {
     "ema": ["ParameterEMA", "TrainableState", "trainable_parameters"],
     "fields": ["CompileMode", "DType", "DynamicSampling", "RunFields", "ShardingFields"],
     "groups": ["GroupAdvantages", "component_means", "component_weights", "gather_rows", "group_advantages"],
-    "images": ["contact_sheet", "image_stats", "to_pil"],
+    "images": ["contact_sheet", "image_stats", "to_pil", "write_video"],
     "loop": ["run", "train"],
     "metric_names": ["METRIC_NAMES", "unknown_metric_names"],
     "metrics": ["MetricsLogger", "PhaseTimer"],
@@ -289,6 +289,7 @@ __all__ = [
     "train",
     "trainable_parameters",
     "unknown_metric_names",
+    "write_video",
 ]
 
 

@@ -5,6 +5,7 @@ policy collapsing under reward hacking.
     images = to_pil(samples.images)                       # [B, 3, H, W] in [0, 1] -> PIL
     contact_sheet(images, [f"{p} | reward {r:.3f}" for p, r in ...], run_dir / "contact_sheet.png")
     metrics |= image_stats(images)                        # image/brightness, image/colour_entropy
+    write_video(to_pil(video.frames[0]), run_dir / "sample.mp4", fps=8)   # [F, 3, H, W] -> MP4 (or GIF)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["contact_sheet", "image_stats", "to_pil"]
+__all__ = ["contact_sheet", "image_stats", "to_pil", "write_video"]
 
 
 def to_pil(images: torch.Tensor) -> list[Image.Image]:
@@ -55,4 +56,29 @@ def contact_sheet(images: Sequence[Image.Image], captions: Sequence[str], path: 
             draw.text((x + 2, y + cell + 1 + 12 * line_no), line, fill="black", font=font)
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
+    return path
+
+
+def write_video(frames: Sequence[Image.Image], path: Path, *, fps: float = 8.0) -> Path:
+    """A sampled video a person can watch: `frames` as H.264 MP4 through PyAV (`pip install av`)
+    at `path`, or, where PyAV is missing, an animated GIF beside it (`path` with `.gif`, Pillow
+    only). Odd sizes are padded to even ones (H.264's 4:2:0 needs them). Returns the file written."""
+    if not frames:
+        raise ValueError(f"{path}: no frames to write")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import av
+    except ImportError:
+        gif = path.with_suffix(".gif")
+        frames[0].save(gif, save_all=True, append_images=list(frames[1:]), duration=round(1000 / fps), loop=0)
+        return gif
+    width, height = frames[0].width + frames[0].width % 2, frames[0].height + frames[0].height % 2
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=round(fps))
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for frame in frames:
+            canvas = Image.new("RGB", (width, height))
+            canvas.paste(frame.convert("RGB"))
+            container.mux(stream.encode(av.VideoFrame.from_image(canvas)))
+        container.mux(stream.encode())  # flush the encoder
     return path
