@@ -119,6 +119,8 @@ class Family(Protocol):
 
 
 class SD3(Family):
+    kind = "sd3"  # the image engine (`rl_rollout.build_image_engine`) and LoRA layout (`rl_models.lora`)
+
     def __init__(self, cfg: Config, acc: Any, path: str) -> None:
         m, t, s = cfg.model, cfg.train, cfg.sampling
         self.cfg, self.acc = cfg, acc
@@ -127,10 +129,10 @@ class SD3(Family):
         self.compiled = compiles_blocks(cfg, acc.device.type)
         self.tolerance = first_replay_tolerance(cfg, self.compiled)
         self.engine = cast(DiffusionEngine, build_image_engine(
-            "sd3", path=path, dtype=m.dtype, device=acc.device, text_encoder_dtype=m.text_encoder_dtype,
-            compile=self.compiled, **rollout_options(s)))
+            self.kind, path=path, dtype=m.dtype, device=acc.device, text_encoder_dtype=m.text_encoder_dtype,
+            compile=self.compiled, **rollout_options(s), **self.engine_options()))
         self.engine.transformer.requires_grad_(False)
-        self.peft = add_lora(self.engine.transformer, family="sd3", r=m.lora_rank, alpha=m.lora_alpha,
+        self.peft = add_lora(self.engine.transformer, family=self.kind, r=m.lora_rank, alpha=m.lora_alpha,
                              target_modules=m.lora_targets)
         optimizer = torch.optim.AdamW(trainable_parameters(self.peft).values(), lr=t.lr, weight_decay=t.weight_decay)
         plan = resolve_sharding(acc, t.sharding, mixed_precision=t.fsdp_mixed_precision,
@@ -151,6 +153,9 @@ class SD3(Family):
             workers=(lambda: start_lora_workers(worker_spec(cfg, path, self.compiled), r.workers, placement=r.placement,
                                                 device=acc.device, gpus_per_worker=r.gpus_per_worker,
                                                 address=r.ray_address)) if r.workers else None)
+
+    def engine_options(self) -> dict[str, Any]:
+        return {}
 
     def collect(self, batches: list[SampleBatch]) -> Sequence[ImageSamples]:
         s = self.cfg.sampling
@@ -319,7 +324,17 @@ def worker_spec(cfg: Config, path: str, compile: bool) -> EngineSpec:
         "lora_alpha": m.lora_alpha, "lora_targets": m.lora_targets, "compile": compile, **rollout_options(cfg.sampling)})
 
 
-FAMILIES: dict[str, Callable[[Config, Any, str], Family]] = {"sd3": SD3, "janus": Janus}
+class Wan(SD3):
+    """Flow-GRPO on Wan 2.1 text-to-video: SD3's sampling, replay, KL and EMA over
+    `rl_rollout.wan.WanEngine`, whose samples' `images` are frames `[B, F, 3, H, W]`."""
+
+    kind = "wan"
+
+    def engine_options(self) -> dict[str, Any]:
+        return {"num_frames": self.cfg.sampling.num_frames}
+
+
+FAMILIES: dict[str, Callable[[Config, Any, str], Family]] = {"sd3": SD3, "wan": Wan, "janus": Janus}
 
 
 def whole_weights(family: Family) -> Any:

@@ -38,13 +38,16 @@ DEFAULT_CONFIG = APP / "configs" / "default.toml"
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
-    family: Literal["sd3", "janus"] = "sd3"
-    """`sd3`: Flow-GRPO on an SD3/SD3.5 pipeline (SDE sampling, per-step log-probs). `janus`:
+    family: Literal["sd3", "wan", "janus"] = "sd3"
+    """`sd3`: Flow-GRPO on an SD3/SD3.5 pipeline (SDE sampling, per-step log-probs). `wan`: the same
+    on Wan 2.1 text-to-video (`sampling.num_frames` frames a sample; each reward component scores
+    every frame, folded by `reward.frame_aggregate`; GRPO only, in process, unsharded). `janus`:
     token-level GRPO on Janus / Janus-Pro image tokens (CFG sampling, per-token log-probs; VRL's
     autoregressive trainer); its own knobs are the [janus] table, and rollout.temperature,
     rollout.compile, model.gradient_checkpointing and algo.kl apply to it only."""
     path: str = "stabilityai/stable-diffusion-3.5-medium"
     """diffusers SD3/SD3.5 folder or hub id (`tiny:sd3` builds a tiny random pipeline); with
+    family `wan` a diffusers Wan 2.1 folder (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, `tiny:wan`); with
     family `janus` a transformers Janus checkpoint (deepseek-community/Janus-Pro-7B, `tiny:janus`)."""
     dtype: DType = "bfloat16"  # transformer + VAE weights (Janus: all weights); step maths is always float32
     text_encoder_dtype: DType | None = None  # None = dtype
@@ -67,7 +70,8 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class SamplingConfig(msgspec.Struct, kw_only=True, frozen=True):
-    resolution: Positive = 512  # square images
+    resolution: Positive = 512  # square images (wan: square frames)
+    num_frames: Positive = 33  # wan: frames of each video, 4k + 1 (Wan 2.1: 81 at 480x832)
     num_steps: Positive = 10  # training rollout steps
     guidance_scale: NonNegativeFloat = 4.5
     noise_level: PositiveFloat = 0.7  # SDE `a` (0.7 Flow-GRPO sde; 0.8 for cps)
@@ -87,7 +91,7 @@ class SamplingConfig(msgspec.Struct, kw_only=True, frozen=True):
     """random/sliding: [start, limit) the window stays in; None = [0, int(num_steps x train.timestep_fraction))."""
     shift_interval: Positive = 25  # sliding: epochs between window moves (MixGRPO iters_per_group)
     window_stride: Positive = 1  # sliding: steps the window moves by (MixGRPO prog_overlap_step)
-    max_sequence_length: Positive = 128  # T5 tokens
+    max_sequence_length: Positive = 128  # T5 tokens (wan: UMT5 tokens, every prompt padded to it; Wan uses 226)
     # sd3 rollout options (rl_rollout.diffusion; benchmarks/diffusion_grpo.py measures each): None/"auto"
     # = the engine's measured CUDA choice (AUTO_ON_CUDA), off on CPU; CUDA-only choices fail on CPU
     cuda_graphs: bool | None = None  # replay each sampling step's CFG forward as a captured CUDA graph
@@ -118,6 +122,11 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     """scorer name -> weight (weighted sum); 0 disables one: `reward.components.aesthetic=1.0`."""
     kwargs: dict[str, dict[str, Any]] = {}  # scorer name -> its build options
     url: str | None = None  # a running `rl-rewards serve`; images go as PNG paths
+    frame_aggregate: Literal["mean", "min", "max"] = "mean"
+    """wan: how a component's per-frame scores make the video's (`rl_rewards` `per_frame`): `min`
+    when one bad frame spoils the video (text that must stay legible); video scorers
+    (`temporal_consistency`) score the whole video instead."""
+    frames: Positive | None = None  # wan: score this many evenly spaced frames (first and last kept); None: all
     server_reward: str = ""  # reward name on the server ("" = its default)
 
 
@@ -266,10 +275,14 @@ def check_config(cfg: Config, world_size: int) -> None:
     images = r.groups_per_epoch // world_size * r.n  # per process
     refused = [
         (r.n < 2, f"rollout.n={r.n}: GRPO compares the images of one prompt with each other and needs rollout.n >= 2"),
-        (m.family == "janus" and r.workers > 0, f"rollout.workers={r.workers}: Ray rollout workers serve the sd3 "
-         "family only; set rollout.workers=0 for model.family='janus'"),
-        (m.family == "janus" and t.sharding != "none", f"train.sharding={t.sharding!r} shards the SD3 transformer; "
-         "model.family='janus' trains with DDP (FSDP2 for Janus is not done): set train.sharding='none'"),
+        (m.family != "sd3" and r.workers > 0, f"rollout.workers={r.workers}: Ray rollout workers serve the sd3 "
+         f"family only; set rollout.workers=0 for model.family={m.family!r}"),
+        (m.family != "sd3" and t.sharding != "none", f"train.sharding={t.sharding!r} shards the SD3 transformer; "
+         f"model.family={m.family!r} trains with DDP (FSDP2 for it is not done): set train.sharding='none'"),
+        (m.family == "wan" and cfg.reward.url is not None, f"reward.url={cfg.reward.url!r}: videos are not sent to "
+         "a reward server yet; score in process (reward.components or reward.spec)"),
+        (m.family == "wan" and (cfg.sampling.num_frames - 1) % 4 != 0, f"sampling.num_frames="
+         f"{cfg.sampling.num_frames}: Wan's VAE takes 4k + 1 frames (1, 5, 9, ..., 33, ..., 81)"),
         (t.max_staleness > 0 and t.sharding != "none" and r.workers > 0, f"train.max_staleness={t.max_staleness} "
          f"with rollout.workers={r.workers} and train.sharding={t.sharding!r}: a sharded LoRA is not published to Ray "
          "workers yet; set train.sharding='none' or rollout.workers=0"),
@@ -279,7 +292,7 @@ def check_config(cfg: Config, world_size: int) -> None:
          "384x384 image)"),
         (m.compile and (m.family != "sd3" or t.sharding != "none"), "model.compile=true compiles the SD3 transformer's "
          f"blocks: it needs model.family='sd3' and train.sharding='none' (got {m.family!r}, {t.sharding!r})"),
-        (m.family == "sd3" and int(cfg.sampling.num_steps * t.timestep_fraction) == 0,
+        (m.family != "janus" and int(cfg.sampling.num_steps * t.timestep_fraction) == 0,
          f"train.timestep_fraction={t.timestep_fraction} x sampling.num_steps={cfg.sampling.num_steps} trains no "
          "step (Flow-GRPO trains int(steps x fraction)); raise it"),
         (cfg.sampling.sde_window_mode != "fixed" and cfg.sampling.sde_window is not None,
@@ -303,7 +316,7 @@ def check_config(cfg: Config, world_size: int) -> None:
     for bad, message in refused:
         if bad:
             raise ConfigError(message)
-    reward_spec(cfg.reward, tiny=m.path.startswith("tiny:"))  # a bad spec file or weights stop here too
+    reward_spec(cfg.reward, tiny=m.path.startswith("tiny:"), video=m.family == "wan")  # a bad spec or weights stop here too
 
 
 def compiles_blocks(cfg: Config, device_type: str) -> bool:
@@ -428,10 +441,23 @@ def read_prompts(source: str, key: str) -> list[OCRPrompt]:
     return prompts
 
 
-def reward_spec(cfg: RewardConfig, *, tiny: bool) -> RewardSpec:
+def reward_spec(cfg: RewardConfig, *, tiny: bool, video: bool = False) -> RewardSpec:
     """`reward.spec` (inline, or a TOML file), else the weighted sum of `reward.components` with
     `reward.kwargs` as options. `clip_score`/`aesthetic` without a `model` option get CLIP
-    ViT-L/14 (the LAION aesthetic head's backbone), or the tiny CLIP when the model is tiny."""
+    ViT-L/14 (the LAION aesthetic head's backbone), or the tiny CLIP when the model is tiny.
+    `video`: each image scorer scores every frame (`per_frame`, folded by `reward.frame_aggregate`
+    over `reward.frames`); a video scorer scores the video."""
+    spec = _reward_spec(cfg, tiny=tiny)
+    if not video:
+        return spec
+    from rl_rewards.scorers.video import (
+        lift_to_video,  # pillow and numpy, which `--help` does not need
+    )
+
+    return lift_to_video(spec, aggregate=cfg.frame_aggregate, frames=cfg.frames)
+
+
+def _reward_spec(cfg: RewardConfig, *, tiny: bool) -> RewardSpec:
     if isinstance(cfg.spec, str):
         try:
             return load_spec(resolve_path(cfg.spec))

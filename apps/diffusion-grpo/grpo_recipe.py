@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from accelerate.utils import gather_object
 from families import FAMILIES, SD3, Family, whole_weights
 from grpo_config import (
     DEFAULT_CONFIG,
@@ -45,13 +44,12 @@ from grpo_config import (
 )
 from nft import nft_update
 from peft import PeftModel
-from PIL import Image
 
-from rl_core.advantages import group_ids_from_keys
 from rl_core.flow import compute_sde_window
 from rl_core.train import (
     Checkpoint,
     GroupAdvantages,
+    Media,
     Micro,
     ParameterEMA,
     Recipe,
@@ -59,17 +57,20 @@ from rl_core.train import (
     Schedule,
     Scores,
     TrainableState,
+    all_frames,
     chunked_steps,
     component_means,
     component_weights,
     contact_sheet,
-    gather_rows,
+    gathered_group_ids,
     image_stats,
     replay_plan,
     replay_update,
     sample_seed,
     sharded_state,
-    to_pil,
+    to_media,
+    write_video,
+    zero_std_fraction,
 )
 from rl_data import GroupSampler, OCRPrompt
 from rl_models import tiny
@@ -101,7 +102,7 @@ class Batch:
     samples: Sequence[ImageSamples]  # sd3: `Trajectory`, janus: `ImageRollout`
     records: list[OCRPrompt]  # one per image, in sample order
     group_ids: torch.Tensor  # [N] global group index
-    images: list[Image.Image]
+    images: list[Media]  # one per sample: an image, or a video's frames (model.family = "wan")
     on_policy: bool = True  # sampled by the weights the trainer holds: the first replay's ratio is checked
 
 
@@ -120,7 +121,7 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         family = FAMILIES[cfg.model.family](cfg, run.accelerator, str(tiny.resolve(cfg.model.path)))
         sampler = GroupSampler(len(prompts), cfg.rollout.n, seed=cfg.train.seed, rank=run.rank, world_size=run.world_size)
         reward = RemoteScorer(cfg.reward.url, cfg.reward.server_reward) if cfg.reward.url else build_reward(
-            reward_spec(cfg.reward, tiny=cfg.model.path.startswith("tiny:")))
+            reward_spec(cfg.reward, tiny=cfg.model.path.startswith("tiny:"), video=cfg.model.family == "wan"))
         weights = component_weights(reward, cfg.algo.reward_aggregation)
         return State(cfg, run, family, family.ema, reward, weights, prompts, eval_prompts, sampler)
 
@@ -164,7 +165,7 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
                                sde_window=sde_window(cfg, epoch, sample_index(i, n, world, run.rank)))
                    for i in range(0, len(records), size)]
         samples = state.family.collect(batches)
-        images = [image for s in samples for image in to_pil(s.images)]
+        images = [image for s in samples for image in to_media(s.images)]
         return Batch(samples, records, torch.arange(len(records)) // n + run.rank * groups, images)
 
     def prepare(self, state: State, step: int, sampled: Batch) -> Batch:
@@ -180,7 +181,7 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         run.samples.write("train", step, [{"prompt": r.prompt, "target": r.target, "reward": v}
                                           for r, v in zip(batch.records, rewards.tolist(), strict=True)])
         # one row per process (equal image counts); the loop averages the reward's `components`
-        stats = component_means([image_stats(batch.images)], run.accelerator, prefix="")
+        stats = component_means([image_stats(all_frames(batch.images))], run.accelerator, prefix="")
         return grpo_scores(state.cfg, run.accelerator, rewards, batch.group_ids, [r.prompt for r in batch.records],
                            stats, components=components, weights=state.weights)
 
@@ -202,13 +203,11 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
             tolerance=tolerance,
             what=f"step {step}: first replay, |log ratio| vs algo.replay_tolerance (bf16 "
                  "with micro_batch_size != sample_batch_size needs a looser tolerance)")
-        trained = sum(len(rows) * weight for micro in plan for _, rows, weight in micro)
         if job.steps:  # how many denoising steps (sd3) or token positions (janus) a sampled batch trains, and which
             every = [k for steps in job.steps for k in steps]
             metrics |= {"replay/steps_per_batch": len(every) / len(job.steps), "replay/first_step": min(every),
                         "replay/last_step": max(every)}
-        metrics["adv/trained_samples"] = acc.reduce(torch.tensor(float(trained), device=acc.device), reduction="sum").item()
-        return metrics
+        return metrics | {"adv/trained_samples": replay_plan.trained_samples(plan, acc)}
 
     def nft(self, state: State, step: int, batch: Batch, advantages: GroupAdvantages,
             sizes: list[int]) -> dict[str, float]:
@@ -221,10 +220,7 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         metrics = nft_update(state.cfg, run.accelerator, run.guard, cast(SD3, state.family),
                              cast(Sequence[Trajectory], batch.samples),
                              advantages.advantages.split(sizes), places.split(sizes), plan, epoch=step - 1)
-        trained = sum(len(rows) * weight for micro in plan for _, rows, weight in micro)
-        acc = run.accelerator
-        metrics["adv/trained_samples"] = acc.reduce(torch.tensor(float(trained), device=acc.device), reduction="sum").item()
-        return metrics
+        return metrics | {"adv/trained_samples": replay_plan.trained_samples(plan, run.accelerator)}
 
     def evaluate(self, state: State, step: int) -> dict[str, float]:
         """Fixed prompts and seeds, EMA weights (`eval.use_ema`), on the main process; writes
@@ -237,15 +233,16 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
             with state.ema.swapped(model) if e.use_ema else nullcontext():
                 for i in range(0, len(records), e.batch_size):
                     prompts = [r.prompt for r in records[i:i + e.batch_size]]
-                    images += to_pil(state.family.eval_images(prompts, [e.seed + i + k for k in range(len(prompts))]))
+                    images += to_media(state.family.eval_images(prompts, [e.seed + i + k for k in range(len(prompts))]))
         rewards, components = score_images(state.reward, images, records, files=out / "images",
                                            send_paths=state.cfg.reward.url is not None)
-        contact_sheet(images, [f"{r.prompt} | reward {v:.3f}" for r, v in zip(records, rewards.tolist(), strict=True)],
+        contact_sheet([m[0] if isinstance(m, list) else m for m in images],  # a video: its first frame
+                      [f"{r.prompt} | reward {v:.3f}" for r, v in zip(records, rewards.tolist(), strict=True)],
                       out / "contact_sheet.png")
         ok = rewards[torch.isfinite(rewards)]  # [V]
         return {"reward/mean": ok.mean().item() if ok.numel() else math.nan,
                 "reward/failed": float((~torch.isfinite(rewards)).sum()), **component_means(components),
-                **image_stats(images)}
+                **image_stats(all_frames(images))}
 
     def finish(self, state: State) -> dict[str, str]:
         out, f = state.run.run_dir / "checkpoint-final", state.family
@@ -289,16 +286,22 @@ def plan_micro_batches(t: TrainConfig, acc: Any, sizes: list[int], adv: torch.Te
                                           accumulation=t.gradient_accumulation_steps, seed=t.seed, epoch=epoch)
 
 
-def score_images(scorer: Scorer, images: list[Image.Image], records: list[OCRPrompt], *, files: Path | None = None,
+def score_images(scorer: Scorer, images: list[Media], records: list[OCRPrompt], *, files: Path | None = None,
                  send_paths: bool = False) -> tuple[torch.Tensor, list[dict[str, float]]]:
-    """Rewards `[N]` (NaN where scoring failed) and each image's components. `files`: the images
-    are saved there as PNGs, and with `send_paths` sent as paths (a reward server reads files)."""
+    """Rewards `[N]` (NaN where scoring failed) and each sample's components; a video's frames go
+    to the reward as `metadata["video"]`. `files`: the images are saved there as PNGs (videos as
+    MP4s, `write_video`), and with `send_paths` images are sent as paths (a reward server reads files)."""
     if files is not None:
         files.mkdir(parents=True, exist_ok=True)
-        for i, image in enumerate(images):
-            image.save(files / f"{i:03d}.png")
-    sent = [str(files / f"{i:03d}.png") if files and send_paths else image for i, image in enumerate(images)]
-    results = scorer.score([Sample(completion="", prompt=r.prompt, reference=r.target, metadata={"image": x})
+        for i, media in enumerate(images):
+            if isinstance(media, list):
+                write_video(media, files / f"{i:03d}.mp4")
+            else:
+                media.save(files / f"{i:03d}.png")
+    sent = [str(files / f"{i:03d}.png") if files and send_paths and not isinstance(m, list) else m
+            for i, m in enumerate(images)]
+    results = scorer.score([Sample(completion="", prompt=r.prompt, reference=r.target,
+                                   metadata={"video" if isinstance(x, list) else "image": x})
                             for r, x in zip(records, sent, strict=True)])
     rewards = torch.tensor([math.nan if r.score is None else r.score for r in results])  # [N]
     return rewards, [dict(r.components) for r in results]
@@ -313,16 +316,10 @@ def grpo_scores(cfg: Config, acc: Any, rewards: torch.Tensor, group_ids: torch.T
     "normalize_then_sum"` normalises each of the images' `components` by its `weights` instead."""
     t = cfg.train
     if t.adv_group_by == "prompt":
-        parts = gather_object([prompts])  # one list per process, in rank order
-        start = sum(len(part) for part in parts[: acc.process_index])
-        group_ids = group_ids_from_keys([p for part in parts for p in part])[start:start + len(prompts)]  # [N]
-    everything, _ = gather_rows(rewards, acc)  # [N * world]
-    groups, _ = gather_rows(group_ids, acc)  # [N * world]
-    stds = [everything[(groups == g) & torch.isfinite(everything)].std().item() for g in groups.unique()
-            if ((groups == g) & torch.isfinite(everything)).sum() > 1]
+        group_ids = gathered_group_ids(prompts, acc)  # [N]
     options = {"scale": t.adv_scale, "eps": t.adv_eps, "clip": t.adv_clip, "std": t.adv_std, "eps_mode": t.adv_eps_mode}
     return Scores(rewards, group_ids, "grpo", options=options, components=components,
-                  metrics={**metrics, "reward/zero_std_group_fraction": sum(s == 0 for s in stds) / max(len(stds), 1)},
+                  metrics={**metrics, "reward/zero_std_group_fraction": zero_std_fraction(rewards, group_ids, acc)},
                   aggregation=cfg.algo.reward_aggregation, weights=weights or {})
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from rl_core.train import contact_sheet, image_stats, to_pil, write_video
+from rl_core.train import all_frames, contact_sheet, image_stats, to_media, to_pil, write_video
 
 
 def test_to_pil_rounds_and_clamps_into_rgb_bytes() -> None:
@@ -64,3 +64,12 @@ def test_write_video_falls_back_to_a_gif_without_pyav(tmp_path: Path, monkeypatc
         assert gif.n_frames == 5 and gif.info["duration"] == 250
     with pytest.raises(ValueError, match="no frames"):
         write_video([], tmp_path / "empty.mp4")
+
+
+def test_to_media_keeps_images_flat_and_videos_as_frame_lists() -> None:
+    images = torch.zeros(2, 3, 4, 4)  # [B, 3, H, W]
+    videos = torch.ones(2, 3, 3, 4, 4)  # [B, F, 3, H, W]
+    flat, clips = to_media(images), to_media(videos)
+    assert [type(m) for m in flat] == [Image.Image, Image.Image]
+    assert [len(m) for m in clips] == [3, 3] and clips[0][2].getpixel((0, 0)) == (255, 255, 255)
+    assert len(all_frames([*flat, *clips])) == 2 + 6

@@ -10,6 +10,7 @@ from PIL import Image
 from rl_rewards.composition import build_reward
 from rl_rewards.registry import build_scorer
 from rl_rewards.samples import Sample
+from rl_rewards.scorers.video import lift_to_video
 from rl_rewards.spec import Component, RewardSpec
 
 
@@ -67,3 +68,15 @@ def test_a_video_reward_spec_sums_a_per_frame_term_and_consistency():
     [result] = build_reward(spec).score([Sample(completion="", metadata={"video": VIDEO})])
     assert result.score == pytest.approx(0.2 + 0.5 * 0.8)
     assert result.components == pytest.approx({"bright": 0.2, "steady": 0.8})
+
+
+def test_lift_to_video_scores_image_components_per_frame_and_keeps_the_rest():
+    spec = lift_to_video(RewardSpec(components={
+        "bright": Component(scorer="brightness", weight=2.0, fallback=0.0),
+        "steady": Component(scorer="temporal_consistency", weight=0.5)}), aggregate="max", frames=2)
+    bright = spec.components["bright"]
+    assert (bright.scorer, bright.weight, bright.fallback) == ("per_frame", 2.0, 0.0)
+    assert bright.options == {"scorer": "brightness", "options": {}, "aggregate": "max", "frames": 2}
+    assert spec.components["steady"] == Component(scorer="temporal_consistency", weight=0.5)
+    [result] = build_reward(spec).score([Sample(completion="", metadata={"video": VIDEO})])
+    assert result.score == pytest.approx(2.0 * 0.8 + 0.5 * 0.8)  # the first and last frames' max; 1 - 0.2

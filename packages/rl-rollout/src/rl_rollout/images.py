@@ -4,6 +4,8 @@ replays, behind their own small protocol (not the text `Engine`'s).
 - `sd3` (`rl_rollout.diffusion.DiffusionEngine`): SD3/SD3.5 with the Flow-GRPO SDE sampler; a
   unit is a stochastic denoising step. `sample(...)` returns a `Trajectory`;
   `replay(trajectory, step, rows=, model=)` re-scores one step under the current weights.
+- `wan` (`rl_rollout.wan.WanEngine`): the same over Wan 2.1 videos; `images` are frames
+  `[B, F, 3, H, W]`.
 - `janus` (`rl_rollout.janus.JanusEngine`): Janus / Janus-Pro image tokens with CFG; a unit is
   an image token. `sample(...)` returns an `ImageRollout`; `replay(tokens, guidance_scale=,
   temperature=, model=)` re-scores the tokens.
@@ -61,17 +63,23 @@ def _build_sd3(**kwargs: Any) -> ImageEngine:
     return DiffusionEngine.from_pretrained(kwargs.pop("path"), **kwargs)
 
 
+def _build_wan(**kwargs: Any) -> ImageEngine:
+    from rl_rollout.wan import WanEngine
+
+    return WanEngine.from_pretrained(kwargs.pop("path"), **kwargs)
+
+
 def _build_janus(**kwargs: Any) -> ImageEngine:
     from rl_rollout.janus import JanusEngine
 
     return JanusEngine.from_pretrained(kwargs.pop("path"), **kwargs)
 
 
-IMAGE_ENGINES: dict[str, Callable[..., ImageEngine]] = {"sd3": _build_sd3, "janus": _build_janus}
+IMAGE_ENGINES: dict[str, Callable[..., ImageEngine]] = {"sd3": _build_sd3, "wan": _build_wan, "janus": _build_janus}
 
 
 def build_image_engine(kind: str, *, path: str, **options: Any) -> ImageEngine:
-    """The image engine `kind` (`sd3`, `janus`) loaded from checkpoint `path`; `options` go to
+    """The image engine `kind` (`sd3`, `wan`, `janus`) loaded from checkpoint `path`; `options` go to
     its `from_pretrained` (dtype, device, compile, ...)."""
     if kind not in IMAGE_ENGINES:
         raise KeyError(f"unknown image engine {kind!r}; valid: {', '.join(sorted(IMAGE_ENGINES))}")

@@ -56,14 +56,14 @@ class WanEngine(DiffusionEngine):
     def from_pretrained(cls, path: str | Path, *, dtype: str | torch.dtype = torch.float32,  # type: ignore[override]
                         device: str | torch.device = "cpu", num_frames: int = 33, compile: bool | None = None,
                         attention_backend: str = "auto", overlap_decode: bool | None = None,
-                        text_encoder_dtype: str | torch.dtype | None = None) -> WanEngine:
+                        text_encoder_dtype: str | torch.dtype | None = None, cuda_graphs: bool | None = None) -> WanEngine:
         """Load a diffusers Wan 2.1 text-to-video folder or hub id (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers);
         `text_encoder_dtype` keeps the UMT5 encoder in another dtype."""
         pipeline = require_diffusers().WanPipeline.from_pretrained(str(path), dtype=resolve_dtype(dtype))
         if text_encoder_dtype is not None:
             pipeline.text_encoder.to(resolve_dtype(text_encoder_dtype))
         return cls(pipeline, num_frames=num_frames, device=device, compile=compile,
-                   attention_backend=attention_backend, overlap_decode=overlap_decode)
+                   attention_backend=attention_backend, overlap_decode=overlap_decode, cuda_graphs=cuda_graphs)
 
     def over(self, transformer: torch.nn.Module) -> WanEngine:
         """As `DiffusionEngine.over`: an engine sampling with `transformer`, sharing the encoder and VAE."""

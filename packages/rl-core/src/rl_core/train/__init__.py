@@ -62,9 +62,19 @@ if TYPE_CHECKING:
         component_means,
         component_weights,
         gather_rows,
+        gathered_group_ids,
         group_advantages,
+        zero_std_fraction,
     )
-    from rl_core.train.images import contact_sheet, image_stats, to_pil, write_video
+    from rl_core.train.images import (
+        Media,
+        all_frames,
+        contact_sheet,
+        image_stats,
+        to_media,
+        to_pil,
+        write_video,
+    )
     from rl_core.train.loop import run, train
     from rl_core.train.metric_names import METRIC_NAMES, unknown_metric_names
     from rl_core.train.metrics import MetricsLogger, PhaseTimer
@@ -148,8 +158,9 @@ _EXPORTS = {
     "entry": ["AppEntry"],
     "ema": ["ParameterEMA", "TrainableState", "trainable_parameters"],
     "fields": ["CompileMode", "DType", "DynamicSampling", "RunFields", "ShardingFields"],
-    "groups": ["GroupAdvantages", "component_means", "component_weights", "gather_rows", "group_advantages"],
-    "images": ["contact_sheet", "image_stats", "to_pil", "write_video"],
+    "groups": ["GroupAdvantages", "component_means", "component_weights", "gather_rows", "gathered_group_ids",
+               "group_advantages", "zero_std_fraction"],
+    "images": ["Media", "all_frames", "contact_sheet", "image_stats", "to_media", "to_pil", "write_video"],
     "loop": ["run", "train"],
     "metric_names": ["METRIC_NAMES", "unknown_metric_names"],
     "metrics": ["MetricsLogger", "PhaseTimer"],
@@ -194,6 +205,7 @@ __all__ = [
     "FullWeights",
     "GroupAdvantages",
     "KLName",
+    "Media",
     "MergesRounds",
     "MetricsLogger",
     "Micro",
@@ -239,6 +251,7 @@ __all__ = [
     "UserError",
     "WeightChannel",
     "accelerator_kwargs",
+    "all_frames",
     "by_trajectory",
     "check_batch_split",
     "check_finite_parameters",
@@ -258,6 +271,7 @@ __all__ = [
     "full_state_dict",
     "gather_rows",
     "gathered",
+    "gathered_group_ids",
     "get_rng_state",
     "group_advantages",
     "image_stats",
@@ -285,11 +299,13 @@ __all__ = [
     "set_rng_state",
     "shard_model",
     "sharded_state",
+    "to_media",
     "to_pil",
     "train",
     "trainable_parameters",
     "unknown_metric_names",
     "write_video",
+    "zero_std_fraction",
 ]
 
 

@@ -29,7 +29,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rl_core.advantages import REWARD_AGGREGATIONS, compute_advantages, uses_group_baseline
+from rl_core.advantages import (
+    REWARD_AGGREGATIONS,
+    compute_advantages,
+    group_ids_from_keys,
+    uses_group_baseline,
+)
 
 __all__ = ["GroupAdvantages", "component_means", "component_weights", "gather_rows", "group_advantages"]
 
@@ -214,3 +219,26 @@ def component_means(components: Sequence[Mapping[str, float]], accelerator: Any 
         values = [row[name] for row in rows if name in row]
         out[prefix + name] = sum(values) / len(values)
     return out
+
+
+def gathered_group_ids(keys: Sequence[str], accelerator: Any = None) -> Tensor:
+    """This process's group ids `[N]` for samples grouped by a key over every process (Flow-GRPO's
+    per-prompt stat tracker: the prompt text), numbered together in rank order
+    (`group_ids_from_keys` over the gathered keys)."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return group_ids_from_keys(list(keys))
+    from accelerate.utils import gather_object
+
+    parts = gather_object([list(keys)])  # one list per process, in rank order
+    start = sum(len(part) for part in parts[: accelerator.process_index])
+    return group_ids_from_keys([k for part in parts for k in part])[start:start + len(keys)]  # [N]
+
+
+def zero_std_fraction(rewards: Tensor, group_ids: Tensor, accelerator: Any = None) -> float:
+    """The share of groups (over every process; those with >= 2 finite rewards) whose rewards are
+    all equal: groups that give GRPO no signal."""
+    everything, _ = gather_rows(rewards, accelerator)  # [N * world]
+    groups, _ = gather_rows(group_ids, accelerator)  # [N * world]
+    stds = [everything[(groups == g) & torch.isfinite(everything)].std().item() for g in groups.unique()
+            if ((groups == g) & torch.isfinite(everything)).sum() > 1]
+    return sum(s == 0 for s in stds) / max(len(stds), 1)

@@ -19,13 +19,25 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["contact_sheet", "image_stats", "to_pil", "write_video"]
+__all__ = ["Media", "all_frames", "contact_sheet", "image_stats", "to_media", "to_pil", "write_video"]
+
+Media = Image.Image | list[Image.Image]  # an image, or a video's frames
 
 
 def to_pil(images: torch.Tensor) -> list[Image.Image]:
     """`[B, 3, H, W]` floats in [0, 1] -> RGB PIL images."""
     arrays = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)  # [B, 3, H, W]
     return [Image.fromarray(a.permute(1, 2, 0).cpu().numpy()) for a in arrays]
+
+
+def to_media(images: torch.Tensor) -> list[Media]:
+    """An engine's images `[B, 3, H, W]` as PIL images, or its videos `[B, F, 3, H, W]` as frame lists."""
+    return [to_pil(video) for video in images] if images.dim() == 5 else list(to_pil(images))
+
+
+def all_frames(media: Sequence[Media]) -> list[Image.Image]:
+    """Every image, and every video's frames in order (for `image_stats` over videos)."""
+    return [f for m in media for f in (m if isinstance(m, list) else [m])]
 
 
 def image_stats(images: Sequence[Image.Image]) -> dict[str, float]:

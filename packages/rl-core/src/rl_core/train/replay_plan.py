@@ -23,7 +23,7 @@ from rl_core.advantages import nonzero_advantage_indices
 from rl_core.train.groups import gather_rows
 from rl_core.train.seeding import sample_seed
 
-__all__ = ["Micro", "by_trajectory", "chunked_steps", "flow_grpo_steps", "plan_micro_batches"]
+__all__ = ["Micro", "by_trajectory", "chunked_steps", "flow_grpo_steps", "plan_micro_batches", "trained_samples"]
 
 Micro = tuple[int, Tensor, float]  # (sampled batch, its rows [b], loss weight)
 
@@ -92,3 +92,9 @@ def by_trajectory(rows: Tensor, sizes: Sequence[int], size: int) -> list[Micro]:
         out += [(k, chunk, 1.0) for chunk in mine.split(size) if len(chunk)]
         start += n
     return out
+
+
+def trained_samples(plan: Sequence[Sequence[Micro]], accelerator: Any = None) -> float:
+    """The samples a plan trains, weighted (a filler's 0), summed over every process."""
+    trained = torch.tensor(float(sum(len(rows) * weight for micro in plan for _, rows, weight in micro)))
+    return float(trained if accelerator is None else accelerator.reduce(trained.to(accelerator.device), reduction="sum"))

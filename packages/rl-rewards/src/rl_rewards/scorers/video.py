@@ -15,8 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import msgspec
+
 from rl_rewards.registry import build_scorer
 from rl_rewards.samples import Sample, Scorer, ScoreResult
+from rl_rewards.spec import Component, RewardSpec
 
 try:
     import numpy as np
@@ -25,6 +28,7 @@ except ImportError as e:
     raise ImportError(f'video scorers need pillow and numpy: pip install "rl-rewards[ocr]" or "rl-rewards[vision]" ({e})') from e
 
 Aggregate = Literal["mean", "min", "max"]
+VIDEO_SCORERS = ("per_frame", "temporal_consistency")  # the scorers that read a whole video
 AGGREGATES: dict[str, Callable[[list[float]], float]] = {"mean": lambda xs: sum(xs) / len(xs), "min": min, "max": max}
 
 
@@ -112,3 +116,14 @@ class TemporalConsistencyScorer:
             change = float(np.abs(np.diff(grey, axis=0)).mean()) if len(grey) > 1 else 0.0  # [F - 1, H, W] mean
             results.append(ScoreResult(score=1.0 - change))
         return results
+
+
+def lift_to_video(spec: RewardSpec, *, aggregate: Aggregate = "mean", frames: int | None = None) -> RewardSpec:
+    """`spec` for videos: each image scorer's component scores every frame (`per_frame`, folded
+    by `aggregate` over `frames` evenly spaced ones; its options, weight, gate and fallback kept),
+    a video scorer's component is left as it is."""
+    def lifted(c: Component) -> Component:
+        options = {"scorer": c.scorer, "options": dict(c.options), "aggregate": aggregate, "frames": frames}
+        return c if c.scorer in VIDEO_SCORERS else msgspec.structs.replace(c, scorer="per_frame", options=options)
+
+    return msgspec.structs.replace(spec, components={name: lifted(c) for name, c in spec.components.items()})
