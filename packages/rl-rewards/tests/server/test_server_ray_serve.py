@@ -504,3 +504,28 @@ def test_a_haproxy_that_outlived_its_ray_is_stopped_and_frees_its_port(tmp_path)
     finally:
         assert stop_haproxy(theirs) == [other]
     assert stop_haproxy(ours) == stop_haproxy(theirs) == []
+
+
+@needs_serve
+def test_haproxy_ports_are_outside_the_ranges_the_os_and_ray_hand_out():
+    """`throughput_env`'s listener ports come from 20000-32767: Linux gives `bind(0)` and outgoing
+    connections ports from its ephemeral range and Ray its workers 10002-19999, and a port taken
+    from those between the check and HAProxy's bind stopped a CI run ("Address already in use").
+    A taken port is passed over."""
+    from rl_rewards.server import ray_serve
+
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    env = ray_serve.throughput_env()
+    ports = [int(env[k]) for k in env if k.endswith("_PORT")]
+    assert len(ports) == 6 and all(20000 <= p < 32768 and not low <= p <= high for p in ports), ports
+    assert int(env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) - int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]) == 63
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        busy = taken.getsockname()[1]
+        ray_serve.LISTENER_PORTS, saved = range(busy, busy + 3), ray_serve.LISTENER_PORTS
+        try:
+            assert ray_serve.listener_port() == busy + 1
+            with pytest.raises(RuntimeError, match="no 2 free port"):
+                ray_serve.listener_port(span=2)
+        finally:
+            ray_serve.LISTENER_PORTS = saved

