@@ -6,7 +6,7 @@ and parse failures. The composition (`rewarding`) checks a judge's gate before c
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -21,42 +21,8 @@ from rl_policy.engine import PolicyEngine
 from rl_rewards.client import RemoteScorer, RewardClient, RewardClientError, RewardResponseError
 from rl_rewards.samples import Sample, ScoreResult
 from rl_rewards.scorers.judge import JudgeScorer
-from rl_rollout import Engine, Generation, Prompt, SamplingParams, load_engine, resolve_judge_engine
+from rl_rollout import Engine, RecordingEngine, load_engine, resolve_judge_engine
 from rl_rollout.hf import HFEngine
-
-
-class RecordingEngine:
-    """An `Engine` that forwards everything to `inner` (its `state` too) and keeps the texts it
-    generates in `texts` (cleared by its user), so a judge's raw outputs are logged with its scores."""
-
-    def __init__(self, inner: Engine) -> None:
-        self.inner = inner
-        self.texts: list[str] = []
-
-    @property
-    def state(self) -> str:
-        return self.inner.state
-
-    def generate(self, requests: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
-        out = self.inner.generate(requests, params)
-        self.texts += [g.text for g in out]
-        return out
-
-    def score_next_tokens(self, shared_prefix: list[int], suffixes: Sequence[list[int]],
-                          candidates: Sequence[int], *, temperature: float = 1.0) -> torch.Tensor:
-        return self.inner.score_next_tokens(shared_prefix, suffixes, candidates, temperature=temperature)
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None) -> None:
-        self.inner.load_weights(named_tensors, version=version)
-
-    def sleep(self) -> None:
-        self.inner.sleep()
-
-    def wake(self) -> None:
-        self.inner.wake()
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 @dataclass

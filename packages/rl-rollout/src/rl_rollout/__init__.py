@@ -10,6 +10,7 @@ from rl_rollout.protocol import (
     SamplingParams,
     generate_seeded,
 )
+from rl_rollout.recording import RecordingEngine
 from rl_rollout.registry import (
     build_engine,
     engine_names,
@@ -28,6 +29,7 @@ __all__ = [
     "ImageEngine",
     "ImageSamples",
     "Prompt",
+    "RecordingEngine",
     "SamplingParams",
     "build_engine",
     "build_image_engine",
