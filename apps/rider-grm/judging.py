@@ -20,7 +20,7 @@ from rl_core.train import ConfigError, PhaseTimer, PinnedOffload, UserError
 from rl_policy.engine import PolicyEngine
 from rl_rewards.client import RemoteScorer, RewardClient, RewardClientError, RewardResponseError
 from rl_rewards.samples import Sample, ScoreResult
-from rl_rewards.scorers.judge import JudgeScorer
+from rl_rewards.scorers.judge import JudgeModuleError, JudgeScorer
 from rl_rollout import Engine, RecordingEngine, load_engine, resolve_judge_engine
 from rl_rollout.hf import HFEngine
 
@@ -206,26 +206,9 @@ def check_served(judges: list[JudgeConfig], ready_timeout: float = 120.0) -> Non
 
 
 def check_judge(judge: JudgeScorer, rm_prompt: str, response: str) -> None:
-    """Dry run of a judge on one sample (its engine awake): the module must return exactly one
-    judge input and one score per item, or this raises a `UserError` naming the module's file,
-    what the function returned and what it must. An output the module cannot parse is fine
-    here: random or untrained judges write anything."""
-    module = judge.module
-    inputs = module.preprocess([rm_prompt], [response], judge.tokenizer)
-    if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], str):
-        raise UserError(f"judge module {module.name!r}: rm_preprocess returned {_describe(inputs)} for 1 response; "
-                        "expected a list of 1 judge input string, one per response")
-    text = judge.engine.generate(inputs, judge.params)[0].text
+    """`JudgeScorer.check`, a dry run on one sample (its engine awake): a module returning the
+    wrong lists is a `UserError` (one line, exit 2) naming the module's file."""
     try:
-        scores = module.postprocess([text])
-    except Exception:  # unparseable output: a per-sample error during training, not a bad module
-        return
-    if not isinstance(scores, list) or len(scores) != 1:
-        raise UserError(f"judge module {module.name!r}: rm_postprocess returned {_describe(scores)} for 1 judge "
-                        "output; expected a list of 1 score, one per output")
-
-
-def _describe(value: Any) -> str:
-    if value is None:
-        return "None"
-    return f"a list of {len(value)}" if isinstance(value, list) else f"a {type(value).__name__}"
+        judge.check(rm_prompt, response)
+    except JudgeModuleError as e:
+        raise UserError(str(e)) from None

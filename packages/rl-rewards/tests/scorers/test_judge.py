@@ -116,3 +116,47 @@ def test_completion_field_judges_the_response_field_and_malformed_json_scores_ze
                          on_malformed=None)
     (bad,) = strict.score([Sample(prompt="p", completion="no json here")])
     assert bad.score is None and "no JSON object" in bad.error
+
+
+@pytest.mark.parametrize(("pre", "post", "message"), [
+    ("None", "[0.5]", "rm_preprocess returned None for 1 response; expected a list of 1 judge input string, one per "
+                      "response"),
+    ("[p + r for p, r in zip(a, b)] * 2", "[0.5]", "rm_preprocess returned a list of 2 for 1 response; expected a "
+                                                   "list of 1 judge input string, one per response"),
+    ("list(a)", "None", "rm_postprocess returned None for 1 judge output; expected a list of 1 score, one per output"),
+    ("list(a)", "[]", "rm_postprocess returned a list of 0 for 1 judge output; expected a list of 1 score, one per "
+                      "output"),
+    ("list(a)", "(0.5,)", "rm_postprocess returned a tuple for 1 judge output; expected a list of 1 score, one per "
+                          "output"),
+])
+def test_check_names_the_module_and_what_its_function_returned(tmp_path, tiny_path, pre, post, message):
+    from rl_rewards.scorers.judge import JudgeModuleError, JudgeScorer
+    from rl_rollout.hf import HFEngine
+
+    bad = tmp_path / "bad_judge.py"
+    bad.write_text(f"def rm_preprocess(a, b, c):\n    return {pre}\ndef rm_postprocess(results):\n    return {post}\n")
+    engine = HFEngine.from_pretrained(tiny_path, device="cpu")
+    judge = JudgeScorer(engine, engine.tokenizer, str(bad), max_new_tokens=2)
+    with pytest.raises(JudgeModuleError) as raised:
+        judge.check("prompt", "response")
+    assert str(raised.value) == f"judge module {str(bad)!r}: {message}"
+
+
+def test_check_passes_a_good_module_and_an_output_it_cannot_parse(tmp_path, tiny_path):
+    """The module of the first test scores what the tiny judge writes; one that cannot parse any
+    output passes the check too (an untrained judge writes anything), its samples failing alone."""
+    from rl_rewards.scorers.judge import JudgeScorer
+    from rl_rollout import RecordingEngine
+    from rl_rollout.hf import HFEngine
+
+    good, unreadable = tmp_path / "len_rm.py", tmp_path / "never_parses.py"
+    good.write_text(MODULE)
+    unreadable.write_text(MODULE.replace('if any("FAIL" in r for r in results):', "if True:"))
+    engine = RecordingEngine(HFEngine.from_pretrained(tiny_path, device="cpu"))
+    for path in (good, unreadable):
+        judge = JudgeScorer(engine, engine.inner.tokenizer, str(path), max_new_tokens=3)
+        judge.check("2+2?", "4")
+    assert len(engine.texts) == 2  # one generation per check
+    [result] = JudgeScorer(engine, engine.inner.tokenizer, str(unreadable), max_new_tokens=3).score(
+        [Sample(prompt="2+2?", completion="4")])
+    assert result.score is None and "rm_postprocess failed" in result.error

@@ -12,6 +12,10 @@ to the judge and scores `on_malformed` (0.0, as there; None makes it the sample'
 `malformed` component says which samples those were (1.0) and is reported only with a field.
 Use it with modules that take plain text; VeRL-with-RMs' own modules extract the field inside
 `rm_preprocess` themselves (leave `completion_field` unset for them).
+
+`JudgeScorer.check(prompt, response)` is a dry run on one sample for start-up: a module whose
+functions return the wrong lists raises `JudgeModuleError` naming its file before a run depends
+on it (during scoring such a module fails whole batches).
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ from rl_rewards.modules import RewardModule, load_reward_module
 from rl_rewards.rules import json_field
 from rl_rewards.samples import Sample, ScoreResult
 from rl_rewards.scorers.engines import Engine, SamplingParams, judge_engine, load_tokenizer
+
+
+class JudgeModuleError(ValueError):
+    """A reward module's function returned something other than one item per input
+    (`JudgeScorer.check`); the message names the module, what it returned and what it must."""
 
 
 class JudgeScorer:
@@ -74,6 +83,27 @@ class JudgeScorer:
             results[i] = result
         return [r for r in results if r is not None]
 
+    def check(self, prompt: str, response: str) -> None:
+        """Dry run on one sample (the engine awake; one generation): `rm_preprocess` must return
+        a list of one judge input string, `rm_postprocess` a list of one score, else
+        `JudgeModuleError` naming the module's file, what the function returned and what it
+        must. An output the module cannot parse passes: a random or untrained judge writes
+        anything, and `score` fails such a sample alone. Call it once before training on a
+        module you did not write; `score` checks only the number of inputs."""
+        module = self.module
+        inputs = module.preprocess([prompt], [response], self.tokenizer)
+        if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], str):
+            raise JudgeModuleError(f"judge module {module.name!r}: rm_preprocess returned {_describe(inputs)} for 1 "
+                                   "response; expected a list of 1 judge input string, one per response")
+        text = self.engine.generate(inputs, self.params)[0].text
+        try:
+            scores = module.postprocess([text])
+        except Exception:  # unparseable output: a per-sample error while scoring, not a bad module
+            return
+        if not isinstance(scores, list) or len(scores) != 1:
+            raise JudgeModuleError(f"judge module {module.name!r}: rm_postprocess returned {_describe(scores)} for 1 "
+                                   "judge output; expected a list of 1 score, one per output")
+
     def _judge(self, prompts: list[str], completions: list[str]) -> list[ScoreResult]:
         inputs = self.module.preprocess(prompts, completions, self.tokenizer)
         if len(inputs) != len(completions):
@@ -100,6 +130,12 @@ class JudgeScorer:
         if not math.isfinite(value):
             return ScoreResult.failed(f"{self.module.name}.rm_postprocess returned {value}")
         return ScoreResult(score=value)
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "None"
+    return f"a list of {len(value)}" if isinstance(value, list) else f"a {type(value).__name__}"
 
 
 def build_judge(
