@@ -18,7 +18,13 @@ from transformers import AutoTokenizer
 
 from rl_core.train import ConfigError, PhaseTimer, PinnedOffload, UserError
 from rl_policy.engine import PolicyEngine
-from rl_rewards.client import RemoteScorer, RewardClient, RewardClientError, RewardResponseError
+from rl_rewards.client import (
+    RemoteScorer,
+    RewardClient,
+    RewardClientError,
+    RewardResponseError,
+    RewardServerCheckError,
+)
 from rl_rewards.samples import Sample, ScoreResult
 from rl_rewards.scorers.judge import JudgeModuleError, JudgeScorer
 from rl_rollout import Engine, RecordingEngine, load_engine, resolve_judge_engine
@@ -187,22 +193,14 @@ def build_judge(i: int, judge: JudgeConfig, device: torch.device, timer: PhaseTi
 
 def check_served(judges: list[JudgeConfig], ready_timeout: float = 120.0) -> None:
     """Every `engine = "server"` judge's server answers, serves its spec and is ready within
-    `ready_timeout` s, else a `ConfigError` naming the judge and URL (before any model loads)."""
+    `ready_timeout` s (`RewardClient.check_serves`), else a `ConfigError` naming the judge and
+    URL (before any model loads)."""
     for judge in (j for j in judges if j.engine == "server"):
-        name, url, spec = judge_name(judge), str(judge.url), str(judge.spec)
-        with RewardClient(url, timeout=10.0) as client:
+        with RewardClient(str(judge.url), timeout=10.0) as client:
             try:
-                health = client.health()  # answers (503) while the server still loads its judges
-            except (httpx.TransportError, msgspec.MsgspecError) as e:
-                raise ConfigError(f"judge {name!r}: no rl-rewards server answers at {url} ({type(e).__name__}: "
-                                  f"{e}); start one with `rl-rewards serve --config FILE`") from None
-            if spec not in health.rewards:
-                raise ConfigError(f"judge {name!r}: the reward server at {url} does not serve spec {spec!r}; "
-                                  f"it serves {', '.join(health.rewards) or 'nothing'} (its [rewards.NAME] tables)")
-            try:
-                client.wait_ready(timeout=ready_timeout)
-            except TimeoutError as e:
-                raise ConfigError(f"judge {name!r}: the reward server at {url} is not ready: {e}") from None
+                client.check_serves(str(judge.spec), ready_timeout=ready_timeout)
+            except RewardServerCheckError as e:
+                raise ConfigError(f"judge {judge_name(judge)!r}: {e}") from None
 
 
 def check_judge(judge: JudgeScorer, rm_prompt: str, response: str) -> None:

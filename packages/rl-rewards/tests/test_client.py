@@ -22,6 +22,7 @@ from rl_rewards.client import (
     RewardEncodeError,
     RewardRequestError,
     RewardResponseError,
+    RewardServerCheckError,
     RewardServerUnavailable,
 )
 from rl_rewards.samples import AsyncScorer, Sample, Scorer
@@ -232,3 +233,50 @@ def test_a_garbage_answer_is_a_response_error_and_a_failed_request_is_not(script
         with pytest.raises(RewardServerUnavailable) as failed:
             client.score("", two)
         assert not isinstance(failed.value, RewardResponseError)
+
+
+class Loading(http.server.BaseHTTPRequestHandler):
+    """A server still loading its judge: GET /health answers 503, not ready, naming its reward."""
+
+    def do_GET(self):
+        body = json.dumps({"ready": False, "rewards": ["judge"], "default_reward": "judge"}).encode()
+        self.send_response(503)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_check_serves_says_what_is_wrong_before_a_run_depends_on_the_server(tmp_path: Path):
+    """Down, serving other rewards, or still loading: each a `RewardServerCheckError` naming the
+    URL and what to do; a ready server serving the reward passes and returns its health."""
+    down = f"http://127.0.0.1:{free_port()}"
+    with RewardClient(down, retry=FAST) as client, pytest.raises(RewardServerCheckError) as raised:
+        client.check_serves("timestamp_format")
+    assert str(raised.value).startswith(f"no rl-rewards server answers at {down} (ConnectError: ")
+    assert str(raised.value).endswith("; start one with `rl-rewards serve --config FILE`")
+
+    loading = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Loading)
+    threading.Thread(target=loading.serve_forever, daemon=True).start()
+    try:
+        with RewardClient(url(loading), retry=FAST) as client:
+            start = time.monotonic()
+            with pytest.raises(RewardServerCheckError, match=r"does not serve spec 'nope'; it serves judge \("):
+                client.check_serves("nope", ready_timeout=30)
+            assert time.monotonic() - start < 5  # a wrong name is known while the server loads: not waited for
+            for reward in ("judge", ""):  # "" is the server's default reward
+                with pytest.raises(RewardServerCheckError, match=rf"^the reward server at {url(loading)} is not ready: "
+                                                                 r".*/health not ready after 0\.3s"):
+                    client.check_serves(reward, ready_timeout=0.3)
+    finally:
+        loading.shutdown()
+        loading.server_close()
+
+    with ServerProcess([], log_path=tmp_path / "s.log") as server, RewardClient(server.url, retry=FAST) as client:
+        health = client.check_serves("timestamp_format", ready_timeout=5)
+        assert health.ready and "timestamp_format" in health.rewards
+        with pytest.raises(RewardServerCheckError, match=rf"^the reward server at {server.url} does not serve spec "
+                                                         r"'nope'; it serves .*timestamp_format"):
+            client.check_serves("nope")

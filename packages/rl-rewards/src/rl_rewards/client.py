@@ -85,6 +85,12 @@ class RewardServerUnavailable(RewardClientError):
         self.attempts, self.last = attempts, last
 
 
+class RewardServerCheckError(RewardClientError):
+    """`RewardClient.check_serves` found the server unusable: nothing answers at the URL, it does
+    not serve the reward asked for, or it is not ready in time. The message says which and what
+    to do (start a server; the rewards it does serve)."""
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """`attempts` tries in all; before try k+1 sleep uniform(0, min(max_backoff_s,
@@ -324,6 +330,28 @@ class RewardClient:
                 last = f"{type(e).__name__}: {e}"
             time.sleep(interval)
         raise TimeoutError(f"{self.base_url}/health not ready after {timeout}s ({last})")
+
+    def check_serves(self, reward: str, ready_timeout: float = 120.0) -> wire.HealthResponse:
+        """Before a run depends on the server: something answers `/health` here at once, it
+        serves `reward` (one of its `[rewards.NAME]` tables; `""`: its default) and it is ready
+        within `ready_timeout` s; else `RewardServerCheckError` naming the URL and what is wrong
+        (for an unknown name, the ones it serves). A server still loading its models already
+        answers (503, with its reward names), so a wrong name fails at once and only readiness
+        is waited for. Returns the ready server's health. Use it at start-up, where `score`
+        would retry a down server for minutes before saying so."""
+        try:
+            health = self.health()
+        except (httpx.TransportError, msgspec.MsgspecError) as e:
+            raise RewardServerCheckError(f"no rl-rewards server answers at {self.base_url} ({type(e).__name__}: {e}); "
+                                         "start one with `rl-rewards serve --config FILE`") from None
+        name = reward or health.default_reward
+        if name not in health.rewards:
+            raise RewardServerCheckError(f"the reward server at {self.base_url} does not serve spec {name!r}; it "
+                                         f"serves {', '.join(health.rewards) or 'nothing'} (its [rewards.NAME] tables)")
+        try:
+            return self.wait_ready(timeout=ready_timeout)
+        except TimeoutError as e:
+            raise RewardServerCheckError(f"the reward server at {self.base_url} is not ready: {e}") from None
 
 
 class AsyncRewardClient:
