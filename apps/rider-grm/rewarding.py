@@ -5,19 +5,20 @@ sample generations written with each judge's raw output."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal, cast
 
 import torch
 from accelerate.utils import gather_object
 from judging import Judge, JudgeLog
-from rider_config import Config, JudgeConfig, load_function, read_spec, resolve_model, resolve_path
+from rider_config import Config, JudgeConfig, read_spec, resolve_model, resolve_path
 
 from rl_core.train import PhaseTimer, UserError
 from rl_data import JudgeRecord, open_source
 from rl_rewards.composition import Reward, build_reward
 from rl_rewards.registry import build_scorer
 from rl_rewards.samples import Sample, Scorer, ScoreResult
+from rl_rewards.scorers.rule import RuleScorer
 from rl_rewards.spec import Component, Gate, RewardSpec
 from rl_rollout import Generation
 
@@ -63,35 +64,6 @@ def make_samples(records: list[JudgeRecord], gens: list[Generation], offset: int
             for i, (r, g) in enumerate(zip(records, gens, strict=True))]
 
 
-class RuleScorer:
-    """A verl `compute_score(data_source, solution_str, ground_truth, extra_info)` function as a
-    scorer. It may return a float or `{"score": float, **numeric extras}` (extras become
-    components); an exception is that sample's error."""
-
-    name = "rule"
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-
-    def _one(self, sample: Sample) -> ScoreResult:
-        meta = sample.metadata
-        try:
-            value = self.fn(meta["data_source"], sample.completion, sample.reference, meta["extra_info"])
-        except Exception as e:  # a rule bug on one sample fails that sample only
-            return ScoreResult.failed(f"{type(e).__name__}: {e}")
-        extras = {}
-        if isinstance(value, dict):
-            extras = {k: float(v) for k, v in value.items() if k != "score" and isinstance(v, int | float)}
-            value = value.get("score")
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            # a NaN rule score would pass every gate (NaN < threshold is false) and poison the fold
-            return ScoreResult.failed(f"rule returned {value!r}, not a finite number")
-        return ScoreResult(score=float(value), components=extras)
-
-    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
-        return [self._one(s) for s in samples]
-
-
 class TimedScorer:
     """A scorer whose `score` calls are timed as one phase (`time/<phase>`, `memory/<phase>_peak_gib`)."""
 
@@ -115,7 +87,7 @@ def compose_reward(cfg: Config, judges: list[Judge], configs: list[JudgeConfig],
     scorers: dict[str, Any] = {}
     if cfg.reward.rule is not None:
         components["rule"] = Component(scorer="rule", weight=cfg.reward.rule_weight)
-        scorers["rule"] = TimedScorer(RuleScorer(load_function(resolve_path(cfg.reward.rule))), timer, "rule")
+        scorers["rule"] = TimedScorer(RuleScorer(resolve_path(cfg.reward.rule)), timer, "rule")
     emb = cfg.reward.embedding
     if emb.model is not None and emb.position == "after_rule":
         _add_similarity(cfg, components, scorers, timer, device)

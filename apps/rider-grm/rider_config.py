@@ -6,8 +6,6 @@ No torch at import: `__main__.py` reads the command line and the config with it,
 
 from __future__ import annotations
 
-import importlib
-import runpy
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -31,7 +29,7 @@ from rl_core.train import (
 )
 from rl_core.train.entry import AppEntry
 from rl_policy.placement import PolicyRolloutFields
-from rl_rewards.modules import load_reward_module
+from rl_rewards.modules import load_function, load_reward_module
 from rl_rewards.spec import RewardSpec, load_spec
 
 NAME = "rider-grm"
@@ -316,18 +314,6 @@ def read_spec(reward: RewardConfig) -> RewardSpec | None:
         return load_spec(resolve_path(reward.spec))
     except (OSError, ValueError) as e:
         raise ConfigError(f"reward.spec={reward.spec!r}: {e}") from None
-
-
-def load_function(path: str) -> Callable[..., Any]:
-    """`"pkg.module:fn"` or `"path/to/file.py:fn"` (`:fn` optional, default `compute_score`)."""
-    target, _, name = path.partition(":")
-    if target.endswith(".py") and not Path(target).is_file():
-        raise FileNotFoundError(f"reward function file not found: {target}")
-    namespace = runpy.run_path(target) if target.endswith(".py") else vars(importlib.import_module(target))
-    fn = namespace.get(name or "compute_score")
-    if not callable(fn):
-        raise AttributeError(f"{target} defines no function {name or 'compute_score'!r} (reward function path {path!r})")
-    return fn
 
 
 def judge_name(judge: JudgeConfig) -> str:

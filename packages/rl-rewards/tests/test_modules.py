@@ -3,7 +3,8 @@
 import pytest
 
 from rl_rewards.judges import rubric, yes_no
-from rl_rewards.modules import load_reward_module
+from rl_rewards.modules import load_function, load_reward_module
+from rl_rewards.rules import timestamp_format
 
 pytestmark = pytest.mark.no_torch
 
@@ -42,3 +43,22 @@ def test_example_postprocessors():
         0.7, 1.0, 0.4, 0.0,
     ]
     assert yes_no.rm_postprocess(["Yes.", " yes, it is", "No", "**Yes**", "maybe"]) == [1.0, 1.0, 0.0, 1.0, 0.0]
+
+
+def test_load_function_from_a_file_or_an_import_path_and_what_a_bad_path_says(tmp_path):
+    """`file.py:fn` and `pkg.module:fn`, `compute_score` when no function is named; a missing
+    file, module or function is an error naming it (a config check prints it as one line)."""
+    rule = tmp_path / "my_rule.py"
+    rule.write_text("def compute_score(ds, s, gt, extra=None):\n    return len(s)\n"
+                    "def other(ds, s, gt, extra=None):\n    return -1\n")
+    assert load_function(str(rule))("d", "abc", None) == 3
+    assert load_function(f"{rule}:other")("d", "abc", None) == -1
+    assert load_function("rl_rewards.rules:timestamp_format") is timestamp_format
+    with pytest.raises(FileNotFoundError, match=rf"^reward function file not found: {tmp_path}/missing\.py$"):
+        load_function(f"{tmp_path}/missing.py:compute_score")
+    with pytest.raises(AttributeError, match=rf"^{rule} defines no function 'nope' \(reward function path '{rule}:nope'\)$"):
+        load_function(f"{rule}:nope")
+    with pytest.raises(AttributeError, match=r"^rl_rewards\.rules defines no function 'compute_score'"):
+        load_function("rl_rewards.rules")
+    with pytest.raises(ModuleNotFoundError, match="no_such_rules"):
+        load_function("no_such_rules:compute_score")

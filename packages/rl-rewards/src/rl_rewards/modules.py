@@ -63,10 +63,14 @@ def load_reward_module(spec: str) -> RewardModule:
 
 def load_function(path: str) -> Callable[..., Any]:
     """`"path/to/file.py:fn"` or `"pkg.module:fn"` (`:fn` optional, default `compute_score`, verl's
-    name); the error names the module and the function it lacks."""
+    name), imported now: a missing file, the module's own import error, or a missing function
+    raises here, the error naming the file or module and the function it lacks. Call it where
+    a config is checked, so a bad path stops a run before anything heavy loads."""
     target, _, name = path.rpartition(":") if ":" in path else (path, "", "")
     name = name or "compute_score"
+    if target.endswith(".py") and not Path(target).is_file():
+        raise FileNotFoundError(f"reward function file not found: {target}")
     fn = vars(_import(target)).get(name)
     if not callable(fn):
-        raise AttributeError(f"{target!r} defines no function {name!r} (function path {path!r})")
+        raise AttributeError(f"{target} defines no function {name!r} (reward function path {path!r})")
     return fn

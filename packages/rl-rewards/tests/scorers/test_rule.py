@@ -50,3 +50,21 @@ def test_a_named_function_and_a_missing_one(tmp_path) -> None:
         build_scorer("rule", function=f"{tmp_path / 'my_rule.py'}:nope")
     with pytest.raises(FileNotFoundError, match=r"missing\.py"):
         build_scorer("rule", function=f"{tmp_path / 'missing.py'}")
+
+
+def test_the_function_itself_instead_of_a_path() -> None:
+    """In Python the function goes in as it is (a trainer that loaded and checked it already):
+    the same verl signature and dict extras; a sample's error names it by its qualified name."""
+    from rl_rewards.scorers.rule import RuleScorer
+
+    def sentences(data_source, solution_str, ground_truth, extra_info=None):
+        count = solution_str.count(".")
+        return {"score": 1.0 / count, "sentences": count, "source": data_source}
+
+    scorer = RuleScorer(sentences)
+    ok, failed = scorer.score([Sample(completion="One. Two.", metadata={"data_source": "rider"}),
+                               Sample(completion="none")])
+    assert (ok.score, ok.components) == (0.5, {"sentences": 2.0})
+    assert failed.score is None
+    assert failed.error == ("test_the_function_itself_instead_of_a_path.<locals>.sentences: ZeroDivisionError: "
+                            "float division by zero")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rl_rewards.modules import load_function
@@ -16,7 +16,10 @@ class RuleScorer:
     completion, `ground_truth` the reference, `data_source`/`extra_info` come from the sample's
     metadata (None when absent; `as_verl_compute_score` puts them there).
 
-    `function` is `"path/to/file.py:fn"` or `"pkg.module:fn"` (`fn` defaults to `compute_score`).
+    `function` is `"path/to/file.py:fn"` or `"pkg.module:fn"` (`fn` defaults to `compute_score`),
+    loaded by `rl_rewards.modules.load_function`, or the function itself (in Python: a trainer
+    that loaded and checked it already, or a lambda in a test); a sample's error names the path,
+    or the function's `__qualname__`.
     It returns a number, or verl's `{"score": number, **numeric extras}`: the extras become
     components; list them in `components` so every result carries them (see `register_scorer`).
     An exception, or a value that is not a finite number, fails that sample only. Not `inline`:
@@ -24,9 +27,10 @@ class RuleScorer:
 
     name = "rule"
 
-    def __init__(self, *, function: str, components: Sequence[str] = ()) -> None:
-        self.function = function
-        self._fn = load_function(function)
+    def __init__(self, function: str | Callable[..., Any], *, components: Sequence[str] = ()) -> None:
+        # any callable will do: a functools.partial or an object with __call__ has no __qualname__
+        self.function = function if isinstance(function, str) else getattr(function, "__qualname__", repr(function))
+        self._fn = load_function(function) if isinstance(function, str) else function
         self.components = tuple(components)
 
     def _one(self, sample: Sample) -> ScoreResult:
@@ -39,7 +43,7 @@ class RuleScorer:
         if isinstance(value, dict):
             extras = {k: float(v) for k, v in value.items() if k != "score" and _is_number(v)}
             value = value.get("score")
-        if not _is_number(value) or not math.isfinite(value):
+        if not _is_number(value) or not math.isfinite(value):  # NaN would pass every gate (NaN < t is false)
             return ScoreResult.failed(f"{self.function} returned {value!r}, not a finite number")
         return ScoreResult(score=float(value), components=extras)
 
