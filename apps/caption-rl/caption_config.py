@@ -19,8 +19,8 @@ from rl_core.train import (
     NonNegativeFloat,
     Positive,
     PositiveFloat,
-    RunFields,
     TokenPolicyFields,
+    TokenTrainFields,
     UnitInterval,
 )
 from rl_core.train.entry import AppEntry
@@ -152,20 +152,16 @@ class AlgoConfig(TokenPolicyFields, kw_only=True, frozen=True):
     """Max mean |engine logp - trainer logp| on the first step (None: 1e-3 fp32, 5e-2 16-bit)."""
 
 
-class TrainConfig(RunFields, kw_only=True, frozen=True):
+class TrainConfig(TokenTrainFields, kw_only=True, frozen=True):
+    """`train.*`: the run's keys (`TokenTrainFields`) at CapRL++'s settings."""
+
     batch_size: Positive = 128  # prompts per step, all processes together
-    mini_batch_size: Positive | None = None  # prompts per optimizer step (None = batch_size)
-    micro_batch_size: Positive = 4  # captions per forward/backward on one process
     epochs: Positive = 3
     max_steps: Positive | None = None  # stop earlier than `epochs`
     lr: PositiveFloat = 1e-5
-    weight_decay: NonNegativeFloat = 0.0
-    warmup_steps: NonNegative = 0
-    grad_clip: PositiveFloat = 1.0
     eval_freq: NonNegative = 10  # 0 = no eval
     output_dir: str = "runs/caption-rl"
     export: bool = True  # save the final HF model (or LoRA adapter) in run_dir/export
-    samples_to_log: NonNegative = 4  # example captions written per step/eval
 
 
 class Config(AppConfig, kw_only=True, frozen=True):

@@ -40,25 +40,19 @@ from rl_core.train import (
     Schedule,
     Scores,
     Skip,
-    check_batch_split,
     check_finite_parameters,
-    check_group_size,
-    check_loss_options,
     component_means,
     gathered,
-    prepare_policy,
-    resolve_sharding,
     sample_seed,
     sharded_state,
 )
 from rl_data import GroupSampler, ReadStats
 from rl_models.lora import export_model
 from rl_models.vl import placeholder_ids
-from rl_policy.engine import PolicyEngine, build_policy_engine, rollout_device
-from rl_policy.placement import check_placement, check_ray
+from rl_policy.engine import PolicyEngine
+from rl_policy.setup import check_token_config, engine_for, prepare_token_policy
 from rl_policy.training import (
     LossOptions,
-    Policy,
     engine_check,
     loss_fields,
     regroup,
@@ -69,7 +63,7 @@ from rl_policy.training import (
     token_update,
 )
 from rl_rewards import ScoreResult
-from rl_rollout import Generation, SamplingParams, resolve_engine, resolve_judge_engine
+from rl_rollout import Generation, SamplingParams, resolve_judge_engine
 from rl_rollout.streaming import ScoredRollout
 
 
@@ -149,9 +143,7 @@ class CaptionRL(Recipe[Config, State, Batch], MergesRounds[State, Batch]):
         return given if given is not None else default_config()
 
     def check(self, cfg: Config, world_size: int) -> None:
-        check_batch_split(cfg.train.batch_size, world_size, cfg.train.mini_batch_size)
-        check_group_size(cfg.algo.advantage, cfg.rollout.n, key="algo.advantage", n_key="rollout.n")
-        check_loss_options(cfg.algo.loss, cfg.algo.loss_options)
+        check_token_config(cfg.algo, cfg.rollout, cfg.train, world_size)
         if cfg.algo.reward_aggregation == "normalize_then_sum" and (cfg.reward.url or cfg.reward.host):
             raise ConfigError("algo.reward_aggregation=normalize_then_sum weighs the reward's components itself: it "
                               "needs the reward in process (reward.url / reward.host unset)")
@@ -160,38 +152,25 @@ class CaptionRL(Recipe[Config, State, Batch], MergesRounds[State, Batch]):
                               f"{cfg.reward.length_l2} (the length reward falls from 1 at l1 to 0 at l2)")
         if isinstance(cfg.reward.spec, str) and not Path(cfg.reward.spec).is_file():
             raise ConfigError(f"reward.spec file not found: {cfg.reward.spec}")
-        engine, _ = resolve_engine(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: refused now
         if not (cfg.reward.url or cfg.reward.host or cfg.reward.spec is not None):  # the judge in process
             resolve_judge_engine(cfg.reward.judge_engine, key=JUDGE_ENGINE_KEY, world_size=world_size)
-        check_placement(cfg.rollout.placement, engine, cfg.train.max_staleness, world_size=world_size,
-                        workers=cfg.rollout.workers, ray_address=cfg.rollout.cluster_address())  # auto resolved
-        check_ray(cfg.rollout.workers)
 
     def setup(self, cfg: Config, run: RunContext) -> State:
         t, r, m = cfg.train, cfg.rollout, cfg.model
         acc = run.accelerator
-        plan = resolve_sharding(acc, t.sharding, mixed_precision=t.fsdp_mixed_precision, cpu_offload=t.fsdp_cpu_offload,
-                                activation_checkpointing=t.fsdp_activation_checkpointing)
         data = load_records(cfg.data.train_files, cfg.data.val_files, eval_size=cfg.data.eval_size, task=cfg.data.task, seed=t.seed)
         model, processor, policy_path = load_policy(m)
         reward = build_reward_backend(cfg.reward, policy_path=policy_path, seed=t.seed, world_size=run.world_size)
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.lr,
-                                      weight_decay=t.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / (t.warmup_steps + 1)))
-        full = FullWeights(model, device=acc.device) if plan.sharded else None  # the engine's and the export's copy
-        policy, optimizer, scheduler = prepare_policy(acc, Policy(model), optimizer, scheduler, plan)
-        engine = build_policy_engine(
-            r.engine, model=model, processor=processor, path=policy_path, dtype=m.dtype, device=acc.device,
-            seed=run.rank, world_size=run.world_size, full=full, optimizer=optimizer,
-            offload_optimizer=r.offload_optimizer, release_cache=r.release_cache, max_batch_size=r.max_batch_size,
-            compile_mode=r.compile_mode, gpu_memory_utilization=r.gpu_memory_utilization, engine_options=r.engine_options,
-            timer=run.timer, rollout_device=rollout_device(r.placement, acc, workers=r.workers), workers=r.workers,
-            gpus_per_worker=r.gpus_per_worker, ray_address=r.ray_address)
+        trained = prepare_token_policy(run, model, t)
+        engine = engine_for(r, run, model=model, processor=processor, path=policy_path, dtype=m.dtype, full=trained.full,
+                            optimizer=trained.optimizer, offload_optimizer=r.offload_optimizer,
+                            release_cache=r.release_cache, compile_mode=r.compile_mode)
         sampler = GroupSampler(len(data.train), r.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
         frozen = (load_policy(m, trainable=False)[0].to(acc.device)
                   if cfg.algo.kl_coef > 0 and m.lora_rank == 0 else None)
-        return State(cfg, run, data, model, policy, processor, engine, optimizer, scheduler, reward, sampler, frozen,
-                     full, placeholder_ids(model.config), prompts_per_rank=t.batch_size // run.world_size,
+        return State(cfg, run, data, model, trained.policy, processor, engine, trained.optimizer, trained.scheduler,
+                     reward, sampler, frozen, trained.full, placeholder_ids(model.config),
+                     prompts_per_rank=t.batch_size // run.world_size,
                      stream=cfg.reward.stream and isinstance(reward, RemoteReward))
 
     def policy(self, s: State) -> PolicyEngine:

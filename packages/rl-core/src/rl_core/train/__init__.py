@@ -56,6 +56,7 @@ if TYPE_CHECKING:
         DynamicSampling,
         RunFields,
         ShardingFields,
+        TokenTrainFields,
     )
     from rl_core.train.groups import (
         GroupAdvantages,
@@ -157,7 +158,7 @@ _EXPORTS = {
                "load_config", "parse_cli"],
     "entry": ["AppEntry"],
     "ema": ["ParameterEMA", "TrainableState", "trainable_parameters"],
-    "fields": ["CompileMode", "DType", "DynamicSampling", "RunFields", "ShardingFields"],
+    "fields": ["CompileMode", "DType", "DynamicSampling", "RunFields", "ShardingFields", "TokenTrainFields"],
     "groups": ["GroupAdvantages", "component_means", "component_weights", "gather_rows", "gathered_group_ids",
                "group_advantages", "zero_std_fraction"],
     "images": ["Media", "all_frames", "contact_sheet", "image_stats", "to_media", "to_pil", "write_video"],
@@ -244,6 +245,7 @@ __all__ = [
     "Stateful",
     "StepStats",
     "TokenPolicyFields",
+    "TokenTrainFields",
     "TrainProgress",
     "TrainableState",
     "UnitInterval",

@@ -11,10 +11,10 @@ from typing import Literal
 
 import msgspec
 
-from rl_core.train.config import NonNegative, Positive
+from rl_core.train.config import NonNegative, NonNegativeFloat, Positive, PositiveFloat
 
 __all__ = ["CompileMode", "DType", "DynamicSampling", "MixedPrecision", "RunFields", "Sharding",
-           "ShardingFields", "TrackerName", "run_fields"]
+           "ShardingFields", "TokenTrainFields", "TrackerName", "run_fields"]
 
 Sharding = Literal["none", "fsdp2"]
 MixedPrecision = Literal["none", "bf16"]
@@ -98,6 +98,22 @@ class RunFields(ShardingFields, kw_only=True, frozen=True):
     verbose: bool = False
     """Print the libraries' own warnings, notices and progress bars as they come (`--verbose`);
     by default they go to the run directory's third_party.log, counted in the summary."""
+
+
+class TokenTrainFields(RunFields, kw_only=True, frozen=True):
+    """The `train.*` keys of a text policy's run, one vocabulary for the text apps: an app's
+    `TrainConfig` subclasses this, restating a field only to change its default, and adds its
+    schedule's keys (`epochs`, `max_steps`). `rl_policy.setup.prepare_token_policy` builds the
+    optimizer from them."""
+
+    batch_size: Positive = 32  # prompts per step, all processes together
+    mini_batch_size: Positive | None = None  # prompts per optimizer step (None = batch_size)
+    micro_batch_size: Positive = 4  # sequences per forward/backward on one process
+    lr: PositiveFloat = 1e-6
+    weight_decay: NonNegativeFloat = 0.0  # AdamW's
+    warmup_steps: NonNegative = 0  # the learning rate rises linearly over the first N optimizer steps
+    grad_clip: PositiveFloat = 1.0  # max gradient norm
+    samples_to_log: NonNegative = 4  # samples written to samples/ per step
 
 
 def run_fields(cfg: msgspec.Struct) -> RunFields:

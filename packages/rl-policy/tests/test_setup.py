@@ -1,0 +1,61 @@
+"""A text recipe's shared setup (`rl_policy.setup`): the key rules `check_token_config` applies
+before any model loads, and the tiny Qwen3 prepared by `prepare_token_policy` and sampled by
+`engine_for`'s engine, built from the config tables alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from rl_core.train import (
+    ConfigError,
+    NonFiniteGuard,
+    PhaseTimer,
+    RunContext,
+    SampleLog,
+    TokenPolicyFields,
+    TokenTrainFields,
+)
+from rl_models import tiny
+from rl_models.text import load_causal_lm
+from rl_policy.placement import PolicyRolloutFields
+from rl_policy.setup import check_token_config, engine_for, prepare_token_policy
+from rl_rollout import SamplingParams
+
+
+def test_the_shared_keys_are_checked_together() -> None:
+    algo, rollout, train = TokenPolicyFields(), PolicyRolloutFields(), TokenTrainFields(batch_size=8)
+    assert check_token_config(algo, rollout, train, world_size=2) == "hf"  # auto on a CPU
+    with pytest.raises(ConfigError, match=r"train.batch_size=8 must divide by the 3 processes"):
+        check_token_config(algo, rollout, train, world_size=3)
+    with pytest.raises(ConfigError, match=r"train.batch_size=8 must divide .* train.mini_batch_size=3"):
+        check_token_config(algo, rollout, TokenTrainFields(batch_size=8, mini_batch_size=3), world_size=1)
+    with pytest.raises(ConfigError, match=r"rollout.n=1: algo.advantage='grpo' compares"):
+        check_token_config(TokenPolicyFields(advantage="grpo"), PolicyRolloutFields(n=1), train, world_size=1)
+    with pytest.raises(ConfigError, match="rollout.placement=split .* needs train.max_staleness >= 1"):
+        check_token_config(algo, PolicyRolloutFields(placement="split"), train, world_size=1)
+
+
+def test_the_prepared_policy_trains_what_requires_grad_with_warm_up_and_samples_from_its_engine(tmp_path: Path) -> None:
+    model, tokenizer = load_causal_lm(str(tiny.build("qwen3")), dtype="float32")
+    model.get_input_embeddings().requires_grad_(False)
+    acc = Accelerator(cpu=True)
+    run = RunContext(acc, tmp_path, 0, PhaseTimer(), SampleLog(tmp_path), NonFiniteGuard(3))
+    trained = prepare_token_policy(run, model, TokenTrainFields(lr=0.1, weight_decay=0.01, warmup_steps=3))
+    [group] = trained.optimizer.param_groups
+    assert len(group["params"]) == sum(p.requires_grad for p in model.parameters()) < len(list(model.parameters()))
+    assert group["weight_decay"] == 0.01 and trained.full is None
+    lrs = []
+    for _ in range(5):
+        lrs.append(trained.scheduler.get_last_lr()[0])
+        trained.optimizer.step()
+        trained.scheduler.step()
+    assert lrs == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1])
+    engine = engine_for(PolicyRolloutFields(engine="hf", max_batch_size=2), run, model=model, processor=tokenizer,
+                        path="", dtype="float32", compile=False)
+    gens, _ = engine.sample([[{"role": "user", "content": "Hi"}]], SamplingParams(n=3, max_new_tokens=4))
+    assert engine.kind == "hf" and len(gens) == 3 and all(len(g.completion_ids) == 4 for g in gens)
+    engine.close()
