@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from accelerate import Accelerator
 
 from rl_core.train import (
@@ -35,7 +34,7 @@ def test_the_shared_keys_are_checked_together() -> None:
         check_token_config(algo, rollout, TokenTrainFields(batch_size=8, mini_batch_size=3), world_size=1)
     with pytest.raises(ConfigError, match=r"rollout.n=1: algo.advantage='grpo' compares"):
         check_token_config(TokenPolicyFields(advantage="grpo"), PolicyRolloutFields(n=1), train, world_size=1)
-    with pytest.raises(ConfigError, match="rollout.placement=split .* needs train.max_staleness >= 1"):
+    with pytest.raises(ConfigError, match=r"rollout.placement=split .* needs train.max_staleness >= 1"):
         check_token_config(algo, PolicyRolloutFields(placement="split"), train, world_size=1)
 
 
