@@ -66,8 +66,11 @@ CI_SESSIONS = sorted(["lint", *(f"tests({p})" for p in PACKAGES), "rewards_no_to
 # subprocesses, servers and Ray), so two fill a 2-core machine.
 CI_JOBS = int(os.environ.get("CI_JOBS", "2"))
 # Ray starts its workers at nice 15, below its driver: beside another session's tests they would
-# get what CPU is left (a 35 s Ray test took 225 s); at 0 they share it evenly.
-CI_ENV = {**os.environ, "RAY_worker_niceness": "0"}
+# get what CPU is left (a 35 s Ray test took 225 s); at 0 they share it evenly. One OpenMP thread
+# per process: torch's default, a thread per core, has two sessions' processes (and a test's
+# servers beside it) spin-waiting on each other's cores; 40 forward/backward passes of the tiny
+# Qwen3 in two processes at once took 7-30 s each with 2 threads, 0.4-0.6 s with 1 (alone: 0.5 s).
+CI_ENV = {**os.environ, "RAY_worker_niceness": "0", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
 def _sync(session: nox.Session, package: str, extras: list[str]) -> None:
