@@ -128,13 +128,15 @@ class _LoRALinear(torch.nn.Module):
 TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
 
-def add_lora(transformer: torch.nn.Module, r: int, alpha: float) -> tuple[str, Callable[[], contextlib.AbstractContextManager]]:
-    """LoRA on `transformer` in place; returns (which implementation, reference context)."""
+def add_lora(transformer: torch.nn.Module, r: int, alpha: float,
+             family: str = "sd3") -> tuple[str, Callable[[], contextlib.AbstractContextManager]]:
+    """LoRA on `transformer` in place (`family`'s peft targets: sd3, wan); returns (which
+    implementation, reference context)."""
     transformer.requires_grad_(False)
     if importlib.util.find_spec("peft") is not None:
         from rl_models.lora import add_lora as peft_lora
 
-        model = peft_lora(transformer, family="sd3", r=r, alpha=alpha)
+        model = peft_lora(transformer, family=family, r=r, alpha=alpha)
         return "peft", model.disable_adapter
     layers = [(name, module) for name, module in transformer.named_modules()
               if isinstance(module, torch.nn.Linear) and name.endswith(TARGETS)]
@@ -183,37 +185,52 @@ def run_epoch(engine, conditioning, args, reference) -> dict[str, float]:
     groups = torch.arange(len(rewards)) // args.n
     adv = compute_advantages("grpo", rewards=rewards, mask=torch.ones(len(rewards), 1), group_ids=groups,
                              scale="batch", eps=1e-4, clip=5.0)[:, 0]  # [N]
-    train_steps = list(range(int(args.steps * 0.99)))
-    accum = len(trajs) * math.ceil(args.n / args.micro) // 2  # two optimizer steps per epoch
-    worst = torch.zeros((), device=trajs[0].log_probs.device)  # on the device: no sync per replay
+    worst = torch.zeros(())
 
     def train() -> None:
         nonlocal worst
-        micro = 0
-        for k, traj in enumerate(trajs):
-            for rows in torch.arange(args.n).split(args.micro):
-                for step in train_steps:
-                    out = engine.replay(traj, step, rows=rows)
-                    old = traj.log_probs[rows, step]  # [b]
-                    if micro < accum:
-                        worst = torch.maximum(worst, (out.log_prob.detach() - old).abs().max())
-                    policy, _ = compute_policy_loss(
-                        "ppo_clip", logp=out.log_prob[:, None], old_logp=old[:, None],
-                        advantages=adv[k * args.n + rows].to(old.device)[:, None],
-                        mask=torch.ones_like(old)[:, None], clip_low=1e-4, clip_high=1e-4)
-                    with torch.no_grad(), reference():
-                        ref = engine.replay(traj, step, rows=rows)
-                    kl = flow_kl(out.mean, ref.mean, out.std).mean()
-                    ((policy + 0.04 * kl) / (accum * len(train_steps))).backward()
-                micro += 1
-                if micro % accum == 0:
-                    torch.nn.utils.clip_grad_norm_(params, 1.0)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
+        worst = replay_updates(engine, trajs, adv, micro=args.micro, train_steps=list(range(int(args.steps * 0.99))),
+                               reference=reference, optimizer=optimizer)
 
     phase("train", train)
     phases["first_replay_max_abs_log_ratio"] = float(worst)
     return phases
+
+
+def replay_updates(engine, trajs: list, adv: torch.Tensor, *, micro: int, train_steps: list[int], reference,
+                   optimizer: torch.optim.Optimizer, updates: int = 2) -> torch.Tensor:
+    """Flow-GRPO's update over sampled batches `trajs` (advantages `adv` `[N]`, the batches' rows
+    in order): micro-batches of `micro` rows replay each of `train_steps` with gradients, loss =
+    ppo_clip (clip 1e-4) + 0.04 flow KL against the `reference()` replay (no grad), accumulated
+    into `updates` clipped optimizer steps. Returns the first update's max |log ratio| (a device
+    scalar: no sync per replay)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    sizes = [traj.log_probs.shape[0] for traj in trajs]
+    accum = sum(math.ceil(b / micro) for b in sizes) // updates
+    worst = torch.zeros((), device=trajs[0].log_probs.device)
+    done, offset = 0, 0
+    for traj, size in zip(trajs, sizes, strict=True):
+        for rows in torch.arange(size).split(micro):
+            for step in train_steps:
+                out = engine.replay(traj, step, rows=rows)
+                old = traj.log_probs[rows, step]  # [b]
+                if done < accum:
+                    worst = torch.maximum(worst, (out.log_prob.detach() - old).abs().max())
+                policy, _ = compute_policy_loss(
+                    "ppo_clip", logp=out.log_prob[:, None], old_logp=old[:, None],
+                    advantages=adv[offset + rows].to(old.device)[:, None],
+                    mask=torch.ones_like(old)[:, None], clip_low=1e-4, clip_high=1e-4)
+                with torch.no_grad(), reference():
+                    ref = engine.replay(traj, step, rows=rows)
+                kl = flow_kl(out.mean, ref.mean, out.std).mean()
+                ((policy + 0.04 * kl) / (accum * len(train_steps))).backward()
+            done += 1
+            if done % accum == 0:
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        offset += size
+    return worst
 
 
 def compile_warmup(engine, conditioning, args, reference) -> float:
@@ -272,13 +289,13 @@ def bf16_peak() -> float:
     return next((peak for card, peak in BF16_PEAK.items() if card in name), float("nan"))
 
 
-def forward_flops(engine, conditioning, n: int, size: int) -> float:
+def forward_flops(engine, conditioning, n: int, size: int, width: int | None = None) -> float:
     """FLOPs of one CFG transformer forward at the rollout shape (`2n` rows), counted op by op by
     `torch.utils.flop_counter`: 2·m·k·n per matmul (each linear layer: 2 x its params x the tokens
     it sees; MMDiT's image and text streams have their own weights) + 4·B·H·Tq·Tk·d per attention."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    latents = engine.initial_noise(n, size, size, [torch.Generator().manual_seed(i) for i in range(n)])
+    latents = engine.initial_noise(n, size, width or size, [torch.Generator().manual_seed(i) for i in range(n)])
     sigma = torch.ones(n, device=engine.device)  # [n]
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         engine.velocity(latents, sigma, conditioning.index([0] * n), guidance_scale=4.5)

@@ -51,6 +51,21 @@ def test_sd3_5_medium_config_only(tmp_path):
     assert transformer.config.joint_attention_dim == 4096
 
 
+def test_wan2_1_t2v_1_3b_config_only(tmp_path):
+    import diffusers
+
+    out = build_shape("wan", "2.1-1.3b", tmp_path, config_only=True)
+    with torch.device("meta"):
+        transformer = diffusers.WanTransformer3DModel.from_config(
+            diffusers.WanTransformer3DModel.load_config(out / "transformer")
+        )
+        vae = diffusers.AutoencoderKLWan.from_config(diffusers.AutoencoderKLWan.load_config(out / "vae"))
+    assert _meta_params(transformer) == 1_418_996_800  # Wan2.1-T2V-1.3B's transformer: 1.42B
+    assert _meta_params(vae) / 1e6 == pytest.approx(126.9, abs=0.1)
+    assert (transformer.config.num_layers, transformer.config.text_dim, vae.config.z_dim) == (30, 4096, 16)
+    assert not list(out.rglob("*.safetensors"))
+
+
 @pytest.mark.parametrize(("size", "billions"), [("pro-1b", 2.077), ("pro-7b", 7.408)])
 def test_janus_pro_config_only(tmp_path, size, billions):
     """Janus-Pro-1B/7B: the published 2.09B/7.42B less ~12.6M of SigLIP's attention-pooling head,

@@ -1,10 +1,12 @@
 """Random-weight checkpoints at published full-size shapes, for GPU benchmarks with no download.
 
 Config values are copied from the published `config.json` files (Qwen3-4B, Qwen3-1.7B,
-Qwen3-VL-2B/4B-Instruct, SD3.5-Medium). The tokenizer is the tiny trained one (its ids are all
-below the real vocabulary size), so the folders load through the ordinary loaders. For SD3.5 the
-transformer and VAE are full size; the text encoders keep the real embedding widths (CLIP-L 768,
-CLIP-G 1280, T5 4096) with a single layer each, since benchmarks pass prompt embeddings.
+Qwen3-VL-2B/4B-Instruct, SD3.5-Medium, Wan2.1-T2V-1.3B-Diffusers). The tokenizer is the tiny
+trained one (its ids are all below the real vocabulary size), so the folders load through the
+ordinary loaders. For SD3.5 the transformer and VAE are full size; the text encoders keep the
+real embedding widths (CLIP-L 768, CLIP-G 1280, T5 4096) with a single layer each, since
+benchmarks pass prompt embeddings; likewise Wan 2.1's UMT5 encoder keeps its width (4096) with
+one layer, its transformer and VAE full size.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ from transformers import (
     Qwen3VLForConditionalGeneration,
     T5Config,
     T5EncoderModel,
+    UMT5Config,
+    UMT5EncoderModel,
 )
 
 from rl_models.diffusion import require_diffusers
 from rl_models.loading import resolve_dtype
+from rl_models.tiny_families import round_vocab
 from rl_models.tiny_janus import JANUS_CHAT_TEMPLATE, build_janus_tokenizer
 from rl_models.tiny_vl import qwen3_vl_processor, vision_token_ids
 from rl_models.tokenization import (
@@ -210,6 +215,54 @@ def _save_sd3(out: Path, *, config_only: bool, dtype, device) -> None:
     pipeline.save_pretrained(out)
 
 
+def wan2_1_t2v_1_3b_configs() -> dict[str, dict]:
+    """Configs of Wan 2.1 T2V-1.3B's transformer and VAE, as published (the VAE: diffusers'
+    `AutoencoderKLWan` defaults, which are Wan 2.1's: z_dim 16, 4x time and 8x space)."""
+    return {
+        "transformer": {
+            "patch_size": (1, 2, 2),
+            "num_attention_heads": 12,
+            "attention_head_dim": 128,
+            "in_channels": 16,
+            "out_channels": 16,
+            "text_dim": 4096,
+            "freq_dim": 256,
+            "ffn_dim": 8960,
+            "num_layers": 30,
+            "cross_attn_norm": True,
+            "qk_norm": "rms_norm_across_heads",
+            "eps": 1e-6,
+            "rope_max_seq_len": 1024,
+        },
+        "vae": {},
+    }
+
+
+def _save_wan(out: Path, *, config_only: bool, dtype, device) -> None:
+    """Wan 2.1 T2V-1.3B: full-size transformer and VAE; a one-layer UMT5 encoder at the real
+    width (4096) and the tiny trained T5 tokenizer; flow-matching Euler scheduler with Wan's
+    shift 3.0 (Wan ships UniPC with flow_shift 3.0; `WanEngine` reads only the sigmas)."""
+    diffusers = require_diffusers()
+    configs = wan2_1_t2v_1_3b_configs()
+    classes = {"transformer": diffusers.WanTransformer3DModel, "vae": diffusers.AutoencoderKLWan}
+    if config_only:  # build on the meta device: validates the config, allocates nothing
+        for name, config in configs.items():
+            with torch.device("meta"):
+                classes[name](**config).save_config(out / name)
+        return
+    tokenizer = build_t5_tokenizer()
+    text = UMT5Config(vocab_size=round_vocab(len(tokenizer)), d_model=4096, d_kv=64, d_ff=1024, num_layers=1,
+                      num_heads=8, feed_forward_proj="gated-gelu", pad_token_id=tokenizer.pad_token_id,
+                      eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id)
+    with torch.device(device):
+        parts = {name: cls(**configs[name]) for name, cls in classes.items()}
+        parts["text_encoder"] = UMT5EncoderModel(text)
+    pipeline = diffusers.WanPipeline(**parts, tokenizer=tokenizer,
+                                     scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
+    pipeline.to(dtype=dtype)
+    pipeline.save_pretrained(out)
+
+
 # Janus-Pro language models (DeepSeek-LLM): size -> (hidden, intermediate, layers, heads); MHA.
 _JANUS_PRO_TEXT = {"pro-1b": (2048, 5632, 24, 16), "pro-7b": (4096, 11008, 30, 32)}
 
@@ -279,6 +332,7 @@ SHAPES: dict[tuple[str, str], Builder] = {
         qwen3_vl_config("4b"), Qwen3VLForConditionalGeneration, out, **kw
     ),
     ("sd3", "3.5-medium"): _save_sd3,
+    ("wan", "2.1-1.3b"): _save_wan,
     ("janus", "pro-1b"): lambda out, **kw: _save_janus("pro-1b", out, **kw),
     ("janus", "pro-7b"): lambda out, **kw: _save_janus("pro-7b", out, **kw),
 }
