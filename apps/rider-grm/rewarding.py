@@ -17,7 +17,7 @@ from rl_core.train import PhaseTimer, UserError
 from rl_data import JudgeRecord, open_source
 from rl_rewards.composition import Reward, build_reward
 from rl_rewards.registry import build_scorer
-from rl_rewards.samples import Sample, Scorer, ScoreResult
+from rl_rewards.samples import Sample, Scorer, ScoreResult, TimedScorer
 from rl_rewards.scorers.rule import RuleScorer
 from rl_rewards.spec import Component, Gate, RewardSpec
 from rl_rollout import Generation
@@ -62,17 +62,6 @@ def make_samples(records: list[JudgeRecord], gens: list[Generation], offset: int
                    metadata={"uid": offset + i, "data_source": r.data_source, "extra_info": r.extra_info,
                              "rm_prompts": r.rm_prompts, "completion_tokens": len(g.completion_ids)})
             for i, (r, g) in enumerate(zip(records, gens, strict=True))]
-
-
-class TimedScorer:
-    """A scorer whose `score` calls are timed as one phase (`time/<phase>`, `memory/<phase>_peak_gib`)."""
-
-    def __init__(self, inner: Scorer, timer: PhaseTimer, phase: str) -> None:
-        self.inner, self.timer, self.name = inner, timer, phase
-
-    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
-        with self.timer(self.name):
-            return self.inner.score(samples)
 
 
 def compose_reward(cfg: Config, judges: list[Judge], configs: list[JudgeConfig], timer: PhaseTimer,

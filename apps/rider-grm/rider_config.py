@@ -22,10 +22,9 @@ from rl_core.train import (
     NonNegativeFloat,
     Positive,
     PositiveFloat,
-    RunFields,
     TokenPolicyFields,
+    TokenTrainFields,
     UnitInterval,
-    check_loss_options,
 )
 from rl_core.train.entry import AppEntry
 from rl_policy.placement import PolicyRolloutFields
@@ -171,20 +170,18 @@ class AlgoConfig(TokenPolicyFields, kw_only=True, frozen=True):
     replay_tolerance: NonNegativeFloat | None = None  # engine vs trainer |dlogp| (None: 1e-3 fp32, 5e-2 16-bit)
 
 
-class TrainConfig(RunFields, kw_only=True, frozen=True):
+class TrainConfig(TokenTrainFields, kw_only=True, frozen=True):
+    """`train.*`: the run's keys (`TokenTrainFields`) at verl's settings."""
+
     output_dir: str = "runs/rider-grm"
     save_freq: Positive = 30
     batch_size: Positive = 32  # prompts per step, all processes (data.train_batch_size)
-    mini_batch_size: Positive = 8  # prompts per optimizer step (ppo_mini_batch_size)
+    mini_batch_size: Positive | None = 8  # prompts per optimizer step (ppo_mini_batch_size; None = batch_size)
     micro_batch_size: Positive = 4  # sequences per forward/backward (log_prob_micro_batch_size)
-    lr: PositiveFloat = 1e-6
-    weight_decay: NonNegativeFloat = 0.0
-    grad_clip: PositiveFloat = 1.0
     epochs: Positive = 15
-    max_steps: Positive | None = None
+    max_steps: Positive | None = None  # stop earlier than `epochs`
     eval_freq: NonNegative = 0  # evaluate every N steps and at the end; 0 = only at the end (verl test_freq)
     val_before_train: bool = False  # evaluate once before the first step (logged as step 0)
-    samples_to_log: NonNegative = 4  # generations (with each judge's raw output) written per step
 
 
 class Config(AppConfig, kw_only=True, frozen=True):
@@ -235,27 +232,13 @@ def check_config(cfg: Config, world_size: int) -> None:
     """Rules between keys, against the process count, and on what the reward names (the rule and
     every judge module imported, every engine kind possible here), before any model loads."""
     # torch: imported when the recipe checks, not for --help
-    from rl_core.advantages import uses_group_baseline
-    from rl_policy.placement import check_placement, check_ray
-    from rl_rollout import resolve_engine
+    from rl_policy.setup import check_token_config
 
-    t, r = cfg.train, cfg.reward
-    if uses_group_baseline(cfg.algo.advantage) and cfg.rollout.n < 2:
-        raise ConfigError(f"rollout.n={cfg.rollout.n}: algo.advantage={cfg.algo.advantage!r} compares the "
-                          "responses to one prompt with each other and needs rollout.n >= 2")
-    if t.batch_size % t.mini_batch_size:
-        raise ConfigError(f"train.batch_size={t.batch_size} must be a multiple of train.mini_batch_size="
-                          f"{t.mini_batch_size}")
-    if t.batch_size % world_size:
-        raise ConfigError(f"train.batch_size={t.batch_size} must be a multiple of the {world_size} processes")
-    check_loss_options(cfg.algo.loss, cfg.algo.loss_options)
+    r = cfg.reward
+    check_token_config(cfg.algo, cfg.rollout, cfg.train, world_size)
     if cfg.algo.reward_aggregation == "normalize_then_sum" and cfg.algo.kl_in_reward:
         raise ConfigError("algo.reward_aggregation=normalize_then_sum normalises the judges' scores per sequence; "
                           "algo.kl_in_reward shapes token rewards: use one of them (algo.use_kl_loss keeps a KL term)")
-    engine, _ = resolve_engine(cfg.rollout.engine, key="rollout.engine")  # vllm where it cannot run: one line
-    check_placement(cfg.rollout.placement, engine, t.max_staleness, world_size=world_size,
-                    workers=cfg.rollout.workers, ray_address=cfg.rollout.cluster_address())  # auto as resolved here
-    check_ray(cfg.rollout.workers)
     if r.spec is not None:
         read_spec(r)
         return

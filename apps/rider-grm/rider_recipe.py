@@ -37,14 +37,16 @@ from rider_config import (
 )
 
 from rl_core.kl import compute_kl
-from rl_core.train import GroupAdvantages, PinnedOffload, isolated_rng, sample_seed
+from rl_core.train import GroupAdvantages, isolated_rng, sample_seed
 from rl_core.train.config import ConfigError
+from rl_core.train.offload import PinnedOffload, park_frozen, visiting
 from rl_core.train.recipe import Checkpoint, MergesRounds, Recipe, RunContext, Schedule, Scores
-from rl_core.train.sharding import FullWeights, prepare_policy, resolve_sharding, sharded_state
+from rl_core.train.sharding import sharded_state
 from rl_data import GroupSampler, JudgeRecord
 from rl_models.text import load_causal_lm
 from rl_policy import training
-from rl_policy.engine import PolicyEngine, build_policy_engine, rollout_device
+from rl_policy.engine import PolicyEngine
+from rl_policy.setup import TrainedPolicy, engine_for, prepare_token_policy
 from rl_policy.swap import PolicySwap, initial_plan
 from rl_rewards.composition import Reward
 from rl_rewards.samples import Sample, ScoreResult
@@ -58,13 +60,11 @@ Scored = tuple[ScoreResult, dict[str, JudgeLog]]  # a sample's reward; a chunk's
 class State:
     cfg: Config
     run: RunContext
-    policy: torch.nn.Module  # the prepared `Policy` (DDP-wrapped, or sharded by FSDP2)
+    trained: TrainedPolicy  # the prepared `Policy` (DDP-wrapped, or sharded by FSDP2), its optimizer and warm-up
     model: torch.nn.Module  # the transformers model inside it
-    optimizer: torch.optim.Optimizer
     ref: torch.nn.Module  # the frozen KL reference
     ref_offload: PinnedOffload | None  # its weights between uses (CUDA, model.ref_offload)
     engine: PolicyEngine
-    full: FullWeights | None  # the rollout's copy of a sharded policy (train.sharding = "fsdp2")
     judges: list[Judge]
     reward: Reward
     swap: PolicySwap
@@ -117,42 +117,27 @@ class RiderGRM(Recipe[Config, State, Batch, Sampled], MergesRounds[State, Batch]
 
     def setup(self, cfg: Config, run: RunContext) -> State:
         acc, t, r = run.accelerator, cfg.train, cfg.rollout
-        plan = resolve_sharding(acc, t.sharding, mixed_precision=t.fsdp_mixed_precision, cpu_offload=t.fsdp_cpu_offload,
-                                activation_checkpointing=t.fsdp_activation_checkpointing)
         path = resolve_model(cfg.model.path)
         model, tokenizer = load_causal_lm(path, dtype=cfg.model.dtype)
         ref, _ = load_causal_lm(path, dtype=cfg.model.dtype)
-        ref.requires_grad_(False)
-        ref_offload = None
-        if cfg.model.ref_offload and run.device.type != "cpu":
-            ref_offload = PinnedOffload(ref, acc.device, frozen=True)
-            ref_offload.to_host()  # into pinned buffers once; each step copies them in and drops them
-        else:
-            ref.to(acc.device)
+        ref_offload = park_frozen(ref, acc.device, offload=cfg.model.ref_offload)  # in host memory between uses
         judge_cfgs = judge_configs(cfg.reward) if cfg.reward.spec is None else []
         reads = max((i + 1 for i, j in enumerate(judge_cfgs) if j.prompt == "rm_prompt"), default=0)
         train = rewarding.load_records(cfg.data.train_files, tokenizer, cfg, reads)
         val = rewarding.load_records(cfg.data.val_files or cfg.data.train_files, tokenizer, cfg, reads)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-        full = FullWeights(model, device=acc.device) if plan.sharded else None
-        policy, optimizer, _ = prepare_policy(acc, training.Policy(model), optimizer, None, plan)
+        trained = prepare_token_policy(run, model, t)
         # nothing to make room for without a judge in this process; a sharded policy stays where it is
-        mode = cfg.reward.swap if any(j.engine != "server" for j in judge_cfgs) and not plan.sharded else "never"
+        mode = cfg.reward.swap if any(j.engine != "server" for j in judge_cfgs) and trained.full is None else "never"
         # the judges first: a vLLM engine core in this process (the policy's) fixes vLLM's
         # environment for every engine built after it (`rl_rollout.colocated.vllm_engine_core`)
         sleep = initial_plan(mode).sleep_judges
         judges = [build_judge(i, j, acc.device, run.timer, sleep, run.world_size) for i, j in enumerate(judge_cfgs)]
-        engine = build_policy_engine(
-            r.engine, model=model, processor=tokenizer, path=path, dtype=cfg.model.dtype, device=acc.device,
-            seed=sample_seed(t.seed, run.rank) % 2**31, world_size=run.world_size, full=full,
-            max_batch_size=r.max_batch_size, compile=r.compile, gpu_memory_utilization=r.gpu_memory_utilization,
-            engine_options={"max_model_len": r.max_prompt_length + r.max_new_tokens,
-                            **r.engine_options},  # verl's context length, not the model's full one
-            timer=run.timer, rollout_device=rollout_device(r.placement, acc, workers=r.workers), workers=r.workers,
-            gpus_per_worker=r.gpus_per_worker, ray_address=r.ray_address)
+        engine = engine_for(r, run, model=model, processor=tokenizer, path=path, dtype=cfg.model.dtype, full=trained.full,
+                            seed=sample_seed(t.seed, run.rank) % 2**31, compile=r.compile,
+                            engine_options={"max_model_len": r.max_prompt_length + r.max_new_tokens})  # verl's context length, not the model's
         for judge in judges:
             judge.policy = engine  # counts the judge's calls made with the policy's engine awake
-        swap = PolicySwap(engine, model, optimizer, acc.device, mode=mode, memory_fraction=cfg.reward.swap_memory_fraction,
+        swap = PolicySwap(engine, model, trained.optimizer, acc.device, mode=mode, memory_fraction=cfg.reward.swap_memory_fraction,
                           offload_optimizer=cfg.model.optimizer_offload,
                           measurable=all(j.offload is not None for j in judges if j.engine is not None))
         if t.max_staleness:  # the policy stays resident: the rollout thread samples while the judges score
@@ -168,7 +153,7 @@ class RiderGRM(Recipe[Config, State, Batch, Sampled], MergesRounds[State, Batch]
                               "folds them in order)")
         sampler = GroupSampler(len(train), r.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
         stream = cfg.reward.stream and bool(judges) and all(j.engine is None for j in judges)
-        return State(cfg, run, policy, model, optimizer, ref, ref_offload, engine, full, judges, reward, swap, sampler,
+        return State(cfg, run, trained, model, ref, ref_offload, engine, judges, reward, swap, sampler,
                      train, val, stream)
 
     def policy(self, state: State) -> PolicyEngine:
@@ -192,8 +177,8 @@ class RiderGRM(Recipe[Config, State, Batch, Sampled], MergesRounds[State, Batch]
 
     def checkpoint(self, state: State) -> Checkpoint:
         return Checkpoint(state={"sampler": state.sampler,
-                                 **sharded_state(state.policy, state.optimizer)},
-                          trained=state.run.accelerator.unwrap_model(state.policy))
+                                 **sharded_state(state.trained.policy, state.trained.optimizer)},
+                          trained=state.run.accelerator.unwrap_model(state.trained.policy))
 
     def rollout(self, state: State, step: int) -> Batch:
         state.swap.wake(state.run.timer)  # a dynamic-sampling round rolls out again after the last round's offload
@@ -219,15 +204,11 @@ class RiderGRM(Recipe[Config, State, Batch, Sampled], MergesRounds[State, Batch]
         the reference's."""
         cfg, run, gens = state.cfg, state.run, sampled.gens
         with run.timer("logprob"):  # through the Policy: a sharded one gathers its weights in its forward
-            old = logprobs(state, run.accelerator.unwrap_model(state.policy), gens)
+            old = logprobs(state, run.accelerator.unwrap_model(state.trained.policy), gens)
         ref = None
         if cfg.algo.use_kl_loss or cfg.algo.kl_in_reward:
-            with run.timer("ref_logprob"):  # with model.ref_offload the reference visits the GPU for this
-                if state.ref_offload is not None:
-                    state.ref_offload.to_device()
+            with run.timer("ref_logprob"), visiting(state.ref_offload):  # with model.ref_offload: on the GPU for this
                 ref = logprobs(state, state.ref, gens)
-                if state.ref_offload is not None:
-                    state.ref_offload.to_host()
         return Batch(sampled.records, gens, old, ref, sampled.judges_awake, sampled.scored, sampled.prompt_ids)
 
     def score(self, state: State, step: int, batch: Batch) -> Scores:
@@ -241,15 +222,10 @@ class RiderGRM(Recipe[Config, State, Batch, Sampled], MergesRounds[State, Batch]
         else:
             results, logs = score_now(state, samples)
         run.samples.write("train", step, rewarding.sample_rows(samples, results, logs, cfg.train.samples_to_log))
-        width = max(1, max(len(g.completion_ids) for g in batch.gens))
-        mask, rewards = torch.zeros(len(batch.gens), width), torch.zeros(len(batch.gens), width)  # [B, C] x2
-        for i, (g, result) in enumerate(zip(batch.gens, results, strict=True)):
-            n = len(g.completion_ids)
-            mask[i, :n] = 1
-            rewards[i, max(n - 1, 0)] = math.nan if result.score is None else result.score
-            if cfg.algo.kl_in_reward and batch.ref is not None and n:
-                rewards[i, :n] -= cfg.algo.kl_reward_coef * compute_kl(cfg.algo.kl_reward_type, batch.old[i][None],
-                                                                batch.ref[i][None])[0]  # [C_i]
+        kl = [compute_kl(cfg.algo.kl_reward_type, old[None], ref[None])[0] for old, ref in zip(batch.old, batch.ref,
+              strict=True)] if cfg.algo.kl_in_reward and batch.ref is not None else None  # [B] x [C_i]
+        rewards, mask = training.token_rewards(batch.gens, [x.score for x in results], kl=kl,
+                                               kl_coef=cfg.algo.kl_reward_coef)  # [B, C] x2
         groups = run.rank * len(batch.gens) + torch.arange(len(batch.gens)) // cfg.rollout.n  # [B]
         gamma = {"gamma": cfg.algo.gamma} if cfg.algo.advantage == "reinforce_pp" else {}
         components, metrics = [x.components for x in results], rewarding.reward_metrics(results, logs)
@@ -282,17 +258,18 @@ class RiderGRM(Recipe[Config, State, Batch, Sampled], MergesRounds[State, Batch]
             first = tolerance if run.first_step(step) else math.inf
             out = training.engine_check(rollouts, batch.old).verify(acc, first, "first replay")
             out |= training.token_update(
-                acc, state.policy, state.optimizer, rollouts, advantages.advantages,
+                acc, state.trained.policy, state.trained.optimizer, rollouts, advantages.advantages,
                 options=training.LossOptions(kl=a.kl, kl_coef=a.kl_coef if a.use_kl_loss else 0.0,
                                              temperature=cfg.rollout.temperature,
                                              norm_length=cfg.rollout.max_new_tokens, **training.loss_fields(a)),
                 old=batch.old, ref=batch.ref if a.use_kl_loss else None,
-                num_minibatches=max(1, t.batch_size // t.mini_batch_size), micro_batch_size=t.micro_batch_size,
-                ppo_epochs=1, grad_clip=t.grad_clip, guard=run.guard, pad_id=state.engine.pad_id)
+                num_minibatches=t.batch_size // (t.mini_batch_size or t.batch_size), micro_batch_size=t.micro_batch_size,
+                ppo_epochs=1, grad_clip=t.grad_clip, guard=run.guard, pad_id=state.engine.pad_id,
+                scheduler=state.trained.scheduler)
         awake = acc.reduce(torch.tensor(float(batch.judges_awake), device=acc.device), reduction="sum")
         return {**out, **training.response_metrics(acc, batch.gens),
                 "check/judges_awake_during_rollout": int(awake.item()),
-                **state.swap.decide(run.timer, state.judges), **(state.full.pop_metrics() if state.full else {})}
+                **state.swap.decide(run.timer, state.judges), **(state.trained.full.pop_metrics() if state.trained.full else {})}
 
     def evaluate(self, state: State, step: int) -> dict[str, float]:
         """Greedy (`rollout.val_temperature`) rollouts on the val rows, one per row, scored by the

@@ -178,5 +178,5 @@ def test_batch_size_is_checked_against_the_process_count() -> None:
     """`Recipe.check` runs before any model loads (the loop calls it with the accelerator's count)."""
     cfg = load_config(Config, DEFAULT_CONFIG, ["train.batch_size=3", "train.mini_batch_size=3"])
     app.RECIPE.check(cfg, 1)
-    with pytest.raises(ConfigError, match=r"^train\.batch_size=3 must be a multiple of the 2 processes$"):
+    with pytest.raises(ConfigError, match=r"^train\.batch_size=3 must divide by the 2 processes and by train\.mini_batch_size=3$"):
         app.RECIPE.check(cfg, 2)

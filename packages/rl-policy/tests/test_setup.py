@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from accelerate import Accelerator
 
 from rl_core.train import (
@@ -58,3 +59,19 @@ def test_the_prepared_policy_trains_what_requires_grad_with_warm_up_and_samples_
     gens, _ = engine.sample([[{"role": "user", "content": "Hi"}]], SamplingParams(n=3, max_new_tokens=4))
     assert engine.kind == "hf" and len(gens) == 3 and all(len(g.completion_ids) == 4 for g in gens)
     engine.close()
+
+
+def test_token_rewards_put_the_score_on_the_last_token_and_the_kl_on_every_token() -> None:
+    """Hand-worked: completions of 3, 1 and 0 tokens; scores 1.0, None (failed: NaN) and 0.5."""
+    from rl_policy.training import token_rewards
+    from rl_rollout import Generation
+
+    gens = [Generation(request_index=0, prompt_ids=[1], completion_ids=ids, text="", logprobs=[0.0] * len(ids),
+                       finish_reason="stop") for ids in ([5, 6, 7], [5], [])]
+    rewards, mask = token_rewards(gens, [1.0, None, 0.5])
+    assert mask.tolist() == [[1, 1, 1], [1, 0, 0], [0, 0, 0]]
+    assert rewards[0].tolist() == [0, 0, 1.0] and rewards[2].tolist() == [0.5, 0, 0]
+    assert rewards[1, 0].isnan() and rewards[1, 1:].tolist() == [0, 0]
+    kl = [torch.tensor([0.1, 0.2, 0.4]), torch.tensor([1.0]), torch.tensor([])]
+    shaped, _ = token_rewards(gens, [1.0, 0.0, 0.5], kl=kl, kl_coef=0.5)
+    assert shaped.flatten().tolist() == pytest.approx([-0.05, -0.1, 0.8, -0.5, 0, 0, 0.5, 0, 0])

@@ -323,3 +323,27 @@ def test_a_non_finite_total_is_that_samples_error():
     reward = build_reward(spec, scorers={"a": ConstantScorer(1e10), "b": ConstantScorer(1e10)})
     (result,) = reward.score([Sample(completion="c")])
     assert result.score is None and "the combined reward is inf" in result.error
+
+
+def test_a_timed_scorer_scores_inside_its_phase_and_inside_a_composed_reward() -> None:
+    """`TimedScorer`: each call runs inside `timer(phase)` (here a recording context manager),
+    the inner scorer's results unchanged; in a reward its component is named by the spec."""
+    import contextlib
+
+    from rl_rewards.samples import TimedScorer
+
+    phases: list[str] = []
+
+    @contextlib.contextmanager
+    def timer(phase: str):
+        phases.append(f"enter {phase}")
+        yield
+        phases.append(f"exit {phase}")
+
+    inner = LookupScorer("a")
+    timed = TimedScorer(inner, timer, "rule")
+    samples = [Sample(completion="x", metadata={"a": 0.25}), Sample(completion="y", metadata={"a": 1.0})]
+    assert [r.score for r in timed.score(samples)] == [0.25, 1.0] and timed.name == "rule"
+    assert phases == ["enter rule", "exit rule"] and inner.seen == ["x", "y"]
+    reward = build_reward({"components": {"r": {"scorer": "rule", "weight": 2.0}}}, scorers={"r": timed})
+    assert [r.score for r in reward.score(samples)] == [0.5, 2.0] and len(phases) == 4

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_core.train.offload import OptimizerOffload, PinnedOffload
+from rl_core.train.offload import OptimizerOffload, PinnedOffload, park_frozen, visiting
 
 
 def tied_model() -> torch.nn.Module:
@@ -80,3 +80,36 @@ def test_optimizer_offload_frees_the_gpu_and_restores_exactly() -> None:
     assert all(h.is_pinned() for h in offload.host.values())
     offload.to_device()
     assert all(torch.equal(v, expected[(id(p), k)]) for p, s in optimizer.state.items() for k, v in s.items())
+
+
+def test_visiting_returns_the_module_to_its_host_buffers_after_the_block_and_after_an_error() -> None:
+    """`visiting(offload)`: the weights are back in the host buffers when the block ends, also
+    when it raises; None moves nothing."""
+    model = tied_model()
+    offload = PinnedOffload(model, torch.device("cpu"), pin=False)
+    offload.to_host()
+    host = [h.data_ptr() for h in offload.host]
+    with visiting(offload):
+        assert torch.equal(model[0](torch.tensor([1]))[0], model[0].weight[1])
+    assert [t.data_ptr() for t in offload.tensors] == host
+    with pytest.raises(RuntimeError, match="in the block"), visiting(offload):
+        raise RuntimeError("in the block")
+    assert [t.data_ptr() for t in offload.tensors] == host
+    with visiting(None):
+        pass
+
+
+def test_a_frozen_module_parked_on_a_cpu_stays_on_the_device_and_stops_requiring_grad() -> None:
+    model = tied_model()
+    assert park_frozen(model, torch.device("cpu")) is None
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="moves weights between a GPU and host buffers")
+def test_a_parked_module_visits_the_gpu_only_inside_the_block() -> None:
+    model = tied_model()
+    parked = park_frozen(model, torch.device("cuda"))
+    assert parked is not None and model[0].weight.device.type == "cpu" and model[0].weight.is_pinned()
+    with visiting(parked):
+        assert model[0].weight.device.type == "cuda"
+    assert model[0].weight.device.type == "cpu"

@@ -14,6 +14,7 @@ engine-vs-trainer log-prob check.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -52,6 +53,7 @@ __all__ = [
     "to_device",
     "to_rollouts",
     "token_advantages",
+    "token_rewards",
     "token_update",
 ]
 
@@ -92,6 +94,22 @@ def token_advantages(advantages: Tensor, rollouts: Sequence[Rollout]) -> list[Te
     if advantages.dim() == 2:
         return [advantages[i, : len(r.completion_ids)] for i, r in enumerate(rollouts)]
     return [advantages[i].expand(len(r.completion_ids)) for i, r in enumerate(rollouts)]
+
+
+def token_rewards(generations: Sequence[Generation], scores: Sequence[float | None], *,
+                  kl: Sequence[Tensor] | None = None, kl_coef: float = 0.0) -> tuple[Tensor, Tensor]:
+    """Token rewards `[B, C]` (C: the longest completion) and their mask: each sample's score on
+    its last token (None: NaN, a failed sample the advantages leave out), minus `kl_coef` x its
+    per-token KL `kl[i]` `[C_i]` to a reference on every token (verl's `apply_kl_penalty`)."""
+    width = max([1, *(len(g.completion_ids) for g in generations)])
+    mask, rewards = torch.zeros(len(generations), width), torch.zeros(len(generations), width)  # [B, C] x2
+    for i, (g, score) in enumerate(zip(generations, scores, strict=True)):
+        n = len(g.completion_ids)
+        mask[i, :n] = 1
+        rewards[i, max(n - 1, 0)] = math.nan if score is None else score
+        if kl is not None and n:
+            rewards[i, :n] -= kl_coef * kl[i]
+    return rewards, mask
 
 
 def replay_tolerance(given: float | None, model: torch.nn.Module) -> float:

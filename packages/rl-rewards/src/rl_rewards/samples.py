@@ -5,7 +5,8 @@ Imports no torch: `pip install rl-rewards` alone must be able to use it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -76,3 +77,16 @@ class InlineScorer(Protocol):
 def runs_inline(scorer: object) -> bool:
     """True when `scorer` declares `inline = True` (see `InlineScorer`)."""
     return isinstance(scorer, InlineScorer) and scorer.inline
+
+
+class TimedScorer:
+    """`inner` with every `score` call inside `timer(phase)`: a trainer's phase timer (such as
+    `rl_core.train.PhaseTimer`, whose block adds `time/<phase>`), so one reward term's seconds
+    show beside the step's other phases. `name` is the phase."""
+
+    def __init__(self, inner: Scorer, timer: Callable[[str], AbstractContextManager[Any]], phase: str) -> None:
+        self.inner, self.timer, self.name = inner, timer, phase
+
+    def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
+        with self.timer(self.name):
+            return self.inner.score(samples)

@@ -79,7 +79,7 @@ if TYPE_CHECKING:
     from rl_core.train.loop import run, train
     from rl_core.train.metric_names import METRIC_NAMES, unknown_metric_names
     from rl_core.train.metrics import MetricsLogger, PhaseTimer
-    from rl_core.train.offload import OptimizerOffload, PinnedOffload
+    from rl_core.train.offload import OptimizerOffload, PinnedOffload, park_frozen, visiting
     from rl_core.train.pipeline import (
         CopyChannel,
         PendingRollouts,
@@ -165,7 +165,7 @@ _EXPORTS = {
     "loop": ["run", "train"],
     "metric_names": ["METRIC_NAMES", "unknown_metric_names"],
     "metrics": ["MetricsLogger", "PhaseTimer"],
-    "offload": ["OptimizerOffload", "PinnedOffload"],
+    "offload": ["OptimizerOffload", "PinnedOffload", "park_frozen", "visiting"],
     "pipeline": ["CopyChannel", "PendingRollouts", "RolloutPipeline", "Sampled", "WeightChannel", "copy_sharing_frozen",
                  "finish_copies"],
     "plots": ["plot_reward_curve"],
@@ -285,6 +285,7 @@ __all__ = [
     "load_config",
     "make_run_dir",
     "optimizer_step",
+    "park_frozen",
     "parse_cli",
     "parse_run",
     "plan_micro_batches",
@@ -306,6 +307,7 @@ __all__ = [
     "train",
     "trainable_parameters",
     "unknown_metric_names",
+    "visiting",
     "write_video",
     "zero_std_fraction",
 ]

@@ -11,11 +11,13 @@ On CPU nothing moves.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-__all__ = ["OptimizerOffload", "PinnedOffload"]
+__all__ = ["OptimizerOffload", "PinnedOffload", "park_frozen", "visiting"]
 
 
 def _unique_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -85,6 +87,34 @@ class PinnedOffload:
             if t.device != self.device:
                 t.data = t.data.to(self.device, non_blocking=True)
         _sync(self.device)
+
+
+def park_frozen(module: torch.nn.Module, device: torch.device, *, offload: bool = True) -> PinnedOffload | None:
+    """A frozen module (a KL reference) made ready for `visiting`: with `offload` on an
+    accelerator, its weights in page-locked host buffers, copied in for each visit and dropped
+    after (a frozen `PinnedOffload`); else (a CPU, or `offload=False`) moved to `device` once and
+    kept there (None). Its parameters stop requiring grad either way."""
+    module.requires_grad_(False)
+    if not offload or _indexed(device).type == "cpu":
+        module.to(device)
+        return None
+    parked = PinnedOffload(module, device, frozen=True)
+    parked.to_host()
+    return parked
+
+
+@contextmanager
+def visiting(offload: PinnedOffload | None) -> Iterator[None]:
+    """The module of `offload` on its device for the block, back in its host buffers after it
+    (an error too): a reference model that visits the GPU for its log-probs. None: nothing moves."""
+    if offload is None:
+        yield
+        return
+    offload.to_device()
+    try:
+        yield
+    finally:
+        offload.to_host()
 
 
 class OptimizerOffload:
