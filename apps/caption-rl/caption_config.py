@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import msgspec
 
@@ -21,11 +21,10 @@ from rl_core.train import (
     PositiveFloat,
     TokenPolicyFields,
     TokenTrainFields,
-    UnitInterval,
 )
 from rl_core.train.entry import AppEntry
 from rl_policy.placement import PolicyRolloutFields
-from rl_rewards.spec import RewardSpec
+from rl_rewards.caprl import CaprlRewardConfig
 
 NAME = "caption-rl"
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.toml"
@@ -84,46 +83,9 @@ class RolloutConfig(PolicyRolloutFields, kw_only=True, frozen=True):
     full PCIe bandwidth). auto: on CUDA with the hf engine."""
 
 
-class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
-    url: str | None = None
-    """Running reward server (`rl-rewards serve` or CapRL's), e.g. http://host:18889/get_reward;
-    unset = score in process."""
-    port: Positive = 18889  # with host: url = http://host:port/get_reward
-    host: str | None = None
-    judge: str = "Qwen/Qwen3-4B-Instruct-2507"  # in-process QA judge (text LLM)
-    judge_engine: Literal["auto", "hf", "vllm"] = "auto"
-    """The in-process judge's engine. vllm: the faster judge on a GPU (rl-rollout's README, "hf
-    or vLLM?"); a vLLM engine in a process of its own, asleep outside the reward phase, `judge_gpu_memory_utilization` of the GPU while it scores;
-    one training process only (a second would start its judge on GPU 0 too). hf: on the
-    trainer's GPU (or the CPU), always loaded. auto: vllm on a CUDA machine where vLLM imports
-    and the run has one process, else hf; the pick and why are printed at start."""
-    judge_gpu_memory_utilization: UnitInterval = 0.25  # vllm judge: GPU fraction for weights + KV cache while awake
-    judge_engine_options: dict[str, Any] = {}
-    """vllm judge: more `vllm.LLM` arguments, e.g. `{enforce_eager = true}`; `max_model_len`
-    defaults to 16384 (or the judge's own maximum when lower): judge prompt + caption fit, and the
-    KV cache of one such sequence fits the memory share (Qwen3-4B-2507's own 262,144 would not)."""
-    qa_estimator: Literal["exact", "sample"] = "exact"  # see rl_rewards.scorers.caption_qa
-    qa_num: Positive = 8  # questions drawn per caption (estimator=sample)
-    format_weight: NonNegativeFloat = 0.2  # x timestamp-format reward, video rows
-    format_variant: Literal["readme", "caprl-server"] = "readme"
-    """Timestamp-format formula: `readme` (CapRL++'s published formula; "[00:01] x" scores 1.0)
-    or `caprl-server` (what CapRL++'s reward server computes; 0.70 for the same caption)."""
-    format_min_brackets: Positive = 3  # caprl-server: stamps at which its coverage term saturates
-    answer_parser: Literal["strict", "caprl"] = "strict"
-    """Sampled judge answers (qa_estimator = sample): `strict` (ours) or `caprl` (the first capital
-    A-I anywhere in the answer, as CapRL++)."""
-    qa_prompt_file: str | None = None
-    """Judge prompt template file (placeholders {caption} {question} {options} {task}, or CapRL++'s
-    two `{}`): point it at the prompt you trained with. None: our prompt."""
-    length_tokenizer: str | None = None  # default: the caption model's tokenizer
-    length_l1: NonNegative = 2048
-    length_l2: Positive = 3072
-    length_weight: NonNegativeFloat = 0.2
-    spec: str | RewardSpec | None = None
-    """A RewardSpec replacing QA + format + length in process: a TOML file, or an inline table
-    (`[reward.spec.components.NAME]` with `scorer`, `weight`, `options`, ...)."""
-    retries: Positive = 5  # attempts per server call; then the step is skipped
-    timeout: PositiveFloat = 180.0  # seconds per server call
+class RewardConfig(CaprlRewardConfig, kw_only=True, frozen=True):
+    """`reward.*`: CapRL++'s reward (`rl_rewards.caprl`: QA + format + length, in process or served)."""
+
     stream: bool = True
     """A reward server (`url` / `host`): the captions go to the server as the engine finishes
     them, scored on a thread while the policy samples on (`rl_rollout.streaming`); with

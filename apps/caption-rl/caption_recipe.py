@@ -21,13 +21,6 @@ from accelerate.utils import gather_object
 from caption_config import DEFAULT_CONFIG, ENV, NAME, Config, default_config
 from caption_data import Dataset, Encoded, encode_records, load_records, make_sample
 from caption_model import load_policy, reference_model
-from caption_reward import (
-    JUDGE_ENGINE_KEY,
-    LocalReward,
-    RemoteReward,
-    RewardUnavailable,
-    build_reward_backend,
-)
 
 from rl_core.train import (
     Checkpoint,
@@ -40,6 +33,7 @@ from rl_core.train import (
     Schedule,
     Scores,
     Skip,
+    UserError,
     check_finite_parameters,
     component_means,
     gathered,
@@ -63,6 +57,14 @@ from rl_policy.training import (
     token_update,
 )
 from rl_rewards import ScoreResult
+from rl_rewards.caprl import (
+    JUDGE_ENGINE_KEY,
+    CaprlLocalReward,
+    CaprlServerReward,
+    RewardUnavailable,
+    build_caprl_reward,
+)
+from rl_rewards.client import RewardClientError
 from rl_rollout import Generation, SamplingParams, resolve_judge_engine
 from rl_rollout.streaming import ScoredRollout
 
@@ -80,7 +82,7 @@ class State:
     engine: PolicyEngine
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    reward: LocalReward | RemoteReward
+    reward: CaprlLocalReward | CaprlServerReward
     sampler: GroupSampler
     frozen_reference: torch.nn.Module | None  # full fine-tuning with a KL term: the initial policy
     full: FullWeights | None  # a sharded policy's full weights, for the engine and the export
@@ -108,7 +110,7 @@ def _score(s: State, encoded: Encoded, gens: list[Generation]) -> list[Scored]:
 
     Called from two threads at once in an asynchronous run with reward.stream: the rollout
     thread's scoring worker, and this thread (an evaluation; a dynamic-sampling round's own
-    worker). `RemoteReward` takes that unlocked: its `RewardClient` keeps no state per call over
+    worker). `CaprlServerReward` takes that unlocked: its `RewardClient` keeps no state per call over
     one `httpx.Client`, which httpx documents as shareable between threads; the length reward's
     composition keeps its state per call, and its tokenizer is only read (the same arguments every
     call, so transformers never reconfigures the Rust tokenizer, what raises tokenizers' "Already
@@ -144,7 +146,7 @@ class CaptionRL(Recipe[Config, State, Batch], MergesRounds[State, Batch]):
 
     def check(self, cfg: Config, world_size: int) -> None:
         check_token_config(cfg.algo, cfg.rollout, cfg.train, world_size)
-        if cfg.algo.reward_aggregation == "normalize_then_sum" and (cfg.reward.url or cfg.reward.host):
+        if cfg.algo.reward_aggregation == "normalize_then_sum" and cfg.reward.server_url():
             raise ConfigError("algo.reward_aggregation=normalize_then_sum weighs the reward's components itself: it "
                               "needs the reward in process (reward.url / reward.host unset)")
         if cfg.reward.length_l1 >= cfg.reward.length_l2:
@@ -152,7 +154,7 @@ class CaptionRL(Recipe[Config, State, Batch], MergesRounds[State, Batch]):
                               f"{cfg.reward.length_l2} (the length reward falls from 1 at l1 to 0 at l2)")
         if isinstance(cfg.reward.spec, str) and not Path(cfg.reward.spec).is_file():
             raise ConfigError(f"reward.spec file not found: {cfg.reward.spec}")
-        if not (cfg.reward.url or cfg.reward.host or cfg.reward.spec is not None):  # the judge in process
+        if not (cfg.reward.server_url() or cfg.reward.spec is not None):  # the judge in process
             resolve_judge_engine(cfg.reward.judge_engine, key=JUDGE_ENGINE_KEY, world_size=world_size)
 
     def setup(self, cfg: Config, run: RunContext) -> State:
@@ -160,7 +162,10 @@ class CaptionRL(Recipe[Config, State, Batch], MergesRounds[State, Batch]):
         acc = run.accelerator
         data = load_records(cfg.data.train_files, cfg.data.val_files, eval_size=cfg.data.eval_size, task=cfg.data.task, seed=t.seed)
         model, processor, policy_path = load_policy(m)
-        reward = build_reward_backend(cfg.reward, policy_path=policy_path, seed=t.seed, world_size=run.world_size)
+        try:
+            reward = build_caprl_reward(cfg.reward, policy_path=policy_path, seed=t.seed, world_size=run.world_size)
+        except RewardClientError as e:  # a server that does not answer at start
+            raise UserError(str(e)) from None
         trained = prepare_token_policy(run, model, t)
         engine = engine_for(r, run, model=model, processor=processor, path=policy_path, dtype=m.dtype, full=trained.full,
                             optimizer=trained.optimizer, offload_optimizer=r.offload_optimizer,
@@ -171,7 +176,7 @@ class CaptionRL(Recipe[Config, State, Batch], MergesRounds[State, Batch]):
         return State(cfg, run, data, model, trained.policy, processor, engine, trained.optimizer, trained.scheduler,
                      reward, sampler, frozen, trained.full, placeholder_ids(model.config),
                      prompts_per_rank=t.batch_size // run.world_size,
-                     stream=cfg.reward.stream and isinstance(reward, RemoteReward))
+                     stream=cfg.reward.stream and isinstance(reward, CaprlServerReward))
 
     def policy(self, s: State) -> PolicyEngine:
         return s.engine

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -12,19 +13,16 @@ import pytest
 import torch
 from caption_config import Config, RewardConfig
 from caption_data import load_records, make_sample
-from caption_reward import (
-    LocalReward,
-    RemoteReward,
-    RewardUnavailable,
-    caprl_spec,
-)
-from conftest import DATA, RULE_SPEC, free_port
+from conftest import DATA, RULE_SPEC, free_port, tiny_overrides
 
-from rl_core.train import UserError, load_config
+from rl_core.train import UserError, load_config, run_app
 from rl_data import chat_messages
 from rl_models import tiny
 from rl_models.vl import placeholder_ids
 from rl_policy.training import Rollout, collate
+from rl_rewards.caprl import CaprlLocalReward as LocalReward
+from rl_rewards.caprl import CaprlServerReward as RemoteReward
+from rl_rewards.caprl import RewardUnavailable, caprl_spec
 from rl_rewards.spec import load_spec
 from rl_rollout.prompts import EncodedPrompt, encode_prompt
 
@@ -107,9 +105,13 @@ def test_remote_reward_against_a_real_server_then_the_server_dies(reward_server)
     assert time.monotonic() - started < 60
 
 
-def test_a_reward_server_that_is_down_at_start_is_a_clear_error():
-    with pytest.raises(UserError, match=r"reward server http://127\.0\.0\.1:.* is not reachable.*rl-rewards serve"):
-        _remote(f"http://127.0.0.1:{free_port()}/get_reward")
+def test_a_reward_server_that_is_down_at_start_is_a_clear_error(app, tmp_path, capsys):
+    """The run stops at setup with one line naming the URL and what to do, exit 2."""
+    url = f"http://127.0.0.1:{free_port()}/get_reward"
+    assert run_app(app.NAME, app.main, [*tiny_overrides(tmp_path), f"reward.url={url}"]) == 2
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert re.fullmatch(r"caption-rl: error: reward server http://127\.0\.0\.1:\d+ is not reachable \(.*\); start "
+                        r"it with `rl-rewards serve` or fix reward\.url / REWARD_REMOTE_URL", line), line
 
 
 def test_collate_media_rows_follow_their_prompts():

@@ -110,8 +110,9 @@ def test_in_process_judge_on_vllm_scores_as_the_hf_judge():
     before and after each score call."""
     from caption_config import RewardConfig
     from caption_data import load_records, make_sample
-    from caption_reward import LocalReward
     from conftest import DATA
+
+    from rl_rewards.caprl import CaprlLocalReward as LocalReward
 
     data = load_records([str(DATA / "caption_qa_images.jsonl")], [], eval_size=0, task="auto", seed=0)
     samples = [make_sample(row, caption) for row, caption in zip(data.train[:4], [
