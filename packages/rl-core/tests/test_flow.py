@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rl_core.flow import (
+    compute_flow_dpo_loss,
     compute_nft_decay,
     compute_nft_loss,
     compute_nft_optimality,
@@ -16,6 +17,7 @@ from rl_core.flow import (
     flow_noise,
     host_randn,
     sde_step,
+    velocity_errors,
 )
 from rl_core.losses import compute_policy_loss
 
@@ -458,3 +460,32 @@ def test_nft_loss_input_errors() -> None:
     with pytest.raises(ValueError, match="beta must be > 0"):
         compute_nft_loss(velocity=x, old_velocity=x, clean=x, noisy=x, sigma=0.5, advantages=torch.zeros(2),
                          beta=0.0, adv_clip=5.0)
+
+
+def test_velocity_errors_hand_worked() -> None:
+    """Two samples of two elements: target velocity = noise - clean."""
+    clean = torch.tensor([[1.0, 0.0], [0.5, 0.5]])
+    noise = torch.tensor([[0.0, 1.0], [0.5, -0.5]])
+    velocity = torch.tensor([[-1.0, 1.0], [0.0, 0.0]])  # sample 0 exact; sample 1 off by (0, 1)
+    assert velocity_errors(velocity, clean, noise).tolist() == [0.0, 0.5]
+    with pytest.raises(ValueError, match="one shape"):
+        velocity_errors(velocity[:, :1], clean, noise)
+
+
+def test_flow_dpo_loss_hand_worked_and_its_gradient_prefers_the_chosen_sample() -> None:
+    """margin = (0.2 - 0.3) - (0.5 - 0.4) = -0.2 for pair 0 and (0.3 - 0.3) - (0.3 - 0.3) = 0
+    for pair 1; beta = 5: losses -log sigmoid(1) = 0.31326 and log 2 = 0.69315."""
+    chosen = torch.tensor([0.2, 0.3], requires_grad=True)
+    rejected = torch.tensor([0.5, 0.3], requires_grad=True)
+    loss, metrics = compute_flow_dpo_loss(chosen=chosen, rejected=rejected, ref_chosen=torch.tensor([0.3, 0.3]),
+                                          ref_rejected=torch.tensor([0.4, 0.3]), beta=5.0)
+    assert loss.tolist() == pytest.approx([-math.log(1 / (1 + math.exp(-1.0))), math.log(2)], abs=1e-6)
+    assert metrics["margin"] == pytest.approx(-0.1) and metrics["accuracy"] == 0.5
+    loss.sum().backward()
+    # d loss / d chosen = beta x sigmoid(beta x margin) > 0: lowering the chosen error lowers the loss;
+    # the rejected error's gradient is its negative
+    expected = [5 / (1 + math.exp(1.0)), 5 / 2]
+    assert chosen.grad.tolist() == pytest.approx(expected, abs=1e-6)
+    assert rejected.grad.tolist() == pytest.approx([-g for g in expected], abs=1e-6)
+    with pytest.raises(ValueError, match="beta must be > 0"):
+        compute_flow_dpo_loss(chosen=chosen, rejected=rejected, ref_chosen=chosen, ref_rejected=rejected, beta=0)
