@@ -2,7 +2,7 @@
 
 Rank 0 holds 3 samples, rank 1 holds 5 (uneven, as when ranks drop different prompts). Writes
 `result-<rank>.pt` with this rank's advantages (grpo, and normalize_then_sum over two reward
-components) and the weights after one optimizer step, for the test to compare with one process
+components), the mean of the finite scores over both ranks and the weights after one optimizer step, for the test to compare with one process
 holding all 8 samples.
 """
 
@@ -19,6 +19,7 @@ from rl_core.train import (
     NonFiniteGuard,
     UpdateStats,
     end_training,
+    gathered_means,
     group_advantages,
     optimizer_step,
 )
@@ -36,7 +37,8 @@ micro = split_rows(rows, 2)  # rank 0: 2 micro-batches, rank 1: 3
 optimizer_step(acc, model, optimizer, [(m, result.advantages[[rows.index(i) for i in m]]) for m in micro],
                loss_fn(model), units=lambda m: float(len(m[0])), grad_clip=None,
                guard=NonFiniteGuard(), stats=stats)
-torch.save({"adv": result.advantages, "metrics": result.metrics, "stats": stats.reduce(acc),
+means = gathered_means({"score": [float(x) for x in SCORES[rows] if x == x], "empty": []}, acc)  # NaN left out
+torch.save({"adv": result.advantages, "metrics": result.metrics, "stats": stats.reduce(acc), "means": means,
             "gdpo_adv": gdpo.advantages, "gdpo_metrics": gdpo.metrics,
             "weight": acc.unwrap_model(model).weight.detach().clone()}, Path(sys.argv[1]) / f"result-{rank}.pt")
 end_training(acc)

@@ -1,4 +1,5 @@
-"""`rl_core.train.images`: tensors to PIL, the collapse statistics by hand, the contact sheet."""
+"""`rl_core.train.images`: tensors to PIL, the collapse statistics by hand, the contact sheet, the
+videos and a batch's media as files."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ import pytest
 import torch
 from PIL import Image
 
-from rl_core.train import all_frames, contact_sheet, image_stats, to_media, to_pil, write_video
+from rl_core.train import (
+    all_frames,
+    contact_sheet,
+    image_stats,
+    save_media,
+    to_media,
+    to_pil,
+    write_video,
+)
 
 
 def test_to_pil_rounds_and_clamps_into_rgb_bytes() -> None:
@@ -73,3 +82,13 @@ def test_to_media_keeps_images_flat_and_videos_as_frame_lists() -> None:
     assert [type(m) for m in flat] == [Image.Image, Image.Image]
     assert [len(m) for m in clips] == [3, 3] and clips[0][2].getpixel((0, 0)) == (255, 255, 255)
     assert len(all_frames([*flat, *clips])) == 2 + 6
+
+
+def test_save_media_writes_each_sample_by_its_place(tmp_path: Path) -> None:
+    """An image as `NNN.png`, a video as `NNN.mp4` (a GIF without PyAV), numbered by place in the batch."""
+    red = Image.new("RGB", (4, 4), (255, 0, 0))
+    paths = save_media([red, FRAMES, red], tmp_path / "step_3")
+    assert [p.name for p in paths[::2]] == ["000.png", "002.png"] and paths[1].stem == "001"
+    assert sorted(p.name for p in (tmp_path / "step_3").iterdir()) == sorted(p.name for p in paths)
+    with Image.open(paths[2]) as png:
+        assert png.getpixel((1, 1)) == (255, 0, 0)

@@ -24,9 +24,11 @@ from rl_core.train import (
     NonFiniteGuard,
     ReplayCheck,
     SampleLog,
+    Schedule,
     UpdateStats,
     UserError,
     check_finite_parameters,
+    gathered_means,
     group_advantages,
     latest_checkpoint,
     optimizer_step,
@@ -222,6 +224,7 @@ def test_two_processes_with_uneven_rows_equal_one_process(tmp_path):
     assert ranks[0]["gdpo_metrics"] == ranks[1]["gdpo_metrics"] == pytest.approx(_gdpo().metrics)
     weight, stats, _ = _one_process_step()
     for r in ranks:
+        assert r["means"]["score"] == pytest.approx(7.5 / 7) and math.isnan(r["means"]["empty"])  # 3 + 4 values
         torch.testing.assert_close(r["weight"], weight)  # 2 + 3 micro-batches == 3 micro-batches of 8 rows
         assert r["metrics"]["reward/failed"] == 1.0 and r["metrics"]["adv/small_groups"] == 1.0
         assert r["stats"]["score"] == pytest.approx(stats["score"], abs=1e-6)
@@ -246,3 +249,13 @@ def test_component_weights_are_asked_only_for_normalize_then_sum_and_refused_whe
         component_weights(Folded(), "normalize_then_sum")
     with pytest.raises(ConfigError, match=r"^algo\.reward_aggregation=normalize_then_sum: object reports no component"):
         component_weights(object(), "normalize_then_sum")
+
+
+def test_gathered_means_weigh_every_value_the_same_and_a_schedule_evaluates_periodically() -> None:
+    """Means of columns of different lengths (NaN for an empty one), and `Schedule.periodic`: a
+    `train.eval_freq` of 6 evaluates before step 1, after 6 and 12 and after the last; 0 never."""
+    assert gathered_means({"reward/mean": [1.0, 0.0, 0.5], "accuracy": [1.0, 0.0, 0.0, 0.0]}) == {
+        "reward/mean": 0.5, "accuracy": 0.25}
+    assert math.isnan(gathered_means({"none": []})["none"]) and gathered_means({}) == {}
+    assert Schedule.periodic(13, 6) == Schedule(13, eval_every=6, eval_at_start=True, eval_at_end=True)
+    assert Schedule.periodic(13, 0) == Schedule(13)

@@ -22,6 +22,7 @@ their unweighted values `objectives` `[B_r, K]` and `weights` `[K]`; the same ro
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,8 @@ from rl_core.advantages import (
     uses_group_baseline,
 )
 
-__all__ = ["GroupAdvantages", "component_means", "component_weights", "gather_rows", "group_advantages"]
+__all__ = ["GroupAdvantages", "component_means", "component_weights", "gather_rows", "gathered_means",
+           "group_advantages"]
 
 
 def component_weights(reward: Any, aggregation: str) -> dict[str, float]:
@@ -219,6 +221,17 @@ def component_means(components: Sequence[Mapping[str, float]], accelerator: Any 
         values = [row[name] for row in rows if name in row]
         out[prefix + name] = sum(values) / len(values)
     return out
+
+
+def gathered_means(columns: Mapping[str, Sequence[float]], accelerator: Any = None) -> dict[str, float]:
+    """`{name: mean}` of each column's values over every process: the sums and counts are
+    reduced, so processes may hold different numbers of values (an eval set that does not divide
+    by the process count) and each value weighs the same; NaN for a column empty everywhere."""
+    local = torch.tensor([[sum(v), len(v)] for v in columns.values()], dtype=torch.float64).reshape(-1, 2)  # [K, 2]
+    if accelerator is not None and accelerator.num_processes > 1:
+        local = accelerator.reduce(local.to(accelerator.device), reduction="sum").cpu()  # [K, 2] over every process
+    return {name: total / count if count else math.nan
+            for name, (total, count) in zip(columns, local.tolist(), strict=True)}
 
 
 def gathered_group_ids(keys: Sequence[str], accelerator: Any = None) -> Tensor:

@@ -6,6 +6,7 @@ policy collapsing under reward hacking.
     contact_sheet(images, [f"{p} | reward {r:.3f}" for p, r in ...], run_dir / "contact_sheet.png")
     metrics |= image_stats(images)                        # image/brightness, image/colour_entropy
     write_video(to_pil(video.frames[0]), run_dir / "sample.mp4", fps=8)   # [F, 3, H, W] -> MP4 (or GIF)
+    paths = save_media(to_media(samples.images), run_dir / "rollouts")   # 000.png, 001.mp4, ...
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["Media", "all_frames", "contact_sheet", "image_stats", "to_media", "to_pil", "write_video"]
+__all__ = ["Media", "all_frames", "contact_sheet", "image_stats", "save_media", "to_media", "to_pil", "write_video"]
 
 Media = Image.Image | list[Image.Image]  # an image, or a video's frames
 
@@ -94,3 +95,18 @@ def write_video(frames: Sequence[Image.Image], path: Path, *, fps: float = 8.0) 
             container.mux(stream.encode(av.VideoFrame.from_image(canvas)))
         container.mux(stream.encode())  # flush the encoder
     return path
+
+
+def save_media(media: Sequence[Media], folder: Path) -> list[Path]:
+    """Sample i of `media` in `folder` as `{i:03d}.png`, or a video's frames as `{i:03d}.mp4`
+    (`write_video`: a GIF where PyAV is missing), for a person to look at or a reward server to
+    read; returns the files written, in order."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, sample in enumerate(media):
+        if isinstance(sample, list):
+            paths.append(write_video(sample, folder / f"{i:03d}.mp4"))
+        else:
+            sample.save(folder / f"{i:03d}.png")
+            paths.append(folder / f"{i:03d}.png")
+    return paths

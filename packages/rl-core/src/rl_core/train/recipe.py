@@ -165,6 +165,13 @@ class Schedule:
     eval_at_end: bool = False
     note: str = ""  # printed once at the start (e.g. which setting ends the run)
 
+    @classmethod
+    def periodic(cls, total_steps: int, eval_every: int) -> Schedule:
+        """`total_steps` steps evaluated before the first, after every `eval_every`-th and after
+        the last, or never when `eval_every` is 0: what a `train.eval_freq` key says in an app
+        whose evals cost little next to its steps (arith-grpo, diffusion-grpo)."""
+        return cls(total_steps, eval_every=eval_every, eval_at_start=eval_every > 0, eval_at_end=eval_every > 0)
+
 
 @dataclass(frozen=True)
 class Checkpoint:
