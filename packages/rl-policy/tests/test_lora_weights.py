@@ -1,13 +1,21 @@
-"""A LoRA policy's weights for an app's own engine (`rl_policy.lora_weights`), in process; the Ray
-workers' path runs in diffusion-grpo's test_ray_rollout.py (a real local Ray)."""
+"""A LoRA policy's weights for an app's own engine (`rl_policy.lora_weights`), in process, and its
+adapters' export; the Ray workers' path runs in diffusion-grpo's test_ray_rollout.py (a real
+local Ray)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from peft import PeftModel
+from safetensors.torch import load_file
 
 from rl_core.train import ParameterEMA
-from rl_policy.lora_weights import LoraCopy, LoraPolicyWeights, lora_params
+from rl_models import tiny
+from rl_models.lora import add_lora
+from rl_models.text import load_causal_lm
+from rl_policy.lora_weights import LoraCopy, LoraPolicyWeights, export_adapters, lora_params
 
 
 class LoraToy(torch.nn.Module):
@@ -98,3 +106,27 @@ def test_a_lora_copy_shares_the_base_and_moves_towards_the_trained_lora() -> Non
     assert torch.equal(copy.model.adapter.lora_A.weight, start)
     with pytest.raises(ValueError, match="another LoRA rank"):
         copy.load_state_dict({})
+
+
+def test_the_adapters_export_the_lora_and_its_ema_each_loadable_by_peft(tmp_path: Path) -> None:
+    """The tiny Qwen3 with a LoRA at 1, its EMA (decay 0.5, one step after the LoRA moved to 3)
+    at 2: `lora/` holds 3, `lora_ema/` 2, and the model keeps 3 after the export."""
+    model, _ = load_causal_lm(str(tiny.build("qwen3")), dtype="float32")
+    peft = add_lora(model, r=2, target_modules=["q_proj"])
+    lora = lora_params(peft)
+    with torch.no_grad():
+        for p in lora.values():
+            p.fill_(1.0)
+    ema = ParameterEMA(peft, decay=0.5)
+    with torch.no_grad():
+        for p in lora.values():
+            p.fill_(3.0)
+    ema.step()
+    export_adapters(peft, ema, tmp_path / "final")
+    saved = {kind: load_file(tmp_path / "final" / kind / "adapter_model.safetensors") for kind in ("lora", "lora_ema")}
+    assert len(saved["lora"]) == len(lora) and {float(t.unique()) for t in saved["lora"].values()} == {3.0}
+    assert {float(t.unique()) for t in saved["lora_ema"].values()} == {2.0}
+    assert all(float(p.detach().unique()) == 3.0 for p in lora.values())  # the trained weights are back
+    base, _ = load_causal_lm(str(tiny.build("qwen3")), dtype="float32")
+    loaded = PeftModel.from_pretrained(base, str(tmp_path / "final" / "lora_ema"))
+    assert {float(p.detach().unique()) for p in lora_params(loaded).values()} == {2.0}

@@ -33,6 +33,7 @@ import copy
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -49,7 +50,8 @@ from rl_core.train import (
     gathered,
 )
 
-__all__ = ["LoraCopy", "LoraPolicyWeights", "build_sd3_lora_engine", "load_lora", "lora_params", "start_lora_workers"]
+__all__ = ["LoraCopy", "LoraPolicyWeights", "build_sd3_lora_engine", "export_adapters", "load_lora", "lora_params",
+           "start_lora_workers"]
 
 
 def lora_params(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -242,3 +244,14 @@ def load_lora(engine: Any, state: Mapping[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, p in lora_params(engine.transformer).items():
             p.copy_(state[name])
+
+
+def export_adapters(model: Any, ema: ParameterEMA, out: Path) -> None:
+    """A LoRA policy's adapters in PEFT format, from whole weights (a sharded policy's inside
+    `gathered`): `model`'s LoRA in `out/lora` and its EMA's (`LoraPolicyWeights(ema=...)`) in
+    `out/lora_ema`, each loadable with `PeftModel.from_pretrained`. `model` is the peft model."""
+    from rl_models.lora import export_lora  # peft, imported where a LoRA is used
+
+    export_lora(model, out / "lora")
+    with ema.swapped(model):
+        export_lora(model, out / "lora_ema")
