@@ -4,7 +4,6 @@ before this module and torch load). `uv run apps/arith-grpo` trains a tiny Qwen3
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,15 +16,9 @@ from rl_data import GroupSampler
 from rl_models import tiny
 from rl_models.text import load_causal_lm
 from rl_policy.engine import PolicyEngine, build_policy_engine
-from rl_policy.training import (
-    LossOptions,
-    Policy,
-    loss_fields,
-    regroup,
-    response_metrics,
-    to_rollouts,
-    token_update,
-)
+from rl_policy.evaluation import greedy_answers
+from rl_policy.scoring import group_scores
+from rl_policy.training import LossOptions, Policy, loss_fields, regroup, to_rollouts, token_update
 from rl_rewards import Component, Reward, RewardSpec, Sample, ScoreResult, build_reward
 from rl_rollout import Generation, SamplingParams
 
@@ -78,24 +71,21 @@ class ArithGRPO(train.Recipe[Config, State, Batch], train.MergesRounds[State, Ba
         return s.engine
 
     def schedule(self, s: State) -> train.Schedule:
-        every = s.cfg.train.eval_freq
-        return train.Schedule(s.cfg.train.max_steps, eval_every=every, eval_at_start=every > 0, eval_at_end=every > 0)
+        return train.Schedule.periodic(s.cfg.train.max_steps, s.cfg.train.eval_freq)
 
     def checkpoint(self, s: State) -> train.Checkpoint:
         return train.Checkpoint(state={"sampler": s.sampler}, trained=s.model)
 
     def sample(self, s: State, step: int) -> Batch:
+        """`rollout.n` answers to each next problem, one seed per prompt: the same whatever the process count."""
         r, picked = s.cfg.rollout, s.sampler.next_prompts(s.cfg.train.batch_size // s.run.world_size)
-        return Batch(picked, generate(s, picked, SamplingParams(n=r.n, temperature=r.temperature,
-                                                                max_new_tokens=r.max_new_tokens), step))
+        params = SamplingParams(n=r.n, temperature=r.temperature, max_new_tokens=r.max_new_tokens)
+        seeds = [train.sample_seed(s.cfg.train.seed, step, i) for i in picked]
+        return Batch(picked, s.engine.sample([prompt(s.problems[i]) for i in picked], params, seeds=seeds)[0])
 
     def score(self, s: State, step: int, batch: Batch) -> train.Scores:
-        results = score(s, batch)
-        rewards = torch.tensor([math.nan if x.score is None else x.score for x in results])  # [B] NaN: failed
-        groups = torch.tensor([s.run.rank * len(batch.picked) + g.request_index for g in batch.generations])  # [B]
-        return train.Scores(rewards, groups, s.cfg.algo.advantage, components=[x.components for x in results],
-                            metrics=response_metrics(s.run.accelerator, batch.generations),
-                            aggregation=s.cfg.algo.reward_aggregation, weights=s.weights)
+        return group_scores(s.run.accelerator, score(s, batch), batch.generations, prompts_per_rank=len(batch.picked),
+                            estimator=s.cfg.algo.advantage, aggregation=s.cfg.algo.reward_aggregation, weights=s.weights)
 
     def merge(self, s: State, groups: Sequence[tuple[Batch, Sequence[int]]]) -> Batch:
         heads, gens = regroup(groups, lambda batch: batch.generations)  # one prompt's answers per entry
@@ -113,23 +103,17 @@ class ArithGRPO(train.Recipe[Config, State, Batch], train.MergesRounds[State, Ba
     def evaluate(self, s: State, step: int) -> dict[str, float]:
         """Greedy answers to every problem (every world_size-th on each process) in
         `samples/eval.jsonl`; `reward/mean` and `accuracy` (the exact answers' share) over all."""
-        picked = list(range(s.run.rank, len(s.problems), s.run.world_size))
-        gens = generate(s, picked, SamplingParams(temperature=0.0, max_new_tokens=s.cfg.rollout.max_new_tokens))
+        picked, gens = greedy_answers(s.engine, [prompt(p) for p in s.problems], rank=s.run.rank,
+                                      world_size=s.run.world_size, max_new_tokens=s.cfg.rollout.max_new_tokens)
         scores = [x.score or 0.0 for x in score(s, Batch(picked, gens))]  # a failed answer counts 0
         s.run.samples.write("eval", step, [{"problem": "{} + {}".format(*s.problems[i]), "answer": g.text, "reward": x}
                                            for i, g, x in zip(picked, gens, scores, strict=True)])
-        totals = torch.tensor([sum(scores), scores.count(1.0), len(scores)], dtype=torch.float64, device=s.run.device)
-        total, exact, count = s.run.accelerator.reduce(totals, reduction="sum").tolist()  # over every process
-        return {"reward/mean": total / count, "accuracy": exact / count}
+        return train.gathered_means({"reward/mean": scores, "accuracy": [float(x == 1.0) for x in scores]},
+                                    s.run.accelerator)
 
 
-def generate(s: State, picked: list[int], params: SamplingParams, step: int = 0) -> list[Generation]:
-    """`params.n` answers to each picked problem; sampled: one seed per prompt (the same answers
-    whatever the process count), greedy: one batch."""
-    prompts = [[{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}]
-               for a, b in (s.problems[i] for i in picked)]
-    seeds = None if params.temperature == 0 else [train.sample_seed(s.cfg.train.seed, step, i) for i in picked]
-    return s.engine.sample(prompts, params, seeds=seeds)[0]
+def prompt(problem: tuple[int, int]) -> list[dict[str, str]]:
+    return [{"role": "user", "content": "What is {} + {}? Answer with the number only.".format(*problem)}]
 
 
 def score(s: State, batch: Batch) -> list[ScoreResult]:
