@@ -67,15 +67,14 @@ from rl_core.train import (
     replay_plan,
     replay_update,
     sample_seed,
+    save_media,
     sharded_state,
     to_media,
-    write_video,
     zero_std_fraction,
 )
 from rl_data import GroupSampler, OCRPrompt
 from rl_models import tiny
-from rl_models.lora import export_lora
-from rl_policy.lora_weights import LoraPolicyWeights
+from rl_policy.lora_weights import LoraPolicyWeights, export_adapters
 from rl_rewards import Sample, Scorer, build_reward
 from rl_rewards.client import RemoteScorer
 from rl_rollout import ImageSamples
@@ -129,8 +128,7 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         return state.family.weights
 
     def schedule(self, state: State) -> Schedule:
-        every = state.cfg.train.eval_freq
-        return Schedule(state.cfg.train.epochs, eval_every=every, eval_at_start=every > 0, eval_at_end=every > 0)
+        return Schedule.periodic(state.cfg.train.epochs, state.cfg.train.eval_freq)
 
     def checkpoint(self, state: State) -> Checkpoint:
         """An unsharded LoRA is saved without the accelerator (`save_state` would write the whole
@@ -290,16 +288,9 @@ def score_images(scorer: Scorer, images: list[Media], records: list[OCRPrompt], 
                  send_paths: bool = False) -> tuple[torch.Tensor, list[dict[str, float]]]:
     """Rewards `[N]` (NaN where scoring failed) and each sample's components; a video's frames go
     to the reward as `metadata["video"]`. `files`: the images are saved there as PNGs (videos as
-    MP4s, `write_video`), and with `send_paths` images are sent as paths (a reward server reads files)."""
-    if files is not None:
-        files.mkdir(parents=True, exist_ok=True)
-        for i, media in enumerate(images):
-            if isinstance(media, list):
-                write_video(media, files / f"{i:03d}.mp4")
-            else:
-                media.save(files / f"{i:03d}.png")
-    sent = [str(files / f"{i:03d}.png") if files and send_paths and not isinstance(m, list) else m
-            for i, m in enumerate(images)]
+    MP4s, `save_media`), and with `send_paths` images are sent as paths (a reward server reads files)."""
+    paths = save_media(images, files) if files is not None else [None] * len(images)
+    sent = [str(p) if p and send_paths and not isinstance(m, list) else m for p, m in zip(paths, images, strict=True)]
     results = scorer.score([Sample(completion="", prompt=r.prompt, reference=r.target,
                                    metadata={"video" if isinstance(x, list) else "image": x})
                             for r, x in zip(records, sent, strict=True)])
@@ -321,13 +312,6 @@ def grpo_scores(cfg: Config, acc: Any, rewards: torch.Tensor, group_ids: torch.T
     return Scores(rewards, group_ids, "grpo", options=options, components=components,
                   metrics={**metrics, "reward/zero_std_group_fraction": zero_std_fraction(rewards, group_ids, acc)},
                   aggregation=cfg.algo.reward_aggregation, weights=weights or {})
-
-
-def export_adapters(model: PeftModel, ema: ParameterEMA, out: Path) -> None:
-    """`model`'s LoRA (`lora/`) and its EMA (`lora_ema/`) in PEFT format, from whole weights."""
-    export_lora(model, out / "lora")
-    with ema.swapped(model):
-        export_lora(model, out / "lora_ema")
 
 
 RECIPE = DiffusionGRPO()
