@@ -274,6 +274,46 @@ def make_prompts(out: Path) -> None:
     _write_jsonl(out / "prompts.jsonl", rows)
 
 
+PREFERENCE_SIZE = 32
+
+
+def _preference_image(shape: str, colour: str, background: str, x: int = 8) -> Image.Image:
+    image = Image.new("RGB", (PREFERENCE_SIZE, PREFERENCE_SIZE), BACKGROUNDS[background])
+    draw = ImageDraw.Draw(image)
+    box = (x, 8, x + 16, 24)
+    (draw.ellipse if shape == "circle" else draw.rectangle)(box, fill=COLOURS[colour])
+    return image
+
+
+def make_preference(out: Path) -> None:
+    """3 Diffusion-DPO preference pairs: two of 32x32 PNGs, one of 4-frame GIF clips (4 fps);
+    the chosen member matches the prompt, the rejected one gets one thing wrong."""
+    (out / "preference" / "images").mkdir(parents=True, exist_ok=True)
+    (out / "preference" / "videos").mkdir(parents=True, exist_ok=True)
+    images = {
+        "red_circle": _preference_image("circle", "red", "white"),
+        "blue_circle": _preference_image("circle", "blue", "white"),
+        "green_square": _preference_image("square", "green", "grey"),
+        "green_circle": _preference_image("circle", "green", "grey"),
+    }
+    for name, image in images.items():
+        image.save(out / "preference" / "images" / f"{name}.png", optimize=True)
+    for name, xs in (("square_left_to_right", (0, 5, 10, 16)), ("square_right_to_left", (16, 10, 5, 0))):
+        frames = [_preference_image("square", "yellow", "white", x) for x in xs]
+        frames[0].save(out / "preference" / "videos" / f"{name}.gif", save_all=True,
+                       append_images=frames[1:], duration=250, loop=0)
+    rows = [
+        {"prompt": "a red circle on a white background", "chosen": "images/red_circle.png",
+         "rejected": "images/blue_circle.png", "id": 0},
+        {"prompt": "a green square on a grey background", "chosen": "images/green_square.png",
+         "rejected": "images/green_circle.png", "id": 1},
+        {"prompt": "a yellow square moving from left to right",
+         "chosen": "videos/square_left_to_right.gif", "rejected": "videos/square_right_to_left.gif",
+         "id": 2},
+    ]
+    _write_jsonl(out / "preference" / "pairs.jsonl", rows)
+
+
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
     text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
     path.write_text(text, encoding="utf-8")
@@ -290,6 +330,7 @@ def main() -> None:
     make_ocr(out, rng)
     make_rider(out)
     make_prompts(out)
+    make_preference(out)
 
 
 if __name__ == "__main__":

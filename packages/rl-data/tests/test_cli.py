@@ -10,7 +10,13 @@ from typer.testing import CliRunner
 
 from rl_data.cli import app
 from rl_data.media import load_image
-from rl_data.readers import read_caption_qa, read_judge_records, read_ocr_prompts, read_prompts
+from rl_data.readers import (
+    read_caption_qa,
+    read_judge_records,
+    read_ocr_prompts,
+    read_preferences,
+    read_prompts,
+)
 
 datasets = pytest.importorskip("datasets")
 
@@ -101,3 +107,20 @@ def test_convert_argument_errors(tmp_path):
     assert _run("convert", src, tmp_path / "o.jsonl", "--kind", "prompts", "--map", "prompt").exit_code == 2
     result = _run("convert", tmp_path / "nope.jsonl", tmp_path / "o.jsonl", "--kind", "prompts")
     assert result.exit_code == 1 and "data file not found" in result.output
+
+
+def test_convert_pickapic_dataset_skips_ties_and_writes_chosen_rejected(tmp_path):
+    rows = [{"caption": f"p{i}", "jpg_0": _png((i * 40 + 40, 0, 0)), "jpg_1": _png((0, 0, i * 40 + 40)),
+             "label_0": label, "label_1": 1 - label} for i, label in enumerate([1.0, 0.5, 0.0])]
+    src = tmp_path / "pickapic"
+    datasets.Dataset.from_list(rows).save_to_disk(src)
+    dst = tmp_path / "pairs.jsonl"
+    result = _run("convert", src, dst, "--kind", "preference")
+    assert result.exit_code == 0, result.output
+    assert f"wrote 2 records to {dst}; skipped 1 bad rows" in result.output
+    assert "row 1: field `label_0`: a tie (0.5)" in result.output
+    written = dst.read_text()
+    assert '"chosen":{"bytes":' in written and "jpg_0" not in written and "label_0" not in written
+    back = list(read_preferences(dst))
+    assert back == list(read_preferences(src, on_error="skip"))
+    assert [load_image(r.chosen).getpixel((0, 0)) for r in back] == [(40, 0, 0), (0, 0, 120)]

@@ -9,7 +9,13 @@ import pytest
 from PIL import Image, ImageChops
 
 from rl_data.media import load_image, sample_video
-from rl_data.readers import read_caption_qa, read_judge_records, read_ocr_prompts, read_prompts
+from rl_data.readers import (
+    read_caption_qa,
+    read_judge_records,
+    read_ocr_prompts,
+    read_preferences,
+    read_prompts,
+)
 
 DATA = Path(__file__).resolve().parents[3] / "examples" / "data"
 
@@ -59,6 +65,21 @@ def test_rider_parquet():
 def test_prompts():
     reader = read_prompts(DATA / "prompts.jsonl")
     assert len(list(reader)) == 8 and reader.skipped == 0
+
+
+def test_preference_pairs_chosen_matches_the_prompt():
+    pairs = list(read_preferences(DATA / "preference" / "pairs.jsonl"))
+    assert [(p.media, p.fields["id"]) for p in pairs] == [("image", 0), ("image", 1), ("video", 2)]
+    centre = [(load_image(p.chosen).getpixel((16, 16)), load_image(p.rejected).getpixel((16, 16)))
+              for p in pairs[:2]]
+    assert centre[0] == ((220, 40, 40), (40, 80, 220))  # red circle chosen over a blue one
+    assert load_image(pairs[1].chosen).getpixel((8, 8)) == (40, 170, 60)  # a square fills its corner
+    assert load_image(pairs[1].rejected).getpixel((8, 8)) == (170, 170, 170)  # a circle does not
+    chosen, rejected = (sample_video(clip, fps=4.0) for clip in (pairs[2].chosen, pairs[2].rejected))
+    assert chosen.frames.shape == (4, 32, 32, 3)
+    # the yellow square's left edge (least blue column) moves right in the chosen clip
+    assert [int(f[16, :, 2].argmin()) for f in chosen.frames] == [0, 5, 10, 16]
+    assert [int(f[16, :, 2].argmin()) for f in rejected.frames] == [16, 10, 5, 0]
 
 
 def test_total_size_is_small():

@@ -14,7 +14,13 @@ from PIL import Image as PILImage
 from rl_data.errors import RecordError
 from rl_data.hf import shard_bounds, shard_by_rank
 from rl_data.media import load_image
-from rl_data.readers import read_caption_qa, read_judge_records, read_ocr_prompts, read_prompts
+from rl_data.readers import (
+    read_caption_qa,
+    read_judge_records,
+    read_ocr_prompts,
+    read_preferences,
+    read_prompts,
+)
 
 datasets = pytest.importorskip("datasets")
 from datasets import (  # noqa: E402
@@ -129,6 +135,37 @@ def test_video_feature_columns_give_paths_resolved_against_media_root(tmp_path):
         list(read_caption_qa(no_path))
     assert (info.value.line, info.value.field) == (0, "videos[0]")
     assert "no path" in info.value.reason
+
+
+def test_preference_pairs_as_datasets_image_and_video_read_as_jsonl_from_every_source(tmp_path):
+    rows = [{"prompt": f"a shade of red {i}", "chosen": _png((200, i, 0)), "rejected": _png((100, i, 0)),
+             "id": i} for i in range(3)]
+    features = Features({"prompt": Value("string"), "chosen": Image(), "rejected": Image(), "id": Value("int64")})
+    jsonl_rows = [{**r, "chosen": {"bytes": r["chosen"]}, "rejected": {"bytes": r["rejected"]}} for r in rows]
+    expected = list(read_preferences(_jsonl(tmp_path / "d.jsonl", jsonl_rows)))
+    assert expected[1].chosen.bytes == _png((200, 1, 0)) and expected[1].fields == {"id": 1}
+    for name, (source, split) in _forms(rows, tmp_path, features).items():
+        assert list(read_preferences(source, split=split)) == expected, name
+    clips = Dataset.from_list([{"prompt": "a clip", "chosen": "a.mp4", "rejected": "b.mp4"}])
+    clips = clips.cast_column("chosen", Video()).cast_column("rejected", Video())
+    [record] = read_preferences(clips, media_root=tmp_path)
+    assert (record.media, record.chosen, record.rejected) == ("video", str(tmp_path / "a.mp4"), str(tmp_path / "b.mp4"))
+
+
+def test_pickapic_layout_refuses_ties_naming_split_row_and_column():
+    """yuvalkirstain/pickapic_v2's columns: caption, jpg_0/jpg_1 (binary), label_0/label_1."""
+    rows = [{"caption": f"prompt {i}", "jpg_0": _png((10 * i + 10, 0, 0)), "jpg_1": _png((0, 10 * i + 10, 0)),
+             "label_0": label, "label_1": 1 - label, "best_image_uid": f"uid{i}"}
+            for i, label in enumerate([0.0, 1.0, 0.5])]
+    pickapic = DatasetDict({"train": Dataset.from_list(rows)})
+    with pytest.raises(RecordError) as info:
+        list(read_preferences(pickapic, split="train"))
+    assert str(info.value).startswith("Dataset: split train: row 2: field `label_0`: a tie (0.5)")
+    no_ties = pickapic["train"].filter(lambda r: r["label_0"] != 0.5)
+    first, second = read_preferences(no_ties)
+    assert (first.prompt, first.fields) == ("prompt 0", {"best_image_uid": "uid0"})
+    assert load_image(first.chosen).getpixel((0, 0)) == (0, 10, 0)  # label_0 = 0: jpg_1 won
+    assert load_image(second.chosen).getpixel((0, 0)) == (20, 0, 0)  # label_0 = 1: jpg_0 won
 
 
 def _judge_rows(n):

@@ -54,3 +54,15 @@ def test_tidy_arrow_row():
     assert tidy_arrow_row(row, "judge")["reward_model"] == row["reward_model"]
     ragged = {"prompt": "x", "reward_model": {"ground_truth": {"a": [1], "b": [1, 2]}}}
     assert tidy_arrow_row(ragged, "caption_qa") == ragged
+
+
+def test_preference_prompt_from_pickapic_caption_and_mappable_members():
+    columns = ColumnMap("preference")
+    assert columns.apply({"caption": "a cat", "jpg_0": b"x"}) == {"prompt": "a cat", "jpg_0": b"x"}
+    assert columns.source_field("prompt", {"caption": ""}) == "caption"
+    mapped = ColumnMap("preference", {"chosen": "win", "rejected": "lose"})
+    assert mapped.apply({"prompt": "p", "win": "a.png", "lose": "b.png"}) == {
+        "prompt": "p", "chosen": "a.png", "rejected": "b.png"}
+    assert mapped.source_field("rejected.path") == "lose.path"
+    with pytest.raises(ValueError, match=r"'label_0' is not a preference field; map onto one of \['prompt', 'chosen', 'rejected'\]"):
+        ColumnMap("preference", {"label_0": "score"})

@@ -8,11 +8,12 @@ import pytest
 from PIL import Image
 
 from rl_data.errors import RecordError
-from rl_data.media import load_image
+from rl_data.media import load_image, sample_video
 from rl_data.readers import (
     read_caption_qa,
     read_judge_records,
     read_ocr_prompts,
+    read_preferences,
     read_prompts,
 )
 
@@ -182,3 +183,71 @@ def test_prompt_reader(tmp_path):
     assert (error.line, error.field) == (2, "prompt[0]")
     reader = read_prompts(path, on_error="skip")
     assert [r.fields for r in reader] == [{"id": 1}] and reader.skipped == 1
+
+
+def _pair_media(folder):
+    """Two PNGs and two 3-frame GIF clips (4 fps) written by PIL, named by content."""
+    (folder / "img").mkdir()
+    for name, colour in (("red", (200, 0, 0)), ("blue", (0, 0, 200))):
+        Image.new("RGB", (8, 8), colour).save(folder / "img" / f"{name}.png")
+    for name, xs in (("right", (0, 3, 6)), ("left", (6, 3, 0))):
+        frames = [Image.new("RGB", (8, 8), (255, 255, 255)) for _ in xs]
+        for frame, x in zip(frames, xs, strict=True):
+            frame.paste((0, 0, 0), (x, 0, x + 2, 8))
+        frames[0].save(folder / f"{name}.gif", save_all=True, append_images=frames[1:], duration=250)
+
+
+PAIRS = [
+    {"prompt": "a red square", "chosen": "img/red.png", "rejected": "img/blue.png", "id": 0},
+    {"caption": "a bar moving right", "chosen": "right.gif", "rejected": {"bytes": None, "path": "left.gif"}},
+]
+
+
+def test_preference_reader_images_and_gif_clips_resolved_against_the_file(tmp_path):
+    _pair_media(tmp_path)
+    records = list(read_preferences(_jsonl(tmp_path / "pairs.jsonl", PAIRS)))
+    assert [(r.prompt, r.media, r.fields) for r in records] == [
+        ("a red square", "image", {"id": 0}), ("a bar moving right", "video", {})]
+    assert load_image(records[0].chosen).getpixel((0, 0)) == (200, 0, 0)
+    assert load_image(records[0].rejected).getpixel((0, 0)) == (0, 0, 200)
+    assert records[1].rejected == str(tmp_path / "left.gif")
+    clip = sample_video(records[1].chosen, fps=4.0)
+    assert clip.frames.shape == (3, 8, 8, 3) and clip.timestamps == [0.0, 0.25, 0.5]
+    assert [int(f[4, :, 0].argmin()) for f in clip.frames] == [0, 3, 6]  # the bar moves right
+
+
+BAD_PAIRS = [
+    # (line content, field as the file names it, words in the message)
+    ({"prompt": "a cat", "chosen": "img/red.png"}, "rejected", "missing required field"),
+    ({**PAIRS[0], "prompt": " "}, "prompt", "empty prompt"),
+    ({"caption": "", "chosen": "a.png", "rejected": "b.png"}, "caption", "empty prompt"),
+    ({**PAIRS[0], "rejected": "right.gif"}, "rejected", "chosen is an image and rejected is a video"),
+    ({"prompt": "a cat", "jpg_0": "a.png", "jpg_1": "b.png", "label_0": 0.5}, "label_0", "a tie (0.5)"),
+]
+
+
+@pytest.mark.parametrize(("bad", "field", "words"), BAD_PAIRS)
+def test_preference_reader_bad_pair_names_file_line_field(tmp_path, bad, field, words):
+    path = _jsonl(tmp_path / "pairs.jsonl", [PAIRS[0], "", bad])
+    error = _error(read_preferences(path))
+    assert (error.path, error.line, error.field) == (path, 3, field)
+    assert f"{path}: line 3: field `{field}`: " in str(error) and words in str(error)
+
+
+def test_preference_reader_pickapic_parquet_skips_ties_when_asked(tmp_path):
+    pngs = []
+    for colour in ((10, 0, 0), (20, 0, 0)):
+        buf = io.BytesIO()
+        Image.new("RGB", (4, 4), colour).save(buf, format="PNG")
+        pngs.append(buf.getvalue())
+    rows = [{"caption": f"prompt {i}", "jpg_0": pngs[0], "jpg_1": pngs[1], "label_0": label,
+             "label_1": 1 - label, "ranking_id": i} for i, label in enumerate([1.0, 0.5, 0.0])]
+    path = tmp_path / "pickapic.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    error = _error(read_preferences(path))
+    assert (error.line, error.unit, error.field) == (1, "row", "label_0")
+    reader = read_preferences(path, on_error="skip")
+    first, last = list(reader)
+    assert reader.skipped == 1 and (first.prompt, first.fields) == ("prompt 0", {"ranking_id": 0})
+    assert load_image(first.chosen).getpixel((0, 0)) == (10, 0, 0)  # label_0 = 1: jpg_0 won
+    assert load_image(last.chosen).getpixel((0, 0)) == (20, 0, 0)  # label_0 = 0: jpg_1 won

@@ -10,6 +10,7 @@ from rl_data.records import (
     caption_qa_from_row,
     judge_from_row,
     ocr_prompt_from_line,
+    preference_from_row,
     prompt_from_row,
     qa_from_question_text,
 )
@@ -138,3 +139,57 @@ def test_qa_wire_roundtrip():
     assert qa_from_question_text(qa.question_text, qa.answer_letter) == qa
     with pytest.raises(ValueError, match="not one of the option letters A, B, C"):
         qa_from_question_text(qa.question_text, "D")
+
+
+PAIR = {"prompt": "a red circle", "chosen": "win.png", "rejected": "lose.png"}
+
+
+def test_preference_row_images_videos_and_free_fields():
+    record = preference_from_row({**PAIR, "id": 4}, media_root="/data")
+    assert (record.chosen, record.rejected) == (ImageSource(path="/data/win.png"), ImageSource(path="/data/lose.png"))
+    assert record.media == "image" and record.fields == {"id": 4}
+    clips = preference_from_row({**PAIR, "chosen": "v/a.MP4", "rejected": {"bytes": None, "path": "/abs/b.gif"}},
+                                media_root="/data")
+    assert (clips.media, clips.chosen, clips.rejected) == ("video", "/data/v/a.MP4", "/abs/b.gif")
+    png = b"\x89PNG fake"
+    stored = preference_from_row({**PAIR, "chosen": png, "rejected": {"bytes": base64.b64encode(b"other").decode()}})
+    assert (stored.chosen, stored.rejected) == (ImageSource(bytes=png), ImageSource(bytes=b"other"))
+
+
+def test_pickapic_row_prefers_by_label_0_and_drops_the_labels():
+    row = {"prompt": "a cat", "jpg_0": b"zero", "jpg_1": b"one", "label_0": 1.0, "label_1": 0.0, "ranking_id": 9}
+    first = preference_from_row(row)
+    assert (first.chosen.bytes, first.rejected.bytes, first.fields) == (b"zero", b"one", {"ranking_id": 9})
+    second = preference_from_row({**row, "label_0": 0, "label_1": 1})
+    assert (second.chosen.bytes, second.rejected.bytes) == (b"one", b"zero")
+
+
+@pytest.mark.parametrize(
+    ("row", "field", "reason"),
+    [
+        ({k: v for k, v in PAIR.items() if k != "prompt"}, "prompt", "missing required field"),
+        ({**PAIR, "prompt": "  "}, "prompt", "empty prompt"),
+        ({**PAIR, "prompt": [{"role": "user", "content": "x"}]}, "prompt", "Expected `str`, got `array`"),
+        ({"prompt": "p", "chosen": "a.png"}, "rejected", "missing required field `rejected`"),
+        ({**PAIR, "chosen": 3}, "chosen", "Expected `str | object`, got `int`"),
+        ({**PAIR, "chosen": None}, "chosen", "got `null`"),
+        ({**PAIR, "chosen": ""}, "chosen", "empty path"),
+        ({**PAIR, "rejected": {"bytes": None, "path": None}}, "rejected", "neither bytes nor path"),
+        ({**PAIR, "rejected": {"path": 5}}, "rejected.path", "got `int`"),
+        ({**PAIR, "chosen": {"bytes": "%%%"}}, "chosen.bytes", "base64"),
+        ({**PAIR, "rejected": "clip.mp4"}, "rejected", "chosen is an image and rejected is a video"),
+        ({**PAIR, "chosen": {"bytes": b"\x00\x00\x00\x18ftypisom", "path": None}}, "chosen", "video given as bytes"),
+        ({**PAIR, "rejected": "win.png"}, "rejected", "the same media as chosen"),
+        ({"prompt": "p", "jpg_0": b"a", "jpg_1": b"b", "label_0": 0.5}, "label_0", "a tie (0.5)"),
+        ({"prompt": "p", "jpg_0": b"a", "jpg_1": b"b", "label_0": 2}, "label_0", "got 2"),
+        ({"prompt": "p", "jpg_0": b"a", "jpg_1": b"b", "label_0": True}, "label_0", "got True"),
+        ({"prompt": "p", "jpg_0": b"a", "label_0": 1}, "jpg_1", "missing required field `jpg_1`"),
+        ({"prompt": "p", "jpg_0": b"a", "jpg_1": b"a", "label_0": 0}, "jpg_0", "the same media as jpg_1"),
+        ("a line", None, "expected an object, got str"),
+    ],
+)
+def test_preference_row_errors_name_the_field(row, field, reason):
+    with pytest.raises(FieldError) as info:
+        preference_from_row(row)
+    assert info.value.field == field
+    assert reason in info.value.reason

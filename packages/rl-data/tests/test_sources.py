@@ -82,3 +82,13 @@ def test_open_source_argument_errors(tmp_path):
         open_source(manifest, kind="ocr", media_root=tmp_path)
     with pytest.raises(ValueError, match="a text manifest has no columns to map"):
         open_source(manifest, kind="ocr", mapping={"prompt": "text"})
+
+
+def test_open_source_reads_preference_pairs_with_a_media_root(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "a cat", "chosen": "a.png", "rejected": "b.png"}) + "\n")
+    [default] = open_source(path, kind="preference")
+    [moved] = open_source(path, kind="preference", media_root="/media")
+    assert (default.chosen.path, moved.chosen.path) == (str(tmp_path / "a.png"), "/media/a.png")
+    with pytest.raises(ValueError, match="media_root applies to caption_qa and preference records, not judge"):
+        open_source(path, kind="judge", media_root="/media")

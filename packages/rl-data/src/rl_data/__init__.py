@@ -1,11 +1,11 @@
 """rl-data: records in, batches out.
 
 Record Structs and streaming readers for CapRL caption-QA rows, verl-style generative-judge
-parquet, Flow-GRPO OCR prompt manifests and plain prompt JSONL (bad records named by file, line
-and field) — and, with ``rl-data[datasets]``, for Hugging Face datasets in the same layouts (bad
-records named by split, row and field); multiple-choice option normalization; image loading and
-video frame sampling (PyAV); a resumable group sampler, and a resumable group stream for
-iterable datasets sharded by rank.
+parquet, Flow-GRPO OCR prompt manifests, plain prompt JSONL and Diffusion-DPO preference pairs
+(bad records named by file, line and field) — and, with ``rl-data[datasets]``, for Hugging Face
+datasets in the same layouts (bad records named by split, row and field); multiple-choice option
+normalization; image loading and video frame sampling (PyAV); a resumable group sampler, and a
+resumable group stream for iterable datasets sharded by rank.
 
 Names are re-exported lazily: ``import rl_data.choices`` does not load pyarrow or PyAV, and no
 name loads ``datasets`` until a dataset is read.
@@ -23,10 +23,11 @@ _EXPORTS = {
                 "parse_question_text", "split_label", "answer_index"],
     "errors": ["RecordError", "ReadStats"],
     "records": ["CaptionQARecord", "ChatMessage", "FieldError", "ImageSource", "JudgeRecord",
-                "OCRPrompt", "PromptRecord", "QAItem", "caption_qa_from_row", "judge_from_row",
-                "ocr_prompt_from_line", "prompt_from_row", "qa_from_question_text"],
+                "OCRPrompt", "PreferenceRecord", "PromptRecord", "QAItem", "caption_qa_from_row",
+                "judge_from_row", "ocr_prompt_from_line", "preference_from_row", "prompt_from_row",
+                "qa_from_question_text"],
     "readers": ["Location", "Reader", "read_caption_qa", "read_judge_records", "read_ocr_prompts",
-                "read_prompts"],
+                "read_preferences", "read_prompts"],
     "sources": ["open_source"],
     "layouts": ["ColumnMap"],
     "hf": ["shard_by_rank"],

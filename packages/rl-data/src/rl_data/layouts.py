@@ -12,6 +12,10 @@ The published layouts already use our field names — rl-data's JSONL schemas we
 - **TRL** prompt-only datasets: ``prompt`` as text or as messages; other columns are kept.
 - **Flow-GRPO / VRL** prompt manifests: one prompt per row in ``prompt`` (their GenEval metadata)
   or ``text`` (what ``load_dataset("text", ...)`` makes of their ``.txt`` manifests).
+- **Preference pairs** for Diffusion-DPO: ``prompt``, ``chosen``, ``rejected`` (image or video
+  paths, or ``datasets.Image``'s ``{bytes, path}``); or Pick-a-Pic's ``caption``, ``jpg_0``,
+  ``jpg_1`` (image bytes) and ``label_0`` (1: ``jpg_0`` preferred, 0: ``jpg_1``, 0.5: a tie,
+  refused), which :func:`~rl_data.records.preference_from_row` reads as they are.
 
 What differs is how Arrow stores rows, and :func:`tidy_arrow_row` undoes that. Any other column
 names are one ``mapping={our_field: their_column}`` away (dotted on both sides:
@@ -27,8 +31,8 @@ from typing import Any, Literal
 
 __all__ = ["KINDS", "ColumnMap", "Kind", "tidy_arrow_row"]
 
-Kind = Literal["caption_qa", "judge", "prompts", "ocr"]
-KINDS: tuple[Kind, ...] = ("caption_qa", "judge", "prompts", "ocr")
+Kind = Literal["caption_qa", "judge", "prompts", "ocr", "preference"]
+KINDS: tuple[Kind, ...] = ("caption_qa", "judge", "prompts", "ocr", "preference")
 
 # Our field -> the columns it may come from when the caller maps nothing, first present wins.
 # Fields not listed are read under their own name.
@@ -37,6 +41,7 @@ _DEFAULT_SOURCES: dict[Kind, dict[str, tuple[str, ...]]] = {
     "judge": {},
     "prompts": {},
     "ocr": {"prompt": ("prompt", "text")},
+    "preference": {"prompt": ("prompt", "caption")},  # Pick-a-Pic names it caption
 }
 # Fields a mapping may fill, per kind (None: any name, the rest of the row is kept as is).
 _TARGETS: dict[Kind, tuple[str, ...] | None] = {
@@ -45,6 +50,7 @@ _TARGETS: dict[Kind, tuple[str, ...] | None] = {
     "judge": ("prompt", "reward_model", "reward_model.ground_truth", "extra_info", "data_source"),
     "prompts": None,
     "ocr": ("prompt",),
+    "preference": ("prompt", "chosen", "rejected"),
 }
 _RM_PROMPT = re.compile(r"^rm_prompt_\d+$")
 _MISSING = object()
@@ -78,7 +84,7 @@ class ColumnMap:
 
     Args:
         kind: which converter the rows go to (``"caption_qa"``, ``"judge"``, ``"prompts"``,
-            ``"ocr"``).
+            ``"ocr"``, ``"preference"``).
         mapping: ``{our_field: their_column}``, both dotted paths. Give it when a dataset names a
             column differently from the layouts above; columns it does not name pass unchanged.
     """

@@ -37,10 +37,12 @@ from rl_data.records import (
     FieldError,
     JudgeRecord,
     OCRPrompt,
+    PreferenceRecord,
     PromptRecord,
     caption_qa_from_row,
     judge_from_row,
     ocr_prompt_from_line,
+    preference_from_row,
     prompt_from_row,
 )
 
@@ -53,6 +55,7 @@ __all__ = [
     "read_caption_qa",
     "read_judge_records",
     "read_ocr_prompts",
+    "read_preferences",
     "read_prompts",
 ]
 
@@ -323,11 +326,17 @@ _CONVERTERS: dict[Kind, Callable[[Any], Any]] = {
     "prompts": prompt_from_row,
     "ocr": _ocr_from_row,
 }
+# kinds whose rows hold media paths, resolved against a media root
+MEDIA_CONVERTERS: dict[Kind, Callable[..., Any]] = {
+    "caption_qa": caption_qa_from_row,
+    "preference": preference_from_row,
+}
 ALLOWED: dict[Kind, tuple[Format, ...]] = {
     "caption_qa": ("jsonl", "parquet"),
     "judge": ("jsonl", "parquet"),
     "prompts": ("jsonl", "parquet"),
     "ocr": ("lines",),
+    "preference": ("jsonl", "parquet"),
 }
 
 
@@ -339,11 +348,12 @@ def make_reader(
     media_root: str | Path | None = None,
     on_error: OnError = "raise",
 ) -> Reader[Any]:
-    """The :class:`Reader` of ``kind`` records over ``rows`` (``media_root`` is for caption QA)."""
+    """The :class:`Reader` of ``kind`` records over ``rows`` (``media_root`` is for the kinds
+    with media: caption QA and preference pairs)."""
     columns = ColumnMap(kind, mapping)
     if mapping and isinstance(rows, FileRows) and rows.fmt == "lines":
         raise ValueError(f"{rows.path}: a text manifest has no columns to map")
-    convert = _CONVERTERS.get(kind) or partial(caption_qa_from_row, media_root=media_root)
+    convert = _CONVERTERS.get(kind) or partial(MEDIA_CONVERTERS[kind], media_root=media_root)
     return Reader(rows, convert, columns=columns, on_error=on_error)
 
 
@@ -375,6 +385,28 @@ def read_caption_qa(
     and ``world_size`` are as in :func:`read_prompts`.
     """
     return _read("caption_qa", source, split, mapping, media_root, rank, world_size, on_error)
+
+
+def read_preferences(
+    source: Any,
+    *,
+    split: str | None = None,
+    mapping: Mapping[str, str] | None = None,
+    media_root: str | Path | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    on_error: OnError = "raise",
+) -> Reader[PreferenceRecord]:
+    """Preference pairs for offline Diffusion-DPO as :class:`PreferenceRecord` (``prompt``,
+    ``chosen``, ``rejected``: two images or two videos), from ``.jsonl``, ``.parquet`` or a
+    dataset; Pick-a-Pic's layout (``caption``, ``jpg_0``, ``jpg_1``, ``label_0``) is read as it
+    is, with ties refused (see :func:`~rl_data.records.preference_from_row`).
+
+    Relative media paths resolve against ``media_root`` as in :func:`read_caption_qa`; images
+    stored as bytes stay bytes. ``split``, ``mapping`` (onto ``prompt``, ``chosen``,
+    ``rejected``), ``rank`` and ``world_size`` are as in :func:`read_prompts`.
+    """
+    return _read("preference", source, split, mapping, media_root, rank, world_size, on_error)
 
 
 def read_judge_records(

@@ -14,7 +14,7 @@ import binascii
 import builtins
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -35,11 +35,13 @@ __all__ = [
     "ImageSource",
     "JudgeRecord",
     "OCRPrompt",
+    "PreferenceRecord",
     "PromptRecord",
     "QAItem",
     "caption_qa_from_row",
     "judge_from_row",
     "ocr_prompt_from_line",
+    "preference_from_row",
     "prompt_from_row",
     "qa_from_question_text",
 ]
@@ -132,6 +134,29 @@ class PromptRecord(msgspec.Struct, frozen=True):
     fields: dict[str, Any] = {}
 
 
+class PreferenceRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One preference pair for offline Diffusion-DPO (Wallace et al., 2023, "Diffusion Model
+    Alignment Using Direct Preference Optimization"; Pick-a-Pic's layout): a text prompt, the
+    generation people preferred (``chosen``) and the one they did not (``rejected``).
+
+    Both members are images or both are videos, as caption QA holds them: an image is an
+    :class:`ImageSource` (a resolved path, or bytes as ``datasets.Image`` stores them; decode with
+    :func:`~rl_data.media.load_image`), a video is a resolved path (an animated GIF counts as a
+    video; decode with :func:`~rl_data.media.sample_video`). ``fields`` holds the row's other
+    columns, untouched.
+    """
+
+    prompt: str
+    chosen: ImageSource | str
+    rejected: ImageSource | str
+    fields: dict[str, Any] = {}
+
+    @property
+    def media(self) -> Literal["image", "video"]:
+        """``"video"`` for a pair of videos, ``"image"`` for a pair of images."""
+        return "video" if isinstance(self.chosen, str) else "image"
+
+
 # ----------------------------------------------------------------------------- raw schemas
 
 
@@ -173,11 +198,15 @@ class _RawPromptRow(msgspec.Struct):
     prompt: str | list[ChatMessage]
 
 
+class _RawTextPromptRow(msgspec.Struct):
+    prompt: str
+
+
 _AT = re.compile(r"^(.*?)(?: - at `\$\.?(.*)`)?$", re.DOTALL)
 _MISSING = re.compile(r"Object missing required field `([^`]+)`")
 
 
-def _convert(row: Any, schema: type, prefix: str = "") -> Any:
+def _convert(row: Any, schema: Any, prefix: str = "") -> Any:
     """``msgspec.convert`` whose ValidationError becomes a FieldError with a dotted path."""
     try:
         return msgspec.convert(row, schema)
@@ -187,7 +216,7 @@ def _convert(row: Any, schema: type, prefix: str = "") -> Any:
         missing = _MISSING.match(reason)
         if missing:
             field = f"{field}.{missing.group(1)}" if field else missing.group(1)
-        field = f"{prefix}{field}" if field.startswith("[") or not prefix else f"{prefix}.{field}"
+        field = f"{prefix}{field}" if not field or field.startswith("[") or not prefix else f"{prefix}.{field}"
         raise FieldError(field or None, reason) from None
 
 
@@ -329,6 +358,80 @@ def prompt_from_row(row: Any) -> PromptRecord:
         raise FieldError("prompt", "empty prompt")
     prompt = raw.prompt if isinstance(raw.prompt, str) else _messages(raw.prompt)
     return PromptRecord(prompt, {k: v for k, v in row.items() if k != "prompt"})
+
+
+# A pair member whose path ends in one of these is a video (decoded by PyAV), any other an image.
+VIDEO_SUFFIXES = frozenset({".mp4", ".m4v", ".mov", ".webm", ".mkv", ".avi", ".gif"})
+
+
+def _pair_member(row: dict[str, Any], column: str, media_root: Path | None) -> ImageSource | str:
+    """``row[column]`` as an image (:class:`ImageSource`) or a video path, by its path's suffix;
+    bytes alone are an image (``datasets.Image``)."""
+    if column not in row:
+        raise FieldError(column, f"Object missing required field `{column}`")
+    value = row[column]
+    if isinstance(value, bytes | bytearray):  # a parquet binary column (Pick-a-Pic's jpg_0)
+        value = {"bytes": bytes(value)}
+    raw = _convert(value, str | _RawImage, prefix=column)
+    path = raw if isinstance(raw, str) else raw.path
+    if isinstance(raw, str) and not raw.strip():
+        raise FieldError(column, "empty path")
+    if path and Path(path).suffix.lower() in VIDEO_SUFFIXES:
+        return _video(raw, column, media_root)
+    image = _image(raw, column, media_root)
+    if image.bytes is not None and _is_video_bytes(image.bytes):
+        raise FieldError(column, "video given as bytes; rl-data decodes videos from files (store "
+                                 "paths, e.g. datasets.Video(decode=False) over files)")
+    return image
+
+
+def _is_video_bytes(data: bytes) -> bool:
+    """MP4/MOV (an ``ftyp`` box first), Matroska/WebM (an EBML header) or AVI (``RIFF....AVI ``):
+    bytes that would otherwise be taken for an image and fail only when decoded."""
+    return data[4:8] == b"ftyp" or data[:4] == b"\x1a\x45\xdf\xa3" or (data[:4] == b"RIFF" and data[8:12] == b"AVI ")
+
+
+def _pickapic_columns(label: Any) -> tuple[str, str]:
+    """(chosen, rejected) columns of a Pick-a-Pic row from its ``label_0``: 1 prefers ``jpg_0``,
+    0 prefers ``jpg_1``; a tie (0.5) is refused, as Diffusion-DPO drops ties before training."""
+    if label == 0.5:
+        raise FieldError("label_0", "a tie (0.5): neither image is preferred; drop ties first, as "
+                                    "Diffusion-DPO does (dataset.filter(lambda r: r['label_0'] != 0.5)), "
+                                    "or read with on_error='skip'")
+    if isinstance(label, bool) or not isinstance(label, int | float) or label not in (0, 1):
+        raise FieldError("label_0", f"expected 1 (jpg_0 preferred), 0 (jpg_1 preferred) or 0.5 "
+                                    f"(a tie), got {label!r}")
+    return ("jpg_0", "jpg_1") if label == 1 else ("jpg_1", "jpg_0")
+
+
+def preference_from_row(row: Any, *, media_root: str | Path | None = None) -> PreferenceRecord:
+    """Convert one preference row into a :class:`PreferenceRecord`.
+
+    Two layouts: ours, ``{prompt, chosen, rejected, ...}``, and Pick-a-Pic's, ``{prompt, jpg_0,
+    jpg_1, label_0, ...}`` (read when the row has ``label_0`` and neither ``chosen`` nor
+    ``rejected``; ``label_0`` and ``label_1`` are then dropped, ties refused). A member is a path
+    (an image, or a video by its suffix: ``.mp4``, ``.gif``, ...), raw bytes, or ``{bytes, path}``
+    (bytes in JSON are base64); relative paths are joined to ``media_root``. Refused: an empty
+    prompt, a pair of an image and a video, and a pair whose two members are the same media.
+    """
+    if not isinstance(row, dict):
+        raise FieldError(None, f"expected an object, got {type(row).__name__}")
+    prompt = _convert(row, _RawTextPromptRow).prompt
+    if not prompt.strip():
+        raise FieldError("prompt", "empty prompt")
+    pickapic = "chosen" not in row and "rejected" not in row and "label_0" in row
+    win, lose = _pickapic_columns(row["label_0"]) if pickapic else ("chosen", "rejected")
+    root = Path(media_root) if media_root is not None else None
+    chosen, rejected = _pair_member(row, win, root), _pair_member(row, lose, root)
+    kinds = ["a video" if isinstance(m, str) else "an image" for m in (chosen, rejected)]
+    if kinds[0] != kinds[1]:
+        raise FieldError(lose, f"{win} is {kinds[0]} and {lose} is {kinds[1]}: a pair is two "
+                               "images or two videos")
+    if chosen == rejected:
+        raise FieldError(lose, f"the same media as {win}: a pair needs two different generations")
+    consumed = {"prompt", win, lose, *(("label_0", "label_1") if pickapic else ())}
+    return PreferenceRecord(prompt=prompt, chosen=chosen, rejected=rejected,
+                            fields={k: v for k, v in row.items() if k not in consumed})
 
 
 def ocr_prompt_from_line(line: str) -> OCRPrompt:

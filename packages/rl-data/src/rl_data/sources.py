@@ -15,22 +15,25 @@ from typing import Any
 from rl_data.errors import OnError
 from rl_data.layouts import KINDS, Kind
 from rl_data.readers import (
+    MEDIA_CONVERTERS,
     Reader,
     make_reader,
     read_caption_qa,
     read_judge_records,
     read_ocr_prompts,
+    read_preferences,
     read_prompts,
 )
 
 __all__ = ["open_source"]
 
-# the readers share the keyword arguments open_source passes (caption_qa adds media_root)
+# the readers share the keyword arguments open_source passes (the media kinds add media_root)
 _READERS: dict[str, Callable[..., Reader[Any]]] = {
     "caption_qa": read_caption_qa,
     "judge": read_judge_records,
     "prompts": read_prompts,
     "ocr": read_ocr_prompts,
+    "preference": read_preferences,
 }
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _FILE_SUFFIXES = {".jsonl", ".ndjson", ".parquet", ".txt", ".json", ".csv"}
@@ -62,9 +65,11 @@ def open_source(
             in the local Hugging Face cache. Set ``HF_DATASETS_OFFLINE=1`` on machines that must
             not reach the Hub: a Hub id is then read from the cache or fails naming it.
         kind: ``"caption_qa"`` (CapRL++), ``"judge"`` (verl generative-judge), ``"prompts"``
-            (TRL prompt-only) or ``"ocr"`` (Flow-GRPO manifests).
+            (TRL prompt-only), ``"ocr"`` (Flow-GRPO manifests) or ``"preference"``
+            (Diffusion-DPO pairs, Pick-a-Pic).
         split, mapping, rank, world_size, on_error: as in :func:`~rl_data.readers.read_prompts`.
-        media_root: caption QA only: the directory relative media paths are resolved against.
+        media_root: caption QA and preference pairs only: the directory relative media paths are
+            resolved against.
 
     Files and directories need nothing beyond the base install; datasets and Hub ids need
     ``pip install "rl-data[datasets]"``.
@@ -78,8 +83,8 @@ def open_source(
                             world_size=world_size, name=source)
         return make_reader(kind, rows, mapping=mapping, media_root=media_root, on_error=on_error)
     read = _READERS[kind]
-    options: dict[str, Any] = {"media_root": media_root} if kind == "caption_qa" else {}
-    if media_root is not None and kind != "caption_qa":
-        raise ValueError(f"media_root applies to caption_qa records, not {kind}")
+    options: dict[str, Any] = {"media_root": media_root} if kind in MEDIA_CONVERTERS else {}
+    if media_root is not None and kind not in MEDIA_CONVERTERS:
+        raise ValueError(f"media_root applies to {' and '.join(MEDIA_CONVERTERS)} records, not {kind}")
     return read(source, split=split, mapping=mapping, rank=rank, world_size=world_size,
                 on_error=on_error, **options)

@@ -16,9 +16,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rl_data.layouts import Kind
-from rl_data.records import CaptionQARecord, JudgeRecord, OCRPrompt, PromptRecord
+from rl_data.records import (
+    CaptionQARecord,
+    ImageSource,
+    JudgeRecord,
+    OCRPrompt,
+    PreferenceRecord,
+    PromptRecord,
+)
 
-__all__ = ["OUTPUT_SUFFIXES", "RecordWriter", "caption_qa_row", "judge_row", "prompt_row"]
+__all__ = ["OUTPUT_SUFFIXES", "RecordWriter", "caption_qa_row", "judge_row", "preference_row", "prompt_row"]
 
 # kind -> file suffixes it can be written to
 OUTPUT_SUFFIXES: dict[Kind, tuple[str, ...]] = {
@@ -26,6 +33,7 @@ OUTPUT_SUFFIXES: dict[Kind, tuple[str, ...]] = {
     "judge": (".jsonl", ".parquet"),
     "prompts": (".jsonl", ".parquet"),
     "ocr": (".txt",),
+    "preference": (".jsonl", ".parquet"),
 }
 
 
@@ -63,11 +71,27 @@ def prompt_row(record: PromptRecord) -> dict[str, Any]:
     return {"prompt": msgspec.to_builtins(record.prompt), **record.fields}
 
 
+def _media_row(member: ImageSource | str) -> dict[str, Any]:
+    """An image or a video path as ``{bytes, path}``: one struct type for a parquet column
+    whatever the pair holds (the reader tells a video by its path's suffix)."""
+    if isinstance(member, str):
+        return {"bytes": None, "path": member}
+    return {"bytes": member.bytes, "path": member.path}
+
+
+def preference_row(record: PreferenceRecord) -> dict[str, Any]:
+    """A :class:`PreferenceRecord` as a ``{prompt, chosen, rejected}`` row (its other fields
+    after them)."""
+    return {"prompt": record.prompt, "chosen": _media_row(record.chosen),
+            "rejected": _media_row(record.rejected), **record.fields}
+
+
 _ROWS: dict[Kind, Callable[[Any], Any]] = {
     "caption_qa": caption_qa_row,
     "judge": judge_row,
     "prompts": prompt_row,
     "ocr": lambda record: record.prompt,
+    "preference": preference_row,
 }
 
 
@@ -88,7 +112,7 @@ class RecordWriter:
         self._encoder = msgspec.json.Encoder()
         self.written = 0
 
-    def write(self, record: CaptionQARecord | JudgeRecord | PromptRecord | OCRPrompt) -> None:
+    def write(self, record: CaptionQARecord | JudgeRecord | PromptRecord | OCRPrompt | PreferenceRecord) -> None:
         row = self._to_row(record)
         if self._parquet is not None:
             self._parquet.append(row)
