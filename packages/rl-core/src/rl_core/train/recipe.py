@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, cast
+from typing import TYPE_CHECKING, Generic, cast
 
 import msgspec
 import torch
@@ -137,7 +137,7 @@ class Scores:
     group_ids: Tensor  # [B_r] the same id for the samples of one prompt, unique across processes
     estimator: str  # an `rl_core.advantages` name (grpo, rloo, reinforce_pp, ...)
     mask: Tensor | None = None  # [B_r, T] response mask, for token rewards only
-    options: Mapping[str, Any] = field(default_factory=dict)  # the estimator's keyword options
+    options: Mapping[str, float | str] = field(default_factory=dict)  # the estimator's keyword options (gamma, scale, ...)
     components: Sequence[Mapping[str, float]] = ()  # per sample, unweighted: logged as reward/<name> means
     metrics: Mapping[str, float] = field(default_factory=dict)  # over every process: response/*, counts, ...
     aggregation: str = "sum_then_normalize"  # an `rl_core.advantages.REWARD_AGGREGATIONS` name
@@ -184,11 +184,11 @@ class Checkpoint:
     adds files inside the checkpoint before it is published (adapters in PEFT format), run
     inside `gather`, which every process enters (a sharded policy gathers its weights there)."""
 
-    state: Mapping[str, Any]
+    state: Mapping[str, object]
     trained: torch.nn.Module
     accelerator: bool = True
     write_files: Callable[[Path], None] | None = None
-    gather: AbstractContextManager[Any] = field(default_factory=nullcontext)
+    gather: AbstractContextManager[object] = field(default_factory=nullcontext)
 
 
 class Recipe(ABC, Generic[C, S, B, R]):
