@@ -224,9 +224,10 @@ class DiffusionEngine:
 
     `cuda_graphs`, `attention_backend` and `overlap_decode` are the rollout options of the module
     docstring (`None`/"auto": `AUTO_ON_CUDA` on CUDA, off on CPU); set the attributes to switch.
-    Another flow-matching family subclasses it (`rl_rollout.wan.WanEngine`) by its model's inputs
-    and outputs: `encode`, `negative`, `_text_kwargs`, `_sequence_length`, `initial_noise`,
-    `decode` and `blocks_attribute`.
+    Another flow-matching family subclasses it by its model's inputs and outputs
+    (`rl_rollout.wan.WanEngine`, `rl_rollout.cosmos.CosmosEngine`): `encode`, `negative`,
+    `_text_kwargs`, `_latent_kwargs`, `_sequence_length`, `initial_noise`, `decode` and
+    `blocks_attribute`.
     """
 
     blocks_attribute = "transformer_blocks"  # the transformer's repeated blocks, compiled one by one
@@ -386,12 +387,10 @@ class DiffusionEngine:
         if use_cfg:
             model_in = torch.cat([model_in, model_in])  # [2B, C, h, w]
             sigma = torch.cat([sigma, sigma])  # [2B]
-        timestep = sigma.to(self.device, torch.float32) * self.pipeline.scheduler.config.num_train_timesteps
         out = self._forward(
             model or self.transformer,
-            hidden_states=model_in,
-            timestep=timestep,
             return_dict=False,
+            **self._latent_kwargs(model_in, sigma.to(self.device, torch.float32)),
             **self._text_kwargs(embeds, pooled),
         ).float()  # [B or 2B, C, h, w]
         if not use_cfg:
@@ -404,6 +403,13 @@ class DiffusionEngine:
     def _text_kwargs(self, embeds: Tensor, pooled: Tensor) -> dict[str, Tensor]:
         """The transformer's text keyword arguments (SD3: the token states and the pooled vector)."""
         return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
+
+    def _latent_kwargs(self, latents: Tensor, sigma: Tensor) -> dict[str, Tensor]:
+        """The transformer's other keyword arguments for `latents` `[B, C, h, w]` (the weights'
+        dtype) at noise level `sigma` `[B]` float32 (SD3, Wan: the latents and the timestep
+        sigma x the scheduler's `num_train_timesteps`)."""
+        timestep = sigma * self.pipeline.scheduler.config.num_train_timesteps  # [B]
+        return {"hidden_states": latents, "timestep": timestep}
 
     # -- compilation ---------------------------------------------------------------------------
 

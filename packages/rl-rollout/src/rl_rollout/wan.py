@@ -31,7 +31,7 @@ from rl_models.diffusion import require_diffusers
 from rl_models.loading import resolve_dtype
 from rl_rollout.diffusion import DiffusionEngine, PromptEmbeddings
 
-__all__ = ["WanEngine"]
+__all__ = ["WanEngine", "decode_video"]
 
 
 class WanEngine(DiffusionEngine):
@@ -112,9 +112,16 @@ class WanEngine(DiffusionEngine):
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
         """VAE-decode latents `[B, C, F', h, w]` to frames `[B, F, 3, H, W]` float32 in [0, 1]."""
-        vae = self.pipeline.vae
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(shape)
-        std = torch.tensor(vae.config.latents_std, device=latents.device).view(shape)
-        video = vae.decode((latents * std + mean).to(vae.dtype), return_dict=False)[0]  # [B, 3, F, H, W] in [-1, 1]
-        return (video.float() / 2 + 0.5).clamp(0, 1).transpose(1, 2)  # [B, F, 3, H, W]
+        return decode_video(self.pipeline.vae, latents)
+
+
+@torch.no_grad()
+def decode_video(vae: Any, latents: Tensor) -> Tensor:
+    """Frames `[B, F, 3, H, W]` float32 in [0, 1] of normalised latents `[B, C, F', h, w]` through
+    Wan's VAE (`AutoencoderKLWan`, Cosmos-Predict2.5's too): un-normalised with its per-channel
+    mean and std first, as both pipelines do."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(shape)
+    std = torch.tensor(vae.config.latents_std, device=latents.device).view(shape)
+    video = vae.decode((latents * std + mean).to(vae.dtype), return_dict=False)[0]  # [B, 3, F, H, W] in [-1, 1]
+    return (video.float() / 2 + 0.5).clamp(0, 1).transpose(1, 2)  # [B, F, 3, H, W]
