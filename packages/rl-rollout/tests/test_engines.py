@@ -57,7 +57,7 @@ def test_image_engines_share_one_protocol(kind: str) -> None:
     samples = engine.sample(["a red cube", "a red cube"], seeds=[3, 3], **options)
     assert samples.images.shape[:2] == (2, 3) and samples.log_probs.shape[0] == 2
     torch.testing.assert_close(samples.images[0], samples.images[1])  # the same seed draws the same sample
-    with pytest.raises(KeyError, match="unknown image engine 'sd4'; valid: janus, sd3"):
+    with pytest.raises(KeyError, match="unknown image engine 'sd4'; valid: cosmos, janus, sd3, wan"):
         build_image_engine("sd4", path="x")
 
 

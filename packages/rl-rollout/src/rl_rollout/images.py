@@ -6,6 +6,8 @@ replays, behind their own small protocol (not the text `Engine`'s).
   `replay(trajectory, step, rows=, model=)` re-scores one step under the current weights.
 - `wan` (`rl_rollout.wan.WanEngine`): the same over Wan 2.1 videos; `images` are frames
   `[B, F, 3, H, W]`.
+- `cosmos` (`rl_rollout.cosmos.CosmosEngine`): the same over Cosmos-Predict2.5 text-to-world
+  videos (frames `[B, F, 3, H, W]`), with no guardrail run.
 - `janus` (`rl_rollout.janus.JanusEngine`): Janus / Janus-Pro image tokens with CFG; a unit is
   an image token. `sample(...)` returns an `ImageRollout`; `replay(tokens, guidance_scale=,
   temperature=, model=)` re-scores the tokens.
@@ -69,18 +71,25 @@ def _build_wan(**kwargs: Any) -> ImageEngine:
     return WanEngine.from_pretrained(kwargs.pop("path"), **kwargs)
 
 
+def _build_cosmos(**kwargs: Any) -> ImageEngine:
+    from rl_rollout.cosmos import CosmosEngine
+
+    return CosmosEngine.from_pretrained(kwargs.pop("path"), **kwargs)
+
+
 def _build_janus(**kwargs: Any) -> ImageEngine:
     from rl_rollout.janus import JanusEngine
 
     return JanusEngine.from_pretrained(kwargs.pop("path"), **kwargs)
 
 
-IMAGE_ENGINES: dict[str, Callable[..., ImageEngine]] = {"sd3": _build_sd3, "wan": _build_wan, "janus": _build_janus}
+IMAGE_ENGINES: dict[str, Callable[..., ImageEngine]] = {"sd3": _build_sd3, "wan": _build_wan, "cosmos": _build_cosmos,
+                                                       "janus": _build_janus}
 
 
 def build_image_engine(kind: str, *, path: str, **options: Any) -> ImageEngine:
-    """The image engine `kind` (`sd3`, `wan`, `janus`) loaded from checkpoint `path`; `options` go to
-    its `from_pretrained` (dtype, device, compile, ...)."""
+    """The image engine `kind` (`sd3`, `wan`, `cosmos`, `janus`) loaded from checkpoint `path`;
+    `options` go to its `from_pretrained` (dtype, device, compile, ...)."""
     if kind not in IMAGE_ENGINES:
         raise KeyError(f"unknown image engine {kind!r}; valid: {', '.join(sorted(IMAGE_ENGINES))}")
     return IMAGE_ENGINES[kind](path=path, **options)

@@ -1,0 +1,210 @@
+"""SDE sampling over a Cosmos-Predict2.5 text-to-world pipeline (`rl-rollout[diffusers]`): the
+Flow-GRPO rollout of `rl_rollout.diffusion.DiffusionEngine` for NVIDIA's world model (VRL trains
+Cosmos-Predict2.5 with DiffusionNFT; this engine gives the rollouts and per-step log-probs).
+
+    engine = CosmosEngine.from_pretrained(path, num_frames=93)     # a Cosmos-Predict2.5 folder or `tiny:cosmos`'s
+    traj = engine.sample(["a red bus moves"], num_steps=10, height=704, width=1280, seeds=[0],
+                         max_sequence_length=512)
+    traj.images      # [B, F, 3, H, W] frames in [0, 1]
+    engine.replay(traj, step=3, model=trained)                      # the step's log-prob, with grad
+
+Everything but the model's inputs and outputs is the image engine's: the same float32 SDE step
+(`rl_core.flow.sde_step`, its log-prob a mean over every latent element), windows, seeds per
+sample, CFG as one batched forward, compiled blocks (`transformer_blocks`), sleep and wake. What
+differs, each as diffusers' `Cosmos2_5_PredictBasePipeline` does it:
+
+- The prompt is every hidden layer of the Qwen2.5-VL encoder, each normalised and concatenated:
+  `[B, L, layers x width]` (100,352 wide for the 7B encoder, ~200 KB a token in bf16; a
+  trajectory keeps one copy per sample), after the pipeline's system turn, padded to
+  `max_sequence_length`. Diffusers pads to 512; `sample` defaults to 128: pass 512 where the
+  prompts are Cosmos's long scene descriptions, fewer to save memory with short ones.
+- The unconditional branch is Cosmos's negative prompt (diffusers' `DEFAULT_NEGATIVE_PROMPT`,
+  the pipeline's default); pass `negative_prompt=""` for the plain empty prompt.
+- CFG is written `uncond + w (cond - uncond)` here as for every engine; diffusers' Cosmos
+  computes `cond + w (cond - uncond)`, so its `guidance_scale=7` (its default) is 8 here.
+- The transformer takes the noise level sigma in [0, 1] itself as its timestep (not sigma x 1000;
+  `traj.timesteps` still records the scheduler's sigma x 1000), the condition-mask channel (zeros:
+  no frame is given) and the padding mask (zeros, at the frames' size). With no frame given,
+  one timestep per sample equals the pipeline's per-frame one.
+- Latents are `[C, F', h, w]` with C = the transformer's `in_channels` - 1 (the mask channel) and
+  F' = (num_frames - 1) / 4 + 1, decoded through Wan's VAE (`rl_rollout.wan.decode_video`).
+  `num_frames` is the engine's (one value a run): 4k + 1, 93 for Cosmos-Predict2.5.
+
+The sigmas are the folder's scheduler's (UniPC with flow sigmas); the steps are the engine's
+SDE or Euler ODE steps, not UniPC's multistep solver, so an ODE sample is not the pipeline's
+video at equal steps (with an Euler scheduler in the pipeline it is: tests/test_cosmos.py).
+
+No guardrail runs. Diffusers' safety checker needs `cosmos_guardrail`; the engine loads the
+pipeline with a placeholder in its place, which refuses to be called: `engine.pipeline(...)`
+raises instead of generating unscreened videos. Diffusers' pipeline refuses to run without a
+checker, saying that would violate the NVIDIA Open Model License: screen what you publish or
+serve yourself (e.g. `cosmos_guardrail.CosmosSafetyChecker.check_video_safety` on the frames).
+
+Left out: video- and image-to-world (frames given: their latents and mask would have to travel in
+the trajectory for replay, and their elements stay out of the log-prob), and CUDA graphs (not
+offered, as for Wan).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rl_core.flow import host_randn
+from rl_models.loading import resolve_dtype
+from rl_rollout.diffusion import DiffusionEngine, PromptEmbeddings
+from rl_rollout.wan import decode_video
+
+try:  # the defining module: `diffusers.Cosmos2_5_PredictBasePipeline` reads as a dummy to mypy
+    from diffusers.pipelines.cosmos.pipeline_cosmos2_5_predict import (
+        DEFAULT_NEGATIVE_PROMPT,
+        Cosmos2_5_PredictBasePipeline,
+    )
+except ImportError as error:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        'rl_rollout.cosmos needs diffusers: pip install "rl-rollout[diffusers]"; in a clone of the repository: '
+        "uv sync --all-packages --extra diffusers"
+    ) from error
+
+__all__ = ["DEFAULT_NEGATIVE_PROMPT", "CosmosEngine", "NoGuardrail"]
+
+
+class CosmosEngine(DiffusionEngine):
+    """`DiffusionEngine` over a diffusers `Cosmos2_5_PredictBasePipeline`, text to world (see the
+    module doc). `num_frames`: the frames of every sampled video (4k + 1); `negative_prompt`: the
+    unconditional branch of CFG. CUDA graphs are not offered (`cuda_graphs=False`)."""
+
+    def __init__(self, pipeline: Any, *, num_frames: int = 93, negative_prompt: str = DEFAULT_NEGATIVE_PROMPT,
+                 device: str | torch.device = "cpu", compile: bool | None = None, attention_backend: str = "auto",
+                 overlap_decode: bool | None = None, cuda_graphs: bool | None = None) -> None:
+        if num_frames < 1 or (num_frames - 1) % pipeline.vae_scale_factor_temporal:
+            raise ValueError(f"num_frames={num_frames}: Cosmos' VAE (Wan's) takes {pipeline.vae_scale_factor_temporal}k"
+                             " + 1 frames (1, 5, 9, ..., 93)")
+        if cuda_graphs:
+            raise ValueError("cuda_graphs: not offered for Cosmos (pass None or False)")
+        super().__init__(pipeline, device=device, compile=compile, cuda_graphs=False,
+                         attention_backend=attention_backend, overlap_decode=overlap_decode)
+        self.num_frames = num_frames
+        self.negative_prompt = negative_prompt
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype: str | torch.dtype = torch.float32,  # type: ignore[override]
+                        device: str | torch.device = "cpu", num_frames: int = 93,
+                        negative_prompt: str = DEFAULT_NEGATIVE_PROMPT, compile: bool | None = None,
+                        attention_backend: str = "auto", overlap_decode: bool | None = None,
+                        text_encoder_dtype: str | torch.dtype | None = None,
+                        cuda_graphs: bool | None = None) -> CosmosEngine:
+        """Load a diffusers Cosmos-Predict2.5 folder (nvidia/Cosmos-Predict2.5-2B's revision
+        `diffusers/base/post-trained`, downloaded first) without its guardrail;
+        `text_encoder_dtype` keeps the Qwen2.5-VL encoder in another dtype (bf16 beside an fp32
+        transformer)."""
+        with _quiet_guardrail_type_warning():
+            pipeline = Cosmos2_5_PredictBasePipeline.from_pretrained(str(path), dtype=resolve_dtype(dtype),
+                                                                     safety_checker=NoGuardrail())
+        if text_encoder_dtype is not None:
+            pipeline.text_encoder.to(resolve_dtype(text_encoder_dtype))
+        return cls(pipeline, num_frames=num_frames, negative_prompt=negative_prompt, device=device, compile=compile,
+                   attention_backend=attention_backend, overlap_decode=overlap_decode, cuda_graphs=cuda_graphs)
+
+    def over(self, transformer: torch.nn.Module) -> CosmosEngine:
+        """As `DiffusionEngine.over`: an engine sampling with `transformer`, sharing the encoder and VAE."""
+        for block in getattr(transformer, self.blocks_attribute, []):
+            block.__dict__.pop("forward", None)
+        own = {name: copy.deepcopy(part) for name, part in self.pipeline.components.items()
+               if name in ("scheduler", "tokenizer")}
+        pipeline = type(self.pipeline)(**{**self.pipeline.components, **own, "transformer": transformer})
+        return CosmosEngine(pipeline, num_frames=self.num_frames, negative_prompt=self.negative_prompt,
+                            device=self.device, compile=self.compile, attention_backend=self.attention_backend,
+                            overlap_decode=self.overlap_decode)
+
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str], *, max_sequence_length: int = 512) -> PromptEmbeddings:
+        """The concatenated, normalised Qwen2.5-VL layers `[B, L, layers x width]` of each prompt
+        after the pipeline's system turn, padded to `max_sequence_length` (Cosmos' 512 by default);
+        `pooled` is empty (`[B, 0]`): Cosmos has none."""
+        cosmos: Any = self.pipeline  # a Cosmos2_5_PredictBasePipeline (the base class types it as SD3's)
+        embeds, _ = cosmos.encode_prompt(prompt=list(prompts), do_classifier_free_guidance=False,
+                                         max_sequence_length=max_sequence_length, device=self.device)
+        return PromptEmbeddings(embeds, embeds.new_zeros(embeds.shape[0], 0))  # [B, L, D], [B, 0]
+
+    def negative(self, length: int) -> PromptEmbeddings:
+        """`negative_prompt`'s states `[1, L, D]` at the conditioning's `length` (cached)."""
+        if length not in self._negative:
+            self._negative[length] = self.encode([self.negative_prompt], max_sequence_length=length)
+        return self._negative[length]
+
+    def _text_kwargs(self, embeds: Tensor, pooled: Tensor) -> dict[str, Tensor]:
+        return {"encoder_hidden_states": embeds}
+
+    def _latent_kwargs(self, latents: Tensor, sigma: Tensor) -> dict[str, Tensor]:
+        """Text to world: the latents `[B, C, F', h, w]`, sigma `[B]` itself as the timestep, an
+        all-zero condition mask `[B, 1, F', h, w]` (no frame given) and padding mask `[1, 1, H, W]`."""
+        scale = self.pipeline.vae_scale_factor_spatial
+        batch, _, frames, height, width = latents.shape
+        return {"hidden_states": latents, "timestep": sigma,
+                "condition_mask": latents.new_zeros(batch, 1, frames, height, width),  # [B, 1, F', h, w]
+                "padding_mask": latents.new_zeros(1, 1, height * scale, width * scale)}  # [1, 1, H, W]
+
+    def _sequence_length(self, latents: Tensor) -> int:
+        """Tokens of a video's latents `[B, C, F', h, w]` once patched."""
+        t, h, w = self._transformer_config.patch_size
+        return (latents.shape[-3] // t) * (latents.shape[-2] // h) * (latents.shape[-1] // w)
+
+    def initial_noise(self, batch: int, height: int, width: int, generators: list[torch.Generator]) -> Tensor:
+        """Float32 noise `[B, C, F', h, w]` (C = `in_channels` - 1), one generator per sample."""
+        scale = self.pipeline.vae_scale_factor_spatial
+        patch = self._transformer_config.patch_size[1]
+        if height % (scale * patch) or width % (scale * patch):
+            raise ValueError(f"height and width must be multiples of {scale * patch} (VAE scale x patch size), "
+                             f"got {height}x{width}")
+        frames = (self.num_frames - 1) // self.pipeline.vae_scale_factor_temporal + 1
+        channels = self._transformer_config.in_channels - 1  # the last input channel is the condition mask
+        shape = (len(generators), channels, frames, height // scale, width // scale)
+        return host_randn(shape, generators, self.device)  # [B, C, F', h, w]
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        """VAE-decode latents `[B, C, F', h, w]` to frames `[B, F, 3, H, W]` float32 in [0, 1]."""
+        return decode_video(self.pipeline.vae, latents)
+
+
+class NoGuardrail:
+    """The `safety_checker` a `CosmosEngine`'s pipeline holds in place of diffusers'
+    `CosmosSafetyChecker` (which needs `cosmos_guardrail`): the engine never calls it, and calling
+    the pipeline itself raises here rather than generating unscreened videos."""
+
+    def to(self, *args: Any, **kwargs: Any) -> NoGuardrail:
+        return self
+
+    def check_text_safety(self, prompt: str) -> bool:
+        raise RuntimeError(_NO_GUARDRAIL)
+
+    def check_video_safety(self, video: Any) -> Any:
+        raise RuntimeError(_NO_GUARDRAIL)
+
+
+_NO_GUARDRAIL = ("this Cosmos pipeline was loaded by CosmosEngine without a guardrail: sample with the engine, or "
+                 "load the pipeline with cosmos_guardrail's CosmosSafetyChecker to call it")
+
+
+@contextlib.contextmanager
+def _quiet_guardrail_type_warning() -> Iterator[None]:
+    """Drop diffusers' "Expected types for safety_checker" log line while loading: the placeholder
+    is deliberate (the module doc says why), and the line would read as a loading fault."""
+    logger = logging.getLogger("diffusers.pipelines.pipeline_utils")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Expected types for safety_checker")
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
