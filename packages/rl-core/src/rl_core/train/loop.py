@@ -468,8 +468,9 @@ class _Loop(Generic[C, S, B, R]):
         root, keep = self.run.run_dir / "checkpoints", self.fields.keep_last
         state = {**spec.state, POLICY: self.policy}
         if self.pipeline is not None:
-            state[PIPELINE] = PendingRollouts(self.acc.process_index, self.acc.num_processes)
-            state[PIPELINE].items = pending
+            in_flight = PendingRollouts(self.acc.process_index, self.acc.num_processes)
+            in_flight.items = pending
+            state[PIPELINE] = in_flight
         with spec.gather:  # every process: a sharded policy gathers its whole weights here
             if spec.accelerator:
                 save_checkpoint(root, step, state=state, accelerator=self.acc, keep_last=keep,
