@@ -325,16 +325,19 @@ def worker_spec(cfg: Config, path: str, compile: bool) -> EngineSpec:
 
 
 class Wan(SD3):
-    """Flow-GRPO on Wan 2.1 text-to-video: SD3's sampling, replay, KL and EMA over
-    `rl_rollout.wan.WanEngine`, whose samples' `images` are frames `[B, F, 3, H, W]`."""
+    """Flow-GRPO on a video family, Wan 2.1 text-to-video or Cosmos-Predict2.5 text-to-world: SD3's
+    sampling, replay, KL and EMA over `rl_rollout.wan.WanEngine` or `rl_rollout.cosmos.CosmosEngine`
+    (`model.family`), whose samples' `images` are frames `[B, F, 3, H, W]`."""
 
-    kind = "wan"
+    def __init__(self, cfg: Config, acc: Any, path: str) -> None:
+        self.kind = cfg.model.family
+        super().__init__(cfg, acc, path)
 
     def engine_options(self) -> dict[str, Any]:
         return {"num_frames": self.cfg.sampling.num_frames}
 
 
-FAMILIES: dict[str, Callable[[Config, Any, str], Family]] = {"sd3": SD3, "wan": Wan, "janus": Janus}
+FAMILIES: dict[str, Callable[[Config, Any, str], Family]] = {"sd3": SD3, "wan": Wan, "cosmos": Wan, "janus": Janus}
 
 
 def whole_weights(family: Family) -> Any:

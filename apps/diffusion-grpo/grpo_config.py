@@ -35,19 +35,21 @@ NAME = "diffusion-grpo"
 APP = Path(__file__).resolve().parent
 REPO = APP.parents[1]
 DEFAULT_CONFIG = APP / "configs" / "default.toml"
+VIDEO = ("wan", "cosmos")  # the families whose samples are videos (4k + 1 frames through Wan's VAE)
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
-    family: Literal["sd3", "wan", "janus"] = "sd3"
-    """`sd3`: Flow-GRPO on an SD3/SD3.5 pipeline (SDE sampling, per-step log-probs). `wan`: the same
-    on Wan 2.1 text-to-video (`sampling.num_frames` frames a sample; each reward component scores
-    every frame, folded by `reward.frame_aggregate`; GRPO only, in process, unsharded). `janus`:
+    family: Literal["sd3", "wan", "cosmos", "janus"] = "sd3"
+    """`sd3`: Flow-GRPO on an SD3/SD3.5 pipeline (SDE sampling, per-step log-probs). `wan`/`cosmos`: the
+    same on Wan 2.1 text-to-video / Cosmos-Predict2.5 text-to-world, its guardrail not run (`sampling.num_frames`
+    frames a sample; each reward component scores every frame, folded by `reward.frame_aggregate`; GRPO
+    only, in process, unsharded). `janus`:
     token-level GRPO on Janus / Janus-Pro image tokens (CFG sampling, per-token log-probs; VRL's
     autoregressive trainer); its own knobs are the [janus] table, and rollout.temperature,
     rollout.compile, model.gradient_checkpointing and algo.kl apply to it only."""
     path: str = "stabilityai/stable-diffusion-3.5-medium"
     """diffusers SD3/SD3.5 folder or hub id (`tiny:sd3` builds a tiny random pipeline); with
-    family `wan` a diffusers Wan 2.1 folder (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, `tiny:wan`); with
+    family `wan` a diffusers Wan 2.1 folder (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, `tiny:wan`; `cosmos`: `tiny:cosmos`); with
     family `janus` a transformers Janus checkpoint (deepseek-community/Janus-Pro-7B, `tiny:janus`)."""
     dtype: DType = "bfloat16"  # transformer + VAE weights (Janus: all weights); step maths is always float32
     text_encoder_dtype: DType | None = None  # None = dtype
@@ -279,9 +281,9 @@ def check_config(cfg: Config, world_size: int) -> None:
          f"family only; set rollout.workers=0 for model.family={m.family!r}"),
         (m.family != "sd3" and t.sharding != "none", f"train.sharding={t.sharding!r} shards the SD3 transformer; "
          f"model.family={m.family!r} trains with DDP (FSDP2 for it is not done): set train.sharding='none'"),
-        (m.family == "wan" and cfg.reward.url is not None, f"reward.url={cfg.reward.url!r}: videos are not sent to "
+        (m.family in VIDEO and cfg.reward.url is not None, f"reward.url={cfg.reward.url!r}: videos are not sent to "
          "a reward server yet; score in process (reward.components or reward.spec)"),
-        (m.family == "wan" and (cfg.sampling.num_frames - 1) % 4 != 0, f"sampling.num_frames="
+        (m.family in VIDEO and (cfg.sampling.num_frames - 1) % 4 != 0, f"sampling.num_frames="
          f"{cfg.sampling.num_frames}: Wan's VAE takes 4k + 1 frames (1, 5, 9, ..., 33, ..., 81)"),
         (t.max_staleness > 0 and t.sharding != "none" and r.workers > 0, f"train.max_staleness={t.max_staleness} "
          f"with rollout.workers={r.workers} and train.sharding={t.sharding!r}: a sharded LoRA is not published to Ray "
@@ -316,7 +318,7 @@ def check_config(cfg: Config, world_size: int) -> None:
     for bad, message in refused:
         if bad:
             raise ConfigError(message)
-    reward_spec(cfg.reward, tiny=m.path.startswith("tiny:"), video=m.family == "wan")  # a bad spec or weights stop here too
+    reward_spec(cfg.reward, tiny=m.path.startswith("tiny:"), video=m.family in VIDEO)  # a bad spec or weights stop here too
 
 
 def compiles_blocks(cfg: Config, device_type: str) -> bool:

@@ -35,6 +35,7 @@ from grpo_config import (
     DEFAULT_CONFIG,
     ENV,
     NAME,
+    VIDEO,
     Config,
     TrainConfig,
     check_config,
@@ -120,7 +121,7 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         family = FAMILIES[cfg.model.family](cfg, run.accelerator, str(tiny.resolve(cfg.model.path)))
         sampler = GroupSampler(len(prompts), cfg.rollout.n, seed=cfg.train.seed, rank=run.rank, world_size=run.world_size)
         reward = RemoteScorer(cfg.reward.url, cfg.reward.server_reward) if cfg.reward.url else build_reward(
-            reward_spec(cfg.reward, tiny=cfg.model.path.startswith("tiny:"), video=cfg.model.family == "wan"))
+            reward_spec(cfg.reward, tiny=cfg.model.path.startswith("tiny:"), video=cfg.model.family in VIDEO))
         weights = component_weights(reward, cfg.algo.reward_aggregation)
         return State(cfg, run, family, family.ema, reward, weights, prompts, eval_prompts, sampler)
 

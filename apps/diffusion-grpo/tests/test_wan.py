@@ -1,5 +1,6 @@
-"""`model.family = "wan"`: Flow-GRPO on the tiny Wan 2.1 text-to-video pipeline, the preset a user
-runs (`configs/wan_tiny.toml`), and what the family refuses before any model loads."""
+"""`model.family = "wan"` and `"cosmos"`: Flow-GRPO on the tiny Wan 2.1 text-to-video and
+Cosmos-Predict2.5 text-to-world pipelines, the presets a user runs (`configs/wan_tiny.toml`,
+`configs/cosmos_tiny.toml`), and what the video families refuse before any model loads."""
 
 from __future__ import annotations
 
@@ -15,15 +16,17 @@ from safetensors.torch import load_file
 from rl_core.train import ConfigError
 
 WAN = APP / "configs" / "wan_tiny.toml"
+COSMOS = APP / "configs" / "cosmos_tiny.toml"
 
 
-def test_the_tiny_wan_run_trains_on_videos_and_writes_them(app, tmp_path: Path, capsys) -> None:
-    """`uv run apps/diffusion-grpo --config .../wan_tiny.toml` as a user runs it: every epoch's
+@pytest.mark.parametrize("preset", [WAN, COSMOS], ids=["wan", "cosmos"])
+def test_the_tiny_video_runs_train_on_videos_and_write_them(app, preset: Path, tmp_path: Path, capsys) -> None:
+    """`uv run apps/diffusion-grpo --config .../wan_tiny.toml` (or cosmos_tiny.toml) as a user runs it: every epoch's
     first replay equals the rollout's log-probs (on-policy, one kernel path), the policy's version
     counts its optimizer steps, both reward components are logged (brightness folded over the
     frames, temporal consistency of the whole video), the eval writes each video as a file and a
     contact sheet of first frames, and the exported LoRA moved off its zero init."""
-    run = app.main(["--config", str(WAN), f"train.output_dir={tmp_path}"])
+    run = app.main(["--config", str(preset), f"train.output_dir={tmp_path}"])
     with (run / "metrics.csv").open(newline="") as f:
         rows = [r for r in csv.DictReader(f) if r.get("reward/mean")]
     assert [int(float(r["rollout/weight_version"])) for r in rows] == [0, 2, 4, 6]  # 2 optimizer steps an epoch
@@ -46,6 +49,7 @@ def test_the_tiny_wan_run_trains_on_videos_and_writes_them(app, tmp_path: Path, 
     (("train.sharding=fsdp2",), r"model\.family='wan' trains with DDP"),
     (("reward.url=http://127.0.0.1:1",), r"videos are not sent to a reward server yet"),
     (("sampling.num_frames=6",), r"sampling\.num_frames=6: Wan's VAE takes 4k \+ 1 frames"),
+    (("model.family=cosmos", "model.path=tiny:cosmos", "sampling.num_frames=8"), r"num_frames=8: Wan's VAE takes 4k"),
     (("train.method=nft", "sampling.kind=ode", "sampling.guidance_scale=1"), r"model\.family='wan' is not done"),
 ])
 def test_what_the_wan_family_refuses_is_one_line_before_any_model_loads(app, extra, message) -> None:

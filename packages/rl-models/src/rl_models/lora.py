@@ -38,6 +38,7 @@ DEFAULT_TARGET_MODULES: dict[str, list[str] | str] = {
     # Wan 2.1: the self- and cross-attention projections of every block (diffusers' Wan LoRA
     # training and DanceGRPO's targets).
     "wan": ["to_q", "to_k", "to_v", "to_out.0"],
+    "cosmos": ["to_q", "to_k", "to_v", "to_out.0"],  # CosmosTransformer3DModel's self- and cross-attention
     "janus": r".*(language_model.*\.(" + "|".join(_QWEN_PROJ) + r")|generation_head\.proj_out)",
 }
 
@@ -65,7 +66,7 @@ def add_lora(
     """Wrap `model` with fresh LoRA adapters (`get_peft_model`); only they are trainable.
 
     `family` defaults to `model.config.model_type` for transformers models; pass "sd3" for an
-    `SD3Transformer2DModel`, "wan" for a `WanTransformer3DModel`. peft initialises B to zero, so
+    `SD3Transformer2DModel`, "wan" for a `WanTransformer3DModel`, "cosmos" for a `CosmosTransformer3DModel`. peft initialises B to zero, so
     the wrapped model starts equal to the base model (`init_lora_weights=False` gives random B,
     for tests).
     """
