@@ -57,10 +57,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rl_core.flow import host_randn
 from rl_models.loading import resolve_dtype
 from rl_rollout.diffusion import DiffusionEngine, PromptEmbeddings
-from rl_rollout.wan import decode_video
+from rl_rollout.wan import decode_video, video_noise, video_tokens
 
 try:  # the defining module: `diffusers.Cosmos2_5_PredictBasePipeline` reads as a dummy to mypy
     from diffusers.pipelines.cosmos.pipeline_cosmos2_5_predict import (
@@ -153,21 +152,12 @@ class CosmosEngine(DiffusionEngine):
                 "padding_mask": latents.new_zeros(1, 1, height * scale, width * scale)}  # [1, 1, H, W]
 
     def _sequence_length(self, latents: Tensor) -> int:
-        """Tokens of a video's latents `[B, C, F', h, w]` once patched."""
-        t, h, w = self._transformer_config.patch_size
-        return (latents.shape[-3] // t) * (latents.shape[-2] // h) * (latents.shape[-1] // w)
+        return video_tokens(self._transformer_config.patch_size, latents)
 
     def initial_noise(self, batch: int, height: int, width: int, generators: list[torch.Generator]) -> Tensor:
-        """Float32 noise `[B, C, F', h, w]` (C = `in_channels` - 1), one generator per sample."""
-        scale = self.pipeline.vae_scale_factor_spatial
-        patch = self._transformer_config.patch_size[1]
-        if height % (scale * patch) or width % (scale * patch):
-            raise ValueError(f"height and width must be multiples of {scale * patch} (VAE scale x patch size), "
-                             f"got {height}x{width}")
-        frames = (self.num_frames - 1) // self.pipeline.vae_scale_factor_temporal + 1
-        channels = self._transformer_config.in_channels - 1  # the last input channel is the condition mask
-        shape = (len(generators), channels, frames, height // scale, width // scale)
-        return host_randn(shape, generators, self.device)  # [B, C, F', h, w]
+        """Float32 noise `[B, C, F', h, w]` (C = `in_channels` - 1: the last input channel is the
+        condition mask), one generator per sample."""
+        return video_noise(self, generators, height, width, channels=self._transformer_config.in_channels - 1)
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:

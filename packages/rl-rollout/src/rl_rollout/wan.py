@@ -31,7 +31,7 @@ from rl_models.diffusion import require_diffusers
 from rl_models.loading import resolve_dtype
 from rl_rollout.diffusion import DiffusionEngine, PromptEmbeddings
 
-__all__ = ["WanEngine", "decode_video"]
+__all__ = ["WanEngine", "decode_video", "video_noise", "video_tokens"]
 
 
 class WanEngine(DiffusionEngine):
@@ -94,20 +94,11 @@ class WanEngine(DiffusionEngine):
         return {"encoder_hidden_states": embeds}
 
     def _sequence_length(self, latents: Tensor) -> int:
-        """Tokens of a video's latents `[B, C, F', h, w]` once patched."""
-        t, h, w = self._transformer_config.patch_size
-        return (latents.shape[-3] // t) * (latents.shape[-2] // h) * (latents.shape[-1] // w)
+        return video_tokens(self._transformer_config.patch_size, latents)
 
     def initial_noise(self, batch: int, height: int, width: int, generators: list[torch.Generator]) -> Tensor:
         """Float32 noise `[B, C, F', h, w]`, one generator per sample."""
-        scale = self.pipeline.vae_scale_factor_spatial
-        patch = self._transformer_config.patch_size[1]
-        if height % (scale * patch) or width % (scale * patch):
-            raise ValueError(f"height and width must be multiples of {scale * patch} (VAE scale x patch size), "
-                             f"got {height}x{width}")
-        frames = (self.num_frames - 1) // self.pipeline.vae_scale_factor_temporal + 1
-        shape = (len(generators), self._transformer_config.in_channels, frames, height // scale, width // scale)
-        return host_randn(shape, generators, self.device)  # [B, C, F', h, w]
+        return video_noise(self, generators, height, width, channels=self._transformer_config.in_channels)
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
@@ -116,6 +107,27 @@ class WanEngine(DiffusionEngine):
 
 
 @torch.no_grad()
+def video_tokens(patch_size: Sequence[int], latents: Tensor) -> int:
+    """Tokens of a video's latents `[B, C, F', h, w]` once patched by `patch_size` (t, h, w)."""
+    t, h, w = patch_size
+    return (latents.shape[-3] // t) * (latents.shape[-2] // h) * (latents.shape[-1] // w)
+
+
+def video_noise(engine: DiffusionEngine, generators: list[torch.Generator], height: int, width: int, *,
+                channels: int) -> Tensor:
+    """Float32 noise `[B, channels, F', h, w]` of a Wan-VAE video engine (Wan, Cosmos), one generator
+    per sample: F' = (num_frames - 1) / the VAE's temporal factor + 1, h and w the frame over its
+    spatial factor (which, times the patch size, must divide the frame)."""
+    pipeline, patch = engine.pipeline, engine._transformer_config.patch_size[1]
+    scale = pipeline.vae_scale_factor_spatial
+    if height % (scale * patch) or width % (scale * patch):
+        raise ValueError(f"height and width must be multiples of {scale * patch} (VAE scale x patch size), "
+                         f"got {height}x{width}")
+    frames = (engine.num_frames - 1) // pipeline.vae_scale_factor_temporal + 1  # type: ignore[attr-defined]
+    shape = (len(generators), channels, frames, height // scale, width // scale)
+    return host_randn(shape, generators, engine.device)  # [B, C, F', h, w]
+
+
 def decode_video(vae: Any, latents: Tensor) -> Tensor:
     """Frames `[B, F, 3, H, W]` float32 in [0, 1] of normalised latents `[B, C, F', h, w]` through
     Wan's VAE (`AutoencoderKLWan`, Cosmos-Predict2.5's too): un-normalised with its per-channel
