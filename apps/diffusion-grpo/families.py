@@ -105,7 +105,7 @@ class Family(Protocol):
     full: FullWeights | None = None  # a sharded model's whole copy, which the engine samples from
     ema: ParameterEMA  # the LoRA's EMA (train.ema_*), stepped by `weights` after each optimizer step
     weights: LoraPolicyWeights  # the rollout side's weights, as the loop drives them
-    old: OldPolicy | None = None  # train.method = "nft" (sd3): DiffusionNFT's old policy, which samples
+    old: OldPolicy | None = None  # train.method = "nft" (sd3, wan, cosmos): DiffusionNFT's old policy, which samples
 
     def collect(self, batches: list[SampleBatch]) -> Sequence[ImageSamples]:
         """The samples of each `SampleBatch` (its `sde_window`: sd3's stochastic steps, janus's

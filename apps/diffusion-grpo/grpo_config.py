@@ -140,8 +140,8 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     are noised again and trained with a velocity loss between an implicit positive and negative
     policy, weighted by the reward; an old policy, moved towards the trained one after each epoch
     ([nft] table), samples. Choose `nft` for a deterministic or few-step sampler, no CFG and no
-    log-probabilities (its paper reports up to 25x Flow-GRPO's efficiency); it needs model.family =
-    "sd3" and no Ray workers, FSDP2 or asynchronous rollouts (README: DiffusionNFT)."""
+    log-probabilities (its paper reports up to 25x Flow-GRPO's efficiency); it needs a flow family
+    (sd3, wan, cosmos) and no Ray workers, FSDP2 or asynchronous rollouts (README: DiffusionNFT)."""
     epochs: Positive = 100_000  # one epoch is one step of the trainer loop
     lr: PositiveFloat = 3e-4
     weight_decay: NonNegativeFloat = 1e-4
@@ -346,15 +346,15 @@ def first_replay_tolerance(cfg: Config, compiled: bool) -> float:
 
 def nft_problems(cfg: Config) -> list[tuple[bool, str]]:
     """train.method against the rest (a `check_config` rule list): GRPO needs log-probabilities;
-    DiffusionNFT's old policy lives in the trainer's SD3 engine."""
+    DiffusionNFT's old policy lives in the trainer's engine (SD3, Wan, Cosmos)."""
     t, r, s = cfg.train, cfg.rollout, cfg.sampling
     if t.method == "grpo":
         return [(s.kind == "ode", "sampling.kind='ode' samples no log-probability: train.method='grpo' needs 'sde' or "
                  "'cps' (or choose train.method='nft', which trains on the clean images of any sampler)")]
     why = "train.method='nft' (DiffusionNFT)"
     return [
-        (cfg.model.family != "sd3", f"{why} trains SD3's velocity: model.family={cfg.model.family!r} is not done; "
-         "set model.family='sd3' or train.method='grpo'"),
+        (cfg.model.family == "janus", f"{why} trains a flow model's velocity: model.family='janus' samples tokens; "
+         "set train.method='grpo'"),
         (t.max_staleness > 0, f"train.max_staleness={t.max_staleness}: {why} samples with its old policy, which "
          "asynchronous rollouts do not publish; set train.max_staleness=0 or train.method='grpo'"),
         (r.workers > 0, f"rollout.workers={r.workers}: {why} samples with its old policy in the trainer's engine; "
