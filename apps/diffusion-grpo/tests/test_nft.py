@@ -78,7 +78,7 @@ def test_failed_rewards_are_not_trained_and_nan_advantages_skip_the_step(app, st
 
 @pytest.mark.parametrize(("extra", "message"), [
     (("train.max_staleness=1",), r"train\.max_staleness=1: train\.method='nft' .* set train\.max_staleness=0"),
-    (("--config", str(CONFIGS["janus"])), r"train\.method='nft' .* model\.family='janus' is not done"),
+    (("--config", str(CONFIGS["janus"])), r"train\.method='nft' .* model\.family='janus' samples tokens"),
     (("rollout.workers=2",), r"rollout\.workers=2: train\.method='nft'"),
     (("train.sharding=fsdp2",), r"train\.sharding='fsdp2': train\.method='nft'"),
     (("sampling.guidance_scale=4.5",), r"sampling\.guidance_scale=4\.5: .* CFG-free"),
