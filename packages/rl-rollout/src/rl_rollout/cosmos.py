@@ -48,7 +48,6 @@ offered, as for Wan).
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -112,13 +111,7 @@ class CosmosEngine(DiffusionEngine):
         return cls(pipeline, num_frames=num_frames, negative_prompt=negative_prompt, device=device, compile=compile,
                    attention_backend=attention_backend, overlap_decode=overlap_decode, cuda_graphs=cuda_graphs)
 
-    def over(self, transformer: torch.nn.Module) -> CosmosEngine:
-        """As `DiffusionEngine.over`: an engine sampling with `transformer`, sharing the encoder and VAE."""
-        for block in getattr(transformer, self.blocks_attribute, []):
-            block.__dict__.pop("forward", None)
-        own = {name: copy.deepcopy(part) for name, part in self.pipeline.components.items()
-               if name in ("scheduler", "tokenizer")}
-        pipeline = type(self.pipeline)(**{**self.pipeline.components, **own, "transformer": transformer})
+    def _with_pipeline(self, pipeline: Any) -> CosmosEngine:
         return CosmosEngine(pipeline, num_frames=self.num_frames, negative_prompt=self.negative_prompt,
                             device=self.device, compile=self.compile, attention_backend=self.attention_backend,
                             overlap_decode=self.overlap_decode)

@@ -288,9 +288,13 @@ class DiffusionEngine:
         own = {name: copy.deepcopy(part) for name, part in pipeline.components.items()
                if name == "scheduler" or name.startswith("tokenizer")}
         parts = {**pipeline.components, **own, "transformer": transformer}
-        return DiffusionEngine(type(pipeline)(**parts), device=self.device, compile=self.compile,
-                               cuda_graphs=self.cuda_graphs, attention_backend=self.attention_backend,
-                               overlap_decode=self.overlap_decode)
+        return self._with_pipeline(type(pipeline)(**parts))
+
+    def _with_pipeline(self, pipeline: Any) -> DiffusionEngine:
+        """An engine of this one's kind and options over `pipeline` (`over`'s last step; a
+        subclass adds its own options)."""
+        return DiffusionEngine(pipeline, device=self.device, compile=self.compile, cuda_graphs=self.cuda_graphs,
+                               attention_backend=self.attention_backend, overlap_decode=self.overlap_decode)
 
     @property
     def transformer(self) -> torch.nn.Module:

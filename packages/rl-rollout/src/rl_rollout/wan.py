@@ -18,7 +18,6 @@ mean and std. `num_frames` is the engine's (one value a run): 4k + 1, as Wan's V
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -65,13 +64,7 @@ class WanEngine(DiffusionEngine):
         return cls(pipeline, num_frames=num_frames, device=device, compile=compile,
                    attention_backend=attention_backend, overlap_decode=overlap_decode, cuda_graphs=cuda_graphs)
 
-    def over(self, transformer: torch.nn.Module) -> WanEngine:
-        """As `DiffusionEngine.over`: an engine sampling with `transformer`, sharing the encoder and VAE."""
-        for block in getattr(transformer, self.blocks_attribute, []):
-            block.__dict__.pop("forward", None)
-        own = {name: copy.deepcopy(part) for name, part in self.pipeline.components.items()
-               if name in ("scheduler", "tokenizer")}
-        pipeline = type(self.pipeline)(**{**self.pipeline.components, **own, "transformer": transformer})
+    def _with_pipeline(self, pipeline: Any) -> WanEngine:
         return WanEngine(pipeline, num_frames=self.num_frames, device=self.device, compile=self.compile,
                          attention_backend=self.attention_backend, overlap_decode=self.overlap_decode)
 
