@@ -519,9 +519,8 @@ def test_haproxy_ports_are_outside_the_ranges_the_os_and_ray_hand_out():
     ports = [int(env[k]) for k in env if k.endswith("_PORT")]
     assert len(ports) == 6 and all(20000 <= p < 32768 and not low <= p <= high for p in ports), ports
     assert int(env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) - int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]) == 63
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        busy = taken.getsockname()[1]
+    with _taken_beside_a_free_port() as taken:
+        busy = taken.getsockname()[1]  # taken here; busy + 1 was free a moment ago
         ray_serve.LISTENER_PORTS, saved = range(busy, busy + 3), ray_serve.LISTENER_PORTS
         try:
             assert ray_serve.listener_port() == busy + 1
@@ -529,3 +528,18 @@ def test_haproxy_ports_are_outside_the_ranges_the_os_and_ray_hand_out():
                 ray_serve.listener_port(span=2)
         finally:
             ray_serve.LISTENER_PORTS = saved
+
+
+def _taken_beside_a_free_port() -> socket.socket:
+    """A socket bound to a port whose next port binds too (checked, then released)."""
+    for _ in range(50):
+        taken = socket.socket()
+        taken.bind(("127.0.0.1", 0))
+        with socket.socket() as neighbour:
+            try:
+                neighbour.bind(("127.0.0.1", taken.getsockname()[1] + 1))
+            except OSError:
+                taken.close()
+                continue
+        return taken
+    raise AssertionError("no port with a free neighbour in 50 tries")
