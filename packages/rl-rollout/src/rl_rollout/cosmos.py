@@ -58,6 +58,7 @@ from torch import Tensor
 
 from rl_models.loading import resolve_dtype
 from rl_rollout.diffusion import DiffusionEngine, PromptEmbeddings
+from rl_rollout.fp8 import Precision
 from rl_rollout.wan import decode_video, video_noise, video_tokens
 
 try:  # the defining module: `diffusers.Cosmos2_5_PredictBasePipeline` reads as a dummy to mypy
@@ -81,14 +82,15 @@ class CosmosEngine(DiffusionEngine):
 
     def __init__(self, pipeline: Any, *, num_frames: int = 93, negative_prompt: str = DEFAULT_NEGATIVE_PROMPT,
                  device: str | torch.device = "cpu", compile: bool | None = None, attention_backend: str = "auto",
-                 overlap_decode: bool | None = None, cuda_graphs: bool | None = None) -> None:
+                 overlap_decode: bool | None = None, cuda_graphs: bool | None = None,
+                 precision: Precision = "bf16") -> None:
         if num_frames < 1 or (num_frames - 1) % pipeline.vae_scale_factor_temporal:
             raise ValueError(f"num_frames={num_frames}: Cosmos' VAE (Wan's) takes {pipeline.vae_scale_factor_temporal}k"
                              " + 1 frames (1, 5, 9, ..., 93)")
         if cuda_graphs:
             raise ValueError("cuda_graphs: not offered for Cosmos (pass None or False)")
         super().__init__(pipeline, device=device, compile=compile, cuda_graphs=False,
-                         attention_backend=attention_backend, overlap_decode=overlap_decode)
+                         attention_backend=attention_backend, overlap_decode=overlap_decode, precision=precision)
         self.num_frames = num_frames
         self.negative_prompt = negative_prompt
 
@@ -98,7 +100,7 @@ class CosmosEngine(DiffusionEngine):
                         negative_prompt: str = DEFAULT_NEGATIVE_PROMPT, compile: bool | None = None,
                         attention_backend: str = "auto", overlap_decode: bool | None = None,
                         text_encoder_dtype: str | torch.dtype | None = None,
-                        cuda_graphs: bool | None = None) -> CosmosEngine:
+                        cuda_graphs: bool | None = None, precision: Precision = "bf16") -> CosmosEngine:
         """Load a diffusers Cosmos-Predict2.5 folder (nvidia/Cosmos-Predict2.5-2B's revision
         `diffusers/base/post-trained`, downloaded first) without its guardrail;
         `text_encoder_dtype` keeps the Qwen2.5-VL encoder in another dtype (bf16 beside an fp32
@@ -109,7 +111,8 @@ class CosmosEngine(DiffusionEngine):
         if text_encoder_dtype is not None:
             pipeline.text_encoder.to(resolve_dtype(text_encoder_dtype))
         return cls(pipeline, num_frames=num_frames, negative_prompt=negative_prompt, device=device, compile=compile,
-                   attention_backend=attention_backend, overlap_decode=overlap_decode, cuda_graphs=cuda_graphs)
+                   attention_backend=attention_backend, overlap_decode=overlap_decode, cuda_graphs=cuda_graphs,
+                   precision=precision)
 
     def _with_pipeline(self, pipeline: Any) -> CosmosEngine:
         return CosmosEngine(pipeline, num_frames=self.num_frames, negative_prompt=self.negative_prompt,

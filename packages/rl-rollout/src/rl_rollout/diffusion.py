@@ -44,6 +44,13 @@ compared alone with the compiled plain pipeline by benchmarks/diffusion_grpo.py)
   compiled forward resets torch.compile's caches.
 - `overlap_decode`: `sample_many` decodes batch k with the VAE on a side CUDA stream while batch
   k + 1 denoises; the last decode is waited for before it returns. CUDA only.
+- `precision`: `"fp8"` samples with FP8 GEMMs in the transformer blocks' linear layers
+  (`rl_rollout.fp8`: row-scaled e4m3 weights re-quantized when the weights change, activations
+  quantized per token; CUDA needs compute capability 9.0 and bf16 weights, the CPU emulates it);
+  `"bf16"` (the default) samples in the weights' own dtype. Replay always runs in the weights'
+  dtype, so FP8 rollouts are off-policy by the quantization's gap: a trainer rescores the old
+  log-probs and corrects the gap (diffusion-grpo's `rollout.precision`). Eval samples in the
+  engine's precision too.
 CFG needs no option: `[uncond; cond]` already run as one batched forward.
 
 For the replay: `pack_rows` regroups a trainer's micro-batches across sampled batches of one
@@ -67,6 +74,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rl_core.flow import SDEStep, host_randn, sde_step
 from rl_models.diffusion import load_sd3
+from rl_rollout.fp8 import Fp8Linears, Precision, check_precision
 
 try:  # the defining module: mypy reads `diffusers.StableDiffusion3Pipeline` as diffusers' dummy
     from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
@@ -222,8 +230,9 @@ class DiffusionEngine:
     compiling a forward fails, the engine warns and runs eagerly from then on (a backward graph
     compiles inside `loss.backward()`, outside the engine: its errors are not caught).
 
-    `cuda_graphs`, `attention_backend` and `overlap_decode` are the rollout options of the module
-    docstring (`None`/"auto": `AUTO_ON_CUDA` on CUDA, off on CPU); set the attributes to switch.
+    `cuda_graphs`, `attention_backend`, `overlap_decode` and `precision` are the rollout options of
+    the module docstring (`None`/"auto": `AUTO_ON_CUDA` on CUDA, off on CPU); set the attributes to
+    switch.
     Another flow-matching family subclasses it by its model's inputs and outputs
     (`rl_rollout.wan.WanEngine`, `rl_rollout.cosmos.CosmosEngine`): `encode`, `negative`,
     `_text_kwargs`, `_latent_kwargs`, `_sequence_length`, `initial_noise`, `decode` and
@@ -241,6 +250,7 @@ class DiffusionEngine:
         cuda_graphs: bool | None = None,
         attention_backend: str = "auto",
         overlap_decode: bool | None = None,
+        precision: Precision = "bf16",
     ):
         self.pipeline = pipeline
         self.device = torch.device(device)
@@ -255,6 +265,17 @@ class DiffusionEngine:
         self._graphs: dict[tuple[Any, ...], _Graph] = {}  # captured CFG forwards, by shapes and weights
         self._negative: dict[int, PromptEmbeddings] = {}
         self._asleep = False
+        self._fp8: Fp8Linears | None = None  # the blocks' FP8 weights (precision="fp8"), made at the first sample
+        self.precision = precision
+
+    @property
+    def precision(self) -> Precision:
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: Precision) -> None:
+        check_precision(value, self.device, self.pipeline.transformer.dtype)
+        self._precision = value
 
     @classmethod
     def from_pretrained(
@@ -268,13 +289,14 @@ class DiffusionEngine:
         cuda_graphs: bool | None = None,
         attention_backend: str = "auto",
         overlap_decode: bool | None = None,
+        precision: Precision = "bf16",
     ) -> DiffusionEngine:
         """Load a diffusers SD3/SD3.5 folder or hub id (e.g. stabilityai/stable-diffusion-3.5-medium)
         through `rl_models.diffusion.load_sd3`; `text_encoder_dtype` keeps the encoders in another
         dtype (bf16 encoders next to an fp32 transformer)."""
         pipeline = load_sd3(path, dtype=dtype, text_encoder_dtype=text_encoder_dtype)
         return cls(pipeline, device=device, compile=compile, cuda_graphs=cuda_graphs,
-                   attention_backend=attention_backend, overlap_decode=overlap_decode)
+                   attention_backend=attention_backend, overlap_decode=overlap_decode, precision=precision)
 
     def over(self, transformer: torch.nn.Module) -> DiffusionEngine:
         """An engine sampling with `transformer` (a copy of this one's, e.g. an asynchronous
@@ -288,7 +310,9 @@ class DiffusionEngine:
         own = {name: copy.deepcopy(part) for name, part in pipeline.components.items()
                if name == "scheduler" or name.startswith("tokenizer")}
         parts = {**pipeline.components, **own, "transformer": transformer}
-        return self._with_pipeline(type(pipeline)(**parts))
+        engine = self._with_pipeline(type(pipeline)(**parts))
+        engine.precision = self.precision
+        return engine
 
     def _with_pipeline(self, pipeline: Any) -> DiffusionEngine:
         """An engine of this one's kind and options over `pipeline` (`over`'s last step; a
@@ -559,9 +583,10 @@ class DiffusionEngine:
                 distinct = list(dict.fromkeys(batch.prompts))
                 encoded = self.encode(distinct, max_sequence_length=max_sequence_length)
                 batch = replace(batch, conditioning=encoded.index([distinct.index(p) for p in batch.prompts]))
-            traj = self._denoise(batch, num_steps=num_steps, guidance_scale=guidance_scale, height=height,
-                                 width=width, noise_level=noise_level, kind=kind,
-                                 max_sequence_length=max_sequence_length, keep_means=keep_means)
+            with self._sampling_precision():
+                traj = self._denoise(batch, num_steps=num_steps, guidance_scale=guidance_scale, height=height,
+                                     width=width, noise_level=noise_level, kind=kind,
+                                     max_sequence_length=max_sequence_length, keep_means=keep_means)
             final = traj.latents[:, -1]  # [B, C, h, w]
             if side is None or main is None:
                 out.append(replace(traj, images=self.decode(final)))
@@ -576,6 +601,17 @@ class DiffusionEngine:
             for traj in out:
                 traj.images.record_stream(main)
         return out
+
+    def _sampling_precision(self) -> contextlib.AbstractContextManager[None]:
+        """Sampling's matmul precision: with `precision="fp8"` the blocks' FP8 weights, re-quantized
+        where the weights changed (made again when the blocks did: LoRA added, a new transformer)."""
+        if self.precision != "fp8":
+            return contextlib.nullcontext()
+        blocks = getattr(self.transformer, self.blocks_attribute)
+        if self._fp8 is None or not self._fp8.covers(blocks):
+            self._fp8 = Fp8Linears(blocks)
+        self._fp8.refresh()
+        return self._fp8.active()
 
     def _denoise(
         self,
@@ -661,7 +697,7 @@ class DiffusionEngine:
         transformer = self.transformer
         weights = tuple(t.data_ptr() for t in (*transformer.parameters(), *transformer.buffers()))
         key = (tuple(latents.shape), tuple(embeds.shape), tuple(pooled.shape), embeds.dtype, guidance_scale,
-               tuple(map(id, transformer.modules())), weights, self.compile, self.attention_backend)
+               tuple(map(id, transformer.modules())), weights, self.compile, self.attention_backend, self.precision)
         if key not in self._graphs:
             if any(k[5:7] != key[5:7] for k in self._graphs):
                 self._graphs.clear()  # other modules or storage: those graphs would read stale weights
@@ -759,6 +795,7 @@ class DiffusionEngine:
         """Move every part to CPU and free the accelerator's cache (no-op on CPU)."""
         self.pipeline.to("cpu")
         self._graphs.clear()  # their memory; the weights come back elsewhere anyway
+        self._fp8 = None  # made again from the weights at the next sample
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         self._asleep = True

@@ -29,6 +29,7 @@ from rl_core.flow import host_randn
 from rl_models.diffusion import require_diffusers
 from rl_models.loading import resolve_dtype
 from rl_rollout.diffusion import DiffusionEngine, PromptEmbeddings
+from rl_rollout.fp8 import Precision
 
 __all__ = ["WanEngine", "decode_video", "video_noise", "video_tokens"]
 
@@ -48,21 +49,23 @@ class WanEngine(DiffusionEngine):
         if cuda_graphs:
             raise ValueError("cuda_graphs: not offered for Wan (pass None or False)")
         super().__init__(pipeline, device=device, compile=compile, cuda_graphs=False,
-                         attention_backend=attention_backend, overlap_decode=overlap_decode)
+                         attention_backend=attention_backend, overlap_decode=overlap_decode, precision=precision)
         self.num_frames = num_frames
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: str | torch.dtype = torch.float32,  # type: ignore[override]
                         device: str | torch.device = "cpu", num_frames: int = 33, compile: bool | None = None,
                         attention_backend: str = "auto", overlap_decode: bool | None = None,
-                        text_encoder_dtype: str | torch.dtype | None = None, cuda_graphs: bool | None = None) -> WanEngine:
+                        text_encoder_dtype: str | torch.dtype | None = None, cuda_graphs: bool | None = None,
+                        precision: Precision = "bf16") -> WanEngine:
         """Load a diffusers Wan 2.1 text-to-video folder or hub id (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers);
         `text_encoder_dtype` keeps the UMT5 encoder in another dtype."""
         pipeline = require_diffusers().WanPipeline.from_pretrained(str(path), dtype=resolve_dtype(dtype))
         if text_encoder_dtype is not None:
             pipeline.text_encoder.to(resolve_dtype(text_encoder_dtype))
         return cls(pipeline, num_frames=num_frames, device=device, compile=compile,
-                   attention_backend=attention_backend, overlap_decode=overlap_decode, cuda_graphs=cuda_graphs)
+                   attention_backend=attention_backend, overlap_decode=overlap_decode, cuda_graphs=cuda_graphs,
+                   precision=precision)
 
     def _with_pipeline(self, pipeline: Any) -> WanEngine:
         return WanEngine(pipeline, num_frames=self.num_frames, device=self.device, compile=self.compile,

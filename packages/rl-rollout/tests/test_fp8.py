@@ -1,0 +1,144 @@
+"""FP8 rollouts (`rl_rollout.fp8`, `DiffusionEngine(precision="fp8")`): the quantization by hand,
+the CPU emulation against a float32 product, the layer switch and its refresh, and the tiny SD3
+engine sampling in FP8 while its replay stays in the weights' dtype."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rl_models import tiny
+from rl_models.lora import add_lora
+from rl_rollout.diffusion import DiffusionEngine
+from rl_rollout.fp8 import FP8, Fp8Linears, check_precision, fp8_linear, quantize_rows, selected_linears
+
+PROMPTS = ['a sign that says "hello"', 'a poster reading "rl"']
+OPTIONS = {"num_steps": 4, "guidance_scale": 4.5, "height": 32, "width": 32, "seeds": [1, 2]}
+
+
+def test_quantize_rows_by_hand() -> None:
+    """Row 0's max is 448, e4m3's largest value: scale 1, and 1, -2 and 0 are exact. Row 1's
+    max 1 gives scale 1/448; 0.3 x 448 = 134.4 lies where e4m3 steps by 16, so it becomes 128
+    (0.2857 once scaled back). A row of zeros stays 0."""
+    x = torch.tensor([[448.0, 1.0, -2.0, 0.0], [1.0, 0.3, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    q, scale = quantize_rows(x)
+    assert q.dtype == FP8 and q.shape == (3, 4) and scale.shape == (3, 1) and scale.dtype == torch.float32
+    assert scale[0, 0] == 1.0 and scale[1, 0] == pytest.approx(1 / 448)
+    assert q[0].float().tolist() == [448.0, 1.0, -2.0, 0.0]
+    assert q[1].float().tolist() == [448.0, 128.0, 0.0, 0.0]
+    assert (q[1].float() * scale[1]).tolist() == pytest.approx([1.0, 128 / 448, 0.0, 0.0])
+    assert q[2].float().abs().sum() == 0
+
+
+def test_emulated_linear_is_the_dequantized_product_and_close_to_float32() -> None:
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(2, 5, 32), torch.randn(48, 32), torch.randn(48)  # [2, 5, K], [N, K], [N]
+    qw, sw = quantize_rows(weight)  # [N, K], [N, 1]
+    out = fp8_linear(x, qw, sw.t().contiguous(), bias)  # [2, 5, N]
+    qx, sx = quantize_rows(x.reshape(10, 32))
+    by_hand = (qx.float() * sx) @ (qw.float() * sw).t() + bias  # [10, N]
+    assert out.shape == (2, 5, 48)
+    assert torch.allclose(out.reshape(10, 48), by_hand, atol=1e-5)
+    exact = F.linear(x, weight, bias)
+    relative = (out - exact).norm() / exact.norm()
+    assert 1e-4 < relative < 0.1  # quantized (not the float32 product), within e4m3's 3 mantissa bits
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.odd = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32), torch.nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, 32] -> [B, 10]
+        return self.odd(self.down(torch.relu(self.up(x))))
+
+
+def test_switch_refresh_and_selection() -> None:
+    """Inside `active()` the aligned layers run the FP8 product and outside they are the plain
+    layers again; `refresh()` re-quantizes only the layers whose weight changed; a layer with a
+    dimension that does not divide by 16 is left alone."""
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(4, 32)
+    fp8 = Fp8Linears(block)
+    assert fp8.modules == [block.up, block.down]  # `odd` (32 -> 10) is not aligned
+    with pytest.raises(RuntimeError, match="before refresh"):
+        with fp8.active():
+            pass
+    assert fp8.refresh() == 2 and fp8.refresh() == 0
+    assert fp8.nbytes() == 32 * 64 + 64 * 32 + 4 * (64 + 32)
+    plain = block(x)
+    with torch.no_grad(), fp8.active():
+        quantized = block(x)
+    assert not torch.equal(plain, quantized) and torch.allclose(plain, quantized, atol=0.05)
+    assert torch.equal(block(x), plain) and "forward" not in block.up.__dict__
+    with torch.no_grad():
+        block.down.weight.mul_(2.0)  # an optimizer step, in place: the version counter moves
+    assert fp8.refresh() == 1
+    with torch.no_grad(), fp8.active():
+        assert not torch.equal(block(x), quantized)
+
+
+def test_lora_adapters_stay_out_and_a_copy_is_seen() -> None:
+    """peft keeps each linear as its LoRA layer's base layer: the same modules stay quantized,
+    the adapters (lora_A, lora_B) are not added. A copy of the blocks has other modules."""
+    engine = DiffusionEngine.from_pretrained(str(tiny.build("sd3")), dtype=torch.float32)
+    blocks = engine.transformer.transformer_blocks
+    fp8 = Fp8Linears(blocks)
+    assert len(fp8.modules) > 0 and fp8.covers(blocks)
+    add_lora(engine.transformer, family="sd3", r=4, alpha=8)
+    assert fp8.covers(blocks)
+    assert not fp8.covers(copy.deepcopy(blocks))
+
+
+def test_precision_is_checked() -> None:
+    with pytest.raises(ValueError, match="choose 'bf16'"):
+        check_precision("int4", torch.device("cpu"), torch.float32)
+    check_precision("fp8", torch.device("cpu"), torch.float32)  # emulated on the CPU
+
+
+@pytest.fixture(scope="module")
+def engine() -> DiffusionEngine:
+    torch.manual_seed(0)
+    return DiffusionEngine.from_pretrained(str(tiny.build("sd3")), dtype=torch.float32)
+
+
+def test_fp8_sampling_is_off_policy_by_a_small_gap_and_replay_stays_exact(engine: DiffusionEngine) -> None:
+    """The FP8 rollout draws other latents from the same seeds, close to the weights' own; its
+    replay (the weights' dtype) differs from its log-probs by the quantization's gap, which
+    `precision="bf16"` does not have."""
+    engine.precision = "bf16"
+    exact = engine.sample(PROMPTS, **OPTIONS)
+    assert torch.equal(engine.replay(exact, 1).log_prob, exact.log_probs[:, 1])
+    engine.precision = "fp8"
+    try:
+        fp8 = engine.sample(PROMPTS, **OPTIONS)
+        over = engine.over(engine.transformer)
+        assert over.precision == "fp8"
+    finally:
+        engine.precision = "bf16"
+    assert not torch.equal(fp8.latents, exact.latents)
+    assert torch.allclose(fp8.latents, exact.latents, atol=0.2)
+    gaps = torch.stack([engine.replay(fp8, k).log_prob - fp8.log_probs[:, k] for k in range(4)])  # [S, B]
+    assert 0 < gaps.abs().max() < 0.01
+    assert torch.equal(engine.replay(exact, 1).log_prob, exact.log_probs[:, 1])  # the layers are plain again
+
+
+def test_fp8_weights_follow_the_weights(engine: DiffusionEngine) -> None:
+    """An in-place change of the weights (what an optimizer step or a push does) is sampled at
+    the next call: the FP8 copy is re-quantized, and sampling again without a change repeats."""
+    engine.precision = "fp8"
+    linear = selected_linears(engine.transformer.transformer_blocks)[0]
+    saved = linear.weight.detach().clone()
+    try:
+        first = engine.sample(PROMPTS, **OPTIONS)
+        assert torch.equal(engine.sample(PROMPTS, **OPTIONS).latents, first.latents)
+        with torch.no_grad():
+            linear.weight.mul_(3.0)
+        assert not torch.equal(engine.sample(PROMPTS, **OPTIONS).latents, first.latents)
+    finally:
+        with torch.no_grad():
+            linear.weight.copy_(saved)
+        engine.precision = "bf16"
