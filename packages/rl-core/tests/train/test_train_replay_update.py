@@ -12,14 +12,15 @@ from accelerate import Accelerator
 
 from rl_core.losses import aggregate
 from rl_core.train import NonFiniteError, NonFiniteGuard
-from rl_core.train.replay_update import Replay, replay_update
+from rl_core.train.replay_update import Replay, RolloutCorrection, replay_update
 
 X = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3) / 10  # [8, 3]
 ADV = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 1.0])  # [8]
 
 
 def _run(plan: list[list[tuple[list[int], float]]], *, adv: torch.Tensor = ADV, old_shift: float = 0.0,
-         kl_beta: float = 0.0, tolerance: float | None = 1e-6, guard: NonFiniteGuard | None = None):
+         kl_beta: float = 0.0, tolerance: float | None = 1e-6, guard: NonFiniteGuard | None = None,
+         rescore: bool = False, correction: RolloutCorrection = RolloutCorrection()):
     acc = Accelerator(cpu=True)
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2, bias=False)
@@ -34,9 +35,13 @@ def _run(plan: list[list[tuple[list[int], float]]], *, adv: torch.Tensor = ADV, 
         logp = torch.nn.functional.logsigmoid(model(X[rows]))  # [b, 2]
         return Replay(logp, old[rows], adv[rows], weight, kl=(logp - old[rows]) ** 2)
 
+    def trainer_logp(micro: tuple[list[int], float]) -> torch.Tensor:
+        return torch.nn.functional.logsigmoid(model(X[micro[0]]))  # [b, 2]
+
     metrics = replay_update(acc, model, optimizer, plan, replay, units=lambda m: 2.0 * len(m[0]) * m[1],
                             clip_range=0.2, kl_beta=kl_beta, grad_clip=None, guard=guard or NonFiniteGuard(),
-                            filler=([0], 0.0), tolerance=tolerance, after_step=lambda: steps.append(1))
+                            filler=([0], 0.0), tolerance=tolerance, after_step=lambda: steps.append(1),
+                            rescore=trainer_logp if rescore else None, correction=correction)
     return start, acc.unwrap_model(model).weight.detach().clone(), metrics, len(steps)
 
 
@@ -147,3 +152,30 @@ def test_a_log_ratio_replaces_the_ratio_and_policy_scale_scales_the_policy_loss(
     assert halved_metrics["loss/policy"] == pytest.approx(2 * plain_metrics["loss/policy"])  # 2 x -mean(adv x 1)
     with pytest.raises(RuntimeError, match=r"guarded replay: mean \|engine logp - trainer logp\| = 0.001"):
         run(halve=True, old_shift=1e-3)
+
+
+def test_a_rescored_update_trains_on_the_trainers_log_probs_and_corrects_the_engines_gap() -> None:
+    """The engine's log-probs sit d = 0.1 above the trainer's on every unit (an FP8 rollout, say).
+    Rescored, the ratio's old log-probs are the trainer's: the first replay passes a 1e-6
+    tolerance and, uncorrected, the step is the on-policy one. The gap is logged: |d|, and the
+    k3 KL e^-d - 1 + d. TIS weighs every unit by e^-d, so the SGD step shrinks by that factor;
+    IcePop's mask [0.5, 2] keeps them (e^-0.1 = 0.905) and at d = 1 (e^-1 = 0.37) drops them all."""
+    d = 0.1
+    start, on_policy, _, _ = _run([[(list(range(8)), 1.0)]])
+    _, rescored, metrics, _ = _run([[(list(range(8)), 1.0)]], old_shift=d, rescore=True)
+    torch.testing.assert_close(rescored, on_policy, atol=1e-7, rtol=0)
+    assert metrics["rollout/logp_gap_mean"] == pytest.approx(d) and metrics["rollout/logp_gap_max"] == pytest.approx(d)
+    assert metrics["rollout/kl"] == pytest.approx(math.exp(-d) - 1 + d, rel=1e-4)
+    assert metrics["replay/engine_diff_mean"] == 0.0
+    _, tis, metrics, _ = _run([[(list(range(8)), 1.0)]], old_shift=d, rescore=True,
+                              correction=RolloutCorrection("token_truncate", None, 3.0))
+    torch.testing.assert_close(tis, start + math.exp(-d) * (on_policy - start), atol=1e-6, rtol=0)
+    assert metrics["policy/is_ratio_mean"] == pytest.approx(math.exp(-d), rel=1e-5)
+    _, kept, metrics, _ = _run([[(list(range(8)), 1.0)]], old_shift=d, rescore=True,
+                               correction=RolloutCorrection("token_mask", 0.5, 2.0))
+    assert metrics["policy/is_masked"] == 0.0 and not torch.equal(kept, start)
+    _, masked, metrics, _ = _run([[(list(range(8)), 1.0)]], old_shift=1.0, rescore=True,
+                                 correction=RolloutCorrection("token_mask", 0.5, 2.0))
+    assert metrics["policy/is_masked"] == 1.0 and torch.equal(masked, start)
+    with pytest.raises(KeyError, match="rollout correction"):
+        _run([[(list(range(8)), 1.0)]], rescore=True, correction=RolloutCorrection("tis"))

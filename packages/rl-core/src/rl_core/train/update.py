@@ -239,12 +239,17 @@ class ReplayCheck:
         total, count = _reduce(accelerator, [self.total, float(self.count)], "sum")
         return total / max(count, 1.0), _reduce(accelerator, [self.max], "max")[0]
 
+    def kl_mean(self, accelerator: Any = None) -> float:
+        """The k3 KL(engine || trainer) per unit over every process."""
+        kl, count = _reduce(accelerator, [self.kl, float(self.count)], "sum")
+        return kl / max(count, 1.0)
+
     def verify(self, accelerator: Any, tolerance: float, what: str) -> dict[str, float]:
         """Raise when the mean difference exceeds `tolerance`; returns the metrics."""
         mean, peak = self.reduce(accelerator)
-        kl, count = _reduce(accelerator, [self.kl, float(self.count)], "sum")
+        kl = self.kl_mean(accelerator)
         if not mean <= tolerance:
             raise RuntimeError(f"{what}: mean |engine logp - trainer logp| = {mean:.3g} > tolerance {tolerance} "
                                f"(max {peak:.3g}): the rollout engine and the training model disagree (prompts, "
                                "media, weights, dtype or step function differ)")
-        return {"replay/engine_diff_mean": mean, "replay/engine_diff_max": peak, "replay/engine_kl": kl / max(count, 1.0)}
+        return {"replay/engine_diff_mean": mean, "replay/engine_diff_max": peak, "replay/engine_kl": kl}
