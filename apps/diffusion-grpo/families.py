@@ -3,26 +3,18 @@ chosen once at setup: build the image engine and the LoRA model the optimizer st
 sample a step's images, say how the update replays them (`replay_update`'s callback) and sample
 the eval images.
 
-- `sd3`: Flow-GRPO on SD3/SD3.5. A unit is a stochastic denoising step: each (micro-batch,
-  trained step) pair is one forward and backward (CFG recomputed, unconditional branch
-  detached); KL = Flow-GRPO's flow KL to the LoRA-disabled model. `train.sharding = "fsdp2"`
-  shards the transformer; the rollout, eval and exports then use an unsharded copy filled by one
-  all-gather per phase (`FullWeights`, `time/weight_gather`). `rollout.workers > 0` samples on
-  Ray actors holding the trainer's LoRA, pushed with its optimizer-step count before a rollout
-  (a worker holding another version refuses). VRL's placements: `split` (actors on GPUs of their
-  own), `colocated` (on the trainer's GPU, asleep during the update), or a running cluster
-  (`rollout.ray_address`, env RAY_ADDRESS).
-  With `train.method = "nft"` (DiffusionNFT, `nft.py`) an `OldPolicy` (a LoRA copy over the same
-  frozen base, `rl_policy.lora_weights.LoraCopy`) samples the rollouts, in process.
-- `janus`: token-level GRPO on Janus-Pro image tokens (VRL's autoregressive trainer). A unit is
-  an image token carrying its sample's advantage; KL = `algo.kl` per token to the LoRA-disabled
-  model.
+- `sd3` (and the video families `wan`, `cosmos`): Flow-GRPO. A unit is a stochastic denoising
+  step: each (micro-batch, trained step) pair is one forward and backward (CFG recomputed,
+  unconditional branch detached); KL = the flow KL to the LoRA-disabled model. With
+  `train.sharding = "fsdp2"` the rollout, eval and exports use an unsharded copy gathered once
+  per phase (`FullWeights`); `rollout.workers > 0` samples on Ray actors (`rollout.placement`)
+  holding the trainer's LoRA by version; `train.method = "nft"` samples with an `OldPolicy`.
+- `janus`: token-level GRPO on Janus-Pro image tokens. A unit is an image token carrying its
+  sample's advantage; KL = `algo.kl` per token to the LoRA-disabled model.
 
 The loop moves the weights through each family's `weights` (`rl_policy.lora_weights`), which
-also step the LoRA's EMA (`train.ema_*`) after each optimizer step: Ray workers get the trained
-LoRA by version, and an asynchronous run (`train.max_staleness >= 1`) samples on the rollout
-thread with an engine of its own over the rollout's copy of the LoRA model (`on_copy`); the
-trainer's engine keeps the eval.
+also step the LoRA's EMA after each optimizer step; an asynchronous run samples on the rollout
+thread with an engine of its own over the rollout's copy of the LoRA model (`on_copy`).
 """
 
 from __future__ import annotations
@@ -96,6 +88,7 @@ class Replays:
     filler: Any
     tolerance: float | None
     steps: Sequence[Sequence[int]] = ()  # the replayed denoising steps (sd3) or trained token positions (janus windows) of each sampled batch
+    rescore: Callable[[Any], torch.Tensor] | None = None  # rollout.precision = "fp8": the trainer's old log-probs
 
 
 class Family(Protocol):
@@ -130,7 +123,7 @@ class SD3(Family):
         self.tolerance = first_replay_tolerance(cfg, self.compiled)
         self.engine = cast(DiffusionEngine, build_image_engine(
             self.kind, path=path, dtype=m.dtype, device=acc.device, text_encoder_dtype=m.text_encoder_dtype,
-            compile=self.compiled, **rollout_options(s), **self.engine_options()))
+            compile=self.compiled, precision=cfg.rollout.precision, **rollout_options(s), **self.engine_options()))
         self.engine.transformer.requires_grad_(False)
         self.peft = add_lora(self.engine.transformer, family=self.kind, r=m.lora_rank, alpha=m.lora_alpha,
                              target_modules=m.lora_targets)
@@ -197,9 +190,13 @@ class SD3(Family):
                 return Replay(out.log_prob[:, None], old, advs[k][rows], weight, kl=kl)
             return Replay(out.log_prob[:, None], old, advs[k][rows], weight, kl=kl, **guarded(traj, step, rows, out))
 
+        def logp(micro: tuple[int, torch.Tensor, float, int]) -> torch.Tensor:  # [b, 1] under the trainer's weights
+            return self.engine.replay(sources[micro[0]][0], micro[3], rows=micro[1], model=self.model).log_prob[:, None]
+
         window = [[(k, rows, weight, step) for k, rows, weight in micro for step in sources[k][1]] for micro in packed]
         return Replays(window, replay, units=lambda m: float(len(m[1])) * m[2],
-                       filler=(0, torch.tensor([0]), 0.0, steps[0][0]), tolerance=self.tolerance, steps=steps)
+                       filler=(0, torch.tensor([0]), 0.0, steps[0][0]), tolerance=self.tolerance, steps=steps,
+                       rescore=logp if self.cfg.rollout.precision == "fp8" else None)
 
     def eval_images(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
         e, s = self.cfg.eval, self.cfg.sampling  # the deterministic ODE sampler, `eval.num_steps` steps
@@ -321,7 +318,8 @@ def worker_spec(cfg: Config, path: str, compile: bool) -> EngineSpec:
     m = cfg.model
     return EngineSpec(factory=build_sd3_lora_engine, load_weights=load_lora, kwargs={
         "path": path, "dtype": m.dtype, "text_encoder_dtype": m.text_encoder_dtype, "lora_rank": m.lora_rank,
-        "lora_alpha": m.lora_alpha, "lora_targets": m.lora_targets, "compile": compile, **rollout_options(cfg.sampling)})
+        "lora_alpha": m.lora_alpha, "lora_targets": m.lora_targets, "compile": compile, "precision": cfg.rollout.precision,
+        **rollout_options(cfg.sampling)})
 
 
 class Wan(SD3):

@@ -21,9 +21,11 @@ from rl_core.train import (
     Positive,
     PositiveFloat,
     RewardAggregationName,
+    RolloutCorrectionName,
     RunFields,
     UnitInterval,
     UserError,
+    resolve_path,
 )
 from rl_core.train.entry import AppEntry
 from rl_rewards import Component, RewardSpec, load_spec
@@ -114,6 +116,9 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     ray_address: str | None = None  # join this Ray cluster (env RAY_ADDRESS); None starts a local one
     temperature: PositiveFloat = 1.0  # janus: image-token sampling temperature (Janus-Pro: 1); sd3 has none
     compile: bool | None = None  # janus: compile the decode step (None: on CUDA); sd3 compiles with model.compile
+    precision: Literal["bf16", "fp8"] = "bf16"
+    """`fp8`: sample with FP8 matmuls (sd3, wan, cosmos; an H100/H200, emulated on the CPU), the update
+    in model.dtype on old log-probs rescored by the trainer, the gap corrected by algo.rollout_correction."""
 
 
 class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -206,6 +211,9 @@ class AlgoConfig(msgspec.Struct, kw_only=True, frozen=True):
     other micro-batches, zero_adv='flow_grpo' shuffling, Janus decode log-probs) 1e-4 in float32 and
     5e-2 in bf16, where a kernel's rounding shows. A number is used as given. With train.max_staleness >= 1 only the first epoch is
     checked (later ones are sampled by older weights)."""
+    rollout_correction: RolloutCorrectionName = "none"  # rollout.precision='fp8': token_truncate (TIS), token_mask (MIS)
+    rollout_clip_min: NonNegativeFloat | None = None  # its weight's bounds: a step's log-prob is a mean, keep them near 1
+    rollout_clip_max: PositiveFloat | None = 3.0
 
 
 class EvalConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -277,6 +285,8 @@ def check_config(cfg: Config, world_size: int) -> None:
     images = r.groups_per_epoch // world_size * r.n  # per process
     refused = [
         (r.n < 2, f"rollout.n={r.n}: GRPO compares the images of one prompt with each other and needs rollout.n >= 2"),
+        (m.family == "janus" and r.precision == "fp8", "rollout.precision='fp8' samples flow families (sd3, wan, "
+         "cosmos): set rollout.precision='bf16' for model.family='janus'"),
         (m.family != "sd3" and r.workers > 0, f"rollout.workers={r.workers}: Ray rollout workers serve the sd3 "
          f"family only; set rollout.workers=0 for model.family={m.family!r}"),
         (m.family != "sd3" and t.sharding != "none", f"train.sharding={t.sharding!r} shards the SD3 transformer; "
@@ -337,8 +347,8 @@ def first_replay_tolerance(cfg: Config, compiled: bool) -> float:
     if cfg.algo.replay_tolerance is not None:
         return cfg.algo.replay_tolerance
     janus_decode = cfg.model.family == "janus" and cfg.janus.logprobs == "decode"
-    same_kernels = (not compiled and not janus_decode and t.zero_adv == "drop"
-                    and t.micro_batch_size == cfg.rollout.sample_batch_size)
+    same_kernels = not compiled and not janus_decode and (cfg.rollout.precision == "fp8" or (  # fp8: rescored alike
+        t.zero_adv == "drop" and t.micro_batch_size == cfg.rollout.sample_batch_size))
     if same_kernels:
         return 1e-5
     return 1e-4 if cfg.model.dtype == "float32" else 5e-2
@@ -379,6 +389,7 @@ def guard_problems(cfg: Config) -> list[tuple[bool, str]]:
          "train.ratio_norm=false"),
         (cfg.train.method != "grpo", f"{why}: train.method={cfg.train.method!r} has no ratio; set "
          "train.ratio_norm=false"),
+        (cfg.rollout.precision == "fp8", f"{why}: rollout.precision='fp8' rescores the old log-probs, not the means"),
         (cfg.model.family == "sd3" and cfg.train.method == "grpo" and cfg.sampling.kind != "sde",
          f"{why}: sampling.kind={cfg.sampling.kind!r} is not done (upstream's form is the sde step's); set "
          "sampling.kind='sde'"),
@@ -424,18 +435,13 @@ def window_problems(cfg: Config) -> list[tuple[bool, str]]:
     ]
 
 
-def resolve_path(path: str) -> str:
-    """A data path as given, else relative to the repository root (examples/...), else a Hub id."""
-    return path if Path(path).exists() or not (REPO / path).exists() else str(REPO / path)
-
-
 def read_prompts(source: str, key: str) -> list[OCRPrompt]:
     """The OCR prompts of a manifest file, a save_to_disk directory or a cached Hub id (a `prompt`
     or `text` column); a missing or empty source or a bad line is a `UserError` naming `key`."""
     from rl_data import open_source  # imported here: it loads pyarrow, which `--help` does not need
 
     try:
-        prompts = list(open_source(resolve_path(source), kind="ocr"))
+        prompts = list(open_source(resolve_path(source, REPO), kind="ocr"))
     except (FileNotFoundError, ValueError) as e:  # missing; not a dataset dir; several splits; a bad line
         raise UserError(f"{key}: {e}") from None
     if not prompts:
@@ -462,7 +468,7 @@ def reward_spec(cfg: RewardConfig, *, tiny: bool, video: bool = False) -> Reward
 def _reward_spec(cfg: RewardConfig, *, tiny: bool) -> RewardSpec:
     if isinstance(cfg.spec, str):
         try:
-            return load_spec(resolve_path(cfg.spec))
+            return load_spec(resolve_path(cfg.spec, REPO))
         except (OSError, ValueError) as e:
             raise UserError(f"reward.spec={cfg.spec!r}: {e}") from None
     if cfg.spec is not None:

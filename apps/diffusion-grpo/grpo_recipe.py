@@ -6,17 +6,11 @@ canonical recipe, `experiment/diffusion/sd3_5/online_grpo_ocr`), on the shared t
     accelerate launch apps/diffusion-grpo/__main__.py --config FILE  # one process per GPU
 
 A step is an epoch: `rollout.groups_per_epoch` prompts x `rollout.n` images (SDE sampler, per-step
-log-probs kept) -> reward -> GRPO advantages (global std, clip 5) -> update (zero-advantage images
-dropped or refilled, `rl_core.train.plan_micro_batches`; the stored steps replayed: `ppo_clip` +
-beta x flow KL to the LoRA-disabled model, AdamW, EMA stepped with the policy's weights) -> log
--> checkpoint -> eval (ODE, EMA weights, fixed seeds, contact sheet). `model.family = "janus"`
-trains Janus-Pro image tokens (families.py). `train.method = "nft"` replaces the update with
-DiffusionNFT's (nft.py): an old policy samples with any sampler, the clean images are trained on
-the forward process, every scored image counts.
-`train.max_staleness >= 1` samples on the loop's rollout thread (`sample`) from the weights of
-an earlier step (the family's `weights`, families.py) while the trainer updates.
-`__main__.py` reads the command line and the config (`grpo_config.py`) before this module and
-torch load.
+log-probs kept) -> reward -> GRPO advantages -> update (`plan_micro_batches`; the stored steps
+replayed: `ppo_clip` + beta x flow KL to the LoRA-disabled model, AdamW, EMA) -> log ->
+checkpoint -> eval (ODE, EMA weights, fixed seeds, contact sheet). The families (sd3, wan,
+cosmos, janus) are families.py's; `train.method = "nft"` is nft.py's update. `__main__.py` reads
+the command line and the config (`grpo_config.py`) before this module and torch load.
 """
 
 from __future__ import annotations
@@ -54,6 +48,7 @@ from rl_core.train import (
     Micro,
     ParameterEMA,
     Recipe,
+    RolloutCorrection,
     RunContext,
     Schedule,
     Scores,
@@ -199,7 +194,8 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         metrics |= replay_update(
             acc, f.model, f.optimizer, job.plan, job.replay, units=job.units, clip_range=t.clip_range,
             kl_beta=state.cfg.algo.kl_coef, grad_clip=t.grad_clip, guard=run.guard, filler=job.filler,
-            tolerance=tolerance,
+            tolerance=tolerance, rescore=job.rescore, correction=RolloutCorrection(
+                state.cfg.algo.rollout_correction, state.cfg.algo.rollout_clip_min, state.cfg.algo.rollout_clip_max),
             what=f"step {step}: first replay, |log ratio| vs algo.replay_tolerance (bf16 "
                  "with micro_batch_size != sample_batch_size needs a looser tolerance)")
         if job.steps:  # how many denoising steps (sd3) or token positions (janus) a sampled batch trains, and which

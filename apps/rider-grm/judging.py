@@ -13,10 +13,10 @@ from typing import Any, cast
 import httpx
 import msgspec
 import torch
-from rider_config import JudgeConfig, judge_name, resolve_model, resolve_path
+from rider_config import REPO_ROOT, JudgeConfig, judge_name, resolve_model
 from transformers import AutoTokenizer
 
-from rl_core.train import ConfigError, PhaseTimer, PinnedOffload, UserError
+from rl_core.train import ConfigError, PhaseTimer, PinnedOffload, UserError, resolve_path
 from rl_policy.engine import PolicyEngine
 from rl_rewards.client import (
     RemoteScorer,
@@ -182,8 +182,8 @@ def build_judge(i: int, judge: JudgeConfig, device: torch.device, timer: PhaseTi
     inner = load_engine(kind, model, key=key, in_process=False, **where, **judge.engine_options)
     offload = PinnedOffload(cast(HFEngine, inner).model, device) if kind == "hf" and device.type != "cpu" else None
     engine = RecordingEngine(inner)
-    scorer = JudgeScorer(engine, AutoTokenizer.from_pretrained(resolve_path(judge.tokenizer or model)),
-                         resolve_path(judge.module), temperature=judge.temperature, max_new_tokens=judge.max_new_tokens,
+    scorer = JudgeScorer(engine, AutoTokenizer.from_pretrained(resolve_path(judge.tokenizer or model, REPO_ROOT)),
+                         resolve_path(judge.module, REPO_ROOT), temperature=judge.temperature, max_new_tokens=judge.max_new_tokens,
                          seed=judge.seed, completion_field=judge.completion_field, on_malformed=judge.on_malformed)
     out = Judge(judge_name(judge), i, scorer, timer, engine=engine, offload=offload, use_rm_prompt=prompt, swap=sleep)
     if sleep:

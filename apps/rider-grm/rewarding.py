@@ -11,9 +11,9 @@ from typing import Any, Literal, cast
 import torch
 from accelerate.utils import gather_object
 from judging import Judge, JudgeLog
-from rider_config import Config, JudgeConfig, read_spec, resolve_model, resolve_path
+from rider_config import REPO_ROOT, Config, JudgeConfig, read_spec, resolve_model
 
-from rl_core.train import PhaseTimer, UserError
+from rl_core.train import PhaseTimer, UserError, resolve_path
 from rl_data import JudgeRecord, open_source
 from rl_rewards.composition import Reward, build_reward
 from rl_rewards.registry import build_scorer
@@ -34,7 +34,7 @@ def load_records(files: list[str], tokenizer: Any, cfg: Config, rm_prompts: int 
     data, limit, records = cfg.data, cfg.rollout.max_prompt_length, []
     for file in files:
         try:  # a parquet/JSONL file, a save_to_disk directory, or a Hub id in the local cache
-            reader = open_source(resolve_path(file), kind="judge")
+            reader = open_source(resolve_path(file, REPO_ROOT), kind="judge")
         except FileNotFoundError as e:
             detail = "" if str(e).startswith("data file not found") else f": {e}"  # why a dir / Hub id failed
             raise UserError(f"data file not found: {file} (data.train_files / data.val_files){detail}") from None
@@ -76,7 +76,7 @@ def compose_reward(cfg: Config, judges: list[Judge], configs: list[JudgeConfig],
     scorers: dict[str, Any] = {}
     if cfg.reward.rule is not None:
         components["rule"] = Component(scorer="rule", weight=cfg.reward.rule_weight)
-        scorers["rule"] = TimedScorer(RuleScorer(resolve_path(cfg.reward.rule)), timer, "rule")
+        scorers["rule"] = TimedScorer(RuleScorer(resolve_path(cfg.reward.rule, REPO_ROOT)), timer, "rule")
     emb = cfg.reward.embedding
     if emb.model is not None and emb.position == "after_rule":
         _add_similarity(cfg, components, scorers, timer, device)

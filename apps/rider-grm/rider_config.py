@@ -25,6 +25,7 @@ from rl_core.train import (
     TokenPolicyFields,
     TokenTrainFields,
     UnitInterval,
+    resolve_path,
 )
 from rl_core.train.entry import AppEntry
 from rl_policy.placement import PolicyRolloutFields
@@ -284,7 +285,7 @@ def _user_code(key: str, value: str, load: Callable[[str], object]) -> None:
     """Import a user's rule or judge module now: a missing file, a syntax or import error, or a
     missing function is one line naming the key."""
     try:
-        load(resolve_path(value))
+        load(resolve_path(value, REPO_ROOT))
     except Exception as e:  # anything the user's module raises on import
         raise ConfigError(f"{key}={value!r}: {type(e).__name__}: {' '.join(str(e).split())}") from None
 
@@ -294,7 +295,7 @@ def read_spec(reward: RewardConfig) -> RewardSpec | None:
     if not isinstance(reward.spec, str):
         return reward.spec
     try:
-        return load_spec(resolve_path(reward.spec))
+        return load_spec(resolve_path(reward.spec, REPO_ROOT))
     except (OSError, ValueError) as e:
         raise ConfigError(f"reward.spec={reward.spec!r}: {e}") from None
 
@@ -307,20 +308,13 @@ def judge_name(judge: JudgeConfig) -> str:
     return judge.module.removesuffix(".py").replace("/", ".").split(".")[-1]
 
 
-def resolve_path(path: str) -> str:
-    """Relative paths are tried against the working directory, then the repository root."""
-    if Path(path).exists() or Path(path).is_absolute() or not (REPO_ROOT / path).exists():
-        return path
-    return str(REPO_ROOT / path)
-
-
 def resolve_model(spec: str, key: str = "model.path") -> str:
     """`tiny:<family>[:seed]` -> a tiny random checkpoint folder; a relative folder is tried
     against the working directory, then the repository root (`rl_models.tiny.resolve`; a missing
     one is a user error naming `key`)."""
     from rl_models import tiny  # torch and transformers
 
-    return tiny.resolve(spec if spec.startswith("tiny:") else resolve_path(spec), key=key)
+    return tiny.resolve(spec if spec.startswith("tiny:") else resolve_path(spec, REPO_ROOT), key=key)
 
 
 ENTRY = AppEntry(NAME, Config, DEFAULT_CONFIG, ENV, recipe="rider_recipe")

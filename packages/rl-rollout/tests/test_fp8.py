@@ -13,7 +13,14 @@ import torch.nn.functional as F
 from rl_models import tiny
 from rl_models.lora import add_lora
 from rl_rollout.diffusion import DiffusionEngine
-from rl_rollout.fp8 import FP8, Fp8Linears, check_precision, fp8_linear, quantize_rows, selected_linears
+from rl_rollout.fp8 import (
+    FP8,
+    Fp8Linears,
+    check_precision,
+    fp8_linear,
+    quantize_rows,
+    selected_linears,
+)
 
 PROMPTS = ['a sign that says "hello"', 'a poster reading "rl"']
 OPTIONS = {"num_steps": 4, "guidance_scale": 4.5, "height": 32, "width": 32, "seeds": [1, 2]}
@@ -64,9 +71,8 @@ def test_switch_refresh_and_selection() -> None:
     block, x = Block(), torch.randn(4, 32)
     fp8 = Fp8Linears(block)
     assert fp8.modules == [block.up, block.down]  # `odd` (32 -> 10) is not aligned
-    with pytest.raises(RuntimeError, match="before refresh"):
-        with fp8.active():
-            pass
+    with pytest.raises(RuntimeError, match="before refresh"), fp8.active():
+        pass
     assert fp8.refresh() == 2 and fp8.refresh() == 0
     assert fp8.nbytes() == 32 * 64 + 64 * 32 + 4 * (64 + 32)
     plain = block(x)

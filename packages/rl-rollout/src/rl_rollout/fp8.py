@@ -145,7 +145,7 @@ class Fp8Linears:
         if len(self._layers) != len(self.modules):
             raise RuntimeError("Fp8Linears.active() before refresh(): the FP8 weights are not made yet")
         for layer in self._layers:
-            layer.module.forward = layer.forward  # type: ignore[method-assign]
+            layer.module.forward = layer.forward  # type: ignore[method-assign,assignment]
         try:
             yield
         finally:

@@ -42,7 +42,7 @@ class WanEngine(DiffusionEngine):
 
     def __init__(self, pipeline: Any, *, num_frames: int = 33, device: str | torch.device = "cpu",
                  compile: bool | None = None, attention_backend: str = "auto", overlap_decode: bool | None = None,
-                 cuda_graphs: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, precision: Precision = "bf16") -> None:
         if num_frames < 1 or (num_frames - 1) % pipeline.vae_scale_factor_temporal:
             raise ValueError(f"num_frames={num_frames}: Wan's VAE takes {pipeline.vae_scale_factor_temporal}k + 1 "
                              "frames (1, 5, 9, ..., 33, ..., 81)")

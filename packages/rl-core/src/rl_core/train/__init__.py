@@ -47,6 +47,7 @@ if TYPE_CHECKING:
         flat_config,
         load_config,
         parse_cli,
+        resolve_path,
     )
     from rl_core.train.ema import ParameterEMA, TrainableState, trainable_parameters
     from rl_core.train.entry import AppEntry
@@ -113,7 +114,7 @@ if TYPE_CHECKING:
         flow_grpo_steps,
         plan_micro_batches,
     )
-    from rl_core.train.replay_update import Replay, replay_update
+    from rl_core.train.replay_update import Replay, RolloutCorrection, replay_update
     from rl_core.train.rundir import latest_checkpoint, latest_run, make_run_dir, resolve_resume
     from rl_core.train.samples import SampleLog
     from rl_core.train.seeding import (
@@ -157,7 +158,7 @@ _EXPORTS = {
     "config": ["AdvantageName", "AggregationName", "AppConfig", "CliArgs", "ConfigError", "KLName", "NonNegative",
                "NonNegativeFloat", "PolicyLossName", "Positive", "PositiveFloat", "RewardAggregationName",
                "RolloutCorrectionName", "UnitInterval", "config_help", "dump_config", "flat_config",
-               "load_config", "parse_cli"],
+               "load_config", "parse_cli", "resolve_path"],
     "entry": ["AppEntry"],
     "ema": ["ParameterEMA", "TrainableState", "trainable_parameters"],
     "fields": ["CompileMode", "DType", "DynamicSampling", "RunFields", "ShardingFields", "TokenTrainFields"],
@@ -177,7 +178,7 @@ _EXPORTS = {
     "recipe": ["Checkpoint", "MergesRounds", "Recipe", "RunContext", "Schedule", "Scores", "Skip", "check_batch_split",
                "check_group_size"],
     "replay_plan": ["Micro", "by_trajectory", "chunked_steps", "flow_grpo_steps", "plan_micro_batches"],
-    "replay_update": ["Replay", "replay_update"],
+    "replay_update": ["Replay", "RolloutCorrection", "replay_update"],
     "rundir": ["latest_checkpoint", "latest_run", "make_run_dir", "resolve_resume"],
     "samples": ["SampleLog"],
     "seeding": ["get_rng_state", "isolated_rng", "sample_seed", "seed_everything", "set_rng_state"],
@@ -232,6 +233,7 @@ __all__ = [
     "Replay",
     "ReplayCheck",
     "RewardAggregationName",
+    "RolloutCorrection",
     "RolloutCorrectionName",
     "RolloutPipeline",
     "RunContext",
@@ -295,6 +297,7 @@ __all__ = [
     "plot_reward_curve",
     "prepare_policy",
     "replay_update",
+    "resolve_path",
     "resolve_resume",
     "resolve_sharding",
     "run",

@@ -48,9 +48,28 @@ from rl_core.errors import UserError
 from rl_core.names import RegistryRef
 from rl_core.registry import Registry
 
-__all__ = ["AdvantageName", "AggregationName", "AppConfig", "CliArgs", "ConfigError", "KLName", "NonNegative", "NonNegativeFloat",
-           "PolicyLossName", "Positive", "PositiveFloat", "RewardAggregationName", "RolloutCorrectionName", "UnitInterval", "config_help",
-           "dump_config", "flat_config", "load_config", "parse_cli"]
+__all__ = [
+    "AdvantageName",
+    "AggregationName",
+    "AppConfig",
+    "CliArgs",
+    "ConfigError",
+    "KLName",
+    "NonNegative",
+    "NonNegativeFloat",
+    "PolicyLossName",
+    "Positive",
+    "PositiveFloat",
+    "RewardAggregationName",
+    "RolloutCorrectionName",
+    "UnitInterval",
+    "config_help",
+    "dump_config",
+    "flat_config",
+    "load_config",
+    "parse_cli",
+    "resolve_path",
+]
 
 # Ranges for numeric config fields: every numeric knob declares one, so a refused value names the
 # key, the range and where the value came from (file, env var, override). NaN/inf are refused for
@@ -451,6 +470,15 @@ class CliArgs(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _OPTIONS = "--config FILE, --resume [PATH], --verbose, --help and key=value overrides"
+
+
+def resolve_path(path: str, root: Path) -> str:
+    """A config's file path as given when it exists (or is absolute), else under `root` (an app's
+    repository: `examples/...` from any working directory) when it exists there, else as given
+    (a Hub id, or a missing path whose error names it as the user wrote it)."""
+    if Path(path).exists() or Path(path).is_absolute() or not (root / path).exists():
+        return path
+    return str(root / path)
 
 
 def parse_cli(argv: Sequence[str]) -> CliArgs:
