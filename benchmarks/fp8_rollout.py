@@ -61,9 +61,9 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KINDS if any(k in lowered for k in keys)), "other")
 
 
-def profile_forward(engine: DiffusionEngine, conditioning, n: int, size: int) -> dict[str, float]:
+def profile_forward(engine: DiffusionEngine, conditioning, n: int, size: int, top: int = 0) -> dict[str, float]:
     """CUDA milliseconds by kernel kind of one CFG forward of n images (compiled, warmed up), in
-    the engine's sampling precision."""
+    the engine's sampling precision; `top` > 0 prints the longest kernels by name."""
     from torch.profiler import ProfilerActivity, profile
 
     latents = engine.initial_noise(n, size, size, [torch.Generator().manual_seed(i) for i in range(n)])
@@ -77,10 +77,14 @@ def profile_forward(engine: DiffusionEngine, conditioning, n: int, size: int) ->
             engine.velocity(latents, sigma, cond, guidance_scale=4.5)
             torch.cuda.synchronize()
     times: dict[str, float] = defaultdict(float)
+    kernels = []
     for event in prof.key_averages():
         cuda_us = getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0)
         if event.device_type == torch.autograd.DeviceType.CUDA and cuda_us:
             times[kernel_kind(event.key)] += cuda_us / 1e3
+            kernels.append((cuda_us / 1e3, event.count, event.key))
+    for ms, count, name in sorted(kernels, reverse=True)[:top]:
+        print(f"  {ms:8.2f} ms  x{count:<4d} [{kernel_kind(name)}] {name[:150]}")
     times["total"] = sum(times.values())
     return dict(times)
 
@@ -147,6 +151,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny SD3 on the CPU, FP8 emulated, no RESULTS.md")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="batches of n=8 per timed call")
+    parser.add_argument("--profile", action="store_true", help="only the kernel profile, with the longest kernels by name")
     parser.add_argument("--epochs", action="store_true",
                         help="instead of the rollout rows: one Flow-GRPO and one Flow-GRPO-Fast epoch in each precision")
     args = parser.parse_args()
@@ -183,6 +188,11 @@ def main() -> None:
 
     if args.epochs:
         return epochs(engine, conditioning, args, progress)
+    if args.profile:
+        for precision in ("bf16", "fp8"):
+            engine.precision = precision
+            print(precision, profile_forward(engine, conditioning, n, size, top=25))
+        return None
     seconds_by, first_by, samples = {}, {}, {}
     rows_spec = [("plain pipeline, compiled blocks (PEER)", "bf16", False, plain),
                  ("engine compiled, bf16", "bf16", False, ours),
