@@ -2,6 +2,7 @@
 
     python benchmarks/vllm_rollout.py            # one H100/H200, ~5 minutes (three vLLM starts)
     python benchmarks/vllm_rollout.py --smoke    # tiny shapes; still needs a GPU and vLLM
+    python benchmarks/vllm_rollout.py --fp8      # row 1 with rollout.precision bf16, then fp8 (two vLLM starts)
 
 The setting of `benchmarks/caption_rl.py --vllm`: a random-weight policy at Qwen3-VL-2B shape,
 32 images x 8 captions x 256 tokens per step, `gpu_memory_utilization` 0.3, `max_model_len`
@@ -81,8 +82,9 @@ def text_only(gens: list[Any]) -> list[list[int]]:
     return [torch.randint(1000, 20000, (lengths[i],)).tolist() for i in sorted(lengths)]
 
 
-def colocated(policy: Path, smoke: bool) -> dict[str, Any]:
-    """caption-rl's engine work of one RL step, part by part (row 1)."""
+def colocated(policy: Path, smoke: bool, precision: str = "bf16") -> dict[str, Any]:
+    """caption-rl's engine work of one RL step, part by part (row 1); `precision` as
+    `rollout.precision` (fp8: vLLM's online FP8, quantized again at each push)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from rl_policy.engine import build_policy_engine
@@ -93,7 +95,8 @@ def colocated(policy: Path, smoke: bool) -> dict[str, Any]:
     messages, params = requests(policy, smoke)
     engine = build_policy_engine("vllm", model=model, processor=processor, path=str(policy), dtype="bfloat16",
                                  device=torch.device("cuda"), seed=0, max_batch_size=len(messages) * params.n,
-                                 gpu_memory_utilization=VLLM_MEMORY, engine_options={"max_model_len": VLLM_MAX_LEN})
+                                 gpu_memory_utilization=VLLM_MEMORY, engine_options={
+                                     "max_model_len": VLLM_MAX_LEN, **({"quantization": "fp8"} if precision == "fp8" else {})})
     vllm = engine.engine
     parts: dict[str, list[float]] = {"wake": [], "generate": [], "sleep": [], "weight push": [], "generate text-only": []}
     tokens: list[float] = []
@@ -142,7 +145,7 @@ def alone(policy: Path, smoke: bool, in_thread: bool) -> dict[str, Any]:
 
 
 def child(args: argparse.Namespace) -> None:
-    figures = colocated(args.policy, args.smoke) if args.child == "colocated" else alone(
+    figures = colocated(args.policy, args.smoke, args.precision) if args.child == "colocated" else alone(
         args.policy, args.smoke, in_thread=args.child == "alone-in-thread")
     args.result.write_text(json.dumps(figures))
     print(f"{args.child}: {json.dumps(figures)}")
@@ -156,6 +159,8 @@ def main() -> None:
     parser.add_argument("--child", choices=("colocated", "alone", "alone-in-thread"), help=argparse.SUPPRESS)
     parser.add_argument("--policy", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help=argparse.SUPPRESS)
+    parser.add_argument("--fp8", action="store_true", help="row 1 in bf16 and in FP8 (rollout.precision), compared")
     args = parser.parse_args()
     if args.child:
         return child(args)
@@ -165,15 +170,43 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         policy = build_policy(Path(tmp) / "policy", args.smoke)
         torch.cuda.empty_cache()
-        for side in args.only or ("colocated", "alone", "alone-in-thread"):  # each in a fresh process
-            result = Path(tmp) / f"{side}.json"
+        runs = [("colocated", p) for p in ("bf16", "fp8")] if args.fp8 else [
+            (side, "bf16") for side in args.only or ("colocated", "alone", "alone-in-thread")]
+        for side, precision in runs:  # each in a fresh process
+            result = Path(tmp) / f"{side}-{precision}.json"
             subprocess.run([sys.executable, __file__, "--child", side, "--policy", str(policy), "--result", str(result),
-                            *(["--smoke"] if args.smoke else [])], check=True)
-            figures[side] = json.loads(result.read_text())
+                            "--precision", precision, *(["--smoke"] if args.smoke else [])], check=True)
+            figures[side if not args.fp8 else precision] = json.loads(result.read_text())
+    if args.fp8:
+        return report_fp8(figures, smoke=args.smoke)
     if args.only:
         print(json.dumps(figures))
         return
     report(figures, smoke=args.smoke)
+
+
+def report_fp8(figures: dict[str, dict[str, Any]], *, smoke: bool) -> None:
+    """caption-rl's colocated engine work in bf16 and in FP8, part by part, FP8's speed-up beside."""
+    from benchmarks.results import append_results, markdown_table
+
+    bf16, fp8 = figures["bf16"], figures["fp8"]
+    for f in (bf16, fp8):
+        f["step"] = f["wake"] + f["generate"] + f["sleep"] + f["weight push"]
+    header = ["caption-rl colocated engine", "bf16 s", "fp8 s", "bf16 / fp8", "bf16 tokens/s", "fp8 tokens/s"]
+    table = [[part, f"{bf16[part]:.2f}", f"{fp8[part]:.2f}", f"{bf16[part] / fp8[part]:.2f}x",
+              f"{bf16['tokens'] / bf16[part]:,.0f}" if part in ("generate", "step") else "",
+              f"{fp8['tokens'] / fp8[part]:,.0f}" if part in ("generate", "step") else ""]
+             for part in ("wake", "generate", "sleep", "weight push", "step")]
+    notes = ("The setting of row 1 below (random-weight Qwen3-VL-2B-shape policy, 32 images x 8 captions x 256 "
+             f"tokens, gpu_memory_utilization {VLLM_MEMORY}, max_model_len {VLLM_MAX_LEN}, mean of {ROUNDS} rounds after "
+             "a warm-up), each precision in a fresh process. fp8 = rollout.precision='fp8': vLLM's online FP8 "
+             "(quantization='fp8', per-tensor weight scales, dynamic activation scales), the push through vLLM's "
+             f"layerwise reload (quantized again). Tokens per step: bf16 {bf16['tokens']:.0f}, fp8 {fp8['tokens']:.0f}.")
+    if smoke:
+        print(markdown_table(header, table))
+        print(notes)
+        return
+    append_results("caption-rl's vLLM rollout: bf16 vs FP8 (rollout.precision, Qwen3-VL-2B shape)", header, table, notes)
 
 
 def report(figures: dict[str, dict[str, Any]], *, smoke: bool) -> None:

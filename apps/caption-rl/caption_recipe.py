@@ -251,7 +251,7 @@ class CaptionRL(Recipe[Config, State, Batch], MergesRounds[State, Batch]):
         gens = batch.generations
         s.run.record_prompts(step, batch.prompt_ids)
         rollouts = to_rollouts(gens, advantages.valid, batch.encoded.prompts)
-        first, tolerance = s.run.first_step(step), replay_tolerance(a.replay_tolerance, s.model)
+        first, tolerance = s.run.first_step(step), replay_tolerance(a.replay_tolerance, s.model, s.cfg.rollout.precision)
         options = dict(micro_batch_size=t.micro_batch_size, temperature=cfg.rollout.temperature,
                        pad_id=s.engine.pad_id, device=acc.device, placeholders=s.placeholders)
         mini = t.mini_batch_size or t.batch_size

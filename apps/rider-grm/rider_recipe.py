@@ -253,7 +253,7 @@ class RiderGRM(Recipe[Config, State, Batch, Sampled], MergesRounds[State, Batch]
         run.record_prompts(step, batch.prompt_ids)
         state.swap.wake(run.timer)
         rollouts = training.to_rollouts(batch.gens, advantages.valid)
-        tolerance = training.replay_tolerance(a.replay_tolerance, state.model)
+        tolerance = training.replay_tolerance(a.replay_tolerance, state.model, state.cfg.rollout.precision)
         with run.timer("update_actor"):
             first = tolerance if run.first_step(step) else math.inf
             out = training.engine_check(rollouts, batch.old).verify(acc, first, "first replay")

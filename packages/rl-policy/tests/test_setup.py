@@ -37,6 +37,8 @@ def test_the_shared_keys_are_checked_together() -> None:
         check_token_config(TokenPolicyFields(advantage="grpo"), PolicyRolloutFields(n=1), train, world_size=1)
     with pytest.raises(ConfigError, match=r"rollout.placement=split .* needs train.max_staleness >= 1"):
         check_token_config(algo, PolicyRolloutFields(placement="split"), train, world_size=1)
+    with pytest.raises(ConfigError, match=r"rollout.precision='fp8' quantizes a vLLM engine's .* resolves to 'hf'"):
+        check_token_config(algo, PolicyRolloutFields(precision="fp8"), train, world_size=1)
 
 
 def test_the_prepared_policy_trains_what_requires_grad_with_warm_up_and_samples_from_its_engine(tmp_path: Path) -> None:

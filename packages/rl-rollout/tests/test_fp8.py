@@ -189,7 +189,7 @@ def test_fp8_on_an_older_gpu_or_fp32_weights_is_refused() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA: the refusal is of a GPU's capability or a CUDA dtype")
     if torch.cuda.get_device_capability() < (9, 0):
-        with pytest.raises(ValueError, match="compute capability 9.0"):
+        with pytest.raises(ValueError, match=r"compute capability 9\.0"):
             check_precision("fp8", torch.device("cuda"), torch.bfloat16)
     else:
         with pytest.raises(ValueError, match="needs bfloat16 weights"):

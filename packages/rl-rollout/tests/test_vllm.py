@@ -100,3 +100,49 @@ def test_vllm_engine_in_a_process_of_its_own_takes_pushes_by_cuda_ipc() -> None:
     engine.load_weights([(name, t.cuda()) for name, t in norms.items()])  # on the engine's GPU: shared as is
     assert engine.generate([[1, 2, 3]], greedy)[0].completion_ids == before.completion_ids
     engine.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM or not torch.cuda.is_available(), reason="needs vLLM and a GPU")
+def test_vllm_fp8_engine_quantizes_every_push_again() -> None:
+    """`quantization="fp8"` (`rollout.precision = "fp8"`): vLLM's online FP8 serves log-probs near
+    the bf16 model's. A push of another model's bf16 weights goes through vLLM's layerwise reload,
+    quantized again: the engine then serves that model, not the one it loaded, and a second push
+    brings the first back."""
+    from rl_models import tiny
+    from rl_rollout.hf import HFEngine
+    from rl_rollout.vllm import VLLMEngine
+
+    paths = [tiny.build("qwen3_vllm"), tiny.build("qwen3_vllm", seed=1)]
+    engine = VLLMEngine(str(paths[0]), dtype="bfloat16", quantization="fp8", gpu_memory_utilization=0.3,
+                        max_model_len=1024, enforce_eager=True)
+    assert engine.requantize
+    refs = [HFEngine.from_pretrained(p, dtype=torch.bfloat16, device="cuda") for p in paths]
+    prompts = [[1, 2, 3, 4], [7, 8, 9], "hello there"]
+
+    def gaps() -> list[float]:
+        """Mean |engine log-prob - each bf16 model's| over the tokens the engine samples."""
+        gens = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=0))
+        out = []
+        for ref in refs:
+            diffs = []
+            for g in gens:
+                ids = torch.tensor([g.prompt_ids + g.completion_ids], device="cuda")
+                with torch.no_grad():
+                    lps = torch.log_softmax(ref.model(ids).logits[0].float(), -1)[len(g.prompt_ids) - 1 : -1]
+                expected = lps.gather(-1, torch.tensor(g.completion_ids, device="cuda")[:, None])[:, 0].cpu()
+                diffs.append((torch.tensor(g.logprobs) - expected).abs())
+            out.append(float(torch.cat(diffs).mean()))
+        return out
+
+    loaded = gaps()
+    for version, source in ((1, 1), (2, 0)):
+        engine.sleep()
+        engine.load_weights(list(refs[source].model.state_dict().items()), version=version)
+        engine.wake()
+        served = gaps()
+        print(f"push {version} (model {source}): mean |log-prob gap| to model 0, 1: {served}")
+        assert served[source] < 0.5 * served[1 - source], served
+    print(f"as loaded: {loaded}")
+    assert loaded[0] < 0.5 * loaded[1]
+    engine.close()

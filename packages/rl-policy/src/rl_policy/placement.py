@@ -65,6 +65,9 @@ class PolicyRolloutFields(RolloutWorkerFields, kw_only=True, frozen=True):
     engine_options: dict[str, Any] = msgspec.field(default_factory=dict)
     """vllm: more `vllm.LLM` arguments, e.g. {enforce_eager = true} (no compile or CUDA graphs:
     starts in seconds, decodes slower) or {max_model_len = 8192}."""
+    precision: Literal["bf16", "fp8"] = "bf16"
+    """vllm: `fp8` samples with vLLM's online FP8 weights, quantized again at every push, for a
+    faster decode of a large policy; the gap to the trainer is algo.rollout_correction's (TIS, MIS)."""
     n: Positive = 8  # responses sampled per prompt (the group size)
     temperature: PositiveFloat = 1.0
     top_p: UnitInterval = 1.0

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from rl_core.train import (
+    ConfigError,
     FullWeights,
     RunContext,
     TokenPolicyFields,
@@ -52,6 +53,9 @@ def check_token_config(algo: TokenPolicyFields, rollout: PolicyRolloutFields, tr
     check_placement(rollout.placement, engine, train.max_staleness, world_size=world_size, workers=rollout.workers,
                     ray_address=rollout.cluster_address())
     check_ray(rollout.workers)
+    if rollout.precision == "fp8" and engine != "vllm":
+        raise ConfigError(f"rollout.precision='fp8' quantizes a vLLM engine's weights; rollout.engine resolves to "
+                          f"{engine!r} here: set rollout.precision='bf16' (or rollout.engine='vllm' on a GPU)")
     return engine
 
 
@@ -95,5 +99,6 @@ def engine_for(rollout: PolicyRolloutFields, run: RunContext, *, model: torch.nn
         gpu_memory_utilization=rollout.gpu_memory_utilization, timer=run.timer,
         rollout_device=rollout_device(rollout.placement, acc, workers=rollout.workers), workers=rollout.workers,
         gpus_per_worker=rollout.gpus_per_worker, ray_address=rollout.ray_address)
+    fp8 = {"quantization": "fp8"} if rollout.precision == "fp8" else {}
     return build_policy_engine(rollout.engine, model=model, processor=processor, path=path, dtype=dtype,
-                               engine_options={**(engine_options or {}), **rollout.engine_options}, **(kwargs | build))
+                               engine_options={**(engine_options or {}), **fp8, **rollout.engine_options}, **(kwargs | build))

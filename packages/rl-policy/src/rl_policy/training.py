@@ -112,11 +112,14 @@ def token_rewards(generations: Sequence[Generation], scores: Sequence[float | No
     return rewards, mask
 
 
-def replay_tolerance(given: float | None, model: torch.nn.Module) -> float:
+def replay_tolerance(given: float | None, model: torch.nn.Module, precision: str = "bf16") -> float:
     """The largest mean |engine - trainer| log-prob gap the first replay accepts: `given`
-    (`algo.replay_tolerance`), else 1e-3 for a float32 policy and 5e-2 for 16-bit kernels."""
+    (`algo.replay_tolerance`), else 1e-3 for a float32 policy, 5e-2 for 16-bit kernels and 0.2
+    for an FP8 rollout engine (`rollout.precision`: its gap is corrected, not checked to rounding)."""
     if given is not None:
         return given
+    if precision == "fp8":
+        return 0.2
     return 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
 
 

@@ -20,6 +20,10 @@ sleep/wake, weight pushes, and the apps' colocated rollouts).
   in a process of its own (a rollout GPU of its own: the engine's Python loop then does not share
   this process's interpreter lock) is built with `ipc_weights=True` and takes pushes as CUDA IPC
   handles (`rl_rollout.vllm_ipc`): the tensors must be on the engine's GPU.
+- FP8: `VLLMEngine(model, quantization="fp8")` samples with vLLM's online FP8 (weights quantized
+  when they load). A push then runs vLLM's layerwise reload (`initialize_layerwise_reload`, the
+  model's `load_weights`, `finalize_layerwise_reload`): the bf16 weights are quantized again, with
+  fresh scales, instead of being copied into the FP8 parameters (which fails: other shapes).
 - Images/videos: chat messages holding PIL images / frame arrays are rendered with the model's
   processor chat template and passed as `multi_modal_data`; vLLM expands the placeholders with
   the same Hugging Face processor, so the prompt ids match the `hf` engine's.
@@ -50,9 +54,26 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError('VLLMEngine needs vLLM: pip install "rl-rollout[vllm]"; in a clone of the repository: uv sync --all-packages --extra vllm') from exc
 
 
-def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]], requantize: bool = False) -> None:
     """Runs inside each vLLM worker process (via `collective_rpc`)."""
-    worker.model_runner.model.load_weights(weights=weights)
+    load_into_model(worker.model_runner, weights, requantize=requantize)
+
+
+def load_into_model(runner: Any, weights: list[tuple[str, torch.Tensor]], *, requantize: bool) -> None:
+    """`weights` (Hugging Face names, the model's dtype) into a worker's model; `requantize`: the
+    model was quantized online (`quantization="fp8"`), so its layers are rebuilt from them."""
+    model = runner.model
+    if not requantize:
+        model.load_weights(weights=weights)
+        return
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    initialize_layerwise_reload(model)
+    model.load_weights(weights=weights)
+    finalize_layerwise_reload(model, runner.model_config)
 
 
 def _media(messages: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -94,6 +115,7 @@ class VLLMEngine:
         self.processor = AutoProcessor.from_pretrained(model) if is_vl else None  # chat template with media parts
         self._state = "awake"  # "awake" | "asleep" | "weights" (asleep but for the weights) | "closed"
         self.weight_version = 0  # bumped by every load_weights
+        self.requantize = llm_kwargs.get("quantization") == "fp8"  # online FP8: a push quantizes again
 
     @property
     def state(self) -> str:
@@ -193,9 +215,9 @@ class VLLMEngine:
 
             # tensors elsewhere are copied to the engine's GPU first, and kept alive until it has loaded them
             shared = [(name, t.to(self.ipc_device)) for name, t in named_tensors]
-            self.llm.collective_rpc(METHOD, args=(ipc_payload(shared),))
+            self.llm.collective_rpc(METHOD, args=(ipc_payload(shared), self.requantize))
         else:
-            self.llm.collective_rpc(_load_weights_on_worker, args=(list(named_tensors),))
+            self.llm.collective_rpc(_load_weights_on_worker, args=(list(named_tensors), self.requantize))
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self.weight_version = self.weight_version + 1 if version is None else version
 

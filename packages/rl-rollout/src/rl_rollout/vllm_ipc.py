@@ -34,12 +34,14 @@ class IPCWeightReceiver:
     device: torch.device
     model_runner: Any
 
-    def rl_load_ipc_weights(self, payload: bytes) -> int:
+    def rl_load_ipc_weights(self, payload: bytes, requantize: bool = False) -> int:
         """Open each handle on this worker's GPU, `model.load_weights` them (Hugging Face names),
         and wait for the copies to finish, so the sender may free its tensors once this returns.
         Returns how many tensors were loaded."""
         index = self.device.index
         weights = open_ipc_payload(payload, index)  # the same GPU, numbered as this process sees it
-        self.model_runner.model.load_weights(weights=weights)
+        from rl_rollout.vllm import load_into_model
+
+        load_into_model(self.model_runner, weights, requantize=requantize)
         torch.cuda.synchronize(index)
         return len(weights)
