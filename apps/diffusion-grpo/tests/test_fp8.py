@@ -43,6 +43,20 @@ def test_fp8_rollouts_are_rescored_and_their_gap_is_logged_and_corrected(app, tm
     assert not any(r.get("rollout/logp_gap_mean") for r in _rows(bf16 / "metrics.csv"))
 
 
+def test_nft_samples_with_its_old_policy_in_fp8_and_rescores_nothing(app, tmp_path: Path) -> None:
+    """DiffusionNFT trains on the clean images, not on log-probs: its old policy's engine (a copy
+    over the trainer's) samples in FP8 and the update runs without a rescore or a gap to log."""
+    from conftest import setup_state
+
+    cfg = tiny_config(app, "sd3", tmp_path, *FP8, "train.method=nft", "sampling.kind=ode", "sampling.guidance_scale=1",
+                      "train.epochs=1")
+    state = setup_state(app, cfg)
+    assert state.family.old.engine.precision == "fp8" and state.family.engine.precision == "fp8"
+    run = train(app, cfg)
+    [row] = [r for r in _rows(run / "metrics.csv") if r.get("reward/mean")]
+    assert float(row["optimizer_steps"]) >= 1 and not row.get("rollout/logp_gap_mean")
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (("--config", str(CONFIGS["janus"])), r"rollout\.precision='fp8' samples flow families .* model\.family='janus'"),
     (("train.ratio_norm=true",), r"train\.ratio_norm=true \(GRPO-Guard\) .* rollout\.precision='fp8' rescores"),
