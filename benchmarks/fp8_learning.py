@@ -38,7 +38,7 @@ def run(seed: int, overrides: list[str], out: Path) -> dict[str, float]:
     with metrics.open(newline="") as f:
         rows = list(csv.DictReader(f))
     rewards = [float(r["reward/mean"]) for r in rows if r.get("reward/mean")]
-    gaps = [float(r["rollout/logp_gap_mean"]) for r in rows if r.get("rollout/logp_gap_mean")]
+    gaps = [float(r["replay/engine_diff_mean"]) for r in rows if r.get("replay/engine_diff_mean")]
     return {"first": statistics.fmean(rewards[:3]), "last": statistics.fmean(rewards[-3:]),
             "gap": statistics.fmean(gaps) if gaps else 0.0}
 

@@ -157,16 +157,15 @@ def test_a_log_ratio_replaces_the_ratio_and_policy_scale_scales_the_policy_loss(
 def test_a_rescored_update_trains_on_the_trainers_log_probs_and_corrects_the_engines_gap() -> None:
     """The engine's log-probs sit d = 0.1 above the trainer's on every unit (an FP8 rollout, say).
     Rescored, the ratio's old log-probs are the trainer's: the first replay passes a 1e-6
-    tolerance and, uncorrected, the step is the on-policy one. The gap is logged: |d|, and the
-    k3 KL e^-d - 1 + d. TIS weighs every unit by e^-d, so the SGD step shrinks by that factor;
+    tolerance and, uncorrected, the step is the on-policy one. The gap is logged as the engine's
+    (`replay/engine_diff_*`): |d|, and the k3 KL e^-d - 1 + d. TIS weighs every unit by e^-d, so the SGD step shrinks by that factor;
     IcePop's mask [0.5, 2] keeps them (e^-0.1 = 0.905) and at d = 1 (e^-1 = 0.37) drops them all."""
     d = 0.1
     start, on_policy, _, _ = _run([[(list(range(8)), 1.0)]])
     _, rescored, metrics, _ = _run([[(list(range(8)), 1.0)]], old_shift=d, rescore=True)
     torch.testing.assert_close(rescored, on_policy, atol=1e-7, rtol=0)
-    assert metrics["rollout/logp_gap_mean"] == pytest.approx(d) and metrics["rollout/logp_gap_max"] == pytest.approx(d)
-    assert metrics["rollout/kl"] == pytest.approx(math.exp(-d) - 1 + d, rel=1e-4)
-    assert metrics["replay/engine_diff_mean"] == 0.0
+    assert metrics["replay/engine_diff_mean"] == pytest.approx(d) and metrics["replay/engine_diff_max"] == pytest.approx(d)
+    assert metrics["replay/engine_kl"] == pytest.approx(math.exp(-d) - 1 + d, rel=1e-4)
     _, tis, metrics, _ = _run([[(list(range(8)), 1.0)]], old_shift=d, rescore=True,
                               correction=RolloutCorrection("token_truncate", None, 3.0))
     torch.testing.assert_close(tis, start + math.exp(-d) * (on_policy - start), atol=1e-6, rtol=0)

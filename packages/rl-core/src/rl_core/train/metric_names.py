@@ -80,9 +80,6 @@ METRIC_NAMES: dict[str, str] = {
     # rollouts
     "rollout/weight_version": "optimizer steps in the weights the step's rollouts were sampled with",
     "rollout/staleness": "asynchronous runs: steps between the weights that sampled the step's rollouts and the trainer's (at most train.max_staleness; with dynamic sampling the oldest kept round's, further rounds being 0)",
-    "rollout/logp_gap_mean": "a rescored update (FP8 rollouts): mean |trainer log-prob - rollout engine log-prob| over the trained units, the trainer's taken before the first optimizer step",
-    "rollout/logp_gap_max": "the largest such difference",
-    "rollout/kl": "KL(rollout engine || trainer) over the trained units of a rescored update, the k3 estimate mean(r - 1 - log r), r = trainer / engine probability",
     "rollout/dropped_long": "prompts dropped for exceeding the prompt length limit",
     "response/length_mean": "mean completion length (tokens)",
     "response/length_max": "longest completion (tokens)",

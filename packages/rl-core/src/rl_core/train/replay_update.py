@@ -20,9 +20,10 @@ nothing (a zero-advantage sample refilled for an equal batch still counts with w
 A rollout engine whose numerics differ from the trainer's on purpose (FP8 sampling) passes
 `rescore`: before the first optimizer step every micro-batch's log-probs are recomputed without
 gradients under the weights that start the update, and they become the ratio's old log-probs
-(verl's `old_log_prob`), while the engine's become the sampling log-probs. Their gap is logged
-(`rollout/logp_gap_mean|max`, `rollout/kl`) and `correction` re-weights it (TIS, MIS, IcePop:
-`rl_core.losses.rollout_correction`).
+(verl's `old_log_prob`), while the engine's become the sampling log-probs. Their gap over every
+trained unit is logged under the text apps' names (`replay/engine_diff_mean|max`,
+`replay/engine_kl`), and `correction` re-weights it (TIS, MIS, IcePop:
+`rl_core.losses.rollout_correction`). The first replay is then checked against the rescore.
 """
 
 from __future__ import annotations
@@ -139,7 +140,9 @@ def replay_update(
 
     def first_check() -> None:
         if tolerance is not None and stats.steps == 0:
-            extra.update(check.verify(accelerator, tolerance, what))
+            checked = check.verify(accelerator, tolerance, what)
+            if rescore is None:  # rescored: the engine's gap is `gap`'s, below
+                extra.update(checked)
 
     model.train()
     if rescore is not None:
@@ -154,5 +157,5 @@ def replay_update(
     model.eval()
     if rescore is not None:
         mean, peak = gap.reduce(accelerator)
-        extra |= {"rollout/logp_gap_mean": mean, "rollout/logp_gap_max": peak, "rollout/kl": gap.kl_mean(accelerator)}
+        extra |= {"replay/engine_diff_mean": mean, "replay/engine_diff_max": peak, "replay/engine_kl": gap.kl_mean(accelerator)}
     return {**stats.reduce(accelerator), **extra}
