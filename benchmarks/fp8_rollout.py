@@ -5,6 +5,7 @@ the forward's time goes (a kernel profile of one CFG forward, bf16 vs FP8).
     PYTHONPATH=packages/rl-core/src:packages/rl-models/src:packages/rl-rollout/src \
         python benchmarks/fp8_rollout.py           # one H100/H200, ~5 minutes with compiling
     python benchmarks/fp8_rollout.py --smoke       # tiny SD3 on the CPU (FP8 emulated), no RESULTS.md
+    python benchmarks/fp8_rollout.py --train 20    # diffusion-grpo itself, FP8 + TIS, 20 epochs: the gap per epoch
 
 Model, prompts and timing as benchmarks/diffusion_grpo.py's part (a): SD3.5-Medium's transformer
 and VAE with random weights at full shape in bf16, embeddings given (encoders outside the
@@ -151,6 +152,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny SD3 on the CPU, FP8 emulated, no RESULTS.md")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="batches of n=8 per timed call")
+    parser.add_argument("--train", type=int, default=0, metavar="EPOCHS",
+                        help="instead: run diffusion-grpo at this shape, rollout.precision=fp8 with TIS, for EPOCHS epochs")
     parser.add_argument("--profile", action="store_true", help="only the kernel profile, with the longest kernels by name")
     parser.add_argument("--epochs", action="store_true",
                         help="instead of the rollout rows: one Flow-GRPO and one Flow-GRPO-Fast epoch in each precision")
@@ -164,6 +167,8 @@ def main() -> None:
     def progress(what: str) -> None:
         print(f"[{time.perf_counter() - start:6.0f} s] {what}", flush=True)
 
+    if args.train:
+        return train_run(args, progress)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_pipeline_dir(args.smoke, Path(tmp))
         engine = DiffusionEngine.from_pretrained(path, dtype=dtype, device=device, compile=False)
@@ -256,6 +261,44 @@ def main() -> None:
                            ["kernels", "bf16 ms", "fp8 ms", "bf16 / fp8"], profile_rows,
                            "torch.profiler over one warmed-up forward; kinds by kernel name.")
     progress("done")
+
+
+def train_run(args, progress) -> None:
+    """diffusion-grpo's own loop (`python apps/diffusion-grpo`, one process) on the shape's
+    pipeline: FP8 rollouts with TIS, the brightness reward, Flow-GRPO's update (lr 3e-4, clip
+    1e-4, KL 0.04), 2 prompts x 4 images an epoch; the per-epoch gap, TIS weights and reward."""
+    import csv
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_pipeline_dir(args.smoke, Path(tmp))
+        out = Path(tmp) / "run"
+        overrides = [f"model.path={path}", f"model.dtype={'float32' if args.smoke else 'bfloat16'}",
+                     f"sampling.resolution={args.size}", "sampling.num_steps=10", "sampling.max_sequence_length=32",
+                     "rollout.precision=fp8", "algo.rollout_correction=token_truncate", "rollout.n=4",
+                     "rollout.groups_per_epoch=2", "rollout.sample_batch_size=4", "train.micro_batch_size=4",
+                     "train.gradient_accumulation_steps=1", "train.lr=3e-4", "train.clip_range=1e-4",
+                     "algo.kl_coef=0.04", f"train.epochs={args.train}", "train.eval_freq=0", "train.save_freq=1000",
+                     f"train.output_dir={out}"]
+        progress(f"diffusion-grpo, {args.train} epochs: " + " ".join(overrides[2:]))
+        subprocess.run([sys.executable, str(REPO / "apps" / "diffusion-grpo"), *overrides], check=True)
+        [metrics] = out.glob("run-*/metrics.csv")
+        with metrics.open(newline="") as f:
+            rows = [r for r in csv.DictReader(f) if r.get("reward/mean")]
+    keys = ("replay/engine_diff_mean", "replay/engine_diff_max", "replay/engine_kl", "policy/is_ratio_mean",
+            "policy/clip_fraction", "reward/mean", "time/step")
+    table = [[r["step"], *(f"{float(r[k]):.3g}" if r.get(k) else "" for k in keys)] for r in rows]
+    header = ["epoch", *keys]
+    model = "tiny SD3 (CPU, FP8 emulated)" if args.smoke else "SD3.5-Medium shape, random weights, bf16, an H200"
+    notes = (f"python apps/diffusion-grpo with {' '.join(overrides[2:-1])}: {model}, {args.size}x{args.size}, the "
+             "embedded default's OCR prompts and brightness reward. The gap is the FP8 rollout's log-probs against the "
+             "trainer's bf16 rescore of every trained step, before the epoch's first optimizer step.")
+    if args.smoke:
+        print(markdown_table(header, table))
+        print(notes)
+    else:
+        append_results(f"FP8 rollouts in diffusion-grpo: {args.train} epochs with TIS, the gap per epoch "
+                       "(SD3.5-M shape)", header, table, notes)
 
 
 def epochs(engine: DiffusionEngine, conditioning, args, progress) -> None:
