@@ -56,24 +56,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]], requantize: bool = False) -> None:
     """Runs inside each vLLM worker process (via `collective_rpc`)."""
+    from rl_rollout.vllm_ipc import load_into_model
+
     load_into_model(worker.model_runner, weights, requantize=requantize)
-
-
-def load_into_model(runner: Any, weights: list[tuple[str, torch.Tensor]], *, requantize: bool) -> None:
-    """`weights` (Hugging Face names, the model's dtype) into a worker's model; `requantize`: the
-    model was quantized online (`quantization="fp8"`), so its layers are rebuilt from them."""
-    model = runner.model
-    if not requantize:
-        model.load_weights(weights=weights)
-        return
-    from vllm.model_executor.model_loader.reload import (
-        finalize_layerwise_reload,
-        initialize_layerwise_reload,
-    )
-
-    initialize_layerwise_reload(model)
-    model.load_weights(weights=weights)
-    finalize_layerwise_reload(model, runner.model_config)
 
 
 def _media(messages: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:

@@ -40,8 +40,23 @@ class IPCWeightReceiver:
         Returns how many tensors were loaded."""
         index = self.device.index
         weights = open_ipc_payload(payload, index)  # the same GPU, numbered as this process sees it
-        from rl_rollout.vllm import load_into_model
-
         load_into_model(self.model_runner, weights, requantize=requantize)
         torch.cuda.synchronize(index)
         return len(weights)
+
+
+def load_into_model(runner: Any, weights: list[tuple[str, torch.Tensor]], *, requantize: bool) -> None:
+    """`weights` (Hugging Face names, the model's dtype) into a worker's model; `requantize`: the
+    model was quantized online (`quantization="fp8"`), so its layers are rebuilt from them."""
+    model = runner.model
+    if not requantize:
+        model.load_weights(weights=weights)
+        return
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    initialize_layerwise_reload(model)
+    model.load_weights(weights=weights)
+    finalize_layerwise_reload(model, runner.model_config)
