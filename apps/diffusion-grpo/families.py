@@ -211,7 +211,7 @@ class Janus(Family):
         self.cfg, self.acc = cfg, acc
         self.engine = cast(JanusEngine, build_image_engine(
             "janus", path=path, dtype=m.dtype, device=acc.device, compile=cfg.rollout.compile, logprobs=j.logprobs,
-            max_batch_size=cfg.rollout.sample_batch_size))
+            max_batch_size=cfg.rollout.sample_batch_size, precision=cfg.rollout.precision))
         side = image_size(self.engine.model)
         if cfg.sampling.resolution != side:
             raise UserError(f"sampling.resolution={cfg.sampling.resolution}: this Janus checkpoint draws {side}x{side} "
@@ -276,7 +276,7 @@ class Janus(Family):
         trained = [range(*w) for w in windows] if any(r.window for r in rollouts) else []
         return Replays(plan, replay, units=lambda m: float(len(m[1]) * (windows[m[0]][1] - windows[m[0]][0])) * m[2],
                        filler=(0, torch.tensor([0]), 0.0), tolerance=first_replay_tolerance(self.cfg, False) if use_cfg else None,
-                       steps=trained)
+                       steps=trained, rescore=(lambda m: replay(m).logp) if self.cfg.rollout.precision == "fp8" else None)
 
     def eval_images(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
         return self.engine.sample(prompts, guidance_scale=self.cfg.eval.guidance_scale,

@@ -117,8 +117,8 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     temperature: PositiveFloat = 1.0  # janus: image-token sampling temperature (Janus-Pro: 1); sd3 has none
     compile: bool | None = None  # janus: compile the decode step (None: on CUDA); sd3 compiles with model.compile
     precision: Literal["bf16", "fp8"] = "bf16"
-    """`fp8`: sample with FP8 matmuls (sd3, wan, cosmos; an H100/H200, emulated on the CPU), the update
-    in model.dtype on old log-probs rescored by the trainer, the gap corrected by algo.rollout_correction."""
+    """`fp8`: sample with FP8 matmuls (an H100/H200, emulated on the CPU), the update in model.dtype
+    on old log-probs rescored by the trainer, the gap corrected by algo.rollout_correction."""
 
 
 class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -285,8 +285,6 @@ def check_config(cfg: Config, world_size: int) -> None:
     images = r.groups_per_epoch // world_size * r.n  # per process
     refused = [
         (r.n < 2, f"rollout.n={r.n}: GRPO compares the images of one prompt with each other and needs rollout.n >= 2"),
-        (m.family == "janus" and r.precision == "fp8", "rollout.precision='fp8' samples flow families (sd3, wan, "
-         "cosmos): set rollout.precision='bf16' for model.family='janus'"),
         (m.family != "sd3" and r.workers > 0, f"rollout.workers={r.workers}: Ray rollout workers serve the sd3 "
          f"family only; set rollout.workers=0 for model.family={m.family!r}"),
         (m.family != "sd3" and t.sharding != "none", f"train.sharding={t.sharding!r} shards the SD3 transformer; "

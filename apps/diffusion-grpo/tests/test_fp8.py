@@ -8,7 +8,7 @@ import csv
 from pathlib import Path
 
 import pytest
-from conftest import CONFIGS, checked, tiny_config, train
+from conftest import checked, tiny_config, train
 from grpo_config import first_replay_tolerance
 
 from rl_core.train import ConfigError, unknown_metric_names
@@ -58,10 +58,18 @@ def test_nft_samples_with_its_old_policy_in_fp8_and_rescores_nothing(app, tmp_pa
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    (("--config", str(CONFIGS["janus"])), r"rollout\.precision='fp8' samples flow families .* model\.family='janus'"),
     (("train.ratio_norm=true",), r"train\.ratio_norm=true \(GRPO-Guard\) .* rollout\.precision='fp8' rescores"),
     (("rollout.precision=int8",), r"rollout\.precision"),
 ])
 def test_fp8_is_refused_where_it_does_not_apply(app, extra: tuple[str, ...], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         checked(app, *extra, *FP8)
+
+
+def test_janus_samples_in_fp8_and_its_update_is_rescored(app, tmp_path: Path) -> None:
+    """The Janus family: the engine decodes and scores its tokens in FP8, the trainer rescores
+    them (the KL reference's forward included: the replay callback's) and logs the gap."""
+    run = train(app, tiny_config(app, "janus", tmp_path, *FP8, "algo.rollout_correction=token_truncate",
+                                 "train.epochs=1"))
+    [row] = [r for r in _rows(run / "metrics.csv") if r.get("replay/engine_diff_mean")]
+    assert 1e-6 < float(row["replay/engine_diff_mean"]) < 0.5 and abs(float(row["policy/is_ratio_mean"]) - 1) < 0.5

@@ -194,3 +194,21 @@ def test_fp8_on_an_older_gpu_or_fp32_weights_is_refused() -> None:
     else:
         with pytest.raises(ValueError, match="needs bfloat16 weights"):
             check_precision("fp8", torch.device("cuda"), torch.float32)
+
+
+def test_janus_decodes_in_fp8_with_the_samplers_log_probs() -> None:
+    """JanusEngine(precision="fp8"): the decode and its rescore run the FP8 layers, so the
+    log-probs are the sampler's; an unquantized replay of the same tokens differs from them by
+    the quantization's gap, where the unquantized engine's rescore is exact."""
+    from rl_rollout.janus import JanusEngine
+
+    engine = JanusEngine.from_pretrained(tiny.build("janus"), dtype=torch.float32, device="cpu")
+    exact = engine.sample(["a red cube", "a blue ball"], seeds=[0, 1])
+    assert torch.equal(engine.replay(exact.tokens, guidance_scale=exact.guidance_scale, temperature=1.0),
+                       exact.log_probs)
+    engine.precision = "fp8"
+    fp8 = engine.sample(["a red cube", "a blue ball"], seeds=[0, 1])
+    assert engine.over(engine.model).precision == "fp8"
+    engine.precision = "bf16"
+    gap = (engine.replay(fp8.tokens, guidance_scale=fp8.guidance_scale, temperature=1.0) - fp8.log_probs).abs()
+    assert 0 < gap.max() < 0.5

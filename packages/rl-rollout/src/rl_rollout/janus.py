@@ -32,10 +32,17 @@ Log-probs (`logprobs=`):
   forward); they differ from a teacher-forced recomputation in the last bits (float32) or ~1e-2
   (bf16): KV-cached one-token matmuls round differently, and a compiled step fuses differently.
   Pick it when the trainer tolerates that mismatch (a ratio tolerance, or a rollout correction).
+
+`precision="fp8"` decodes (and rescores) with the language model's linear layers as FP8 GEMMs
+(`rl_rollout.fp8`: weights quantized again when they change, activations per token; CUDA needs
+compute capability 9.0 and bf16 weights, the CPU emulates it). The log-probs are then the FP8
+sampler's: a trainer rescores them in the weights' dtype and corrects the gap (diffusion-grpo's
+`rollout.precision`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,6 +64,7 @@ from rl_models.janus import (
     unconditional_prompt_ids,
 )
 from rl_rollout.attention import GROUPED_DECODE, attention_implementation
+from rl_rollout.fp8 import Fp8Linears, Precision, check_precision
 
 __all__ = ["ImageRollout", "JanusEngine"]
 
@@ -117,6 +125,7 @@ class JanusEngine:
         logprobs: LogprobMode = "rescore",
         chunk_size: int = 1024,
         kv_block: int = 64,
+        precision: Precision = "bf16",
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -136,6 +145,27 @@ class JanusEngine:
         self._cache: StaticCache | None = None
         self._cache_key: tuple[int, int] = (0, 0)
         self._asleep = False
+        self._fp8: Fp8Linears | None = None  # the language model's FP8 weights (precision="fp8")
+        self.precision = precision
+
+    @property
+    def precision(self) -> Precision:
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: Precision) -> None:
+        check_precision(value, self.device, self.model.dtype)
+        self._precision = value
+
+    def _sampling_precision(self) -> Any:
+        """Sampling's matmul precision (`rl_rollout.diffusion.DiffusionEngine`'s, over the language model)."""
+        if self.precision != "fp8":
+            return contextlib.nullcontext()
+        layers = janus_causal_lm(self.model).model.language_model
+        if self._fp8 is None or not self._fp8.covers(layers):
+            self._fp8 = Fp8Linears(layers)
+        self._fp8.refresh()
+        return self._fp8.active()
 
     @classmethod
     def from_pretrained(
@@ -162,7 +192,7 @@ class JanusEngine:
         mode = "default" if self.compile_mode == "reduce-overhead" else self.compile_mode
         return JanusEngine(model, copy.deepcopy(self.processor), device=self.device, max_batch_size=self.max_batch_size,
                            compile=self.compile, compile_mode=mode, logprobs=self.logprobs,
-                           chunk_size=self.chunk_size, kv_block=self.kv_block)
+                           chunk_size=self.chunk_size, kv_block=self.kv_block, precision=self.precision)
 
     # -- prompts -------------------------------------------------------------------------------
 
@@ -205,24 +235,25 @@ class JanusEngine:
         seeds = list(range(len(prompts))) if seeds is None else [int(s) for s in seeds]
         if len(seeds) != len(prompts):
             raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
-        encoded = self.encode(prompts)
-        uniforms = torch.stack([
-            torch.rand(self.num_tokens, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds
-        ]).to(self.device)  # [B, N]
-        tokens, logprobs = [], []
-        for start in range(0, len(prompts), self.max_batch_size):
-            rows = slice(start, start + self.max_batch_size)
-            tok, lp = self._decode(encoded.index(rows), uniforms[rows], guidance_scale, temperature)  # [b, N] x2
-            tokens.append(tok)
-            logprobs.append(lp)
-        batch = ImageTokenBatch(encoded.prompt_ids, encoded.prompt_mask, torch.cat(tokens), encoded.uncond_ids)
-        log_probs = torch.cat(logprobs)  # [B, N]
-        if self.logprobs == "rescore":  # in the decode chunks: a trainer replays the same row groups
-            log_probs = torch.cat([
-                self.replay(batch.index(slice(start, start + self.max_batch_size)), guidance_scale=guidance_scale,
-                            temperature=temperature)
-                for start in range(0, len(prompts), self.max_batch_size)
-            ])  # [B, N]
+        with self._sampling_precision():  # FP8: the decode's and the rescore's log-probs are the sampler's
+            encoded = self.encode(prompts)
+            uniforms = torch.stack([
+                torch.rand(self.num_tokens, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds
+            ]).to(self.device)  # [B, N]
+            tokens, logprobs = [], []
+            for start in range(0, len(prompts), self.max_batch_size):
+                rows = slice(start, start + self.max_batch_size)
+                tok, lp = self._decode(encoded.index(rows), uniforms[rows], guidance_scale, temperature)  # [b, N] x2
+                tokens.append(tok)
+                logprobs.append(lp)
+            batch = ImageTokenBatch(encoded.prompt_ids, encoded.prompt_mask, torch.cat(tokens), encoded.uncond_ids)
+            log_probs = torch.cat(logprobs)  # [B, N]
+            if self.logprobs == "rescore":  # in the decode chunks: a trainer replays the same row groups
+                log_probs = torch.cat([
+                    self.replay(batch.index(slice(start, start + self.max_batch_size)), guidance_scale=guidance_scale,
+                                temperature=temperature)
+                    for start in range(0, len(prompts), self.max_batch_size)
+                ])  # [B, N]
         return ImageRollout(
             prompts=tuple(prompts), tokens=batch, log_probs=log_probs.float(), images=self.decode(batch.image_ids),
             seeds=tuple(seeds), guidance_scale=guidance_scale, temperature=temperature,
@@ -330,6 +361,7 @@ class JanusEngine:
     def sleep(self) -> None:
         """Weights to CPU and the cache dropped (no-op for the weights on a CPU engine)."""
         self.release_cache()
+        self._fp8 = None  # made again from the weights at the next sample
         if self.device.type != "cpu":
             janus_causal_lm(self.model).to("cpu")  # type: ignore[arg-type]  # see HFEngine
         self._asleep = True

@@ -67,7 +67,7 @@ METRIC_NAMES: dict[str, str] = {
     "optimizer_steps": "optimizer steps taken in the step",
     "nonfinite/skipped_steps": "optimizer steps skipped for a non-finite loss or gradient",
     "lr": "learning rate after the step",
-    "replay/engine_diff_mean": "mean |rollout engine log-prob - trainer log-prob| on the first replay",
+    "replay/engine_diff_mean": "mean |rollout engine log-prob - trainer log-prob| on the first replay; a rescored update (FP8 rollouts): over every trained unit, against the trainer's rescore before the first optimizer step",
     "replay/engine_diff_max": "the largest such difference",
     "replay/engine_kl": "KL(engine || trainer) on the first replay, the k3 estimate mean(r - 1 - log r), r = trainer / engine probability",
     "replay/steps_per_batch": "denoising steps replayed per sampled batch (diffusion: its SDE window; Janus with a window: image tokens trained)",
