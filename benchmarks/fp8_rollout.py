@@ -71,7 +71,7 @@ def profile_forward(engine: DiffusionEngine, conditioning, n: int, size: int, to
     latents = engine.initial_noise(n, size, size, [torch.Generator().manual_seed(i) for i in range(n)])
     sigma = torch.full((n,), 0.5, device=engine.device)  # [n]
     cond = conditioning.index([0] * n)
-    with torch.no_grad(), engine._sampling_precision():
+    with torch.no_grad(), engine._sampling_precision(getattr(engine.transformer, engine.blocks_attribute)):
         for _ in range(2):
             engine.velocity(latents, sigma, cond, guidance_scale=4.5)
         torch.cuda.synchronize()

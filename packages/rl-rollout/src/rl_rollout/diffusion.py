@@ -74,7 +74,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rl_core.flow import SDEStep, host_randn, sde_step
 from rl_models.diffusion import load_sd3
-from rl_rollout.fp8 import Fp8Linears, Precision, check_precision
+from rl_rollout.fp8 import Fp8Sampling, Precision
 
 try:  # the defining module: mypy reads `diffusers.StableDiffusion3Pipeline` as diffusers' dummy
     from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
@@ -214,7 +214,7 @@ def resolve_options(
     )
 
 
-class DiffusionEngine:
+class DiffusionEngine(Fp8Sampling):
     """Flow-GRPO sampling and replay over an SD3 pipeline's parts.
 
     `dtype` is the weights' dtype (bf16/fp16 on GPU, fp32 on CPU); the step maths and the stored
@@ -265,17 +265,7 @@ class DiffusionEngine:
         self._graphs: dict[tuple[Any, ...], _Graph] = {}  # captured CFG forwards, by shapes and weights
         self._negative: dict[int, PromptEmbeddings] = {}
         self._asleep = False
-        self._fp8: Fp8Linears | None = None  # the blocks' FP8 weights (precision="fp8"), made at the first sample
-        self.precision = precision
-
-    @property
-    def precision(self) -> Precision:
-        return self._precision
-
-    @precision.setter
-    def precision(self, value: Precision) -> None:
-        check_precision(value, self.device, self.pipeline.transformer.dtype)
-        self._precision = value
+        self.precision = precision  # sampling in FP8: the blocks' linear layers (`Fp8Sampling`)
 
     @classmethod
     def from_pretrained(
@@ -583,7 +573,7 @@ class DiffusionEngine:
                 distinct = list(dict.fromkeys(batch.prompts))
                 encoded = self.encode(distinct, max_sequence_length=max_sequence_length)
                 batch = replace(batch, conditioning=encoded.index([distinct.index(p) for p in batch.prompts]))
-            with self._sampling_precision():
+            with self._sampling_precision(getattr(self.transformer, self.blocks_attribute)):
                 traj = self._denoise(batch, num_steps=num_steps, guidance_scale=guidance_scale, height=height,
                                      width=width, noise_level=noise_level, kind=kind,
                                      max_sequence_length=max_sequence_length, keep_means=keep_means)
@@ -601,17 +591,6 @@ class DiffusionEngine:
             for traj in out:
                 traj.images.record_stream(main)
         return out
-
-    def _sampling_precision(self) -> contextlib.AbstractContextManager[None]:
-        """Sampling's matmul precision: with `precision="fp8"` the blocks' FP8 weights, re-quantized
-        where the weights changed (made again when the blocks did: LoRA added, a new transformer)."""
-        if self.precision != "fp8":
-            return contextlib.nullcontext()
-        blocks = getattr(self.transformer, self.blocks_attribute)
-        if self._fp8 is None or not self._fp8.covers(blocks):
-            self._fp8 = Fp8Linears(blocks)
-        self._fp8.refresh()
-        return self._fp8.active()
 
     def _denoise(
         self,
@@ -795,7 +774,7 @@ class DiffusionEngine:
         """Move every part to CPU and free the accelerator's cache (no-op on CPU)."""
         self.pipeline.to("cpu")
         self._graphs.clear()  # their memory; the weights come back elsewhere anyway
-        self._fp8 = None  # made again from the weights at the next sample
+        self._drop_fp8()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         self._asleep = True

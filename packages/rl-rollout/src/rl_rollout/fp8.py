@@ -30,13 +30,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["FP8", "Fp8Linears", "Precision", "check_precision", "fp8_linear", "quantize_rows"]
+__all__ = ["FP8", "Fp8Linears", "Fp8Sampling", "Precision", "check_precision", "fp8_linear", "quantize_rows"]
 
 Precision = Literal["bf16", "fp8"]
 FP8 = torch.float8_e4m3fn
@@ -163,3 +163,39 @@ def selected_linears(root: torch.nn.Module) -> list[torch.nn.Linear]:
     return [module for name, module in root.named_modules()
             if isinstance(module, torch.nn.Linear) and not any(part.startswith("lora_") for part in name.split("."))
             and module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0]
+
+
+class Fp8Sampling:
+    """An engine's `precision` ("bf16" | "fp8", checked against its `device` and `dtype` when
+    set) and the context its sampling runs in: `_sampling_precision(root)` runs `root`'s linear
+    layers from an `Fp8Linears` with "fp8", made at the first sample and again when the layers
+    change (a copy of the model), re-quantized where the weights changed; `_drop_fp8()` frees it
+    (sleep). Mixed into the image engines, which provide `device` and `dtype`."""
+
+    device: torch.device
+    _fp8: Fp8Linears | None = None  # made at the first FP8 sample
+    _precision: Precision = "bf16"
+
+    if TYPE_CHECKING:
+        @property
+        def dtype(self) -> torch.dtype: ...
+
+    @property
+    def precision(self) -> Precision:
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: Precision) -> None:
+        check_precision(value, self.device, self.dtype)
+        self._precision = value
+
+    def _sampling_precision(self, root: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+        if self.precision != "fp8":
+            return contextlib.nullcontext()
+        if self._fp8 is None or not self._fp8.covers(root):
+            self._fp8 = Fp8Linears(root)
+        self._fp8.refresh()
+        return self._fp8.active()
+
+    def _drop_fp8(self) -> None:
+        self._fp8 = None  # made again from the weights at the next sample

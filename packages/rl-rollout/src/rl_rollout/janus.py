@@ -42,7 +42,6 @@ sampler's: a trainer rescores them in the weights' dtype and corrects the gap (d
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,7 +63,7 @@ from rl_models.janus import (
     unconditional_prompt_ids,
 )
 from rl_rollout.attention import GROUPED_DECODE, attention_implementation
-from rl_rollout.fp8 import Fp8Linears, Precision, check_precision
+from rl_rollout.fp8 import Fp8Sampling, Precision
 
 __all__ = ["ImageRollout", "JanusEngine"]
 
@@ -98,7 +97,7 @@ class ImageRollout:
         return len(self.prompts)
 
 
-class JanusEngine:
+class JanusEngine(Fp8Sampling):
     """Janus image-token sampling with per-token log-probs, and the replay the trainer shares.
 
     model: a loaded `JanusForConditionalGeneration` (LoRA may be added in place later: the engine
@@ -145,27 +144,11 @@ class JanusEngine:
         self._cache: StaticCache | None = None
         self._cache_key: tuple[int, int] = (0, 0)
         self._asleep = False
-        self._fp8: Fp8Linears | None = None  # the language model's FP8 weights (precision="fp8")
-        self.precision = precision
+        self.precision = precision  # sampling in FP8: the language model's linear layers (`Fp8Sampling`)
 
     @property
-    def precision(self) -> Precision:
-        return self._precision
-
-    @precision.setter
-    def precision(self, value: Precision) -> None:
-        check_precision(value, self.device, self.model.dtype)
-        self._precision = value
-
-    def _sampling_precision(self) -> Any:
-        """Sampling's matmul precision (`rl_rollout.diffusion.DiffusionEngine`'s, over the language model)."""
-        if self.precision != "fp8":
-            return contextlib.nullcontext()
-        layers = janus_causal_lm(self.model).model.language_model
-        if self._fp8 is None or not self._fp8.covers(layers):
-            self._fp8 = Fp8Linears(layers)
-        self._fp8.refresh()
-        return self._fp8.active()
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
 
     @classmethod
     def from_pretrained(
@@ -235,7 +218,7 @@ class JanusEngine:
         seeds = list(range(len(prompts))) if seeds is None else [int(s) for s in seeds]
         if len(seeds) != len(prompts):
             raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
-        with self._sampling_precision():  # FP8: the decode's and the rescore's log-probs are the sampler's
+        with self._sampling_precision(janus_causal_lm(self.model).model.language_model):  # FP8: the decode's and the rescore's log-probs are the sampler's
             encoded = self.encode(prompts)
             uniforms = torch.stack([
                 torch.rand(self.num_tokens, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds
@@ -361,7 +344,7 @@ class JanusEngine:
     def sleep(self) -> None:
         """Weights to CPU and the cache dropped (no-op for the weights on a CPU engine)."""
         self.release_cache()
-        self._fp8 = None  # made again from the weights at the next sample
+        self._drop_fp8()
         if self.device.type != "cpu":
             janus_causal_lm(self.model).to("cpu")  # type: ignore[arg-type]  # see HFEngine
         self._asleep = True
