@@ -4,6 +4,7 @@
     uv run --package caption-rl python benchmarks/caption_rl.py --smoke    # tiny, CPU, ~1 minute
     python benchmarks/caption_rl.py --vllm     # both on vLLM: rollout.engine=vllm vs TRL's colocate mode
     python benchmarks/caption_rl.py --vllm --caption-rl-engine hf   # caption-rl's hf engine vs TRL's colocate mode
+    python benchmarks/caption_rl.py --vllm --fp8   # and caption-rl with rollout.precision=fp8: three trainers
     python benchmarks/caption_rl.py --trl-server   # 2 GPUs: rollout.engine=vllm vs TRL's server mode (vLLM on GPU 1)
 
 `--vllm`: caption-rl's colocated vLLM engine (asleep during the update, LoRA-merged or full
@@ -381,9 +382,10 @@ def placeholder_bias(policy: Path) -> dict[int, float]:
 def run_side(side: str, smoke: bool, steps: int, policy: Path, out: Path, overrides: list[str], vllm: bool,
              engine: str, trl_server: bool = False) -> dict:
     """One trainer in a fresh process; its figures come back as JSON. TRL's server mode: the process
-    sees only the first GPU and starts `trl vllm-serve` on the second."""
+    sees only the first GPU and starts `trl vllm-serve` on the second. `caption-rl-fp8` is the
+    caption-rl side (its `overrides` say the precision)."""
     result = out / f"{side}.json"
-    cmd = [sys.executable, __file__, "--side", side, "--policy", str(policy), "--result", str(result),
+    cmd = [sys.executable, __file__, "--side", side.removesuffix("-fp8"), "--policy", str(policy), "--result", str(result),
            "--steps", str(steps), *(["--smoke"] if smoke else []), *(["--vllm"] if vllm else []),
            f"--caption-rl-engine={engine}", *(f"--set={o}" for o in overrides)]
     env = None
@@ -410,7 +412,9 @@ def main() -> None:
     parser.add_argument("--trl-server", action="store_true",
                         help="TRL in server mode on 2 GPUs (`trl vllm-serve` on the second, the trainer on the first) "
                              "instead of colocate; implies --vllm; its tokens/s is per GPU")
-    parser.add_argument("--only", choices=("caption-rl", "trl"),
+    parser.add_argument("--fp8", action="store_true",
+                        help="with --vllm: caption-rl also with rollout.precision=fp8 (vLLM's online FP8), a third trainer")
+    parser.add_argument("--only", choices=("caption-rl", "caption-rl-fp8", "trl"),
                         help="run one trainer only; prints its figures, appends nothing")
     parser.add_argument("--cache", type=Path, default=None,
                         help="keep each trainer's figures in DIR/<trainer>-<engine>.json and reuse them: with --only, run the "
@@ -427,6 +431,9 @@ def main() -> None:
     engine = args.caption_rl_engine or ("vllm" if args.vllm else "hf")
     if engine == "vllm" and not args.vllm:
         parser.error("--caption-rl-engine vllm needs --vllm (TRL on vLLM too)")
+    if (args.fp8 or args.only == "caption-rl-fp8") and (engine != "vllm" or args.trl_server):
+        parser.error("--fp8 quantizes caption-rl's vLLM engine: it goes with --vllm (colocate), not with the hf engine "
+                     "or --trl-server")
     if args.side is not None:  # a child process: one trainer
         out = args.result.parent / f"{args.side}-run"
         device = DevicePeak()
@@ -442,11 +449,11 @@ def main() -> None:
         args.result.write_text(json.dumps(figures))
         print(f"{args.side} figures: {json.dumps(figures)}")  # in the log too, if the other side fails
         return
-    sides = [args.only] if args.only else ["caption-rl", "trl"]
+    sides = [args.only] if args.only else ["caption-rl", *(["caption-rl-fp8"] if args.fp8 else []), "trl"]
     from benchmarks.results import cached_figures, load_figures, save_figures
 
     trl_key = "trl-vllm-server" if args.trl_server else "trl-vllm" if args.vllm else "trl-hf"
-    keys = {"caption-rl": f"caption-rl-{engine}", "trl": trl_key}
+    keys = {"caption-rl": f"caption-rl-{engine}", "caption-rl-fp8": f"caption-rl-{engine}-fp8", "trl": trl_key}
     cached = {side: cached_figures(args.cache, keys[side]) for side in sides}
     got = {side: kept for side in sides if (kept := load_figures(cached[side])) is not None}
     for side in got:
@@ -461,12 +468,15 @@ def main() -> None:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # the children measure their own peaks; this process keeps no weights
             for side in (s for s in sides if s not in got):
-                got[side] = run_side(side, args.smoke, steps, policy, Path(tmp),
-                                     args.overrides if side == "caption-rl" else [], args.vllm, engine, args.trl_server)
+                overrides = {"caption-rl": args.overrides, "caption-rl-fp8": [*args.overrides, "rollout.precision=fp8"]}
+                got[side] = run_side(side, args.smoke, steps, policy, Path(tmp), overrides.get(side, []), args.vllm,
+                                     engine, args.trl_server)
                 save_figures(cached[side], got[side])
     if args.only:
         print(json.dumps(got[args.only]))
         return
+    if args.fp8:
+        return report_fp8(got["caption-rl"], got["caption-rl-fp8"], got["trl"], smoke=args.smoke)
     report(got["caption-rl"], got["trl"], smoke=args.smoke, vllm=args.vllm, engine=engine, trl_server=args.trl_server)
 
 
@@ -542,6 +552,37 @@ def report(ours: dict[str, float], theirs: dict[str, float], *, smoke: bool, vll
                  "hf": ", TRL in server mode on 2 GPUs (vLLM on its own GPU), caption-rl on one (its hf engine)"}
     title = "caption-rl vs TRL GRPOTrainer" + ((on_server if trl_server else on_vllm)[engine] if vllm else "")
     append_results(f"{title}: RL step throughput at Qwen3-VL-2B shape", header, table, notes)
+
+
+def report_fp8(bf16: dict[str, float], fp8: dict[str, float], trl: dict[str, float], *, smoke: bool) -> None:
+    """`--fp8`: caption-rl's step with bf16 and FP8 vLLM rollouts, and TRL's colocate step, from
+    one lease; each ratio is against the row named."""
+    rows = {"caption-rl, rollout.precision=bf16": bf16, "caption-rl, rollout.precision=fp8": fp8,
+            "trl GRPOTrainer (vLLM colocate, bf16)": trl}
+    header = ["trainer", "tokens/s", "s/step", "rollout s", "update s", "peak GiB", "tokens/s / caption-rl bf16",
+              "tokens/s / TRL"]
+    tokens = {name: f["throughput/tokens_per_s"] for name, f in rows.items()}
+    table = [[name, f"{tokens[name]:.0f}", f"{f['time/step']:.2f}", f"{f['time/rollout']:.2f}" if f is not trl else "",
+              f"{f['time/update']:.2f}" if f is not trl else "", f"{f['device_peak_gib']:.1f}",
+              f"{tokens[name] / bf16['throughput/tokens_per_s']:.2f}x", f"{tokens[name] / trl['throughput/tokens_per_s']:.2f}x"]
+             for name, f in rows.items()]
+    table.append(["rollout phase, bf16 / fp8", "", "", f"{bf16['time/rollout'] / fp8['time/rollout']:.2f}x", "", "", "", ""])
+    notes = ("The setting of 'caption-rl vs TRL GRPOTrainer, both rolling out on vLLM' (random weights at Qwen3-VL-2B "
+             f"shape, 32 images x 8 captions x 256 tokens, vLLM colocated with gpu_memory_utilization {VLLM_MEMORY}, "
+             f"mean over the steps after the first {WARMUP}), each trainer in its own process, one after another on "
+             "one GPU. fp8: rollout.precision='fp8' (vLLM's online FP8: per-tensor weight scales, dynamic activation "
+             "scales, weights quantized again at each push). TRL samples in bf16 (its colocate mode as its docs give "
+             f"it). Seconds per step, warm-up included: bf16 {bf16['steps/step']}, fp8 {fp8['steps/step']}, TRL "
+             f"{trl['steps/step']}; rollout per step: bf16 {bf16['steps/rollout']}, fp8 {fp8['steps/rollout']}. "
+             f"Weight push per step (inside update s): bf16 {bf16['time/weight_sync']:.2f} s, fp8 "
+             f"{fp8['time/weight_sync']:.2f} s. Goal: FP8's rollout phase >= 1.3x bf16's.")
+    from benchmarks.results import append_results, markdown_table
+
+    title = "caption-rl with FP8 vLLM rollouts vs bf16 and TRL (vLLM colocate), RL step at Qwen3-VL-2B shape"
+    if smoke:
+        print(f"{title}\n{markdown_table(header, table)}\n{notes}")
+    else:
+        append_results(title, header, table, notes)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python benchmarks/vllm_rollout.py            # one H100/H200, ~5 minutes (three vLLM starts)
     python benchmarks/vllm_rollout.py --smoke    # tiny shapes; still needs a GPU and vLLM
     python benchmarks/vllm_rollout.py --fp8      # row 1 with rollout.precision bf16, then fp8 (two vLLM starts)
+    python benchmarks/vllm_rollout.py --fp8 --profile   # and one generate of each profiled: CUDA time by kernel kind
 
 The setting of `benchmarks/caption_rl.py --vllm`: a random-weight policy at Qwen3-VL-2B shape,
 32 images x 8 captions x 256 tokens per step, `gpu_memory_utilization` 0.3, `max_model_len`
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +84,49 @@ def text_only(gens: list[Any]) -> list[list[int]]:
     return [torch.randint(1000, 20000, (lengths[i],)).tolist() for i in sorted(lengths)]
 
 
-def colocated(policy: Path, smoke: bool, precision: str = "bf16") -> dict[str, Any]:
+# first match wins: the quantization kernels carry "fp8" in their names too
+KINDS = (("FP8 activation quantization", ("quant", "max_reduction")),
+         ("FP8 GEMM", ("fp8", "e4m3", "scaled_mm")),
+         ("attention, KV cache", ("flash", "fmha", "attn", "attention", "paged", "reshape_and_cache")),
+         ("bf16 GEMM", ("gemm", "gemv", "xmma", "cutlass", "nvjet", "sm90", "matmul", "splitk")),
+         ("Triton (fused norms, rotary, activations)", ("triton",)),
+         ("sampling, log-probs", ("softmax", "sort", "topk", "top_k", "sampl", "argmax", "exponential", "radix",
+                                  "scan", "gather", "reduce")))
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in lowered for k in keys)), "other")
+
+
+def profile_generate(generate: Any, top: int = 25) -> dict[str, float]:
+    """CUDA milliseconds by kernel kind of one `generate()` (the engine core in this process, so
+    its kernels are this process's), with the wall milliseconds beside: kernels adding up to
+    well under the wall time mean the GPU waits on the host. Prints the `top` longest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync()
+    began = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        generate()
+        _sync()
+    wall = time.perf_counter() - began
+    times: dict[str, float] = defaultdict(float)
+    kernels = []
+    for event in prof.key_averages():
+        cuda_us = getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0)
+        if event.device_type == torch.autograd.DeviceType.CUDA and cuda_us:
+            times[kernel_kind(event.key)] += cuda_us / 1e3
+            kernels.append((cuda_us / 1e3, event.count, event.key))
+    for ms, count, name in sorted(kernels, reverse=True)[:top]:
+        print(f"  {ms:9.2f} ms  x{count:<6d} [{kernel_kind(name)}] {name[:140]}")
+    return dict(times) | {"kernels total": sum(times.values()), "wall": wall * 1e3}
+
+
+def colocated(policy: Path, smoke: bool, precision: str = "bf16", profile: bool = False) -> dict[str, Any]:
     """caption-rl's engine work of one RL step, part by part (row 1); `precision` as
-    `rollout.precision` (fp8: vLLM's online FP8, quantized again at each push)."""
+    `rollout.precision` (fp8: vLLM's online FP8, quantized again at each push); `profile`: one more
+    generate under the CUDA profiler (`profile_generate`)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from rl_policy.engine import build_policy_engine
@@ -112,8 +154,13 @@ def colocated(policy: Path, smoke: bool, precision: str = "bf16") -> dict[str, A
         for key, value in zip(parts, (wake, seconds, sleep, push, plain), strict=True):
             parts[key].append(value)
         tokens.append(sum(len(g.completion_ids) for g in gens))
+    figures = {key: statistics.fmean(values) for key, values in parts.items()} | {"tokens": statistics.fmean(tokens)}
+    if profile:
+        vllm.wake()
+        print(f"the longest kernels of one generate, {precision}:")
+        figures["profile"] = profile_generate(lambda: vllm.generate(messages, params))
     engine.close()
-    return {key: statistics.fmean(values) for key, values in parts.items()} | {"tokens": statistics.fmean(tokens)}
+    return figures
 
 
 def alone(policy: Path, smoke: bool, in_thread: bool) -> dict[str, Any]:
@@ -145,7 +192,7 @@ def alone(policy: Path, smoke: bool, in_thread: bool) -> dict[str, Any]:
 
 
 def child(args: argparse.Namespace) -> None:
-    figures = colocated(args.policy, args.smoke, args.precision) if args.child == "colocated" else alone(
+    figures = colocated(args.policy, args.smoke, args.precision, args.profile) if args.child == "colocated" else alone(
         args.policy, args.smoke, in_thread=args.child == "alone-in-thread")
     args.result.write_text(json.dumps(figures))
     print(f"{args.child}: {json.dumps(figures)}")
@@ -161,7 +208,11 @@ def main() -> None:
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help=argparse.SUPPRESS)
     parser.add_argument("--fp8", action="store_true", help="row 1 in bf16 and in FP8 (rollout.precision), compared")
+    parser.add_argument("--profile", action="store_true",
+                        help="with --fp8: one generate of each precision under the CUDA profiler, time by kernel kind")
     args = parser.parse_args()
+    if args.profile and not (args.fp8 or args.child):
+        parser.error("--profile goes with --fp8")
     if args.child:
         return child(args)
     if not torch.cuda.is_available():
@@ -175,7 +226,8 @@ def main() -> None:
         for side, precision in runs:  # each in a fresh process
             result = Path(tmp) / f"{side}-{precision}.json"
             subprocess.run([sys.executable, __file__, "--child", side, "--policy", str(policy), "--result", str(result),
-                            "--precision", precision, *(["--smoke"] if args.smoke else [])], check=True)
+                            "--precision", precision, *(["--smoke"] if args.smoke else []),
+                            *(["--profile"] if args.profile else [])], check=True)
             figures[side if not args.fp8 else precision] = json.loads(result.read_text())
     if args.fp8:
         return report_fp8(figures, smoke=args.smoke)
@@ -202,11 +254,27 @@ def report_fp8(figures: dict[str, dict[str, Any]], *, smoke: bool) -> None:
              "a warm-up), each precision in a fresh process. fp8 = rollout.precision='fp8': vLLM's online FP8 "
              "(quantization='fp8', per-tensor weight scales, dynamic activation scales), the push through vLLM's "
              f"layerwise reload (quantized again). Tokens per step: bf16 {bf16['tokens']:.0f}, fp8 {fp8['tokens']:.0f}.")
-    if smoke:
-        print(markdown_table(header, table))
-        print(notes)
-        return
-    append_results("caption-rl's vLLM rollout: bf16 vs FP8 (rollout.precision, Qwen3-VL-2B shape)", header, table, notes)
+    sections = [("caption-rl's vLLM rollout: bf16 vs FP8 (rollout.precision, Qwen3-VL-2B shape)", header, table, notes)]
+    if "profile" in bf16:
+        sections.append(profile_section(bf16["profile"], fp8["profile"], tokens=(bf16["tokens"], fp8["tokens"])))
+    for title, head, rows, note in sections:
+        if smoke:
+            print(f"{title}\n{markdown_table(head, rows)}\n{note}")
+        else:
+            append_results(title, head, rows, note)
+
+
+def profile_section(bf16: dict[str, float], fp8: dict[str, float], *, tokens: tuple[float, float]) -> tuple:
+    """The profiled generates side by side: CUDA milliseconds per kernel kind, and the wall."""
+    kinds = [kind for kind, _ in KINDS] + ["other", "kernels total", "wall"]
+    table = [[kind, f"{bf16.get(kind, 0.0):,.1f}", f"{fp8.get(kind, 0.0):,.1f}",
+              f"{bf16.get(kind, 0.0) / fp8[kind]:.2f}x" if fp8.get(kind) else ""] for kind in kinds]
+    notes = (f"One generate of row 1's step (256 captions, {tokens[0]:.0f} and {tokens[1]:.0f} tokens sampled) under "
+             "torch's CUDA profiler, after the timed rounds, each precision in its own process; CUDA graphs' kernels "
+             "are counted one by one. Kernels are sorted into kinds by name (benchmarks/vllm_rollout.py `KINDS`, the "
+             "first match wins); 'kernels total' is their sum, 'wall' the generate's time under the profiler.")
+    return ("caption-rl's vLLM rollout, bf16 vs FP8: CUDA time of one generate by kernel kind (Qwen3-VL-2B shape)",
+            ["kernel kind", "bf16 ms", "fp8 ms", "bf16 / fp8"], table, notes)
 
 
 def report(figures: dict[str, dict[str, Any]], *, smoke: bool) -> None:
