@@ -1,6 +1,4 @@
-"""arith-grpo's configuration: one msgspec Struct per TOML table. No torch: `__main__.py` reads the
-command line and the config with it, and `--help` and config errors answer before the recipe
-(`arith_recipe.py`) and torch load."""
+"""arith-grpo's config, one Struct per TOML table, read (and refused) before torch loads."""
 
 from __future__ import annotations
 
@@ -10,11 +8,7 @@ from typing import ClassVar, Literal
 import msgspec
 
 from rl_core import train
-from rl_core.train.entry import AppEntry
 from rl_rewards import RewardSpec
-
-NAME = "arith-grpo"
-DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.toml"
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -45,10 +39,8 @@ class TrainConfig(train.RunFields, kw_only=True, frozen=True):
 
 class Config(train.AppConfig, kw_only=True, frozen=True):
     # Keys renamed to the other apps' names for the same idea (old -> new; the old is refused).
-    RENAMED: ClassVar[dict[str, str]] = {
-        "policy.path": "model.path", "policy.dtype": "model.dtype", "policy.engine": "rollout.engine",
-        "policy.n": "rollout.n", "policy.temperature": "rollout.temperature",
-        "policy.max_new_tokens": "rollout.max_new_tokens"}
+    RENAMED: ClassVar[dict[str, str]] = {"policy.path": "model.path", "policy.dtype": "model.dtype", **{
+        f"policy.{key}": f"rollout.{key}" for key in ("engine", "n", "temperature", "max_new_tokens")}}
     model: ModelConfig = ModelConfig()
     rollout: RolloutConfig = RolloutConfig()
     algo: train.TokenPolicyFields = train.TokenPolicyFields()
@@ -56,6 +48,4 @@ class Config(train.AppConfig, kw_only=True, frozen=True):
     train: TrainConfig = TrainConfig()
 
 
-ENTRY = AppEntry(NAME, Config, DEFAULT_CONFIG, None, recipe="arith_recipe")
-"""The app: `__main__.py` attaches it (the command line and the config are read before the recipe
-and torch load)."""
+ENTRY = train.AppEntry("arith-grpo", Config, Path(__file__).resolve().parent / "configs" / "default.toml", recipe="arith_recipe")

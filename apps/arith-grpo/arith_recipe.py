@@ -1,15 +1,13 @@
-"""arith-grpo: text GRPO on "a + b" with an exact-answer rule, the smallest recipe on the shared trainer loop
-(`rl_core.train.loop` owns all but these hooks; `__main__.py` reads the command line and `arith_config.py` the config,
-before this module and torch load). `uv run apps/arith-grpo` trains a tiny Qwen3 on CPU in a minute."""
+"""arith-grpo's recipe: text GRPO on "a + b" with an exact-answer rule; `rl_core.train.loop` owns the rest."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
-from arith_config import DEFAULT_CONFIG, NAME, Config
+from arith_config import ENTRY, Config
 
 from rl_core import train
 from rl_data import GroupSampler
@@ -23,8 +21,7 @@ from rl_rewards import Component, Reward, RewardSpec, Sample, ScoreResult, build
 from rl_rollout import Generation, SamplingParams
 
 
-@dataclass
-class State:
+class State(NamedTuple):
     cfg: Config
     run: train.RunContext
     model: torch.nn.Module
@@ -37,19 +34,16 @@ class State:
     weights: dict[str, float]  # the reward's component weights, for algo.reward_aggregation=normalize_then_sum
 
 
-@dataclass(frozen=True)
-class Batch:
+class Batch(NamedTuple):
     picked: list[int]  # problem index of each prompt
     generations: list[Generation]  # n per prompt, request-major
 
 
 class ArithGRPO(train.Recipe[Config, State, Batch], train.MergesRounds[State, Batch]):
-    name, config, default_config = NAME, Config, DEFAULT_CONFIG
+    name, config, default_config = ENTRY.name, Config, ENTRY.default_path()
 
     def check(self, cfg: Config, world_size: int) -> None:
-        train.check_batch_split(cfg.train.batch_size, world_size)
-        train.check_group_size(cfg.algo.advantage, cfg.rollout.n, key="algo.advantage", n_key="rollout.n")
-        train.check_loss_options(cfg.algo.loss, cfg.algo.loss_options)
+        train.check_token_step(cfg.algo, n=cfg.rollout.n, batch_size=cfg.train.batch_size, world_size=world_size)
 
     def setup(self, cfg: Config, run: train.RunContext) -> State:
         m, r, t = cfg.model, cfg.rollout, cfg.train
@@ -58,12 +52,10 @@ class ArithGRPO(train.Recipe[Config, State, Batch], train.MergesRounds[State, Ba
         policy, optimizer = run.accelerator.prepare(Policy(model), torch.optim.AdamW(model.parameters(), lr=t.lr))
         engine = build_policy_engine(r.engine, model=model, processor=tokenizer, path=path, dtype=m.dtype,
                                      device=run.device, seed=run.rank, world_size=run.world_size, compile=False)
-        spec = cfg.reward.spec or RewardSpec(components={"answer": Component(
-            scorer="exact_answer", options={"answer": "first", "partial": cfg.reward.partial})})
-        draw = random.Random(t.seed)
-        problems = [(draw.randrange(10), draw.randrange(10)) for _ in range(64)]  # "a + b", drawn from the seed
+        reward = build_reward(cfg.reward.spec or RewardSpec(components={"answer": Component(
+            scorer="exact_answer", options={"answer": "first", "partial": cfg.reward.partial})}))
+        problems = [(d.randrange(10), d.randrange(10)) for d in [random.Random(t.seed)] for _ in range(64)]  # a + b
         sampler = GroupSampler(len(problems), r.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
-        reward = build_reward(spec)
         weights = train.component_weights(reward, cfg.algo.reward_aggregation)
         return State(cfg, run, model, policy, optimizer, engine, reward, sampler, problems, weights)
 
@@ -77,10 +69,9 @@ class ArithGRPO(train.Recipe[Config, State, Batch], train.MergesRounds[State, Ba
         return train.Checkpoint(state={"sampler": s.sampler}, trained=s.model)
 
     def sample(self, s: State, step: int) -> Batch:
-        """`rollout.n` answers to each next problem, one seed per prompt: the same whatever the process count."""
         r, picked = s.cfg.rollout, s.sampler.next_prompts(s.cfg.train.batch_size // s.run.world_size)
         params = SamplingParams(n=r.n, temperature=r.temperature, max_new_tokens=r.max_new_tokens)
-        seeds = [train.sample_seed(s.cfg.train.seed, step, i) for i in picked]
+        seeds = [train.sample_seed(s.cfg.train.seed, step, i) for i in picked]  # the same whatever the process count
         return Batch(picked, s.engine.sample([prompt(s.problems[i]) for i in picked], params, seeds=seeds)[0])
 
     def score(self, s: State, step: int, batch: Batch) -> train.Scores:
@@ -96,13 +87,11 @@ class ArithGRPO(train.Recipe[Config, State, Batch], train.MergesRounds[State, Ba
         return token_update(s.run.accelerator, s.policy, s.optimizer, to_rollouts(batch.generations, advantages.valid),
                             advantages.advantages,
                             options=LossOptions(temperature=s.cfg.rollout.temperature, **loss_fields(s.cfg.algo)),
-                            old=None, ref=None, num_minibatches=1, micro_batch_size=s.cfg.train.micro_batch_size,
-                            ppo_epochs=1, grad_clip=1.0, guard=s.run.guard, pad_id=s.engine.pad_id,
+                            micro_batch_size=s.cfg.train.micro_batch_size, guard=s.run.guard, pad_id=s.engine.pad_id,
                             check_tolerance=1e-3 if s.run.first_step(step) else None)
 
     def evaluate(self, s: State, step: int) -> dict[str, float]:
-        """Greedy answers to every problem (every world_size-th on each process) in
-        `samples/eval.jsonl`; `reward/mean` and `accuracy` (the exact answers' share) over all."""
+        """Greedy answers to every problem in `samples/eval.jsonl`; `reward/mean`, `accuracy` (exact)."""
         picked, gens = greedy_answers(s.engine, [prompt(p) for p in s.problems], rank=s.run.rank,
                                       world_size=s.run.world_size, max_new_tokens=s.cfg.rollout.max_new_tokens)
         scores = [x.score or 0.0 for x in score(s, Batch(picked, gens))]  # a failed answer counts 0

@@ -25,9 +25,7 @@ from rl_core.train import (
     RunContext,
     TokenPolicyFields,
     TokenTrainFields,
-    check_batch_split,
-    check_group_size,
-    check_loss_options,
+    check_token_step,
     prepare_policy,
     resolve_sharding,
 )
@@ -46,9 +44,8 @@ def check_token_config(algo: TokenPolicyFields, rollout: PolicyRolloutFields, tr
     rollout's engine and placement (a vLLM engine where it cannot run, a split placement without
     asynchronous rollouts, Ray workers without Ray). Returns the engine `rollout.engine` resolves
     to here."""
-    check_batch_split(train.batch_size, world_size, train.mini_batch_size)
-    check_group_size(algo.advantage, rollout.n, key="algo.advantage", n_key="rollout.n")
-    check_loss_options(algo.loss, algo.loss_options)
+    check_token_step(algo, n=rollout.n, batch_size=train.batch_size, world_size=world_size,
+                     mini_batch_size=train.mini_batch_size)
     engine, _ = resolve_engine(rollout.engine, key="rollout.engine")
     check_placement(rollout.placement, engine, train.max_staleness, world_size=world_size, workers=rollout.workers,
                     ray_address=rollout.cluster_address())

@@ -106,6 +106,7 @@ if TYPE_CHECKING:
         Skip,
         check_batch_split,
         check_group_size,
+        check_token_step,
     )
     from rl_core.train.replay_plan import (
         Micro,
@@ -176,7 +177,7 @@ _EXPORTS = {
     "process_state": ["ProcessState"],
     "progress": ["TrainProgress"],
     "recipe": ["Checkpoint", "MergesRounds", "Recipe", "RunContext", "Schedule", "Scores", "Skip", "check_batch_split",
-               "check_group_size"],
+               "check_group_size", "check_token_step"],
     "replay_plan": ["Micro", "by_trajectory", "chunked_steps", "flow_grpo_steps", "plan_micro_batches"],
     "replay_update": ["Replay", "RolloutCorrection", "replay_update"],
     "rundir": ["latest_checkpoint", "latest_run", "make_run_dir", "resolve_resume"],
@@ -263,6 +264,7 @@ __all__ = [
     "check_finite_parameters",
     "check_group_size",
     "check_loss_options",
+    "check_token_step",
     "chunked_steps",
     "component_means",
     "component_weights",

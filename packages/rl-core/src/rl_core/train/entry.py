@@ -44,13 +44,16 @@ class AppEntry:
 
     def main(self, argv: list[str] | None = None) -> Path | None:
         """Run the app; returns the run directory (None after --help)."""
-        default = self.default() if callable(self.default) else self.default
-        parsed = parse_run(self.name, self.config, default, self.env, argv)
+        parsed = parse_run(self.name, self.config, self.default_path(), self.env, argv)
         if parsed is None:
             return None
         from rl_core.train.loop import train
 
         return train(self._recipe_module().RECIPE, *parsed)
+
+    def default_path(self) -> Path | None:
+        """The embedded default config a run without `--config` reads, here and now."""
+        return self.default() if callable(self.default) else self.default
 
     def module_getattr(self, name: str) -> Any:
         """The recipe module's names (`RECIPE`, ...) as the app module's, imported on first use

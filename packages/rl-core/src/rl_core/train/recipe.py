@@ -41,6 +41,7 @@ from torch import Tensor
 from typing_extensions import TypeVar  # a default (PEP 696): typing's has one from Python 3.13
 
 from rl_core.advantages import uses_group_baseline
+from rl_core.train.algo_fields import TokenPolicyFields, check_loss_options
 from rl_core.train.config import ConfigError
 from rl_core.train.fields import RunFields, run_fields
 from rl_core.train.groups import GroupAdvantages
@@ -52,7 +53,7 @@ from rl_core.train.update import NonFiniteGuard
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-__all__ = ["Checkpoint", "MergesRounds", "Recipe", "RunContext", "RunFields", "Schedule", "Scores", "Skip", "check_batch_split", "check_group_size", "run_fields"]
+__all__ = ["Checkpoint", "MergesRounds", "Recipe", "RunContext", "RunFields", "Schedule", "Scores", "Skip", "check_batch_split", "check_group_size", "check_token_step", "run_fields"]
 
 
 def check_batch_split(batch_size: int, world_size: int, mini_batch_size: int | None = None, *,
@@ -70,6 +71,16 @@ def check_group_size(estimator: str, n: int, *, key: str, n_key: str) -> None:
     if uses_group_baseline(estimator) and n < 2:
         raise ConfigError(f"{n_key}={n}: {key}={estimator!r} compares the samples of one prompt with each other "
                           f"and needs {n_key} >= 2")
+
+
+def check_token_step(algo: TokenPolicyFields, *, n: int, batch_size: int, world_size: int,
+                     mini_batch_size: int | None = None) -> None:
+    """`Recipe.check`'s rules for a text policy's step, before any model loads: whole prompts per
+    process and optimizer step (`check_batch_split`), `rollout.n >= 2` for a group baseline
+    (`check_group_size`) and options the loss has (`check_loss_options`)."""
+    check_batch_split(batch_size, world_size, mini_batch_size)
+    check_group_size(algo.advantage, n, key="algo.advantage", n_key="rollout.n")
+    check_loss_options(algo.loss, algo.loss_options)
 
 
 C = TypeVar("C", bound=msgspec.Struct)  # the app config: a Struct whose `train` table is a RunFields
