@@ -219,7 +219,7 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
 
     def evaluate(self, state: State, step: int) -> dict[str, float]:
         """Fixed prompts and seeds, EMA weights (`eval.use_ema`), on the main process; writes
-        `eval_epoch_<step>/` (the images, and a contact sheet with each prompt and reward)."""
+        `eval_epoch_<step>/` (the images, and a contact sheet with each prompt and reward), also sent to the trackers."""
         e, out = state.cfg.eval, state.run.run_dir / f"eval_epoch_{step}"
         with whole_weights(state.family) as model:  # every process: a sharded policy gathers
             if not state.run.is_main:
@@ -234,6 +234,7 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         contact_sheet([m[0] if isinstance(m, list) else m for m in images],  # a video: its first frame
                       [f"{r.prompt} | reward {v:.3f}" for r, v in zip(records, rewards.tolist(), strict=True)],
                       out / "contact_sheet.png")
+        state.run.log_media(step, out)  # the contact sheet and any videos, to train.log_with's trackers
         ok = rewards[torch.isfinite(rewards)]  # [V]
         return {"reward/mean": ok.mean().item() if ok.numel() else math.nan,
                 "reward/failed": float((~torch.isfinite(rewards)).sum()), **component_means(components),

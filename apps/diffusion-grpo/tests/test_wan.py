@@ -12,6 +12,7 @@ import torch
 from conftest import APP, checked
 from grpo_config import reward_spec
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rl_core.train import ConfigError
 
@@ -33,8 +34,9 @@ def test_the_tiny_video_runs_train_on_videos_and_write_them(app, preset: Path, t
     first replay equals the rollout's log-probs (on-policy, one kernel path), the policy's version
     counts its optimizer steps, both reward components are logged (brightness folded over the
     frames, temporal consistency of the whole video), the eval writes each video as a file and a
-    contact sheet of first frames, and the exported LoRA moved off its zero init."""
-    run = app.main(["--config", str(preset), f"train.output_dir={tmp_path}"])
+    contact sheet of first frames (both sent to the TensorBoard tracker), and the exported LoRA
+    moved off its zero init."""
+    run = app.main(["--config", str(preset), f"train.output_dir={tmp_path}", "train.log_with=[tensorboard]"])
     with (run / "metrics.csv").open(newline="") as f:
         rows = [r for r in csv.DictReader(f) if r.get("reward/mean")]
     assert [int(float(r["rollout/weight_version"])) for r in rows] == [0, 2, 4, 6]  # 2 optimizer steps an epoch
@@ -46,6 +48,9 @@ def test_the_tiny_video_runs_train_on_videos_and_write_them(app, preset: Path, t
     videos = sorted((run / "eval_epoch_4" / "images").iterdir())
     assert len(videos) == 4 and all(v.suffix in (".mp4", ".gif") and v.stat().st_size > 0 for v in videos)
     assert (run / "eval_epoch_4" / "contact_sheet.png").is_file()
+    logged = EventAccumulator(str(run / "diffusion-grpo"), size_guidance={"images": 0}).Reload()  # the trackers got them
+    assert {(tag, e.step) for tag in logged.Tags()["images"] for e in logged.Images(tag)} >= {
+        ("eval/contact_sheet", 4), *((f"eval/video_{i:03d}", 4) for i in range(4))}
     lora = load_file(run / "checkpoint-final" / "lora" / "adapter_model.safetensors")
     assert any(name.endswith("lora_B.weight") and bool(t.abs().sum() > 0) for name, t in lora.items())
     assert torch.isfinite(torch.cat([t.flatten() for t in lora.values()])).all()

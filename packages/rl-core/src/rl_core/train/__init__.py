@@ -80,6 +80,7 @@ if TYPE_CHECKING:
         write_video,
     )
     from rl_core.train.loop import run, train
+    from rl_core.train.media_log import log_media
     from rl_core.train.metric_names import METRIC_NAMES, unknown_metric_names
     from rl_core.train.metrics import MetricsLogger, PhaseTimer
     from rl_core.train.offload import OptimizerOffload, PinnedOffload, park_frozen, visiting
@@ -165,6 +166,7 @@ _EXPORTS = {
     "fields": ["CompileMode", "DType", "DynamicSampling", "RunFields", "ShardingFields", "TokenTrainFields"],
     "groups": ["GroupAdvantages", "component_means", "component_weights", "gather_rows", "gathered_group_ids",
                "gathered_means", "group_advantages", "zero_std_fraction"],
+    "media_log": ["log_media"],
     "images": ["Media", "all_frames", "contact_sheet", "image_stats", "save_media", "to_media", "to_pil", "write_video"],
     "loop": ["run", "train"],
     "metric_names": ["METRIC_NAMES", "unknown_metric_names"],
@@ -290,6 +292,7 @@ __all__ = [
     "latest_run",
     "load_checkpoint",
     "load_config",
+    "log_media",
     "make_run_dir",
     "optimizer_step",
     "park_frozen",

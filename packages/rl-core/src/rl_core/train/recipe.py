@@ -129,6 +129,15 @@ class RunContext:
         everyone = gather_object([[int(i) for i in ids]])  # one list a process
         self.samples.write("prompts", step, [{"prompts": [i for part in everyone for i in part]}], track=False)
 
+    def log_media(self, step: int, folder: Path) -> None:
+        """Send the images and videos an eval wrote in `folder` to the run's trackers
+        (`train.log_with`; `rl_core.train.media_log`): call it from `evaluate` on the main
+        process, where the trackers live. Nothing happens without trackers."""
+        from rl_core.train.media_log import log_media
+
+        if self.accelerator.is_main_process and self.accelerator.trackers:
+            log_media(self.accelerator.trackers, step, folder)
+
     def first_step(self, step: int) -> bool:
         """Whether `step` is the first this process trains (a fresh start or a resume): where the
         rollout engine and the trainer must agree exactly (the first-replay check). Never for an
