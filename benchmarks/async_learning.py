@@ -1,10 +1,10 @@
 """What staleness costs in learning: arith-grpo synchronous vs `train.max_staleness` 1 and 2.
 
-    uv run --package arith-grpo python benchmarks/async_learning.py      # CPU, ~3 minutes
-    ... --steps 20 --seeds 0 1 --png docs/async_learning.png
+    uv run --package arith-grpo python benchmarks/async_learning.py      # CPU, ~5 minutes
+    ... --steps 300 --seeds 0 1 2 --png docs/async_learning.png
 
-The app's embedded default (tiny Qwen3, "a + b" with an exact-answer rule and a format bonus,
-lr 3e-2), `algo.rollout_correction=token_truncate` for every schedule, each run in its own
+The app's embedded default (tiny Qwen3, "a + b" with an exact-answer rule, a format bonus and
+credit for near misses; its `configs/default.toml`), `algo.rollout_correction=token_truncate` for every schedule, each run in its own
 process. Every schedule sees the same number of samples per step, so reward against step is
 reward against samples. Reported per schedule: the mean reward of the last 5 steps (mean over
 seeds) and its ratio to the synchronous run's; the curves (mean over seeds) go to a PNG.
@@ -44,7 +44,7 @@ def run(out: Path, name: str, staleness: int, seed: int, steps: int) -> list[flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--png", type=Path, default=REPO / "docs" / "async_learning.png")
@@ -63,13 +63,11 @@ def main() -> None:
     rows = [[f"max_staleness={n}", f"{final[n]:.4f}",
              " / ".join(f"{statistics.fmean(c[-LAST:]):.4f}" for c in curves[n]), f"{final[n] / base:.2f}"]
             for n in curves]
-    notes = (f"arith-grpo's embedded default (tiny Qwen3, lr 3e-2, 4 prompts x 8 answers per step), {args.steps} "
-             f"steps, seeds {args.seeds}, algo.rollout_correction=token_truncate everywhere; final reward = mean "
-             f"train reward of the last {LAST} steps, mean over seeds. Curves (mean over seeds): "
-             f"{args.png.relative_to(REPO) if args.png.is_relative_to(REPO) else args.png}. The task saturates "
-             "near 0.1 (the format bonus: the tiny policy learns to answer with a number, rarely the right one), "
-             "so one exact answer more or less moves a seed's final reward by ~0.01-0.05. Goal: staleness 1 and "
-             "2 within 10% of synchronous.")
+    notes = (f"arith-grpo's embedded default (tiny Qwen3, sums of digits 0-4, near misses graded; its "
+             f"configs/default.toml), {args.steps} steps, seeds {args.seeds}, algo.rollout_correction=token_truncate "
+             f"everywhere; final reward = mean train reward of the last {LAST} steps, mean over seeds. Curves (mean "
+             f"over seeds): {args.png.relative_to(REPO) if args.png.is_relative_to(REPO) else args.png}. Goal: "
+             "staleness 1 and 2 within 10% of synchronous.")
     if args.no_append:
         print(header, *rows, notes, sep="\n")
     else:

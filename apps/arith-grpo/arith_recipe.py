@@ -31,6 +31,7 @@ class State(NamedTuple):
     reward: Reward
     sampler: GroupSampler
     problems: list[tuple[int, int]]
+    prompts: list[list[dict[str, str]]]  # the chat message of each problem
     weights: dict[str, float]  # the reward's component weights, for algo.reward_aggregation=normalize_then_sum
 
 
@@ -54,10 +55,11 @@ class ArithGRPO(train.Recipe[Config, State, Batch], train.MergesRounds[State, Ba
                                      device=run.device, seed=run.rank, world_size=run.world_size, compile=False)
         reward = build_reward(cfg.reward.spec or RewardSpec(components={"answer": Component(
             scorer="exact_answer", options={"answer": "first", "partial": cfg.reward.partial})}))
-        problems = [(d.randrange(10), d.randrange(10)) for d in [random.Random(t.seed)] for _ in range(64)]  # a + b
+        problems = [(d.randrange(5), d.randrange(5)) for d in [random.Random(t.seed)] for _ in range(64)]  # a + b
+        prompts = [[{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}] for a, b in problems]
         sampler = GroupSampler(len(problems), r.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
         weights = train.component_weights(reward, cfg.algo.reward_aggregation)
-        return State(cfg, run, model, policy, optimizer, engine, reward, sampler, problems, weights)
+        return State(cfg, run, model, policy, optimizer, engine, reward, sampler, problems, prompts, weights)
 
     def policy(self, s: State) -> PolicyEngine:
         return s.engine
@@ -72,7 +74,7 @@ class ArithGRPO(train.Recipe[Config, State, Batch], train.MergesRounds[State, Ba
         r, picked = s.cfg.rollout, s.sampler.next_prompts(s.cfg.train.batch_size // s.run.world_size)
         params = SamplingParams(n=r.n, temperature=r.temperature, max_new_tokens=r.max_new_tokens)
         seeds = [train.sample_seed(s.cfg.train.seed, step, i) for i in picked]  # the same whatever the process count
-        return Batch(picked, s.engine.sample([prompt(s.problems[i]) for i in picked], params, seeds=seeds)[0])
+        return Batch(picked, s.engine.sample([s.prompts[i] for i in picked], params, seeds=seeds)[0])
 
     def score(self, s: State, step: int, batch: Batch) -> train.Scores:
         return group_scores(s.run.accelerator, score(s, batch), batch.generations, prompts_per_rank=len(batch.picked),
@@ -92,17 +94,13 @@ class ArithGRPO(train.Recipe[Config, State, Batch], train.MergesRounds[State, Ba
 
     def evaluate(self, s: State, step: int) -> dict[str, float]:
         """Greedy answers to every problem in `samples/eval.jsonl`; `reward/mean`, `accuracy` (exact)."""
-        picked, gens = greedy_answers(s.engine, [prompt(p) for p in s.problems], rank=s.run.rank,
+        picked, gens = greedy_answers(s.engine, s.prompts, rank=s.run.rank,
                                       world_size=s.run.world_size, max_new_tokens=s.cfg.rollout.max_new_tokens)
         scores = [x.score or 0.0 for x in score(s, Batch(picked, gens))]  # a failed answer counts 0
         s.run.samples.write("eval", step, [{"problem": "{} + {}".format(*s.problems[i]), "answer": g.text, "reward": x}
                                            for i, g, x in zip(picked, gens, scores, strict=True)])
         return train.gathered_means({"reward/mean": scores, "accuracy": [float(x == 1.0) for x in scores]},
                                     s.run.accelerator)
-
-
-def prompt(problem: tuple[int, int]) -> list[dict[str, str]]:
-    return [{"role": "user", "content": "What is {} + {}? Answer with the number only.".format(*problem)}]
 
 
 def score(s: State, batch: Batch) -> list[ScoreResult]:

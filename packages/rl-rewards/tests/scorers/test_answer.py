@@ -28,6 +28,17 @@ def test_partial_credit_for_a_number_and_none_without_one() -> None:
 
 
 @pytest.mark.no_torch
+def test_near_grades_a_wrong_number_by_its_distance() -> None:
+    """near=4, partial=0.1: 0.1 + 0.4 * (1 - d/4) for d < 4, 0.1 from d = 4 on; the exact answer 1."""
+    assert _score("8", 8, partial=0.1, near=4)[0] == 1.0
+    assert [_score(str(8 + d), 8, partial=0.1, near=4)[0] for d in (1, -2, 3, 4, 9)] == pytest.approx(
+        [0.4, 0.3, 0.2, 0.1, 0.1])
+    assert _score("9", 8, partial=0.7, near=4)[0] == 0.7  # a bonus above 0.5 is not lowered
+    with pytest.raises(ValueError, match="near must be >= 0"):
+        build_reward({"components": {"a": {"scorer": "exact_answer", "options": {"near": -1}}}})
+
+
+@pytest.mark.no_torch
 def test_a_reference_that_is_not_a_number_fails_the_sample() -> None:
     score, _, error = _score("8", "eight")
     assert score is None and "the reference 'eight' is not a number" in error
