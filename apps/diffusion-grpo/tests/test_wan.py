@@ -75,6 +75,9 @@ def test_image_scorers_score_every_frame_and_video_scorers_the_video(app) -> Non
     bright, steady = spec.components["brightness"], spec.components["temporal_consistency"]
     assert (bright.scorer, bright.weight, steady.scorer, steady.weight) == ("per_frame", 1.0, "temporal_consistency", 0.1)
     assert bright.options == {"scorer": "brightness", "options": {}, "aggregate": "min", "frames": 3}
+    judged = reward_spec(checked(app, "--config", str(WAN), "reward.components={vl_judge = 1.0}",
+                                 'reward.kwargs={vl_judge = {model = "tiny:qwen2_5_vl"}}').reward, tiny=True, video=True)
+    assert judged.components["vl_judge"].scorer == "vl_judge"  # a VLM sees the whole video, not frame by frame
 
 
 def test_the_cosmos_nft_preset_shows_what_vrl_asks_before_it_promotes_the_recipe(app, tmp_path: Path) -> None:

@@ -76,6 +76,32 @@ def test_tiny_vl_judge_scores_media_and_fails_missing_media(tmp_path):
     assert "Caption:\nno media at all" in engine.requests[2][0]["content"][0]["text"]
 
 
+def test_a_trainers_frames_are_judged_against_its_prompt(tmp_path):
+    """A video trainer's sample (diffusion-grpo's): the frames in memory, as PIL images or an array,
+    no completion. The judge gets at most max_frames of them, first and last kept, fitted to
+    max_pixels, and the prompt as the description to grade; an empty video fails its sample."""
+    from rl_models.tiny import build
+    from rl_rollout.hf import HFEngine
+
+    engine = _Recording(HFEngine.from_pretrained(build("qwen2_5_vl"), device="cpu"))
+    scorer = VLJudgeScorer(engine, max_frames=4, max_pixels=56 * 56, max_new_tokens=8)
+    frames = [Image.new("RGB", (128, 96), (40 * i, 0, 0)) for i in range(7)]  # red rising
+    results = scorer.score([
+        Sample(completion="", prompt="a screen turning red", metadata={"video": frames}),
+        Sample(completion="", prompt="the same as an array", metadata={"video": np.stack([np.asarray(f) for f in frames])}),
+        Sample(completion="", prompt="nothing", metadata={"video": []}),
+    ])
+    assert [r.error is None and r.components["parse_failed"] == 1.0 for r in results[:2]] == [True, True]
+    assert "the video has no frames" in results[2].error
+    first, second = ([part for part in request[0]["content"]] for request in engine.requests)
+    for request, prompt in ((first, "a screen turning red"), (second, "the same as an array")):
+        video = request[0]["video"]  # [N, H, W, 3]
+        assert video.shape[0] == 4 and video.shape[1] * video.shape[2] <= 56 * 56
+        assert [int(frame[..., 0].mean()) for frame in video] == [0, 80, 160, 240]  # frames 0, 2, 4 and 6
+        assert request[1]["text"].endswith(f"Caption:\n{prompt}")
+    assert np.array_equal(first[0]["video"], second[0]["video"])
+
+
 class _Recording:
     """The real engine, keeping the requests it was sent."""
 

@@ -8,6 +8,8 @@ array `[F, H, W, 3]`, the frames a video trainer sampled).
 - `temporal_consistency`: 1 minus the mean absolute change of grey level between consecutive
   frames, in [0, 1]. A still video scores 1: add it to a content reward with a small weight to
   penalise flicker, never alone.
+- `vl_judge` (rl_rewards.scorers.vl_judge) reads the whole video as well: a VLM grades the frames
+  against the prompt; `lift_to_video` leaves it, like the two above, as it is.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ except ImportError as e:
     raise ImportError(f'video scorers need pillow and numpy: pip install "rl-rewards[ocr]" or "rl-rewards[vision]" ({e})') from e
 
 Aggregate = Literal["mean", "min", "max"]
-VIDEO_SCORERS = ("per_frame", "temporal_consistency")  # the scorers that read a whole video
+VIDEO_SCORERS = ("per_frame", "temporal_consistency", "vl_judge")  # the scorers that read a whole video
 AGGREGATES: dict[str, Callable[[list[float]], float]] = {"mean": lambda xs: sum(xs) / len(xs), "min": min, "max": max}
 
 

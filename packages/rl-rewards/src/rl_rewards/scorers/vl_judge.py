@@ -10,6 +10,11 @@ most `max_pixels` pixels each — CapRL++ had no cap). A sample with no media at
 `image` key, or an empty path: CapRL++'s client sends `video_path=""` for such samples) is judged
 on its text alone, as CapRL++ does. A media file that is named but missing fails that sample
 (CapRL++ would silently judge it text-only).
+
+A video trainer's samples carry their frames, not a file (`metadata["video"]`: PIL images or an
+array `[F, H, W, 3]`): at most `max_frames` of them are taken, evenly spaced with the first and
+last kept, each fitted to `max_pixels`. A sample without a completion (a generated image or
+video) is graded against its `prompt`, the description it was generated from.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from rl_rewards.samples import Sample, ScoreResult
 from rl_rewards.scorers.engines import Engine, SamplingParams, judge_engine
 
 try:
-    from rl_data.media import load_image, sample_video
+    import numpy as np
+    from PIL import Image
+
+    from rl_data.media import fit_image, load_image, sample_video
 except ImportError as e:  # pragma: no cover - the [hf] extra installs rl-data
     raise ImportError(f'vl_judge needs rl-data: pip install "rl-rewards[hf]"; in a clone of the repository: uv sync --all-packages --extra hf ({e})') from e
 
@@ -72,9 +80,9 @@ def judgement_score(criteria: dict[str, float]) -> float:
 
 
 class VLJudgeScorer:
-    """Grades `Sample.completion` (the caption) against `metadata["video"]` (a path) or
-    `metadata["image"]` (a path or PIL image) with a VLM `Engine` (e.g. HFEngine over Qwen-VL).
-    Judge decoding is greedy by default."""
+    """Grades `Sample.completion` (the caption; without one, `Sample.prompt`) against
+    `metadata["video"]` (a path, or the frames) or `metadata["image"]` (a path or PIL image) with
+    a VLM `Engine` (e.g. HFEngine over Qwen-VL). Judge decoding is greedy by default."""
 
     name = "vl_judge"
 
@@ -89,15 +97,28 @@ class VLJudgeScorer:
     def _messages(self, sample: Sample) -> list[dict[str, Any]]:
         video, image = sample.metadata.get("video"), sample.metadata.get("image")
         parts: list[dict[str, Any]] = []
-        if video:
-            frames = sample_video(video, fps=self.fps, max_frames=self.max_frames, max_pixels=self.max_pixels).frames
-            media, parts = "video", [{"type": "video", "video": frames}]
+        if video is not None and not (isinstance(video, str) and not video):
+            media, parts = "video", [{"type": "video", "video": self._frames(video)}]
         elif image is not None and image != "":
             media, parts = "image", [{"type": "image", "image": image if not isinstance(image, str) else load_image(image)}]
         else:  # no media: the caption alone, with the video wording of CapRL++'s text-only fallback
             media = "video"
-        text = PROMPT.format(media=media, caption=sample.completion)
+        text = PROMPT.format(media=media, caption=sample.completion or sample.prompt)
         return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+    def _frames(self, video: Any) -> Any:
+        """A video file decoded at `fps` (`sample_video`), or a trainer's frames taken evenly
+        (first and last kept), at most `max_frames`, each fitted to `max_pixels`: `[N, H, W, 3]`."""
+        if isinstance(video, str):
+            return sample_video(video, fps=self.fps, max_frames=self.max_frames, max_pixels=self.max_pixels).frames
+        frames = [f if isinstance(f, Image.Image) else Image.fromarray(np.asarray(f, dtype=np.uint8)) for f in video]
+        if not frames:
+            raise ValueError("the video has no frames")
+        keep = np.linspace(0, len(frames) - 1, min(len(frames), self.max_frames)).round().astype(int)  # [N]
+        fitted = [fit_image(frames[i].convert("RGB"), self.max_pixels) if self.max_pixels else frames[i] for i in keep]
+        if len({f.size for f in fitted}) > 1:
+            raise ValueError(f"the video's frames differ in size: {sorted({f.size for f in fitted})}")
+        return np.stack([np.asarray(f.convert("RGB")) for f in fitted])  # [N, H, W, 3] uint8
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
         requests, keep = [], []
