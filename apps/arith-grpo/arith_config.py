@@ -25,6 +25,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     partial: float = 0.1  # reward of a wrong number: a format bonus a random policy finds (0 = exact only)
+    near: train.NonNegativeFloat = 0.0  # > 0: a wrong number within `near` of the sum earns up to 0.5 (exact_answer's)
     spec: str | RewardSpec | None = None  # a RewardSpec replacing the exact-answer rule (file or inline table)
 
 

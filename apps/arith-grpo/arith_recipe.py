@@ -54,7 +54,7 @@ class ArithGRPO(train.Recipe[Config, State, Batch], train.MergesRounds[State, Ba
         engine = build_policy_engine(r.engine, model=model, processor=tokenizer, path=path, dtype=m.dtype,
                                      device=run.device, seed=run.rank, world_size=run.world_size, compile=False)
         reward = build_reward(cfg.reward.spec or RewardSpec(components={"answer": Component(
-            scorer="exact_answer", options={"answer": "first", "partial": cfg.reward.partial})}))
+            scorer="exact_answer", options={"answer": "first", "partial": cfg.reward.partial, "near": cfg.reward.near})}))
         problems = [(d.randrange(5), d.randrange(5)) for d in [random.Random(t.seed)] for _ in range(64)]  # a + b
         prompts = [[{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}] for a, b in problems]
         sampler = GroupSampler(len(problems), r.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
