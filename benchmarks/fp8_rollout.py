@@ -31,7 +31,6 @@ import dataclasses
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -48,7 +47,7 @@ from diffusion_grpo import (  # noqa: E402
     seconds,
     timed,
 )
-from results import append_results, markdown_table  # noqa: E402
+from results import append_results, kernel_times, markdown_table  # noqa: E402
 
 from rl_rollout.diffusion import DiffusionEngine, SampleBatch  # noqa: E402
 
@@ -78,15 +77,7 @@ def profile_forward(engine: DiffusionEngine, conditioning, n: int, size: int, to
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             engine.velocity(latents, sigma, cond, guidance_scale=4.5)
             torch.cuda.synchronize()
-    times: dict[str, float] = defaultdict(float)
-    kernels = []
-    for event in prof.key_averages():
-        cuda_us = getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0)
-        if event.device_type == torch.autograd.DeviceType.CUDA and cuda_us:
-            times[kernel_kind(event.key)] += cuda_us / 1e3
-            kernels.append((cuda_us / 1e3, event.count, event.key))
-    for ms, count, name in sorted(kernels, reverse=True)[:top]:
-        print(f"  {ms:8.2f} ms  x{count:<4d} [{kernel_kind(name)}] {name[:150]}")
+    times, _ = kernel_times(prof, kernel_kind, top)
     times["total"] = sum(times.values())
     return dict(times)
 

@@ -95,3 +95,23 @@ def save_figures(path: Path | None, figures: dict) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(figures))
+
+
+def kernel_times(prof, kind, top: int = 0) -> tuple[dict[str, float], list[tuple[float, int, str]]]:
+    """A `torch.profiler` run's CUDA milliseconds summed by `kind(kernel name)`, and every kernel
+    as (ms, calls, name), longest first; `top` > 0 prints the longest kernels."""
+    from collections import defaultdict
+
+    import torch
+
+    times: dict[str, float] = defaultdict(float)
+    kernels = []
+    for event in prof.key_averages():
+        cuda_us = getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0)
+        if event.device_type == torch.autograd.DeviceType.CUDA and cuda_us:
+            times[kind(event.key)] += cuda_us / 1e3
+            kernels.append((cuda_us / 1e3, event.count, event.key))
+    kernels.sort(reverse=True)
+    for ms, count, name in kernels[:top]:
+        print(f"  {ms:9.2f} ms  x{count:<6d} [{kind(name)}] {name[:140]}")
+    return dict(times), kernels

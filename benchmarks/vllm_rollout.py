@@ -106,23 +106,16 @@ def profile_generate(generate: Any, top: int = 25) -> dict[str, float]:
     well under the wall time mean the GPU waits on the host. Prints the `top` longest kernels."""
     from torch.profiler import ProfilerActivity, profile
 
+    from benchmarks.results import kernel_times
+
     _sync()
     began = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         generate()
         _sync()
     wall = time.perf_counter() - began
-    times: dict[str, float] = defaultdict(float)
-    kernels = []
-    for event in prof.key_averages():
-        cuda_us = getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0)
-        if event.device_type == torch.autograd.DeviceType.CUDA and cuda_us:
-            times[kernel_kind(event.key)] += cuda_us / 1e3
-            kernels.append((cuda_us / 1e3, event.count, event.key))
-    for ms, count, name in sorted(kernels, reverse=True)[:top]:
-        print(f"  {ms:9.2f} ms  x{count:<6d} [{kernel_kind(name)}] {name[:140]}")
-    return dict(times) | {"kernels total": sum(times.values()), "wall": wall * 1e3,
-                          "kernels": sorted(kernels, reverse=True)}
+    times, kernels = kernel_times(prof, kernel_kind, top)
+    return times | {"kernels total": sum(times.values()), "wall": wall * 1e3, "kernels": kernels}
 
 
 def colocated(policy: Path, smoke: bool, precision: str = "bf16", profile: bool = False) -> dict[str, Any]:
