@@ -55,7 +55,8 @@ class ArithGRPO(train.Recipe[Config, State, Batch], train.MergesRounds[State, Ba
                                      device=run.device, seed=run.rank, world_size=run.world_size, compile=False)
         reward = build_reward(cfg.reward.spec or RewardSpec(components={"answer": Component(
             scorer="exact_answer", options={"answer": "first", "partial": cfg.reward.partial, "near": cfg.reward.near})}))
-        problems = [(d.randrange(5), d.randrange(5)) for d in [random.Random(t.seed)] for _ in range(64)]  # a + b
+        draw = random.Random(t.seed)
+        problems = [(draw.randrange(5), draw.randrange(5)) for _ in range(64)]  # "a + b", drawn from the seed
         prompts = [[{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}] for a, b in problems]
         sampler = GroupSampler(len(problems), r.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
         weights = train.component_weights(reward, cfg.algo.reward_aggregation)

@@ -19,9 +19,8 @@ class ExactAnswerScorer:
     correctness alone. `near` > 0 grades a wrong number by its distance d to the reference:
     `partial + max(0, 0.5 - partial) * max(0, 1 - d / near)`, so a group whose samples all miss
     still ranks the closer ones higher; choose it where being close means something (a numeric
-    estimate), keep 0 where only the exact answer may count. A
-    reference that is not a number fails the sample. Component: `has_number` (1.0 when the
-    completion holds a number)."""
+    estimate), keep 0 where only the exact answer may count. A reference that is not a number
+    fails the sample. Component: `has_number` (1.0 when the completion holds a number)."""
 
     name = "exact_answer"
     inline = True  # a regex per completion

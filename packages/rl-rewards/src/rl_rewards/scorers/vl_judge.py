@@ -29,9 +29,9 @@ from rl_rewards.scorers.engines import Engine, SamplingParams, judge_engine
 
 try:
     import numpy as np
-    from PIL import Image
 
     from rl_data.media import fit_image, load_image, sample_video
+    from rl_rewards.scorers.video import load_frames, spaced
 except ImportError as e:  # pragma: no cover - the [hf] extra installs rl-data
     raise ImportError(f'vl_judge needs rl-data: pip install "rl-rewards[hf]"; in a clone of the repository: uv sync --all-packages --extra hf ({e})') from e
 
@@ -111,14 +111,12 @@ class VLJudgeScorer:
         (first and last kept), at most `max_frames`, each fitted to `max_pixels`: `[N, H, W, 3]`."""
         if isinstance(video, str):
             return sample_video(video, fps=self.fps, max_frames=self.max_frames, max_pixels=self.max_pixels).frames
-        frames = [f if isinstance(f, Image.Image) else Image.fromarray(np.asarray(f, dtype=np.uint8)) for f in video]
-        if not frames:
-            raise ValueError("the video has no frames")
-        keep = np.linspace(0, len(frames) - 1, min(len(frames), self.max_frames)).round().astype(int)  # [N]
-        fitted = [fit_image(frames[i].convert("RGB"), self.max_pixels) if self.max_pixels else frames[i] for i in keep]
+        frames = load_frames({"video": video})  # RGB; an empty video raises
+        kept = [frames[i] for i in spaced(len(frames), self.max_frames)]
+        fitted = [fit_image(f, self.max_pixels) if self.max_pixels else f for f in kept]
         if len({f.size for f in fitted}) > 1:
             raise ValueError(f"the video's frames differ in size: {sorted({f.size for f in fitted})}")
-        return np.stack([np.asarray(f.convert("RGB")) for f in fitted])  # [N, H, W, 3] uint8
+        return np.stack([np.asarray(f) for f in fitted])  # [N, H, W, 3] uint8
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
         requests, keep = [], []
