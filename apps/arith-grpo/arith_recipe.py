@@ -18,13 +18,12 @@ from rl_policy.evaluation import greedy_answers
 from rl_policy.scoring import group_scores
 from rl_policy.training import LossOptions, Policy, loss_fields, regroup, to_rollouts, token_update
 from rl_rewards import Component, Reward, RewardSpec, Sample, ScoreResult, build_reward
-from rl_rollout import Generation, SamplingParams
+from rl_rollout import Drawn, Generation, SamplingParams
 
 
 class State(NamedTuple):
     cfg: Config
     run: train.RunContext
-    model: torch.nn.Module
     policy: torch.nn.Module  # Policy(model), prepared
     optimizer: torch.optim.Optimizer
     engine: PolicyEngine
@@ -41,7 +40,7 @@ class Batch(NamedTuple):
 
 
 class ArithGRPO(train.Recipe[Config, State, Batch], train.MergesRounds[State, Batch]):
-    name, config, default_config = ENTRY.name, Config, ENTRY.default_path()
+    name, config, default_config, partial_rollouts = ENTRY.name, Config, ENTRY.default_path(), True
 
     def check(self, cfg: Config, world_size: int) -> None:
         train.check_token_step(cfg.algo, n=cfg.rollout.n, batch_size=cfg.train.batch_size, world_size=world_size)
@@ -60,7 +59,7 @@ class ArithGRPO(train.Recipe[Config, State, Batch], train.MergesRounds[State, Ba
         prompts = [[{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}] for a, b in problems]
         sampler = GroupSampler(len(problems), r.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
         weights = train.component_weights(reward, cfg.algo.reward_aggregation)
-        return State(cfg, run, model, policy, optimizer, engine, reward, sampler, problems, prompts, weights)
+        return State(cfg, run, policy, optimizer, engine, reward, sampler, problems, prompts, weights)
 
     def policy(self, s: State) -> PolicyEngine:
         return s.engine
@@ -69,13 +68,15 @@ class ArithGRPO(train.Recipe[Config, State, Batch], train.MergesRounds[State, Ba
         return train.Schedule.periodic(s.cfg.train.max_steps, s.cfg.train.eval_freq)
 
     def checkpoint(self, s: State) -> train.Checkpoint:
-        return train.Checkpoint(state={"sampler": s.sampler}, trained=s.model)
+        return train.Checkpoint(state={"sampler": s.sampler}, trained=s.policy)
 
     def sample(self, s: State, step: int) -> Batch:
-        r, picked = s.cfg.rollout, s.sampler.next_prompts(s.cfg.train.batch_size // s.run.world_size)
+        def draw(count: int) -> Drawn:  # the next prompts, each from its own seed (whatever the process count)
+            picked = s.sampler.next_prompts(count)
+            return picked, [s.prompts[i] for i in picked], [train.sample_seed(s.cfg.train.seed, step, i) for i in picked]
+        r = s.cfg.rollout  # with train.partial_rollouts: the first groups to finish of those in flight
         params = SamplingParams(n=r.n, temperature=r.temperature, max_new_tokens=r.max_new_tokens)
-        seeds = [train.sample_seed(s.cfg.train.seed, step, i) for i in picked]  # the same whatever the process count
-        return Batch(picked, s.engine.sample([s.prompts[i] for i in picked], params, seeds=seeds)[0])
+        return Batch(*s.engine.sample_groups(draw, s.cfg.train.batch_size // s.run.world_size, params))
 
     def score(self, s: State, step: int, batch: Batch) -> train.Scores:
         return group_scores(s.run.accelerator, score(s, batch), batch.generations, prompts_per_rank=len(batch.picked),
@@ -106,8 +107,7 @@ class ArithGRPO(train.Recipe[Config, State, Batch], train.MergesRounds[State, Ba
 
 def score(s: State, batch: Batch) -> list[ScoreResult]:
     return s.reward.score([Sample(completion=g.text, reference=sum(s.problems[batch.picked[g.request_index]]),
-                                  metadata={"completion_tokens": len(g.completion_ids)})
-                           for g in batch.generations])
+                                  metadata={"completion_tokens": len(g.completion_ids)}) for g in batch.generations])
 
 
 RECIPE = ArithGRPO()

@@ -108,3 +108,11 @@ def test_a_recipe_without_merge_refuses_dynamic_sampling_before_setup(tmp_path: 
     with pytest.raises(ConfigError, match="cannot merge rollout rounds"):
         run(bandit.Plain(), [f"train.output_dir={tmp_path}", "train.dynamic_sampling.enable=true"])
     assert not list(tmp_path.iterdir())  # refused before the run directory
+
+
+def test_a_recipe_that_samples_whole_groups_refuses_partial_rollouts_before_setup(tmp_path: Path) -> None:
+    from rl_core.train import run
+
+    with pytest.raises(ConfigError, match=r"train\.partial_rollouts\.steps=1: .* samples whole groups only"):
+        run(bandit.Plain(), [f"train.output_dir={tmp_path}", "train.partial_rollouts.steps=1"])
+    assert not list(tmp_path.iterdir())

@@ -55,6 +55,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
 import torch
@@ -66,12 +67,14 @@ from rl_core.train import (
     CountedWeights,
     FullWeights,
     OptimizerOffload,
+    ProcessState,
     WeightChannel,
     copy_sharing_frozen,
     finish_copies,
     gathered,
     isolated_rng,
 )
+from rl_rollout.partial import Drawn, Generate, PartialRollouts
 from rl_rollout.protocol import Engine, Generation, Prompt, SamplingParams, generate_seeded
 from rl_rollout.registry import resolve_engine
 from rl_rollout.streaming import ChunkScorer, ScoredRollout, generate_scored
@@ -110,6 +113,8 @@ class PolicyEngine(CountedWeights):
         self.full, self.optimizer_offload, self.release_cache = full, optimizer_offload, release_cache
         self.rebuild = rebuild  # hf: an engine over another copy of the model (asynchronous runs)
         self.shares_weights = kind == "hf" and not remote
+        self.partial: PartialRollouts | None = None  # `partial_rollouts`
+        self.sampled_versions: tuple[int, float] | None = None  # the last partial sample's oldest and mean token version
 
     @property
     def state(self) -> str:
@@ -204,6 +209,43 @@ class PolicyEngine(CountedWeights):
                 return generate_seeded(engine, prompts, params, seeds), None
             return engine.generate(prompts, params), None
 
+    def sample_groups(self, draw: Callable[[int], Drawn], take: int, params: SamplingParams, *,
+                      budgets: Callable[[Any, int], int] | None = None) -> tuple[list[Any], list[Generation]]:
+        """A step's `take` groups of `params.n` samples: their keys and generations
+        (request-major, `request_index` into the keys). `draw(count)` gives the next `count`
+        groups: keys (the recipe's prompt ids), prompts and seeds. Without partial rollouts
+        these are `take` groups drawn now, sampled to the end from their seeds (`sample`); with
+        them (`partial_rollouts`), the first `take` to finish of the groups in flight
+        (`rl_rollout.partial`), each token tagged with the weight version that sampled it.
+        `budgets(key, j)`: sample j's own `max_new_tokens` (partial rollouts only)."""
+        if self.partial is None:
+            if budgets is not None:
+                raise ValueError("per-sample budgets need partial rollouts (partial_rollouts)")
+            keys, prompts, seeds = draw(take)
+            return list(keys), self.sample(prompts, params, seeds=seeds)[0]
+        with self.session() as engine:
+            generate = cast(Generate, engine.generate)  # hf and vllm take a `Continuation` too
+            keys, gens = self.partial.run(generate, draw, take, params, self.weight_version, budgets=budgets)
+        versions = [v for g in gens for v in g.token_versions]
+        self.sampled_versions = (min(versions), sum(versions) / len(versions)) if versions else None
+        return keys, gens
+
+    def partial_rollouts(self, chunk_tokens: int, steps: int, *, rank: int = 0, world_size: int = 1) -> None:
+        """Sample groups as partial rollouts (`rl_rollout.partial`: `steps` = K >= 1 steps a
+        group may wait, `chunk_tokens` per round) from now on; K = 0 leaves them off."""
+        if steps < 1:
+            self.partial = None
+            return
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        if tokenizer is None:
+            raise ValueError(f"partial rollouts decode the samples' text: the {self.kind} engine has no tokenizer")
+        self.partial = PartialRollouts(chunk_tokens, steps, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                                       rank=rank, world_size=world_size)
+
+    def in_flight(self) -> ProcessState | None:
+        """The partial rollouts' groups in flight, for the checkpoint (each process its own)."""
+        return None if self.partial is None else _InFlight(self.partial)
+
     def push(self) -> None:
         """Synchronous: the trained weights into the engine (after each optimizer step, and at
         start-up, when a resumed checkpoint is newer than the weights the engine loaded)."""
@@ -226,6 +268,19 @@ class PolicyEngine(CountedWeights):
         if self.versions is not None:
             self.versions.close()
         self.engine.close()
+
+
+class _InFlight(ProcessState):
+    """`PartialRollouts` as a checkpoint value that every process saves and loads."""
+
+    def __init__(self, partial: PartialRollouts) -> None:
+        self.partial = partial
+
+    def save(self, folder: Path) -> None:
+        self.partial.save(folder)
+
+    def load(self, folder: Path) -> None:
+        self.partial.load(folder)
 
 
 class _PushChannel:

@@ -2,7 +2,9 @@
 engine layer a trainer drives them through (`policy`), and image engines (`diffusion`, `janus`)."""
 
 from rl_rollout.images import ImageEngine, ImageSamples, build_image_engine
+from rl_rollout.partial import Drawn, PartialRollouts
 from rl_rollout.protocol import (
+    Continuation,
     Engine,
     FinishReason,
     Generation,
@@ -23,11 +25,14 @@ from rl_rollout.registry import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Continuation",
+    "Drawn",
     "Engine",
     "FinishReason",
     "Generation",
     "ImageEngine",
     "ImageSamples",
+    "PartialRollouts",
     "Prompt",
     "RecordingEngine",
     "SamplingParams",

@@ -52,7 +52,7 @@ from rl_rollout.attention import (
     attention_implementation,
 )
 from rl_rollout.prompts import EncodedPrompt, PromptBatch, encode_prompt, pad_batch
-from rl_rollout.protocol import Generation, Prompt, SamplingParams
+from rl_rollout.protocol import Continuation, Generation, Prompt, SamplingParams
 from rl_rollout.sampling import compute_logprobs, sample_next_tokens
 
 _CACHE_ROUND = 64  # round static-cache lengths up so repeated calls reuse one cache (and graph)
@@ -291,8 +291,12 @@ class HFEngine:
             raise EngineAsleepError(f"HFEngine is {self.state}; call wake() first" if self.is_asleep else "HFEngine is closed")
 
     # ------------------------------------------------------------------ generate
-    def _encode(self, prompt: Prompt, index: int) -> EncodedPrompt:
-        encoded = encode_prompt(prompt, self.tokenizer, self.processor, index)
+    def _encode(self, prompt: Prompt | Continuation, index: int) -> EncodedPrompt:
+        if isinstance(prompt, Continuation):  # the prompt, then the tokens sampled so far
+            base = encode_prompt(prompt.prompt, self.tokenizer, self.processor, index)
+            encoded = EncodedPrompt(ids=[*base.ids, *prompt.prefix], media=base.media)
+        else:
+            encoded = encode_prompt(prompt, self.tokenizer, self.processor, index)
         if len(encoded.ids) >= self.max_context:
             raise ValueError(
                 f"request {index}: prompt has {len(encoded.ids)} tokens, which leaves no room to generate "
@@ -308,8 +312,9 @@ class HFEngine:
         return generator
 
     @torch.inference_mode()
-    def generate(self, requests: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
-        """Sample `params.n` completions per request, request-major (see `Engine`)."""
+    def generate(self, requests: Sequence[Prompt | Continuation], params: SamplingParams) -> list[Generation]:
+        """Sample `params.n` completions per request, request-major (see `Engine`); a
+        `Continuation` resumes a sample after its prefix."""
         self._check_awake()
         if len(requests) == 0:
             return []

@@ -8,6 +8,7 @@ pass flat keyword arguments.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeGuard, runtime_checkable
 
 import msgspec
@@ -17,6 +18,19 @@ import torch
 # message's content may hold {"type": "image", "image": ...} / {"type": "video", ...} parts).
 Prompt = list[int] | str | list[dict[str, Any]]
 FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A request that resumes a sample: `prompt` as the engine encodes it, then the `prefix`
+    tokens already sampled (by earlier weights), then new tokens. The generation's
+    `completion_ids` and `logprobs` hold the new tokens only and count against
+    `max_new_tokens`; its `prompt_ids` end with `prefix`. Partial rollouts
+    (`rl_rollout.partial`) continue unfinished samples with a newer policy this way; `hf` and
+    `vllm` take it (vLLM's prefix cache keeps the re-read prompt cheap)."""
+
+    prompt: Prompt
+    prefix: list[int]
 
 
 def is_token_ids(prompt: Prompt) -> TypeGuard[list[int]]:
@@ -73,6 +87,7 @@ class Generation(msgspec.Struct, kw_only=True, frozen=True):
     text: str
     logprobs: list[float]
     finish_reason: FinishReason
+    token_versions: list[int] = []  # partial rollouts: the weight version that sampled each token
 
 
 @runtime_checkable

@@ -46,7 +46,14 @@ import torch
 from transformers import AutoConfig, AutoProcessor
 
 from rl_rollout.prompts import encode_prompt
-from rl_rollout.protocol import Generation, Prompt, SamplingParams, is_chat_messages, is_token_ids
+from rl_rollout.protocol import (
+    Continuation,
+    Generation,
+    Prompt,
+    SamplingParams,
+    is_chat_messages,
+    is_token_ids,
+)
 
 try:
     import vllm
@@ -123,7 +130,11 @@ class VLLMEngine:
             stop=list(params.stop) or None, seed=params.seed, logprobs=0,
         )
 
-    def _prompt(self, prompt: Prompt, index: int) -> Any:
+    def _prompt(self, prompt: Prompt | Continuation, index: int) -> Any:
+        if isinstance(prompt, Continuation):  # token ids with the media: vLLM expands the placeholders
+            base = self._prompt(prompt.prompt, index)
+            ids = base.get("prompt_token_ids") or self.tokenizer(base["prompt"], add_special_tokens=False)["input_ids"]
+            return {**{k: v for k, v in base.items() if k != "prompt"}, "prompt_token_ids": [*ids, *prompt.prefix]}
         if isinstance(prompt, str):
             return {"prompt": prompt}
         if prompt and is_token_ids(prompt):
@@ -138,7 +149,7 @@ class VLLMEngine:
             return {"prompt": text, "multi_modal_data": media}
         raise ValueError(f"request {index}: a prompt is token ids, a string, or chat messages")
 
-    def generate(self, requests: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
+    def generate(self, requests: Sequence[Prompt | Continuation], params: SamplingParams) -> list[Generation]:
         if len(requests) == 0:
             return []
         prompts = [self._prompt(p, i) for i, p in enumerate(requests)]

@@ -13,7 +13,7 @@ import msgspec
 
 from rl_core.train.config import NonNegative, NonNegativeFloat, Positive, PositiveFloat
 
-__all__ = ["CompileMode", "DType", "DynamicSampling", "MixedPrecision", "RunFields", "Sharding",
+__all__ = ["CompileMode", "DType", "DynamicSampling", "MixedPrecision", "PartialRolloutFields", "RunFields", "Sharding",
            "ShardingFields", "TokenTrainFields", "TrackerName", "run_fields"]
 
 Sharding = Literal["none", "fsdp2"]
@@ -69,6 +69,22 @@ class DynamicSampling(msgspec.Struct, kw_only=True, frozen=True):
     its batch with uniform groups (counted in dynamic_sampling/filled_groups)."""
 
 
+class PartialRolloutFields(msgspec.Struct, kw_only=True, frozen=True):
+    """`train.partial_rollouts`: partial rollouts streamed by group (`rl_rollout.partial`)."""
+
+    steps: NonNegative = 0
+    """K >= 1: each process keeps (K + 1) x its prompts of a step in flight; a step trains on the
+    groups that finish first (every group at most K steps after it was drawn), and the samples
+    still running go on in the next step with the newer weights, each token tagged with the
+    version that sampled it (`rollout/token_staleness_*`). Choose 1 where response lengths have a
+    long tail: the slowest samples no longer hold the step. 0: off. The run then depends on its
+    process count, and needs a recipe that samples through `PolicyEngine.sample_groups`."""
+    chunk_tokens: Positive = 64
+    """Tokens each unfinished sample decodes per round; a round's samples then continue from
+    their tokens so far (re-read by the engine). Smaller: a step ends closer to its groups'
+    finish; larger: fewer re-reads."""
+
+
 class RunFields(ShardingFields, kw_only=True, frozen=True):
     """The `train.*` keys the loop reads, named the same in every app: an app's `TrainConfig`
     subclasses this (and redefines a field to change its default, e.g. `output_dir`)."""
@@ -83,6 +99,8 @@ class RunFields(ShardingFields, kw_only=True, frozen=True):
     into the run directory; the same scalars as metrics.csv."""
     dynamic_sampling: DynamicSampling = DynamicSampling()
     """DAPO's dynamic sampling: `enable`, `metric`, `max_rounds` (see the keys below)."""
+    partial_rollouts: PartialRolloutFields = PartialRolloutFields()
+    """Partial rollouts streamed by group: `steps`, `chunk_tokens` (see the keys below)."""
     max_staleness: NonNegative = 0
     """0: each step rolls out, scores and updates in series (synchronous). N >= 1: a rollout
     thread samples up to N steps ahead while the trainer updates, so step j trains on rollouts

@@ -94,6 +94,9 @@ def train(recipe: Recipe[C, S, B, R], cfg: C, resume: str | None = None) -> Path
     if t.dynamic_sampling.enable and not isinstance(recipe, MergesRounds):
         raise ConfigError(f"train.dynamic_sampling.enable: {recipe.name} cannot merge rollout rounds "
                           "(its recipe is no `MergesRounds`); set it to false")
+    if t.partial_rollouts.steps and not recipe.partial_rollouts:
+        raise ConfigError(f"train.partial_rollouts.steps={t.partial_rollouts.steps}: {recipe.name} samples whole "
+                          "groups only (its recipe does not sample through PolicyEngine.sample_groups); set it to 0")
     acc = _accelerator(t.sharding, t.fsdp_cpu_offload)
     recipe.check(cfg, acc.num_processes)
     ckpt, name = resume_point(resume, t.output_dir, t.run_name)
@@ -103,16 +106,22 @@ def train(recipe: Recipe[C, S, B, R], cfg: C, resume: str | None = None) -> Path
     pending = PendingRollouts(acc.process_index, acc.num_processes)
     if ckpt is not None and (ckpt / PIPELINE).is_dir():  # an asynchronous run's rollouts in flight
         pending.load(ckpt / PIPELINE)
+    carried = ckpt is not None and (ckpt / PARTIAL).is_dir()  # partial rollouts in flight: older tokens
     context = RunContext(acc, run_dir, start, PhaseTimer(), SampleLog(run_dir, main=acc.is_main_process, start_step=start),
-                         NonFiniteGuard(t.max_nonfinite_steps), stale_start=bool(pending.items))
+                         NonFiniteGuard(t.max_nonfinite_steps), stale_start=bool(pending.items) or carried)
     with third_party_output(run_dir, verbose=t.verbose, rank=acc.process_index) as notes, mlflow_store(run_dir, t.log_with):
         state = recipe.setup(cfg, context)
         try:
             policy = recipe.policy(state)
             context.guard.after_step(policy.stepped)  # every optimizer step taken, whichever hook takes it
+            if t.partial_rollouts.steps:
+                policy.partial_rollouts(t.partial_rollouts.chunk_tokens, t.partial_rollouts.steps,  # type: ignore[attr-defined]
+                                        rank=acc.process_index, world_size=acc.num_processes)
             if ckpt is not None:
                 spec = recipe.checkpoint(state)
-                load_checkpoint(ckpt, state={**spec.state, POLICY: policy}, accelerator=acc if spec.accelerator else None)
+                partial = _in_flight(policy) if carried else {}
+                load_checkpoint(ckpt, state={**spec.state, POLICY: policy, **partial},
+                                accelerator=acc if spec.accelerator else None)
                 acc.print(f"resumed from {ckpt} at step {start}")
             policy.start()
             recipe.start(state)
@@ -128,6 +137,13 @@ def train(recipe: Recipe[C, S, B, R], cfg: C, resume: str | None = None) -> Path
 # drawing costs about half a second of CPU)
 PLOT_EVERY_S = 30.0
 PIPELINE = "pipeline"  # the checkpoint folder of an asynchronous run's rollouts in flight
+PARTIAL = "partial_rollouts"  # the checkpoint folder of the partial rollouts' groups in flight
+
+
+def _in_flight(policy: PolicyWeights) -> dict[str, Any]:
+    """The policy's partial rollouts in flight as a checkpoint entry (each process its own)."""
+    groups = getattr(policy, "in_flight", lambda: None)()
+    return {PARTIAL: groups} if groups is not None else {}
 POLICY = "engine"  # the checkpoint entry of the policy's weight version (`PolicyWeights.state_dict`)
 
 
@@ -337,10 +353,21 @@ class _Loop(Generic[C, S, B, R]):
             plot_reward_curve(self.run.run_dir, title=f"{self.recipe.name}: {self.run.run_dir.name}")
             self.plotted = time.perf_counter()
 
-    def _sample(self, step: int) -> tuple[Any, int]:
+    def _sample(self, step: int) -> tuple[Any, int, tuple[int, float] | None]:
         """The recipe's `sample` and the optimizer steps in the weights it sampled with (on the
         thread that sampled: the rollout thread's, or the trainer's for an extra round)."""
-        return self.recipe.sample(self.state, step), self.policy.weight_version
+        return self.recipe.sample(self.state, step), self.policy.weight_version, self._token_versions()
+
+    def _token_versions(self) -> tuple[int, float] | None:
+        """The last sample's oldest and mean token version (partial rollouts), else None."""
+        return getattr(self.policy, "sampled_versions", None) if self.fields.partial_rollouts.steps else None
+
+    def _token_staleness(self, versions: tuple[int, float] | None) -> dict[str, float]:
+        """Partial rollouts: how many optimizer steps the step's tokens are older than the trained weights."""
+        if versions is None:
+            return {}
+        steps = float(getattr(self.policy, "steps", self.policy.weight_version))
+        return {"rollout/token_staleness_max": steps - versions[0], "rollout/token_staleness_mean": steps - versions[1]}
 
     def _rollout(self, step: int) -> tuple[B, dict[str, float], int | None]:
         """The step's batch: rolled out now (synchronous), or from the rollout thread or a
@@ -352,15 +379,17 @@ class _Loop(Generic[C, S, B, R]):
         if sampled is None and self.pipeline is None:
             with self.timer("rollout"):
                 batch = recipe.rollout(state, step)
-            return batch, {"rollout/weight_version": float(self.policy.weight_version)}, None
+            return batch, {"rollout/weight_version": float(self.policy.weight_version),
+                           **self._token_staleness(self._token_versions())}, None
         if sampled is None:
             with self.timer("rollout_wait"):
                 sampled = self.pipeline.get(step)  # type: ignore[union-attr]
-        value, weights = sampled.value
+        value, weights, *versions = sampled.value  # (an older checkpoint's rollouts have no token versions)
         with self.timer("prepare"):
             batch = recipe.prepare(state, step, value)
         return batch, {**sampled.times, "rollout/staleness": float(step - 1 - sampled.version),
-                       "rollout/weight_version": float(weights)}, sampled.version
+                       "rollout/weight_version": float(weights),
+                       **self._token_staleness(versions[0] if versions else None)}, sampled.version
 
     def _extra_round(self, step: int) -> tuple[B, int, int]:
         """Dynamic sampling's next round of `step`, the step whose weights sampled it (always
@@ -373,7 +402,7 @@ class _Loop(Generic[C, S, B, R]):
             return batch, step - 1, self.policy.weight_version
         with self.timer("rollout"):
             sampled = self.pipeline.fresh(step, self._sample)
-        value, weights = sampled.value
+        value, weights, *_ = sampled.value
         with self.timer("prepare"):
             return recipe.prepare(state, step, value), sampled.version, weights
 
@@ -466,7 +495,7 @@ class _Loop(Generic[C, S, B, R]):
         spec = self.recipe.checkpoint(self.state)
         check_finite_parameters(spec.trained, f"checkpoint at step {step}")
         root, keep = self.run.run_dir / "checkpoints", self.fields.keep_last
-        state = {**spec.state, POLICY: self.policy}
+        state = {**spec.state, POLICY: self.policy, **_in_flight(self.policy)}
         if self.pipeline is not None:
             in_flight = PendingRollouts(self.acc.process_index, self.acc.num_processes)
             in_flight.items = pending

@@ -80,6 +80,8 @@ METRIC_NAMES: dict[str, str] = {
     # rollouts
     "rollout/weight_version": "optimizer steps in the weights the step's rollouts were sampled with",
     "rollout/staleness": "asynchronous runs: steps between the weights that sampled the step's rollouts and the trainer's (at most train.max_staleness; with dynamic sampling the oldest kept round's, further rounds being 0)",
+    "rollout/token_staleness_max": "partial rollouts: optimizer steps between the weights that sampled the step's oldest token and the trained weights (train.partial_rollouts)",
+    "rollout/token_staleness_mean": "partial rollouts: the same, averaged over the step's tokens",
     "rollout/dropped_long": "prompts dropped for exceeding the prompt length limit",
     "response/length_mean": "mean completion length (tokens)",
     "response/length_max": "longest completion (tokens)",

@@ -220,13 +220,16 @@ class Recipe(ABC, Generic[C, S, B, R]):
     (environment variable -> dotted key, for the original system's launch lines), `seed_by_rank`
     (seed each process with seed + rank, so processes draw different noise; False when the
     processes must build identical random initialisations themselves, e.g. LoRA under FSDP2,
-    and sampling noise is seeded per sample instead)."""
+    and sampling noise is seeded per sample instead), `partial_rollouts` (True where `sample`
+    draws its groups through `rl_policy.engine.PolicyEngine.sample_groups`, which
+    `train.partial_rollouts` needs)."""
 
     name: str = "app"
     config: type[C]
     default_config: Path | None = None
     env: Mapping[str, str] = {}
     seed_by_rank: bool = True
+    partial_rollouts: bool = False  # `sample` draws through `PolicyEngine.sample_groups` (train.partial_rollouts)
 
     def config_path(self, given: Path | None) -> Path | None:
         """The config file a run reads: `--config FILE`, else the embedded default."""
