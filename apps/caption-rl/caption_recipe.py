@@ -65,7 +65,7 @@ from rl_rewards.caprl import (
     build_caprl_reward,
 )
 from rl_rewards.client import RewardClientError
-from rl_rollout import Generation, SamplingParams, resolve_judge_engine
+from rl_rollout import Drawn, Generation, SamplingParams, resolve_judge_engine
 from rl_rollout.streaming import ScoredRollout
 
 
@@ -135,6 +135,7 @@ def _scored(s: State, encoded: Encoded, gens: list[Generation], scored: list[Sco
 
 class CaptionRL(Recipe[Config, State, Batch], MergesRounds[State, Batch]):
     name = NAME
+    partial_rollouts = True
     config = Config
     default_config = DEFAULT_CONFIG
     env = ENV
@@ -176,7 +177,7 @@ class CaptionRL(Recipe[Config, State, Batch], MergesRounds[State, Batch]):
         return State(cfg, run, data, model, trained.policy, processor, engine, trained.optimizer, trained.scheduler,
                      reward, sampler, frozen, trained.full, placeholder_ids(model.config),
                      prompts_per_rank=t.batch_size // run.world_size,
-                     stream=cfg.reward.stream and isinstance(reward, CaprlServerReward))
+                     stream=cfg.reward.stream and isinstance(reward, CaprlServerReward) and not t.partial_rollouts.steps)
 
     def policy(self, s: State) -> PolicyEngine:
         return s.engine
@@ -200,10 +201,12 @@ class CaptionRL(Recipe[Config, State, Batch], MergesRounds[State, Batch]):
         """The step's captions (train.max_staleness >= 1: on the rollout thread, from the
         engine's own weights; they are reproducible with rollout.per_prompt_seeds)."""
         r = s.cfg.rollout
+        params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
+        if s.cfg.train.partial_rollouts.steps:
+            return _partial_sample(s, step, params)
         picked = s.sampler.next_prompts(s.prompts_per_rank)
         enc = encode_records([s.data.train[i] for i in picked], [s.data.train_where[i] for i in picked], s.processor,
                              s.cfg.data, r.max_prompt_length, s.bad_records)
-        params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
         # each group from its own seed: independent of the process count and batch split
         seeds = [sample_seed(s.cfg.train.seed, step, picked[i]) for i in enc.positions] if r.per_prompt_seeds else None
         # the server scores each prompt's captions while the next prompt samples (reward.stream)
@@ -304,6 +307,26 @@ class CaptionRL(Recipe[Config, State, Batch], MergesRounds[State, Batch]):
     def close(self, s: State) -> None:
         s.engine.close()
         s.reward.close()
+
+
+def _partial_sample(s: State, step: int, params: SamplingParams) -> Batch:
+    """`sample` with train.partial_rollouts: the first groups to finish of those in flight
+    (`PolicyEngine.sample_groups`), each prompt drawn and encoded when it joins them."""
+    too_long = 0
+
+    def draw(count: int) -> Drawn:
+        nonlocal too_long
+        picked = s.sampler.next_prompts(count)
+        enc = encode_records([s.data.train[i] for i in picked], [s.data.train_where[i] for i in picked], s.processor,
+                             s.cfg.data, s.cfg.rollout.max_prompt_length, s.bad_records)
+        too_long += enc.too_long
+        keys = [(picked[i], record, prompt, message) for i, record, prompt, message
+                in zip(enc.positions, enc.records, enc.prompts, enc.messages, strict=True)]
+        return keys, enc.messages, [sample_seed(s.cfg.train.seed, step, picked[i]) for i in enc.positions]
+
+    keys, generations = s.engine.sample_groups(draw, s.prompts_per_rank, params)
+    enc = Encoded([k[1] for k in keys], [k[2] for k in keys], [k[3] for k in keys], list(range(len(keys))), too_long)
+    return Batch(enc, generations, None, tuple(k[0] for k in keys))
 
 
 RECIPE = CaptionRL()

@@ -7,9 +7,9 @@ import json
 import shutil
 from pathlib import Path
 
-from conftest import app
+from conftest import APP, REPO, app
 
-from rl_core.train.testing import assert_resume_is_bit_identical, metric_rows
+from rl_core.train.testing import assert_resume_is_bit_identical, launch, metric_rows
 
 SMALL = ["rollout.n=4", "rollout.max_new_tokens=4", "train.batch_size=4", "train.micro_batch_size=3", "train.eval_freq=0"]
 
@@ -67,3 +67,22 @@ def test_asynchronous_partial_rollouts_resumed_mid_run_are_the_uninterrupted_run
     for key in KEYS:
         assert [r[key] for r in a] == [r[key] for r in b], key
     check_token_staleness(straight, 1)
+
+
+def test_two_processes_keep_their_own_groups_in_flight_and_resume_them(tmp_path: Path) -> None:
+    """2 processes (accelerate launch), each 2 of the step's 4 groups: each keeps its own groups in
+    flight and checkpoints them (`partial_rollouts/rank<r>.pt`); a 2-process resume from step 2
+    logs the uninterrupted run's step 3."""
+    args = [*PARTIAL, "train.max_steps=3", "train.save_freq=1", f"train.output_dir={tmp_path}"]
+    launch(APP / "__main__.py", [*args, "train.run_name=straight"], cwd=REPO)
+    straight = tmp_path / "straight"
+    assert sorted(p.name for p in (straight / "checkpoints" / "checkpoint-2" / "partial_rollouts").iterdir()) == [
+        "rank0.pt", "rank1.pt"]
+    shutil.copytree(straight, tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "checkpoint-3")
+    launch(APP / "__main__.py", [*args, "--resume", str(tmp_path / "cut" / "checkpoints" / "checkpoint-2")], cwd=REPO)
+    a, b = metric_rows(straight), metric_rows(tmp_path / "cut")
+    assert [r["world_size"] for r in b] == ["2", "2", "2"]
+    for key in KEYS[:3] + KEYS[4:]:  # a synchronous run logs no rollout/staleness
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    check_token_staleness(straight, 0)

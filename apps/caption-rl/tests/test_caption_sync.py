@@ -128,3 +128,16 @@ def test_in_process_judge_on_vllm_scores_as_the_hf_judge():
     # vLLM's kernels (and its dtype="auto" choice) differ from hf's float32 forward: rl-rollout's test_vllm's 2e-2 bound
     assert [r.components["qa"] for r in got] == pytest.approx([r.components["qa"] for r in expected], abs=2e-2)
     on_vllm.close()
+
+
+def test_partial_rollouts_with_real_vllm(app, tmp_path):
+    """train.partial_rollouts on vLLM: captions of image and video prompts continued chunk by chunk
+    (token ids with the media, which vLLM expands again); the first step's engine gap stays at the
+    kernels' and later steps train tokens of older versions."""
+    run = app.main(tiny_overrides(tmp_path, "rollout.engine=vllm", *FAST, "model.lora_rank=0", "train.lr=1e-3",
+                                  "data.eval_size=0", "train.max_steps=3",
+                                  "train.partial_rollouts.steps=1", "train.partial_rollouts.chunk_tokens=3",
+                                  "algo.rollout_correction=token_truncate"))
+    rows = app_rows(run)
+    assert float(rows[0]["replay/engine_diff_mean"]) < 1e-2, rows[0]
+    assert max(float(r["rollout/token_staleness_max"]) for r in rows) >= 1

@@ -5,6 +5,8 @@ the in-process engine samples from the same weights, before and after a push, sy
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -12,7 +14,9 @@ from rl_core.errors import UserError
 from rl_models import tiny
 from rl_models.text import load_causal_lm
 from rl_policy.engine import build_policy_engine
-from rl_rollout import SamplingParams, generate_seeded
+from rl_rollout import PartialRollouts, SamplingParams, generate_seeded
+from rl_rollout.hf import HFEngine
+from rl_rollout.partial import round_generator
 
 PROMPTS = ["Hi", "The sky is", "One two", "A cat"]
 SEEDS = [11, 12, 13, 14]
@@ -64,6 +68,46 @@ def test_ray_actors_sample_what_the_in_process_engine_samples(workers: int) -> N
     finally:
         remote.close()
         local.close()
+
+
+def test_partial_rollouts_on_a_ray_actor_sample_what_one_engine_samples() -> None:
+    """`train.partial_rollouts` over an actor: the groups in flight live in the trainer's process,
+    each round's requests go to the actor as `Continuation`s, each with its budget and seed; it
+    returns the groups, tokens and versions one engine returns sampling each request from its
+    seed (`round_generator` of an engine without row budgets)."""
+    path = str(tiny.build("qwen3"))
+    model, tokenizer = load_causal_lm(path, dtype="float32")
+    remote = _build(model, tokenizer, path, workers=1)
+    local = HFEngine(model, tokenizer, device="cpu", compile=False)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=9, seed=3)
+
+    def budgets(key: int, j: int) -> int:
+        return 2 + 7 * (key % 2)
+
+    def draw_from(taken: list[int]):
+        def draw(count: int):
+            keys = list(range(taken[0], taken[0] + count))
+            taken[0] += count
+            return keys, [PROMPTS[k % len(PROMPTS)] for k in keys], keys
+        return draw
+
+    def summary(keys, gens):
+        return keys, [(g.completion_ids, [round(x, 4) for x in g.logprobs], g.token_versions) for g in gens]
+
+    try:
+        remote.partial_rollouts(3, 1)
+        draw = draw_from([0])
+        got = []
+        for _ in range(3):
+            got.append(summary(*remote.sample_groups(draw, 2, params, budgets=budgets)))
+            remote.stepped()  # a push of the same weights: the versions count on
+        one = PartialRollouts(3, 1, tokenizer.decode)
+        by_request, draw = round_generator(SimpleNamespace(generate=local.generate)), draw_from([0])
+        want = [summary(*one.run(by_request, draw, 2, params, version=v, budgets=budgets)) for v in range(3)]
+        assert got == want
+        assert any(v != versions[0] for _, step in want for _, _, versions in step for v in versions)  # carried over
+    finally:
+        remote.close()
 
 
 def test_ray_actors_for_several_training_processes_need_a_cluster(monkeypatch) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 from rl_rollout import Continuation, Drawn, PartialRollouts, SamplingParams
 from rl_rollout.hf import HFEngine
+from rl_rollout.partial import round_generator
 
 PROMPTS = [[11, 12, 13, 14, 15], "the cat sat on", [{"role": "user", "content": "Describe a red square."}]]
 
@@ -51,7 +53,7 @@ def test_chunked_greedy_samples_equal_the_uninterrupted_ones(qwen3_engine: HFEng
     plain generate's completion, text and log-probs included."""
     partial = PartialRollouts(3, 0, lambda ids: qwen3_engine.tokenizer.decode(ids, skip_special_tokens=True))
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=10)
-    keys, gens = partial.run(qwen3_engine.generate, drawer(PROMPTS), 3, params, version=0)
+    keys, gens = partial.run(round_generator(qwen3_engine), drawer(PROMPTS), 3, params, version=0)
     assert keys == [0, 1, 2] and partial.in_flight == 0
     plain = qwen3_engine.generate(PROMPTS, params)
     assert [g.request_index for g in gens] == [0, 0, 1, 1, 2, 2]
@@ -73,17 +75,17 @@ def test_a_step_takes_the_first_groups_to_finish_and_finishes_the_overdue(qwen3_
     def budgets(key: int, j: int) -> int:
         return 4 if key % 2 == 0 else 20
 
-    keys, gens = partial.run(engine.generate, draw, 2, params, version=0, budgets=budgets)
+    keys, gens = partial.run(round_generator(engine), draw, 2, params, version=0, budgets=budgets)
     assert keys == [0, 2] and partial.in_flight == 2
     assert [len(g.completion_ids) for g in gens] == [4] * 4
-    keys, gens = partial.run(engine.generate, draw, 2, params, version=1, budgets=budgets)
+    keys, gens = partial.run(round_generator(engine), draw, 2, params, version=1, budgets=budgets)
     assert keys == [1, 3]  # overdue first; group 4 (4 tokens) finished in this step's first round
     for g in gens:
         assert len(g.completion_ids) == 20 and g.finish_reason == "length"
         assert g.token_versions == [0] * 8 + [1] * 12
         assert g.text == engine.tokenizer.decode(g.completion_ids)
     assert partial.in_flight == 2  # 4 finished and waiting, 5 carried to the next step
-    keys, gens = partial.run(engine.generate, draw, 2, params, version=2, budgets=budgets)
+    keys, gens = partial.run(round_generator(engine), draw, 2, params, version=2, budgets=budgets)
     assert keys == [4, 5]
     assert gens[0].token_versions == [1] * 4 and gens[2].token_versions == [1] * 16 + [2] * 4
 
@@ -96,7 +98,7 @@ def test_groups_in_flight_saved_and_loaded_sample_as_if_never_stopped(qwen3_path
         return 3 + 3 * ((key + j) % 4)
 
     def two_steps(partial: PartialRollouts, draw: Any, first: int) -> list[Any]:
-        return [partial.run(engine.generate, draw, 2, params, version=v, budgets=budgets) for v in (first, first + 1)]
+        return [partial.run(round_generator(engine), draw, 2, params, version=v, budgets=budgets) for v in (first, first + 1)]
 
     straight = PartialRollouts(4, 1, engine.tokenizer.decode)
     draw = drawer(PROMPTS)
@@ -116,4 +118,15 @@ def test_groups_in_flight_saved_and_loaded_sample_as_if_never_stopped(qwen3_path
 def test_a_stop_string_is_refused(qwen3_engine: HFEngine) -> None:
     partial = PartialRollouts(4, 1, qwen3_engine.tokenizer.decode)
     with pytest.raises(ValueError, match="stop string"):
-        partial.run(qwen3_engine.generate, drawer(PROMPTS), 1, SamplingParams(stop=("\n",)), version=0)
+        partial.run(round_generator(qwen3_engine), drawer(PROMPTS), 1, SamplingParams(stop=("\n",)), version=0)
+
+
+@pytest.mark.parametrize("per_request", [False, True])
+def test_the_samples_of_a_group_are_drawn_apart(qwen3_engine: HFEngine, per_request: bool) -> None:
+    """Each sample of a group from noise of its own: the hf batch's one generator, or (an engine
+    without row budgets: requests one by one) a seed per sample. One round of 6 tokens, 4 samples."""
+    engine = SimpleNamespace(generate=qwen3_engine.generate) if per_request else qwen3_engine
+    partial = PartialRollouts(6, 0, qwen3_engine.tokenizer.decode)
+    _, gens = partial.run(round_generator(engine), drawer(PROMPTS[:1]), 1, SamplingParams(n=4, max_new_tokens=6, seed=0),
+                          version=0)
+    assert len({tuple(g.completion_ids) for g in gens}) == 4

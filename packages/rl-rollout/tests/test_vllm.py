@@ -146,3 +146,43 @@ def test_vllm_fp8_engine_quantizes_every_push_again() -> None:
     print(f"as loaded: {loaded}")
     assert loaded[0] < 0.5 * loaded[1]
     engine.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM or not torch.cuda.is_available(), reason="needs vLLM and a GPU")
+def test_vllm_continues_samples_with_their_own_budgets_and_seeds() -> None:
+    """Partial rollouts on vLLM: a greedy `Continuation` goes on as the uninterrupted sample; one
+    call takes each request's budget and seed (the same prompt twice draws apart); a stream of
+    rounds returns the first groups to finish with their versions."""
+    from rl_models import tiny
+    from rl_rollout import Continuation, PartialRollouts
+    from rl_rollout.partial import round_generator
+    from rl_rollout.vllm import VLLMEngine
+
+    engine = VLLMEngine(str(tiny.build("qwen3_vllm")), dtype="bfloat16", gpu_memory_utilization=0.3,
+                        max_model_len=1024, enforce_eager=True)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=10)
+    for prompt in ([1, 2, 3], "hello there"):
+        whole = engine.generate([prompt], greedy)[0]
+        rest = engine.generate([Continuation(prompt, whole.completion_ids[:4])], greedy)[0]
+        assert rest.prompt_ids == whole.prompt_ids + whole.completion_ids[:4]
+        assert rest.completion_ids[:6] == whole.completion_ids[4:]
+    gens = engine.generate([[5, 6, 7], [5, 6, 7]], SamplingParams(max_new_tokens=9), max_new_tokens=[3, 9], seeds=[1, 2])
+    assert [len(g.completion_ids) for g in gens] == [3, 9] and gens[0].completion_ids != gens[1].completion_ids[:3]
+    partial = PartialRollouts(4, 1, engine.tokenizer.decode)
+    taken = [0]
+
+    def draw(count: int):
+        keys = list(range(taken[0], taken[0] + count))
+        taken[0] += count
+        return keys, [[10 + k, 11, 12] for k in keys], keys
+
+    def budgets(key: int, j: int) -> int:
+        return 3 if key % 2 == 0 else 11
+
+    params = SamplingParams(n=2, max_new_tokens=11, seed=0)
+    generate = round_generator(engine)
+    assert partial.run(generate, draw, 2, params, version=0, budgets=budgets)[0] == [0, 2]
+    keys, gens = partial.run(generate, draw, 2, params, version=1, budgets=budgets)
+    assert keys == [1, 3] and all(g.token_versions == [0] * 4 + [1] * 7 for g in gens)
+    engine.close()

@@ -74,7 +74,7 @@ from rl_core.train import (
     gathered,
     isolated_rng,
 )
-from rl_rollout.partial import Drawn, Generate, PartialRollouts
+from rl_rollout.partial import Drawn, PartialRollouts, round_generator
 from rl_rollout.protocol import Engine, Generation, Prompt, SamplingParams, generate_seeded
 from rl_rollout.registry import resolve_engine
 from rl_rollout.streaming import ChunkScorer, ScoredRollout, generate_scored
@@ -104,7 +104,7 @@ class PolicyEngine(CountedWeights):
                  release_cache: Callable[[], None] | None = None,
                  rebuild: Callable[[torch.nn.Module, torch.device], Engine] | None = None,
                  timer: PhaseTimer = _untimed, rollout_device: torch.device | None = None,
-                 remote: bool = False, channel_device: torch.device | None = None) -> None:
+                 remote: bool = False, channel_device: torch.device | None = None, tokenizer: Any = None) -> None:
         super().__init__(timer)
         self.engine, self.kind, self.trained, self.pad_id = engine, kind, trained, pad_id
         self.rollout_device = rollout_device  # vllm: the GPU of its own it was built on (split placement)
@@ -113,6 +113,7 @@ class PolicyEngine(CountedWeights):
         self.full, self.optimizer_offload, self.release_cache = full, optimizer_offload, release_cache
         self.rebuild = rebuild  # hf: an engine over another copy of the model (asynchronous runs)
         self.shares_weights = kind == "hf" and not remote
+        self.tokenizer = tokenizer  # the policy's (partial rollouts decode their samples' text with it)
         self.partial: PartialRollouts | None = None  # `partial_rollouts`
         self.sampled_versions: tuple[int, float] | None = None  # the last partial sample's oldest and mean token version
 
@@ -224,8 +225,8 @@ class PolicyEngine(CountedWeights):
             keys, prompts, seeds = draw(take)
             return list(keys), self.sample(prompts, params, seeds=seeds)[0]
         with self.session() as engine:
-            generate = cast(Generate, engine.generate)  # hf and vllm take a `Continuation` too
-            keys, gens = self.partial.run(generate, draw, take, params, self.weight_version, budgets=budgets)
+            keys, gens = self.partial.run(round_generator(engine), draw, take, params, self.weight_version,
+                                          budgets=budgets)
         versions = [v for g in gens for v in g.token_versions]
         self.sampled_versions = (min(versions), sum(versions) / len(versions)) if versions else None
         return keys, gens
@@ -236,7 +237,7 @@ class PolicyEngine(CountedWeights):
         if steps < 1:
             self.partial = None
             return
-        tokenizer = getattr(self.engine, "tokenizer", None)
+        tokenizer = self.tokenizer or getattr(self.engine, "tokenizer", None)
         if tokenizer is None:
             raise ValueError(f"partial rollouts decode the samples' text: the {self.kind} engine has no tokenizer")
         self.partial = PartialRollouts(chunk_tokens, steps, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
@@ -417,7 +418,7 @@ def build_policy_engine(
         return PolicyEngine(hf, kind="hf", trained=model, pad_id=hf.pad_id, full=full,
                             optimizer_offload=_offload(optimizer, device, offload_optimizer in ("auto", "always"), full),
                             release_cache=hf.release_cache if release_cache else None, rebuild=rebuild, timer=timer,
-                            channel_device=rollout_device)
+                            channel_device=rollout_device, tokenizer=hf.tokenizer)
     from rl_rollout.colocated import colocated_vllm, vllm_engine_core
 
     if rollout_device is not None and world_size > 1:
@@ -435,7 +436,7 @@ def build_policy_engine(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return PolicyEngine(engine, kind="vllm", trained=model, pad_id=int(pad), full=full,
                         optimizer_offload=_offload(optimizer, device, offload_optimizer == "always", full), timer=timer,
-                        rollout_device=rollout_device)
+                        rollout_device=rollout_device, tokenizer=tokenizer)
 
 
 def _pool_policy_engine(kind: str, workers: int, gpus_per_worker: float | None, ray_address: str | None, *,
@@ -470,7 +471,7 @@ def _pool_policy_engine(kind: str, workers: int, gpus_per_worker: float | None, 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     devices = local_worker_devices(pool.health()) if gpu_ids is not None else None  # pushes by CUDA IPC there
     return PolicyEngine(PoolEngine(pool, devices=devices), kind=kind, trained=model, pad_id=int(pad), full=full, timer=timer,
-                        remote=True)
+                        remote=True, tokenizer=tokenizer)
 
 
 def _offload(optimizer: torch.optim.Optimizer | None, device: torch.device, wanted: bool,

@@ -200,6 +200,9 @@ class HFEngine:
         compiled. `"auto"` (default): flex on CUDA.
     """
 
+    # partial rollouts' rounds (`rl_rollout.partial`): each request its own budget, one generator for the batch
+    row_budgets = "batch"
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -294,7 +297,10 @@ class HFEngine:
     def _encode(self, prompt: Prompt | Continuation, index: int) -> EncodedPrompt:
         if isinstance(prompt, Continuation):  # the prompt, then the tokens sampled so far
             base = encode_prompt(prompt.prompt, self.tokenizer, self.processor, index)
-            encoded = EncodedPrompt(ids=[*base.ids, *prompt.prefix], media=base.media)
+            extra = len(prompt.prefix)  # per-token media tensors ([1, T] token types) get text (0) entries for it
+            media = {k: torch.nn.functional.pad(v, (0, extra)) if k.endswith("token_type_ids") else v
+                     for k, v in base.media.items()}
+            encoded = EncodedPrompt(ids=[*base.ids, *prompt.prefix], media=media)
         else:
             encoded = encode_prompt(prompt, self.tokenizer, self.processor, index)
         if len(encoded.ids) >= self.max_context:
@@ -312,12 +318,16 @@ class HFEngine:
         return generator
 
     @torch.inference_mode()
-    def generate(self, requests: Sequence[Prompt | Continuation], params: SamplingParams) -> list[Generation]:
+    def generate(self, requests: Sequence[Prompt | Continuation], params: SamplingParams, *,
+                 max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
         """Sample `params.n` completions per request, request-major (see `Engine`); a
-        `Continuation` resumes a sample after its prefix."""
+        `Continuation` resumes a sample after its prefix. `max_new_tokens`: each request's own
+        budget (at most `params.max_new_tokens`), as partial rollouts give their rounds."""
         self._check_awake()
         if len(requests) == 0:
             return []
+        if max_new_tokens is not None and len(max_new_tokens) != len(requests):
+            raise ValueError(f"got {len(max_new_tokens)} budgets for {len(requests)} requests")
         encoded = [self._encode(prompt, i) for i, prompt in enumerate(requests)]
         rows = [(i, enc) for i, enc in enumerate(encoded) for _ in range(params.n)]
         generator = self._generator(params.seed)
@@ -325,7 +335,8 @@ class HFEngine:
         for start in range(0, len(rows), self.max_batch_size):
             chunk = rows[start : start + self.max_batch_size]
             batch = pad_batch([enc for _, enc in chunk], self.pad_id)
-            decoded = self._decode(batch, params, generator)
+            own = None if max_new_tokens is None else [min(params.max_new_tokens, max_new_tokens[i]) for i, _ in chunk]
+            decoded = self._decode(batch, params, generator, own)
             out += [self._to_generation(index, enc, decoded, row, params) for row, (index, enc) in enumerate(chunk)]
         return out
 
@@ -394,13 +405,17 @@ class HFEngine:
         ).last_hidden_state  # [B, 1, H]
         return self._head(hidden[:, -1])  # [B, V]
 
-    def _decode(self, batch: PromptBatch, params: SamplingParams, generator: torch.Generator) -> _Decoded:
+    def _decode(self, batch: PromptBatch, params: SamplingParams, generator: torch.Generator,
+                row_budgets: Sequence[int] | None = None) -> _Decoded:
         """Prefill the batch, then sample token by token until every row hit a stop token, a
         stop string, `max_new_tokens`, or the model context."""
         dev = self.device
         input_ids, prompt_mask = batch.input_ids.to(dev), batch.attention_mask.to(dev)  # [B, T]
         bsz, width = input_ids.shape
-        budgets = (self.max_context - batch.lengths).clamp(max=params.max_new_tokens).to(dev)  # [B]
+        budgets = (self.max_context - batch.lengths).clamp(max=params.max_new_tokens)  # [B]
+        if row_budgets is not None:
+            budgets = torch.minimum(budgets, torch.tensor(row_budgets, dtype=budgets.dtype))
+        budgets = budgets.to(dev)
         steps = int(budgets.max())
         cache = self._static_cache(bsz, width + steps)
         future = torch.ones(bsz, cache.get_max_length() - width, dtype=prompt_mask.dtype, device=dev)

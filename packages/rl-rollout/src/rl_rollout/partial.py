@@ -44,13 +44,50 @@ import msgspec
 import torch
 
 from rl_rollout.prompts import _has_media
-from rl_rollout.protocol import Continuation, Generation, Prompt, SamplingParams, is_chat_messages
+from rl_rollout.protocol import (
+    Continuation,
+    Generation,
+    Prompt,
+    SamplingParams,
+    generate_seeded,
+    is_chat_messages,
+)
 
-__all__ = ["Drawn", "PartialRollouts"]
+__all__ = ["Drawn", "Generate", "PartialRollouts", "round_generator"]
 
 # draw(count) -> the next `count` groups: their keys (the recipe's prompt ids), prompts, seeds
 Drawn = tuple[Sequence[Any], Sequence[Prompt], Sequence[int]]
-Generate = Callable[[list[Prompt | Continuation], SamplingParams], list[Generation]]
+# a round: requests (n = 1 each), the call's params, each request's budget and seed (None: unseeded)
+# -> one generation each
+Generate = Callable[[list[Prompt | Continuation], SamplingParams, list[int], list[int] | None], list[Generation]]
+
+
+def round_generator(engine: Any) -> Generate:
+    """An engine's `generate` for partial rollouts' rounds: `vllm` takes each request's budget
+    and seed in one call (`row_budgets = "seeded"`), `hf` each budget in one call, its batch
+    drawn from `params.seed` (`"batch"`); any other engine samples each budget's requests with
+    their seeds (`generate_seeded`: one call per request unless the engine spreads them, as Ray
+    actors do)."""
+    kind = getattr(engine, "row_budgets", None)
+    if kind == "seeded":
+        return lambda requests, params, lengths, seeds: engine.generate(requests, params, max_new_tokens=lengths,
+                                                                         seeds=seeds)
+    if kind == "batch":
+        return lambda requests, params, lengths, seeds: engine.generate(requests, params, max_new_tokens=lengths)
+
+    def by_length(requests: list[Prompt | Continuation], params: SamplingParams, lengths: list[int],
+                  seeds: list[int] | None) -> list[Generation]:
+        out: list[Generation | None] = [None] * len(requests)
+        for length in sorted(set(lengths)):
+            rows = [i for i, n in enumerate(lengths) if n == length]
+            some, budget = [requests[i] for i in rows], msgspec.structs.replace(params, max_new_tokens=length)
+            gens = (engine.generate(some, budget) if seeds is None
+                    else generate_seeded(engine, some, budget, [seeds[i] for i in rows]))  # type: ignore[arg-type]
+            for i, gen in zip(rows, gens, strict=True):
+                out[i] = gen
+        return [g for g in out if g is not None]
+
+    return by_length
 
 
 @dataclass
@@ -86,13 +123,15 @@ def _round_seed(seed: int, call: int, round_: int) -> int:
 
 class PartialRollouts:
     """The groups in flight of one process (see the module doc): `chunk_tokens` per round,
-    `steps` (K) the most steps a group waits, `decode(ids) -> str` the engine's tokenizer."""
+    `steps` (K) the most steps a group waits, `decode(ids) -> str` the engine's tokenizer.
+    `seeded=False` samples from the engine's own random state (faster on vLLM, whose seeded
+    requests draw one by one; not reproducible)."""
 
     def __init__(self, chunk_tokens: int, steps: int, decode: Callable[[list[int]], str], *,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, seeded: bool = True) -> None:
         if chunk_tokens < 1 or steps < 0:
             raise ValueError(f"chunk_tokens must be >= 1 and steps >= 0, got {chunk_tokens} and {steps}")
-        self.chunk_tokens, self.steps, self.decode = chunk_tokens, steps, decode
+        self.chunk_tokens, self.steps, self.decode, self.seeded = chunk_tokens, steps, decode, seeded
         self.rank, self.world_size = rank, world_size
         self.groups: list[_Group] = []
         self.calls = 0
@@ -100,8 +139,8 @@ class PartialRollouts:
     def run(self, generate: Generate, draw: Callable[[int], Drawn], take: int, params: SamplingParams,
             version: int, *, budgets: Callable[[Any, int], int] | None = None) -> tuple[list[Any], list[Generation]]:
         """One step's `take` finished groups: their keys, and their `params.n` generations each
-        (request-major, `request_index` into the keys). `generate` is the engine's, holding the
-        weights of `version`; `budgets(key, j)`, if given, is sample j's own `max_new_tokens`
+        (request-major, `request_index` into the keys). `generate` is the engine's
+        (`round_generator(engine)`), holding the weights of `version`; `budgets(key, j)`, if given, is sample j's own `max_new_tokens`
         (at most `params.max_new_tokens`)."""
         if params.stop:
             raise ValueError("partial rollouts cannot continue a sample across a stop string: use stop tokens")
@@ -127,25 +166,23 @@ class PartialRollouts:
 
     def _round(self, generate: Generate, params: SamplingParams, version: int, round_: int) -> None:
         """Every unfinished sample `chunk_tokens` further (fewer where its budget ends sooner),
-        one engine call per distinct length, each from a seed of the groups, call and round."""
-        todo = [(g, s) for g in self.groups for s in g.samples if s.finish is None]
-        by_length: dict[int, list[tuple[_Group, _Sample]]] = {}
-        for g, s in todo:
-            by_length.setdefault(min(self.chunk_tokens, s.budget - len(s.ids)), []).append((g, s))
-        for length, part in sorted(by_length.items()):
-            seed = _round_seed(part[0][0].seed, self.calls, round_ * 100_003 + length)
-            chunk = msgspec.structs.replace(params, n=1, max_new_tokens=length, seed=seed)
-            gens = generate([self._request(g, s) for g, s in part], chunk)
-            for (_, s), gen in zip(part, gens, strict=True):
-                if not s.ids and not s.prompt_ids:
-                    s.prompt_ids = list(gen.prompt_ids)
-                s.ids += gen.completion_ids
-                s.logprobs += gen.logprobs
-                s.versions += [version] * len(gen.completion_ids)
-                if gen.finish_reason == "stop":
-                    s.finish = "stop"
-                elif len(s.ids) >= s.budget or len(gen.completion_ids) < length:  # its budget, or the context
-                    s.finish = "length"
+        in one round: each sample from a seed of its own, its group's, the call's and the round's."""
+        todo = [(g, j, s) for g in self.groups for j, s in enumerate(g.samples) if s.finish is None]
+        lengths = [min(self.chunk_tokens, s.budget - len(s.ids)) for _, _, s in todo]
+        seeds = [_round_seed(g.seed * 1_000 + j, self.calls, round_) for g, j, _ in todo] if self.seeded else None
+        seed = _round_seed(todo[0][0].seed, self.calls, round_) if self.seeded else None
+        chunk = msgspec.structs.replace(params, n=1, seed=seed)
+        gens = generate([self._request(g, s) for g, _, s in todo], chunk, lengths, seeds)
+        for (_, _, s), gen, length in zip(todo, gens, lengths, strict=True):
+            if not s.ids and not s.prompt_ids:
+                s.prompt_ids = list(gen.prompt_ids)
+            s.ids += gen.completion_ids
+            s.logprobs += gen.logprobs
+            s.versions += [version] * len(gen.completion_ids)
+            if gen.finish_reason == "stop":
+                s.finish = "stop"
+            elif len(s.ids) >= s.budget or len(gen.completion_ids) < length:  # its budget, or the context
+                s.finish = "length"
         for g in self.groups:
             if g.finished is None and g.done:
                 g.finished = (self.calls, round_)

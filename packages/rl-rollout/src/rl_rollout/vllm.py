@@ -42,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
+import msgspec
 import torch
 from transformers import AutoConfig, AutoProcessor
 
@@ -88,6 +89,9 @@ class VLLMEngine:
     (`rl_rollout.vllm_ipc`) instead of the tensors, which would otherwise be copied through a
     socket (and need `VLLM_ALLOW_INSECURE_SERIALIZATION=1`); in process it changes nothing.
     """
+
+    # partial rollouts' rounds (`rl_rollout.partial`): each request its own budget and seed
+    row_budgets = "seeded"
 
     def __init__(self, model: str, *, ipc_weights: bool = False, **llm_kwargs: Any) -> None:
         llm_kwargs = {"enable_sleep_mode": True, "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs"} | llm_kwargs
@@ -149,11 +153,23 @@ class VLLMEngine:
             return {"prompt": text, "multi_modal_data": media}
         raise ValueError(f"request {index}: a prompt is token ids, a string, or chat messages")
 
-    def generate(self, requests: Sequence[Prompt | Continuation], params: SamplingParams) -> list[Generation]:
+    def generate(self, requests: Sequence[Prompt | Continuation], params: SamplingParams, *,
+                 max_new_tokens: Sequence[int] | None = None, seeds: Sequence[int] | None = None) -> list[Generation]:
+        """`params.n` completions per request, request-major (see `Engine`). `max_new_tokens`,
+        `seeds`: each request's own budget (at most `params.max_new_tokens`) and seed, as
+        partial rollouts give their rounds."""
         if len(requests) == 0:
             return []
         prompts = [self._prompt(p, i) for i, p in enumerate(requests)]
-        outputs = self.llm.generate(prompts, self._sampling(params), use_tqdm=False)
+        sampling: Any = self._sampling(params)
+        if max_new_tokens is not None or seeds is not None:
+            budgets = list(max_new_tokens) if max_new_tokens is not None else [params.max_new_tokens] * len(requests)
+            own = list(seeds) if seeds is not None else [params.seed] * len(requests)
+            if len(budgets) != len(requests) or len(own) != len(requests):
+                raise ValueError(f"got {len(budgets)} budgets and {len(own)} seeds for {len(requests)} requests")
+            sampling = [self._sampling(msgspec.structs.replace(params, max_new_tokens=min(b, params.max_new_tokens), seed=s))
+                        for b, s in zip(budgets, own, strict=True)]
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
         gens = []
         for index, out in enumerate(outputs):
             for sample in out.outputs:
