@@ -186,3 +186,46 @@ def test_vllm_continues_samples_with_their_own_budgets_and_seeds() -> None:
     keys, gens = partial.run(generate, draw, 2, params, version=1, budgets=budgets)
     assert keys == [1, 3] and all(g.token_versions == [0] * 4 + [1] * 7 for g in gens)
     engine.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM or not torch.cuda.is_available(), reason="needs vLLM and a GPU")
+def test_an_adapter_push_samples_as_the_lora_policy_does(tmp_path) -> None:
+    """rollout.weight_push=adapter: vLLM (enable_lora) samples with the pushed adapter over its base
+    weights: the log-probs of the LoRA policy itself, after a sleep too, and a new version's
+    adapter replaces the last."""
+    from transformers import AutoModelForCausalLM
+
+    from rl_models import tiny
+    from rl_models.lora import add_lora
+    from rl_rollout.colocated import push_adapter
+    from rl_rollout.vllm import VLLMEngine
+
+    path = tiny.build("qwen3_vllm")
+    model = add_lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda(), family="qwen3", r=8)
+    engine = VLLMEngine(str(path), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=1024, enforce_eager=True,
+                        enable_lora=True, max_lora_rank=8, max_loras=1)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+
+    def logprobs_match(gen) -> None:
+        ids = torch.tensor([gen.prompt_ids + gen.completion_ids], device="cuda")
+        with torch.no_grad():
+            lps = torch.log_softmax(model(ids).logits[0].float(), -1)[len(gen.prompt_ids) - 1 : -1]
+        expected = lps.gather(-1, torch.tensor(gen.completion_ids, device="cuda")[:, None])[:, 0].cpu()
+        assert torch.allclose(torch.tensor(gen.logprobs), expected, atol=5e-2), (gen.logprobs, expected.tolist())
+
+    base = engine.generate([[1, 2, 3]], greedy)[0]
+    for version in (1, 2):
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=0.1, generator=torch.Generator("cuda").manual_seed(version))
+        folder = push_adapter(engine, model, version, tmp_path)
+        gen = engine.generate([[1, 2, 3]], greedy)[0]
+        assert gen.completion_ids != base.completion_ids and engine.weight_version == version
+        logprobs_match(gen)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]  # the last version's only
+    engine.sleep()
+    engine.wake()
+    assert engine.generate([[1, 2, 3]], greedy)[0] == gen
+    engine.close()

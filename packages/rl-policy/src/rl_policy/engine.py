@@ -52,6 +52,8 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -104,7 +106,8 @@ class PolicyEngine(CountedWeights):
                  release_cache: Callable[[], None] | None = None,
                  rebuild: Callable[[torch.nn.Module, torch.device], Engine] | None = None,
                  timer: PhaseTimer = _untimed, rollout_device: torch.device | None = None,
-                 remote: bool = False, channel_device: torch.device | None = None, tokenizer: Any = None) -> None:
+                 remote: bool = False, channel_device: torch.device | None = None, tokenizer: Any = None,
+                 adapter_root: Path | None = None) -> None:
         super().__init__(timer)
         self.engine, self.kind, self.trained, self.pad_id = engine, kind, trained, pad_id
         self.rollout_device = rollout_device  # vllm: the GPU of its own it was built on (split placement)
@@ -114,6 +117,7 @@ class PolicyEngine(CountedWeights):
         self.rebuild = rebuild  # hf: an engine over another copy of the model (asynchronous runs)
         self.shares_weights = kind == "hf" and not remote
         self.tokenizer = tokenizer  # the policy's (partial rollouts decode their samples' text with it)
+        self.adapter_root = adapter_root  # vllm with rollout.weight_push=adapter: where each version's adapter is written
         self.partial: PartialRollouts | None = None  # `partial_rollouts`
         self.sampled_versions: tuple[int, float] | None = None  # the last partial sample's oldest and mean token version
 
@@ -137,6 +141,8 @@ class PolicyEngine(CountedWeights):
         from rl_models.logprobs import unwrap_peft
 
         trained = unwrap_peft(self.trained)
+        if self.adapter_root is not None:
+            raise ConfigError("rollout.weight_push=adapter pushes synchronously only (train.max_staleness=0) for now")
         if self.remote:  # each version a copy where the pool takes it (an actor's GPU, or host memory), pushed
             where = getattr(self.engine, "weight_device", torch.device("cpu"))  # by the rollout thread
             return self.counted(_PushChannel(self.engine, trained, self.full, where))
@@ -252,7 +258,12 @@ class PolicyEngine(CountedWeights):
         start-up, when a resumed checkpoint is newer than the weights the engine loaded)."""
         if self.shares_weights:
             return
-        from rl_rollout.colocated import push_weights
+        from rl_rollout.colocated import push_adapter, push_weights
+
+        if self.adapter_root is not None:  # the LoRA adapter alone, over the base vLLM loaded
+            with self.timer("weight_sync"):
+                push_adapter(self.engine, self.trained, self.weight_version, self.adapter_root)
+            return
 
         with self.timer("weight_sync"), gathered(self.full, self.trained) as model, _on(self.rollout_device):
             push_weights(self.engine, model, version=self.weight_version)  # a sharded policy's gathered, freed after
@@ -269,6 +280,8 @@ class PolicyEngine(CountedWeights):
         if self.versions is not None:
             self.versions.close()
         self.engine.close()
+        if self.adapter_root is not None:
+            shutil.rmtree(self.adapter_root, ignore_errors=True)
 
 
 class _InFlight(ProcessState):
@@ -367,6 +380,7 @@ def build_policy_engine(
     workers: int = 0,
     gpus_per_worker: float | None = None,
     ray_address: str | None = None,
+    weight_push: str = "merged",
 ) -> PolicyEngine:
     """The policy's engine for a configured `kind` (`auto`, `hf`, `vllm`; `auto` resolves as
     `rl_rollout.resolve_engine` says and prints why).
@@ -394,7 +408,10 @@ def build_policy_engine(
     instance; 0 on a CPU), in the cluster at `ray_address` (or `RAY_ADDRESS`, else a local one).
     Several training processes (`world_size`) need a cluster: each process drives `workers`
     actors of its own there. A local instance's actors take each version by CUDA IPC from a copy
-    on their GPU; a cluster's, as host copies (`rl_rollout.policy_pool`)."""
+    on their GPU; a cluster's, as host copies (`rl_rollout.policy_pool`). `weight_push`: `merged`
+    (the LoRA merged into the base, every weight) or `adapter` (`vllm` with a LoRA policy,
+    synchronous and colocated: vLLM's LoRA path samples with the adapter alone, written to host
+    memory after each step; `rl_rollout.colocated.push_adapter`)."""
     resolved, why = resolve_engine(kind, key=key)
     if kind == "auto":
         print(f"{key}: {why}")
@@ -424,6 +441,11 @@ def build_policy_engine(
     if rollout_device is not None and world_size > 1:
         raise ConfigError(f"{key}=vllm on a rollout GPU of its own serves one training process, this run has "
                           f"{world_size}: use rollout.engine=hf, or one process")
+    adapter_root = None
+    if weight_push == "adapter":
+        engine_options = {**(engine_options or {}), **_adapter_options(model, rollout_device, full)}
+        shm = Path("/dev/shm")
+        adapter_root = Path(tempfile.mkdtemp(prefix="rl-adapter-", dir=shm if shm.is_dir() else None))
     # in this process when colocated (pushes by reference while it sleeps); on a GPU of its own, a
     # process of its own (its loop does not share the trainer's interpreter lock; pushes by CUDA IPC)
     with vllm_engine_core(in_process=rollout_device is None), isolated_rng():  # vLLM seeds the global RNGs
@@ -436,7 +458,24 @@ def build_policy_engine(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return PolicyEngine(engine, kind="vllm", trained=model, pad_id=int(pad), full=full,
                         optimizer_offload=_offload(optimizer, device, offload_optimizer == "always", full), timer=timer,
-                        rollout_device=rollout_device, tokenizer=tokenizer)
+                        rollout_device=rollout_device, tokenizer=tokenizer, adapter_root=adapter_root)
+
+
+def _adapter_options(model: torch.nn.Module, rollout_device: torch.device | None, full: FullWeights | None) -> dict[str, Any]:
+    """vLLM's LoRA settings for `weight_push=adapter`: one adapter of the policy's rank (rounded up
+    to a rank vLLM takes), or a `ConfigError` where adapter pushes do not apply."""
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        raise ConfigError("rollout.weight_push=adapter pushes a LoRA adapter: the policy trains every weight "
+                          "(set a LoRA rank, or rollout.weight_push=merged)")
+    if rollout_device is not None or full is not None:
+        raise ConfigError("rollout.weight_push=adapter works with a colocated, unsharded policy for now "
+                          "(rollout.placement=colocated, train.sharding=none)")
+    config: Any = model.peft_config[model.active_adapter]  # a LoraConfig
+    rank = int(config.r)
+    return {"enable_lora": True, "max_loras": 1,
+            "max_lora_rank": next((r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= rank), rank)}
 
 
 def _pool_policy_engine(kind: str, workers: int, gpus_per_worker: float | None, ray_address: str | None, *,

@@ -50,6 +50,10 @@ def check_token_config(algo: TokenPolicyFields, rollout: PolicyRolloutFields, tr
     check_placement(rollout.placement, engine, train.max_staleness, world_size=world_size, workers=rollout.workers,
                     ray_address=rollout.cluster_address())
     check_ray(rollout.workers)
+    if rollout.weight_push == "adapter" and (engine != "vllm" or train.max_staleness or rollout.placement != "colocated"):
+        raise ConfigError(f"rollout.weight_push='adapter' pushes a LoRA adapter to a colocated, synchronous vLLM engine; "
+                          f"here rollout.engine resolves to {engine!r}, train.max_staleness={train.max_staleness}, "
+                          f"rollout.placement={rollout.placement!r}: set rollout.weight_push='merged'")
     if rollout.precision == "fp8" and engine != "vllm":
         raise ConfigError(f"rollout.precision='fp8' quantizes a vLLM engine's weights; rollout.engine resolves to "
                           f"{engine!r} here: set rollout.precision='bf16' (or rollout.engine='vllm' on a GPU)")
@@ -95,7 +99,7 @@ def engine_for(rollout: PolicyRolloutFields, run: RunContext, *, model: torch.nn
         device=acc.device, seed=run.rank, world_size=run.world_size, max_batch_size=rollout.max_batch_size,
         gpu_memory_utilization=rollout.gpu_memory_utilization, timer=run.timer,
         rollout_device=rollout_device(rollout.placement, acc, workers=rollout.workers), workers=rollout.workers,
-        gpus_per_worker=rollout.gpus_per_worker, ray_address=rollout.ray_address)
+        gpus_per_worker=rollout.gpus_per_worker, ray_address=rollout.ray_address, weight_push=rollout.weight_push)
     fp8 = {"quantization": "fp8"} if rollout.precision == "fp8" else {}
     return build_policy_engine(rollout.engine, model=model, processor=processor, path=path, dtype=dtype,
                                engine_options={**(engine_options or {}), **fp8, **rollout.engine_options}, **(kwargs | build))

@@ -10,8 +10,10 @@ after each optimizer step.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -101,3 +103,26 @@ def push_weights(engine: Any, model: torch.nn.Module, version: int) -> None:
         bucket.append((name, tensor))
         size += tensor.numel() * tensor.element_size()
     engine.load_weights(bucket, version=version)
+
+
+def push_adapter(engine: Any, model: torch.nn.Module, version: int, root: str | Path) -> Path:
+    """A LoRA policy's push of its adapter alone (`rollout.weight_push=adapter`): the adapter's
+    tensors and config in PEFT's format under `root/v<version>` (host memory: put `root` on a
+    tmpfs), handed to `engine.load_adapter`, which samples with it over the base weights it
+    loaded. A push of megabytes instead of the merged model's gigabytes. Older versions' folders
+    are removed once a newer one is handed over. Returns the folder."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    if not isinstance(model, PeftModel):
+        raise ValueError("an adapter-only push needs a LoRA (peft) policy; a fully trained one pushes merged weights")
+    folder = Path(root) / f"v{version}"
+    folder.mkdir(parents=True, exist_ok=True)
+    model.peft_config[model.active_adapter].save_pretrained(str(folder))
+    state = get_peft_model_state_dict(model)
+    save_file({name: t.detach().to("cpu").contiguous() for name, t in state.items()}, str(folder / "adapter_model.safetensors"))
+    engine.load_adapter(folder, version=version)
+    for old in Path(root).glob("v*"):
+        if old != folder and old.name[1:].isdigit() and int(old.name[1:]) < version:
+            shutil.rmtree(old, ignore_errors=True)
+    return folder

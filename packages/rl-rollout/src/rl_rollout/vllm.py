@@ -40,6 +40,7 @@ sleep/wake, weight pushes, and the apps' colocated rollouts).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import msgspec
@@ -112,6 +113,8 @@ class VLLMEngine:
         self._state = "awake"  # "awake" | "asleep" | "weights" (asleep but for the weights) | "closed"
         self.weight_version = 0  # bumped by every load_weights
         self.requantize = llm_kwargs.get("quantization") == "fp8"  # online FP8: a push quantizes again
+        self.lora: Any = None  # `load_adapter`'s request, passed with every generate
+        self._adapter_ids = 0
 
     @property
     def state(self) -> str:
@@ -169,7 +172,7 @@ class VLLMEngine:
                 raise ValueError(f"got {len(budgets)} budgets and {len(own)} seeds for {len(requests)} requests")
             sampling = [self._sampling(msgspec.structs.replace(params, max_new_tokens=min(b, params.max_new_tokens), seed=s))
                         for b, s in zip(budgets, own, strict=True)]
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=self.lora)
         gens = []
         for index, out in enumerate(outputs):
             for sample in out.outputs:
@@ -233,6 +236,16 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self.weight_version = self.weight_version + 1 if version is None else version
 
+    def load_adapter(self, folder: str | Path, *, version: int | None = None) -> None:
+        """Sample with the PEFT adapter in `folder` over the base weights from now on (an engine
+        built with `enable_lora=True`): a LoRA policy's push of its adapter alone. vLLM reads the
+        folder at the next generate; each call takes a new adapter id, so it never serves a stale copy."""
+        from vllm.lora.request import LoRARequest
+
+        self.weight_version = self.weight_version + 1 if version is None else version
+        self._adapter_ids += 1
+        self.lora = LoRARequest(f"policy-{self._adapter_ids}", self._adapter_ids, str(folder))
+
     def sleep(self) -> None:
         if self._state != "asleep":
             self.llm.sleep(level=1)
@@ -244,6 +257,8 @@ class VLLMEngine:
         elif self._state == "asleep":
             self.llm.wake_up()
         self._state = "awake"
+        if self.lora is not None:  # re-read after a sleep: its GPU buffers are not kept
+            self.load_adapter(self.lora.lora_path, version=self.weight_version)
 
     def close(self) -> None:
         self._state = "closed"
