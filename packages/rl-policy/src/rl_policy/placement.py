@@ -52,9 +52,10 @@ class PolicyRolloutFields(RolloutWorkerFields, kw_only=True, frozen=True):
     weight_push: Literal["merged", "adapter"] = "merged"
     """How a LoRA policy's weights reach a vLLM engine after each step: `merged` (the adapter merged
     into every base weight it touches, the whole model copied) or `adapter` (vLLM's LoRA path:
-    only the adapter, megabytes, written to host memory and read by vLLM, which then decodes
-    with LoRA kernels). Choose `adapter` where the push is a large part of the step (a large model,
-    short rollouts); colocated, synchronous, vLLM only."""
+    only the adapter, written to host memory and read by vLLM, which then decodes with LoRA
+    kernels). Colocated, synchronous, vLLM only. Keep `merged` there: in process the merged push
+    moves tensors by reference, GPU to GPU, faster than the adapter's trip through host memory, and
+    LoRA kernels slow the decode (benchmarks/RESULTS.md, "LoRA weight push to vLLM")."""
     engine: Literal["auto", "hf", "vllm"] = "auto"
     """Who samples the policy's responses (`rl_policy.engine`). hf: the training model decodes (no
     second copy of the weights, nothing to sync; the only choice on a CPU). vllm: a colocated vLLM
