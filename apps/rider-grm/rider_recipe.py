@@ -50,7 +50,7 @@ from rl_policy.setup import TrainedPolicy, engine_for, prepare_token_policy
 from rl_policy.swap import PolicySwap, initial_plan
 from rl_rewards.composition import Reward
 from rl_rewards.samples import Sample, ScoreResult
-from rl_rollout import Generation, SamplingParams
+from rl_rollout import Drawn, Generation, SamplingParams
 from rl_rollout.streaming import ChunkScorer, ScoredRollout
 
 Scored = tuple[ScoreResult, dict[str, JudgeLog]]  # a sample's reward; a chunk's first row carries its judges' logs
@@ -108,7 +108,7 @@ class Sampled:
 
 
 class RiderGRM(Recipe[Config, State, Batch, Sampled], MergesRounds[State, Batch]):
-    name, config, default_config, env = NAME, Config, DEFAULT_CONFIG, ENV
+    name, config, default_config, env, partial_rollouts = NAME, Config, DEFAULT_CONFIG, ENV, True
 
     def check(self, cfg: Config, world_size: int) -> None:
         check_config(cfg, world_size)
@@ -152,7 +152,7 @@ class RiderGRM(Recipe[Config, State, Batch, Sampled], MergesRounds[State, Batch]
                               "components: give reward.spec with combine = \"sum\" (the reward.judges shorthand "
                               "folds them in order)")
         sampler = GroupSampler(len(train), r.n, seed=t.seed, rank=run.rank, world_size=run.world_size)
-        stream = cfg.reward.stream and bool(judges) and all(j.engine is None for j in judges)
+        stream = cfg.reward.stream and bool(judges) and all(j.engine is None for j in judges) and not t.partial_rollouts.steps
         return State(cfg, run, trained, model, ref, ref_offload, engine, judges, reward, swap, sampler,
                      train, val, stream)
 
@@ -189,8 +189,15 @@ class RiderGRM(Recipe[Config, State, Batch, Sampled], MergesRounds[State, Batch]
     def sample(self, state: State, step: int) -> Sampled:
         """The step's samples (train.max_staleness >= 1: on the rollout thread, from the engine's
         own weights); reproducible with rollout.per_prompt_seeds."""
-        cfg, run = state.cfg, state.run
-        n = cfg.rollout.n
+        cfg, run, r, n = state.cfg, state.run, state.cfg.rollout, state.cfg.rollout.n
+        if cfg.train.partial_rollouts.steps:  # the first groups to finish of those in flight
+            def draw(count: int) -> Drawn:
+                picked = state.sampler.next_prompts(count)
+                return picked, [rewarding.messages(state.train[i]) for i in picked], [sample_seed(cfg.train.seed, step, i) for i in picked]
+            params = SamplingParams(n=n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
+            awake = sum(j.state() == "awake" for j in state.judges)
+            picked, gens = state.engine.sample_groups(draw, cfg.train.batch_size // run.world_size, params)
+            return Sampled([state.train[i] for i in picked for _ in range(n)], gens, awake, None, tuple(picked))
         indices = next(iter(state.sampler.batches(cfg.train.batch_size // run.world_size)))[::n]  # one per group
         records = [state.train[i] for i in indices]
         seeds = [sample_seed(cfg.train.seed, step, i) for i in indices] if cfg.rollout.per_prompt_seeds else None

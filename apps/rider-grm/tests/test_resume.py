@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import TESTS, app, read_metrics, tiny_overrides
+from conftest import REPO, TESTS, app, read_metrics, tiny_overrides
 
 # what differs between two runs of the same config: wall times and what is derived from them
 TIMED = ("time/", "throughput/")
@@ -66,3 +66,24 @@ def test_a_resumed_run_logs_the_rows_and_prompts_of_the_uninterrupted_one(tmp_pa
     assert prompts(resumed) == prompts(straight)
     assert [step for step, _ in prompts(straight)] == [1, 2, 3, 4]
     assert all(len(ids) == 2 for _, ids in prompts(straight))  # train.batch_size=2 prompts a step
+
+
+def test_partial_rollouts_with_a_judge_resume_exactly(tmp_path: Path) -> None:
+    """train.partial_rollouts.steps=1 with a tiny judge in process: each step trains the 2 groups of
+    its 4 in flight that finish first, carried replies are judged when their step takes them, and a
+    resume from step 2 restores the groups in flight: step 3 as in the uninterrupted run."""
+    judge = (f'[{{name = "score", module = "{REPO}/examples/rider-grm/reward_function/rating_judge.py", '
+             'model = "tiny:qwen3:1", weight = 0.3, combine = "add", max_new_tokens = 4, fallback = 0.25}]')
+    overrides = tiny_overrides(tmp_path, **{"reward.judges": judge, "train.partial_rollouts.steps": 1,
+                                            "train.partial_rollouts.chunk_tokens": 3, "train.save_freq": 1,
+                                            "algo.rollout_correction": '"token_truncate"'})
+    straight = app.main([*overrides, "train.run_name=straight"])
+    assert straight is not None
+    shutil.copytree(straight, tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "checkpoint-3")
+    resumed = app.main([*overrides, "--resume", str(tmp_path / "cut" / "checkpoints" / "checkpoint-2")])
+    a, b = read_metrics(straight), read_metrics(resumed)
+    assert [r["step"] for r in b] == ["1", "2", "3"]
+    for key in ("reward/mean", "reward/score", "loss/policy", "rollout/token_staleness_max", "response/length_mean"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    assert max(float(r["rollout/token_staleness_max"]) for r in a) >= 1
