@@ -86,3 +86,15 @@ def test_two_processes_keep_their_own_groups_in_flight_and_resume_them(tmp_path:
     for key in KEYS[:3] + KEYS[4:]:  # a synchronous run logs no rollout/staleness
         assert [r[key] for r in a] == [r[key] for r in b], key
     check_token_staleness(straight, 0)
+
+
+def test_dynamic_sampling_over_partial_rollouts_keeps_the_batch_exact(tmp_path: Path) -> None:
+    """Dynamic sampling's further rounds draw from the groups in flight too: every step still
+    trains exactly its 4 groups, informative ones first, then uniform fillers."""
+    run = app.main([*PARTIAL, f"train.output_dir={tmp_path}", "train.max_steps=3", "train.dynamic_sampling.enable=true",
+                    "train.dynamic_sampling.metric=answer", "train.dynamic_sampling.max_rounds=3"])
+    table = metric_rows(run)
+    assert max(float(r["dynamic_sampling/rounds"]) for r in table) >= 2
+    for r in table:
+        assert float(r["dynamic_sampling/kept_groups"]) + float(r["dynamic_sampling/filled_groups"]) == 4
+    assert max(float(r["rollout/token_staleness_max"]) for r in table) >= 1
