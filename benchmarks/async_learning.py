@@ -29,13 +29,11 @@ from benchmarks.results import append_results  # noqa: E402
 LAST = 5  # steps averaged for the final reward
 
 
-def run(out: Path, name: str, staleness: int, seed: int, steps: int) -> list[float]:
-    """One arith-grpo run in a fresh process; its train reward per step."""
+def run(out: Path, name: str, seed: int, steps: int, overrides: list[str], env: dict[str, str] | None = None) -> list[float]:
+    """One arith-grpo run in a fresh process with `overrides`; its train reward per step."""
     done = subprocess.run([sys.executable, str(REPO / "apps" / "arith-grpo"), f"train.output_dir={out}",
-                           f"train.run_name={name}", f"train.max_steps={steps}", f"train.seed={seed}",
-                           f"train.max_staleness={staleness}", "algo.rollout_correction=token_truncate",
-                           "train.eval_freq=0"],
-                          capture_output=True, text=True)
+                           f"train.run_name={name}", f"train.max_steps={steps}", f"train.seed={seed}", *overrides],
+                          capture_output=True, text=True, env=env)
     if done.returncode:
         raise RuntimeError(f"arith-grpo {name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     with (out / name / "metrics.csv").open() as f:
@@ -53,7 +51,8 @@ def main() -> None:
     curves: dict[int, list[list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.staleness:
-            curves[n] = [run(Path(tmp), f"n{n}-s{seed}", n, seed, args.steps) for seed in args.seeds]
+            schedule = [f"train.max_staleness={n}", "algo.rollout_correction=token_truncate", "train.eval_freq=0"]
+            curves[n] = [run(Path(tmp), f"n{n}-s{seed}", seed, args.steps, schedule) for seed in args.seeds]
             print(f"max_staleness={n}: " + "; ".join(" ".join(f"{r:.3f}" for r in c) for c in curves[n]), flush=True)
     mean_curve = {n: [statistics.fmean(step) for step in zip(*runs, strict=True)] for n, runs in curves.items()}
     final = {n: statistics.fmean(statistics.fmean(c[-LAST:]) for c in runs) for n, runs in curves.items()}
