@@ -77,8 +77,9 @@ class PartialRolloutFields(msgspec.Struct, kw_only=True, frozen=True):
     groups that finish first (every group at most K steps after it was drawn), and the samples
     still running go on in the next step with the newer weights, each token tagged with the
     version that sampled it (`rollout/token_staleness_*`). Choose 1 where response lengths have a
-    long tail: the slowest samples no longer hold the step. 0: off. The run then depends on its
-    process count, and needs a recipe that samples through `PolicyEngine.sample_groups`."""
+    long tail: the slowest samples no longer hold the step. 0: off. With K >= 1 the run depends on
+    its process count (each process keeps its own groups); the text apps take it, diffusion-grpo
+    refuses it."""
     chunk_tokens: Positive = 64
     """Tokens each unfinished sample decodes per round; a round's samples then continue from
     their tokens so far (re-read by the engine). Smaller: a step ends closer to its groups'
