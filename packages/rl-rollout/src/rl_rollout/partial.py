@@ -77,15 +77,14 @@ def round_generator(engine: Any) -> Generate:
 
     def by_length(requests: list[Prompt | Continuation], params: SamplingParams, lengths: list[int],
                   seeds: list[int] | None) -> list[Generation]:
-        out: list[Generation | None] = [None] * len(requests)
+        out: dict[int, Generation] = {}  # request index -> its generation
         for length in sorted(set(lengths)):
             rows = [i for i, n in enumerate(lengths) if n == length]
             some, budget = [requests[i] for i in rows], msgspec.structs.replace(params, max_new_tokens=length)
             gens = (engine.generate(some, budget) if seeds is None
                     else generate_seeded(engine, some, budget, [seeds[i] for i in rows]))  # type: ignore[arg-type]
-            for i, gen in zip(rows, gens, strict=True):
-                out[i] = gen
-        return [g for g in out if g is not None]
+            out.update(zip(rows, gens, strict=True))
+        return [out[i] for i in range(len(requests))]
 
     return by_length
 
@@ -140,8 +139,8 @@ class PartialRollouts:
             version: int, *, budgets: Callable[[Any, int], int] | None = None) -> tuple[list[Any], list[Generation]]:
         """One step's `take` finished groups: their keys, and their `params.n` generations each
         (request-major, `request_index` into the keys). `generate` is the engine's
-        (`round_generator(engine)`), holding the weights of `version`; `budgets(key, j)`, if given, is sample j's own `max_new_tokens`
-        (at most `params.max_new_tokens`)."""
+        (`round_generator(engine)`), holding the weights of `version`; `budgets(key, j)`, if
+        given, is sample j's own `max_new_tokens` (at most `params.max_new_tokens`)."""
         if params.stop:
             raise ValueError("partial rollouts cannot continue a sample across a stop string: use stop tokens")
         self.calls += 1
@@ -161,7 +160,8 @@ class PartialRollouts:
         finished = sorted((g for g in self.groups if g.done), key=lambda g: (self.calls - g.drawn < self.steps,
                                                                               g.finished, g.drawn))
         chosen = finished[:take]
-        self.groups = [g for g in self.groups if not any(g is c for c in chosen)]
+        taken = {id(g) for g in chosen}
+        self.groups = [g for g in self.groups if id(g) not in taken]
         return [g.key for g in chosen], [self._generation(i, s) for i, g in enumerate(chosen) for s in g.samples]
 
     def _round(self, generate: Generate, params: SamplingParams, version: int, round_: int) -> None:

@@ -114,9 +114,13 @@ def train(recipe: Recipe[C, S, B, R], cfg: C, resume: str | None = None) -> Path
         try:
             policy = recipe.policy(state)
             context.guard.after_step(policy.stepped)  # every optimizer step taken, whichever hook takes it
-            if t.partial_rollouts.steps:
-                policy.partial_rollouts(t.partial_rollouts.chunk_tokens, t.partial_rollouts.steps,  # type: ignore[attr-defined]
-                                        rank=acc.process_index, world_size=acc.num_processes)
+            if t.partial_rollouts.steps:  # a PolicyEngine's (rl_policy.engine)
+                enable = getattr(policy, "partial_rollouts", None)
+                if enable is None:
+                    raise ConfigError(f"train.partial_rollouts.steps={t.partial_rollouts.steps}: {recipe.name}'s policy "
+                                      f"({type(policy).__name__}) cannot keep groups in flight; set it to 0")
+                enable(t.partial_rollouts.chunk_tokens, t.partial_rollouts.steps, rank=acc.process_index,
+                       world_size=acc.num_processes)
             if ckpt is not None:
                 spec = recipe.checkpoint(state)
                 partial = _in_flight(policy) if carried else {}
