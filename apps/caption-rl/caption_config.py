@@ -70,6 +70,9 @@ class RolloutConfig(PolicyRolloutFields, kw_only=True, frozen=True):
 
     max_new_tokens: Positive = 4096  # response length
     max_prompt_length: Positive = 13000  # longer prompts (media tokens included) are skipped
+    eval_temperature: NonNegativeFloat = 0.0
+    """The eval's sampling temperature (verl's `val_kwargs.temperature`): 0 = greedy. Sample (e.g.
+    at `temperature`) where the greedy caption of a policy repeats one token, as a tiny one's does."""
     compile_mode: CompileMode = "auto"
     """hf engine on CUDA: torch.compile mode of the decode step. `default` (fused kernels) lets
     the KV cache be freed during the update; `reduce-overhead` (CUDA graphs) pins the cache's

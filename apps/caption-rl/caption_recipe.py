@@ -280,12 +280,15 @@ class CaptionRL(Recipe[Config, State, Batch], MergesRounds[State, Batch]):
                 "lr": float(s.scheduler.get_last_lr()[0]), **(s.full.pop_metrics() if s.full is not None else {})}
 
     def evaluate(self, s: State, step: int) -> dict[str, float]:
-        """Greedy captions for the held-out records (sharded over processes), their reward and
-        components; the captions go to samples/eval-step-<step>.jsonl."""
+        """Captions at rollout.eval_temperature (greedy at 0) for the held-out records (sharded over
+        processes), their reward and components; the captions go to samples/eval-step-<step>.jsonl."""
         mine = slice(s.run.rank, None, s.run.world_size)
         enc = encode_records(s.data.eval[mine], s.data.eval_where[mine], s.processor, s.cfg.data,
                              s.cfg.rollout.max_prompt_length, s.bad_records)
-        gens, _ = s.engine.sample(enc.messages, SamplingParams(temperature=0.0, max_new_tokens=s.cfg.rollout.max_new_tokens))
+        held_out = range(len(s.data.eval))[mine]  # a caption's seed follows its record, not the process count
+        gens, _ = s.engine.sample(enc.messages, SamplingParams(temperature=s.cfg.rollout.eval_temperature,
+                                                                max_new_tokens=s.cfg.rollout.max_new_tokens),
+                                  seeds=[sample_seed(s.cfg.train.seed, step, -1 - held_out[i]) for i in enc.positions])
         rows = gather_object(_scored(s, enc, gens)[1])
         s.run.samples.write(f"eval-step-{step:06d}", step, rows)
         scores = [r["reward"] for r in rows if r["reward"] is not None]

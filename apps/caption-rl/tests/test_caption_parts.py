@@ -81,7 +81,7 @@ def test_local_rule_reward_scores_every_sample():
 
 
 def _remote(url: str, retries: int = 2) -> RemoteReward:
-    config = RewardConfig(retries=retries, timeout=60, length_l1=8, length_l2=24, length_weight=0.2)
+    config = RewardConfig(retries=retries, timeout=60, length_l1=8, length_l2=24, length_weight=0.2, variety_weight=0.5)
     return RemoteReward(config, url, length_tokenizer="whitespace")
 
 
@@ -93,10 +93,13 @@ def test_remote_reward_against_a_real_server_then_the_server_dies(reward_server)
                make_sample(data.train[1], "nothing useful")]
     results = remote.score(samples)
     assert all(r.score is not None for r in results)
-    for r in results:  # CapRL's server total (qa + 0.2 format) plus the locally added 0.2 length
-        assert set(r.components) == {"qa", "format", "length"}
-        assert r.score == pytest.approx(r.components["qa"] + 0.2 * r.components["format"] + 0.2 * r.components["length"])
+    for r in results:  # CapRL's server total (qa + 0.2 format) plus the locally added 0.2 length and 0.5 variety
+        assert set(r.components) == {"qa", "format", "length", "variety"}
+        assert r.score == pytest.approx(r.components["qa"] + 0.2 * r.components["format"] + 0.2 * r.components["length"]
+                                        + 0.5 * r.components["variety"])
     assert results[0].components["format"] == 1.0 and results[1].components["format"] == 0.0
+    # "nothing useful": 2 distinct words of the target 8, every piece a word
+    assert results[1].components["variety"] == pytest.approx(2 / 8)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     started = time.monotonic()

@@ -29,6 +29,9 @@ def test_the_shorthand_is_qa_plus_length_and_format_on_video_rows() -> None:
     assert (video.components["format"].weight, video.components["format"].options["variant"]) == (0.3, "caprl-server")
     assert video.components["length"].weight == 0.1 and video.components["length"].options["l2"] == 9
     assert list(caprl_spec(config, "image", "whitespace").components) == ["qa", "length"]
+    varied = caprl_spec(CaprlRewardConfig(variety_weight=0.5, variety_target=3), "image", "whitespace")
+    assert list(varied.components) == ["qa", "length", "variety"]
+    assert (varied.components["variety"].weight, varied.components["variety"].options) == (0.5, {"target": 3})
 
 
 def test_a_spec_of_ones_own_scores_image_and_video_rows_in_their_order() -> None:

@@ -1,8 +1,9 @@
 """CapRL++'s training-side reward, as its trainer computes it: caption QA (a judge LLM answers
 each row's multiple-choice questions from the caption alone) + `format_weight` x timestamp format
-(video rows) + `length_weight` x length, in this process (`CaprlLocalReward`: the three compiled
-into a `RewardSpec` per task, or a `RewardSpec` of your own), or QA and format from a running
-CapRL-protocol reward server with the length added here (`CaprlServerReward`), as CapRL++ does.
+(video rows) + `length_weight` x length (+ `variety_weight` x word variety), in this process
+(`CaprlLocalReward`: the terms compiled into a `RewardSpec` per task, or a `RewardSpec` of your
+own), or QA and format from a running CapRL-protocol reward server with the length (and variety)
+added here (`CaprlServerReward`), as CapRL++ does.
 
     reward = build_caprl_reward(CaprlRewardConfig(judge="Qwen/Qwen3-4B-Instruct-2507"),
                                 policy_path="Qwen/Qwen3-VL-4B-Instruct", seed=0)
@@ -75,6 +76,11 @@ class CaprlRewardConfig(msgspec.Struct, kw_only=True, frozen=True):
     length_l1: _NonNegative = 2048
     length_l2: _Positive = 3072
     length_weight: _NonNegativeFloat = 0.2
+    variety_weight: _NonNegativeFloat = 0.0
+    """x `word_variety` (distinct words up to `variety_target`, times the share of pieces that
+    are words), added on the training side; 0 = off, as in CapRL++. Choose it when a policy
+    games the length term by repeating one token."""
+    variety_target: _Positive = 8
     spec: str | RewardSpec | None = None
     """A RewardSpec replacing QA + format + length in process: a TOML file, or an inline table
     (`[reward.spec.components.NAME]` with `scorer`, `weight`, `options`, ...)."""
@@ -90,12 +96,21 @@ class RewardUnavailable(RuntimeError):
     """The reward server failed after every retry: the step is skipped, never scored as zero."""
 
 
+def training_side(r: CaprlRewardConfig, length_tokenizer: str) -> dict[str, Component]:
+    """The terms CapRL++ adds on the training side: length_weight x `length`, and variety_weight
+    x `word_variety` when that weight is above 0."""
+    terms = {"length": Component(scorer="length", weight=r.length_weight, options={
+        "tokenizer": length_tokenizer, "l1": r.length_l1, "l2": r.length_l2})}
+    if r.variety_weight > 0:
+        terms["variety"] = Component(scorer="word_variety", weight=r.variety_weight,
+                                     options={"target": r.variety_target})
+    return terms
+
+
 def caprl_spec(r: CaprlRewardConfig, task: str, length_tokenizer: str) -> RewardSpec:
     """CapRL++'s reward as a RewardSpec: `caption_qa` + format_weight x `timestamp_format` (video
-    rows; `format_variant` picks its formula) + length_weight x `length`."""
-    components = {"qa": Component(scorer="caption_qa"), "length": Component(
-        scorer="length", weight=r.length_weight,
-        options={"tokenizer": length_tokenizer, "l1": r.length_l1, "l2": r.length_l2})}
+    rows; `format_variant` picks its formula) + the `training_side` terms."""
+    components = {"qa": Component(scorer="caption_qa"), **training_side(r, length_tokenizer)}
     if task == "video":
         components["format"] = Component(scorer="timestamp_format", weight=r.format_weight, options={
             "variant": r.format_variant, "min_brackets": r.format_min_brackets})
@@ -190,9 +205,7 @@ class CaprlServerReward:
             self.client.close()
             raise RewardClientError(f"reward server {base} is not reachable ({type(e).__name__}: {e}); start it "
                                     "with `rl-rewards serve` or fix reward.url / REWARD_REMOTE_URL") from None
-        self.length = build_reward(RewardSpec(components={"length": Component(scorer="length", options={
-            "tokenizer": length_tokenizer, "l1": r.length_l1, "l2": r.length_l2})}))
-        self.length_weight = r.length_weight
+        self.training_side = build_reward(RewardSpec(components=training_side(r, length_tokenizer)))
         self.weights: dict[str, float] = {}  # the server's total is not a sum known here
 
     def score(self, samples: Sequence[Sample]) -> list[ScoreResult]:
@@ -202,16 +215,15 @@ class CaprlServerReward:
             raise RewardUnavailable(str(e)) from e
         errors = response.errors or [None] * len(samples)
         out = []
-        for i, length in enumerate(self.length.score(samples)):
-            if errors[i] is not None or length.score is None:
-                out.append(ScoreResult.failed(errors[i] or length.error or "length failed"))
+        for i, added in enumerate(self.training_side.score(samples)):
+            if errors[i] is not None or added.score is None:
+                out.append(ScoreResult.failed(errors[i] or added.error or "length failed"))
                 continue
             components = {"qa": response.qa_rewards[i] if response.qa_rewards else response.rewards[i],
-                          "length": length.score}
+                          **{k: v for k, v in added.components.items() if "." not in k}}
             if response.format_rewards:
                 components["format"] = response.format_rewards[i]
-            out.append(ScoreResult(score=response.rewards[i] + self.length_weight * length.score,
-                                   components=components))
+            out.append(ScoreResult(score=response.rewards[i] + added.score, components=components))
         return out
 
     def close(self) -> None:

@@ -101,6 +101,7 @@ _BUILTIN: dict[str, tuple[str, ComponentKeys]] = {
     "exact_answer": ("rl_rewards.scorers.answer:ExactAnswerScorer", ("has_number",)),
     "length": ("rl_rewards.scorers.length:LengthScorer", ("n_tokens",)),
     "overlong": ("rl_rewards.scorers.overlong:OverlongScorer", ("n_tokens",)),
+    "word_variety": ("rl_rewards.scorers.variety:WordVarietyScorer", ("words", "clean")),
     "rule": ("rl_rewards.scorers.rule:RuleScorer", _rule_keys),
     "ocr": ("rl_rewards.scorers.ocr:OcrScorer", ()),
     "clip_score": ("rl_rewards.scorers.vision:ClipScorer", ()),

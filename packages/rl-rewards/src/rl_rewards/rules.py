@@ -142,6 +142,28 @@ def length_reward(n_tokens: int, l1: int, l2: int) -> float:
     return 0.0
 
 
+_WORD = re.compile(r"[^\W\d_]{2,}")  # two or more letters, any script, nothing else
+
+
+def word_variety(text: str, target: int) -> tuple[float, int, float]:
+    """(reward, distinct words, clean share) of a text split on whitespace.
+
+    A word counts when it is two or more letters and nothing else; distinct words are counted
+    case-blind, up to `target`. reward = min(distinct, target) / target x clean share, where the
+    clean share is the counted words' part of all whitespace-separated pieces. Repeating a word
+    adds a piece but no distinct word, and junk pieces (digits, punctuation, one letter) lower
+    the share: "a cat sat on the mat" with target 4 -> distinct {cat, sat, on, the, mat} = 5,
+    clean 5/6, reward 1 x 5/6.
+    """
+    if target < 1:
+        raise ValueError(f"word_variety: target must be >= 1, got {target}")
+    pieces = text.split()
+    words = [p for p in pieces if _WORD.fullmatch(p)]
+    distinct = len({w.casefold() for w in words})
+    clean = len(words) / len(pieces) if pieces else 0.0
+    return min(distinct, target) / target * clean, distinct, clean
+
+
 def overlong_punishment(n_tokens: int, max_length: int, cache: int) -> float:
     """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), as TRL's
     `get_soft_overlong_punishment`: 0 up to `max_length - cache` tokens, linear down to -1 at
