@@ -2,11 +2,10 @@
 epochs, with Flow-GRPO and (opt-in, slow) with DiffusionNFT, Flow-GRPO-Fast, MixGRPO's window and
 GRPO-Guard; the tiny Janus policy learns a token reward.
 
-The tiny random VAE maps latents to images of brightness 0.507 +- 0.002 (per image), and at
-most ~+0.014 for a latent shift of 3 standard deviations, so the stated margin is small in
-absolute terms: the standard error of a 32-image batch mean is ~0.0004. The trajectory depends on
-the CPU's float rounding: at lr 0.03 one machine measured 0.508 -> 0.512 and another (AVX-512
-kernels) only +0.0007; at lr 0.05 (the default's) the second rose 0.5069 -> 0.5166 (+0.0094).
+The tiny VAE (rl_models.tiny "sd3" v2) maps standard-normal latents to images of brightness
+0.437 +- 0.007, and the same latents shifted by +1 to 0.501: a policy that moves its latents
+lightens the images visibly. (v1's VAE normalised a latent's mean away: 0.521 +- 0.004, 0.522
+shifted, and the default rose by +0.0094.)
 """
 
 from __future__ import annotations
@@ -19,10 +18,10 @@ import pytest
 import torch
 from conftest import advantages, setup_state, tiny_config
 
-# The embedded default's train reward/mean, measured (AVX-512 CPU, 2 threads): 0.5069 0.5044 0.5056
-# 0.5079 0.5106 0.5138 0.5119 0.5123 0.5140 0.5149 0.5135 0.5166; the mean of the last 3 epochs is
-# 0.5150 against 0.5056 for the first 3 (+0.0094, over 20 standard errors of a 32-image mean).
-DEFAULT_MARGIN = 0.005
+# The embedded default's train reward/mean, measured (2 CPU threads): 0.4745 0.5118 0.5044 0.5122
+# 0.5298 0.5219 0.5408 0.5525 0.5531 0.5494 0.5485 0.5664; the mean of the last 3 epochs is 0.5548
+# against 0.4969 for the first 3 (+0.058); seeds 1 and 2 end at 0.5475 and 0.5669 from 0.478.
+DEFAULT_MARGIN = 0.03
 
 
 def test_the_embedded_default_gets_brighter(app, tmp_path: Path, capsys) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
 from rl_models.diffusion import require_diffusers
@@ -53,6 +54,24 @@ def _t5_encoder(tokenizer) -> T5EncoderModel:
     return T5EncoderModel(config)
 
 
+def _vae(diffusers, *, groups: int):
+    return diffusers.AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=groups,
+        sample_size=32,
+        scaling_factor=1.5305,
+        shift_factor=0.0609,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+
+
 def build_sd3(out: Path) -> None:
     """SD3.5-style pipeline (qk RMSNorm, one dual-attention layer); 32x32 images, 4 latent channels."""
     diffusers = require_diffusers()
@@ -71,21 +90,12 @@ def build_sd3(out: Path) -> None:
         qk_norm="rms_norm",
         dual_attention_layers=(0,),
     )
-    vae = diffusers.AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=4,
-        sample_size=32,
-        scaling_factor=1.5305,
-        shift_factor=0.0609,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
+    _vae(diffusers, groups=4)  # v1's VAE, built and dropped: the text encoders keep their v1 weights
+    with torch.random.fork_rng():
+        torch.manual_seed(torch.initial_seed())  # the build's seed: this VAE's weights do not depend on the others'
+        # 2 groups (v1: 4): a group of 4 channels normalised a latent's mean away, so no latent moved
+        # an image's brightness by more than ~0.01 and a brightness reward did not show in the images
+        vae = _vae(diffusers, groups=2)
     clip_tokenizer, t5_tokenizer = build_clip_tokenizer(), build_t5_tokenizer()
     pipeline = diffusers.StableDiffusion3Pipeline(
         transformer=transformer,
