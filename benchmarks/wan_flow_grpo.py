@@ -62,8 +62,13 @@ from rl_core.advantages import compute_advantages  # noqa: E402
 
 PROMPTS = ("a red fox runs through fresh snow, tracking shot", "waves break on a rocky shore at sunset")
 GUIDANCE = 5.0
-PLAIN_EAGER, ENGINE_EAGER = "plain WanPipeline, eager", "engine eager"
-PEER, ENGINE_COMPILED = "plain WanPipeline, compiled blocks (PEER)", "engine compiled"
+
+def variant_labels(pipeline: str) -> tuple[str, str, str, str]:
+    """(plain eager, engine eager, plain compiled = the peer, engine compiled) for `pipeline`'s name."""
+    return f"plain {pipeline}, eager", "engine eager", f"plain {pipeline}, compiled blocks (PEER)", "engine compiled"
+
+
+PLAIN_EAGER, ENGINE_EAGER, PEER, ENGINE_COMPILED = variant_labels("WanPipeline")
 
 
 def peak_gib() -> float:
@@ -78,9 +83,11 @@ def reset_peak() -> None:
 # ----------------------------------------------------------------------------------- (a) rollout
 
 
-def rollout(engine, conditioning, args, figures: dict, cache, progress: Callable[[str], None]) -> None:
+def rollout(engine, conditioning, args, figures: dict, cache, progress: Callable[[str], None],
+            labels: tuple[str, str, str, str] = (PLAIN_EAGER, ENGINE_EAGER, PEER, ENGINE_COMPILED)) -> None:
     """Measure each variant not yet in `figures["rollout"]` (kept in `cache` after each one)."""
     n, done = args.n, figures.setdefault("rollout", {})
+    plain_eager, engine_eager, peer, engine_compiled = labels
     cond = conditioning.index([0] * n)
     negative = engine.negative(cond.embeds.shape[1])
     generators = [torch.Generator().manual_seed(i) for i in range(n)]
@@ -100,8 +107,8 @@ def rollout(engine, conditioning, args, figures: dict, cache, progress: Callable
         with torch.no_grad():  # one CFG forward of one video (2 rows), x steps
             figures["flops_per_video"] = forward_flops(engine, conditioning, 1, args.height, args.width) * args.steps
     with torch.no_grad():
-        for label, fn, compiled in ((PLAIN_EAGER, plain, False), (ENGINE_EAGER, ours, False),
-                                    (PEER, plain, True), (ENGINE_COMPILED, ours, True)):
+        for label, fn, compiled in ((plain_eager, plain, False), (engine_eager, ours, False),
+                                    (peer, plain, True), (engine_compiled, ours, True)):
             if label in done:
                 progress(f"(a) {label}: kept from {cache}")
                 continue
@@ -114,7 +121,7 @@ def rollout(engine, conditioning, args, figures: dict, cache, progress: Callable
             done[label] = {"first": first, "times": times, "seconds": statistics.median(times), "peak": peak_gib()}
             if compiled and engine.compile is False:  # the engine warned: a compile failure ran it eagerly
                 done[label]["note"] = "compile failed: ran eagerly"
-            if label == ENGINE_EAGER:
+            if label == engine_eager:
                 figures["log_probs_finite"] = bool(torch.isfinite(out.log_probs).all())
                 figures["video_shape"] = list(out.images.shape)
             del out
@@ -123,15 +130,16 @@ def rollout(engine, conditioning, args, figures: dict, cache, progress: Callable
     engine._sync_compiled()
 
 
-def rollout_table(figures: dict, n: int) -> list[list[str]]:
+def rollout_table(figures: dict, n: int,
+                  labels: tuple[str, str, str, str] = (PLAIN_EAGER, ENGINE_EAGER, PEER, ENGINE_COMPILED)) -> list[list[str]]:
     done, peak = figures["rollout"], bf16_peak()
     rows = []
-    for label in (PLAIN_EAGER, ENGINE_EAGER, PEER, ENGINE_COMPILED):
+    for label in labels:
         f = done[label]
         rate = n / f["seconds"]
         tflops = figures["flops_per_video"] * rate / 1e12
         rows.append([label + (f" ({f['note']})" if "note" in f else ""), f"{rate:.3f}",
-                     f"{done[PEER]['seconds'] / f['seconds']:.2f}x", f"{done[PLAIN_EAGER]['seconds'] / f['seconds']:.2f}x",
+                     f"{done[labels[2]]['seconds'] / f['seconds']:.2f}x", f"{done[labels[0]]['seconds'] / f['seconds']:.2f}x",
                      f"{tflops:.3g}", f"{100 * tflops * 1e12 / peak:.0f}%" if peak == peak else "n/a",
                      f"{f['first']:.1f}", ", ".join(f"{t:.1f}" for t in f["times"]), f"{f['peak']:.1f}"])
     return rows

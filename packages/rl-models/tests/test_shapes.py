@@ -91,3 +91,21 @@ def test_qwen3_4b_random_weights_on_gpu(tmp_path):
     out = build_shape("qwen3", "4b", tmp_path, device="cuda")
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, device_map="cuda")
     assert _meta_params(model) / 1e9 == pytest.approx(4.022, abs=1e-3)
+
+
+def test_cosmos_predict2_5_2b_config_only(tmp_path):
+    """Cosmos-Predict2.5-2B's transformer: 2.06B with the real encoder's 100,352-wide projection
+    input; the shape's is the tiny encoder's 128 (102.6M fewer weights, all in that projection)."""
+    import diffusers
+
+    from rl_models.shapes import cosmos_predict2_5_2b_transformer
+
+    out = build_shape("cosmos", "2.5-2b", tmp_path, config_only=True)
+    with torch.device("meta"):
+        transformer = diffusers.CosmosTransformer3DModel.from_config(
+            diffusers.CosmosTransformer3DModel.load_config(out / "transformer"))
+        published = diffusers.CosmosTransformer3DModel(**cosmos_predict2_5_2b_transformer(100_352))
+    assert _meta_params(published) == 2_059_174_912
+    assert _meta_params(transformer) == 2_059_174_912 - (100_352 - 128) * 1024
+    assert (transformer.config.num_layers, transformer.config.in_channels) == (28, 17)
+    assert not list(out.rglob("*.safetensors"))

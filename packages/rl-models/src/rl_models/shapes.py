@@ -31,9 +31,10 @@ from transformers import (
 
 from rl_models.diffusion import require_diffusers
 from rl_models.loading import resolve_dtype
+from rl_models.tiny_cosmos import TEXT_STATES, _model_index
 from rl_models.tiny_families import round_vocab
 from rl_models.tiny_janus import JANUS_CHAT_TEMPLATE, build_janus_tokenizer
-from rl_models.tiny_vl import qwen3_vl_processor, vision_token_ids
+from rl_models.tiny_vl import qwen2_5_vl_model, qwen3_vl_processor, vision_token_ids
 from rl_models.tokenization import (
     build_clip_tokenizer,
     build_qwen_tokenizer,
@@ -263,6 +264,41 @@ def _save_wan(out: Path, *, config_only: bool, dtype, device) -> None:
     pipeline.save_pretrained(out)
 
 
+def cosmos_predict2_5_2b_transformer(text_states: int) -> dict:
+    """Cosmos-Predict2.5-2B's transformer config as published (28 blocks, 2048 wide, 16 latent
+    channels + the condition mask), except `crossattn_proj_in_channels`: the width of the text
+    encoder's concatenated layers it projects (100,352 for the real Qwen2.5-VL-7B encoder)."""
+    return {"in_channels": 17, "out_channels": 16, "num_attention_heads": 16, "attention_head_dim": 128,
+            "num_layers": 28, "mlp_ratio": 4.0, "text_embed_dim": 1024, "adaln_lora_dim": 256,
+            "max_size": (128, 240, 240), "patch_size": (1, 2, 2), "rope_scale": (1.0, 3.0, 3.0),
+            "concat_padding_mask": True, "extra_pos_embed_type": None, "use_crossattn_projection": True,
+            "crossattn_proj_in_channels": text_states, "encoder_hidden_states_channels": 1024}
+
+
+def _save_cosmos(out: Path, *, config_only: bool, dtype, device) -> None:
+    """Cosmos-Predict2.5-2B: full-size transformer and Wan 2.1's VAE (diffusers' `AutoencoderKLWan`
+    defaults); the tiny Qwen2.5-VL text encoder (its 2 layers x 64 wide are what the transformer's
+    cross-attention projection takes in: 128 inputs instead of 100,352, 0.2% of a forward's FLOPs
+    at 33 frames 480x832); UniPC flow scheduler, shift 1.0 (`CosmosEngine` reads only the sigmas)."""
+    diffusers = require_diffusers()
+    transformer = cosmos_predict2_5_2b_transformer(TEXT_STATES)
+    if config_only:
+        with torch.device("meta"):
+            diffusers.CosmosTransformer3DModel(**transformer).save_config(out / "transformer")
+            diffusers.AutoencoderKLWan().save_config(out / "vae")
+        return
+    tokenizer = build_qwen_tokenizer()
+    with torch.device(device):
+        parts = {"transformer": diffusers.CosmosTransformer3DModel(**transformer), "vae": diffusers.AutoencoderKLWan()}
+    for name, model in parts.items():
+        model.to(dtype=dtype).save_pretrained(out / name)
+    qwen2_5_vl_model(tokenizer).save_pretrained(out / "text_encoder")
+    tokenizer.save_pretrained(out / "tokenizer")
+    diffusers.UniPCMultistepScheduler(use_flow_sigmas=True, flow_shift=1.0,
+                                      prediction_type="flow_prediction").save_pretrained(out / "scheduler")
+    (out / "model_index.json").write_text(_model_index(diffusers.__version__))
+
+
 # Janus-Pro language models (DeepSeek-LLM): size -> (hidden, intermediate, layers, heads); MHA.
 _JANUS_PRO_TEXT = {"pro-1b": (2048, 5632, 24, 16), "pro-7b": (4096, 11008, 30, 32)}
 
@@ -333,6 +369,7 @@ SHAPES: dict[tuple[str, str], Builder] = {
     ),
     ("sd3", "3.5-medium"): _save_sd3,
     ("wan", "2.1-1.3b"): _save_wan,
+    ("cosmos", "2.5-2b"): _save_cosmos,
     ("janus", "pro-1b"): lambda out, **kw: _save_janus("pro-1b", out, **kw),
     ("janus", "pro-7b"): lambda out, **kw: _save_janus("pro-7b", out, **kw),
 }
