@@ -65,9 +65,9 @@ def build_engine(args, progress):
     return path, CosmosEngine.from_pretrained(path, dtype=dtype, device=device, num_frames=args.frames, compile=False)
 
 
-def app_epochs(args, path: Path, out: Path) -> dict[str, float]:
+def app_epochs(args, path: Path, out: Path, compiled: bool) -> dict[str, float]:
     """Two DiffusionNFT epochs of diffusion-grpo in a fresh process: the second's phase seconds and peak."""
-    overrides = [f"model.path={path}", f"model.dtype={'float32' if args.smoke else 'bfloat16'}",
+    overrides = [f"model.compile={str(compiled).lower()}", f"model.path={path}", f"model.dtype={'float32' if args.smoke else 'bfloat16'}",
                  "data.manifest=examples/data/ocr/train.txt", "data.eval_manifest=examples/data/ocr/test.txt",
                  "reward.components={brightness=1.0}", f"sampling.resolution={args.height}",
                  f"sampling.num_frames={args.frames}", f"sampling.num_steps={args.steps}",
@@ -102,6 +102,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=1, help="timed rollout calls after the first (median)")
     parser.add_argument("--micro", type=int, default=2, help="videos per NFT micro-batch (divides 4)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="(b) also with model.compile=true (the eager epochs kept in --cache are reused)")
     args = parser.parse_args()
     args.n = 8
     args.frames = args.frames or (5 if args.smoke else 33)
@@ -130,23 +132,33 @@ def main() -> None:
         raise SystemExit("(b) writes the section with (a)'s figures: run --part rollout first with the same --cache")
     del engine
     torch.cuda.empty_cache()
-    progress("(b) two NFT epochs of diffusion-grpo")
-    figures["epoch"] = app_epochs(args, path, Path(args.model_dir).parent / "cosmos_nft_runs")
+    for key, compiled in (("epoch", False), ("epoch_compiled", True))[: 2 if args.compiled else 1]:
+        if key not in figures:
+            progress(f"(b) two NFT epochs of diffusion-grpo, {key}")
+            figures[key] = app_epochs(args, path, Path(args.model_dir).parent / f"cosmos_nft_{key}", compiled)
+            save_figures(cache, figures)
     figures["wall_s"] = time.perf_counter() - start
     save_figures(cache, figures)
     progress("(b) done")
 
-    e, latent = figures["epoch"], (args.frames - 1) // 4 + 1
+    epochs = [figures[k] for k in ("epoch", "epoch_compiled") if k in figures]
+    latent = (args.frames - 1) // 4 + 1
     tokens = latent * (args.height // 16) * (args.width // 16)
     header = [f"rollout ({args.n} videos of one prompt a call, embeds given)", "videos/s", "vs compiled plain (peer)",
               "vs eager plain", "transformer TFLOP/s", "of bf16 peak", "first call s", "timed calls s", "peak GPU GiB"]
     rows = rollout_table(figures, args.n, LABELS)
-    e_rows = [["epoch s (the second of 2)", f"{e['epoch']:.1f}"], ["sampling s (8 videos, CFG-free ODE)", f"{e['sampling']:.1f}"],
-              ["training s (8 videos x 9 noise levels, old and reference forwards, 2 AdamW steps)", f"{e['training']:.1f}"],
-              ["other s (reward, advantages, EMA, logging)", f"{e['epoch'] - e['sampling'] - e['training']:.1f}"],
-              ["peak GPU memory GiB", f"{e['peak']:.1f}"], ["seconds per epoch", ", ".join(f"{t:.1f}" for t in e["epochs"])],
-              ["train reward per epoch", ", ".join(f"{r:.4f}" for r in e["rewards"])],
-              ["grad_norm of the last step", f"{e['grad_norm']:.3g}"],
+    def row(label: str, value) -> list[str]:
+        return [label, *(value(x) for x in epochs)]
+
+    e_rows = [row("epoch s (the second of 2)", lambda x: f"{x['epoch']:.1f}"),
+              row("sampling s (8 videos, CFG-free ODE)", lambda x: f"{x['sampling']:.1f}"),
+              row("training s (8 videos x 9 noise levels, old and reference forwards, 2 AdamW steps)",
+                  lambda x: f"{x['training']:.1f}"),
+              row("other s (reward, advantages, EMA, logging)", lambda x: f"{x['epoch'] - x['sampling'] - x['training']:.1f}"),
+              row("peak GPU memory GiB", lambda x: f"{x['peak']:.1f}"),
+              row("seconds per epoch", lambda x: ", ".join(f"{t:.1f}" for t in x["epochs"])),
+              row("train reward per epoch", lambda x: ", ".join(f"{r:.4f}" for r in x["rewards"])),
+              row("grad_norm of the last step", lambda x: f"{x['grad_norm']:.3g}"),
               ["benchmark wall s (this command: load to end)", f"{figures['wall_s']:.0f}"]]
     model = "tiny:cosmos, float32, CPU" if args.smoke else (
         "Cosmos-Predict2.5-2B transformer (1.96B here, 2.06B published: the cross-attention projection takes the tiny "
@@ -162,8 +174,10 @@ def main() -> None:
         "rows, decode included); compiled = the transformer blocks through torch.compile(fullgraph=True, dynamic=False) on "
         f"the transformer both share; TFLOP/s from torch.utils.flop_counter ({figures['flops_per_video'] / 1e12:.3g} TFLOP "
         "a video); bf16 peak 989 TFLOP/s dense. (b) diffusion-grpo's own run of the cosmos_nft preset at this shape "
-        f"(benchmarks/cosmos_nft.py's docstring lists the overrides), eager (the app does not compile the video families), "
-        f"micro-batches of {args.micro} videos.\n\n" + markdown_table(["DiffusionNFT epoch (b)", "value"], e_rows))
+        "(benchmarks/cosmos_nft.py's docstring lists the overrides), eager, and with model.compile=true where the "
+        "table has that column, "
+        f"micro-batches of {args.micro} videos.\n\n"
+        + markdown_table(["DiffusionNFT epoch (b)", "eager", "model.compile=true"][: 1 + len(epochs)], e_rows))
     if args.smoke:
         print(markdown_table(header, rows))
         print(notes)

@@ -300,8 +300,8 @@ def check_config(cfg: Config, world_size: int) -> None:
          f"sampling.sde_window_mode={cfg.sampling.sde_window_mode!r} with model.family='janus' trains a window of "
          "image-token positions: set sampling.sde_window_range=[start, limit) in tokens (Janus-Pro draws 576 a "
          "384x384 image)"),
-        (m.compile and (m.family != "sd3" or t.sharding != "none"), "model.compile=true compiles the SD3 transformer's "
-         f"blocks: it needs model.family='sd3' and train.sharding='none' (got {m.family!r}, {t.sharding!r})"),
+        (m.compile and (m.family == "janus" or t.sharding != "none"), "model.compile=true compiles an unsharded sd3, "
+         f"wan or cosmos transformer's blocks (got model.family={m.family!r}, train.sharding={t.sharding!r})"),
         (m.family != "janus" and int(cfg.sampling.num_steps * t.timestep_fraction) == 0,
          f"train.timestep_fraction={t.timestep_fraction} x sampling.num_steps={cfg.sampling.num_steps} trains no "
          "step (Flow-GRPO trains int(steps x fraction)); raise it"),
@@ -331,7 +331,8 @@ def check_config(cfg: Config, world_size: int) -> None:
 
 def compiles_blocks(cfg: Config, device_type: str) -> bool:
     """model.compile resolved for a trainer on a `device_type` ("cuda", "cpu") device: a set value
-    as given; None compiles the SD3 blocks on CUDA when nothing refuses it (family sd3, unsharded)."""
+    as given; None compiles the SD3 blocks on CUDA when nothing refuses it (family sd3, unsharded;
+    wan and cosmos compile when set)."""
     m = cfg.model
     if m.compile is not None:
         return m.compile
