@@ -78,7 +78,7 @@ def test_caprl_launch_variables_start_from_the_full_size_defaults(app, monkeypat
     monkeypatch.delenv("CAPTION_MODEL")
     monkeypatch.delenv("REWARD_LENGTH_L1")  # 1024 is above the tiny default's l2
     cfg = load_config(app.Config, app.RECIPE.config_path(None), env=app.ENV)  # no CapRL launch line: the tiny default
-    assert cfg.model.path == "tiny:qwen2_5_vl" and cfg.train.max_steps == 6
+    assert cfg.model.path == "tiny:qwen2_5_vl" and cfg.train.epochs == 8
 
 
 def test_missing_model_and_dataset_are_clear_errors(app, tmp_path):
