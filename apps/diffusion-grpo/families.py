@@ -27,6 +27,7 @@ from typing import Any, Protocol, cast
 
 import torch
 from grpo_config import (
+    VIDEO,
     Config,
     SamplingConfig,
     compiles_blocks,
@@ -60,7 +61,7 @@ from rl_models.lora import add_lora
 from rl_policy.lora_weights import (
     LoraCopy,
     LoraPolicyWeights,
-    build_sd3_lora_engine,
+    build_lora_image_engine,
     load_lora,
     start_lora_workers,
 )
@@ -315,11 +316,11 @@ def rollout_options(sampling: SamplingConfig) -> dict[str, Any]:
 def worker_spec(cfg: Config, path: str, compile: bool) -> EngineSpec:
     """A Ray worker's engine: the trainer's pipeline and LoRA layout (`compile`: the trainer's
     resolved model.compile, so a worker samples with the blocks the trainer replays with)."""
-    m = cfg.model
-    return EngineSpec(factory=build_sd3_lora_engine, load_weights=load_lora, kwargs={
-        "path": path, "dtype": m.dtype, "text_encoder_dtype": m.text_encoder_dtype, "lora_rank": m.lora_rank,
+    m, video = cfg.model, {"num_frames": cfg.sampling.num_frames} if cfg.model.family in VIDEO else {}
+    return EngineSpec(factory=build_lora_image_engine, load_weights=load_lora, kwargs={
+        "path": path, "kind": m.family, "dtype": m.dtype, "text_encoder_dtype": m.text_encoder_dtype, "lora_rank": m.lora_rank,
         "lora_alpha": m.lora_alpha, "lora_targets": m.lora_targets, "compile": compile, "precision": cfg.rollout.precision,
-        **rollout_options(cfg.sampling)})
+        **rollout_options(cfg.sampling), **video})
 
 
 class Wan(SD3):

@@ -285,8 +285,8 @@ def check_config(cfg: Config, world_size: int) -> None:
     images = r.groups_per_epoch // world_size * r.n  # per process
     refused = [
         (r.n < 2, f"rollout.n={r.n}: GRPO compares the images of one prompt with each other and needs rollout.n >= 2"),
-        (m.family != "sd3" and r.workers > 0, f"rollout.workers={r.workers}: Ray rollout workers serve the sd3 "
-         f"family only; set rollout.workers=0 for model.family={m.family!r}"),
+        (m.family == "janus" and r.workers > 0, f"rollout.workers={r.workers}: Ray rollout workers serve the sd3, "
+         "wan and cosmos families; set rollout.workers=0 for model.family='janus'"),
         (m.family != "sd3" and t.sharding != "none", f"train.sharding={t.sharding!r} shards the SD3 transformer; "
          f"model.family={m.family!r} trains with DDP (FSDP2 for it is not done): set train.sharding='none'"),
         (m.family in VIDEO and cfg.reward.url is not None, f"reward.url={cfg.reward.url!r}: videos are not sent to "
@@ -330,9 +330,8 @@ def check_config(cfg: Config, world_size: int) -> None:
 
 
 def compiles_blocks(cfg: Config, device_type: str) -> bool:
-    """model.compile resolved for a trainer on a `device_type` ("cuda", "cpu") device: a set value
-    as given; None compiles the SD3 blocks on CUDA when nothing refuses it (family sd3, unsharded;
-    wan and cosmos compile when set)."""
+    """model.compile resolved for a trainer on a `device_type` ("cuda", "cpu") device: a set value as
+    given (sd3, wan, cosmos); None compiles the SD3 blocks on CUDA when nothing refuses it (unsharded)."""
     m = cfg.model
     if m.compile is not None:
         return m.compile

@@ -1,7 +1,8 @@
 """Rollout on Ray actors (`rollout.workers=2`, a real local Ray cluster on 2 CPUs): the run trains
 end to end, the workers' LoRA follows the trainer's by version, the first replay of every
 epoch reproduces the workers' log-probs (ratio 1), and the run equals the in-process one (to
-float32 rounding); with an FSDP2-sharded trainer the workers get its gathered LoRA."""
+float32 rounding), for SD3 images and Wan videos; with an FSDP2-sharded trainer the workers get its
+gathered LoRA."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import in_process_group, tiny_overrides, train
+from conftest import APP, in_process_group, tiny_overrides, train
 
 from rl_core.train import load_config
 
@@ -57,3 +58,19 @@ def test_ray_workers_sample_with_a_sharded_trainers_lora(app, ray_cluster, tmp_p
     assert [r["rollout/weight_version"] for r in rows] == ["0.0", "2.0"]
     assert all(float(r["replay/engine_diff_max"]) == 0.0 for r in rows)
     assert all(float(r["time/weight_gather"]) > 0 for r in rows)
+
+
+def test_ray_workers_sample_wan_videos_like_the_in_process_engine(app, ray_cluster, tmp_path: Path) -> None:
+    """model.family=wan: each worker builds the video engine with the trainer's LoRA layout and
+    frame count, so the trainer's replay reproduces the workers' log-probs and the run equals the
+    in-process one."""
+    runs = {}
+    for workers in (2, 0):
+        overrides = ["train.epochs=2", "train.eval_freq=0", "train.save_freq=100", f"train.output_dir={tmp_path / str(workers)}",
+                     f"rollout.workers={workers}", "rollout.placement=colocated"]
+        runs[workers] = train(app, load_config(app.Config, APP / "configs" / "wan_tiny.toml", overrides))
+    ray_rows, local_rows = _rows(runs[2]), _rows(runs[0])
+    assert [r["rollout/weight_version"] for r in ray_rows] == ["0.0", "2.0"]
+    assert all(float(r["replay/engine_diff_max"]) == 0.0 for r in ray_rows)
+    for key, tolerance in (("reward/mean", {"rel": 1e-4}), ("loss/total", {"abs": 1e-5}), ("grad_norm", {"rel": 1e-3})):
+        assert [float(r[key]) for r in ray_rows] == pytest.approx([float(r[key]) for r in local_rows], **tolerance), key

@@ -50,7 +50,7 @@ from rl_core.train import (
     gathered,
 )
 
-__all__ = ["LoraCopy", "LoraPolicyWeights", "build_sd3_lora_engine", "export_adapters", "load_lora", "lora_params",
+__all__ = ["LoraCopy", "LoraPolicyWeights", "build_lora_image_engine", "export_adapters", "load_lora", "lora_params",
            "start_lora_workers"]
 
 
@@ -223,18 +223,19 @@ def start_lora_workers(spec: Any, workers: int, *, placement: Literal["split", "
     return pool
 
 
-def build_sd3_lora_engine(path: str, *, dtype: str, text_encoder_dtype: str | None, lora_rank: int,
-                          lora_alpha: float, lora_targets: list[str] | None, **options: Any) -> Any:
-    """A Ray worker's SD3 engine with the trainer's LoRA layout (`EngineSpec.factory`; weights by
-    `load_lora`), on the worker's GPU (or the CPU); `options` are `DiffusionEngine`'s."""
+def build_lora_image_engine(path: str, *, dtype: str, text_encoder_dtype: str | None, lora_rank: int,
+                            lora_alpha: float, lora_targets: list[str] | None, kind: str = "sd3", **options: Any) -> Any:
+    """A Ray worker's diffusion engine `kind` (`sd3`, `wan`, `cosmos`: `rl_rollout.build_image_engine`)
+    with the trainer's LoRA layout (`EngineSpec.factory`; weights by `load_lora`), on the worker's
+    GPU (or the CPU); `options` are the engine's (`num_frames` for the video families)."""
     from rl_models.lora import add_lora
-    from rl_rollout.diffusion import DiffusionEngine
+    from rl_rollout.images import build_image_engine
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = DiffusionEngine.from_pretrained(path, dtype=dtype, device=device, text_encoder_dtype=text_encoder_dtype,
-                                             **options)
+    engine: Any = build_image_engine(kind, path=path, dtype=dtype, device=device, text_encoder_dtype=text_encoder_dtype,
+                                     **options)  # a DiffusionEngine (sd3) or its video subclasses: `.transformer`
     engine.transformer.requires_grad_(False)
-    add_lora(engine.transformer, family="sd3", r=lora_rank, alpha=lora_alpha, target_modules=lora_targets)
+    add_lora(engine.transformer, family=kind, r=lora_rank, alpha=lora_alpha, target_modules=lora_targets)
     return engine
 
 
