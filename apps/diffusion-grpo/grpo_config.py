@@ -287,8 +287,8 @@ def check_config(cfg: Config, world_size: int) -> None:
         (r.n < 2, f"rollout.n={r.n}: GRPO compares the images of one prompt with each other and needs rollout.n >= 2"),
         (m.family == "janus" and r.workers > 0, f"rollout.workers={r.workers}: Ray rollout workers serve the sd3, "
          "wan and cosmos families; set rollout.workers=0 for model.family='janus'"),
-        (m.family != "sd3" and t.sharding != "none", f"train.sharding={t.sharding!r} shards the SD3 transformer; "
-         f"model.family={m.family!r} trains with DDP (FSDP2 for it is not done): set train.sharding='none'"),
+        (m.family == "janus" and t.sharding != "none", f"train.sharding={t.sharding!r} shards a diffusion transformer; "
+         "model.family='janus' trains with DDP (FSDP2 for it is not done): set train.sharding='none'"),
         (m.family in VIDEO and cfg.reward.url is not None, f"reward.url={cfg.reward.url!r}: videos are not sent to "
          "a reward server yet; score in process (reward.components or reward.spec)"),
         (m.family in VIDEO and (cfg.sampling.num_frames - 1) % 4 != 0, f"sampling.num_frames="

@@ -40,7 +40,8 @@ def ray_cluster():
 
 
 # model.family -> the config its tiny runs start from
-CONFIGS = {"sd3": APP / "configs" / "default.toml", "janus": APP / "configs" / "janus_tiny.toml"}
+CONFIGS = {"sd3": APP / "configs" / "default.toml", "janus": APP / "configs" / "janus_tiny.toml",
+           "wan": APP / "configs" / "wan_tiny.toml"}
 
 
 def tiny_config(app, family: str, out: Path, *extra: str):

@@ -24,14 +24,15 @@ from safetensors.torch import load_file
 from rl_core.train import load_config
 
 REPO = APP.parents[1]
-# LoRA weights that reach no output (sd3: see test_recipe.py; janus: none)
-DEAD = {"sd3": "transformer_blocks.1.attn.add_q_proj.lora_B", "janus": "<none>"}
+# LoRA weights that reach no output (sd3: see test_recipe.py; janus, wan: none)
+DEAD = {"sd3": "transformer_blocks.1.attn.add_q_proj.lora_B", "janus": "<none>", "wan": "<none>"}
 # one process, 2 groups x 4 images, one optimizer step (pinned on the 2-core CPU)
 PINNED = {"sd3": {"reward/mean": 0.4753916, "grad_norm": 0.0041585},
           "janus": {"reward/mean": 0.4778249, "grad_norm": 0.2675242},
-          "nft": {"reward/mean": 0.4761269, "grad_norm": 0.0049915}}
+          "nft": {"reward/mean": 0.4761269, "grad_norm": 0.0049915},
+          "wan": {"reward/mean": 0.4932198, "grad_norm": 0.0327566}}
 # what a run is: its family and overrides (`nft`: sd3 with DiffusionNFT)
-RUNS = {"sd3": ("sd3", ()), "janus": ("janus", ()),
+RUNS = {"sd3": ("sd3", ()), "janus": ("janus", ()), "wan": ("wan", ()),
         "nft": ("sd3", ("train.method=nft", "sampling.kind=ode", "sampling.guidance_scale=1"))}
 
 
@@ -48,12 +49,13 @@ def lora(run: Path, epoch: int = 1, folder: str = "lora") -> dict[str, torch.Ten
 ONE_EPOCH = ("train.epochs=1", "train.save_freq=1", "algo.kl_coef=0.04")
 
 
-# sd3 + fsdp2 is opt-in (nox -s slow), for CI time: test_ray_rollout.py trains a sharded LoRA in
-# the default suite, and FSDP2's 2 = 1 is proven on rl-core's loop and rider-grm
+# sd3 + fsdp2 is opt-in (nox -s slow), for CI time: wan + fsdp2 (45 s) proves the app's sharded 2 = 1
+# in the default suite, and test_ray_rollout.py trains a sharded sd3 LoRA.
 # nft is opt-in too (65-145 s measured on the 2 shared cores): its update's 2 = 1 rests on the same
 # per-place draws and global unit counts, and its accumulation case runs in the default suite
 @pytest.mark.parametrize(("run", "sharding"), [("sd3", "none"), pytest.param("sd3", "fsdp2", marks=pytest.mark.slow),
-                                               ("janus", "none"), pytest.param("nft", "none", marks=pytest.mark.slow)])
+                                               ("janus", "none"), pytest.param("nft", "none", marks=pytest.mark.slow),
+                                               ("wan", "fsdp2")])
 def test_two_processes_equal_one_process_with_twice_the_batch(app, tmp_path: Path, run: str, sharding: str) -> None:
     """`fsdp2`: launched with examples/diffusion-grpo/accelerate/fsdp2_1node.yaml, which Accelerate
     does not turn on on a CPU but the app does (FSDP2 on gloo): the transformer sharded over the two

@@ -58,7 +58,6 @@ def test_the_tiny_video_runs_train_on_videos_and_write_them(app, preset: Path, t
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    (("train.sharding=fsdp2",), r"model\.family='wan' trains with DDP"),
     (("reward.url=http://127.0.0.1:1",), r"videos are not sent to a reward server yet"),
     (("sampling.num_frames=6",), r"sampling\.num_frames=6: Wan's VAE takes 4k \+ 1 frames"),
     (("model.family=cosmos", "model.path=tiny:cosmos", "sampling.num_frames=8"), r"num_frames=8: Wan's VAE takes 4k"),
