@@ -30,7 +30,7 @@ Scheduler: flow-matching Euler, shift 3.0 (the engine reads only its sigmas). De
     first 9 steps through LoRA r=32/alpha=64 on the attention projections (peft, Wan's targets
     to_q/k/v/out of self- and cross-attention; the in-script LoRA without peft) with ppo_clip
     (1e-4) + 0.04 flow KL against the LoRA-disabled transformer, AdamW, 2 optimizer steps
-    (`diffusion_grpo.replay_updates`). Eager by default, as the diffusion-grpo app runs Wan
+    (`diffusion_grpo.replay_updates`). Eager by default, as the diffusion-grpo app runs Wan unless asked
     (`--epoch-compiled`: compiled blocks after a timed compile warm-up). Micro-batch `--micro`
     videos a replay (2 x micro rows: the CFG forward is batched); if the first replay runs out
     of GPU memory, the update starts again with the transformer's gradient checkpointing, and
@@ -345,7 +345,7 @@ def main() -> None:
         "cross-attention; reward = mean brightness over every frame; GRPO advantages (per-group std); ppo_clip "
         "1e-4 + 0.04 flow KL against the LoRA-disabled transformer (one more no-grad forward a replay); AdamW "
         "lr 3e-4; the uncond half of each replayed CFG forward carries no gradient but is in the batch. Eager "
-        "unless the row says compiled (the diffusion-grpo app refuses compile for wan).\n\n"
+        "unless the row says compiled (the diffusion-grpo app compiles wan with model.compile = true).\n\n"
         + markdown_table(["epoch (b)", "value"],
                          [*e_rows, ["benchmark wall s (this command: load to end)", f"{figures['wall_s']:.0f}"]]))
     if args.smoke:
