@@ -289,8 +289,6 @@ def check_config(cfg: Config, world_size: int) -> None:
          "wan and cosmos families; set rollout.workers=0 for model.family='janus'"),
         (m.family == "janus" and t.sharding != "none", f"train.sharding={t.sharding!r} shards a diffusion transformer; "
          "model.family='janus' trains with DDP (FSDP2 for it is not done): set train.sharding='none'"),
-        (m.family in VIDEO and cfg.reward.url is not None, f"reward.url={cfg.reward.url!r}: videos are not sent to "
-         "a reward server yet; score in process (reward.components or reward.spec)"),
         (m.family in VIDEO and (cfg.sampling.num_frames - 1) % 4 != 0, f"sampling.num_frames="
          f"{cfg.sampling.num_frames}: Wan's VAE takes 4k + 1 frames (1, 5, 9, ..., 33, ..., 81)"),
         (t.max_staleness > 0 and t.sharding != "none" and r.workers > 0, f"train.max_staleness={t.max_staleness} "

@@ -255,6 +255,8 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
 
     def close(self, state: State) -> None:
         state.family.weights.close()
+        if isinstance(state.reward, RemoteScorer):  # its HTTP connections to the reward server
+            state.reward.close()
 
 
 def sample_index(i: int, n: int, world: int, rank: int) -> int:
@@ -286,12 +288,12 @@ def score_images(scorer: Scorer, images: list[Media], records: list[OCRPrompt], 
                  send_paths: bool = False) -> tuple[torch.Tensor, list[dict[str, float]]]:
     """Rewards `[N]` (NaN where scoring failed) and each sample's components; a video's frames go
     to the reward as `metadata["video"]`. `files`: the images are saved there as PNGs (videos as
-    MP4s, `save_media`), and with `send_paths` images are sent as paths (a reward server reads files)."""
+    MP4s, `save_media`), and with `send_paths` they are sent as paths (a reward server reads files)."""
     paths = save_media(images, files) if files is not None else [None] * len(images)
-    sent = [str(p) if p and send_paths and not isinstance(m, list) else m for p, m in zip(paths, images, strict=True)]
+    sent = [str(p) if p and send_paths else m for p, m in zip(paths, images, strict=True)]
     results = scorer.score([Sample(completion="", prompt=r.prompt, reference=r.target,
-                                   metadata={"video" if isinstance(x, list) else "image": x})
-                            for r, x in zip(records, sent, strict=True)])
+                                   metadata={"video" if isinstance(m, list) else "image": x})
+                            for r, m, x in zip(records, images, sent, strict=True)])
     rewards = torch.tensor([math.nan if r.score is None else r.score for r in results])  # [N]
     return rewards, [dict(r.components) for r in results]
 

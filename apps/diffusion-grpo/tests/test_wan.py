@@ -58,7 +58,6 @@ def test_the_tiny_video_runs_train_on_videos_and_write_them(app, preset: Path, t
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    (("reward.url=http://127.0.0.1:1",), r"videos are not sent to a reward server yet"),
     (("sampling.num_frames=6",), r"sampling\.num_frames=6: Wan's VAE takes 4k \+ 1 frames"),
     (("model.family=cosmos", "model.path=tiny:cosmos", "sampling.num_frames=8"), r"num_frames=8: Wan's VAE takes 4k"),
 ])
@@ -94,3 +93,43 @@ def test_the_cosmos_nft_preset_shows_what_vrl_asks_before_it_promotes_the_recipe
     assert len(videos) == 4 and all(v.suffix in (".mp4", ".gif") and v.stat().st_size > 0 for v in videos)
     lora = load_file(run / "checkpoint-final" / "lora" / "adapter_model.safetensors")  # changed LoRA weights
     assert any(name.endswith("lora_B.weight") and bool(t.abs().sum() > 0) for name, t in lora.items())
+
+
+def test_a_reward_server_scores_the_videos_the_trainer_wrote(app, tmp_path: Path) -> None:
+    """reward.url: each video goes to a real `rl-rewards serve` as the path of the MP4 (GIF without
+    PyAV) the trainer wrote, which the server decodes; its per-frame brightness equals the in-process
+    reward's on the same samples up to the codec's rounding of a grey level or two."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from rl_rewards.client import RewardClient
+
+    (tmp_path / "rewards.toml").write_text('[rewards.bright.components.brightness]\nscorer = "per_frame"\n'
+                                           'options = { scorer = "brightness" }\n')
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cli = Path(sys.executable).with_name("rl-rewards")
+    server = subprocess.Popen([str(cli), "serve", "--config", str(tmp_path / "rewards.toml"), "--port", str(port),
+                               "--media-root", str(tmp_path), "--workers", "0"], start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with RewardClient(f"http://127.0.0.1:{port}") as client:
+            client.wait_ready(timeout=120)
+        runs = {}
+        for name, reward in (("served", [f"reward.url=http://127.0.0.1:{port}", "reward.server_reward=bright"]),
+                             ("local", ["reward.components={brightness=1.0}"])):
+            run = app.main(["--config", str(WAN), "train.epochs=1", "train.eval_freq=0", "train.save_freq=100",
+                            f"train.output_dir={tmp_path / name}", *reward])
+            with (run / "metrics.csv").open(newline="") as f:
+                [runs[name]] = [r for r in csv.DictReader(f) if r.get("reward/mean")]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+    assert float(runs["served"]["reward/failed"]) == 0
+    assert float(runs["served"]["reward/mean"]) == pytest.approx(float(runs["local"]["reward/mean"]), abs=3 / 255)
+    assert list((tmp_path / "served").rglob("rollouts/step_1/rank_0/*.mp4")) or list(
+        (tmp_path / "served").rglob("rollouts/step_1/rank_0/*.gif"))

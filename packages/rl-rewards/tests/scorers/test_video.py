@@ -37,12 +37,12 @@ def test_per_frame_takes_arrays_and_fails_a_bad_sample_alone():
     results = build_scorer("per_frame", scorer="brightness").score([
         Sample(completion="", metadata={"video": array}),
         Sample(completion="", metadata={}),
-        Sample(completion="", metadata={"video": "clip.mp4"}),
+        Sample(completion="", metadata={"video": "missing/clip.mp4"}),
         Sample(completion="", metadata={"video": []}),
     ])
     assert results[0].score == pytest.approx(0.5)
     assert [r.score for r in results[1:]] == [None] * 3
-    assert "no 'video'" in str(results[1].error) and "not a file path" in str(results[2].error)
+    assert "no 'video'" in str(results[1].error) and "'missing/clip.mp4' does not exist" in str(results[2].error)
     assert "no frames" in str(results[3].error)
     with pytest.raises(ValueError, match="aggregate='median'"):
         build_scorer("per_frame", scorer="brightness", aggregate="median")
@@ -80,3 +80,28 @@ def test_lift_to_video_scores_image_components_per_frame_and_keeps_the_rest():
     assert spec.components["steady"] == Component(scorer="temporal_consistency", weight=0.5)
     [result] = build_reward(spec).score([Sample(completion="", metadata={"video": VIDEO})])
     assert result.score == pytest.approx(2.0 * 0.8 + 0.5 * 0.8)  # the first and last frames' max; 1 - 0.2
+
+
+def test_a_servers_request_names_a_video_file_gif_or_mp4(tmp_path):
+    """A reward server gets the path of the video the trainer wrote: a GIF through Pillow (exact
+    for flat colours), an MP4 through PyAV (H.264 rounds each flat frame by a grey level or two)."""
+    greys = (0, 128, 255)
+    frames = [Image.new("RGB", (16, 16), (g, g, g)) for g in greys]
+    frames[0].save(tmp_path / "clip.gif", save_all=True, append_images=frames[1:], duration=125, loop=0)
+    (tmp_path / "broken.mp4").write_bytes(b"not a video")
+    scorer = build_scorer("per_frame", scorer="brightness", aggregate="min")
+    gif, broken = scorer.score([Sample(completion="", metadata={"video": str(tmp_path / "clip.gif")}),
+                                Sample(completion="", metadata={"video": str(tmp_path / "broken.mp4")})])
+    assert gif.score == 0.0 and broken.score is None and "broken.mp4" in str(broken.error)
+    steady = build_scorer("temporal_consistency").score([Sample(completion="", metadata={"video": tmp_path / "clip.gif"})])
+    assert steady[0].score == pytest.approx(1 - (128 + 127) / 255 / 2)
+    av = pytest.importorskip("av")  # the MP4 half needs PyAV (not a dependency of rl-rewards)
+    with av.open(str(tmp_path / "clip.mp4"), mode="w") as out:
+        stream = out.add_stream("libx264", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 16, 16, "yuv420p"
+        for frame in frames:
+            out.mux(stream.encode(av.VideoFrame.from_image(frame)))
+        out.mux(stream.encode())
+    [mp4] = build_scorer("per_frame", scorer="brightness").score([Sample(completion="", metadata={
+        "video": str(tmp_path / "clip.mp4")})])
+    assert mp4.score == pytest.approx(sum(greys) / 3 / 255, abs=3 / 255)

@@ -1,5 +1,6 @@
 """Video rewards over a sample's frames (`Sample.metadata["video"]`: a sequence of PIL images or an
-array `[F, H, W, 3]`, the frames a video trainer sampled).
+array `[F, H, W, 3]`, the frames a video trainer sampled; or, in a request to a reward server, the
+path of a video file the trainer wrote: MP4 and other containers decoded with PyAV, GIF with Pillow).
 
 - `per_frame`: any registered image scorer (`ocr`, `aesthetic`, `clip_score`, `brightness`, ...)
   run on each frame (or on `frames` of them, evenly spaced, first and last included), its
@@ -15,6 +16,7 @@ array `[F, H, W, 3]`, the frames a video trainer sampled).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
@@ -25,7 +27,7 @@ from rl_rewards.spec import Component, RewardSpec
 
 try:
     import numpy as np
-    from PIL import Image
+    from PIL import Image, ImageSequence
 except ImportError as e:
     raise ImportError(f'video scorers need pillow and numpy: pip install "rl-rewards[ocr]" or "rl-rewards[vision]" ({e})') from e
 
@@ -35,16 +37,35 @@ AGGREGATES: dict[str, Callable[[list[float]], float]] = {"mean": lambda xs: sum(
 
 
 def load_frames(metadata: dict[str, Any]) -> list[Image.Image]:
-    """The sample's frames as RGB images; a missing key or an empty video is a per-sample error."""
+    """The sample's frames as RGB images; a missing key, a missing file or an empty video is a
+    per-sample error."""
     if "video" not in metadata:
         raise ValueError(f"no video: Sample.metadata has no 'video' (keys: {sorted(metadata)})")
     video = metadata["video"]
-    if isinstance(video, str):
-        raise ValueError("video scorers take the frames (PIL images or an [F, H, W, 3] array), not a file path")
+    if isinstance(video, str | Path):
+        video = read_video(Path(video))
     frames = [f if isinstance(f, Image.Image) else Image.fromarray(np.asarray(f, dtype=np.uint8)) for f in video]
     if not frames:
         raise ValueError("the video has no frames")
     return [f.convert("RGB") for f in frames]
+
+
+def read_video(path: Path) -> list[Image.Image]:
+    """Every frame of the video file `path`: a GIF through Pillow, anything else through PyAV."""
+    if not path.is_file():
+        raise FileNotFoundError(f"video file {str(path)!r} does not exist")
+    if path.suffix.lower() == ".gif":
+        with Image.open(path) as gif:
+            return [frame.convert("RGB") for frame in ImageSequence.Iterator(gif)]
+    try:
+        import av
+    except ImportError as e:
+        raise ValueError(f"reading {path.name} needs PyAV: pip install av ({e})") from None
+    try:
+        with av.open(str(path)) as container:
+            return [frame.to_image() for frame in container.decode(video=0)]
+    except av.error.FFmpegError as e:  # not a video PyAV can read: this sample fails, not the batch
+        raise ValueError(f"{path.name}: {e}") from None
 
 
 def spaced(count: int, keep: int | None) -> list[int]:
