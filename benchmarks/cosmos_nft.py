@@ -8,7 +8,7 @@ DiffusionNFT epochs of diffusion-grpo itself (the `cosmos_nft` preset at this sh
 Model: Cosmos-Predict2.5-2B's transformer (28 blocks, 2048 wide) and Wan 2.1's VAE at full shape
 with random bf16 weights (`rl_models.shapes.build_shape("cosmos", "2.5-2b")`); the text encoder
 is the tiny Qwen2.5-VL, so the transformer's cross-attention projection takes 128 inputs, not the
-real 100,352 (0.2% of a forward's FLOPs). Default shape: 33 frames (9 latent frames) at 480x480
+real 100,352 (0.25% of a forward's FLOPs). Default shape: 33 frames (9 latent frames) at 480x480
 (the app's frames are square), 10 steps.
 
 (a) As `benchmarks/wan_flow_grpo.py`'s (a): the plain `Cosmos2_5_PredictBasePipeline(...)` call

@@ -27,7 +27,6 @@ from typing import Any, Protocol, cast
 
 import torch
 from grpo_config import (
-    VIDEO,
     Config,
     SamplingConfig,
     compiles_blocks,
@@ -144,8 +143,8 @@ class SD3(Family):
         self.weights = LoraPolicyWeights(
             self.peft, sampler=self.engine.transformer, full=self.full, ema=self.ema, colocated=r.placement == "colocated",
             on_copy=lambda twin: setattr(self, "rollout_engine", self.engine.over(cast(PeftModel, twin).get_base_model())),
-            workers=(lambda: start_lora_workers(worker_spec(cfg, path, self.compiled), r.workers, placement=r.placement,
-                                                device=acc.device, gpus_per_worker=r.gpus_per_worker,
+            workers=(lambda: start_lora_workers(worker_spec(cfg, path, self.compiled, self.engine_options()), r.workers,
+                                                placement=r.placement, device=acc.device, gpus_per_worker=r.gpus_per_worker,
                                                 address=r.ray_address)) if r.workers else None)
 
     def engine_options(self) -> dict[str, Any]:
@@ -313,14 +312,14 @@ def rollout_options(sampling: SamplingConfig) -> dict[str, Any]:
             "overlap_decode": sampling.overlap_decode}
 
 
-def worker_spec(cfg: Config, path: str, compile: bool) -> EngineSpec:
-    """A Ray worker's engine: the trainer's pipeline and LoRA layout (`compile`: the trainer's
-    resolved model.compile, so a worker samples with the blocks the trainer replays with)."""
-    m, video = cfg.model, {"num_frames": cfg.sampling.num_frames} if cfg.model.family in VIDEO else {}
+def worker_spec(cfg: Config, path: str, compile: bool, options: dict[str, Any]) -> EngineSpec:
+    """A Ray worker's engine: the trainer's pipeline, LoRA layout and engine `options` (`compile`: the
+    trainer's resolved model.compile, so a worker samples with the blocks the trainer replays with)."""
+    m = cfg.model
     return EngineSpec(factory=build_lora_image_engine, load_weights=load_lora, kwargs={
         "path": path, "kind": m.family, "dtype": m.dtype, "text_encoder_dtype": m.text_encoder_dtype, "lora_rank": m.lora_rank,
         "lora_alpha": m.lora_alpha, "lora_targets": m.lora_targets, "compile": compile, "precision": cfg.rollout.precision,
-        **rollout_options(cfg.sampling), **video})
+        **rollout_options(cfg.sampling), **options})
 
 
 class Wan(SD3):

@@ -278,8 +278,8 @@ def cosmos_predict2_5_2b_transformer(text_states: int) -> dict:
 def _save_cosmos(out: Path, *, config_only: bool, dtype, device) -> None:
     """Cosmos-Predict2.5-2B: full-size transformer and Wan 2.1's VAE (diffusers' `AutoencoderKLWan`
     defaults); the tiny Qwen2.5-VL text encoder (its 2 layers x 64 wide are what the transformer's
-    cross-attention projection takes in: 128 inputs instead of 100,352, 0.2% of a forward's FLOPs
-    at 33 frames 480x832); UniPC flow scheduler, shift 1.0 (`CosmosEngine` reads only the sigmas)."""
+    cross-attention projection takes in: 128 inputs instead of 100,352, 0.25% of a forward's
+    FLOPs at 33 frames 480x480); UniPC flow scheduler, shift 1.0 (`CosmosEngine` reads only the sigmas)."""
     diffusers = require_diffusers()
     transformer = cosmos_predict2_5_2b_transformer(TEXT_STATES)
     if config_only:
