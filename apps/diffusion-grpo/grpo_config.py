@@ -31,7 +31,7 @@ from rl_core.train.entry import AppEntry
 from rl_rewards import Component, RewardSpec, load_spec
 
 if TYPE_CHECKING:
-    from rl_data import OCRPrompt
+    from rl_data import OCRPrompt, PreferenceRecord
 
 NAME = "diffusion-grpo"
 APP = Path(__file__).resolve().parent
@@ -71,6 +71,10 @@ class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
     manifest: str = "examples/data/ocr/train.txt"  # OCR prompts, one per line (Flow-GRPO format), or a
     # save_to_disk directory / cached Hub id with a `prompt` (or `text`) column
     eval_manifest: str = "examples/data/ocr/test.txt"
+    preferences: str = ""
+    """train.method = "dpo": the preference pairs (prompt, chosen, rejected: two images, or two videos for
+    wan and cosmos), a .jsonl or .parquet file (media paths relative to it) or a dataset, as
+    `rl_data.read_preferences` reads them (Pick-a-Pic's columns too); data.manifest is then unused."""
 
 
 class SamplingConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -138,7 +142,7 @@ class RewardConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class TrainConfig(RunFields, kw_only=True, frozen=True):
-    method: Literal["grpo", "nft"] = "grpo"
+    method: Literal["grpo", "nft", "dpo"] = "grpo"
     """`grpo`: Flow-GRPO (with the SDE windows of Flow-GRPO-Fast and MixGRPO): a PPO ratio on the
     SDE sampler's per-step log-probabilities. `nft`: DiffusionNFT (Zheng et al. 2025), negative-aware fine-tuning on the
     forward process: the clean images of any sampler (sampling.kind = "ode" is its choice, CFG-free)
@@ -146,7 +150,9 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     policy, weighted by the reward; an old policy, moved towards the trained one after each epoch
     ([nft] table), samples. Choose `nft` for a deterministic or few-step sampler, no CFG and no
     log-probabilities (its paper reports up to 25x Flow-GRPO's efficiency); it needs a flow family
-    (sd3, wan, cosmos) and no Ray workers, FSDP2 or asynchronous rollouts (README: DiffusionNFT)."""
+    (sd3, wan, cosmos) and no Ray workers, FSDP2 or asynchronous rollouts (README: DiffusionNFT). `dpo`:
+    Diffusion-DPO, offline: each step trains rollout.groups_per_epoch pairs of data.preferences ([dpo] table;
+    the reward only scores the evals); same needs as nft."""
     epochs: Positive = 100_000  # one epoch is one step of the trainer loop
     lr: PositiveFloat = 3e-4
     weight_decay: NonNegativeFloat = 1e-4
@@ -241,6 +247,15 @@ class NFTConfig(msgspec.Struct, kw_only=True, frozen=True):
     max) (`rl_core.flow.compute_nft_decay`; upstream decay_type 1: 0.5; 2: 0.999)."""
 
 
+class DPOConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Knobs of train.method = "dpo" only (train.timestep_fraction x sampling.num_steps is how many of
+    the sampler's noise levels each pair is trained at, a level and a noise shared by its two members)."""
+
+    beta: PositiveFloat = 500.0
+    """The loss's whole factor on the margin of velocity errors (`rl_core.flow.compute_flow_dpo_loss`):
+    larger trusts the pairs more and drifts further from the reference; tune it per model."""
+
+
 class JanusConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Knobs of the `janus` family only (sampling.guidance_scale is the CFG weight, 5 in Janus-Pro;
     sampling.resolution must be the checkpoint's image size, 384 for Janus-Pro)."""
@@ -272,6 +287,7 @@ class Config(AppConfig, kw_only=True, frozen=True):
     algo: AlgoConfig = AlgoConfig()
     eval: EvalConfig = EvalConfig()
     nft: NFTConfig = NFTConfig()
+    dpo: DPOConfig = DPOConfig()
     janus: JanusConfig = JanusConfig()
 
 
@@ -284,7 +300,7 @@ def check_config(cfg: Config, world_size: int) -> None:
     m, r, t = cfg.model, cfg.rollout, cfg.train
     images = r.groups_per_epoch // world_size * r.n  # per process
     refused = [
-        (r.n < 2, f"rollout.n={r.n}: GRPO compares the images of one prompt with each other and needs rollout.n >= 2"),
+        (r.n < 2 and t.method != "dpo", f"rollout.n={r.n}: GRPO compares the images of one prompt with each other and needs rollout.n >= 2"),
         (m.family == "janus" and r.workers > 0, f"rollout.workers={r.workers}: Ray rollout workers serve the sd3, "
          "wan and cosmos families; set rollout.workers=0 for model.family='janus'"),
         (m.family == "janus" and t.sharding != "none", f"train.sharding={t.sharding!r} shards a diffusion transformer; "
@@ -357,8 +373,9 @@ def nft_problems(cfg: Config) -> list[tuple[bool, str]]:
     if t.method == "grpo":
         return [(s.kind == "ode", "sampling.kind='ode' samples no log-probability: train.method='grpo' needs 'sde' or "
                  "'cps' (or choose train.method='nft', which trains on the clean images of any sampler)")]
-    why = "train.method='nft' (DiffusionNFT)"
+    why = "train.method='nft' (DiffusionNFT)" if t.method == "nft" else "train.method='dpo' (Diffusion-DPO)"
     return [
+        (t.method == "dpo" and not cfg.data.preferences, f"{why} trains on preference pairs: set data.preferences"),
         (cfg.model.family == "janus", f"{why} trains a flow model's velocity: model.family='janus' samples tokens; "
          "set train.method='grpo'"),
         (t.max_staleness > 0, f"train.max_staleness={t.max_staleness}: {why} samples with its old policy, which "
@@ -367,7 +384,7 @@ def nft_problems(cfg: Config) -> list[tuple[bool, str]]:
          "set rollout.workers=0"),
         (t.sharding != "none", f"train.sharding={t.sharding!r}: {why} keeps an unsharded old policy; set "
          "train.sharding='none'"),
-        (s.guidance_scale > 1, f"sampling.guidance_scale={s.guidance_scale}: {why} is CFG-free (it trains the "
+        (s.guidance_scale > 1 and t.method == "nft", f"sampling.guidance_scale={s.guidance_scale}: {why} is CFG-free (it trains the "
          "conditional velocity its samples came from); set sampling.guidance_scale=1"),
         (t.zero_adv != "drop", f"train.zero_adv={t.zero_adv!r} picks GRPO's images: {why} trains every scored image "
          "(advantage 0 is r = 0.5); leave train.zero_adv='drop'"),
@@ -443,6 +460,24 @@ def read_prompts(source: str, key: str) -> list[OCRPrompt]:
     if not prompts:
         raise UserError(f"{key}={source!r} holds no prompt: give a manifest with one prompt per line")
     return prompts
+
+
+def read_pairs(source: str, *, video: bool) -> list[PreferenceRecord]:
+    """The preference pairs of `data.preferences`, all images (video: all videos); a missing or
+    empty source, a bad row or a pair of the other kind is a `UserError` naming the row."""
+    from rl_data import read_preferences
+
+    try:
+        pairs = list(read_preferences(resolve_path(source, REPO)))
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"data.preferences: {e}") from None
+    if not pairs:
+        raise UserError(f"data.preferences={source!r} holds no pair")
+    for i, pair in enumerate(pairs):
+        if pair.media != ("video" if video else "image"):
+            raise UserError(f"data.preferences={source!r}, row {i + 1}: a pair of {pair.media}s, but this family "
+                            f"trains on {'videos' if video else 'images'}")
+    return pairs
 
 
 def reward_spec(cfg: RewardConfig, *, tiny: bool, video: bool = False) -> RewardSpec:

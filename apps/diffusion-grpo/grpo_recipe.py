@@ -9,8 +9,9 @@ A step is an epoch: `rollout.groups_per_epoch` prompts x `rollout.n` images (SDE
 log-probs kept) -> reward -> GRPO advantages -> update (`plan_micro_batches`; the stored steps
 replayed: `ppo_clip` + beta x flow KL to the LoRA-disabled model, AdamW, EMA) -> log ->
 checkpoint -> eval (ODE, EMA weights, fixed seeds, contact sheet). The families (sd3, wan,
-cosmos, janus) are families.py's; `train.method = "nft"` is nft.py's update. `__main__.py` reads
-the command line and the config (`grpo_config.py`) before this module and torch load.
+cosmos, janus) are families.py's; `train.method = "nft"` and `"dpo"` (a step is
+`rollout.groups_per_epoch` preference pairs, not samples) are `rl_policy.flow_update`'s updates.
+`__main__.py` reads the command line and the config (`grpo_config.py`) before this module and torch load.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import torch
-from families import FAMILIES, SD3, Family, whole_weights
+from families import FAMILIES, SD3, Family, OldPolicy, whole_weights
 from grpo_config import (
     DEFAULT_CONFIG,
     ENV,
@@ -33,14 +35,14 @@ from grpo_config import (
     Config,
     TrainConfig,
     check_config,
+    read_pairs,
     read_prompts,
     reward_spec,
     window_range,
 )
-from nft import nft_update
 from peft import PeftModel
 
-from rl_core.flow import compute_sde_window
+from rl_core.flow import compute_nft_decay, compute_sde_window
 from rl_core.train import (
     Checkpoint,
     GroupAdvantages,
@@ -53,6 +55,7 @@ from rl_core.train import (
     Schedule,
     Scores,
     TrainableState,
+    UserError,
     all_frames,
     chunked_steps,
     component_means,
@@ -68,8 +71,9 @@ from rl_core.train import (
     to_media,
     zero_std_fraction,
 )
-from rl_data import GroupSampler, OCRPrompt
+from rl_data import GroupSampler, OCRPrompt, PreferenceRecord, load_pixels
 from rl_models import tiny
+from rl_policy.flow_update import PreferenceBatch, dpo_update, encode_pairs, nft_update
 from rl_policy.lora_weights import LoraPolicyWeights, export_adapters
 from rl_rewards import Sample, Scorer, build_reward
 from rl_rewards.client import RemoteScorer
@@ -87,14 +91,15 @@ class State:
     weights: dict[str, float]  # the reward's component weights, for algo.reward_aggregation=normalize_then_sum
     prompts: list[OCRPrompt]
     eval_prompts: list[OCRPrompt]
-    sampler: GroupSampler
+    sampler: GroupSampler  # over the prompts, or (train.method = "dpo") the pairs
+    pairs: list[PreferenceRecord]  # train.method = "dpo": data.preferences
 
 
 @dataclass(frozen=True)
 class Batch:
     """One step's rollouts on this process, in sampled batches of `rollout.sample_batch_size`."""
 
-    samples: Sequence[ImageSamples]  # sd3: `Trajectory`, janus: `ImageRollout`
+    samples: Sequence[ImageSamples] | Sequence[PreferenceBatch]  # sd3: `Trajectory`, janus: `ImageRollout`
     records: list[OCRPrompt]  # one per image, in sample order
     group_ids: torch.Tensor  # [N] global group index
     images: list[Media]  # one per sample: an image, or a video's frames (model.family = "wan")
@@ -111,14 +116,17 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         check_config(cfg, world_size)
 
     def setup(self, cfg: Config, run: RunContext) -> State:
-        prompts = read_prompts(cfg.data.manifest, "data.manifest")  # empty or bad data: stopped before any model loads
+        dpo = cfg.train.method == "dpo"  # empty or bad data: stopped before any model loads
+        prompts = [] if dpo else read_prompts(cfg.data.manifest, "data.manifest")
+        pairs = read_pairs(cfg.data.preferences, video=cfg.model.family in VIDEO) if dpo else []
         eval_prompts = read_prompts(cfg.data.eval_manifest, "data.eval_manifest")[: cfg.eval.max_prompts]
         family = FAMILIES[cfg.model.family](cfg, run.accelerator, str(tiny.resolve(cfg.model.path)))
-        sampler = GroupSampler(len(prompts), cfg.rollout.n, seed=cfg.train.seed, rank=run.rank, world_size=run.world_size)
+        sampler = GroupSampler(len(pairs) if dpo else len(prompts), 1 if dpo else cfg.rollout.n, seed=cfg.train.seed,
+                               rank=run.rank, world_size=run.world_size)
         reward = RemoteScorer(cfg.reward.url, cfg.reward.server_reward) if cfg.reward.url else build_reward(
             reward_spec(cfg.reward, tiny=cfg.model.path.startswith("tiny:"), video=cfg.model.family in VIDEO))
         weights = component_weights(reward, cfg.algo.reward_aggregation)
-        return State(cfg, run, family, family.ema, reward, weights, prompts, eval_prompts, sampler)
+        return State(cfg, run, family, family.ema, reward, weights, prompts, eval_prompts, sampler, pairs)
 
     def policy(self, state: State) -> LoraPolicyWeights:
         return state.family.weights
@@ -153,6 +161,8 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         cfg, run, epoch = state.cfg, state.run, step - 1
         n, size, world = cfg.rollout.n, cfg.rollout.sample_batch_size, run.world_size
         groups = cfg.rollout.groups_per_epoch // world
+        if cfg.train.method == "dpo":
+            return self.read_pairs(state, groups)
         records = [state.prompts[next(iter(state.sampler))] for _ in range(groups * n)]
         seeds = [sample_seed(cfg.train.seed, epoch, sample_index(i, n, world, run.rank)) for i in range(len(records))]
         batches = [SampleBatch(tuple(r.prompt for r in records[i:i + size]), seeds=tuple(seeds[i:i + size]),
@@ -162,6 +172,28 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         images = [image for s in samples for image in to_media(s.images)]
         return Batch(samples, records, torch.arange(len(records)) // n + run.rank * groups, images)
 
+    def read_pairs(self, state: State, count: int) -> Batch:
+        """train.method = "dpo": this process's `count` pairs of the step, decoded at the sampling
+        size (a video family: `sampling.num_frames` frames) and VAE-encoded; pair p of rank r is
+        the (p x world + r)-th of the step (its noise)."""
+        s, run, video = state.cfg.sampling, state.run, state.cfg.model.family in VIDEO
+        records = [state.pairs[next(iter(state.sampler))] for _ in range(count)]
+        places = torch.tensor([sample_index(p, 1, run.world_size, run.rank) for p in range(count)])  # [count]
+
+        def pixels(sources: list[Any]) -> torch.Tensor:  # [b, 3, H, W] or [b, F, 3, H, W] in [0, 1]
+            try:
+                arrays = [load_pixels(x, size=s.resolution, num_frames=s.num_frames if video else None) for x in sources]
+            except (OSError, ValueError) as e:  # unreadable, or a clip shorter than sampling.num_frames
+                raise UserError(f"data.preferences: {e}") from None
+            return torch.from_numpy(np.stack(arrays)).movedim(-1, -3).float() / 255
+
+        size, engine = state.cfg.rollout.sample_batch_size, cast(SD3, state.family).engine
+        batches = [encode_pairs(engine, [r.prompt for r in part], pixels([r.chosen for r in part]),
+                                pixels([r.rejected for r in part]), places[i:i + size],
+                                max_sequence_length=s.max_sequence_length)
+                   for i in range(0, count, size) for part in [records[i:i + size]]]
+        return Batch(batches, [], torch.arange(count) + run.rank * count, [])
+
     def prepare(self, state: State, step: int, sampled: Batch) -> Batch:
         """The trajectories need nothing more: their log-probs, the sampling weights', are the PPO
         ratio's old ones (Flow-GRPO's), so the ratio corrects the staleness. The first replay is
@@ -170,6 +202,9 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
 
     def score(self, state: State, step: int, batch: Batch) -> Scores:
         run = state.run
+        if state.cfg.train.method == "dpo":  # a pair's rewards are its labels: 1 chosen, 0 rejected
+            return Scores(torch.tensor([1.0, 0.0]).repeat(len(batch.group_ids)), batch.group_ids.repeat_interleave(2),
+                          "grpo")
         files = run.run_dir / "rollouts" / f"step_{step}" / f"rank_{run.rank}" if state.cfg.reward.url else None
         rewards, components = score_images(state.reward, batch.images, batch.records, files=files, send_paths=True)
         run.samples.write("train", step, [{"prompt": r.prompt, "target": r.target, "reward": v}
@@ -182,13 +217,13 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
     def update(self, state: State, step: int, batch: Batch, advantages: GroupAdvantages) -> dict[str, float]:
         t, run, f, adv, acc = state.cfg.train, state.run, state.family, advantages.advantages, state.run.accelerator
         metrics = {**(f.full.pop_metrics() if f.full else {})}
-        sizes = [len(s.prompts) for s in batch.samples]
-        if t.method == "nft":  # every scored image trains, whatever its advantage (0 is r = 1/2)
-            return metrics | self.nft(state, step, batch, advantages, sizes)
+        sizes = [len(s) if isinstance(s, PreferenceBatch) else len(s.prompts) for s in batch.samples]
+        if t.method != "grpo":  # nft: every scored image trains, whatever its advantage (0 is r = 1/2); dpo: every pair
+            return metrics | self.flow_update(state, step, batch, advantages, sizes)
         if not acc.reduce(torch.tensor(float((adv != 0).sum()), device=acc.device), reduction="sum").item():
             return metrics  # every group scored its images alike: no signal, no update
         plan = plan_micro_batches(t, acc, sizes, adv, step - 1)
-        job = f.replays(batch.samples, adv.split(sizes), plan)
+        job = f.replays(cast(Sequence[ImageSamples], batch.samples), adv.split(sizes), plan)
         # stale rollouts (older weights sampled them): the first replay's |log ratio| is logged, not checked
         tolerance = job.tolerance if batch.on_policy or job.tolerance is None else math.inf
         metrics |= replay_update(
@@ -204,18 +239,30 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
                         "replay/last_step": max(every)}
         return metrics | {"adv/trained_samples": replay_plan.trained_samples(plan, acc)}
 
-    def nft(self, state: State, step: int, batch: Batch, advantages: GroupAdvantages,
+    def flow_update(self, state: State, step: int, batch: Batch, advantages: GroupAdvantages,
             sizes: list[int]) -> dict[str, float]:
-        """DiffusionNFT's update (`nft.py`) over the scored images, in micro-batches as `drop` plans them."""
-        run, t = state.run, state.cfg.train
-        n, world = state.cfg.rollout.n, run.world_size
-        plan = chunked_steps(run.accelerator, sizes, advantages.valid.nonzero().flatten(),
-                             micro_batch_size=t.micro_batch_size, accumulation=t.gradient_accumulation_steps)
+        """DiffusionNFT's update over the scored images, or Diffusion-DPO's over the pairs
+        (`rl_policy.flow_update`), in micro-batches as `drop` plans them."""
+        cfg, run, t, f = state.cfg, state.run, state.cfg.train, cast(SD3, state.family)
+        rows = torch.arange(sum(sizes)) if t.method == "dpo" else advantages.valid.nonzero().flatten()
+        plan = chunked_steps(run.accelerator, sizes, rows, micro_batch_size=t.micro_batch_size,
+                             accumulation=t.gradient_accumulation_steps)
+        count, options = int(cfg.sampling.num_steps * t.timestep_fraction), {"seed": t.seed, "epoch": step - 1}
+        trained = {"adv/trained_samples": replay_plan.trained_samples(plan, run.accelerator)}
+        if t.method == "dpo":
+            return trained | dpo_update(run.accelerator, run.guard, f, cast(Sequence[PreferenceBatch], batch.samples),
+                                        plan, num_steps=cfg.sampling.num_steps, count=count, beta=cfg.dpo.beta,
+                                        grad_clip=t.grad_clip, **options)
+        n, world, old = cfg.rollout.n, run.world_size, cast(OldPolicy, f.old)  # built by SD3 for train.method = "nft"
         places = torch.tensor([sample_index(i, n, world, run.rank) for i in range(sum(sizes))])  # [N]
-        metrics = nft_update(state.cfg, run.accelerator, run.guard, cast(SD3, state.family),
-                             cast(Sequence[Trajectory], batch.samples),
-                             advantages.advantages.split(sizes), places.split(sizes), plan, epoch=step - 1)
-        return metrics | {"adv/trained_samples": replay_plan.trained_samples(plan, run.accelerator)}
+        metrics = nft_update(run.accelerator, run.guard, f, old.engine, cast(Sequence[Trajectory], batch.samples),
+                             advantages.advantages.split(sizes), places.split(sizes), plan, count=count,
+                             beta=cfg.nft.beta, adv_clip=t.adv_clip, kl_beta=cfg.algo.kl_coef, grad_clip=t.grad_clip,
+                             **options)
+        decay = compute_nft_decay(f.weights.steps, start=cfg.nft.old_decay_start, rate=cfg.nft.old_decay_rate,
+                                  limit=cfg.nft.old_decay_max)  # scheduled by the optimizer steps taken so far
+        old.move_towards(decay)
+        return trained | metrics | {"nft/old_decay": decay}
 
     def evaluate(self, state: State, step: int) -> dict[str, float]:
         """Fixed prompts and seeds, EMA weights (`eval.use_ema`), on the main process; writes

@@ -314,6 +314,54 @@ def make_preference(out: Path) -> None:
     _write_jsonl(out / "preference" / "pairs.jsonl", rows)
 
 
+def _shapes_image(rng: random.Random, shift: int = 0) -> Image.Image:
+    """A 32x32 picture of two shapes in mid-tone colours on a mid-grey background, moved `shift` px right."""
+    image = Image.new("RGB", (PREFERENCE_SIZE, PREFERENCE_SIZE), (128, 128, 128))
+    draw = ImageDraw.Draw(image)
+    for _ in range(2):
+        x, y, side = rng.randrange(0, 16), rng.randrange(0, 16), rng.randrange(8, 16)
+        colour = tuple(rng.randrange(64, 192) for _ in range(3))
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)((x + shift, y, x + shift + side, y + side), fill=colour)
+    return image
+
+
+def _lighter(image: Image.Image, towards: int) -> Image.Image:
+    """Half-way from `image` to a plain `towards` grey level (255: lighter, 0: darker)."""
+    return Image.blend(image, Image.new("RGB", image.size, (towards,) * 3), 0.5)
+
+
+def make_brightness_pairs(out: Path) -> None:
+    """Diffusion-DPO pairs that differ only in brightness, for the tiny models' brightness reward: 16
+    image pairs (PNGs) for the first 16 OCR training prompts, 8 video pairs (5-frame GIFs, shapes
+    moving right) for the first 8; the chosen member is the lighter copy of one picture."""
+    root = out / "preference" / "brightness"
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    (root / "videos").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(SEED + 1)  # its own draws: the files above stay as they were
+    prompts = (out / "ocr" / "train.txt").read_text(encoding="utf-8").splitlines()
+    images, videos = [], []
+    for i, prompt in enumerate(prompts[:16]):
+        picture = _shapes_image(rng)
+        for kind, level in (("chosen", 255), ("rejected", 0)):
+            _lighter(picture, level).save(root / "images" / f"{i:02d}_{kind}.png", optimize=True)
+        images.append({"prompt": prompt, "chosen": f"images/{i:02d}_chosen.png",
+                       "rejected": f"images/{i:02d}_rejected.png", "id": i})
+    for i, prompt in enumerate(prompts[:8]):
+        state = rng.getstate()
+        frames = []
+        for t in range(5):
+            rng.setstate(state)  # the same shapes in every frame, moved 2 px a frame
+            frames.append(_shapes_image(rng, shift=2 * t))
+        for kind, level in (("chosen", 255), ("rejected", 0)):
+            clip = [_lighter(frame, level) for frame in frames]
+            clip[0].save(root / "videos" / f"{i:02d}_{kind}.gif", save_all=True, append_images=clip[1:],
+                         duration=125, loop=0)
+        videos.append({"prompt": prompt, "chosen": f"videos/{i:02d}_chosen.gif",
+                       "rejected": f"videos/{i:02d}_rejected.gif", "id": i})
+    _write_jsonl(root / "images.jsonl", images)
+    _write_jsonl(root / "videos.jsonl", videos)
+
+
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
     text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
     path.write_text(text, encoding="utf-8")
@@ -331,6 +379,7 @@ def main() -> None:
     make_rider(out)
     make_prompts(out)
     make_preference(out)
+    make_brightness_pairs(out)
 
 
 if __name__ == "__main__":

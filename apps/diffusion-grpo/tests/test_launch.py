@@ -5,12 +5,14 @@ FSDP2 over the two; gradient accumulation over micro-batches = one micro-batch; 
 from a sharded checkpoint = the uninterrupted run. A sample's noise depends on its place in the
 epoch, not on the process count, so the runs draw the same images. `nft` is the sd3 family
 trained with DiffusionNFT (train.method = "nft": the ODE sampler, CFG-free; its noise levels and
-forward noise are drawn per image place too)."""
+forward noise are drawn per image place too); `dpo` with Diffusion-DPO on preference pairs (a
+pair's noise is drawn per pair place)."""
 
 from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -30,10 +32,12 @@ DEAD = {"sd3": "transformer_blocks.1.attn.add_q_proj.lora_B", "janus": "<none>",
 PINNED = {"sd3": {"reward/mean": 0.4753916, "grad_norm": 0.0041585},
           "janus": {"reward/mean": 0.4778249, "grad_norm": 0.2675242},
           "nft": {"reward/mean": 0.4761269, "grad_norm": 0.0049915},
-          "wan": {"reward/mean": 0.4932198, "grad_norm": 0.0327566}}
+          "wan": {"reward/mean": 0.4932198, "grad_norm": 0.0327566},
+          "dpo": {"reward/mean": 0.5, "grad_norm": 11.6938601}}  # dpo: its labels' mean (1 chosen, 0 rejected)
 # what a run is: its family and overrides (`nft`: sd3 with DiffusionNFT)
 RUNS = {"sd3": ("sd3", ()), "janus": ("janus", ()), "wan": ("wan", ()),
-        "nft": ("sd3", ("train.method=nft", "sampling.kind=ode", "sampling.guidance_scale=1"))}
+        "nft": ("sd3", ("train.method=nft", "sampling.kind=ode", "sampling.guidance_scale=1")),
+        "dpo": ("sd3", ("train.method=dpo", "data.preferences=examples/data/preference/brightness/images.jsonl"))}
 
 
 def rows(run: Path) -> list[dict[str, str]]:
@@ -55,7 +59,7 @@ ONE_EPOCH = ("train.epochs=1", "train.save_freq=1", "algo.kl_coef=0.04")
 # per-place draws and global unit counts, and its accumulation case runs in the default suite
 @pytest.mark.parametrize(("run", "sharding"), [("sd3", "none"), pytest.param("sd3", "fsdp2", marks=pytest.mark.slow),
                                                ("janus", "none"), pytest.param("nft", "none", marks=pytest.mark.slow),
-                                               ("wan", "fsdp2")])
+                                               ("dpo", "none"), ("wan", "fsdp2")])
 def test_two_processes_equal_one_process_with_twice_the_batch(app, tmp_path: Path, run: str, sharding: str) -> None:
     """`fsdp2`: launched with examples/diffusion-grpo/accelerate/fsdp2_1node.yaml, which Accelerate
     does not turn on on a CPU but the app does (FSDP2 on gloo): the transformer sharded over the two
@@ -78,9 +82,12 @@ def test_two_processes_equal_one_process_with_twice_the_batch(app, tmp_path: Pat
     assert float(a["optimizer_steps"]) == float(b["optimizer_steps"]) == 1
     assert float(a["reward/mean"]) == pytest.approx(PINNED[run]["reward/mean"], abs=2e-6)
     assert float(a["grad_norm"]) == pytest.approx(PINNED[run]["grad_norm"], rel=1e-3)
-    for key in ("reward/mean", "reward/std", "adv/std", "loss/total", "loss/kl", "grad_norm"):
+    keys = ("dpo/chosen_error", "dpo/rejected_error") if run == "dpo" else ("reward/std", "adv/std", "loss/kl")
+    for key in ("reward/mean", "loss/total", "grad_norm", *keys):
         assert float(b[key]) == pytest.approx(float(a[key]), rel=1e-4, abs=1e-6), (key, a[key], b[key])
-    if run == "nft":  # the old policy moved alike (decay 0.001 after the one step)
+    if run == "dpo":  # the fresh LoRA is the reference: every margin 0, every pair's loss log 2
+        assert float(a["loss/total"]) == pytest.approx(math.log(2), abs=1e-6)
+    elif run == "nft":  # the old policy moved alike (decay 0.001 after the one step)
         assert float(b["nft/old_decay"]) == float(a["nft/old_decay"]) == 0.001
     else:
         assert float(b["replay/engine_diff_max"]) == 0.0  # replay bit-exact on each rank
@@ -94,9 +101,10 @@ def test_two_processes_equal_one_process_with_twice_the_batch(app, tmp_path: Pat
         assert (two / "checkpoints" / "checkpoint-1" / "sharded" / ".metadata").is_file()
 
 
-@pytest.mark.parametrize("run", ["sd3", "janus", "nft"])
+@pytest.mark.parametrize("run", ["sd3", "janus", "nft", "dpo"])
 def test_gradient_accumulation_equals_one_micro_batch(app, tmp_path: Path, run: str) -> None:
     family, extra = RUNS[run]
+    extra = (*extra, "rollout.groups_per_epoch=8") if run == "dpo" else extra  # 8 pairs, as the others' 8 images
     big = train(app, tiny_config(app, family, tmp_path / "big", *ONE_EPOCH, *extra, "rollout.sample_batch_size=8",
                                 "train.micro_batch_size=8", "train.gradient_accumulation_steps=1"))
     small = train(app, tiny_config(app, family, tmp_path / "small", *ONE_EPOCH, *extra, "rollout.sample_batch_size=8",
@@ -108,7 +116,7 @@ def test_gradient_accumulation_equals_one_micro_batch(app, tmp_path: Path, run: 
     # replays of 2 rows vs 8 rows round differently on the CPU: float tolerance. Adam's first step
     # is lr * g / (|g| + 1e-8), so a gradient entry near 1e-8 turns last-bit noise into ~1% of lr
     # (janus: one LoRA entry moves 3.8e-6 of its 3e-4 step)
-    atol = {"sd3": 2e-6, "janus": 1e-5, "nft": 2e-6}[run]
+    atol = {"sd3": 2e-6, "janus": 1e-5, "nft": 2e-6, "dpo": 2e-6}[run]
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], atol=atol, rtol=0, msg=k)
 

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image, ImageChops
 
-from rl_data.media import load_image, sample_video
+from rl_data.media import load_image, load_pixels, sample_video
 from rl_data.readers import (
     read_caption_qa,
     read_judge_records,
@@ -80,6 +80,22 @@ def test_preference_pairs_chosen_matches_the_prompt():
     # the yellow square's left edge (least blue column) moves right in the chosen clip
     assert [int(f[16, :, 2].argmin()) for f in chosen.frames] == [0, 5, 10, 16]
     assert [int(f[16, :, 2].argmin()) for f in rejected.frames] == [16, 10, 5, 0]
+
+
+def test_brightness_pairs_differ_only_in_brightness():
+    """preference/brightness: 16 image pairs for the first 16 OCR prompts, 8 video pairs; the chosen
+    member is the lighter copy of one picture (half-way to white; the rejected half-way to black)."""
+    prompts = (DATA / "ocr" / "train.txt").read_text().splitlines()
+    images = list(read_preferences(DATA / "preference" / "brightness" / "images.jsonl"))
+    videos = list(read_preferences(DATA / "preference" / "brightness" / "videos.jsonl"))
+    assert [p.prompt for p in images] == prompts[:16] and [p.prompt for p in videos] == prompts[:8]
+    assert {p.media for p in images} == {"image"} and {p.media for p in videos} == {"video"}
+    for pair in images:
+        chosen, rejected = (load_pixels(x, size=32).astype(int) for x in (pair.chosen, pair.rejected))
+        assert (abs(chosen - rejected - 127.5) <= 1).all()  # (x + 255) / 2 and x / 2 of one picture x
+    chosen = load_pixels(videos[0].chosen, size=32, num_frames=5)
+    assert chosen.shape == (5, 32, 32, 3) and chosen.mean() > 160 > 96 > load_pixels(
+        videos[0].rejected, size=32, num_frames=5).mean()
 
 
 def test_total_size_is_small():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from rl_data.media import load_image, sample_video, select_frame_indices
+from rl_data.media import load_image, load_pixels, sample_video, select_frame_indices
 from rl_data.records import ImageSource
 
 W, H, FPS, SECONDS = 64, 48, 10, 3  # 30 frames; frame i is filled with grey level 8 * i
@@ -183,3 +183,22 @@ def test_chat_messages_refuse_extra_markers_and_a_prompt_without_a_user_turn():
         chat_messages([ChatMessage("user", "<image>\n<image>\nBoth?")], one, [], fps=2, max_frames=2, max_pixels=64)
     with pytest.raises(ValueError, match="no user turn"):
         chat_messages([ChatMessage("system", "<image> Describe.")], one, [], fps=2, max_frames=2, max_pixels=64)
+
+
+def test_load_pixels_fits_the_centre_square_and_spaces_video_frames(tmp_path, clip):
+    """An image: its centre square resized (a 40x20 picture whose left and right 10 columns are
+    red, the middle blue, gives a blue 8x8, only its edge columns tinted by the filter); a video: `num_frames` evenly spaced frames,
+    first and last kept, from an MP4 (PyAV) or a GIF (Pillow); too few frames are refused."""
+    wide = Image.new("RGB", (40, 20), (255, 0, 0))
+    wide.paste((0, 0, 255), (10, 0, 30, 20))
+    wide.save(tmp_path / "wide.png")
+    square = load_pixels(tmp_path / "wide.png", size=8).astype(int)  # [8, 8, 3]
+    assert square.shape == (8, 8, 3) and (square[:, 2:6] == (0, 0, 255)).all() and square[..., 0].mean() < 40
+    picked = load_pixels(clip, size=16, num_frames=3)  # of the clip's 30 frames: 0, round(14.5) = 14, 29
+    assert picked.shape == (3, 16, 16, 3)  # the codec shifts a grey level by up to 8 (frame 14 decodes as 13.4)
+    assert np.abs(np.array(_grey_index(picked)) - [0, 14, 29]).max() <= 1
+    frames = [Image.new("RGB", (6, 6), (v, v, v)) for v in (0, 50, 100, 150, 200)]
+    frames[0].save(tmp_path / "grey.gif", save_all=True, append_images=frames[1:], duration=100)
+    assert load_pixels(tmp_path / "grey.gif", size=4, num_frames=3)[:, 0, 0, 0].tolist() == [0, 100, 200]
+    with pytest.raises(ValueError, match=r"grey\.gif has 5 frames; 6 are needed"):
+        load_pixels(tmp_path / "grey.gif", size=4, num_frames=6)

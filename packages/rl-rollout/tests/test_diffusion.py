@@ -376,3 +376,17 @@ def test_pack_rows_joins_the_rows_of_one_schedule_and_replays_what_each_batch_do
         apart = torch.cat([engine.replay(a, 1, rows=torch.tensor([0, 1])).log_prob,
                            engine.replay(b, 1, rows=torch.tensor([1])).log_prob])  # [3]
     torch.testing.assert_close(replayed, apart, atol=1e-5, rtol=1e-5)
+
+
+def test_encoded_pixels_are_the_latents_decode_reads(engine: DiffusionEngine) -> None:
+    """`encode_pixels` is `decode`'s inverse scaling: decoding its latents gives the VAE's own
+    round trip (encode's mode, decode, in raw units), and its latents have the sampler's shape."""
+    images = engine.sample(PROMPTS, num_steps=2, guidance_scale=1.0, height=SIZE, width=SIZE, kind="ode",
+                           seeds=[1, 2]).images  # [2, 3, H, W]
+    latents = engine.encode_pixels(images)
+    assert latents.shape == engine.initial_noise(2, SIZE, SIZE, [torch.Generator()] * 2).shape
+    vae = engine.pipeline.vae
+    with torch.no_grad():
+        raw = vae.decode(vae.encode(images * 2 - 1).latent_dist.mode()).sample / 2 + 0.5  # [2, 3, H, W]
+    torch.testing.assert_close(engine.decode(latents), raw.clamp(0, 1), atol=1e-5, rtol=0)
+    assert torch.equal(engine.encode_pixels(images), latents)

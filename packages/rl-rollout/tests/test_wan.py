@@ -72,3 +72,15 @@ def test_bad_frame_counts_and_sizes_are_named() -> None:
         WanEngine.from_pretrained(path, num_frames=6)
     with pytest.raises(ValueError, match="multiples of 16"):
         WanEngine.from_pretrained(path, num_frames=1).sample(["x"], height=24, width=32, num_steps=1)
+
+
+def test_encoded_frames_are_the_latents_decode_reads(engine: WanEngine) -> None:
+    """`encode_pixels` of frames `[B, F, 3, H, W]` gives normalised latents of the sampler's shape
+    whose decode is the Wan VAE's own round trip (its per-channel mean and std cancel)."""
+    frames = _sample(engine, num_steps=2, kind="ode").images  # [2, F, 3, H, W]
+    latents = engine.encode_pixels(frames)
+    assert latents.shape == engine.initial_noise(2, SIZE, SIZE, [torch.Generator()] * 2).shape
+    vae = engine.pipeline.vae
+    with torch.no_grad():
+        raw = vae.decode(vae.encode(frames.transpose(1, 2) * 2 - 1).latent_dist.mode()).sample  # [2, 3, F, H, W]
+    torch.testing.assert_close(engine.decode(latents), (raw / 2 + 0.5).clamp(0, 1).transpose(1, 2), atol=1e-5, rtol=0)

@@ -27,11 +27,13 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, ImageSequence, UnidentifiedImageError
 
 from rl_data.records import ChatMessage, ImageSource
 
-__all__ = ["VideoFrames", "chat_messages", "fit_image", "load_image", "sample_video", "select_frame_indices"]
+__all__ = [
+    "VideoFrames", "chat_messages", "fit_image", "load_image", "load_pixels", "sample_video", "select_frame_indices",
+]
 
 MEDIA_MARKER = re.compile(r"<(image|video)>\n?")
 
@@ -217,6 +219,30 @@ def _decode_frames(path: Path, indices: list[int], max_pixels: int | None) -> li
             if i >= last:
                 break
     return frames
+
+
+def load_pixels(source: str | Path | bytes | ImageSource, *, size: int, num_frames: int | None = None,
+                root: str | Path | None = None) -> np.ndarray:
+    """An image or a video as a square-frame model's input (a diffusion model's training pairs):
+    the centre square of each frame resized to ``size`` x ``size``. An image gives ``[size, size, 3]``
+    uint8 RGB; with ``num_frames`` the source is a video (an animated GIF through Pillow, anything
+    else through PyAV) and gives ``[num_frames, size, size, 3]``, that many frames evenly spaced
+    over the video, first and last kept. A video with fewer frames is a ValueError naming it."""
+    def fit(image: Image.Image) -> np.ndarray:
+        return np.asarray(ImageOps.fit(image.convert("RGB"), (size, size), Image.Resampling.BICUBIC))
+
+    if num_frames is None:
+        return fit(load_image(source, root=root))
+    path = _resolve(str(source), root)
+    if path.suffix.lower() == ".gif":
+        with Image.open(path) as gif:
+            frames = [frame.convert("RGB") for frame in ImageSequence.Iterator(gif)]
+    else:
+        frames = sample_video(path, fps=1000.0, max_frames=None).to_pil()  # every frame
+    if len(frames) < num_frames:
+        raise ValueError(f"video {path} has {len(frames)} frames; {num_frames} are needed")
+    keep = np.linspace(0, len(frames) - 1, num_frames).round().astype(int)  # [num_frames]
+    return np.stack([fit(frames[i]) for i in keep])  # [F, size, size, 3]
 
 
 def fit_image(image: Image.Image, max_pixels: int) -> Image.Image:

@@ -59,7 +59,7 @@ from torch import Tensor
 from rl_models.loading import resolve_dtype
 from rl_rollout.diffusion import DiffusionEngine, PromptEmbeddings
 from rl_rollout.fp8 import Precision
-from rl_rollout.wan import decode_video, video_noise, video_tokens
+from rl_rollout.wan import decode_video, encode_video, video_noise, video_tokens
 
 try:  # the defining module: `diffusers.Cosmos2_5_PredictBasePipeline` reads as a dummy to mypy
     from diffusers.pipelines.cosmos.pipeline_cosmos2_5_predict import (
@@ -159,6 +159,10 @@ class CosmosEngine(DiffusionEngine):
     def decode(self, latents: Tensor) -> Tensor:
         """VAE-decode latents `[B, C, F', h, w]` to frames `[B, F, 3, H, W]` float32 in [0, 1]."""
         return decode_video(self.pipeline.vae, latents)
+
+    def encode_pixels(self, pixels: Tensor) -> Tensor:
+        """VAE-encode frames `[B, F, 3, H, W]` in [0, 1] to normalised latents `[B, C, F', h, w]`."""
+        return encode_video(self.pipeline.vae, pixels.to(self.device))
 
 
 class NoGuardrail:

@@ -500,6 +500,10 @@ class DiffusionEngine(Fp8Sampling):
         scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
         return scheduler.sigmas.to(torch.float32).clone()  # [S + 1]
 
+    def noise_schedule(self, num_steps: int, latents: Tensor) -> Tensor:
+        """The sigmas `[S + 1]` the sampler steps through on latents shaped like `latents`."""
+        return self.schedule(num_steps, self._sequence_length(latents))
+
     def _sequence_length(self, latents: Tensor) -> int:
         """Tokens of the latents `[B, C, h, w]` once patched (the dynamic shift's input)."""
         patch = self._transformer_config.patch_size
@@ -767,6 +771,15 @@ class DiffusionEngine(Fp8Sampling):
         scaled = latents / vae.config.scaling_factor + vae.config.shift_factor  # [B, C, h, w]
         images = vae.decode(scaled.to(vae.dtype), return_dict=False)[0]  # [B, 3, H, W] in [-1, 1]
         return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    @torch.no_grad()
+    def encode_pixels(self, pixels: Tensor) -> Tensor:
+        """VAE-encode images `[B, 3, H, W]` in [0, 1] to the latents `[B, C, h, w]` the sampler ends
+        at (the inverse of `decode`): the posterior's mode, so one image always gives one latent
+        (Diffusion-DPO's pairs, any trainer on given images)."""
+        vae = self.pipeline.vae
+        posterior = vae.encode((pixels * 2 - 1).to(device=self.device, dtype=vae.dtype)).latent_dist
+        return (posterior.mode().float() - vae.config.shift_factor) * vae.config.scaling_factor  # [B, C, h, w]
 
     # -- memory --------------------------------------------------------------------------------
 

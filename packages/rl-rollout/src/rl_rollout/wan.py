@@ -101,6 +101,10 @@ class WanEngine(DiffusionEngine):
         """VAE-decode latents `[B, C, F', h, w]` to frames `[B, F, 3, H, W]` float32 in [0, 1]."""
         return decode_video(self.pipeline.vae, latents)
 
+    def encode_pixels(self, pixels: Tensor) -> Tensor:
+        """VAE-encode frames `[B, F, 3, H, W]` in [0, 1] to normalised latents `[B, C, F', h, w]`."""
+        return encode_video(self.pipeline.vae, pixels.to(self.device))
+
 
 @torch.no_grad()
 def video_tokens(patch_size: Sequence[int], latents: Tensor) -> int:
@@ -133,3 +137,14 @@ def decode_video(vae: Any, latents: Tensor) -> Tensor:
     std = torch.tensor(vae.config.latents_std, device=latents.device).view(shape)
     video = vae.decode((latents * std + mean).to(vae.dtype), return_dict=False)[0]  # [B, 3, F, H, W] in [-1, 1]
     return (video.float() / 2 + 0.5).clamp(0, 1).transpose(1, 2)  # [B, F, 3, H, W]
+
+
+@torch.no_grad()
+def encode_video(vae: Any, frames: Tensor) -> Tensor:
+    """Normalised latents `[B, C, F', h, w]` of frames `[B, F, 3, H, W]` in [0, 1] through Wan's VAE
+    (the inverse of `decode_video`): the posterior's mode, normalised with the per-channel mean and std."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean, device=frames.device).view(shape)
+    std = torch.tensor(vae.config.latents_std, device=frames.device).view(shape)
+    video = (frames * 2 - 1).transpose(1, 2).to(vae.dtype)  # [B, 3, F, H, W] in [-1, 1]
+    return (vae.encode(video).latent_dist.mode().float() - mean) / std  # [B, C, F', h, w]

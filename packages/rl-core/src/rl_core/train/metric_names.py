@@ -77,6 +77,10 @@ METRIC_NAMES: dict[str, str] = {
     "nft/negative_loss": "DiffusionNFT: the same for the implicit negative policy",
     "nft/old_deviation": "DiffusionNFT: mean squared difference between the trained and the old policy's velocity",
     "nft/old_decay": "DiffusionNFT: the share of the old policy kept when it moved towards the trained one after the step",
+    "dpo/margin": "Diffusion-DPO: mean over pairs of (policy - reference velocity error) on the chosen minus the same on the rejected (rl_core.flow.compute_flow_dpo_loss); below 0 prefers the chosen",
+    "dpo/accuracy": "Diffusion-DPO: the share of pairs whose margin is below 0",
+    "dpo/chosen_error": "Diffusion-DPO: the policy's mean velocity error on the chosen images or videos",
+    "dpo/rejected_error": "Diffusion-DPO: the same on the rejected ones",
     # rollouts
     "rollout/weight_version": "optimizer steps in the weights the step's rollouts were sampled with",
     "rollout/staleness": "asynchronous runs: steps between the weights that sampled the step's rollouts and the trainer's (at most train.max_staleness; with dynamic sampling the oldest kept round's, further rounds being 0)",
