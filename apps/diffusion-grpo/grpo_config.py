@@ -44,8 +44,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     family: Literal["sd3", "wan", "cosmos", "janus"] = "sd3"
     """`sd3`: Flow-GRPO on an SD3/SD3.5 pipeline (SDE sampling, per-step log-probs). `wan`/`cosmos`: the
     same on Wan 2.1 text-to-video / Cosmos-Predict2.5 text-to-world, its guardrail not run (`sampling.num_frames`
-    frames a sample; each reward component scores every frame, folded by `reward.frame_aggregate`; GRPO
-    only, in process, unsharded). `janus`:
+    frames a sample; each reward component scores every frame, folded by `reward.frame_aggregate`). `janus`:
     token-level GRPO on Janus / Janus-Pro image tokens (CFG sampling, per-token log-probs; VRL's
     autoregressive trainer); its own knobs are the [janus] table, and rollout.temperature,
     rollout.compile, model.gradient_checkpointing and algo.kl apply to it only."""
