@@ -1,7 +1,8 @@
 """A LoRA policy's weight push to vLLM: the merged weights against the adapter alone
-(`rollout.weight_push = merged | adapter`), at Qwen3-VL-2B shape.
+(`rollout.weight_push = merged | adapter`), at Qwen3-VL-2B or 8B shape.
 
     python benchmarks/lora_push.py            # one GPU with vLLM, ~3 minutes (two vLLM starts)
+    python benchmarks/lora_push.py --size 8b  # Qwen3-VL-8B's shape (`rl_models.shapes`), ~5 minutes
     python benchmarks/lora_push.py --smoke    # tiny shapes; still needs a GPU and vLLM
 
 Each mode runs in a fresh process: a random-weight policy at the shape with LoRA rank `--rank` on
@@ -84,6 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--rank", type=int, default=64)
+    parser.add_argument("--size", choices=["2b", "8b"], default="2b", help="the policy's Qwen3-VL shape")
     parser.add_argument("--only", choices=["merged", "adapter"], help=argparse.SUPPRESS)
     parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -94,7 +96,15 @@ def main() -> None:
     from caption_rl import build_policy
 
     work = Path(tempfile.mkdtemp())
-    path = build_policy(work / "policy", args.smoke)
+    if args.size == "8b" and not args.smoke:
+        from transformers import GenerationConfig
+
+        from rl_models.shapes import build_shape
+
+        path = build_shape("qwen3_vl", "8b", work / "policy", dtype="bfloat16", device="cuda")
+        GenerationConfig(eos_token_id=[]).save_pretrained(path)  # every generation runs its 128 tokens, as build_policy's
+    else:
+        path = build_policy(work / "policy", args.smoke)
     figures = {}
     for mode in ("merged", "adapter"):
         out = work / f"{mode}.json"
@@ -111,11 +121,11 @@ def main() -> None:
     merged_total, adapter_total = float(rows[0][4]), float(rows[1][4])
     rows[1].append(f"{merged_total / adapter_total:.1f}x")
     rows[0].append("1.0x")
-    shape = "tiny shapes" if args.smoke else "Qwen3-VL-2B shape"
+    shape = "tiny shapes" if args.smoke else f"Qwen3-VL-{args.size.upper()} shape"
     append_results(f"LoRA weight push to vLLM: merged vs adapter only (rank {args.rank}, {shape})",
                    ["push", "MiB per version", "push s", "adapter read at next generate s", "push total s",
                     "generate s (32 x 128 tokens)", "push speed-up"], rows,
-                   f"`benchmarks/lora_push.py{' --smoke' if args.smoke else ''}`: each mode in a fresh process, "
+                   f"`benchmarks/lora_push.py{' --smoke' if args.smoke else f' --size {args.size}'}`: each mode in a fresh process, "
                    f"vLLM eager, means of {ROUNDS} versions; the adapter's read is the first generate's time after "
                    "the push minus the second's.")
 

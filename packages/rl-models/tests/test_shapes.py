@@ -23,6 +23,7 @@ def _meta_params(model: torch.nn.Module) -> int:
         ("qwen3", "1.7b", AutoModelForCausalLM, 1.721),  # Qwen3-1.7B: 1.7B
         ("qwen3_vl", "2b", AutoModelForImageTextToText, 2.128),  # Qwen3-VL-2B: 2.1B
         ("qwen3_vl", "4b", AutoModelForImageTextToText, 4.438),  # Qwen3-VL-4B: 4.4B
+        ("qwen3_vl", "8b", AutoModelForImageTextToText, 8.767),  # Qwen3-VL-8B: 8,767,123,696 published
     ],
 )
 def test_qwen_config_only_matches_published_size(tmp_path, family, size, auto, billions):

@@ -45,7 +45,10 @@ from rl_models.tokenization import (
 QWEN_VOCAB = 151936
 # size -> (hidden, intermediate, layers, heads, kv heads); head_dim 128 throughout.
 _QWEN3_TEXT = {"1.7b": (2048, 6144, 28, 16, 8), "4b": (2560, 9728, 36, 32, 8), "8b": (4096, 12288, 36, 32, 8)}
-_QWEN3_VL_TEXT = {"2b": _QWEN3_TEXT["1.7b"], "4b": _QWEN3_TEXT["4b"]}
+_QWEN3_VL_TEXT = {"2b": _QWEN3_TEXT["1.7b"], "4b": _QWEN3_TEXT["4b"], "8b": _QWEN3_TEXT["8b"]}
+# size -> the ViT's (depth, width, MLP width, DeepStack taps): 2B and 4B share one, 8B's is larger
+_QWEN3_VL_VISION = {"2b": (24, 1024, 4096, [5, 11, 17]), "4b": (24, 1024, 4096, [5, 11, 17]),
+                    "8b": (27, 1152, 4304, [8, 16, 24])}
 
 
 def _qwen3_text(size: str, table: Mapping[str, tuple[int, int, int, int, int]]) -> dict:
@@ -75,8 +78,10 @@ def qwen3_config(size: str) -> Qwen3Config:
 
 
 def qwen3_vl_config(size: str) -> Qwen3VLConfig:
-    """Qwen3-VL-2B/4B-Instruct: 24-layer ViT (1024 wide, DeepStack taps 5/11/17) + Qwen3 text."""
+    """Qwen3-VL-2B/4B-Instruct (24-layer ViT, 1024 wide, DeepStack taps 5/11/17; tied embeddings)
+    and 8B-Instruct (27 layers, 1152 wide, taps 8/16/24; untied) + Qwen3 text."""
     text = _qwen3_text(size, _QWEN3_VL_TEXT)
+    depth, width, mlp, taps = _QWEN3_VL_VISION[size]
     return Qwen3VLConfig(
         text_config={
             **text,
@@ -89,9 +94,9 @@ def qwen3_vl_config(size: str) -> Qwen3VLConfig:
             },
         },
         vision_config={
-            "depth": 24,
-            "hidden_size": 1024,
-            "intermediate_size": 4096,
+            "depth": depth,
+            "hidden_size": width,
+            "intermediate_size": mlp,
             "num_heads": 16,
             "hidden_act": "gelu_pytorch_tanh",
             "out_hidden_size": text["hidden_size"],
@@ -99,9 +104,9 @@ def qwen3_vl_config(size: str) -> Qwen3VLConfig:
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
             "num_position_embeddings": 2304,
-            "deepstack_visual_indexes": [5, 11, 17],
+            "deepstack_visual_indexes": taps,
         },
-        tie_word_embeddings=True,
+        tie_word_embeddings=size != "8b",
         **vision_token_ids(build_qwen_tokenizer()),
     )
 
@@ -366,6 +371,9 @@ SHAPES: dict[tuple[str, str], Builder] = {
     ),
     ("qwen3_vl", "4b"): lambda out, **kw: _save_transformers(
         qwen3_vl_config("4b"), Qwen3VLForConditionalGeneration, out, **kw
+    ),
+    ("qwen3_vl", "8b"): lambda out, **kw: _save_transformers(
+        qwen3_vl_config("8b"), Qwen3VLForConditionalGeneration, out, **kw
     ),
     ("sd3", "3.5-medium"): _save_sd3,
     ("wan", "2.1-1.3b"): _save_wan,
