@@ -103,19 +103,20 @@ def test_dpo_preset_gets_brighter(app, tmp_path: Path) -> None:
     assert (run / "checkpoint-final" / "lora" / "adapter_model.safetensors").is_file()
 
 
-def test_wan_trains_on_video_pairs(app, tmp_path: Path) -> None:
-    """The tiny Wan on 5-frame GIF pairs (sampling.num_frames = 5, 32x32): the videos are
+@pytest.mark.parametrize("family", ["wan", "cosmos"])
+def test_video_families_train_on_video_pairs(app, tmp_path: Path, family: str) -> None:
+    """The tiny Wan and Cosmos on 5-frame GIF pairs (sampling.num_frames = 5, 32x32): the videos are
     VAE-encoded to [C, 2, 4, 4] latents, the LoRA moves and the margin falls step by step. (The tiny
-    Wan VAE decodes nearly every latent to one brightness, 0.5455 +- 0.0009 over 64 random ones,
-    so its eval brightness cannot show the pairs' preference: the tiny SD3 test above does.)"""
-    run = app.main(["--config", str(APP / "configs" / "wan_tiny.toml"), "train.method=dpo",
+    Wan VAE, Cosmos's too, decodes nearly every latent to one brightness, 0.5455 +- 0.0009 over 64
+    random ones, so its eval brightness cannot show the pairs' preference: the tiny SD3 test above does.)"""
+    run = app.main(["--config", str(APP / "configs" / f"{family}_tiny.toml"), "train.method=dpo",
                     f"data.preferences={PAIRS / 'videos.jsonl'}", "rollout.groups_per_epoch=8", "train.epochs=4",
                     "rollout.sample_batch_size=8", "train.micro_batch_size=8",
                     "train.lr=0.01", "dpo.beta=10", "train.eval_freq=0", f"train.output_dir={tmp_path}"])
     with (run / "metrics.csv").open(newline="") as f:
         rows = [r for r in csv.DictReader(f) if r.get("dpo/margin")]
     assert len(rows) == 4 and float(rows[0]["loss/total"]) == pytest.approx(math.log(2), abs=1e-6)
-    margins = [float(r["dpo/margin"]) for r in rows]  # measured: 0, -0.0050, -0.0143, -0.0188 (lr 0.1 oscillates)
+    margins = [float(r["dpo/margin"]) for r in rows]  # measured (wan): 0, -0.0050, -0.0143, -0.0188 (lr 0.1 oscillates)
     assert margins[0] == 0 > margins[1] > margins[2] > margins[3] and float(rows[-1]["dpo/accuracy"]) == 1.0, margins
     from safetensors.torch import load_file
 
