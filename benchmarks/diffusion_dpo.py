@@ -127,7 +127,7 @@ def main() -> None:
     if args.smoke:
         print(header, *rows, notes, sep="\n")
     else:
-        append_results("Diffusion-DPO steps at SD3.5-Medium and Wan 2.1-1.3B shape (one GPU)", header, rows, notes)
+        append_results(f"Diffusion-DPO steps at {' and '.join(figures)} shape (one GPU)", header, rows, notes)
 
 
 if __name__ == "__main__":
