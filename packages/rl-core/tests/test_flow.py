@@ -489,3 +489,19 @@ def test_flow_dpo_loss_hand_worked_and_its_gradient_prefers_the_chosen_sample() 
     assert rejected.grad.tolist() == pytest.approx([-g for g in expected], abs=1e-6)
     with pytest.raises(ValueError, match="beta must be > 0"):
         compute_flow_dpo_loss(chosen=chosen, rejected=rejected, ref_chosen=chosen, ref_rejected=rejected, beta=0)
+
+
+def test_sde_step_mask_leaves_elements_out_of_the_log_prob() -> None:
+    """The masked log-prob is the mean over the kept elements: the same as the step on them alone,
+    whatever the left-out elements hold; the sample and the mean are not masked."""
+    g = torch.Generator().manual_seed(0)
+    x, v, nxt = (torch.randn(2, 3, 4, generator=g) for _ in range(3))  # [B, F, D]
+    mask = torch.tensor([0.0, 1.0, 1.0]).view(1, 3, 1)  # frame 0 left out
+    masked = sde_step(velocity=v, latents=x, sigma=0.8, sigma_next=0.6, next_latents=nxt, mask=mask)
+    alone = sde_step(velocity=v[:, 1:], latents=x[:, 1:], sigma=0.8, sigma_next=0.6, next_latents=nxt[:, 1:])
+    torch.testing.assert_close(masked.log_prob, alone.log_prob)
+    moved = sde_step(velocity=v, latents=x, sigma=0.8, sigma_next=0.6, next_latents=nxt.index_fill(1, torch.tensor([0]), 9.0),
+                     mask=mask)
+    torch.testing.assert_close(moved.log_prob, masked.log_prob)
+    full = sde_step(velocity=v, latents=x, sigma=0.8, sigma_next=0.6, next_latents=nxt)
+    assert not torch.allclose(full.log_prob, masked.log_prob)

@@ -8,11 +8,13 @@ import diffusers
 import pytest
 import torch
 
+from rl_core.flow import sde_step
 from rl_models import tiny
 from rl_models.lora import add_lora
 from rl_models.tiny_cosmos import TEXT_STATES
 from rl_rollout import ImageEngine, build_image_engine
 from rl_rollout.cosmos import CosmosEngine, NoGuardrail
+from rl_rollout.diffusion import DiffusionEngine
 
 PROMPTS = ["a red sign waving", "a cat runs"]
 SIZE, FRAMES = 32, 5  # 5 frames: 2 latent frames (the first alone, then 4)
@@ -166,3 +168,52 @@ def test_bad_frame_counts_sizes_and_options_are_named() -> None:
         CosmosEngine.from_pretrained(path, num_frames=FRAMES, cuda_graphs=True)
     with pytest.raises(ValueError, match="multiples of 16"):
         CosmosEngine.from_pretrained(path, num_frames=1).sample(["x"], height=24, width=32, num_steps=1)
+
+
+def test_video_to_world_is_diffusers_own_with_the_given_frame(engine: CosmosEngine) -> None:
+    """Given a first frame (`encode_world`), the ODE video is the one `Cosmos2_5_PredictBasePipeline`
+    makes from the same frame (`video=`, one latent conditional frame) and noise, Euler on both
+    sides: the frame's latents held clean in the input, the condition mask, its timestep 0.0001."""
+    pipeline = engine.pipeline
+    euler = diffusers.FlowMatchEulerDiscreteScheduler(shift=1.0)
+    ours = CosmosEngine(type(pipeline)(**{**pipeline.components, "scheduler": copy.deepcopy(euler)}),
+                        num_frames=FRAMES)
+    theirs = type(pipeline)(**{**pipeline.components, "scheduler": euler, "safety_checker": _StandInGuardrail()})
+    theirs.set_progress_bar_config(disable=True)
+    first = _sample(ours, PROMPTS[:1], kind="ode", seeds=[3]).images[:, :1]  # [1, 1, 3, H, W]: a frame to go on from
+    given = ours.encode_world(PROMPTS[:1], first, max_sequence_length=TOKENS)
+    for engine_scale, diffusers_scale in ((8.0, 7.0), (1.0, 0.0)):
+        traj = _sample(ours, PROMPTS[:1], kind="ode", guidance_scale=engine_scale, seeds=[1], conditioning=given)
+        noise = ours.initial_noise(1, SIZE, SIZE, [torch.Generator().manual_seed(1)])  # [1, C, F', h, w]
+        latents = theirs(prompt=PROMPTS[:1], video=(first * 2 - 1).transpose(1, 2), num_latent_conditional_frames=1,
+                         num_frames=FRAMES, height=SIZE, width=SIZE, num_inference_steps=3, guidance_scale=diffusers_scale,
+                         latents=noise, max_sequence_length=TOKENS, output_type="latent").frames  # [1, C, F', h, w]
+        # diffusers sums the given frames' velocity into its CFG too: last-bit differences (2.4e-6 seen)
+        torch.testing.assert_close(traj.latents[:, -1], latents, rtol=0, atol=1e-5)
+        assert not torch.allclose(traj.latents[:, -1, :, 1:], _sample(ours, PROMPTS[:1], kind="ode", seeds=[1],
+                                                                      guidance_scale=engine_scale).latents[:, -1, :, 1:])
+
+
+def test_given_frames_are_held_and_left_out_of_the_log_probs(engine: CosmosEngine) -> None:
+    """SDE sampling given a first frame per sample: latent frame 0 is the frame's latents at every
+    step, the replay gives ratio exactly 1 (the trajectory carries what was given), and a step's
+    log-prob is the mean over the generated frame's elements alone."""
+    frames = torch.rand(2, 1, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(0))  # [B, 1, 3, H, W]
+    given = engine.encode_world(PROMPTS, frames, max_sequence_length=TOKENS)
+    assert given.held_mask.flatten().tolist() == [1.0, 0.0, 1.0, 0.0]  # [B, 1, F' = 2, 1, 1]: frame 0 of each
+    traj = _sample(engine, conditioning=given)
+    held = given.held[:, None, :, :1].expand(-1, traj.latents.shape[1], -1, -1, -1, -1)  # [B, S + 1, C, 1, h, w]
+    assert torch.equal(traj.latents[:, :, :, :1], held)
+    for step in range(traj.num_steps):
+        assert torch.equal(engine.replay(traj, step).log_prob, traj.log_probs[:, step]), step
+    step = engine.replay(traj, 1)
+    alone = sde_step(velocity=engine.velocity(traj.latents[:, 1], torch.full((2,), float(traj.sigmas[1])), given,
+                                              guidance_scale=5.0)[:, :, 1:],
+                     latents=traj.latents[:, 1, :, 1:], sigma=float(traj.sigmas[1]), sigma_next=float(traj.sigmas[2]),
+                     next_latents=traj.latents[:, 2, :, 1:])
+    torch.testing.assert_close(step.log_prob, alone.log_prob, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"F_in = 4k \+ 1 <= num_frames=5"):
+        engine.encode_world(PROMPTS, torch.rand(2, 2, 3, SIZE, SIZE))
+    with pytest.raises(ValueError, match=r"DiffusionEngine samples from text alone"):
+        DiffusionEngine.from_pretrained(str(tiny.build("sd3"))).velocity(
+            torch.zeros(1, 16, 4, 4), torch.ones(1), given.index([0]), guidance_scale=1.0)

@@ -167,13 +167,16 @@ def sde_step(
     kind: str = "sde",
     next_latents: Tensor | None = None,
     generator: torch.Generator | list[torch.Generator] | None = None,
+    mask: Tensor | None = None,
 ) -> SDEStep:
     """One stochastic step from `latents` (`x` at `sigma`) to `sigma_next`, with its log-prob.
 
     `velocity` and `latents` are `[B, ...]` in any float dtype (math is float32); `sigma` and
     `sigma_next` are scalars or `[B]` tensors with `0 <= sigma_next < sigma <= 1`. With
     `next_latents` the step scores that sample (replay) and draws nothing; otherwise it draws
-    noise from `generator` (one `torch.Generator`, or a list with one per sample).
+    noise from `generator` (one `torch.Generator`, or a list with one per sample). `mask`
+    (broadcastable to `[B, ...]`, 1 where an element counts): the log-prob is the mean over those
+    elements only (video frames given to the sampler, which it holds, are left out).
     """
     if velocity.shape != latents.shape:
         raise ValueError(
@@ -218,7 +221,12 @@ def sde_step(
     noisy = step_std > 0  # [B, 1...]
     safe_std = torch.where(noisy, step_std, torch.ones_like(step_std))  # [B, 1...]
     log_density = -((sample - mean) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
-    log_prob = log_density.mean(dim=tuple(range(1, latents.dim())))  # [B]
+    dims = tuple(range(1, latents.dim()))
+    if mask is None:
+        log_prob = log_density.mean(dim=dims)  # [B]
+    else:
+        weight = mask.to(log_density).expand_as(log_density)  # [B, ...]
+        log_prob = (log_density * weight).sum(dim=dims) / weight.sum(dim=dims).clamp(min=1)  # [B]
     log_prob = torch.where(noisy.reshape(batch), log_prob, torch.zeros_like(log_prob))  # [B]
     return SDEStep(next_latents=sample, log_prob=log_prob, mean=mean, std=sigma_t.reshape(batch))
 

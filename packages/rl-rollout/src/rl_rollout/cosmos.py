@@ -40,9 +40,11 @@ raises instead of generating unscreened videos. Diffusers' pipeline refuses to r
 checker, saying that would violate the NVIDIA Open Model License: screen what you publish or
 serve yourself (e.g. `cosmos_guardrail.CosmosSafetyChecker.check_video_safety` on the frames).
 
-Left out: video- and image-to-world (frames given: their latents and mask would have to travel in
-the trajectory for replay, and their elements stay out of the log-prob), and CUDA graphs (not
-offered, as for Wan).
+Video and image to world: `encode_world(prompts, frames)` gives a conditioning that holds the
+first latent frames at the given frames' latents (the transformer sees them clean, with the
+condition mask and `given_timestep`, as diffusers does); it travels in the trajectory, so the
+replay holds them too, and their elements stay out of the log-probs. CUDA graphs are not offered
+(as for Wan).
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class CosmosEngine(DiffusionEngine):
                          attention_backend=attention_backend, overlap_decode=overlap_decode, precision=precision)
         self.num_frames = num_frames
         self.negative_prompt = negative_prompt
+        self.given_timestep = 0.0001  # a given frame's timestep (diffusers' conditional_frame_timestep default)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: str | torch.dtype = torch.float32,  # type: ignore[override]
@@ -129,6 +132,24 @@ class CosmosEngine(DiffusionEngine):
                                          max_sequence_length=max_sequence_length, device=self.device)
         return PromptEmbeddings(embeds, embeds.new_zeros(embeds.shape[0], 0))  # [B, L, D], [B, 0]
 
+    @torch.no_grad()
+    def encode_world(self, prompts: Sequence[str], frames: Tensor, *, max_sequence_length: int = 512) -> PromptEmbeddings:
+        """Video (or image) to world: `encode`'s states plus the given frames `[B, F_in, 3, H, W]` in
+        [0, 1] (1 frame: an image; 4k + 1: a clip), held as the first (F_in - 1) / 4 + 1 latent frames
+        of every sample (as diffusers' pipeline: padded to `num_frames` with the last frame, encoded
+        through the VAE's mode). Pass the result as `sample(conditioning=...)`: the sampler generates
+        the rest, and the given frames stay out of the log-probs."""
+        given = frames.shape[1]
+        if frames.dim() != 5 or frames.shape[0] != len(prompts) or (given - 1) % 4 or given > self.num_frames:
+            raise ValueError(f"frames {tuple(frames.shape)}: need [B, F_in, 3, H, W] with a row per prompt "
+                             f"({len(prompts)}) and F_in = 4k + 1 <= num_frames={self.num_frames}")
+        padded = torch.cat([frames, frames[:, -1:].expand(-1, self.num_frames - given, -1, -1, -1)], dim=1)  # [B, F, 3, H, W]
+        held = self.encode_pixels(padded)  # [B, C, F', h, w]
+        mask = torch.zeros(held.shape[0], 1, held.shape[2], 1, 1, device=held.device)  # [B, 1, F', 1, 1]
+        mask[:, :, : (given - 1) // self.pipeline.vae_scale_factor_temporal + 1] = 1
+        text = self.encode(prompts, max_sequence_length=max_sequence_length)
+        return PromptEmbeddings(text.embeds, text.pooled, held, mask)
+
     def negative(self, length: int) -> PromptEmbeddings:
         """`negative_prompt`'s states `[1, L, D]` at the conditioning's `length` (cached)."""
         if length not in self._negative:
@@ -138,14 +159,20 @@ class CosmosEngine(DiffusionEngine):
     def _text_kwargs(self, embeds: Tensor, pooled: Tensor) -> dict[str, Tensor]:
         return {"encoder_hidden_states": embeds}
 
-    def _latent_kwargs(self, latents: Tensor, sigma: Tensor) -> dict[str, Tensor]:
-        """Text to world: the latents `[B, C, F', h, w]`, sigma `[B]` itself as the timestep, an
-        all-zero condition mask `[B, 1, F', h, w]` (no frame given) and padding mask `[1, 1, H, W]`."""
+    def _latent_kwargs(self, latents: Tensor, sigma: Tensor, held: Tensor | None = None) -> dict[str, Tensor]:
+        """The latents `[B, C, F', h, w]`, sigma `[B]` itself as the timestep, the condition mask
+        `[B, 1, F', h, w]` and padding mask `[1, 1, H, W]`. Text to world: no frame given, the mask
+        all zeros. `held` `[B, 1, F', 1, 1]` (video to world): the mask is 1 on the given latent
+        frames, whose timestep is `given_timestep` (diffusers' `conditional_frame_timestep`)."""
         scale = self.pipeline.vae_scale_factor_spatial
         batch, _, frames, height, width = latents.shape
-        return {"hidden_states": latents, "timestep": sigma,
-                "condition_mask": latents.new_zeros(batch, 1, frames, height, width),  # [B, 1, F', h, w]
-                "padding_mask": latents.new_zeros(1, 1, height * scale, width * scale)}  # [1, 1, H, W]
+        padding = latents.new_zeros(1, 1, height * scale, width * scale)  # [1, 1, H, W]
+        if held is None:
+            return {"hidden_states": latents, "timestep": sigma, "padding_mask": padding,
+                    "condition_mask": latents.new_zeros(batch, 1, frames, height, width)}  # [B, 1, F', h, w]
+        timestep = held * self.given_timestep + (1 - held) * sigma.view(batch, 1, 1, 1, 1)  # [B, 1, F', 1, 1]
+        return {"hidden_states": latents, "timestep": timestep, "padding_mask": padding,
+                "condition_mask": held.to(latents.dtype).expand(-1, -1, -1, height, width)}  # [B, 1, F', h, w]
 
     def _sequence_length(self, latents: Tensor) -> int:
         return video_tokens(self._transformer_config.patch_size, latents)

@@ -116,17 +116,41 @@ _RECOMPILE_LIMIT = 64
 
 @dataclass(frozen=True)
 class PromptEmbeddings:
-    """Text conditioning of a batch: `embeds` `[B, L, D]` (CLIP-L/G + T5 tokens), `pooled`
-    `[B, P]` (pooled CLIP-L/G)."""
+    """Conditioning of a batch: `embeds` `[B, L, D]` (CLIP-L/G + T5 tokens), `pooled` `[B, P]`
+    (pooled CLIP-L/G), and, for a world model given its first frames (`CosmosEngine.encode_world`),
+    `held` `[B, C, F', h, w]`: clean latents the sampler holds where `held_mask` `[B, 1, F', 1, 1]`
+    is 1 (those latent frames are given, not generated, and stay out of every log-prob)."""
 
     embeds: Tensor
     pooled: Tensor
+    held: Tensor | None = None
+    held_mask: Tensor | None = None
 
     def __len__(self) -> int:
         return self.embeds.shape[0]
 
     def index(self, rows: Tensor | slice | Sequence[int]) -> PromptEmbeddings:
-        return PromptEmbeddings(self.embeds[rows], self.pooled[rows])
+        if self.held is None or self.held_mask is None:
+            return PromptEmbeddings(self.embeds[rows], self.pooled[rows])
+        return PromptEmbeddings(self.embeds[rows], self.pooled[rows], self.held[rows], self.held_mask[rows])
+
+    def to(self, device: str | torch.device) -> PromptEmbeddings:
+        def move(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(device)
+
+        return PromptEmbeddings(self.embeds.to(device), self.pooled.to(device), move(self.held), move(self.held_mask))
+
+    def hold(self, latents: Tensor) -> Tensor:
+        """`latents` `[B, C, ...]` with the given frames set to `held` (unchanged without them)."""
+        if self.held is None or self.held_mask is None:
+            return latents
+        mask = self.held_mask.to(latents)
+        return mask * self.held.to(latents) + (1 - mask) * latents
+
+    @property
+    def free_mask(self) -> Tensor | None:
+        """`[B, 1, F', 1, 1]`, 1 on the latent frames the sampler generates; None: every frame."""
+        return None if self.held_mask is None else 1 - self.held_mask
 
 
 @dataclass(frozen=True)
@@ -163,8 +187,7 @@ class Trajectory:
 
     def to(self, device: str | torch.device) -> Trajectory:
         """The per-sample tensors on `device` (the schedule stays on CPU, as the engine returns it)."""
-        cond = PromptEmbeddings(self.conditioning.embeds.to(device), self.conditioning.pooled.to(device))
-        return replace(self, conditioning=cond, latents=self.latents.to(device), log_probs=self.log_probs.to(device),
+        return replace(self, conditioning=self.conditioning.to(device), latents=self.latents.to(device), log_probs=self.log_probs.to(device),
                        images=self.images.to(device), means=None if self.means is None else self.means.to(device))
 
 
@@ -374,7 +397,8 @@ class DiffusionEngine(Fp8Sampling):
         DDP-wrapped one from `accelerator.prepare`) so gradients sync; default: the transformer.
         """
         embeds, pooled = self._text_inputs(conditioning, guidance_scale)
-        return self._velocity(latents, sigma, embeds, pooled, guidance_scale, detach_uncond=detach_uncond, model=model)
+        return self._velocity(latents, sigma, embeds, pooled, guidance_scale, detach_uncond=detach_uncond, model=model,
+                              held=conditioning.held_mask)
 
     def _text_inputs(self, conditioning: PromptEmbeddings, guidance_scale: float) -> tuple[Tensor, Tensor]:
         """The transformer's text inputs in the weights' dtype: `[uncond; cond]` rows with CFG
@@ -398,34 +422,43 @@ class DiffusionEngine(Fp8Sampling):
         *,
         detach_uncond: bool = False,
         model: torch.nn.Module | None = None,
+        held: Tensor | None = None,
     ) -> Tensor:
-        """`velocity` from `_text_inputs` (built once per sampling call, not once per step)."""
+        """`velocity` from `_text_inputs` (built once per sampling call, not once per step);
+        `held` `[B, 1, F', 1, 1]`: the given latent frames (`PromptEmbeddings.held_mask`), whose
+        velocity is 0 (the sampler holds them)."""
         use_cfg = guidance_scale > 1.0
         model_in = latents.to(self.dtype)  # [B, C, h, w]
+        held_in = held.to(self.device, torch.float32) if held is not None else None  # [B, 1, F', 1, 1]
         if use_cfg:
             model_in = torch.cat([model_in, model_in])  # [2B, C, h, w]
             sigma = torch.cat([sigma, sigma])  # [2B]
+            held_in = torch.cat([held_in, held_in]) if held_in is not None else None  # [2B, 1, F', 1, 1]
         out = self._forward(
             model or self.transformer,
             return_dict=False,
-            **self._latent_kwargs(model_in, sigma.to(self.device, torch.float32)),
+            **self._latent_kwargs(model_in, sigma.to(self.device, torch.float32), held_in),
             **self._text_kwargs(embeds, pooled),
         ).float()  # [B or 2B, C, h, w]
-        if not use_cfg:
-            return out
-        uncond, cond = out.chunk(2)  # [B, C, h, w] each
-        if detach_uncond:
-            uncond = uncond.detach()
-        return uncond + guidance_scale * (cond - uncond)  # [B, C, h, w]
+        if use_cfg:
+            uncond, cond = out.chunk(2)  # [B, C, h, w] each
+            if detach_uncond:
+                uncond = uncond.detach()
+            out = uncond + guidance_scale * (cond - uncond)  # [B, C, h, w]
+        return out if held is None else out * (1 - held.to(out))
 
     def _text_kwargs(self, embeds: Tensor, pooled: Tensor) -> dict[str, Tensor]:
         """The transformer's text keyword arguments (SD3: the token states and the pooled vector)."""
         return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
 
-    def _latent_kwargs(self, latents: Tensor, sigma: Tensor) -> dict[str, Tensor]:
+    def _latent_kwargs(self, latents: Tensor, sigma: Tensor, held: Tensor | None = None) -> dict[str, Tensor]:
         """The transformer's other keyword arguments for `latents` `[B, C, h, w]` (the weights'
         dtype) at noise level `sigma` `[B]` float32 (SD3, Wan: the latents and the timestep
-        sigma x the scheduler's `num_train_timesteps`)."""
+        sigma x the scheduler's `num_train_timesteps`); `held`: given frames, which only a
+        world model takes (`CosmosEngine`)."""
+        if held is not None:
+            raise ValueError(f"{type(self).__name__} samples from text alone: given frames (held latents) are "
+                             "CosmosEngine's (encode_world)")
         timestep = sigma * self.pipeline.scheduler.config.num_train_timesteps  # [B]
         return {"hidden_states": latents, "timestep": timestep}
 
@@ -621,17 +654,20 @@ class DiffusionEngine(Fp8Sampling):
         if conditioning is None:
             conditioning = self.encode(prompts, max_sequence_length=max_sequence_length)
         generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
-        latents = self.initial_noise(size, height, width, generators)  # [B, C, h, w]
+        latents = conditioning.hold(self.initial_noise(size, height, width, generators))  # [B, C, h, w]
         sigmas = self.schedule(num_steps, self._sequence_length(latents))  # [S + 1]
         sde_steps = self._sde_mask(num_steps, kind, batch.sde_window)  # [S]
         embeds, pooled = self._text_inputs(conditioning, guidance_scale)
+        if self.cuda_graphs and conditioning.held is not None:
+            raise ValueError("cuda_graphs: not with given frames (held latents)")
         graph = self._graph(latents, embeds, pooled, guidance_scale) if self.cuda_graphs else None
         states, log_probs, means = [latents], [], []
         # nothing in the loop waits for the device: sigmas are host numbers, filled on the device
         for k, stochastic in enumerate(sde_steps.tolist()):
             if graph is None:
                 sigma = torch.full((size,), float(sigmas[k]), device=self.device)  # [B]
-                velocity = self._velocity(latents, sigma, embeds, pooled, guidance_scale)  # [B, C, h, w]
+                velocity = self._velocity(latents, sigma, embeds, pooled, guidance_scale,
+                                          held=conditioning.held_mask)  # [B, C, h, w]
             else:
                 graph.inputs["latents"].copy_(latents)
                 graph.inputs["sigma"].fill_(float(sigmas[k]))
@@ -646,11 +682,13 @@ class DiffusionEngine(Fp8Sampling):
                     noise_level=noise_level,
                     kind=kind,
                     generator=generators,
+                    mask=conditioning.free_mask,
                 )
                 latents, log_prob, mean = step.next_latents, step.log_prob, step.mean  # [B, C, h, w], [B], [B, C, h, w]
             else:
                 latents = mean = latents + velocity * (sigmas[k + 1] - sigmas[k])  # Euler ODE step
                 log_prob = torch.zeros(size, device=self.device)  # [B]
+            latents = conditioning.hold(latents)  # given frames stay what they were given as
             states.append(latents)
             log_probs.append(log_prob)
             if keep_means:
@@ -762,6 +800,7 @@ class DiffusionEngine(Fp8Sampling):
             noise_level=trajectory.noise_level,
             kind=trajectory.kind,
             next_latents=trajectory.latents[rows, step + 1],
+            mask=conditioning.free_mask,
         )
 
     @torch.no_grad()
@@ -867,7 +906,10 @@ def join_rows(parts: Sequence[tuple[Trajectory, Tensor]]) -> Trajectory:
         return torch.cat([field(traj)[rows.to(field(traj).device)] for traj, rows in parts])  # [b, ...]
 
     first = parts[0][0]
+    held = None if first.conditioning.held is None else (cat(lambda x: cast(Tensor, x.conditioning.held)),
+                                                         cat(lambda x: cast(Tensor, x.conditioning.held_mask)))
     return replace(first, prompts=tuple(traj.prompts[r] for traj, rows in parts for r in rows.tolist()),
-                   conditioning=PromptEmbeddings(cat(lambda x: x.conditioning.embeds), cat(lambda x: x.conditioning.pooled)),
+                   conditioning=PromptEmbeddings(cat(lambda x: x.conditioning.embeds), cat(lambda x: x.conditioning.pooled),
+                                                 *(held or ())),
                    latents=cat(lambda x: x.latents), log_probs=cat(lambda x: x.log_probs), images=cat(lambda x: x.images),
                    means=None if first.means is None else cat(lambda x: cast(Tensor, x.means)))
