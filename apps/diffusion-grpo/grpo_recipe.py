@@ -162,7 +162,7 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         n, size, world = cfg.rollout.n, cfg.rollout.sample_batch_size, run.world_size
         groups = cfg.rollout.groups_per_epoch // world
         if cfg.train.method == "dpo":
-            return self.read_pairs(state, groups)
+            return self.encoded_pairs(state, groups)
         records = [state.prompts[next(iter(state.sampler))] for _ in range(groups * n)]
         seeds = [sample_seed(cfg.train.seed, epoch, sample_index(i, n, world, run.rank)) for i in range(len(records))]
         batches = [SampleBatch(tuple(r.prompt for r in records[i:i + size]), seeds=tuple(seeds[i:i + size]),
@@ -172,7 +172,7 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         images = [image for s in samples for image in to_media(s.images)]
         return Batch(samples, records, torch.arange(len(records)) // n + run.rank * groups, images)
 
-    def read_pairs(self, state: State, count: int) -> Batch:
+    def encoded_pairs(self, state: State, count: int) -> Batch:
         """train.method = "dpo": this process's `count` pairs of the step, decoded at the sampling
         size (a video family: `sampling.num_frames` frames) and VAE-encoded; pair p of rank r is
         the (p x world + r)-th of the step (its noise)."""
