@@ -151,7 +151,7 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     log-probabilities (its paper reports up to 25x Flow-GRPO's efficiency); it needs a flow family
     (sd3, wan, cosmos) and no Ray workers, FSDP2 or asynchronous rollouts (README: DiffusionNFT). `dpo`:
     Diffusion-DPO, offline: each step trains rollout.groups_per_epoch pairs of data.preferences ([dpo] table;
-    the reward only scores the evals); same needs as nft."""
+    the reward only scores the evals); no janus, Ray workers, FSDP2 or asynchronous rollouts, as nft."""
     epochs: Positive = 100_000  # one epoch is one step of the trainer loop
     lr: PositiveFloat = 3e-4
     weight_decay: NonNegativeFloat = 1e-4
