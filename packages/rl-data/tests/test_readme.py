@@ -29,6 +29,7 @@ CHECKS = {
     ],
     "Preference pairs (Diffusion-DPO)": [
         lambda ns: ns["red"].media == "image" and ns["clip"].media == "video" and ns["frames"].shape == (4, 32, 32, 3),
+        lambda ns: ns["pair"].media == "video" and ns["frames"].shape == (3, 16, 16, 3),
         lambda ns: ns["pair"].prompt == "a red square" and ns["pair"].rejected.bytes == ns["png"]("blue")
         and ns["reader"].skipped == 1 and ns["reader"].stats.errors[0].field == "label_0",
     ],
