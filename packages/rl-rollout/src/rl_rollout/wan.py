@@ -132,9 +132,7 @@ def decode_video(vae: Any, latents: Tensor) -> Tensor:
     """Frames `[B, F, 3, H, W]` float32 in [0, 1] of normalised latents `[B, C, F', h, w]` through
     Wan's VAE (`AutoencoderKLWan`, Cosmos-Predict2.5's too): un-normalised with its per-channel
     mean and std first, as both pipelines do."""
-    shape = (1, vae.config.z_dim, 1, 1, 1)
-    mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(shape)
-    std = torch.tensor(vae.config.latents_std, device=latents.device).view(shape)
+    mean, std = latent_stats(vae, latents.device)
     video = vae.decode((latents * std + mean).to(vae.dtype), return_dict=False)[0]  # [B, 3, F, H, W] in [-1, 1]
     return (video.float() / 2 + 0.5).clamp(0, 1).transpose(1, 2)  # [B, F, 3, H, W]
 
@@ -143,8 +141,13 @@ def decode_video(vae: Any, latents: Tensor) -> Tensor:
 def encode_video(vae: Any, frames: Tensor) -> Tensor:
     """Normalised latents `[B, C, F', h, w]` of frames `[B, F, 3, H, W]` in [0, 1] through Wan's VAE
     (the inverse of `decode_video`): the posterior's mode, normalised with the per-channel mean and std."""
-    shape = (1, vae.config.z_dim, 1, 1, 1)
-    mean = torch.tensor(vae.config.latents_mean, device=frames.device).view(shape)
-    std = torch.tensor(vae.config.latents_std, device=frames.device).view(shape)
+    mean, std = latent_stats(vae, frames.device)
     video = (frames * 2 - 1).transpose(1, 2).to(vae.dtype)  # [B, 3, F, H, W] in [-1, 1]
     return (vae.encode(video).latent_dist.mode().float() - mean) / std  # [B, C, F', h, w]
+
+
+def latent_stats(vae: Any, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Wan's VAE's per-channel latent mean and std, each `[1, C, 1, 1, 1]`: what normalises its latents."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    return (torch.tensor(vae.config.latents_mean, device=device).view(shape),
+            torch.tensor(vae.config.latents_std, device=device).view(shape))
