@@ -5,6 +5,7 @@
     python benchmarks/async_rl.py --smoke         # tiny, CPU: prints, appends nothing
     python benchmarks/async_rl.py --two-gpus      # 2 GPUs: DDP synchronous vs split asynchronous
     python benchmarks/async_rl.py --two-gpus --vllm --cache DIR   # the same on vLLM, and TRL's server mode
+    python benchmarks/async_rl.py --two-gpus --vllm --long-tail --cache DIR   # caption lengths with a long tail
 
 The setting is benchmarks/caption_rl.py's (32 images x 8 captions x 256 tokens per step, rule
 reward, bf16 full fine-tuning, one optimizer step per RL step), one engine call per step (not
@@ -30,6 +31,12 @@ CUDA IPC handles. TRL:
 GPU 0 (benchmarks/caption_rl.py --trl-server). Compared as tokens/s on the 2 GPUs (prompt +
 caption tokens per second of step time). `--cache DIR` keeps each run's figures in DIR and
 reuses them, so the runs fit separate commands of a time-limited machine (`--only NAME`).
+
+`--long-tail` (with `--two-gpus --vllm`): caption lengths drawn per sample, most 150-400 tokens
+with a tail to 2k, imposed inside every vLLM engine of the run, ours and TRL's
+(benchmarks/long_tail.py). Its runs add partial rollouts (`PARTIAL`: K = 1, 128 tokens a round):
+`sync-ddp-partial` (DDP, each process keeping its groups in flight) and `async-split-partial`
+(split placement with max_staleness=1 as above, the rollout thread sampling partial rollouts).
 """
 
 from __future__ import annotations
@@ -60,12 +67,20 @@ def main() -> None:
     parser.add_argument("--two-gpus", action="store_true", help="DDP synchronous vs split asynchronous on 2 GPUs")
     parser.add_argument("--cache", type=Path, default=None,
                         help="--two-gpus --vllm: keep each run's figures in DIR/<run>.json and reuse them")
+    parser.add_argument("--long-tail", action="store_true",
+                        help="with --two-gpus --vllm: caption lengths with a tail to 2k, and the partial-rollout runs")
     parser.add_argument("--only", choices=tuple(VLLM_RUNS), action="append", default=None,
                         help="--two-gpus --vllm: run only these (repeatable); report once all are cached")
     args = parser.parse_args()
     steps = args.steps or (WARMUP + 3 if args.smoke else WARMUP + 5)
+    if args.long_tail and not (args.two_gpus and args.vllm):
+        parser.error("--long-tail imposes its lengths inside vLLM on 2 GPUs: it goes with --two-gpus --vllm")
     if args.two_gpus and args.vllm:
-        two_gpus_vllm(steps, args.cache, args.only)
+        if args.long_tail:
+            from caption_rl import use_long_tail
+
+            use_long_tail()
+        two_gpus_vllm(steps, args.cache, args.only, args.long_tail)
         return
     if args.two_gpus:
         two_gpus(steps)
@@ -162,36 +177,45 @@ VLLM_RUNS = {
     "async-split": "split asynchronous, max_staleness=1, vLLM on GPU 1",
     "async-ray": "split asynchronous, max_staleness=1, vLLM in a Ray actor on GPU 1",
     "trl-server": "TRL GRPOTrainer, vllm_mode=server (trl vllm-serve on GPU 1)",
+    "sync-ddp-partial": "DDP synchronous (2 processes), vLLM colocated, partial rollouts K=1",
+    "async-split-partial": "split asynchronous, max_staleness=1, vLLM on GPU 1, partial rollouts K=1",
 }
+# `--long-tail`'s partial rollouts: K = 1, 128 tokens a round, room for the (K + 1) x 256 samples in flight
+PARTIAL = ["train.partial_rollouts.steps=1", "train.partial_rollouts.chunk_tokens=128", "rollout.max_batch_size=512",
+           "algo.rollout_correction=token_truncate"]
 
 
-def two_gpus_vllm(steps: int, cache: Path | None, only: list[str] | None) -> None:
+def two_gpus_vllm(steps: int, cache: Path | None, only: list[str] | None, long_tail: bool = False) -> None:
     from caption_rl import VLLM_MAX_LEN, VLLM_MEMORY, vllm_overrides
     from results import cached_figures, load_figures, save_figures
 
-    wanted = only or list(VLLM_RUNS)
-    got = {name: kept for name in VLLM_RUNS if (kept := load_figures(cached_figures(cache, f"two-gpus-{name}")))}
+    names = [n for n in VLLM_RUNS if long_tail or not n.endswith("-partial")]
+    wanted = only or names
+    prefix = "two-gpus-long-tail" if long_tail else "two-gpus"
+    got = {name: kept for name in names if (kept := load_figures(cached_figures(cache, f"{prefix}-{name}")))}
     with tempfile.TemporaryDirectory() as tmp:
         policy = None
         for name in (n for n in wanted if n not in got):
             if name == "trl-server":
                 trl_cache = cache or Path(tmp)
                 subprocess.run([sys.executable, str(Path(__file__).with_name("caption_rl.py")), "--vllm", "--only", "trl",
-                                "--trl-server", "--cache", str(trl_cache), "--steps", str(steps)], check=True)
-                got[name] = load_figures(cached_figures(trl_cache, "trl-vllm-server"))
+                                "--trl-server", "--cache", str(trl_cache), "--steps", str(steps),
+                                *(["--long-tail"] if long_tail else [])], check=True)
+                got[name] = load_figures(cached_figures(trl_cache, "trl-vllm-server" + ("-long-tail" if long_tail else "")))
             else:
                 policy = policy or build_policy(Path(tmp) / "policy", False)
                 gc.collect()
-                overrides = (vllm_overrides() if name == "sync-ddp" else
+                overrides = (vllm_overrides() if name.startswith("sync-ddp") else
                              ["rollout.engine=vllm", "rollout.placement=split", *SETTINGS[1],
                               f"rollout.gpu_memory_utilization={SPLIT_VLLM_MEMORY}",
                               f"rollout.engine_options.max_model_len={VLLM_MAX_LEN}",
                               *(["rollout.workers=1"] if name == "async-ray" else [])])
+                overrides += PARTIAL if name.endswith("-partial") else []
                 out = cache / name if cache else Path(tmp) / name  # with --cache, the run directory stays there too
                 shutil.rmtree(out, ignore_errors=True)
-                processes = 2 if name == "sync-ddp" else 1
+                processes = 2 if name.startswith("sync-ddp") else 1
                 got[name] = {**launch(processes, policy, out, steps, overrides), "processes": processes}
-            save_figures(cached_figures(cache, f"two-gpus-{name}"), got[name])
+            save_figures(cached_figures(cache, f"{prefix}-{name}"), got[name])
     missing = [n for n in ("sync-ddp", "trl-server") if n not in got]
     if missing or not any(n.startswith("async") for n in got):
         print(f"cached: {sorted(got)}; run {missing or 'an async placement'} to report")
@@ -200,33 +224,40 @@ def two_gpus_vllm(steps: int, cache: Path | None, only: list[str] | None) -> Non
     total = {n: f.get("throughput/tokens_per_s_all_gpus", f["throughput/tokens_per_s"] * f.get("processes", 1))
              for n, f in got.items()}
     sync, trl = total["sync-ddp"], total["trl-server"]
-    header = ["on 2 GPUs", "tokens/s", "s/step", "rollout s", "waited s", "update s", "vs our sync", "vs TRL server"]
+    header = ["on 2 GPUs", "tokens/s", "s/step", "rollout s", "waited s", "update s", "caption tokens", "vs our sync",
+              "vs TRL server"]
     rows = []
     for name, f in got.items():
         ours = name != "trl-server"
         rows.append([VLLM_RUNS[name], f"{total[name]:.0f}", f"{f['time/step']:.2f}",
                      f"{f['time/rollout']:.2f}" if ours else "", f"{f['time/rollout_wait']:.2f}" if name.startswith("async") else "",
-                     f"{f['time/update']:.2f}" if ours else "", f"{total[name] / sync:.2f}x", f"{total[name] / trl:.2f}x"])
+                     f"{f['time/update']:.2f}" if ours else "", f"{f['response/length_mean']:.0f}",
+                     f"{total[name] / sync:.2f}x", f"{total[name] / trl:.2f}x"])
     bounds = []
     for name, split in got.items():
         if name.startswith("async"):
             rest = split["time/step"] - split["time/rollout_wait"]  # the trainer's own work per step
             bounds.append(f"{name} {(split['time/rollout'] + rest) / max(split['time/rollout'], rest):.2f}x")
+    lengths = ("captions of lengths drawn per sample (95% log-normal, median 260, sigma 0.35, in 100-600 tokens; 5% "
+               "uniform in 800-2048), imposed inside every vLLM engine of the run, ours and TRL's, by the logits "
+               "processor of benchmarks/long_tail.py (V1 model runner for all)" if long_tail else "captions x 256 tokens")
     notes = ("caption-rl at Qwen3-VL-2B shape (random weights, bf16, full fine-tuning, gradient checkpointing), 32 "
-             "images x 8 captions x 256 tokens per step on 2 GPUs, rule reward, vLLM rollouts with max_model_len "
+             f"images x 8 {lengths} per step on 2 GPUs, rule reward, vLLM rollouts with max_model_len "
              f"{VLLM_MAX_LEN}. DDP: 2 processes of 16 prompts, each with its colocated vLLM engine "
              f"(gpu_memory_utilization {VLLM_MEMORY}, asleep during the update). Split: 1 trainer process on GPU 0, its "
              f"vLLM engine on GPU 1 (gpu_memory_utilization {SPLIT_VLLM_MEMORY}, awake), sampling step j+1 while step j "
              "trains (max_staleness=1, token_truncate); in a Ray actor (rollout.workers=1): the whole engine, vLLM's "
-             "client included, outside the trainer's process, each version pushed as host copies. TRL: GRPOTrainer use_vllm=True, vllm_mode='server', trl "
+             "client included, outside the trainer's process. Partial rollouts (K=1): (K + 1) x a step's groups in flight, "
+             "128 tokens a round, a step training the first groups to finish (token_truncate). TRL: GRPOTrainer "
+             "use_vllm=True, vllm_mode='server', trl "
              "vllm-serve on GPU 1, the trainer on GPU 0, same data, lengths, loss and reward (benchmarks/caption_rl.py "
              "--trl-server). tokens/s: prompt + caption tokens per second of step time, on the 2 GPUs. Means over the "
-             f"steps after the first {WARMUP} (split: before the last). Goals (issue 31): split async >= 1.8x our "
+             f"steps after the first {WARMUP} (split: before the last). Goals: asynchronous >= 1.8x our "
              "synchronous run on the same 2 GPUs and >= 2x TRL's server mode. Overlap bound of each split run "
              f"(rollout and the rest of its step in series, over max of the two): {', '.join(bounds)}. Seconds per step, "
              "warm-up included: " + "; ".join(f"{n}: {f['steps/step']}" for n, f in got.items()) + ".")
     append_results("caption-rl on 2 GPUs with vLLM rollouts: synchronous DDP, asynchronous split, TRL server mode "
-                   "(Qwen3-VL-2B shape)", header, rows, notes)
+                   f"(Qwen3-VL-2B shape{', long-tail caption lengths' if long_tail else ''})", header, rows, notes)
 
 
 if __name__ == "__main__":

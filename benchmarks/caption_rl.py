@@ -6,6 +6,7 @@
     python benchmarks/caption_rl.py --vllm --caption-rl-engine hf   # caption-rl's hf engine vs TRL's colocate mode
     python benchmarks/caption_rl.py --vllm --fp8   # and caption-rl with rollout.precision=fp8: three trainers
     python benchmarks/caption_rl.py --trl-server   # 2 GPUs: rollout.engine=vllm vs TRL's server mode (vLLM on GPU 1)
+    python benchmarks/caption_rl.py --trl-server --long-tail   # the same, caption lengths with a long tail
 
 `--vllm`: caption-rl's colocated vLLM engine (asleep during the update, LoRA-merged or full
 weights pushed after every optimizer step) against TRL's fast path, `use_vllm=True,
@@ -23,6 +24,10 @@ processed_logprobs` and `--max-logprobs -1` (`--enable-scale-out` from vLLM 0.30
 serves `/v1/chat/completions/render` and `/inference/v1/generate`, which TRL sends images
 through, without it). Its tokens/s is per GPU (divided by 2, verl's definition), its peak GiB the
 trainer GPU's; cached as `trl-vllm-server`.
+
+`--long-tail` (with `--vllm`): caption lengths drawn per sample, most 150-400 tokens with a tail
+to 2k, imposed inside every vLLM engine of the run, ours and TRL's (benchmarks/long_tail.py),
+with `LONG_TAIL_TOKENS` as the length cap and `LONG_TAIL_MAX_LEN` as `max_model_len`.
 
 Both trainers get the same checkpoint, the same 32 images x n=8 captions of 256 tokens per
 step, the same in-process rule reward (timestamp format + length:
@@ -69,6 +74,7 @@ REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "apps" / "caption-rl"
 sys.path.insert(0, str(APP))
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 # Qwen3-VL-2B-Instruct text and vision shapes (config.json of the released checkpoint).
 QWEN3_VL_2B_TEXT = {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
@@ -122,6 +128,7 @@ FULL, SMOKE = (32, 8, 256, 16), (4, 2, 16, 4)
 
 
 VLLM_MEMORY, VLLM_MAX_LEN = 0.3, 2048
+LONG_TAIL_TOKENS, LONG_TAIL_MAX_LEN = 2048, 2560  # `--long-tail`: the caption cap, and room for the prompt
 # `--trl-server`: `trl vllm-serve`'s default share, the server having a GPU of its own; seconds it may take to start
 VLLM_SERVER_MEMORY, VLLM_SERVER_START_S = 0.9, 600
 
@@ -146,6 +153,15 @@ class DevicePeak:
     def gib(self) -> float:
         self.stop.set()
         return self.peak / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+def use_long_tail() -> None:
+    """`--long-tail`: this process's settings, and the vLLM plugin for every child process."""
+    from long_tail import plugin_env
+
+    global FULL, VLLM_MAX_LEN
+    FULL, VLLM_MAX_LEN = (*FULL[:2], LONG_TAIL_TOKENS, FULL[3]), LONG_TAIL_MAX_LEN
+    os.environ.update(plugin_env(Path(tempfile.gettempdir()) / "rl-long-tail-plugin"))
 
 
 def caption_rl_args(policy: Path, out: Path, *, smoke: bool, steps: int, overrides: list[str]) -> list[str]:
@@ -380,14 +396,14 @@ def placeholder_bias(policy: Path) -> dict[int, float]:
 
 
 def run_side(side: str, smoke: bool, steps: int, policy: Path, out: Path, overrides: list[str], vllm: bool,
-             engine: str, trl_server: bool = False) -> dict:
+             engine: str, trl_server: bool = False, long_tail: bool = False) -> dict:
     """One trainer in a fresh process; its figures come back as JSON. TRL's server mode: the process
     sees only the first GPU and starts `trl vllm-serve` on the second. `caption-rl-fp8` is the
     caption-rl side (its `overrides` say the precision)."""
     result = out / f"{side}.json"
     cmd = [sys.executable, __file__, "--side", side.removesuffix("-fp8"), "--policy", str(policy), "--result", str(result),
            "--steps", str(steps), *(["--smoke"] if smoke else []), *(["--vllm"] if vllm else []),
-           f"--caption-rl-engine={engine}", *(f"--set={o}" for o in overrides)]
+           f"--caption-rl-engine={engine}", *(f"--set={o}" for o in overrides), *(["--long-tail"] if long_tail else [])]
     env = None
     if side == "trl" and trl_server:
         trainer_gpu, server_gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0,1").split(",")[:2]
@@ -414,6 +430,9 @@ def main() -> None:
                              "instead of colocate; implies --vllm; its tokens/s is per GPU")
     parser.add_argument("--fp8", action="store_true",
                         help="with --vllm: caption-rl also with rollout.precision=fp8 (vLLM's online FP8), a third trainer")
+    parser.add_argument("--long-tail", action="store_true",
+                        help="with --vllm: caption lengths drawn per sample with a tail to 2k (benchmarks/long_tail.py), "
+                             "imposed inside every vLLM engine of the run")
     parser.add_argument("--only", choices=("caption-rl", "caption-rl-fp8", "trl"),
                         help="run one trainer only; prints its figures, appends nothing")
     parser.add_argument("--cache", type=Path, default=None,
@@ -428,6 +447,10 @@ def main() -> None:
     if args.trl_server and args.smoke:
         parser.error("--trl-server runs TRL against a vLLM server on a second GPU; --smoke is CPU-only and has no vLLM")
     args.vllm = args.vllm or args.trl_server
+    if args.long_tail and not args.vllm:
+        parser.error("--long-tail imposes its lengths inside vLLM: it goes with --vllm or --trl-server")
+    if args.long_tail:
+        use_long_tail()
     engine = args.caption_rl_engine or ("vllm" if args.vllm else "hf")
     if engine == "vllm" and not args.vllm:
         parser.error("--caption-rl-engine vllm needs --vllm (TRL on vLLM too)")
@@ -454,6 +477,7 @@ def main() -> None:
 
     trl_key = "trl-vllm-server" if args.trl_server else "trl-vllm" if args.vllm else "trl-hf"
     keys = {"caption-rl": f"caption-rl-{engine}", "caption-rl-fp8": f"caption-rl-{engine}-fp8", "trl": trl_key}
+    keys = {side: f"{key}-long-tail" if args.long_tail else key for side, key in keys.items()}
     cached = {side: cached_figures(args.cache, keys[side]) for side in sides}
     got = {side: kept for side in sides if (kept := load_figures(cached[side])) is not None}
     for side in got:
@@ -470,7 +494,7 @@ def main() -> None:
             for side in (s for s in sides if s not in got):
                 overrides = {"caption-rl": args.overrides, "caption-rl-fp8": [*args.overrides, "rollout.precision=fp8"]}
                 got[side] = run_side(side, args.smoke, steps, policy, Path(tmp), overrides.get(side, []), args.vllm,
-                                     engine, args.trl_server)
+                                     engine, args.trl_server, args.long_tail)
                 save_figures(cached[side], got[side])
     if args.only:
         print(json.dumps(got[args.only]))

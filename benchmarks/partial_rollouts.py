@@ -39,17 +39,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from long_tail import length  # noqa: E402
 from results import append_results  # noqa: E402
 
 from rl_rollout import PartialRollouts, SamplingParams  # noqa: E402
 from rl_rollout.partial import round_generator  # noqa: E402
-
-
-def length(seed: int, scale: int) -> int:
-    """One response length: 95% log-normal (median 260, sigma 0.35) in 100-600, 5% uniform 800-2048."""
-    rng = random.Random(seed)
-    raw = rng.uniform(800, 2048) if rng.random() < 0.05 else min(600.0, max(100.0, rng.lognormvariate(5.56, 0.35)))
-    return max(2, round(raw / scale))
 
 
 def sync() -> None:
