@@ -21,7 +21,8 @@ import torch
 from long_tail import length
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-TAIL_KEY = (24, 8)  # a sample's key: its tokens [-24:-8] (clear of async scheduling's placeholders)
+TAIL = 16  # a sample's key: its last 16 tokens
+SHIFTS = 4  # a continuation also matches a key that lacks up to 3 of its last tokens (async scheduling's lag)
 CARRIED_MAX = 100_000  # samples that left the batch before their length, kept for their continuation
 
 
@@ -37,9 +38,12 @@ class _Sample:
         return self.before + len(self.output)
 
 
-def _key(tokens: list[int]) -> tuple[int, ...] | None:
-    first, last = TAIL_KEY
-    return tuple(tokens[-first:-last]) if len(tokens) >= first else None
+def _known(output: list[int]) -> list[int]:
+    """The output's tokens without async scheduling's trailing placeholders (-1)."""
+    end = len(output)
+    while end and output[end - 1] < 0:
+        end -= 1
+    return output[:end]
 
 
 class LongTailStop(LogitsProcessor):
@@ -63,27 +67,34 @@ class LongTailStop(LogitsProcessor):
         """A sample out of the batch before its length keeps it for its continuation."""
         if sample is None or sample.generated >= sample.length:
             return
-        key = _key([*sample.tokens, *sample.output])
-        if key is not None:
-            self.carried[key] = (sample.generated, sample.length)
+        known = _known(sample.output)
+        tokens = [*sample.tokens, *known]
+        if len(tokens) >= TAIL:
+            self.carried[tuple(tokens[-TAIL:])] = (sample.before + len(known), sample.length)
             while len(self.carried) > CARRIED_MAX:
                 self.carried.popitem(last=False)
 
     def _join(self, prompt: list[int], output: list[int]) -> _Sample:
-        key = _key([*prompt, *output])
-        if key is not None and key in self.carried:  # a continuation, or a preempted request back
-            generated, stop = self.carried.pop(key)
-            return _Sample(prompt, output, generated - len(output), stop)
+        tokens = [*prompt, *_known(output)]
+        for shift in range(SHIFTS):  # a continuation, or a preempted request back
+            end = len(tokens) - shift
+            kept = self.carried.pop(tuple(tokens[end - TAIL:end]), None) if end >= TAIL else None
+            if kept is not None:
+                generated, stop = kept  # generated: the sample's tokens at `end`
+                return _Sample(prompt, output, generated + shift - len(tokens) + len(prompt), stop)
         return _Sample(prompt, output, 0, length(self.rng.getrandbits(32)))
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
             return
-        for index, _params, prompt, output in batch_update.added:
-            self._leave(self.rows.get(index))
-            self.rows[index] = self._join(list(prompt or []), output)
+        # every sample that leaves is kept before any joins: a round's continuations join in the
+        # update that removes the round's requests
         for index in batch_update.removed:
             self._leave(self.rows.pop(index, None))
+        for index, *_ in batch_update.added:
+            self._leave(self.rows.pop(index, None))
+        for index, _params, prompt, output in batch_update.added:
+            self.rows[index] = self._join(list(prompt or []), output)
         for a, b, direction in batch_update.moved:
             first, second = self.rows.pop(a, None), self.rows.pop(b, None)
             if first is not None:
