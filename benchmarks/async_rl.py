@@ -36,7 +36,9 @@ reuses them, so the runs fit separate commands of a time-limited machine (`--onl
 with a tail to 2k, imposed inside every vLLM engine of the run, ours and TRL's
 (benchmarks/long_tail.py). Its runs add partial rollouts (`PARTIAL`: K = 1, 128 tokens a round):
 `sync-ddp-partial` (DDP, each process keeping its groups in flight) and `async-split-partial`
-(split placement with max_staleness=1 as above, the rollout thread sampling partial rollouts).
+(split placement with max_staleness=1 as above, the rollout thread sampling partial rollouts) and
+`async-ddp-partial` (DDP, each process's colocated engine awake, sampling the next step's partial
+rollouts on the rollout thread while its GPU updates: a long tail leaves that GPU mostly idle).
 """
 
 from __future__ import annotations
@@ -179,6 +181,7 @@ VLLM_RUNS = {
     "trl-server": "TRL GRPOTrainer, vllm_mode=server (trl vllm-serve on GPU 1)",
     "sync-ddp-partial": "DDP synchronous (2 processes), vLLM colocated, partial rollouts K=1",
     "async-split-partial": "split asynchronous, max_staleness=1, vLLM on GPU 1, partial rollouts K=1",
+    "async-ddp-partial": "DDP asynchronous (2 processes), max_staleness=1, vLLM colocated and awake, partial rollouts K=1",
 }
 # `--long-tail`'s partial rollouts: K = 1, 128 tokens a round, room for the (K + 1) x 256 samples in flight
 PARTIAL = ["train.partial_rollouts.steps=1", "train.partial_rollouts.chunk_tokens=128", "rollout.max_batch_size=512",
@@ -205,7 +208,8 @@ def two_gpus_vllm(steps: int, cache: Path | None, only: list[str] | None, long_t
             else:
                 policy = policy or build_policy(Path(tmp) / "policy", False)
                 gc.collect()
-                overrides = (vllm_overrides() if name.startswith("sync-ddp") else
+                ddp = "-ddp" in name  # 2 processes, each with its colocated engine
+                overrides = ([*vllm_overrides(), *(SETTINGS[1] if name.startswith("async") else [])] if ddp else
                              ["rollout.engine=vllm", "rollout.placement=split", *SETTINGS[1],
                               f"rollout.gpu_memory_utilization={SPLIT_VLLM_MEMORY}",
                               f"rollout.engine_options.max_model_len={VLLM_MAX_LEN}",
@@ -213,7 +217,7 @@ def two_gpus_vllm(steps: int, cache: Path | None, only: list[str] | None, long_t
                 overrides += PARTIAL if name.endswith("-partial") else []
                 out = cache / name if cache else Path(tmp) / name  # with --cache, the run directory stays there too
                 shutil.rmtree(out, ignore_errors=True)
-                processes = 2 if name.startswith("sync-ddp") else 1
+                processes = 2 if ddp else 1
                 got[name] = {**launch(processes, policy, out, steps, overrides), "processes": processes}
             save_figures(cached_figures(cache, f"{prefix}-{name}"), got[name])
     missing = [n for n in ("sync-ddp", "trl-server") if n not in got]
