@@ -177,6 +177,21 @@ def test_ocr_manifest_that_is_not_utf8_names_the_line(tmp_path):
     assert [p.target for p in reader] == ["OPEN"] and reader.skipped == 1
 
 
+def test_ocr_rows_with_the_picture_each_sample_starts_from(tmp_path):
+    """JSONL rows give a prompt and at most one `image` / `video` path, joined to the file's
+    directory; a row with both, or a path that is not a string, names its line and field."""
+    path = _jsonl(tmp_path / "world.jsonl", [{"prompt": 'A sign "OPEN"', "image": "a.png"},
+                                             {"text": 'A mug "TEA"', "video": "/clips/b.mp4"}, {"prompt": 'A "C"'}])
+    assert [(p.target, p.media) for p in read_ocr_prompts(path)] == [
+        ("OPEN", str(tmp_path / "a.png")), ("TEA", "/clips/b.mp4"), ("C", None)]
+    _jsonl(path, [{"prompt": 'A "C"'}, {"prompt": 'A sign "OPEN"', "image": "a.png", "video": "b.mp4"}])
+    error = _error(read_ocr_prompts(path))
+    assert (error.line, error.field) == (2, "video") and "not both" in str(error)
+    _jsonl(path, [{"prompt": 'A "C"', "image": 3}])
+    error = _error(read_ocr_prompts(path))
+    assert (error.line, error.field) == (1, "image") and "Expected a path" in str(error)
+
+
 def test_prompt_reader(tmp_path):
     path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "id": 1}, {"prompt": ["x"]}])
     error = _error(read_prompts(path))

@@ -79,7 +79,7 @@ def test_open_source_argument_errors(tmp_path):
     manifest.write_text('A sign that says "OPEN"\n')
     assert [p.target for p in open_source(manifest, kind="ocr")] == ["OPEN"]
     with pytest.raises(ValueError, match="media_root applies to caption_qa"):
-        open_source(manifest, kind="ocr", media_root=tmp_path)
+        open_source(manifest, kind="prompts", media_root=tmp_path)
     with pytest.raises(ValueError, match="a text manifest has no columns to map"):
         open_source(manifest, kind="ocr", mapping={"prompt": "text"})
 
@@ -90,5 +90,5 @@ def test_open_source_reads_preference_pairs_with_a_media_root(tmp_path):
     [default] = open_source(path, kind="preference")
     [moved] = open_source(path, kind="preference", media_root="/media")
     assert (default.chosen.path, moved.chosen.path) == (str(tmp_path / "a.png"), "/media/a.png")
-    with pytest.raises(ValueError, match="media_root applies to caption_qa and preference records, not judge"):
+    with pytest.raises(ValueError, match="media_root applies to caption_qa, preference, ocr records, not judge"):
         open_source(path, kind="judge", media_root="/media")

@@ -24,7 +24,7 @@ _EXPORTS = {
     "errors": ["RecordError", "ReadStats"],
     "records": ["CaptionQARecord", "ChatMessage", "FieldError", "ImageSource", "JudgeRecord",
                 "OCRPrompt", "PreferenceRecord", "PromptRecord", "QAItem", "caption_qa_from_row",
-                "judge_from_row", "ocr_prompt_from_line", "preference_from_row", "prompt_from_row",
+                "judge_from_row", "ocr_prompt_from_line", "ocr_prompt_from_row", "preference_from_row", "prompt_from_row",
                 "qa_from_question_text"],
     "readers": ["Location", "Reader", "read_caption_qa", "read_judge_records", "read_ocr_prompts",
                 "read_preferences", "read_prompts"],

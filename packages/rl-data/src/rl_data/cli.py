@@ -52,7 +52,7 @@ def convert_command(
     kind: Annotated[str, typer.Option("--kind", "-k", help=f"Record kind: {', '.join(KINDS)}.")],
     split: Annotated[str | None, typer.Option(help="Split of a DatasetDict or Hub dataset.")] = None,
     map_: Annotated[list[str] | None, typer.Option("--map", "-m", help="FIELD=COLUMN: read our FIELD from the source's COLUMN (dotted; repeatable).")] = None,
-    media_root: Annotated[Path | None, typer.Option(help="caption_qa, preference: directory relative media paths are resolved against.")] = None,
+    media_root: Annotated[Path | None, typer.Option(help="caption_qa, preference, ocr: directory relative media paths are resolved against.")] = None,
     strict: Annotated[bool, typer.Option(help="Stop at the first bad row instead of skipping and counting it.")] = False,
 ) -> None:
     """Convert SRC to DST, validating every row; bad rows are skipped and summarized (or, with

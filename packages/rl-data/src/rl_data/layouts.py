@@ -49,7 +49,7 @@ _TARGETS: dict[Kind, tuple[str, ...] | None] = {
                    "reward_model.ground_truth", "data_source", "extra_info"),
     "judge": ("prompt", "reward_model", "reward_model.ground_truth", "extra_info", "data_source"),
     "prompts": None,
-    "ocr": ("prompt",),
+    "ocr": ("prompt", "image", "video"),
     "preference": ("prompt", "chosen", "rejected"),
 }
 _RM_PROMPT = re.compile(r"^rm_prompt_\d+$")

@@ -41,7 +41,7 @@ from rl_data.records import (
     PromptRecord,
     caption_qa_from_row,
     judge_from_row,
-    ocr_prompt_from_line,
+    ocr_prompt_from_row,
     preference_from_row,
     prompt_from_row,
 )
@@ -307,35 +307,26 @@ def _open_rows(
     if split is not None or world_size != 1:
         raise ValueError(f"{path}: split= and rank=/world_size= apply to datasets; a file has no "
                          f"splits, and GroupSampler(rank=, world_size=) shards its records")
-    fmt = "lines" if allowed == ("lines",) else _format_of(path, allowed)
+    lines = "lines" in allowed and path.suffix.lower() not in _SUFFIXES
+    fmt = "lines" if lines else _format_of(path, allowed)
     return FileRows(path, fmt), path.parent.resolve()
-
-
-def _ocr_from_row(row: Any) -> OCRPrompt:
-    if isinstance(row, str):
-        return ocr_prompt_from_line(row)
-    if not isinstance(row, Mapping) or "prompt" not in row:
-        raise FieldError("prompt", "missing: an OCR prompt row needs a `prompt` (or `text`) column")
-    if not isinstance(row["prompt"], str):
-        raise FieldError("prompt", f"Expected `str`, got `{type(row['prompt']).__name__}`")
-    return ocr_prompt_from_line(row["prompt"].strip())
 
 
 _CONVERTERS: dict[Kind, Callable[[Any], Any]] = {
     "judge": judge_from_row,
     "prompts": prompt_from_row,
-    "ocr": _ocr_from_row,
 }
 # kinds whose rows hold media paths, resolved against a media root
 MEDIA_CONVERTERS: dict[Kind, Callable[..., Any]] = {
     "caption_qa": caption_qa_from_row,
     "preference": preference_from_row,
+    "ocr": ocr_prompt_from_row,
 }
 ALLOWED: dict[Kind, tuple[Format, ...]] = {
     "caption_qa": ("jsonl", "parquet"),
     "judge": ("jsonl", "parquet"),
     "prompts": ("jsonl", "parquet"),
-    "ocr": ("lines",),
+    "ocr": ("lines", "jsonl", "parquet"),  # any other file: a manifest of lines
     "preference": ("jsonl", "parquet"),
 }
 
@@ -429,14 +420,18 @@ def read_ocr_prompts(
     *,
     split: str | None = None,
     mapping: Mapping[str, str] | None = None,
+    media_root: str | Path | None = None,
     rank: int = 0,
     world_size: int = 1,
     on_error: OnError = "raise",
 ) -> Reader[OCRPrompt]:
-    """Flow-GRPO OCR prompts: a manifest file (one prompt per line, any suffix, UTF-8, blank lines
-    skipped) or a dataset with a ``prompt`` or ``text`` column. The target is the text between the
-    first pair of double quotes. Arguments as in :func:`read_prompts`."""
-    return _read("ocr", source, split, mapping, None, rank, world_size, on_error)
+    """Flow-GRPO OCR prompts: a manifest file (one prompt per line, any suffix but ``.jsonl`` /
+    ``.parquet``, UTF-8, blank lines skipped), or rows (``.jsonl``, ``.parquet``, a dataset) with a
+    ``prompt`` or ``text`` column and at most one of ``image`` / ``video``: the path of the picture
+    the sample starts from (relative paths joined to ``media_root``, default the file's directory).
+    The target is the text between the first pair of double quotes. Arguments as in
+    :func:`read_prompts`."""
+    return _read("ocr", source, split, mapping, media_root, rank, world_size, on_error)
 
 
 def read_prompts(

@@ -13,6 +13,7 @@ import base64
 import binascii
 import builtins
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -121,10 +122,13 @@ class JudgeRecord(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class OCRPrompt(msgspec.Struct, frozen=True):
-    """One Flow-GRPO OCR prompt; ``target`` is the text between its first pair of double quotes."""
+    """One Flow-GRPO OCR prompt; ``target`` is the text between its first pair of double quotes.
+    ``media``: the path of an image or a clip the sample starts from (a JSONL or parquet row's
+    ``image`` or ``video``: Cosmos image/video to world), None for text alone."""
 
     prompt: str
     target: str
+    media: str | None = None
 
 
 class PromptRecord(msgspec.Struct, frozen=True):
@@ -432,6 +436,26 @@ def preference_from_row(row: Any, *, media_root: str | Path | None = None) -> Pr
     consumed = {"prompt", win, lose, *(("label_0", "label_1") if pickapic else ())}
     return PreferenceRecord(prompt=prompt, chosen=chosen, rejected=rejected,
                             fields={k: v for k, v in row.items() if k not in consumed})
+
+
+def ocr_prompt_from_row(row: Any, *, media_root: str | Path | None = None) -> OCRPrompt:
+    """A manifest line (``str``) or a row with ``prompt`` and at most one of ``image`` / ``video``
+    (a path, joined to ``media_root`` when relative) as an :class:`OCRPrompt`."""
+    if isinstance(row, str):
+        return ocr_prompt_from_line(row)
+    if not isinstance(row, Mapping) or "prompt" not in row:
+        raise FieldError("prompt", "missing: an OCR prompt row needs a `prompt` (or `text`) column")
+    if not isinstance(row["prompt"], str):
+        raise FieldError("prompt", f"Expected `str`, got `{type(row['prompt']).__name__}`")
+    given = [field for field in ("image", "video") if row.get(field) is not None]
+    if len(given) > 1:
+        raise FieldError("video", "a row starts from one image or one video, not both")
+    media = row[given[0]] if given else None
+    if media is not None and not isinstance(media, str):
+        raise FieldError(given[0], f"Expected a path (`str`), got `{type(media).__name__}`")
+    prompt = ocr_prompt_from_line(row["prompt"].strip())
+    root = Path(media_root) if media_root is not None else None
+    return prompt if media is None else OCRPrompt(prompt.prompt, prompt.target, _resolve(media, root))
 
 
 def ocr_prompt_from_line(line: str) -> OCRPrompt:

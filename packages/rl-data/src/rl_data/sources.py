@@ -68,7 +68,7 @@ def open_source(
             (TRL prompt-only), ``"ocr"`` (Flow-GRPO manifests) or ``"preference"``
             (Diffusion-DPO pairs, Pick-a-Pic).
         split, mapping, rank, world_size, on_error: as in :func:`~rl_data.readers.read_prompts`.
-        media_root: caption QA and preference pairs only: the directory relative media paths are
+        media_root: caption QA, preference pairs and OCR rows only: the directory relative media paths are
             resolved against.
 
     Files and directories need nothing beyond the base install; datasets and Hub ids need
@@ -85,6 +85,6 @@ def open_source(
     read = _READERS[kind]
     options: dict[str, Any] = {"media_root": media_root} if kind in MEDIA_CONVERTERS else {}
     if media_root is not None and kind not in MEDIA_CONVERTERS:
-        raise ValueError(f"media_root applies to {' and '.join(MEDIA_CONVERTERS)} records, not {kind}")
+        raise ValueError(f"media_root applies to {', '.join(MEDIA_CONVERTERS)} records, not {kind}")
     return read(source, split=split, mapping=mapping, rank=rank, world_size=world_size,
                 on_error=on_error, **options)

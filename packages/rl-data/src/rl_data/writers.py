@@ -86,11 +86,18 @@ def preference_row(record: PreferenceRecord) -> dict[str, Any]:
             "rejected": _media_row(record.rejected), **record.fields}
 
 
+def ocr_line(record: Any) -> str:
+    """An OCR manifest line: the prompt alone (a prompt that starts from a picture has no line)."""
+    if record.media is not None:
+        raise ValueError(f"{record.prompt!r} starts from {record.media}: a text manifest cannot hold it")
+    return record.prompt
+
+
 _ROWS: dict[Kind, Callable[[Any], Any]] = {
     "caption_qa": caption_qa_row,
     "judge": judge_row,
     "prompts": prompt_row,
-    "ocr": lambda record: record.prompt,
+    "ocr": ocr_line,
     "preference": preference_row,
 }
 
