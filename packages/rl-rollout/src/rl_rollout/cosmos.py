@@ -133,12 +133,16 @@ class CosmosEngine(DiffusionEngine):
         return PromptEmbeddings(embeds, embeds.new_zeros(embeds.shape[0], 0))  # [B, L, D], [B, 0]
 
     @torch.no_grad()
-    def encode_world(self, prompts: Sequence[str], frames: Tensor, *, max_sequence_length: int = 512) -> PromptEmbeddings:
+    def encode_world(self, prompts: Sequence[str], frames: Tensor | Sequence[Tensor], *,
+                     max_sequence_length: int = 512) -> PromptEmbeddings:
         """Video (or image) to world: `encode`'s states plus the given frames `[B, F_in, 3, H, W]` in
         [0, 1] (1 frame: an image; 4k + 1: a clip), held as the first (F_in - 1) / 4 + 1 latent frames
         of every sample (as diffusers' pipeline: padded to `num_frames` with the last frame, encoded
         through the VAE's mode). Pass the result as `sample(conditioning=...)`: the sampler generates
-        the rest, and the given frames stay out of the log-probs."""
+        the rest, and the given frames stay out of the log-probs. `frames` may also be one
+        `[F_in, 3, H, W]` tensor per prompt, F_in differing between them (an image beside a clip)."""
+        if not isinstance(frames, Tensor):
+            return self._encode_rows(prompts, frames, max_sequence_length)
         given = frames.shape[1]
         if frames.dim() != 5 or frames.shape[0] != len(prompts) or (given - 1) % 4 or given > self.num_frames:
             raise ValueError(f"frames {tuple(frames.shape)}: need [B, F_in, 3, H, W] with a row per prompt "
@@ -149,6 +153,20 @@ class CosmosEngine(DiffusionEngine):
         mask[:, :, : (given - 1) // self.pipeline.vae_scale_factor_temporal + 1] = 1
         text = self.encode(prompts, max_sequence_length=max_sequence_length)
         return PromptEmbeddings(text.embeds, text.pooled, held, mask)
+
+    def _encode_rows(self, prompts: Sequence[str], frames: Sequence[Tensor], length: int) -> PromptEmbeddings:
+        """`encode_world` of rows with their own frame counts: the rows of each count together."""
+        if len(frames) != len(prompts):
+            raise ValueError(f"got {len(frames)} frame tensors for {len(prompts)} prompts")
+        groups: dict[int, list[int]] = {}
+        for row, given in enumerate(frames):
+            groups.setdefault(given.shape[0], []).append(row)
+        parts = [self.encode_world([prompts[r] for r in rows], torch.stack([frames[r] for r in rows]),
+                                   max_sequence_length=length) for rows in groups.values()]
+        merged = PromptEmbeddings(*(torch.cat([getattr(p, name) for p in parts])
+                                    for name in ("embeds", "pooled", "held", "held_mask")))
+        order = torch.tensor([r for rows in groups.values() for r in rows])  # merged row -> prompt
+        return merged.index(torch.argsort(order).tolist())
 
     def negative(self, length: int) -> PromptEmbeddings:
         """`negative_prompt`'s states `[1, L, D]` at the conditioning's `length` (cached)."""
