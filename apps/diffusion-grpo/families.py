@@ -19,7 +19,6 @@ thread with an engine of its own over the rollout's copy of the LoRA model (`on_
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -36,7 +35,7 @@ from grpo_config import (
 from peft import PeftModel
 from transformers import JanusForConditionalGeneration
 
-from rl_core.flow import SDEStep, compute_ratio_guard, flow_kl
+from rl_core.flow import flow_kl
 from rl_core.kl import compute_kl
 from rl_core.train import (
     FullWeights,
@@ -67,6 +66,7 @@ from rl_policy.lora_weights import (
 from rl_rollout import ImageSamples, build_image_engine
 from rl_rollout.diffusion import (
     DiffusionEngine,
+    PromptEmbeddings,
     SampleBatch,
     Trajectory,
     pack_rows,
@@ -107,8 +107,8 @@ class Family(Protocol):
     def replays(self, samples: Sequence[ImageSamples], adv: Sequence[torch.Tensor], plan: list[list[Micro]]) -> Replays:
         """The update over `samples` (advantages `[b_k]` per sampled batch) along `plan_micro_batches`'s plan."""
 
-    def eval_images(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
-        """`[B, 3, H, W]` from the current weights at fixed seeds."""
+    def eval_images(self, prompts: list[str], seeds: list[int], given: PromptEmbeddings | None = None) -> torch.Tensor:
+        """`[B, 3, H, W]` from the current weights at fixed seeds (`given`: cosmos's given frames)."""
 
 
 class SD3(Family):
@@ -188,7 +188,7 @@ class SD3(Family):
             old = traj.log_probs[rows, step][:, None]  # [b, 1]
             if not t.ratio_norm:
                 return Replay(out.log_prob[:, None], old, advs[k][rows], weight, kl=kl)
-            return Replay(out.log_prob[:, None], old, advs[k][rows], weight, kl=kl, **guarded(traj, step, rows, out))
+            return Replay(out.log_prob[:, None], old, advs[k][rows], weight, kl=kl, **traj.ratio_guard(step, rows, out))
 
         def logp(micro: tuple[int, torch.Tensor, float, int]) -> torch.Tensor:  # [b, 1] under the trainer's weights
             return self.engine.replay(sources[micro[0]][0], micro[3], rows=micro[1], model=self.model).log_prob[:, None]
@@ -198,9 +198,9 @@ class SD3(Family):
                        filler=(0, torch.tensor([0]), 0.0, steps[0][0]), tolerance=self.tolerance, steps=steps,
                        rescore=logp if self.cfg.rollout.precision == "fp8" else None)
 
-    def eval_images(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
+    def eval_images(self, prompts: list[str], seeds: list[int], given: PromptEmbeddings | None = None) -> torch.Tensor:
         e, s = self.cfg.eval, self.cfg.sampling  # the deterministic ODE sampler, `eval.num_steps` steps
-        return self.engine.sample(prompts, num_steps=e.num_steps, guidance_scale=e.guidance_scale, height=s.resolution,
+        return self.engine.sample(prompts, conditioning=given, num_steps=e.num_steps, guidance_scale=e.guidance_scale, height=s.resolution,
                                   width=s.resolution, kind="ode", seeds=seeds,
                                   max_sequence_length=s.max_sequence_length).images
 
@@ -278,7 +278,7 @@ class Janus(Family):
                        filler=(0, torch.tensor([0]), 0.0), tolerance=first_replay_tolerance(self.cfg, False) if use_cfg else None,
                        steps=trained, rescore=(lambda m: replay(m).logp) if self.cfg.rollout.precision == "fp8" else None)
 
-    def eval_images(self, prompts: list[str], seeds: list[int]) -> torch.Tensor:
+    def eval_images(self, prompts: list[str], seeds: list[int], given: PromptEmbeddings | None = None) -> torch.Tensor:
         return self.engine.sample(prompts, guidance_scale=self.cfg.eval.guidance_scale,
                                   temperature=self.cfg.rollout.temperature, seeds=seeds).images
 
@@ -291,19 +291,6 @@ class OldPolicy(LoraCopy):
     def __init__(self, peft: PeftModel, engine: DiffusionEngine) -> None:
         super().__init__(peft)
         self.engine = engine.over(cast(PeftModel, self.model).get_base_model())
-
-
-def guarded(traj: Trajectory, step: int, rows: torch.Tensor, out: SDEStep) -> dict[str, Any]:
-    """GRPO-Guard's RatioNorm of replayed step `step` of `rows` (`out`: its replay): the
-    re-centred, re-scaled log ratio `[b, 1]` and the policy loss's scale 1 / |dt|, upstream's
-    `policy_loss / sqrt_dt.mean() ** 2` (`rl_core.flow.compute_ratio_guard`)."""
-    means = cast(torch.Tensor, traj.means)  # kept: SD3.collect samples with keep_means under train.ratio_norm
-    sigma, sigma_next = float(traj.sigmas[step]), float(traj.sigmas[step + 1])
-    old_mean = means[rows.to(means.device), step]  # [b, C, h, w]
-    log_ratio, _ = compute_ratio_guard(logp=out.log_prob, old_logp=traj.log_probs[rows, step], mean=out.mean,
-                                       old_mean=old_mean, step_std=out.std * math.sqrt(sigma - sigma_next),
-                                       dt=sigma_next - sigma)  # [b]
-    return {"log_ratio": log_ratio[:, None], "policy_scale": 1 / (sigma - sigma_next)}
 
 
 def rollout_options(sampling: SamplingConfig) -> dict[str, Any]:

@@ -447,9 +447,9 @@ def window_problems(cfg: Config) -> list[tuple[bool, str]]:
     ]
 
 
-def read_prompts(source: str, key: str) -> list[OCRPrompt]:
-    """The OCR prompts of a manifest file, a save_to_disk directory or a cached Hub id (a `prompt`
-    or `text` column); a missing or empty source or a bad line is a `UserError` naming `key`."""
+def read_prompts(source: str, key: str, family: str = "sd3") -> list[OCRPrompt]:
+    """The OCR prompts of a manifest, rows (`image`/`video`: what a cosmos sample starts from), a save_to_disk
+    directory or a cached Hub id; a missing or empty source, a bad line or picture is a `UserError` naming `key`."""
     from rl_data import open_source  # imported here: it loads pyarrow, which `--help` does not need
 
     try:
@@ -458,6 +458,10 @@ def read_prompts(source: str, key: str) -> list[OCRPrompt]:
         raise UserError(f"{key}: {e}") from None
     if not prompts:
         raise UserError(f"{key}={source!r} holds no prompt: give a manifest with one prompt per line")
+    given = [p.media is not None for p in prompts]
+    if any(given) and (family != "cosmos" or not all(given)):  # cosmos, and on every row
+        raise UserError(f"{key}, row {given.index(family != 'cosmos') + 1}: an image or video to start from "
+                        f"needs model.family = 'cosmos' (not {family!r}) and one on every row")
     return prompts
 
 

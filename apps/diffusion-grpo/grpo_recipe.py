@@ -71,14 +71,15 @@ from rl_core.train import (
     to_media,
     zero_std_fraction,
 )
-from rl_data import GroupSampler, OCRPrompt, PreferenceRecord, load_pixels
+from rl_data import GroupSampler, OCRPrompt, PreferenceRecord, load_frames, load_pixels
 from rl_models import tiny
 from rl_policy.flow_update import PreferenceBatch, dpo_update, encode_pairs, nft_update
 from rl_policy.lora_weights import LoraPolicyWeights, export_adapters
 from rl_rewards import Sample, Scorer, build_reward
 from rl_rewards.client import RemoteScorer
 from rl_rollout import ImageSamples
-from rl_rollout.diffusion import SampleBatch, Trajectory
+from rl_rollout.cosmos import GIVEN_VIDEO_FRAMES, CosmosEngine
+from rl_rollout.diffusion import PromptEmbeddings, SampleBatch, Trajectory
 
 
 @dataclass
@@ -117,9 +118,9 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
 
     def setup(self, cfg: Config, run: RunContext) -> State:
         dpo = cfg.train.method == "dpo"  # empty or bad data: stopped before any model loads
-        prompts = [] if dpo else read_prompts(cfg.data.manifest, "data.manifest")
+        prompts = [] if dpo else read_prompts(cfg.data.manifest, "data.manifest", cfg.model.family)
         pairs = read_pairs(cfg.data.preferences, video=cfg.model.family in VIDEO) if dpo else []
-        eval_prompts = read_prompts(cfg.data.eval_manifest, "data.eval_manifest")[: cfg.eval.max_prompts]
+        eval_prompts = read_prompts(cfg.data.eval_manifest, "data.eval_manifest", cfg.model.family)[: cfg.eval.max_prompts]
         family = FAMILIES[cfg.model.family](cfg, run.accelerator, str(tiny.resolve(cfg.model.path)))
         sampler = GroupSampler(len(pairs) if dpo else len(prompts), 1 if dpo else cfg.rollout.n, seed=cfg.train.seed,
                                rank=run.rank, world_size=run.world_size)
@@ -165,8 +166,8 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
             return self.encoded_pairs(state, groups)
         records = [state.prompts[next(iter(state.sampler))] for _ in range(groups * n)]
         seeds = [sample_seed(cfg.train.seed, epoch, sample_index(i, n, world, run.rank)) for i in range(len(records))]
-        batches = [SampleBatch(tuple(r.prompt for r in records[i:i + size]), seeds=tuple(seeds[i:i + size]),
-                               sde_window=sde_window(cfg, epoch, sample_index(i, n, world, run.rank)))
+        batches = [SampleBatch(tuple(r.prompt for r in records[i:i + size]), given_frames(state, records[i:i + size]),
+                               tuple(seeds[i:i + size]), sde_window(cfg, epoch, sample_index(i, n, world, run.rank)))
                    for i in range(0, len(records), size)]
         samples = state.family.collect(batches)
         images = [image for s in samples for image in to_media(s.images)]
@@ -274,8 +275,9 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
             images, records = [], state.eval_prompts
             with state.ema.swapped(model) if e.use_ema else nullcontext():
                 for i in range(0, len(records), e.batch_size):
-                    prompts = [r.prompt for r in records[i:i + e.batch_size]]
-                    images += to_media(state.family.eval_images(prompts, [e.seed + i + k for k in range(len(prompts))]))
+                    part = records[i:i + e.batch_size]  # seeds: eval.seed + the prompt's place
+                    seeds = [e.seed + i + k for k in range(len(part))]
+                    images += to_media(state.family.eval_images([r.prompt for r in part], seeds, given_frames(state, part)))
         rewards, components = score_images(state.reward, images, records, files=out / "images",
                                            send_paths=state.cfg.reward.url is not None)
         contact_sheet([m[0] if isinstance(m, list) else m for m in images],  # a video: its first frame
@@ -304,6 +306,20 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         state.family.weights.close()
         if isinstance(state.reward, RemoteScorer):  # its HTTP connections to the reward server
             state.reward.close()
+
+
+def given_frames(state: State, records: list[OCRPrompt]) -> PromptEmbeddings | None:
+    """cosmos image/video to world: the rows' pictures as first frames (a clip's `GIVEN_VIDEO_FRAMES`), or None."""
+    if not records or records[0].media is None:
+        return None
+    try:  # a picture unreadable, a clip too short, or one leaving no frame to generate: the error names it
+        s = state.cfg.sampling
+        pixels = [torch.from_numpy(load_frames(str(r.media), size=s.resolution, video_frames=GIVEN_VIDEO_FRAMES))
+                  .movedim(-1, -3).float() / 255 for r in records]  # [F, 3, H, W] each
+        return cast(CosmosEngine, cast(SD3, state.family).engine).encode_world(
+            [r.prompt for r in records], pixels, max_sequence_length=s.max_sequence_length)
+    except (OSError, ValueError) as e:
+        raise UserError(f"data.manifest: {e}") from None
 
 
 def sample_index(i: int, n: int, world: int, rank: int) -> int:

@@ -5,16 +5,19 @@ Cosmos-Predict2.5 text-to-world pipelines, the presets a user runs (`configs/wan
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import APP, checked
 from grpo_config import reward_spec
+from grpo_recipe import given_frames
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from rl_core.train import ConfigError
+from rl_core.train import ConfigError, UserError
+from rl_data import load_frames
 
 WAN = APP / "configs" / "wan_tiny.toml"
 COSMOS = APP / "configs" / "cosmos_tiny.toml"
@@ -133,3 +136,76 @@ def test_a_reward_server_scores_the_videos_the_trainer_wrote(app, tmp_path: Path
     assert float(runs["served"]["reward/mean"]) == pytest.approx(float(runs["local"]["reward/mean"]), abs=3 / 255)
     assert list((tmp_path / "served").rglob("rollouts/step_1/rank_0/*.mp4")) or list(
         (tmp_path / "served").rglob("rollouts/step_1/rank_0/*.gif"))
+
+
+def world_rows(where: Path, media: list[str]) -> Path:
+    """A JSONL of OCR prompts, each starting from its own picture: a grey square per image row
+    (grey i x 80), a 5-frame GIF per video row."""
+    from PIL import Image
+
+    rows = []
+    for i, kind in enumerate(media):
+        frame = Image.new("RGB", (48, 40), (i * 80,) * 3)
+        name = f"start{i}.{'gif' if kind == 'video' else 'png'}"
+        if kind == "video":  # frames that differ (Pillow merges equal ones)
+            later = [Image.new("RGB", (48, 40), (i * 80 + 10 * k,) * 3) for k in range(1, 5)]
+            frame.save(where / name, save_all=True, append_images=later, duration=100)
+        else:
+            frame.save(where / name)
+        rows.append(json.dumps({"prompt": f'A sign that says "WORLD{i}"', kind: name}))
+    path = where / "world.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_cosmos_starts_each_sample_from_its_rows_image_or_video(app, tmp_path: Path) -> None:
+    """data.manifest rows with an `image` (or a `video`: 5 frames spaced over the clip) start each
+    cosmos sample from it: the sampler holds the picture's latents as the first latent frame at
+    every step, the first replay gives ratio 1 with them, and a run with its eval completes."""
+    from conftest import setup_state
+
+    from rl_core.train import load_config
+
+    rows = world_rows(tmp_path, ["image", "image", "image", "image"])
+    overrides = [*TINY_VIDEO, "model.family=cosmos", f"data.manifest={rows}", f"data.eval_manifest={rows}",
+                 "train.epochs=1", "train.eval_freq=1", f"train.output_dir={tmp_path / 'runs'}"]
+    cfg = load_config(app.Config, COSMOS, overrides)
+    state = setup_state(app, cfg)
+    batch = app.RECIPE.sample(state, 1)
+    engine = state.family.engine
+    for traj, records in zip(batch.samples, [batch.records[:4], batch.records[4:]], strict=True):
+        frames = torch.stack([torch.from_numpy(load_frames(r.media, size=32, video_frames=5)) for r in records])
+        given = engine.encode_world([r.prompt for r in records], frames.movedim(-1, -3).float() / 255,
+                                    max_sequence_length=64)
+        held = given.held[:, None, :, :1].expand(-1, traj.latents.shape[1], -1, -1, -1, -1)  # [B, S + 1, C, 1, h, w]
+        torch.testing.assert_close(traj.latents[:, :, :, :1], held)
+        assert given.held_mask.flatten().tolist() == [1.0, 0.0] * 4
+    app.RECIPE.close(state)
+    run = app.main(overrides)
+    with (run / "metrics.csv").open(newline="") as f:
+        [first, *_] = [r for r in csv.DictReader(f) if r.get("reward/mean")]
+    assert float(first["replay/engine_diff_max"]) == 0.0
+    assert len(list((run / "eval_epoch_1" / "images").iterdir())) == 4
+    # a video row: 5 of its frames, 2 latent frames held; 9 frames leave one to generate
+    clip = world_rows(tmp_path, ["video", "image"])
+    nine = load_config(app.Config, COSMOS, [*overrides, f"data.manifest={clip}", "sampling.num_frames=9"])
+    state = setup_state(app, nine)
+    given = given_frames(state, state.prompts)
+    assert given.held_mask.flatten().tolist() == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+    app.RECIPE.close(state)
+
+
+@pytest.mark.parametrize(("family", "media", "message"), [
+    ("wan", ["image", "image"], r"data.manifest, row 1: an image or video to start from needs model.family = 'cosmos'"),
+    ("cosmos", ["image", None], r"data.manifest, row 2: .* and one on every row"),
+])
+def test_rows_to_start_from_are_refused_where_they_cannot_be_held(app, tmp_path: Path, family, media, message) -> None:
+    """A picture to start from needs cosmos, and every row of the source to have one: the error
+    names the source's key and row before any model loads."""
+    rows = world_rows(tmp_path, [m or "image" for m in media])
+    lines = rows.read_text().splitlines()
+    lines = [line if m else json.dumps({"prompt": json.loads(line)["prompt"]}) for line, m in zip(lines, media, strict=True)]
+    rows.write_text("\n".join(lines) + "\n")
+    with pytest.raises(UserError, match=message):
+        app.main([*TINY_VIDEO, f"model.family={family}", f"model.path=tiny:{family}", f"data.manifest={rows}",
+                  f"train.output_dir={tmp_path}"])

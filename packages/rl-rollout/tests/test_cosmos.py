@@ -212,16 +212,18 @@ def test_given_frames_are_held_and_left_out_of_the_log_probs(engine: CosmosEngin
                      latents=traj.latents[:, 1, :, 1:], sigma=float(traj.sigmas[1]), sigma_next=float(traj.sigmas[2]),
                      next_latents=traj.latents[:, 2, :, 1:])
     torch.testing.assert_close(step.log_prob, alone.log_prob, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match=r"F_in = 4k \+ 1 <= num_frames=5"):
-        engine.encode_world(PROMPTS, torch.rand(2, 2, 3, SIZE, SIZE))
-    # an image beside a clip: each row as encoded alone
+    for count in (2, FRAMES):  # not 4k + 1; no frame left to generate
+        with pytest.raises(ValueError, match=r"F_in = 4k \+ 1 < num_frames=5"):
+            engine.encode_world(PROMPTS, torch.rand(2, count, 3, SIZE, SIZE))
+    # an image beside a clip (9 frames: 3 latent frames): each row as encoded alone
+    nine = CosmosEngine(engine.pipeline, num_frames=9)
     clip = torch.rand(5, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(1))  # [F_in, 3, H, W]
-    mixed = engine.encode_world(PROMPTS, [frames[0], clip], max_sequence_length=TOKENS)
-    alone = [engine.encode_world(PROMPTS[:1], frames[:1], max_sequence_length=TOKENS),
-             engine.encode_world(PROMPTS[1:], clip[None], max_sequence_length=TOKENS)]
+    mixed = nine.encode_world(PROMPTS, [frames[0], clip], max_sequence_length=TOKENS)
+    alone = [nine.encode_world(PROMPTS[:1], frames[:1], max_sequence_length=TOKENS),
+             nine.encode_world(PROMPTS[1:], clip[None], max_sequence_length=TOKENS)]
     for name in ("embeds", "held", "held_mask"):
         torch.testing.assert_close(getattr(mixed, name), torch.cat([getattr(a, name) for a in alone]))
-    assert mixed.held_mask.flatten().tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert mixed.held_mask.flatten().tolist() == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
     with pytest.raises(ValueError, match=r"DiffusionEngine samples from text alone"):
         DiffusionEngine.from_pretrained(str(tiny.build("sd3"))).velocity(
             torch.zeros(1, 16, 4, 4), torch.ones(1), given.index([0]), guidance_scale=1.0)

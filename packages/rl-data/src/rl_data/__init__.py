@@ -32,7 +32,7 @@ _EXPORTS = {
     "layouts": ["ColumnMap"],
     "hf": ["shard_by_rank"],
     "writers": ["RecordWriter"],
-    "media": ["VideoFrames", "chat_messages", "fit_image", "load_image", "load_pixels", "sample_video"],
+    "media": ["VideoFrames", "chat_messages", "fit_image", "load_frames", "load_image", "load_pixels", "sample_video"],
     "sampler": ["GroupSampler", "GroupStream"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -245,6 +245,16 @@ def load_pixels(source: str | Path | bytes | ImageSource, *, size: int, num_fram
     return np.stack([fit(frames[i]) for i in keep])  # [F, size, size, 3]
 
 
+def load_frames(source: str | Path, *, size: int, video_frames: int, root: str | Path | None = None) -> np.ndarray:
+    """`load_pixels` as frames whatever the source: ``[1, size, size, 3]`` for an image, ``[video_frames,
+    size, size, 3]`` spaced evenly over a video (a path with a video suffix: ``.mp4``, ``.gif``, ...)."""
+    from rl_data.records import VIDEO_SUFFIXES
+
+    if Path(str(source)).suffix.lower() in VIDEO_SUFFIXES:
+        return load_pixels(source, size=size, num_frames=video_frames, root=root)
+    return load_pixels(source, size=size, root=root)[None].copy()  # writable, as a stacked video is
+
+
 def fit_image(image: Image.Image, max_pixels: int) -> Image.Image:
     """`image` scaled down (aspect kept, each side >= 28) to at most `max_pixels` pixels."""
     if image.width * image.height <= max_pixels:

@@ -63,6 +63,8 @@ from rl_rollout.diffusion import DiffusionEngine, PromptEmbeddings
 from rl_rollout.fp8 import Precision
 from rl_rollout.wan import decode_video, encode_video, video_noise, video_tokens
 
+GIVEN_VIDEO_FRAMES = 5  # frames of a clip to start from (`encode_world`): 2 latent frames, diffusers' default
+
 try:  # the defining module: `diffusers.Cosmos2_5_PredictBasePipeline` reads as a dummy to mypy
     from diffusers.pipelines.cosmos.pipeline_cosmos2_5_predict import (
         DEFAULT_NEGATIVE_PROMPT,
@@ -144,9 +146,9 @@ class CosmosEngine(DiffusionEngine):
         if not isinstance(frames, Tensor):
             return self._encode_rows(prompts, frames, max_sequence_length)
         given = frames.shape[1]
-        if frames.dim() != 5 or frames.shape[0] != len(prompts) or (given - 1) % 4 or given > self.num_frames:
+        if frames.dim() != 5 or frames.shape[0] != len(prompts) or (given - 1) % 4 or given >= self.num_frames:
             raise ValueError(f"frames {tuple(frames.shape)}: need [B, F_in, 3, H, W] with a row per prompt "
-                             f"({len(prompts)}) and F_in = 4k + 1 <= num_frames={self.num_frames}")
+                             f"({len(prompts)}) and F_in = 4k + 1 < num_frames={self.num_frames} (frames left to generate)")
         padded = torch.cat([frames, frames[:, -1:].expand(-1, self.num_frames - given, -1, -1, -1)], dim=1)  # [B, F, 3, H, W]
         held = self.encode_pixels(padded)  # [B, C, F', h, w]
         mask = torch.zeros(held.shape[0], 1, held.shape[2], 1, 1, device=held.device)  # [B, 1, F', 1, 1]

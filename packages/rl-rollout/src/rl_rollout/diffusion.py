@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -72,7 +73,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from rl_core.flow import SDEStep, host_randn, sde_step
+from rl_core.flow import SDEStep, compute_ratio_guard, host_randn, sde_step
 from rl_models.diffusion import load_sd3
 from rl_rollout.fp8 import Fp8Sampling, Precision
 
@@ -184,6 +185,20 @@ class Trajectory:
     @property
     def num_steps(self) -> int:
         return self.timesteps.shape[0]
+
+    def ratio_guard(self, step: int, rows: Tensor, out: SDEStep) -> dict[str, Any]:
+        """GRPO-Guard's RatioNorm of replayed step `step` of `rows` (`out`: its replay; the
+        trajectory sampled with `keep_means`): the re-centred, re-scaled log ratio `[b, 1]` and the
+        policy loss's scale 1 / |dt|, upstream's `policy_loss / sqrt_dt.mean() ** 2`
+        (`rl_core.flow.compute_ratio_guard`), as `Replay`'s keyword arguments."""
+        if self.means is None:
+            raise ValueError("ratio_guard needs the rollout's step means: sample with keep_means=True")
+        sigma, sigma_next = float(self.sigmas[step]), float(self.sigmas[step + 1])
+        old_mean = self.means[rows.to(self.means.device), step]  # [b, C, h, w]
+        log_ratio, _ = compute_ratio_guard(logp=out.log_prob, old_logp=self.log_probs[rows, step], mean=out.mean,
+                                           old_mean=old_mean, step_std=out.std * math.sqrt(sigma - sigma_next),
+                                           dt=sigma_next - sigma)  # [b]
+        return {"log_ratio": log_ratio[:, None], "policy_scale": 1 / (sigma - sigma_next)}
 
     def to(self, device: str | torch.device) -> Trajectory:
         """The per-sample tensors on `device` (the schedule stays on CPU, as the engine returns it)."""
