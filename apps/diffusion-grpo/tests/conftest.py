@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -147,3 +148,23 @@ def in_process_group(app, cfg, resume: str | None = None) -> Path:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def world_rows(where: Path, media: list[str]) -> Path:
+    """A JSONL of OCR prompts, each starting from its own picture: a grey square per image row
+    (grey i x 80), a 5-frame GIF per video row."""
+    from PIL import Image
+
+    rows = []
+    for i, kind in enumerate(media):
+        frame = Image.new("RGB", (48, 40), (i * 80,) * 3)
+        name = f"start{i}.{'gif' if kind == 'video' else 'png'}"
+        if kind == "video":  # frames that differ (Pillow merges equal ones)
+            later = [Image.new("RGB", (48, 40), (i * 80 + 10 * k,) * 3) for k in range(1, 5)]
+            frame.save(where / name, save_all=True, append_images=later, duration=100)
+        else:
+            frame.save(where / name)
+        rows.append(json.dumps({"prompt": f'A sign that says "WORLD{i}"', kind: name}))
+    path = where / "world.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path

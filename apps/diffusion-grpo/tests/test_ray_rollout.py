@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import APP, in_process_group, tiny_overrides, train
+from conftest import APP, in_process_group, tiny_overrides, train, world_rows
 
 from rl_core.train import load_config
 
@@ -60,15 +60,18 @@ def test_ray_workers_sample_with_a_sharded_trainers_lora(app, ray_cluster, tmp_p
     assert all(float(r["time/weight_gather"]) > 0 for r in rows)
 
 
-def test_ray_workers_sample_wan_videos_like_the_in_process_engine(app, ray_cluster, tmp_path: Path) -> None:
-    """model.family=wan: each worker builds the video engine with the trainer's LoRA layout and
-    frame count, so the trainer's replay reproduces the workers' log-probs and the run equals the
-    in-process one."""
+@pytest.mark.parametrize("family", ["wan", "cosmos"])
+def test_ray_workers_sample_wan_videos_like_the_in_process_engine(app, ray_cluster, tmp_path: Path, family) -> None:
+    """model.family=wan (and cosmos, each sample starting from its row's image, the trainer's
+    encoded frames sent to the workers): each worker builds the video engine with the trainer's
+    LoRA layout and frame count, so the trainer's replay reproduces the workers' log-probs and the
+    run equals the in-process one."""
+    given = [f"data.manifest={world_rows(tmp_path, ['image'] * 4)}"] if family == "cosmos" else []
     runs = {}
     for workers in (2, 0):
         overrides = ["train.epochs=2", "train.eval_freq=0", "train.save_freq=100", f"train.output_dir={tmp_path / str(workers)}",
-                     f"rollout.workers={workers}", "rollout.placement=colocated"]
-        runs[workers] = train(app, load_config(app.Config, APP / "configs" / "wan_tiny.toml", overrides))
+                     f"rollout.workers={workers}", "rollout.placement=colocated", *given]
+        runs[workers] = train(app, load_config(app.Config, APP / "configs" / f"{family}_tiny.toml", overrides))
     ray_rows, local_rows = _rows(runs[2]), _rows(runs[0])
     assert [r["rollout/weight_version"] for r in ray_rows] == ["0.0", "2.0"]
     assert all(float(r["replay/engine_diff_max"]) == 0.0 for r in ray_rows)

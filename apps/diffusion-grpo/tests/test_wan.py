@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import APP, checked
+from conftest import APP, checked, world_rows
 from grpo_config import reward_spec
 from grpo_recipe import given_frames
 from safetensors.torch import load_file
@@ -136,26 +136,6 @@ def test_a_reward_server_scores_the_videos_the_trainer_wrote(app, tmp_path: Path
     assert float(runs["served"]["reward/mean"]) == pytest.approx(float(runs["local"]["reward/mean"]), abs=3 / 255)
     assert list((tmp_path / "served").rglob("rollouts/step_1/rank_0/*.mp4")) or list(
         (tmp_path / "served").rglob("rollouts/step_1/rank_0/*.gif"))
-
-
-def world_rows(where: Path, media: list[str]) -> Path:
-    """A JSONL of OCR prompts, each starting from its own picture: a grey square per image row
-    (grey i x 80), a 5-frame GIF per video row."""
-    from PIL import Image
-
-    rows = []
-    for i, kind in enumerate(media):
-        frame = Image.new("RGB", (48, 40), (i * 80,) * 3)
-        name = f"start{i}.{'gif' if kind == 'video' else 'png'}"
-        if kind == "video":  # frames that differ (Pillow merges equal ones)
-            later = [Image.new("RGB", (48, 40), (i * 80 + 10 * k,) * 3) for k in range(1, 5)]
-            frame.save(where / name, save_all=True, append_images=later, duration=100)
-        else:
-            frame.save(where / name)
-        rows.append(json.dumps({"prompt": f'A sign that says "WORLD{i}"', kind: name}))
-    path = where / "world.jsonl"
-    path.write_text("\n".join(rows) + "\n")
-    return path
 
 
 def test_cosmos_starts_each_sample_from_its_rows_image_or_video(app, tmp_path: Path) -> None:

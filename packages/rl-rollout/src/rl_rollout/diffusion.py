@@ -665,7 +665,8 @@ class DiffusionEngine(Fp8Sampling):
         seeds = list(range(size)) if batch.seeds is None else list(batch.seeds)
         if len(seeds) != size:
             raise ValueError(f"got {len(seeds)} seeds for {size} prompts")
-        conditioning = batch.conditioning
+        # a given conditioning (a Ray worker's: encoded by the trainer) on this engine's device
+        conditioning = batch.conditioning.to(self.device) if batch.conditioning is not None else None
         if conditioning is None:
             conditioning = self.encode(prompts, max_sequence_length=max_sequence_length)
         generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
