@@ -59,8 +59,7 @@ from rl_models.lora import add_lora
 from rl_policy.lora_weights import (
     LoraCopy,
     LoraPolicyWeights,
-    build_lora_image_engine,
-    load_lora,
+    lora_worker_spec,
     start_lora_workers,
 )
 from rl_rollout import ImageSamples, build_image_engine
@@ -73,7 +72,7 @@ from rl_rollout.diffusion import (
     sample_to_cpu,
 )
 from rl_rollout.janus import ImageRollout, JanusEngine
-from rl_rollout.ray_pool import EngineSpec
+from rl_rollout.janus import sample_to_cpu as janus_sample_to_cpu
 
 
 @dataclass(frozen=True)
@@ -121,9 +120,9 @@ class SD3(Family):
         # ~4e-4 in bf16, inside the automatic algo.replay_tolerance)
         self.compiled = compiles_blocks(cfg, acc.device.type)
         self.tolerance = first_replay_tolerance(cfg, self.compiled)
-        self.engine = cast(DiffusionEngine, build_image_engine(
-            self.kind, path=path, dtype=m.dtype, device=acc.device, text_encoder_dtype=m.text_encoder_dtype,
-            compile=self.compiled, precision=cfg.rollout.precision, **rollout_options(s), **self.engine_options()))
+        options = dict(text_encoder_dtype=m.text_encoder_dtype, compile=self.compiled, precision=cfg.rollout.precision,
+                       **rollout_options(s), **self.engine_options())  # the engine's, and its Ray workers'
+        self.engine = cast(DiffusionEngine, build_image_engine(self.kind, path=path, dtype=m.dtype, device=acc.device, **options))
         self.engine.transformer.requires_grad_(False)
         self.peft = add_lora(self.engine.transformer, family=self.kind, r=m.lora_rank, alpha=m.lora_alpha,
                              target_modules=m.lora_targets)
@@ -143,9 +142,7 @@ class SD3(Family):
         self.weights = LoraPolicyWeights(
             self.peft, sampler=self.engine.transformer, full=self.full, ema=self.ema, colocated=r.placement == "colocated",
             on_copy=lambda twin: setattr(self, "rollout_engine", self.engine.over(cast(PeftModel, twin).get_base_model())),
-            workers=(lambda: start_lora_workers(worker_spec(cfg, path, self.compiled, self.engine_options()), r.workers,
-                                                placement=r.placement, device=acc.device, gpus_per_worker=r.gpus_per_worker,
-                                                address=r.ray_address)) if r.workers else None)
+            workers=workers(cfg, acc, path, options))
 
     def engine_options(self) -> dict[str, Any]:
         return {}
@@ -209,9 +206,9 @@ class Janus(Family):
     def __init__(self, cfg: Config, acc: Any, path: str) -> None:
         m, j = cfg.model, cfg.janus
         self.cfg, self.acc = cfg, acc
-        self.engine = cast(JanusEngine, build_image_engine(
-            "janus", path=path, dtype=m.dtype, device=acc.device, compile=cfg.rollout.compile, logprobs=j.logprobs,
-            max_batch_size=cfg.rollout.sample_batch_size, precision=cfg.rollout.precision))
+        options = dict(compile=cfg.rollout.compile, logprobs=j.logprobs, max_batch_size=cfg.rollout.sample_batch_size,
+                       precision=cfg.rollout.precision)  # the engine's, and its Ray workers'
+        self.engine = cast(JanusEngine, build_image_engine("janus", path=path, dtype=m.dtype, device=acc.device, **options))
         side = image_size(self.engine.model)
         if cfg.sampling.resolution != side:
             raise UserError(f"sampling.resolution={cfg.sampling.resolution}: this Janus checkpoint draws {side}x{side} "
@@ -232,13 +229,16 @@ class Janus(Family):
         self.rollout_engine = self.engine  # asynchronous: an engine of its own over the rollout's copy
         self.ema = ParameterEMA(self.peft, decay=cfg.train.ema_decay, interval=cfg.train.ema_interval)
         self.weights = LoraPolicyWeights(
-            self.peft, sampler=self.engine.model, ema=self.ema, on_copy=lambda twin: setattr(
-                self, "rollout_engine", self.engine.over(cast(JanusForConditionalGeneration,
-                                                              cast(PeftModel, twin).get_base_model()))))
+            self.peft, sampler=self.engine.model, ema=self.ema, colocated=cfg.rollout.placement == "colocated",
+            on_copy=lambda twin: setattr(self, "rollout_engine", self.engine.over(cast(
+                JanusForConditionalGeneration, cast(PeftModel, twin).get_base_model()))), workers=workers(cfg, acc, path, options))
 
     def collect(self, batches: list[SampleBatch]) -> Sequence[ImageSamples]:
         """Image tokens drawn with CFG (`sampling.guidance_scale`) at `rollout.temperature`; each
-        sampled batch keeps its window of trained token positions (`sampling.sde_window*`)."""
+        sampled batch keeps its window of trained token positions (`sampling.sde_window*`); on Ray workers too."""
+        if self.weights.pool is not None:
+            return [rollout.to(self.acc.device) for rollout in self.weights.on_workers(
+                janus_sample_to_cpu, batches, guidance_scale=self.cfg.sampling.guidance_scale, temperature=self.cfg.rollout.temperature)]
         return [replace(self.rollout_engine.sample(list(b.prompts), guidance_scale=self.cfg.sampling.guidance_scale,
                                                    temperature=self.cfg.rollout.temperature, seeds=b.seeds),
                         window=b.sde_window) for b in batches]
@@ -299,14 +299,14 @@ def rollout_options(sampling: SamplingConfig) -> dict[str, Any]:
             "overlap_decode": sampling.overlap_decode}
 
 
-def worker_spec(cfg: Config, path: str, compile: bool, options: dict[str, Any]) -> EngineSpec:
-    """A Ray worker's engine: the trainer's pipeline, LoRA layout and engine `options` (`compile`: the
-    trainer's resolved model.compile, so a worker samples with the blocks the trainer replays with)."""
-    m = cfg.model
-    return EngineSpec(factory=build_lora_image_engine, load_weights=load_lora, kwargs={
-        "path": path, "kind": m.family, "dtype": m.dtype, "text_encoder_dtype": m.text_encoder_dtype, "lora_rank": m.lora_rank,
-        "lora_alpha": m.lora_alpha, "lora_targets": m.lora_targets, "compile": compile, "precision": cfg.rollout.precision,
-        **rollout_options(cfg.sampling), **options})
+def workers(cfg: Config, acc: Any, path: str, options: dict[str, Any]) -> Callable[[], Any] | None:
+    """`rollout.workers` Ray actors, each building the family's engine with the trainer's LoRA
+    layout and engine `options` (so a worker samples with the blocks the trainer replays with)."""
+    m, r = cfg.model, cfg.rollout
+    spec = lora_worker_spec(path, m.family, dtype=m.dtype, lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
+                            lora_targets=m.lora_targets, **options)
+    return (lambda: start_lora_workers(spec, r.workers, placement=r.placement, device=acc.device,
+                                       gpus_per_worker=r.gpus_per_worker, address=r.ray_address)) if r.workers else None
 
 
 class Wan(SD3):

@@ -300,8 +300,6 @@ def check_config(cfg: Config, world_size: int) -> None:
     images = r.groups_per_epoch // world_size * r.n  # per process
     refused = [
         (r.n < 2 and t.method != "dpo", f"rollout.n={r.n}: GRPO compares the images of one prompt with each other and needs rollout.n >= 2"),
-        (m.family == "janus" and r.workers > 0, f"rollout.workers={r.workers}: Ray rollout workers serve the sd3, "
-         "wan and cosmos families; set rollout.workers=0 for model.family='janus'"),
         (m.family == "janus" and t.sharding != "none", f"train.sharding={t.sharding!r} shards a diffusion transformer; "
          "model.family='janus' trains with DDP (FSDP2 for it is not done): set train.sharding='none'"),
         (m.family in VIDEO and (cfg.sampling.num_frames - 1) % 4 != 0, f"sampling.num_frames="

@@ -50,7 +50,7 @@ from rl_core.train import (
     gathered,
 )
 
-__all__ = ["LoraCopy", "LoraPolicyWeights", "build_lora_image_engine", "export_adapters", "load_lora", "lora_params",
+__all__ = ["LoraCopy", "LoraPolicyWeights", "build_lora_image_engine", "export_adapters", "load_lora", "lora_params", "lora_worker_spec",
            "start_lora_workers"]
 
 
@@ -223,27 +223,45 @@ def start_lora_workers(spec: Any, workers: int, *, placement: Literal["split", "
     return pool
 
 
-def build_lora_image_engine(path: str, *, dtype: str, text_encoder_dtype: str | None, lora_rank: int,
-                            lora_alpha: float, lora_targets: list[str] | None, kind: str = "sd3", **options: Any) -> Any:
-    """A Ray worker's diffusion engine `kind` (`sd3`, `wan`, `cosmos`: `rl_rollout.build_image_engine`)
-    with the trainer's LoRA layout (`EngineSpec.factory`; weights by `load_lora`), on the worker's
-    GPU (or the CPU); `options` are the engine's (`num_frames` for the video families)."""
+def lora_worker_spec(path: str, kind: str, *, dtype: str, lora_rank: int, lora_alpha: float,
+                     lora_targets: list[str] | None, **options: Any) -> Any:
+    """A Ray worker's image engine (`rl_rollout.ray_pool.EngineSpec`): family `kind` (`sd3`,
+    `wan`, `cosmos`, `janus`) from `path` with the trainer's LoRA layout, built by
+    `build_lora_image_engine` inside the actor, weights by `load_lora`; `options` are the engine's
+    (pass those the trainer's own engine was built with, so both sample alike)."""
+    from rl_rollout.ray_pool import EngineSpec
+
+    return EngineSpec(factory=build_lora_image_engine, load_weights=load_lora, kwargs={
+        "path": path, "kind": kind, "dtype": dtype, "lora_rank": lora_rank, "lora_alpha": lora_alpha,
+        "lora_targets": lora_targets, **options})
+
+
+def build_lora_image_engine(path: str, *, dtype: str, lora_rank: int, lora_alpha: float, lora_targets: list[str] | None,
+                            kind: str = "sd3", **options: Any) -> Any:
+    """A Ray worker's image engine `kind` (`sd3`, `wan`, `cosmos`, `janus`:
+    `rl_rollout.build_image_engine`) with the trainer's LoRA layout (`EngineSpec.factory`; weights
+    by `load_lora`), on the worker's GPU (or the CPU); `options` are the engine's (`num_frames` for
+    the video families, `text_encoder_dtype` for the diffusion ones)."""
     from rl_models.lora import add_lora
     from rl_rollout.images import build_image_engine
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    engine: Any = build_image_engine(kind, path=path, dtype=dtype, device=device, text_encoder_dtype=text_encoder_dtype,
-                                     **options)  # a DiffusionEngine (sd3) or its video subclasses: `.transformer`
-    engine.transformer.requires_grad_(False)
-    add_lora(engine.transformer, family=kind, r=lora_rank, alpha=lora_alpha, target_modules=lora_targets)
+    engine: Any = build_image_engine(kind, path=path, dtype=dtype, device=device, **options)
+    _lora_module(engine).requires_grad_(False)
+    add_lora(_lora_module(engine), family=kind, r=lora_rank, alpha=lora_alpha, target_modules=lora_targets)
     return engine
+
+
+def _lora_module(engine: Any) -> torch.nn.Module:
+    """The module an image engine's LoRA is in: a diffusion engine's transformer, Janus's model."""
+    return engine.transformer if hasattr(engine, "transformer") else engine.model
 
 
 def load_lora(engine: Any, state: Mapping[str, torch.Tensor]) -> None:
     """A pushed LoRA into a worker's engine (`EngineSpec.load_weights`): the same names as the
     trainer's, as both add it with the same settings."""
     with torch.no_grad():
-        for name, p in lora_params(engine.transformer).items():
+        for name, p in lora_params(_lora_module(engine)).items():
             p.copy_(state[name])
 
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -95,6 +95,19 @@ class ImageRollout:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def to(self, device: str | torch.device) -> ImageRollout:
+        """The per-sample tensors on `device`."""
+        return replace(self, tokens=self.tokens.to(device), log_probs=self.log_probs.to(device),
+                       images=self.images.to(device))
+
+
+def sample_to_cpu(engine: JanusEngine, batch: Any, *, guidance_scale: float, temperature: float) -> ImageRollout:
+    """`engine.sample` of one sampling batch (a `SampleBatch`: its prompts, seeds and window of
+    trained positions) with its tensors on CPU: the sampling call of a Ray worker
+    (`rl_rollout.ray_pool.RolloutPool.map`), whose caller moves them to its device."""
+    rollout = engine.sample(list(batch.prompts), guidance_scale=guidance_scale, temperature=temperature, seeds=batch.seeds)
+    return replace(rollout, window=batch.sde_window).to("cpu")
 
 
 class JanusEngine(Fp8Sampling):
