@@ -67,8 +67,9 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class DataConfig(msgspec.Struct, kw_only=True, frozen=True):
-    manifest: str = "examples/data/ocr/train.txt"  # OCR prompts, one per line (Flow-GRPO format), or a
-    # save_to_disk directory / cached Hub id with a `prompt` (or `text`) column
+    manifest: str = "examples/data/ocr/train.txt"
+    """OCR prompts, one per line (Flow-GRPO format), or rows (.jsonl, .parquet, a save_to_disk directory, a
+    cached Hub id) with `prompt` (or `text`) and, for cosmos, the `image` or `video` each sample starts from."""
     eval_manifest: str = "examples/data/ocr/test.txt"
     preferences: str = ""
     """train.method = "dpo": the preference pairs (prompt, chosen, rejected: two images, or two videos for
