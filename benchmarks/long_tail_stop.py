@@ -6,44 +6,42 @@
 - at token L its only choice is the EOS token, so the engine stops it there, as a policy that
   learned to stop would;
 - a sample that leaves the batch before its length (a partial rollout's round, a preemption)
-  keeps it: when it comes back as a continuation (its prompt ending in the tokens it had), it
-  goes on to the same L.
+  keeps it: when it comes back as a continuation (its prompt: the prompt it started from, then
+  the tokens it had), it goes on to the same L.
+
+vLLM keeps a request's generated tokens only as a count for a plugin like this one: the lists it
+hands over hold placeholders (-1), the real ids being filled in only for processors given as
+`logits_processors` or for penalties. So a continuation is matched by the prompt it starts with
+and how many tokens it had, not by the tokens themselves. Samples of one prompt that left with
+the same count are interchangeable (their lengths are independent draws, each above that
+count), so which of them a continuation goes on as leaves the distribution of lengths unchanged.
 """
 
 from __future__ import annotations
 
 import os
 import random
-from collections import OrderedDict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 import torch
 from long_tail import length
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-TAIL = 16  # a sample's key: its last 16 tokens
-SHIFTS = 4  # a continuation also matches a key that lacks up to 3 of its last tokens (async scheduling's lag)
+LAG = 4  # a continuation also matches a sample counted up to 3 tokens short (async scheduling's lag)
 CARRIED_MAX = 100_000  # samples that left the batch before their length, kept for their continuation
 
 
 @dataclass
 class _Sample:
-    tokens: list[int]  # the request's prompt (a continuation's ends with the sample's tokens so far)
-    output: list[int]  # vLLM's live list of the tokens this request generated
+    start: tuple[int, ...]  # the prompt this sample started from
+    output: list[int]  # vLLM's live list of this request's generated tokens (placeholders count too)
     before: int  # tokens the sample had generated before this request
     length: int  # where it stops
 
     @property
     def generated(self) -> int:
         return self.before + len(self.output)
-
-
-def _known(output: list[int]) -> list[int]:
-    """The output's tokens without async scheduling's trailing placeholders (-1)."""
-    end = len(output)
-    while end and output[end - 1] < 0:
-        end -= 1
-    return output[:end]
 
 
 class LongTailStop(LogitsProcessor):
@@ -57,7 +55,9 @@ class LongTailStop(LogitsProcessor):
         self.masked = torch.tensor(sorted({*tokenizer.all_special_ids, self.eos}), device=device)
         self.device = device
         self.rows: dict[int, _Sample] = {}  # batch index -> sample
-        self.carried: OrderedDict[tuple[int, ...], tuple[int, int]] = OrderedDict()  # key -> (generated, length)
+        # (prompt length, prompt, tokens generated) -> the lengths of samples that left there
+        self.carried: dict[tuple[int, int, int], deque[int]] = defaultdict(deque)
+        self.carried_count = 0
         self.rng = random.Random(os.getpid())
 
     def is_argmax_invariant(self) -> bool:
@@ -67,22 +67,28 @@ class LongTailStop(LogitsProcessor):
         """A sample out of the batch before its length keeps it for its continuation."""
         if sample is None or sample.generated >= sample.length:
             return
-        known = _known(sample.output)
-        tokens = [*sample.tokens, *known]
-        if len(tokens) >= TAIL:
-            self.carried[tuple(tokens[-TAIL:])] = (sample.before + len(known), sample.length)
-            while len(self.carried) > CARRIED_MAX:
-                self.carried.popitem(last=False)
+        if self.carried_count >= CARRIED_MAX:  # continuations that never came: start afresh
+            self.carried.clear()
+            self.carried_count = 0
+        self.carried[(len(sample.start), hash(sample.start), sample.generated)].append(sample.length)
+        self.carried_count += 1
 
     def _join(self, prompt: list[int], output: list[int]) -> _Sample:
-        tokens = [*prompt, *_known(output)]
-        for shift in range(SHIFTS):  # a continuation, or a preempted request back
-            end = len(tokens) - shift
-            kept = self.carried.pop(tuple(tokens[end - TAIL:end]), None) if end >= TAIL else None
-            if kept is not None:
-                generated, stop = kept  # generated: the sample's tokens at `end`
-                return _Sample(prompt, output, generated + shift - len(tokens) + len(prompt), stop)
-        return _Sample(prompt, output, 0, length(self.rng.getrandbits(32)))
+        """A continuation (or a preempted request back) goes on to its kept length; a new
+        sample draws one."""
+        starts = sorted({key[0] for key in self.carried if key[0] <= len(prompt)}, reverse=True)
+        for start in starts:
+            had = len(prompt) - start + len(output)  # tokens the sample has now
+            key = hash(tuple(prompt[:start]))
+            for lag in range(LAG):
+                kept = self.carried.get((start, key, had - lag))
+                if kept:
+                    self.carried_count -= 1
+                    stop = kept.popleft()
+                    if not kept:
+                        del self.carried[(start, key, had - lag)]
+                    return _Sample(tuple(prompt[:start]), output, len(prompt) - start, stop)
+        return _Sample(tuple(prompt), output, 0, length(self.rng.getrandbits(32)))
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
