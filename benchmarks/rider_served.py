@@ -40,6 +40,7 @@ from rl_rewards.server.process import ServerProcess  # noqa: E402
 
 POLICY_MEMORY, JUDGE_MEMORY, MAX_LEN = 0.3, 0.25, 4096
 WARMUP = 2  # steps left out of the means: compiles, first optimizer state
+PROMPTS = 16  # a step: every prompt of examples/data/rider/train.parquet (an epoch a step)
 MODES = {"sync": [], "async": ["train.max_staleness=1", "algo.rollout_correction=token_truncate"]}
 PHASES = ("rollout", "rollout_wait", "reward", "logprob", "update")
 
@@ -65,8 +66,8 @@ def run(mode: str, policy: Path, url: str, out: Path, smoke: bool, steps: int) -
         f"model.path={policy}", "model.dtype=bfloat16", f"reward.judges={judges}", "reward.embedding.model=null",
         "reward.rule=rider_rules:compute_score", 'data.train_files=["examples/data/rider/train.parquet"]',
         'data.val_files=["examples/data/rider/val.parquet"]', f"rollout.max_new_tokens={8 if smoke else 256}",
-        "rollout.n=8", f"train.batch_size={2 if smoke else 32}", f"train.mini_batch_size={2 if smoke else 32}",
-        "train.micro_batch_size=8", "train.lr=1e-6", f"train.max_steps={steps}", "train.save_freq=1000",
+        "rollout.n=8", f"train.batch_size={2 if smoke else PROMPTS}", f"train.mini_batch_size={2 if smoke else PROMPTS}",
+        "train.micro_batch_size=8", "train.lr=1e-6", f"train.epochs={steps}", f"train.max_steps={steps}", "train.save_freq=1000",
         "train.val_before_train=false", f'train.output_dir="{out / mode}"',
         "algo.replay_tolerance=0.5", "rollout.max_batch_size=256", *engine, *MODES[mode],
     ]
@@ -113,7 +114,7 @@ def main() -> None:
         rows.append([mode, f"{f['samples_per_s']:.2f}", f"{f['step']:.2f}", *[f"{f[p]:.2f}" for p in PHASES],
                      f"{f['samples_per_s'] / sync['samples_per_s']:.2f}x", f"{bound:.2f}x"])
     notes = (f"rider-grm, policy and judge at {'tiny' if args.smoke else 'Qwen3-1.7B'} shape (random bf16 weights), "
-             f"{2 if args.smoke else 32} prompts x 8 replies of {8 if args.smoke else 256} tokens a step, rule + a "
+             f"{2 if args.smoke else PROMPTS} prompts x 8 replies of {8 if args.smoke else 256} tokens a step, rule + a "
              "served yes/no judge (weight 0.5) whose server shares the GPU"
              + ("" if args.smoke else f" (vLLM, gpu_memory_utilization {JUDGE_MEMORY}; the policy's {POLICY_MEMORY})")
              + f". Means over the steps after the first {WARMUP} (async: before the last). Seconds per step, "
