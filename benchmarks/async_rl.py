@@ -182,6 +182,7 @@ VLLM_RUNS = {
     "sync-ddp-partial": "DDP synchronous (2 processes), vLLM colocated, partial rollouts K=1",
     "async-split-partial": "split asynchronous, max_staleness=1, vLLM on GPU 1, partial rollouts K=1",
     "async-ddp-partial": "DDP asynchronous (2 processes), max_staleness=1, vLLM colocated and awake, partial rollouts K=1",
+    "async-ddp-partial2": "DDP asynchronous (2 processes), max_staleness=1, vLLM colocated and awake, partial rollouts K=2",
 }
 # `--long-tail`'s partial rollouts: K = 1, 128 tokens a round, room for the (K + 1) x 256 samples in flight
 PARTIAL = ["train.partial_rollouts.steps=1", "train.partial_rollouts.chunk_tokens=128", "rollout.max_batch_size=512",
@@ -192,7 +193,7 @@ def two_gpus_vllm(steps: int, cache: Path | None, only: list[str] | None, long_t
     from caption_rl import VLLM_MAX_LEN, VLLM_MEMORY, vllm_overrides
     from results import cached_figures, load_figures, save_figures
 
-    names = [n for n in VLLM_RUNS if long_tail or not n.endswith("-partial")]
+    names = [n for n in VLLM_RUNS if long_tail or "-partial" not in n]
     wanted = only or names
     prefix = "two-gpus-long-tail" if long_tail else "two-gpus"
     got = {name: kept for name in names if (kept := load_figures(cached_figures(cache, f"{prefix}-{name}")))}
@@ -214,7 +215,8 @@ def two_gpus_vllm(steps: int, cache: Path | None, only: list[str] | None, long_t
                               f"rollout.gpu_memory_utilization={SPLIT_VLLM_MEMORY}",
                               f"rollout.engine_options.max_model_len={VLLM_MAX_LEN}",
                               *(["rollout.workers=1"] if name == "async-ray" else [])])
-                overrides += PARTIAL if name.endswith("-partial") else []
+                overrides += PARTIAL if "-partial" in name else []
+                overrides += ["train.partial_rollouts.steps=2", "rollout.max_batch_size=768"] if name.endswith("2") else []
                 out = cache / name if cache else Path(tmp) / name  # with --cache, the run directory stays there too
                 shutil.rmtree(out, ignore_errors=True)
                 processes = 2 if ddp else 1
@@ -251,7 +253,7 @@ def two_gpus_vllm(steps: int, cache: Path | None, only: list[str] | None, long_t
              f"(gpu_memory_utilization {VLLM_MEMORY}, asleep during the update). Split: 1 trainer process on GPU 0, its "
              f"vLLM engine on GPU 1 (gpu_memory_utilization {SPLIT_VLLM_MEMORY}, awake), sampling step j+1 while step j "
              "trains (max_staleness=1, token_truncate); in a Ray actor (rollout.workers=1): the whole engine, vLLM's "
-             "client included, outside the trainer's process. Partial rollouts (K=1): (K + 1) x a step's groups in flight, "
+             "client included, outside the trainer's process. Partial rollouts (K=1, or K=2 where named): (K + 1) x a step's groups in flight, "
              "128 tokens a round, a step training the first groups to finish (token_truncate). TRL: GRPOTrainer "
              "use_vllm=True, vllm_mode='server', trl "
              "vllm-serve on GPU 1, the trainer on GPU 0, same data, lengths, loss and reward (benchmarks/caption_rl.py "
