@@ -85,3 +85,17 @@ def test_two_training_processes_each_drive_actors_of_their_own_on_a_cluster(app,
     wa, wb = weights(single / "export"), weights(tmp_path / "two" / "export")
     for name in wa:
         torch.testing.assert_close(wb[name], wa[name], atol=5e-6, rtol=0, msg=name)
+
+
+def test_ray_actors_merging_the_pushed_adapter_sample_as_with_merged_pushes(app, tmp_path):
+    """rollout.weight_push=adapter with Ray actors, asynchronous: each version carries the LoRA
+    alone and the actor merges it over the checkpoint's weights; the run equals the one whose
+    versions carry the merged weights, step by step (the merge is the trainer's, bit for bit)."""
+    common = ["model.lora_rank=8", "train.lr=1e-2", "train.max_steps=3", "data.eval_size=0", "rollout.engine=hf",
+              "rollout.per_prompt_seeds=true", "train.max_staleness=1", "algo.rollout_correction=token_truncate", "rollout.workers=1",
+              "rollout.placement=split"]
+    merged = rows(app.main(tiny_overrides(tmp_path / "merged", *common)))
+    adapter = rows(app.main(tiny_overrides(tmp_path / "adapter", *common, "rollout.weight_push=adapter")))
+    assert [r["rollout/weight_version"] for r in adapter] == ["0.0", "0.0", "1.0"]
+    for mine, theirs in zip(merged, adapter, strict=True):
+        assert {k: mine[k] for k in (*SAMPLED, *TRAINED)} == {k: theirs[k] for k in (*SAMPLED, *TRAINED)}, (mine, theirs)

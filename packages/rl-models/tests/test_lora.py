@@ -6,10 +6,12 @@ from peft import PeftModel
 
 from rl_models.logprobs import TokenBatch, completion_logprobs
 from rl_models.lora import (
+    adapter_tensors,
     add_lora,
     default_target_modules,
     disabled_adapter,
     export_lora,
+    merge_adapter,
     merge_and_export,
     merged_named_weights,
     reference_completion_logprobs,
@@ -107,3 +109,30 @@ def test_merged_named_weights_equal_a_merged_checkpoint_without_touching_the_bas
         torch.testing.assert_close(pushed[name], tensor, msg=name)
     q = "model.layers.0.self_attn.q_proj.weight"
     assert (pushed[q] - base_before[f"base_model.model.{q.removesuffix('.weight')}.base_layer.weight"]).abs().max() > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_adapter_merged_over_the_base_equals_the_trainers_merge_bit_for_bit(qwen3_path, dtype):
+    """What a Ray actor does with an adapter push: the LoRA alone (a fraction of the merged
+    bytes), merged over the checkpoint's weights, gives exactly `merged_named_weights`."""
+    base, _ = load_causal_lm(qwen3_path, dtype=dtype)
+    checkpoint = {n: p.detach().clone() for n, p in base.named_parameters()}
+    peft_model = add_lora(base, r=4, alpha=8, init_lora_weights=False)
+    adapter = adapter_tensors(peft_model)
+    merged = dict(merge_adapter(checkpoint, adapter))
+    expected = dict(merged_named_weights(peft_model))
+    assert set(merged) == {n for n in expected if n.endswith("_proj.weight")} and len(merged) == 7 * 2  # 2 layers
+    for name, tensor in merged.items():
+        assert torch.equal(tensor, expected[name]), name
+        assert not torch.equal(tensor, checkpoint[name]), name  # init_lora_weights=False: B is not zero
+    assert sum(t.numel() for t in adapter.values()) < sum(expected[n].numel() for n in merged) / 4
+
+
+def test_an_adapter_push_refuses_what_it_cannot_carry(qwen3_path):
+    model, _ = load_causal_lm(qwen3_path, dtype="float32")
+    with pytest.raises(ValueError, match="an adapter push needs a LoRA"):
+        adapter_tensors(model)
+    peft_model = add_lora(model, r=4, alpha=8)
+    peft_model.get_base_model().lm_head.weight.requires_grad_(True)  # tied: named as the embedding
+    with pytest.raises(ValueError, match=r"but the policy also trains \['model.embed_tokens.weight'\] \(1 tensors\)"):
+        adapter_tensors(peft_model)

@@ -39,8 +39,9 @@ def test_the_shared_keys_are_checked_together() -> None:
         check_token_config(algo, PolicyRolloutFields(placement="split"), train, world_size=1)
     with pytest.raises(ConfigError, match=r"rollout.precision='fp8' quantizes a vLLM engine's .* resolves to 'hf'"):
         check_token_config(algo, PolicyRolloutFields(precision="fp8"), train, world_size=1)
-    with pytest.raises(ConfigError, match=r"rollout.weight_push='adapter' pushes a LoRA adapter to a colocated, "
-                                          r"synchronous vLLM engine; here rollout.engine resolves to 'hf'"):
+    with pytest.raises(ConfigError, match=r"rollout.weight_push='adapter' pushes a LoRA adapter to Ray actors "
+                                          r"\(rollout.workers\) or to a colocated, synchronous vLLM engine; here "
+                                          r"rollout.engine resolves to 'hf'"):
         check_token_config(algo, PolicyRolloutFields(weight_push="adapter"), train, world_size=1)
 
 

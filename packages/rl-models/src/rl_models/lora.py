@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -181,3 +182,51 @@ def merged_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Te
                         delta = owner.get_delta_weight(adapter)  # type: ignore[attr-defined]
                         tensor = tensor + delta.to(tensor.dtype)  # [out, in]
             yield name, tensor.detach()
+
+
+def adapter_tensors(model: torch.nn.Module) -> dict[str, Tensor]:
+    """A LoRA policy's adapter, for an engine that merges it over base weights of its own
+    (`merge_adapter`): for each adapted weight W (its Hugging Face checkpoint name, as in
+    `merged_named_weights`), `W:lora_A` [r, in], `W:lora_B` [out, r] and `W:scaling` (0-d,
+    float64). Megabytes where the merged weights are gigabytes. Linear LoRA layers with one
+    active adapter only (no DoRA); a policy that trains weights outside its LoRA is refused."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    if not isinstance(model, PeftModel):
+        raise ValueError("an adapter push needs a LoRA (peft) policy; one that trains every weight pushes them merged")
+    base = unwrap_peft(model)
+    others = [name for name, p in base.named_parameters() if p.requires_grad and ".lora_" not in name]
+    if others:
+        raise ValueError(f"an adapter push carries the LoRA alone, but the policy also trains {others[:3]} "
+                         f"({len(others)} tensors): push the weights merged")
+    found: dict[str, Tensor] = {}
+    for name, module in base.named_modules():
+        if not isinstance(module, LoraLayer) or module.merged:
+            continue
+        adapters = [a for a in module.active_adapters if a in module.lora_A]
+        if len(adapters) != 1 or not isinstance(module, LoraLinear) or module.fan_in_fan_out \
+                or module.use_dora.get(adapters[0], False):
+            raise ValueError(f"{name}: an adapter push takes Linear LoRA layers with one active adapter, no DoRA")
+        adapter = adapters[0]
+        for part in ("lora_A", "lora_B"):  # [r, in], [out, r]
+            weight = cast(Tensor, getattr(module, part)[adapter].weight)
+            found[f"{name}.weight:{part}"] = (weight.full_tensor() if isinstance(weight, DTensor) else weight).detach()
+        found[f"{name}.weight:scaling"] = torch.tensor(float(module.scaling[adapter]), dtype=torch.float64)
+    return found
+
+
+def merge_adapter(base: dict[str, Tensor], adapter: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
+    """`(name, W + scale * B @ A)` for each weight of `adapter` (`adapter_tensors`), W being
+    `base[name]`: computed as `merged_named_weights` computes it (peft's delta, in float32 on a
+    CPU for half-precision LoRA), on W's device: equal bit for bit where devices and dtypes match."""
+    for key, lora_a in adapter.items():
+        name, _, part = key.rpartition(":")
+        if part != "lora_A":
+            continue
+        weight = base[name]
+        a, b = lora_a.to(weight.device), adapter[f"{name}:lora_B"].to(weight.device)  # [r, in], [out, r]
+        scale = float(adapter[f"{name}:scaling"])
+        upcast = weight.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
+        delta = ((b.float() @ a.float()) * scale).to(b.dtype) if upcast else (b @ a) * scale  # [out, in]
+        yield name, weight + delta.to(weight.dtype)
+

@@ -51,6 +51,7 @@ synchronous run fills `FullWeights` for each session only: budget the model once
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import shutil
 import tempfile
@@ -107,7 +108,7 @@ class PolicyEngine(CountedWeights):
                  rebuild: Callable[[torch.nn.Module, torch.device], Engine] | None = None,
                  timer: PhaseTimer = _untimed, rollout_device: torch.device | None = None,
                  remote: bool = False, channel_device: torch.device | None = None, tokenizer: Any = None,
-                 adapter_root: Path | None = None) -> None:
+                 adapter_root: Path | None = None, adapter_push: bool = False) -> None:
         super().__init__(timer)
         self.engine, self.kind, self.trained, self.pad_id = engine, kind, trained, pad_id
         self.rollout_device = rollout_device  # vllm: the GPU of its own it was built on (split placement)
@@ -118,6 +119,7 @@ class PolicyEngine(CountedWeights):
         self.shares_weights = kind == "hf" and not remote
         self.tokenizer = tokenizer  # the policy's (partial rollouts decode their samples' text with it)
         self.adapter_root = adapter_root  # vllm with rollout.weight_push=adapter: where each version's adapter is written
+        self.adapter_push = adapter_push  # Ray actors with rollout.weight_push=adapter: each version's LoRA alone
         self.partial: PartialRollouts | None = None  # `partial_rollouts`
         self.sampled_versions: tuple[int, float] | None = None  # the last partial sample's oldest and mean token version
 
@@ -145,7 +147,8 @@ class PolicyEngine(CountedWeights):
             raise ConfigError("rollout.weight_push=adapter pushes synchronously only (train.max_staleness=0) for now")
         if self.remote:  # each version a copy where the pool takes it (an actor's GPU, or host memory), pushed
             where = getattr(self.engine, "weight_device", torch.device("cpu"))  # by the rollout thread
-            return self.counted(_PushChannel(self.engine, trained, self.full, where))
+            return self.counted(_PushChannel(self.engine, self.trained if self.adapter_push else trained, self.full, where,
+                                             adapter=self.adapter_push))
         if self.kind == "hf":
             if self.rebuild is None:
                 raise ValueError("this hf policy engine cannot be rebuilt over a copy of the model")
@@ -264,6 +267,12 @@ class PolicyEngine(CountedWeights):
             with self.timer("weight_sync"):
                 push_adapter(self.engine, self.trained, self.weight_version, self.adapter_root)
             return
+        if self.adapter_push:  # Ray actors merge the LoRA over base weights of their own
+            from rl_models.lora import adapter_tensors
+
+            with self.timer("weight_sync"):
+                self.engine.load_weights(adapter_tensors(self.trained).items(), version=self.weight_version)
+            return
 
         with self.timer("weight_sync"), gathered(self.full, self.trained) as model, _on(self.rollout_device):
             push_weights(self.engine, model, version=self.weight_version)  # a sharded policy's gathered, freed after
@@ -301,19 +310,21 @@ class _PushChannel:
     """vLLM's side of a `WeightChannel`: each version a copy of the merged weights
     (`rl_models.lora.merged_named_weights`, on the trainer's device, or on the engine's GPU of
     its own, `device`; a sharded policy's gathered by `full` on every process), pushed into the
-    awake engine by `load`."""
+    awake engine by `load`; with `adapter`, the LoRA alone, which Ray actors merge themselves."""
 
     def __init__(self, engine: Engine, trained: torch.nn.Module, full: FullWeights | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, *, adapter: bool = False) -> None:
         self.engine, self.trained, self.full, self.device = engine, trained, full, device
+        self.adapter = adapter  # each version the LoRA alone (`rl_models.lora.adapter_tensors`), for Ray actors
         self.versions: dict[int, list[tuple[str, torch.Tensor]]] = {}
         self._lock = threading.Lock()
 
     def publish(self, version: int) -> None:
-        from rl_models.lora import merged_named_weights
+        from rl_models.lora import adapter_tensors, merged_named_weights
 
         with gathered(self.full, self.trained) as model:  # the copies outlive the gather
-            weights = [(name, t.detach().to(self.device or t.device, copy=True)) for name, t in merged_named_weights(model)]
+            named = adapter_tensors(model).items() if self.adapter else merged_named_weights(model)
+            weights = [(name, t.detach().to(self.device or t.device, copy=True)) for name, t in named]
         finish_copies(t for _, t in weights)
         with self._lock:
             self.versions[version] = weights
@@ -409,9 +420,10 @@ def build_policy_engine(
     Several training processes (`world_size`) need a cluster: each process drives `workers`
     actors of its own there. A local instance's actors take each version by CUDA IPC from a copy
     on their GPU; a cluster's, as host copies (`rl_rollout.policy_pool`). `weight_push`: `merged`
-    (the LoRA merged into the base, every weight) or `adapter` (`vllm` with a LoRA policy,
-    synchronous and colocated: vLLM's LoRA path samples with the adapter alone, written to host
-    memory after each step; `rl_rollout.colocated.push_adapter`)."""
+    (the LoRA merged into the base, every weight) or `adapter` (a LoRA policy's adapter alone:
+    with `workers`, each actor merges it over base weights of its own, `load_adapter_merged`;
+    else `vllm`, synchronous and colocated: vLLM's LoRA path samples with the adapter, written to
+    host memory after each step, `rl_rollout.colocated.push_adapter`)."""
     resolved, why = resolve_engine(kind, key=key)
     if kind == "auto":
         print(f"{key}: {why}")
@@ -419,7 +431,7 @@ def build_policy_engine(
         return _pool_policy_engine(resolved, workers, gpus_per_worker, ray_address, model=model, processor=processor,
                                    path=path, dtype=dtype, device=device, seed=seed, world_size=world_size, full=full,
                                    max_batch_size=max_batch_size, gpu_memory_utilization=gpu_memory_utilization,
-                                   engine_options=engine_options or {}, timer=timer)
+                                   engine_options=engine_options or {}, timer=timer, adapter=weight_push == "adapter")
     if resolved == "hf":
         from rl_models.logprobs import unwrap_peft
         from rl_rollout.hf import HFEngine
@@ -482,15 +494,28 @@ def _pool_policy_engine(kind: str, workers: int, gpus_per_worker: float | None, 
                         model: torch.nn.Module, processor: Any, path: str, dtype: str, device: torch.device, seed: int,
                         world_size: int, full: FullWeights | None, max_batch_size: int,
                         gpu_memory_utilization: float, engine_options: dict[str, Any],
-                        timer: PhaseTimer) -> PolicyEngine:
-    """`build_policy_engine(workers=N)`: the engine in N Ray actors (`rl_rollout.policy_pool`)."""
+                        timer: PhaseTimer, adapter: bool = False) -> PolicyEngine:
+    """`build_policy_engine(workers=N)`: the engine in N Ray actors (`rl_rollout.policy_pool`);
+    `adapter`: each version the LoRA alone, merged by every actor (`load_adapter_merged`)."""
     from rl_rollout.policy_pool import (
         PoolEngine,
         build_worker_engine,
+        load_adapter_merged,
         local_worker_devices,
         worker_gpu_ids,
     )
     from rl_rollout.ray_pool import EngineSpec, RolloutPool
+
+    if adapter:
+        from rl_models.lora import adapter_tensors
+
+        if full is not None:
+            raise ConfigError("rollout.weight_push=adapter to Ray actors pushes an unsharded LoRA for now "
+                              "(train.sharding=none), or set rollout.weight_push=merged")
+        try:
+            adapter_tensors(model)
+        except ValueError as error:
+            raise ConfigError(f"rollout.weight_push=adapter: {error} (rollout.weight_push=merged)") from error
 
     on_cluster = bool(ray_address or os.environ.get("RAY_ADDRESS"))
     if world_size > 1 and not on_cluster:
@@ -504,13 +529,14 @@ def _pool_policy_engine(kind: str, workers: int, gpus_per_worker: float | None, 
                           f"({gpu_ids}): lower the workers or their GPUs")
     spec = EngineSpec(factory=build_worker_engine, kwargs={
         "kind": kind, "path": path, "dtype": dtype, "seed": seed, "max_batch_size": max_batch_size,
-        "gpu_memory_utilization": gpu_memory_utilization, "engine_options": engine_options})
+        "gpu_memory_utilization": gpu_memory_utilization, "engine_options": engine_options},
+        load_weights=functools.partial(load_adapter_merged, path=path, dtype=dtype) if adapter else None)
     pool = RolloutPool(spec, workers, num_cpus=1.0, num_gpus=gpus, address=ray_address, gpu_ids=gpu_ids)
     tokenizer = processor.tokenizer if isinstance(processor, ProcessorMixin) else processor
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     devices = local_worker_devices(pool.health()) if gpu_ids is not None else None  # pushes by CUDA IPC there
     return PolicyEngine(PoolEngine(pool, devices=devices), kind=kind, trained=model, pad_id=int(pad), full=full, timer=timer,
-                        remote=True, tokenizer=tokenizer)
+                        remote=True, tokenizer=tokenizer, adapter_push=adapter)
 
 
 def _offload(optimizer: torch.optim.Optimizer | None, device: torch.device, wanted: bool,

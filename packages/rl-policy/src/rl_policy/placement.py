@@ -50,12 +50,14 @@ class PolicyRolloutFields(RolloutWorkerFields, kw_only=True, frozen=True):
     `RolloutConfig` subclasses this, restating a field only to change its default."""
 
     weight_push: Literal["merged", "adapter"] = "merged"
-    """How a LoRA policy's weights reach a vLLM engine after each step: `merged` (the adapter merged
-    into every base weight it touches, the whole model copied) or `adapter` (vLLM's LoRA path:
-    only the adapter, written to host memory and read by vLLM, which then decodes with LoRA
-    kernels). Colocated, synchronous, vLLM only. Keep `merged` there: in process the merged push
-    moves tensors by reference, GPU to GPU, faster than the adapter's trip through host memory, and
-    LoRA kernels slow the decode (benchmarks/RESULTS.md, "LoRA weight push to vLLM")."""
+    """How a LoRA policy's weights reach the rollout engine after each step: `merged` (the adapter
+    merged into every base weight it touches, the whole model copied) or `adapter` (only the
+    adapter). With `rollout.workers`, each Ray actor merges the adapter over base weights it read
+    once from the checkpoint and decodes merged weights: choose it where versions travel through
+    Ray's object store (actors on other nodes). Otherwise colocated, synchronous vLLM only, through
+    vLLM's LoRA path (written to host memory, decoded with LoRA kernels); keep `merged` there: in
+    process the merged push moves tensors by reference, faster than the adapter's trip through host
+    memory, and LoRA kernels slow the decode (benchmarks/RESULTS.md, "LoRA weight push to vLLM")."""
     engine: Literal["auto", "hf", "vllm"] = "auto"
     """Who samples the policy's responses (`rl_policy.engine`). hf: the training model decodes (no
     second copy of the weights, nothing to sync; the only choice on a CPU). vllm: a colocated vLLM

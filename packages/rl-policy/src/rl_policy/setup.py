@@ -50,8 +50,10 @@ def check_token_config(algo: TokenPolicyFields, rollout: PolicyRolloutFields, tr
     check_placement(rollout.placement, engine, train.max_staleness, world_size=world_size, workers=rollout.workers,
                     ray_address=rollout.cluster_address())
     check_ray(rollout.workers)
-    if rollout.weight_push == "adapter" and (engine != "vllm" or train.max_staleness or rollout.placement != "colocated"):
-        raise ConfigError(f"rollout.weight_push='adapter' pushes a LoRA adapter to a colocated, synchronous vLLM engine; "
+    if rollout.weight_push == "adapter" and not rollout.workers and (
+            engine != "vllm" or train.max_staleness or rollout.placement != "colocated"):
+        raise ConfigError(f"rollout.weight_push='adapter' pushes a LoRA adapter to Ray actors (rollout.workers) or to a "
+                          f"colocated, synchronous vLLM engine; "
                           f"here rollout.engine resolves to {engine!r}, train.max_staleness={train.max_staleness}, "
                           f"rollout.placement={rollout.placement!r}: set rollout.weight_push='merged'")
     if rollout.precision == "fp8" and engine != "vllm":

@@ -175,6 +175,14 @@ class EngineAsleepError(RuntimeError):
     """Raised when a sleeping or closed engine is asked to compute."""
 
 
+def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> tuple[PreTrainedModel, Any]:
+    """A checkpoint folder's (or hub id's) model on the CPU, with its tokenizer (a text LM) or
+    processor (a VL model: a config with a `vision_config`)."""
+    if "vision_config" in AutoConfig.from_pretrained(path).to_dict():
+        return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype), AutoProcessor.from_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), AutoTokenizer.from_pretrained(path)
+
+
 class HFEngine:
     """Generation engine over a transformers causal LM or Qwen-VL model (`Engine` protocol).
 
@@ -263,14 +271,7 @@ class HFEngine:
         onto the CPU; a judge left there would run far slower on a GPU machine)."""
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        config = AutoConfig.from_pretrained(path)
-        if "vision_config" in config.to_dict():
-            model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
-            tokenizer: Any = AutoProcessor.from_pretrained(path)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(model, tokenizer, device=device, **kwargs)
+        return cls(*load_checkpoint(path, dtype), device=device, **kwargs)
 
     # ------------------------------------------------------------------ setup helpers
     def _default_stop_ids(self) -> list[int]:

@@ -14,6 +14,12 @@ no CUDA), as host copies through Ray's object store, which for a policy of a few
 times longer than by handle (benchmarks/RESULTS.md, "caption-rl on 2 GPUs with vLLM rollouts: the
 engine in a Ray actor").
 
+A LoRA policy may push its adapter alone (`weight_push="adapter"`): each actor reads the adapted
+weights once from the checkpoint and merges every version's adapter over them itself
+(`load_adapter_merged`), so a version carries megabytes instead of the whole model, and the
+engine still decodes merged weights. Choose it where versions travel through the object store
+(other nodes); on one machine the pushes by handle are fast already.
+
 Choose it where the rollout should not share the trainer's process or GPU: the engines on GPUs of
 their own, or on other nodes of a Ray cluster (`ray_address`). Several training processes each
 drive actors of their own, on a running cluster.
@@ -22,7 +28,7 @@ drive actors of their own, on a running cluster.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -30,7 +36,7 @@ import torch
 
 from rl_rollout.protocol import Generation, Prompt, SamplingParams
 
-__all__ = ["PoolEngine", "build_worker_engine", "local_worker_devices", "worker_gpu_ids"]
+__all__ = ["PoolEngine", "build_worker_engine", "load_adapter_merged", "local_worker_devices", "worker_gpu_ids"]
 
 
 def build_worker_engine(kind: str, path: str, *, dtype: str, seed: int, max_batch_size: int,
@@ -47,6 +53,48 @@ def build_worker_engine(kind: str, path: str, *, dtype: str, seed: int, max_batc
 
     return VLLMEngine(path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
                       max_num_seqs=max_batch_size, **({"enable_sleep_mode": False} | engine_options))
+
+
+def load_adapter_merged(engine: Any, state: Mapping[str, torch.Tensor], *, path: str, dtype: str) -> None:
+    """`EngineSpec.load_weights` for adapter pushes: `state` is a version's LoRA
+    (`rl_models.lora.adapter_tensors`); the weights it adapts are kept once in host memory, as
+    the checkpoint at `path` loads them in `dtype` (`_adapted_base`), and each version's merge is
+    computed one weight at a time on this actor's GPU (or the CPU) and loaded into the engine."""
+    from rl_models.lora import merge_adapter
+
+    names = sorted({key.rpartition(":")[0] for key in state})
+    base = getattr(engine, "adapted_base", None)
+    if base is None or sorted(base) != names:
+        base = engine.adapted_base = _adapted_base(engine, path, names, dtype)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    engine.load_weights(merge_adapter(_Moved(base, device), dict(state)))
+
+
+def _adapted_base(engine: Any, path: str, names: list[str], dtype: str) -> dict[str, torch.Tensor]:
+    """The weights `names` as the checkpoint loads them, copied to host memory: an `hf` engine's
+    own (before any push changed them), else those of a CPU load by transformers (its weight names
+    and dtype cast, as the trainer's)."""
+    from rl_rollout.hf import load_checkpoint
+
+    model = getattr(engine, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        model, _ = load_checkpoint(path, None if dtype == "auto" else getattr(torch, dtype))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = [name for name in names if name not in params]
+    if missing:
+        raise KeyError(f"{path}: the model has no {missing[:3]} ({len(missing)} of the weights the pushed LoRA adapts)")
+    return {name: params[name].detach().to("cpu", copy=True) for name in names}
+
+
+class _Moved(dict):
+    """`base`'s tensors, each moved to `device` when read (one weight on the GPU at a time)."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor], device: torch.device) -> None:
+        super().__init__(base)
+        self.device = device
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return super().__getitem__(name).to(self.device, non_blocking=True)
 
 
 def _generate_one(engine: Any, item: tuple[Prompt, SamplingParams]) -> list[Generation]:
