@@ -55,6 +55,14 @@ def timed(fn):
     return time.perf_counter() - began, out
 
 
+def new_version(model: torch.nn.Module) -> None:
+    """A new version of the LoRA: fresh random B (so the adapter matters)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=1e-3)
+
+
 def one_mode(mode: str, path: Path, rank: int, out: Path) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from transformers import AutoModelForImageTextToText
@@ -74,10 +82,7 @@ def one_mode(mode: str, path: Path, rank: int, out: Path) -> None:
     root = Path(tempfile.mkdtemp(dir="/dev/shm"))
     figures: dict[str, list[float]] = {"push_s": [], "first_generate_s": [], "generate_s": []}
     for version in range(1, ROUNDS + 1):
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(std=1e-3)
+        new_version(model)
         if mode == "adapter":
             seconds, folder = timed(lambda v=version: push_adapter(engine, model, v, root))
             size = sum(f.stat().st_size for f in folder.iterdir())
@@ -116,10 +121,7 @@ def one_ray_mode(mode: str, path: Path, rank: int, out: Path, smoke: bool) -> No
     size = sum(t.numel() * t.element_size() for t in pushed)
     figures: dict[str, list[float]] = {"push_s": [], "first_generate_s": [], "generate_s": []}
     for version in range(1, ROUNDS + 1):
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(std=1e-3)
+        new_version(model)
         figures["push_s"].append(timed(policy.stepped)[0])
         figures["first_generate_s"].append(timed(lambda: policy.engine.generate(prompts, params))[0])
         figures["generate_s"].append(timed(lambda: policy.engine.generate(prompts, params))[0])
