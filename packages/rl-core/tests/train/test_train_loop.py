@@ -162,6 +162,12 @@ def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path, ca
                                    keys=("reward/mean", "reward/std", "adv/std", "loss/policy", "grad_norm",
                                          "replay/engine_diff_mean"))
     torch.testing.assert_close(bandit.weights(tmp_path / "two"), bandit.weights(tmp_path / "one"), atol=1e-7, rtol=0)
+    # the slowest process's phases beside rank 0's: never faster, and only with several processes
+    one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
+    assert not [k for k in one[0] if k.startswith("time_max/")]
+    profiled = sorted(k.removeprefix("time_max/") for k in two[0] if k.startswith("time_max/"))
+    assert {"rollout", "update"} <= set(profiled) and not unknown_metric_names(two[0])
+    assert all(float(r[f"time_max/{p}"]) >= float(r[f"time/{p}"]) for r in two for p in profiled)
 
 
 def test_tensorboard_gets_the_scalars_of_metrics_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -228,6 +228,22 @@ def _check_metric(metric: str, scores: Scores, acc: Any) -> None:
                         f"use 'reward' or one of {names}")
 
 
+# the phases whose slowest process a run of several processes logs (`time_max/<phase>`)
+PROFILED_PHASES = ("rollout", "rollout_wait", "prepare", "reward", "advantages", "logprob", "update", "weight_sync",
+                   "weight_gather")
+
+
+def slowest_phases(acc: Any, metrics: dict[str, Any]) -> dict[str, float]:
+    """`time_max/<phase>`: the most seconds any process spent in each phase of `PROFILED_PHASES`
+    that this process logged (one all-reduce of a fixed-size tensor, on every process): beside
+    rank 0's `time/<phase>`, how far the processes drift apart, and which one a step waits for."""
+    mine = torch.tensor([float(metrics.get(f"time/{phase}", 0.0)) for phase in PROFILED_PHASES], dtype=torch.float64,
+                        device=acc.device)  # float64: the max of equal values is the value itself
+    most = acc.reduce(mine, "max").tolist()
+    return {f"time_max/{phase}": value for phase, value in zip(PROFILED_PHASES, most, strict=True)
+            if f"time/{phase}" in metrics}
+
+
 @dataclass
 class _Record:
     """What the closing summary reports, gathered from the logged metrics."""
@@ -343,6 +359,8 @@ class _Loop(Generic[C, S, B, R]):
             compiled = self.compiles.pop()  # the most any process compiled
             metrics |= dict(zip(compiled, acc.reduce(torch.tensor(list(compiled.values()), device=acc.device),
                                                      "max").tolist(), strict=True))
+            if acc.num_processes > 1:  # every process's phases: rank 0's are time/<phase>
+                metrics |= slowest_phases(acc, metrics)
             metrics |= {"time/step": seconds, "world_size": acc.num_processes,
                         "throughput/samples_per_s": samples / seconds}
             if tokens is not None:  # a text recipe's prompt + completion tokens of every process

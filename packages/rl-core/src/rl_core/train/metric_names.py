@@ -21,6 +21,7 @@ METRIC_NAMES: dict[str, str] = {
     "error": "why the step was skipped",
     "time/<phase>": "seconds in a phase: rollout, reward, advantages, update, eval, checkpoint, step, and a recipe's own (logprob, weight_gather, ...); the rollout engine's: rollout_wake and rollout_sleep (inside rollout), weight_sync (a weight push into the engine), weight_publish (an asynchronous run's copy of each version); asynchronous runs: rollout (on the rollout thread, overlapped), rollout_wait (the trainer waiting for it), prepare",
     "time/<phase>/<phase>": "seconds in a phase inside an eval (time/eval/rollout)",
+    "time_max/<phase>": "several processes: the most seconds any process spent in a phase (rollout, rollout_wait, prepare, reward, advantages, logprob, update, weight_sync, weight_gather); time/<phase> is rank 0's",
     "compile/graphs": "graphs torch.compile built during the step, most on any process (a compile or a recompile: with a slow step, see TORCH_LOGS=recompiles); time/compile: the seconds spent building them, inside the phase that triggered it",
     "memory/<phase>_peak_gib": "peak CUDA memory allocated during a phase (GiB)",
     "memory/<phase>/<phase>_peak_gib": "the same for a phase inside an eval",
