@@ -204,6 +204,7 @@ def run_figures(run: Path) -> dict:
     # a phase a step did not run (the trainer thread's rollout in an asynchronous run) has an empty cell
     figures.update({key: max((float(r[key]) for r in rows if r[key]), default=0.0) for key in rows[0]
                     if key.startswith("memory/")})
+    figures.update({key: mean(key) for key in rows[0] if key.startswith("time_max/")})  # the slowest process
     for phase in ("step", "rollout", "update"):  # every step, warm-up included, for the notes
         figures[f"steps/{phase}"] = [round(float(r[f"time/{phase}"]), 1) for r in every]
     if rows and "time/compile" in rows[0]:  # a long run's rate: the steps' one-time compiling left out
