@@ -230,14 +230,15 @@ def two_gpus_vllm(steps: int, cache: Path | None, only: list[str] | None, long_t
     total = {n: f.get("throughput/tokens_per_s_all_gpus", f["throughput/tokens_per_s"] * f.get("processes", 1))
              for n, f in got.items()}
     sync, trl = total["sync-ddp"], total["trl-server"]
-    header = ["on 2 GPUs", "tokens/s", "s/step", "rollout s", "waited s", "update s", "caption tokens", "vs our sync",
-              "vs TRL server"]
+    header = ["on 2 GPUs", "tokens/s", "s/step", "rollout s", "waited s", "update s", "update s, slowest process",
+              "caption tokens", "vs our sync", "vs TRL server"]
     rows = []
     for name, f in got.items():
         ours = name != "trl-server"
         rows.append([VLLM_RUNS[name], f"{total[name]:.0f}", f"{f['time/step']:.2f}",
                      f"{f['time/rollout']:.2f}" if ours else "", f"{f['time/rollout_wait']:.2f}" if name.startswith("async") else "",
-                     f"{f['time/update']:.2f}" if ours else "", f"{f['response/length_mean']:.0f}",
+                     f"{f['time/update']:.2f}" if ours else "",
+                     f"{f['time_max/update']:.2f}" if "time_max/update" in f else "", f"{f['response/length_mean']:.0f}",
                      f"{total[name] / sync:.2f}x", f"{total[name] / trl:.2f}x"])
     bounds = []
     for name, split in got.items():
