@@ -215,15 +215,17 @@ def adapter_tensors(model: torch.nn.Module) -> dict[str, Tensor]:
     return found
 
 
-def merge_adapter(base: dict[str, Tensor], adapter: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
+def merge_adapter(base: dict[str, Tensor], adapter: dict[str, Tensor],
+                  device: torch.device | None = None) -> Iterator[tuple[str, Tensor]]:
     """`(name, W + scale * B @ A)` for each weight of `adapter` (`adapter_tensors`), W being
     `base[name]`: computed as `merged_named_weights` computes it (peft's delta, in float32 on a
-    CPU for half-precision LoRA), on W's device: equal bit for bit where devices and dtypes match."""
+    CPU for half-precision LoRA), on `device` (default: W's; one W moved there at a time): equal
+    bit for bit where devices and dtypes match."""
     for key, lora_a in adapter.items():
         name, _, part = key.rpartition(":")
         if part != "lora_A":
             continue
-        weight = base[name]
+        weight = base[name] if device is None else base[name].to(device, non_blocking=True)
         a, b = lora_a.to(weight.device), adapter[f"{name}:lora_B"].to(weight.device)  # [r, in], [out, r]
         scale = float(adapter[f"{name}:scaling"])
         upcast = weight.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)

@@ -67,7 +67,7 @@ def load_adapter_merged(engine: Any, state: Mapping[str, torch.Tensor], *, path:
     if base is None or sorted(base) != names:
         base = engine.adapted_base = _adapted_base(engine, path, names, dtype)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    engine.load_weights(merge_adapter(_Moved(base, device), dict(state)))
+    engine.load_weights(merge_adapter(base, dict(state), device))
 
 
 def _adapted_base(engine: Any, path: str, names: list[str], dtype: str) -> dict[str, torch.Tensor]:
@@ -84,17 +84,6 @@ def _adapted_base(engine: Any, path: str, names: list[str], dtype: str) -> dict[
     if missing:
         raise KeyError(f"{path}: the model has no {missing[:3]} ({len(missing)} of the weights the pushed LoRA adapts)")
     return {name: params[name].detach().to("cpu", copy=True) for name in names}
-
-
-class _Moved(dict):
-    """`base`'s tensors, each moved to `device` when read (one weight on the GPU at a time)."""
-
-    def __init__(self, base: Mapping[str, torch.Tensor], device: torch.device) -> None:
-        super().__init__(base)
-        self.device = device
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return super().__getitem__(name).to(self.device, non_blocking=True)
 
 
 def _generate_one(engine: Any, item: tuple[Prompt, SamplingParams]) -> list[Generation]:
