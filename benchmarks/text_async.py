@@ -7,7 +7,9 @@ long tail (issue 52's text row).
 
 rider-grm with random weights at Qwen3-1.7B shape (bf16, full fine-tuning, gradient
 checkpointing), the 16 prompts of examples/data/rider a step x 8 replies, its rule reward alone
-(no judges), replies capped at 2,048 tokens. The lengths are drawn per sample (95% log-normal,
+(no judges), replies capped at 2,048 tokens, one optimizer step a batch. As AsyncGRPOTrainer has
+no reference model, ours runs without the KL loss (`algo.use_kl_loss=false`), and takes its old
+log-probs from the update's own forward (`algo.old_logprobs=auto`), as TRL takes vLLM's. The lengths are drawn per sample (95% log-normal,
 median 260, in 100-600 tokens; 5% in 800-2,048) and imposed inside every vLLM engine of a run,
 ours and TRL's server alike, by the logits-processor plugin of `benchmarks/long_tail.py`.
 
@@ -20,7 +22,9 @@ Runs (`--only`):
   `vllm serve` it needs on GPU 1 (`trl vllm-serve`: NCCL weight transfer, dev mode), 128 samples a
   step (per_device_train_batch_size 8 x gradient_accumulation_steps 16), its other defaults
   (max_staleness 4, token-budget packing), the same prompts, lengths and rule (`rider_reward`,
-  picklable as its rollout process needs).
+  picklable as its rollout process needs). Its first step waits for vLLM while the server fills
+  a queue of samples ahead, which the next steps drain: its mean skips the first `TRL_WARMUP`
+  of `TRL_STEPS` steps.
 
 Reported: reply tokens trained per second of step time (ours: `response/length_mean` x samples
 over `time/step`; TRL: `batch/trained_tokens_per_step` over the step's wall time), seconds per
@@ -47,6 +51,7 @@ sys.path[:0] = [str(ROOT), str(APP), str(Path(__file__).resolve().parent)]
 from benchmarks.results import append_results, markdown_table  # noqa: E402
 
 WARMUP, STEPS, PROMPTS, N = 2, 8, 16, 8
+TRL_WARMUP, TRL_STEPS = 4, 12
 MAX_TOKENS, MAX_LEN, VLLM_MEMORY, SERVER_MEMORY = 2048, 2560, 0.3, 0.9
 RUNS = {
     "sync-ddp": "rider-grm, DDP synchronous (2 processes), vLLM colocated",
@@ -74,10 +79,10 @@ def ours(name: str, policy: Path, out: Path, smoke: bool, steps: int) -> dict:
         f"model.path={policy}", "model.dtype=bfloat16", "reward.judges=[]", "reward.embedding.model=null",
         "reward.rule=rider_rules:compute_score", 'data.train_files=["examples/data/rider/train.parquet"]',
         'data.val_files=["examples/data/rider/val.parquet"]', f"rollout.max_new_tokens={8 if smoke else MAX_TOKENS}",
-        f"rollout.n={N}", f"train.batch_size={PROMPTS}", f"train.mini_batch_size={PROMPTS}", "train.micro_batch_size=8",
+        f"rollout.n={N}", f"train.batch_size={PROMPTS}", f"train.mini_batch_size={PROMPTS}", "train.micro_batch_size=4",
         "train.lr=1e-6", f"train.epochs={steps}", f"train.max_steps={steps}", "train.save_freq=1000",
         "train.val_before_train=false", f'train.output_dir="{out}"', "algo.replay_tolerance=0.5",
-        "rollout.max_batch_size=512", *engine,
+        "rollout.max_batch_size=512", "algo.use_kl_loss=false", "algo.old_logprobs=auto", *engine,
         *([] if name == "sync-ddp" else ["train.max_staleness=1", "algo.rollout_correction=token_truncate"]),
         *(["rollout.placement=split"] if name == "async-split" else []),
         *(["train.partial_rollouts.steps=1", "train.partial_rollouts.chunk_tokens=128"] if "partial" in name else []),
@@ -98,6 +103,30 @@ def ours(name: str, policy: Path, out: Path, smoke: bool, steps: int) -> dict:
             "steps": [round(float(r["time/step"]), 1) for r in rows]}
 
 
+# AsyncGRPOTrainer's packed "tree" attention calls FlashAttention-3 fetched from the Hub at the first update
+# (`kernels.get_kernel("kernels-community/flash-attn3")`), which a machine without the Hub cannot do. This stand-in
+# `kernels` module gives it torch's own variable-length flash attention (FlashAttention-2 kernels) instead.
+KERNELS_SHIM = """
+import inspect, types
+import torch
+from torch.nn.attention.varlen import varlen_attn
+
+_CAUSAL = "is_causal" in inspect.signature(varlen_attn).parameters
+
+
+def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), **_):
+    extra = {"is_causal": causal} if _CAUSAL else {"window_size": (window_size[0], 0) if causal else window_size}
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: one K/V head per group of query heads
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    return varlen_attn(q, k, v, cu_q, cu_k, int(max_q), int(max_k), scale=softmax_scale, **extra)
+
+
+def get_kernel(*_, **__):
+    return types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func)
+"""
+
+
 def trl_async(policy: Path, out: Path, steps: int) -> dict:
     """AsyncGRPOTrainer against `trl vllm-serve` on GPU 1 (this process sees GPU 0 only)."""
     from caption_rl import _free_ports, _stop, _tail, _wait_healthy
@@ -113,9 +142,13 @@ def trl_async(policy: Path, out: Path, steps: int) -> dict:
                                   start_new_session=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "1"})
     try:
         _wait_healthy(server, f"http://127.0.0.1:{port}/health", log)
+        shim = out / "kernels-shim"
+        shim.mkdir(exist_ok=True)
+        (shim / "kernels.py").write_text(KERNELS_SHIM)
+        path = os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")]))
         child = subprocess.run([sys.executable, __file__, "--trl-child", str(policy), "--out", str(out),
                                 "--steps", str(steps), "--port", str(port)],
-                               env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"}, cwd=ROOT)
+                               env={**os.environ, "CUDA_VISIBLE_DEVICES": "0", "PYTHONPATH": path}, cwd=ROOT)
         if child.returncode:
             raise SystemExit(f"AsyncGRPOTrainer failed ({child.returncode}); the end of {log}:\n{_tail(log)}")
     finally:
@@ -127,7 +160,8 @@ def trl_child(policy: Path, out: Path, steps: int, port: int) -> None:
     """The trainer's side of `trl-async`, in a process that sees GPU 0 only."""
     import pyarrow.parquet as pq
     from datasets import Dataset
-    from transformers import TrainerCallback
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl.chat_template_utils import qwen3_template
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
     table = pq.read_table(ROOT / "examples/data/rider/train.parquet").to_pylist()
@@ -147,14 +181,18 @@ def trl_child(policy: Path, out: Path, steps: int, port: int) -> None:
         num_generations=N, max_completion_length=MAX_TOKENS, per_device_train_batch_size=8,
         gradient_accumulation_steps=PROMPTS * N // 8, learning_rate=1e-6, max_steps=steps, logging_steps=1,
         save_strategy="no", report_to="none", temperature=1.0)
+    # The tiny Qwen tokenizer's chat template is not one TRL recognizes, so its rollout worker cannot pick a
+    # response parser (used for tool calls; rider has none): give it TRL's own Qwen3 one.
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    tokenizer.response_template = qwen3_template
     trainer = AsyncGRPOTrainer(model=str(policy), reward_funcs=rider_reward, args=config, train_dataset=data,
-                               callbacks=[Clock()])
+                               processing_class=tokenizer, callbacks=[Clock()])
     began = time.perf_counter()
     trainer.train()
     seconds = [b - a for a, b in zip([began, *ends[:-1]], ends, strict=True)]
     logs = [entry for entry in entries if "batch/trained_tokens_per_step" in entry]  # one a step (logging_steps=1)
     trained = [float(entry["batch/trained_tokens_per_step"]) for entry in logs]
-    kept = slice(WARMUP, None)
+    kept = slice(TRL_WARMUP, None)
     step = statistics.fmean(seconds[kept])
     (out / "trl.json").write_text(json.dumps({
         "tokens_per_s": statistics.fmean(trained[kept]) / step, "step_s": step,
@@ -194,7 +232,7 @@ def main() -> None:
         for name in [n for n in (args.only or names) if n not in got]:
             policy = policy or random_checkpoint(Path(tmp) / "policy", SHAPE_SMOKE if args.smoke else SHAPE_1_7B, 0)
             out = (cache or Path(tmp)) / name
-            got[name] = trl_async(policy, out, args.steps) if name == "trl-async" else ours(
+            got[name] = trl_async(policy, out, max(args.steps, TRL_STEPS)) if name == "trl-async" else ours(
                 name, policy, out, args.smoke, args.steps)
             if cache:
                 cache.mkdir(parents=True, exist_ok=True)
@@ -208,7 +246,8 @@ def main() -> None:
              f"{f['tokens_per_s'] / got[base]['tokens_per_s']:.2f}x" if base in got else "",
              f"{f['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else ""] for n, f in got.items()]
     notes = ("`benchmarks/text_async.py` (module docstring: setting, runs, how the lengths are imposed). Means over "
-             f"the steps after the first {WARMUP} (asynchronous runs of ours: before the last). Seconds per step, "
+             f"the steps after the first {WARMUP} (TRL's: {TRL_WARMUP}; asynchronous runs of ours: before the last). "
+             "Seconds per step, "
              "warm-up included: " + "; ".join(f"{n} {f['steps']}" for n, f in got.items()) + ".")
     title = "A text recipe's RL step on 2 GPUs against TRL's AsyncGRPOTrainer (Qwen3-1.7B shape, long-tail lengths)"
     if args.smoke or set(got) != set(RUNS):

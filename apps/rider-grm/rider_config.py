@@ -169,6 +169,9 @@ class AlgoConfig(TokenPolicyFields, kw_only=True, frozen=True):
     kl_reward_coef: NonNegativeFloat = 0.001  # verl algorithm.kl_ctrl.kl_coef (was algo.kl_coef before the rename)
     kl_reward_type: KLName = "k1"  # verl algorithm.kl_penalty
     replay_tolerance: NonNegativeFloat | None = None  # engine vs trainer |dlogp| (None: 1e-3 fp32, 5e-2 16-bit)
+    old_logprobs: Literal["auto", "replay"] = "replay"
+    """PPO's old log-probs. `replay` (verl's): a no-grad pass before the update. `auto` (caption-rl's): none when a
+    batch makes one optimizer step and the reward has no KL; the update's own forward gives them (and the check)."""
 
 
 class TrainConfig(TokenTrainFields, kw_only=True, frozen=True):

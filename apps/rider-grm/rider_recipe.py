@@ -89,7 +89,7 @@ class Batch:
 
     records: list[JudgeRecord]  # [B] the row of each sample
     gens: list[Generation]  # [B]
-    old: list[torch.Tensor]  # [B] x [C_i] the policy's log-probs before the update
+    old: list[torch.Tensor] | None  # [B] x [C_i] the policy's log-probs before the update (None: the update's own)
     ref: list[torch.Tensor] | None  # [B] x [C_i] the reference's (KL loss or KL in the reward), else None
     judges_awake: int  # judge engines awake while the policy generated (0 when swapping)
     scored: ScoredRollout[Scored] | None = None  # reward.stream: scored while the batch sampled
@@ -210,10 +210,13 @@ class RiderGRM(Recipe[Config, State, Batch, Sampled], MergesRounds[State, Batch]
         weights the trainer holds now, and the engine's gap is `algo.rollout_correction`'s), and
         the reference's."""
         cfg, run, gens = state.cfg, state.run, sampled.gens
-        with run.timer("logprob"):  # through the Policy: a sharded one gathers its weights in its forward
-            old = logprobs(state, run.accelerator.unwrap_model(state.trained.policy), gens)
+        a, t = cfg.algo, cfg.train
+        old = None  # algo.old_logprobs = auto: the update's own forward gives them
+        if a.old_logprobs == "replay" or a.kl_in_reward or t.mini_batch_size not in (None, t.batch_size):
+            with run.timer("logprob"):  # through the Policy: a sharded one gathers its weights in its forward
+                old = logprobs(state, run.accelerator.unwrap_model(state.trained.policy), gens)
         ref = None
-        if cfg.algo.use_kl_loss or cfg.algo.kl_in_reward:
+        if a.use_kl_loss or a.kl_in_reward:
             with run.timer("ref_logprob"), visiting(state.ref_offload):  # with model.ref_offload: on the GPU for this
                 ref = logprobs(state, state.ref, gens)
         return Batch(sampled.records, gens, old, ref, sampled.judges_awake, sampled.scored, sampled.prompt_ids)
@@ -230,7 +233,7 @@ class RiderGRM(Recipe[Config, State, Batch, Sampled], MergesRounds[State, Batch]
             results, logs = score_now(state, samples)
         run.samples.write("train", step, rewarding.sample_rows(samples, results, logs, cfg.train.samples_to_log))
         kl = [compute_kl(cfg.algo.kl_reward_type, old[None], ref[None])[0] for old, ref in zip(batch.old, batch.ref,
-              strict=True)] if cfg.algo.kl_in_reward and batch.ref is not None else None  # [B] x [C_i]
+              strict=True)] if cfg.algo.kl_in_reward and batch.ref is not None and batch.old is not None else None
         rewards, mask = training.token_rewards(batch.gens, [x.score for x in results], kl=kl,
                                                kl_coef=cfg.algo.kl_reward_coef)  # [B, C] x2
         groups = run.rank * len(batch.gens) + torch.arange(len(batch.gens)) // cfg.rollout.n  # [B]
@@ -249,7 +252,8 @@ class RiderGRM(Recipe[Config, State, Batch, Sampled], MergesRounds[State, Batch]
         refs = [b.ref[i] for b, i in picks if b.ref is not None]
         ref = refs if groups[0][0].ref is not None else None
         ids = tuple(b.prompt_ids[rows[0] // state.cfg.rollout.n] for b, rows in groups)
-        return Batch([b.records[i] for b, i in picks], [b.gens[i] for b, i in picks], [b.old[i] for b, i in picks],
+        old = None if groups[0][0].old is None else [b.old[i] for b, i in picks if b.old is not None]
+        return Batch([b.records[i] for b, i in picks], [b.gens[i] for b, i in picks], old,
                      ref, max(b.judges_awake for b, _ in groups), prompt_ids=ids)
 
     def update(self, state: State, step: int, batch: Batch, advantages: GroupAdvantages) -> dict[str, float]:
@@ -262,8 +266,9 @@ class RiderGRM(Recipe[Config, State, Batch, Sampled], MergesRounds[State, Batch]
         rollouts = training.to_rollouts(batch.gens, advantages.valid)
         tolerance = training.replay_tolerance(a.replay_tolerance, state.model, state.cfg.rollout.precision)
         with run.timer("update_actor"):
-            first = tolerance if run.first_step(step) else math.inf
-            out = training.engine_check(rollouts, batch.old).verify(acc, first, "first replay")
+            first = tolerance if run.first_step(step) else None
+            out = {} if batch.old is None else training.engine_check(rollouts, batch.old).verify(
+                acc, math.inf if first is None else first, "first replay")
             out |= training.token_update(
                 acc, state.trained.policy, state.trained.optimizer, rollouts, advantages.advantages,
                 options=training.LossOptions(kl=a.kl, kl_coef=a.kl_coef if a.use_kl_loss else 0.0,
@@ -272,7 +277,7 @@ class RiderGRM(Recipe[Config, State, Batch, Sampled], MergesRounds[State, Batch]
                 old=batch.old, ref=batch.ref if a.use_kl_loss else None,
                 num_minibatches=t.batch_size // (t.mini_batch_size or t.batch_size), micro_batch_size=t.micro_batch_size,
                 ppo_epochs=1, grad_clip=t.grad_clip, guard=run.guard, pad_id=state.engine.pad_id,
-                scheduler=state.trained.scheduler)
+                scheduler=state.trained.scheduler, check_tolerance=first if batch.old is None else None)
         awake = acc.reduce(torch.tensor(float(batch.judges_awake), device=acc.device), reduction="sum")
         return {**out, **training.response_metrics(acc, batch.gens),
                 "check/judges_awake_during_rollout": int(awake.item()),

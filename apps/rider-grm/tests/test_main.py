@@ -334,11 +334,12 @@ def test_reward_spec_replaces_rule_judges_and_embedding(tmp_path: Path, given: s
     assert load_config(Config, run / "config.toml").reward.spec == expected
 
 
-def test_dynamic_sampling_merges_rounds_and_trains(tmp_path: Path) -> None:
+@pytest.mark.parametrize("old_logprobs", ["replay", "auto"])
+def test_dynamic_sampling_merges_rounds_and_trains(tmp_path: Path, old_logprobs: str) -> None:
     """Groups whose rule reward is the same for both samples are dropped and refilled from more
     rounds; the merged batch (old log-probs, records, completions of several rounds) passes the
-    first-step engine check and trains."""
-    run = app.main(tiny_overrides(tmp_path, **{
+    first-step engine check and trains, also with the old log-probs from the update's forward."""
+    run = app.main(tiny_overrides(tmp_path, **{"algo.old_logprobs": old_logprobs,
         "reward.judges": "[]", "reward.embedding.model": "null", "reward.rule": '"rider_rules:letter_e_share"',
         "train.batch_size": 4, "train.mini_batch_size": 4, "train.max_steps": 2, "train.dynamic_sampling.enable": "true",
         "train.dynamic_sampling.max_rounds": 3, "rollout.max_new_tokens": 2}))
@@ -348,3 +349,20 @@ def test_dynamic_sampling_merges_rounds_and_trains(tmp_path: Path) -> None:
     for r in table:  # 4 prompts x 2 samples per step: informative groups, then uniform fillers
         assert float(r["dynamic_sampling/kept_groups"]) + float(r["dynamic_sampling/filled_groups"]) == 4
         assert float(r["optimizer_steps"]) == 1
+
+
+def test_auto_old_logprobs_skip_the_replay_pass_and_train_the_same(tmp_path: Path) -> None:
+    """`algo.old_logprobs = auto` with one optimizer step a batch: no replay pass (`time/logprob`
+    absent), and the same run as `replay` (the update's own forward gives the old log-probs: ratio
+    1). With two minibatches a step, `auto` keeps the pass: the weights move between them."""
+    rows = {mode: read_metrics(app.main(tiny_overrides(tmp_path / mode, **{
+        "train.max_steps": 2, "algo.old_logprobs": mode})))
+        for mode in ("replay", "auto")}
+    for replayed, own in zip(rows["replay"], rows["auto"], strict=True):
+        assert "time/logprob" in replayed and "time/logprob" not in own
+        for key in ("loss/policy", "loss/kl", "policy/entropy", "reward/mean", "replay/engine_diff_max"):
+            assert float(own[key]) == pytest.approx(float(replayed[key]), rel=1e-4, abs=1e-6), key
+        assert float(own["policy/ratio_max"]) == 1.0
+    [row] = read_metrics(app.main(tiny_overrides(tmp_path / "two", **{
+        "train.max_steps": 1, "algo.old_logprobs": "auto", "train.batch_size": 4, "rollout.n": 1})))
+    assert "time/logprob" in row and float(row["optimizer_steps"]) == 2
