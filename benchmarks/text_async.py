@@ -18,6 +18,8 @@ Runs (`--only`):
 - `async-ddp-partial`: the same with `train.max_staleness=1` and partial rollouts (K = 1, 128
   tokens a round): each engine samples the next step while its GPU updates;
 - `async-split`: 1 trainer process on GPU 0, its vLLM engine on GPU 1, `max_staleness=1`;
+- `async-ray-partial`: the same placement with the engine in a Ray actor (`rollout.workers=1`:
+  its decoding out of the trainer's interpreter, versions by CUDA IPC) and partial rollouts;
 - `trl-async`: `trl.experimental.async_grpo.AsyncGRPOTrainer`, the trainer on GPU 0 and the
   `vllm serve` it needs on GPU 1 (`trl vllm-serve`: NCCL weight transfer, dev mode), 128 samples a
   step (per_device_train_batch_size 8 x gradient_accumulation_steps 16), its other defaults
@@ -52,11 +54,12 @@ from benchmarks.results import append_results, markdown_table  # noqa: E402
 
 WARMUP, STEPS, PROMPTS, N = 2, 8, 16, 8
 TRL_WARMUP, TRL_STEPS = 4, 12
-MAX_TOKENS, MAX_LEN, VLLM_MEMORY, SERVER_MEMORY = 2048, 2560, 0.3, 0.9
+MAX_TOKENS, MAX_LEN, VLLM_MEMORY, SPLIT_MEMORY, SERVER_MEMORY = 2048, 2560, 0.3, 0.85, 0.9
 RUNS = {
     "sync-ddp": "rider-grm, DDP synchronous (2 processes), vLLM colocated",
     "async-ddp-partial": "rider-grm, DDP asynchronous (2 processes), max_staleness=1, partial rollouts K=1",
     "async-split": "rider-grm, split asynchronous, max_staleness=1, vLLM on GPU 1",
+    "async-ray-partial": "rider-grm, split asynchronous, vLLM in a Ray actor on GPU 1, partial rollouts K=1",
     "trl-async": "TRL AsyncGRPOTrainer, vllm serve on GPU 1",
 }
 
@@ -74,7 +77,7 @@ def ours(name: str, policy: Path, out: Path, smoke: bool, steps: int) -> dict:
     processes = 2 if "ddp" in name else 1
     engine = ["rollout.engine=hf"] if smoke else [
         "rollout.engine=vllm", f"rollout.engine_options.max_model_len={MAX_LEN}",
-        f"rollout.gpu_memory_utilization={0.6 if name == 'async-split' else VLLM_MEMORY}"]
+        f"rollout.gpu_memory_utilization={SPLIT_MEMORY if 'ddp' not in name else VLLM_MEMORY}"]
     overrides = [
         f"model.path={policy}", "model.dtype=bfloat16", "reward.judges=[]", "reward.embedding.model=null",
         "reward.rule=rider_rules:compute_score", 'data.train_files=["examples/data/rider/train.parquet"]',
@@ -84,7 +87,8 @@ def ours(name: str, policy: Path, out: Path, smoke: bool, steps: int) -> dict:
         "train.val_before_train=false", f'train.output_dir="{out}"', "algo.replay_tolerance=0.5",
         "rollout.max_batch_size=512", "algo.use_kl_loss=false", "algo.old_logprobs=auto", *engine,
         *([] if name == "sync-ddp" else ["train.max_staleness=1", "algo.rollout_correction=token_truncate"]),
-        *(["rollout.placement=split"] if name == "async-split" else []),
+        *(["rollout.placement=split"] if name in ("async-split", "async-ray-partial") else []),
+        *(["rollout.workers=1"] if name == "async-ray-partial" else []),
         *(["train.partial_rollouts.steps=1", "train.partial_rollouts.chunk_tokens=128"] if "partial" in name else []),
     ]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),

@@ -20,7 +20,14 @@ from rl_core.train import NonFiniteGuard
 from rl_models import tiny
 from rl_models.text import load_causal_lm
 from rl_policy.engine import build_policy_engine
-from rl_policy.training import LossOptions, Policy, Rollout, rollout_logprobs, token_update
+from rl_policy.training import (
+    LossOptions,
+    Policy,
+    Rollout,
+    by_length,
+    rollout_logprobs,
+    token_update,
+)
 from rl_rollout import SamplingParams
 from rl_rollout.prompts import EncodedPrompt
 
@@ -99,6 +106,31 @@ def test_accumulated_micro_batches_equal_one_batch(rollouts, one_batch) -> None:
     # left out: 2.0e-3).
     assert moved(weights, one_batch[1]) < 1e-5
     assert metrics["loss/policy"] == pytest.approx(one_batch[0]["loss/policy"], abs=1e-6)
+
+
+def cut(rollouts: list[Rollout], lengths: list[int]) -> list[Rollout]:
+    """The rollouts with their completions cut to `lengths` (a spread of lengths, as a long tail gives)."""
+    return [Rollout(r.prompt, r.completion_ids[:n], r.engine_logprobs[:n], valid=True)
+            for r, n in zip(rollouts, lengths, strict=True)]
+
+
+def test_micro_batches_of_alike_lengths_keep_the_order_and_the_update(rollouts) -> None:
+    """Micro-batches take the rollouts by length (the 1- and 2-token ones together, then 5 and 6),
+    so none pads a short completion to a long one; the log-probs come back in the rollouts' order,
+    and the update equals one batch of all four."""
+    spread = cut(rollouts, [6, 2, 5, 1])
+    assert by_length(spread, range(4)) == [3, 1, 2, 0]
+    model, _ = load_causal_lm(str(tiny.build("qwen3")), dtype="float32")
+    alone = [rollout_logprobs(model, [r], micro_batch_size=1, temperature=1.0, pad_id=0,
+                              device=torch.device("cpu"))[0] for r in spread]
+    paired = rollout_logprobs(model, spread, micro_batch_size=2, temperature=1.0, pad_id=0, device=torch.device("cpu"))
+    assert [len(x) for x in paired] == [6, 2, 5, 1]
+    for a, b in zip(alone, paired, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    metrics, weights = update(spread, micro=2)
+    whole_metrics, whole = update(spread, micro=4)
+    assert moved(weights, whole) < 1e-5
+    assert metrics["loss/policy"] == pytest.approx(whole_metrics["loss/policy"], abs=1e-6)
 
 
 def test_on_policy_equals_the_replayed_old_logprobs(rollouts, one_batch) -> None:

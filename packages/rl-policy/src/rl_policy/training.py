@@ -15,7 +15,7 @@ engine-vs-trainer log-prob check.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -43,6 +43,7 @@ __all__ = [
     "LossOptions",
     "Policy",
     "Rollout",
+    "by_length",
     "collate",
     "loss_fields",
     "pad_rows",
@@ -177,17 +178,26 @@ def rollout_logprobs(model: torch.nn.Module, rollouts: Sequence[Rollout], *, mic
                      placeholders: frozenset[int] = frozenset()) -> list[Tensor]:
     """No-grad log-probs of each rollout's completion under `model` (a list of `[C_i]`, CPU):
     PPO's old log-probs, or the KL reference's. `model` is a transformers model, or the trained
-    `Policy` (required when it is sharded: its forward gathers the weights)."""
-    out: list[Tensor] = []
-    for start in range(0, len(rollouts), micro_batch_size):
-        chunk = rollouts[start : start + micro_batch_size]
-        batch = to_device(collate(chunk, pad_id, placeholders), device)
+    `Policy` (required when it is sharded: its forward gathers the weights). Micro-batches take the
+    rollouts in order of length (`by_length`); the list keeps the rollouts' order."""
+    out: dict[int, Tensor] = {}
+    order = by_length(rollouts, range(len(rollouts)))
+    for start in range(0, len(order), micro_batch_size):
+        rows = order[start : start + micro_batch_size]
+        batch = to_device(collate([rollouts[i] for i in rows], pad_id, placeholders), device)
         if isinstance(model, Policy):
             logp = model(batch, temperature, entropy=False)[0]  # [b, C]
         else:
             logp = completion_logprobs(model, batch, temperature=temperature)  # [b, C]
-        out += [logp[i, : len(r.completion_ids)].float().cpu() for i, r in enumerate(chunk)]
-    return out
+        out |= {i: logp[k, : len(rollouts[i].completion_ids)].float().cpu() for k, i in enumerate(rows)}
+    return [out[i] for i in range(len(rollouts))]
+
+
+def by_length(rollouts: Sequence[Rollout], rows: Iterable[int]) -> list[int]:
+    """`rows` by completion length (stable), so that each micro-batch pads to lengths alike: with a
+    long tail of lengths, a micro-batch of random rows pads most of its rows to the tail's length.
+    The losses sum over micro-batches, so the order changes no gradient."""
+    return sorted(rows, key=lambda i: len(rollouts[i].completion_ids))
 
 
 def engine_check(rollouts: Sequence[Rollout], trainer: Sequence[Tensor]) -> ReplayCheck:
@@ -282,7 +292,7 @@ def token_update(
     step that was taken (a vLLM weight push, say)."""
     if isinstance(advantages, Tensor):
         advantages = token_advantages(advantages, rollouts)
-    parts = [p.tolist() for p in torch.arange(len(rollouts)).tensor_split(num_minibatches)]
+    parts = [by_length(rollouts, p.tolist()) for p in torch.arange(len(rollouts)).tensor_split(num_minibatches)]
     stats, check = UpdateStats(), ReplayCheck()
     device = accelerator.device
 
