@@ -166,7 +166,8 @@ def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path: Path, ca
     one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
     assert not [k for k in one[0] if k.startswith("time_max/")]
     profiled = sorted(k.removeprefix("time_max/") for k in two[0] if k.startswith("time_max/"))
-    assert {"rollout", "update"} <= set(profiled) and not unknown_metric_names(two[0])
+    assert {"rollout", "rank_wait", "update"} <= set(profiled) and not unknown_metric_names(two[0])
+    assert "time/rank_wait" not in one[0]  # one process waits for no other
     assert all(float(r[f"time_max/{p}"]) >= float(r[f"time/{p}"]) for r in two for p in profiled)
 
 

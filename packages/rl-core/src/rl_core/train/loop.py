@@ -229,8 +229,8 @@ def _check_metric(metric: str, scores: Scores, acc: Any) -> None:
 
 
 # the phases whose slowest process a run of several processes logs (`time_max/<phase>`)
-PROFILED_PHASES = ("rollout", "rollout_wait", "prepare", "reward", "advantages", "logprob", "update", "weight_sync",
-                   "weight_gather")
+PROFILED_PHASES = ("rollout", "rollout_wait", "prepare", "rank_wait", "reward", "advantages", "logprob", "update",
+                   "weight_sync", "weight_gather")
 
 
 def slowest_phases(acc: Any, metrics: dict[str, Any]) -> dict[str, float]:
@@ -431,6 +431,9 @@ class _Loop(Generic[C, S, B, R]):
     def _step(self, step: int) -> dict[str, Any]:
         recipe, state, timer = self.recipe, self.state, self.timer
         batch, sampled, version = self._rollout(step)
+        if self.acc.num_processes > 1:  # this process waiting for the others' samples: apart from the reward's time
+            with timer("rank_wait"):
+                self.acc.wait_for_everyone()
         with timer("reward"):
             scores = recipe.score(state, step, batch)
         if isinstance(scores, Skip):
