@@ -5,6 +5,7 @@ the in-process engine samples from the same weights, before and after a push, sy
 
 from __future__ import annotations
 
+import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -194,3 +195,45 @@ def test_ray_actors_on_a_gpu_of_their_own_take_pushes_by_cuda_ipc() -> None:
     finally:
         remote.close()
         local.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None or torch.cuda.device_count() < 2,
+                    reason="needs vLLM and a second GPU for the actor")
+def test_a_vllm_actor_merging_pushed_adapters_samples_as_with_merged_pushes() -> None:
+    """`weight_push=adapter` to vLLM in a Ray actor on GPU 1: each version crosses as the LoRA
+    alone and the actor merges it over base weights of its own; its samples equal, token for
+    token, those of an actor that took the trainer's merged weights, before and after a push."""
+    from rl_models.lora import add_lora
+
+    path = str(tiny.build("qwen3_vllm"))  # 64-wide heads, as vLLM's attention wants
+    model, tokenizer = load_causal_lm(path, dtype="bfloat16")
+    model = add_lora(model.to("cuda:0"), family="qwen3", r=8)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
+    sampled = {}
+    for push in ("merged", "adapter"):
+        with torch.no_grad():  # the same starting adapter for both runs
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.zero_()
+        engine = build_policy_engine("vllm", model=model, processor=tokenizer, path=path, dtype="bfloat16",
+                                     device=torch.device("cuda", 0), seed=0, workers=1, weight_push=push,
+                                     gpu_memory_utilization=0.3,
+                                     engine_options={"max_model_len": 1024, "enforce_eager": True})
+        try:
+            assert engine.remote and engine.engine.devices == [torch.device("cuda", 1)]
+            runs = []
+            for version in (1, 2):
+                with torch.no_grad():  # an optimizer step of the adapter alone
+                    for name, param in model.named_parameters():
+                        if "lora_B" in name:
+                            param.normal_(std=0.1, generator=torch.Generator("cuda").manual_seed(version))
+                engine.stepped()
+                with engine.session() as sampler:
+                    gens = generate_seeded(sampler, PROMPTS, params, SEEDS)
+                runs.append([(g.request_index, g.completion_ids) for g in gens])
+            sampled[push] = runs
+        finally:
+            engine.close()
+    assert sampled["adapter"] == sampled["merged"]
+    assert sampled["merged"][0] != sampled["merged"][1]  # each version's adapter changed the samples
