@@ -6,7 +6,8 @@
 The judge (`rl_rewards.judges.yes_no` over a random-weight judge at the policy's shape) runs in a
 real `rl-rewards serve` process on the same GPU (its vLLM engine with `JUDGE_MEMORY` of the GPU);
 rider-grm reaches it with `engine = "server"` and scores each prompt's replies as they finish
-(`reward.stream`). The policy's vLLM engine is colocated (`POLICY_MEMORY`).
+(`reward.stream`). The policy's vLLM engine is colocated (`POLICY_MEMORY`). Both schedules take
+their old log-probs from the update's own forward (`algo.old_logprobs=auto`: one optimizer step a batch).
 
 - `sync`: each step samples, waits for the last judgement (`time/reward`), then updates;
 - `async`: `train.max_staleness=1` with `algo.rollout_correction=token_truncate`: the rollout
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import shutil
 import statistics
 import subprocess
 import sys
@@ -42,7 +44,7 @@ POLICY_MEMORY, JUDGE_MEMORY, MAX_LEN = 0.3, 0.25, 4096
 WARMUP = 2  # steps left out of the means: compiles, first optimizer state
 PROMPTS = 16  # a step: every prompt of examples/data/rider/train.parquet (an epoch a step)
 MODES = {"sync": [], "async": ["train.max_staleness=1", "algo.rollout_correction=token_truncate"]}
-PHASES = ("rollout", "rollout_wait", "reward", "logprob", "update")
+PHASES = ("rollout", "rollout_wait", "reward", "logprob", "update", "weight_sync", "weight_publish")
 
 
 def server_config(where: Path, judge: Path, smoke: bool) -> Path:
@@ -56,8 +58,9 @@ def server_config(where: Path, judge: Path, smoke: bool) -> Path:
     return path
 
 
-def run(mode: str, policy: Path, url: str, out: Path, smoke: bool, steps: int) -> list[dict[str, str]]:
-    """rider-grm in a fresh process; its metrics.csv rows."""
+def run(mode: str, policy: Path, url: str, out: Path, smoke: bool, steps: int,
+        keep: Path | None = None) -> list[dict[str, str]]:
+    """rider-grm in a fresh process; its metrics.csv rows (copied into `keep` too)."""
     judges = f'[{{name = "j", engine = "server", url = "{url}", spec = "judge", weight = 0.5}}]'
     engine = ["rollout.engine=hf"] if smoke else [
         "rollout.engine=vllm", f"rollout.gpu_memory_utilization={POLICY_MEMORY}",
@@ -69,10 +72,13 @@ def run(mode: str, policy: Path, url: str, out: Path, smoke: bool, steps: int) -
         "rollout.n=8", f"train.batch_size={2 if smoke else PROMPTS}", f"train.mini_batch_size={2 if smoke else PROMPTS}",
         "train.micro_batch_size=8", "train.lr=1e-6", f"train.epochs={steps}", f"train.max_steps={steps}", "train.save_freq=1000",
         "train.val_before_train=false", f'train.output_dir="{out / mode}"',
-        "algo.replay_tolerance=0.5", "rollout.max_batch_size=256", *engine, *MODES[mode],
+        "algo.replay_tolerance=0.5", "algo.old_logprobs=auto", "rollout.max_batch_size=256", *engine, *MODES[mode],
     ]
     subprocess.run([sys.executable, str(APP / "__main__.py"), *overrides], check=True, cwd=ROOT)
     [run_dir] = [d for d in (out / mode).iterdir() if d.is_dir() and d.name.startswith("run-")]
+    if keep:
+        keep.mkdir(parents=True, exist_ok=True)
+        shutil.copy(run_dir / "metrics.csv", keep / f"{mode}-metrics.csv")
     with (run_dir / "metrics.csv").open() as f:
         return list(csv.DictReader(f))
 
@@ -83,13 +89,16 @@ def figures(rows: list[dict[str, str]]) -> dict[str, float]:
     kept = rows[WARMUP:-1] if rows[-1].get("rollout/staleness") not in (None, "", "0.0") else rows[WARMUP:]
     mean = lambda key: statistics.fmean(float(r[key]) if r.get(key) else 0.0 for r in kept)  # noqa: E731
     return {"step": mean("time/step"), "samples_per_s": mean("throughput/samples_per_s"),
-            **{p: mean(f"time/{p}") for p in PHASES}, "steps": [round(float(r["time/step"]), 1) for r in rows]}
+            **{p: mean(f"time/{p}") for p in PHASES}, "steps": [round(float(r["time/step"]), 1) for r in rows],
+            "phases": {k.removeprefix("time/"): round(mean(k), 2) for k in rows[0] if k.startswith("time/")
+                       and k != "time/step" and "/eval" not in k and mean(k) >= 0.01}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU; prints, appends nothing")
     parser.add_argument("--steps", type=int, default=None, help="training steps (the first two are warm-up)")
+    parser.add_argument("--keep", type=Path, help="copy each run's metrics.csv into DIR (<schedule>-metrics.csv)")
     args = parser.parse_args()
     if not args.smoke and not torch.cuda.is_available():
         parser.error("the full run needs a CUDA GPU (vLLM engines for the policy and the judge); --smoke runs on a CPU")
@@ -103,22 +112,24 @@ def main() -> None:
         env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         with ServerProcess(["--config", str(server_config(root, judge, args.smoke))], env=env,
                            log_path=root / "server.log", ready_timeout=600) as server:
-            got = {mode: figures(run(mode, policy, server.url, root, args.smoke, steps)) for mode in MODES}
+            got = {mode: figures(run(mode, policy, server.url, root, args.smoke, steps, args.keep)) for mode in MODES}
     sync = got["sync"]
-    header = ["schedule", "samples/s", "s/step", *[f"{p} s" for p in PHASES], "vs sync", "overlap bound"]
+    header = ["schedule", "samples/s", "s/step", *[f"{p} s" for p in PHASES], "other s", "vs sync", "overlap bound"]
     rows = []
     for mode, f in got.items():
         rest = f["step"] - f["rollout_wait"] if mode == "async" else f["step"] - f["rollout"] - f["reward"]
         sampled = f["rollout"] + (0.0 if mode == "async" else f["reward"])  # the rollout with its judging
         bound = (sampled + rest) / max(sampled, rest) if mode == "async" else 1.0
-        rows.append([mode, f"{f['samples_per_s']:.2f}", f"{f['step']:.2f}", *[f"{f[p]:.2f}" for p in PHASES],
+        other = f["step"] - sum(f[p] for p in PHASES if p != "rollout" or mode == "sync")  # the step's unnamed time
+        rows.append([mode, f"{f['samples_per_s']:.2f}", f"{f['step']:.2f}", *[f"{f[p]:.2f}" for p in PHASES], f"{other:.2f}",
                      f"{f['samples_per_s'] / sync['samples_per_s']:.2f}x", f"{bound:.2f}x"])
     notes = (f"rider-grm, policy and judge at {'tiny' if args.smoke else 'Qwen3-1.7B'} shape (random bf16 weights), "
              f"{2 if args.smoke else PROMPTS} prompts x 8 replies of {8 if args.smoke else 256} tokens a step, rule + a "
              "served yes/no judge (weight 0.5) whose server shares the GPU"
              + ("" if args.smoke else f" (vLLM, gpu_memory_utilization {JUDGE_MEMORY}; the policy's {POLICY_MEMORY})")
              + f". Means over the steps after the first {WARMUP} (async: before the last). Seconds per step, "
-             "warm-up included: " + "; ".join(f"{m} {f['steps']}" for m, f in got.items()) + ".")
+             "warm-up included: " + "; ".join(f"{m} {f['steps']}" for m, f in got.items()) + ". Every phase timed "
+             "(`time/*`, seconds): " + "; ".join(f"{m} {f['phases']}" for m, f in got.items()) + ".")
     title = "rider-grm on one GPU with a served judge: synchronous vs asynchronous (Qwen3-1.7B shape)"
     if args.smoke:
         print(f"{title}\n{markdown_table(header, rows)}\n{notes}")

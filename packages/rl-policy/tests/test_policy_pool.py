@@ -6,8 +6,10 @@ the in-process engine samples from the same weights, before and after a push, sy
 from __future__ import annotations
 
 import importlib.util
+import sys
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 import torch
 
@@ -109,6 +111,69 @@ def test_partial_rollouts_on_a_ray_actor_sample_what_one_engine_samples() -> Non
         assert any(v != versions[0] for _, step in want for _, _, versions in step for v in versions)  # carried over
     finally:
         remote.close()
+
+
+class SeededRows:
+    """An `hf` engine that takes each request's budget and seed in one call, as `vllm` does
+    (`row_budgets = "seeded"`), sampling request by request: the actors' side of `PoolEngine`'s
+    one-call-per-actor path on a CPU. `calls` counts the calls that carried seeds."""
+
+    row_budgets = "seeded"
+
+    def __init__(self, path: str) -> None:
+        self.inner, self.calls = HFEngine.from_pretrained(path, dtype=torch.float32), 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["inner"], name)
+
+    def generate(self, requests, params, *, max_new_tokens=None, seeds=None):
+        if seeds is None:
+            return self.inner.generate(requests, params)
+        self.calls += 1
+        lengths = max_new_tokens or [params.max_new_tokens] * len(requests)
+        return [msgspec.structs.replace(g, request_index=i)
+                for i, (request, length, seed) in enumerate(zip(requests, lengths, seeds, strict=True))
+                for g in self.inner.generate([request], msgspec.structs.replace(params, max_new_tokens=length, seed=seed))]
+
+
+def test_seeded_rounds_cost_one_call_per_actor_and_sample_what_one_engine_samples() -> None:
+    """Actors whose engines take a seed and budget per request (`vllm`'s `row_budgets`): seeded
+    requests and partial rollouts' rounds go to each actor as one call for its contiguous shard,
+    not one call per request, and return what one engine returns request by request."""
+    from rl_rollout.policy_pool import PoolEngine
+    from rl_rollout.ray_pool import EngineSpec, RolloutPool, ship_module
+
+    path = str(tiny.build("qwen3"))
+    model, tokenizer = load_causal_lm(path, dtype="float32")
+    local = HFEngine(model, tokenizer, device="cpu", compile=False)
+    ship_module(sys.modules[__name__])  # SeededRows: this test module is not importable in the actors
+    pool = RolloutPool(EngineSpec(factory=SeededRows, kwargs={"path": path}), 2, num_cpus=0)
+    engine = PoolEngine(pool, row_budgets="seeded")
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=9, seed=3)
+    try:
+        summary = lambda gens: [(g.request_index, g.completion_ids, [round(x, 4) for x in g.logprobs])  # noqa: E731
+                                for g in gens]
+        want = summary(generate_seeded(SimpleNamespace(generate=local.generate), PROMPTS * 2, PARAMS, SEEDS * 2))
+        assert summary(generate_seeded(engine, PROMPTS * 2, PARAMS, SEEDS * 2)) == want
+        assert pool.map(lambda e, _: e.calls, [0, 1]).outputs == [1, 1]  # 4 requests each, one call
+
+        def draw_from(taken: list[int]):
+            def draw(count: int):
+                keys = list(range(taken[0], taken[0] + count))
+                taken[0] += count
+                return keys, [PROMPTS[k % len(PROMPTS)] for k in keys], keys
+            return draw
+
+        budgets = lambda key, j: 2 + 7 * (key % 2)  # noqa: E731
+        runs = []
+        for generate in (round_generator(engine), round_generator(SimpleNamespace(generate=local.generate))):
+            partial, draw = PartialRollouts(3, 1, tokenizer.decode), draw_from([0])
+            runs.append([(keys, summary(gens), [g.token_versions for g in gens])
+                         for keys, gens in (partial.run(generate, draw, 2, params, version=v, budgets=budgets)
+                                            for v in range(3))])
+        assert runs[0] == runs[1]
+    finally:
+        pool.close()
 
 
 def test_ray_actors_for_several_training_processes_need_a_cluster(monkeypatch) -> None:

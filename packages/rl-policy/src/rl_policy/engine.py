@@ -535,7 +535,8 @@ def _pool_policy_engine(kind: str, workers: int, gpus_per_worker: float | None, 
     tokenizer = processor.tokenizer if isinstance(processor, ProcessorMixin) else processor
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     devices = local_worker_devices(pool.health()) if gpu_ids is not None else None  # pushes by CUDA IPC there
-    return PolicyEngine(PoolEngine(pool, devices=devices), kind=kind, trained=model, pad_id=int(pad), full=full, timer=timer,
+    engine = PoolEngine(pool, devices=devices, row_budgets="seeded" if kind == "vllm" else None)  # vllm: a call per actor
+    return PolicyEngine(engine, kind=kind, trained=model, pad_id=int(pad), full=full, timer=timer,
                         remote=True, tokenizer=tokenizer, adapter_push=adapter)
 
 

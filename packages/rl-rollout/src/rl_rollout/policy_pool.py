@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 import torch
 
-from rl_rollout.protocol import Generation, Prompt, SamplingParams
+from rl_rollout.protocol import Continuation, Generation, Prompt, SamplingParams
 
 __all__ = ["PoolEngine", "build_worker_engine", "load_adapter_merged", "local_worker_devices", "worker_gpu_ids"]
 
@@ -92,6 +92,13 @@ def _generate_one(engine: Any, item: tuple[Prompt, SamplingParams]) -> list[Gene
     return list(engine.generate([request], params))
 
 
+def _generate_rows(engine: Any, item: tuple[list[Prompt], SamplingParams, list[int] | None, list[int]]) -> list[Generation]:
+    """One actor's shard of seeded requests, each with its own seed and budget, in one engine call
+    (an engine with `row_budgets = "seeded"`, `vllm`); `request_index` counts within the shard."""
+    requests, params, lengths, seeds = item
+    return list(engine.generate(requests, params, max_new_tokens=lengths, seeds=seeds))
+
+
 def _score(engine: Any, item: tuple[list[int], Sequence[list[int]], Sequence[int], float]) -> torch.Tensor:
     """`Engine.score_next_tokens` inside an actor (`RolloutPool.map`)."""
     prefix, suffixes, candidates, temperature = item
@@ -105,8 +112,12 @@ class PoolEngine:
 
     takes_whole_versions = True
 
-    def __init__(self, pool: Any, *, devices: Sequence[torch.device] | None = None) -> None:
+    def __init__(self, pool: Any, *, devices: Sequence[torch.device] | None = None,
+                 row_budgets: str | None = None) -> None:
         self.pool = pool
+        # "seeded" when the actors' engines take each request's seed and budget in one call (`vllm`):
+        # seeded requests and partial rollouts' rounds then cost one call per actor, not one per request
+        self.row_budgets = row_budgets
         # worker i's GPU as this process numbers it (`local_worker_devices`): pushes by CUDA IPC; None: host copies
         self.devices = list(devices) if devices else None
         self.weight_version = 0
@@ -127,16 +138,41 @@ class PoolEngine:
         """On one actor: `[len(suffixes), len(candidates)]` log-probs (the engine kind's own)."""
         return self.pool.map(_score, [(shared_prefix, list(suffixes), list(candidates), temperature)]).outputs[0]
 
-    def generate(self, requests: Sequence[Prompt], params: SamplingParams) -> list[Generation]:
-        return list(self.pool.generate(list(requests), params).outputs)
+    def generate(self, requests: Sequence[Prompt | Continuation], params: SamplingParams, *,
+                 max_new_tokens: Sequence[int] | None = None, seeds: Sequence[int] | None = None) -> list[Generation]:
+        """`Engine.generate` over the actors. `max_new_tokens`, `seeds`: each request's own budget and
+        seed, as partial rollouts give their rounds; only where `row_budgets == "seeded"`."""
+        if max_new_tokens is None and seeds is None:
+            return list(self.pool.generate(list(requests), params).outputs)
+        if self.row_budgets != "seeded" or seeds is None:
+            raise ValueError("per-request budgets go to actors whose engines take them with a seed each "
+                             "(row_budgets='seeded', vllm)")
+        return self._seeded_rows(list(requests), params, None if max_new_tokens is None else list(max_new_tokens), list(seeds))
 
     def generate_seeded(self, requests: Sequence[Prompt], params: SamplingParams,
                         seeds: Sequence[int]) -> list[Generation]:
         """`rl_rollout.generate_seeded` with the requests spread over the actors: the same
-        samples as one engine gives, whatever the number of actors."""
+        samples as one engine gives, whatever the number of actors. One call per actor where its
+        engine takes a seed per request (`row_budgets == "seeded"`), else one per request."""
+        if len(seeds) != len(requests):
+            raise ValueError(f"got {len(seeds)} seeds for {len(requests)} requests")
+        if self.row_budgets == "seeded":
+            return self._seeded_rows(list(requests), params, None, list(seeds))
         items = [(request, msgspec.structs.replace(params, seed=seed)) for request, seed in zip(requests, seeds, strict=True)]
         rollout = self.pool.map(_generate_one, items)
         return [msgspec.structs.replace(g, request_index=i) for i, gens in enumerate(rollout.outputs) for g in gens]
+
+    def _seeded_rows(self, requests: list[Prompt | Continuation], params: SamplingParams, lengths: list[int] | None,
+                     seeds: list[int]) -> list[Generation]:
+        """The requests cut into one contiguous shard per actor, each shard one engine call."""
+        workers = self.pool.num_workers
+        sizes = [len(requests) // workers + (i < len(requests) % workers) for i in range(workers)]
+        starts = [sum(sizes[:i]) for i in range(workers)]
+        spans = [(a, a + n) for a, n in zip(starts, sizes, strict=True) if n]
+        items = [(requests[a:b], params, None if lengths is None else lengths[a:b], seeds[a:b]) for a, b in spans]
+        rollout = self.pool.map(_generate_rows, items)  # one item per actor: each gets its shard
+        return [msgspec.structs.replace(g, request_index=g.request_index + a)
+                for (a, _), gens in zip(spans, rollout.outputs, strict=True) for g in gens]
 
     @property
     def weight_device(self) -> torch.device:
