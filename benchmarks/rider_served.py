@@ -44,7 +44,7 @@ POLICY_MEMORY, JUDGE_MEMORY, MAX_LEN = 0.3, 0.25, 4096
 WARMUP = 2  # steps left out of the means: compiles, first optimizer state
 PROMPTS = 16  # a step: every prompt of examples/data/rider/train.parquet (an epoch a step)
 MODES = {"sync": [], "async": ["train.max_staleness=1", "algo.rollout_correction=token_truncate"]}
-PHASES = ("rollout", "rollout_wait", "reward", "logprob", "update", "weight_sync", "weight_publish")
+PHASES = ("rollout", "rollout_wait", "prepare", "reward", "logprob", "update", "weight_sync", "weight_publish")
 
 
 def server_config(where: Path, judge: Path, smoke: bool) -> Path:
