@@ -55,13 +55,9 @@ from rl_models.janus import (
     num_image_tokens,
     reference_image_token_logprobs,
 )
-from rl_models.lora import add_lora
-from rl_policy.lora_weights import (
-    LoraCopy,
-    LoraPolicyWeights,
-    lora_worker_spec,
-    start_lora_workers,
-)
+from rl_models.logprobs import unwrap_peft
+from rl_models.lora import add_lora, full_finetune, reference_of
+from rl_policy.lora_weights import LoraCopy, LoraPolicyWeights, lora_worker_spec, start_lora_workers
 from rl_rollout import ImageSamples, build_image_engine
 from rl_rollout.diffusion import (
     DiffusionEngine,
@@ -91,7 +87,7 @@ class Replays:
 
 
 class Family(Protocol):
-    peft: PeftModel  # the LoRA model: its trainable weights, EMA and exports
+    peft: torch.nn.Module  # the LoRA model (PeftModel), or the transformer fully fine-tuned: its trained weights, EMA, exports
     model: torch.nn.Module  # what the optimizer steps through (DDP-wrapped, or sharded in place)
     optimizer: torch.optim.Optimizer
     full: FullWeights | None = None  # a sharded model's whole copy, which the engine samples from
@@ -125,7 +121,8 @@ class SD3(Family):
         self.engine = cast(DiffusionEngine, build_image_engine(self.kind, path=path, dtype=m.dtype, device=acc.device, **options))
         self.engine.transformer.requires_grad_(False)
         self.peft = add_lora(self.engine.transformer, family=self.kind, r=m.lora_rank, alpha=m.lora_alpha,
-                             target_modules=m.lora_targets)
+                             target_modules=m.lora_targets) if m.lora_rank else full_finetune(
+            self.engine.transformer, reference=cfg.algo.kl_coef > 0 or t.method == "dpo")  # full: a frozen copy for the KL
         optimizer = torch.optim.AdamW(trainable_parameters(self.peft).values(), lr=t.lr, weight_decay=t.weight_decay)
         plan = resolve_sharding(acc, t.sharding, mixed_precision=t.fsdp_mixed_precision,
                                 cpu_offload=t.fsdp_cpu_offload, activation_checkpointing=t.fsdp_activation_checkpointing)
@@ -133,7 +130,7 @@ class SD3(Family):
         self.full = FullWeights(self.peft, device=acc.device) if plan.sharded else None
         self.model, self.optimizer, _ = prepare_policy(acc, self.peft, optimizer, None, plan)
         if self.full is not None:  # the engine samples from the copy's LoRA-injected transformer
-            self.engine.pipeline.transformer = cast(PeftModel, self.full.model).get_base_model()
+            self.engine.pipeline.transformer = unwrap_peft(self.full.model)
         # train.method = "nft": the old policy samples (asynchronous rollouts: an engine of their own)
         self.old = OldPolicy(self.peft, self.engine) if t.method == "nft" else None
         self.rollout_engine = self.old.engine if self.old is not None else self.engine
@@ -141,7 +138,7 @@ class SD3(Family):
         self.ema = ParameterEMA(self.peft, decay=t.ema_decay, interval=t.ema_interval)
         self.weights = LoraPolicyWeights(
             self.peft, sampler=self.engine.transformer, full=self.full, ema=self.ema, colocated=r.placement == "colocated",
-            on_copy=lambda twin: setattr(self, "rollout_engine", self.engine.over(cast(PeftModel, twin).get_base_model())),
+            on_copy=lambda twin: setattr(self, "rollout_engine", self.engine.over(unwrap_peft(twin))),
             workers=workers(cfg, acc, path, options))
 
     def engine_options(self) -> dict[str, Any]:
@@ -179,8 +176,8 @@ class SD3(Family):
             out = self.engine.replay(traj, step, rows=rows, model=self.model)
             kl = None
             if self.cfg.algo.kl_coef > 0:
-                with torch.no_grad(), self.peft.disable_adapter():
-                    ref = self.engine.replay(traj, step, rows=rows, model=self.peft)
+                with torch.no_grad(), reference_of(self.peft) as reference:
+                    ref = self.engine.replay(traj, step, rows=rows, model=reference)
                 kl = flow_kl(out.mean, ref.mean, out.std)[:, None]  # [b, 1]
             old = traj.log_probs[rows, step][:, None]  # [b, 1]
             if not t.ratio_norm:
@@ -288,9 +285,9 @@ class OldPolicy(LoraCopy):
     that samples the rollouts (`engine`, sharing the trainer's text encoders and VAE) and gives
     `v_old` in the loss; after each epoch `move_towards` pulls it towards the trained LoRA."""
 
-    def __init__(self, peft: PeftModel, engine: DiffusionEngine) -> None:
+    def __init__(self, peft: torch.nn.Module, engine: DiffusionEngine) -> None:
         super().__init__(peft)
-        self.engine = engine.over(cast(PeftModel, self.model).get_base_model())
+        self.engine = engine.over(unwrap_peft(self.model))
 
 
 def rollout_options(sampling: SamplingConfig) -> dict[str, Any]:

@@ -54,7 +54,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True):
     family `janus` a transformers Janus checkpoint (deepseek-community/Janus-Pro-7B, `tiny:janus`)."""
     dtype: DType = "bfloat16"  # transformer + VAE weights (Janus: all weights); step maths is always float32
     text_encoder_dtype: DType | None = None  # None = dtype
-    lora_rank: Positive = 32
+    lora_rank: NonNegative = 32  # 0: full fine-tuning of the sd3/wan/cosmos transformer (README: full fine-tuning)
     lora_alpha: float = 64
     lora_targets: list[str] | None = None  # None: rl_models' default (sd3: attention; janus: LM projections)
     compile: bool | None = None
@@ -301,6 +301,8 @@ def check_config(cfg: Config, world_size: int) -> None:
     images = r.groups_per_epoch // world_size * r.n  # per process
     refused = [
         (r.n < 2 and t.method != "dpo", f"rollout.n={r.n}: GRPO compares the images of one prompt with each other and needs rollout.n >= 2"),
+        (m.lora_rank == 0 and (m.family == "janus" or cfg.rollout.precision == "fp8"), "model.lora_rank=0 fully fine-tunes "
+         "an sd3, wan or cosmos transformer sampled in model.dtype: set a LoRA rank for janus or rollout.precision='fp8'"),
         (m.family == "janus" and t.sharding != "none", f"train.sharding={t.sharding!r} shards a diffusion transformer; "
          "model.family='janus' trains with DDP (FSDP2 for it is not done): set train.sharding='none'"),
         (m.family in VIDEO and (cfg.sampling.num_frames - 1) % 4 != 0, f"sampling.num_frames="

@@ -290,17 +290,17 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
                 **image_stats(all_frames(images))}
 
     def finish(self, state: State) -> dict[str, str]:
-        out, f = state.run.run_dir / "checkpoint-final", state.family
+        out, f, folders = state.run.run_dir / "checkpoint-final", state.family, []
         with whole_weights(f) as model:
-            if state.run.is_main:
-                export_adapters(model, state.ema, out)
+            if state.run.is_main:  # the LoRA (lora/, lora_ema/) or a fully fine-tuned transformer (transformer/, ...)
+                folders = export_adapters(model, state.ema, out)
         # Drop the DDP wrapper while the process group is still registered: if its Reducer held the
         # group's last reference after end_training(), the gloo group's destructor would join its
         # worker threads holding the GIL, and a worker still freeing a finished collective's Python
         # tensors waits for the GIL: a deadlock seen once in the 2-process test (torch 2.13, gloo)
         f.model = f.peft
         state.run.accelerator.free_memory()  # the accelerator's own reference to the wrapper
-        return {"adapters": f"{out / 'lora'}, {out / 'lora_ema'}"}
+        return {"exports": ", ".join(map(str, folders))}
 
     def close(self, state: State) -> None:
         state.family.weights.close()

@@ -161,17 +161,19 @@ def test_a_sharded_policy_with_ray_workers_is_refused(app, tmp_path: Path) -> No
             tmp_path, "train.max_staleness=1", 'train.sharding="fsdp2"', "rollout.workers=1")))
 
 
-def test_a_sharded_policy_samples_asynchronously_as_an_unsharded_one(app, tmp_path: Path) -> None:
+@pytest.mark.parametrize("tuned", ["lora", "full"])
+def test_a_sharded_policy_samples_asynchronously_as_an_unsharded_one(app, tmp_path: Path, tuned: str) -> None:
     """train.sharding=fsdp2 with max_staleness=1 (FSDP2 on a gloo group of this one process): the
     rollout thread samples from a whole copy of the LoRA model made from one gather, each version's
     LoRA all-gathered on the trainer's thread. Three epochs follow the unsharded run's schedule and
     numbers: the same versions sampled, rewards, losses and final LoRA (float tolerance: sharded and
-    whole parameters reduce in other orders)."""
+    whole parameters reduce in other orders). `full`: the same, fully fine-tuned (every weight)."""
     from conftest import in_process_group
 
     def config(out: Path, *extra: str):
         return load_config(app.Config, app.DEFAULT_CONFIG, tiny_overrides(
-            out, "train.epochs=3", "train.save_freq=3", "train.max_staleness=1", *extra))
+            out, "train.epochs=3", "train.save_freq=3", "train.max_staleness=1", *extra,
+            *(["model.lora_rank=0"] if tuned == "full" else [])))
 
     whole = train(app, config(tmp_path / "whole"))
     sharded = in_process_group(app, config(tmp_path / "sharded", 'train.sharding="fsdp2"'))
@@ -181,10 +183,16 @@ def test_a_sharded_policy_samples_asynchronously_as_an_unsharded_one(app, tmp_pa
     assert [float(x["rollout/weight_version"]) for x in b] == versions
     for key in ("reward/mean", "loss/total", "grad_norm"):
         for x, y in zip(a, b, strict=True):
-            assert float(y[key]) == pytest.approx(float(x[key]), rel=1e-4, abs=1e-6), (key, x[key], y[key])
+            # full: the grad norm sums every weight's square, in other orders (seen 1.2e-4 apart)
+            rel = 5e-4 if tuned == "full" and key == "grad_norm" else 1e-4
+            assert float(y[key]) == pytest.approx(float(x[key]), rel=rel, abs=1e-6), (key, x[key], y[key])
     assert float(b[0]["replay/engine_diff_max"]) == 0.0  # the copy samples the gathered weights exactly
-    wa, wb = lora(whole), lora(sharded)
-    assert wa.keys() == wb.keys()
+    if tuned == "full":  # the exported transformer
+        wa, wb = ({k: v for f in (run / "checkpoint-final" / "transformer").glob("*.safetensors") for k, v in load_file(f).items()}
+                  for run in (whole, sharded))
+    else:
+        wa, wb = lora(whole), lora(sharded)
+    assert wa.keys() == wb.keys() and wa
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], atol=1e-6, rtol=0, msg=k)
 

@@ -61,13 +61,16 @@ def test_ray_workers_sample_with_a_sharded_trainers_lora(app, ray_cluster, tmp_p
 
 
 # cosmos shares wan's worker engine and adds the trainer's encoded frames: slow, to keep CI in budget
-@pytest.mark.parametrize("family", ["wan", pytest.param("cosmos", marks=pytest.mark.slow), "janus"])
+@pytest.mark.parametrize("family", ["wan", "wan-full", pytest.param("cosmos", marks=pytest.mark.slow), "janus"])
 def test_ray_workers_sample_each_family_like_the_in_process_engine(app, ray_cluster, tmp_path: Path, family) -> None:
     """model.family=wan (cosmos: each sample starting from its row's image, the trainer's encoded
     frames sent to the workers; janus: image tokens): each worker builds the family's engine with
     the trainer's LoRA layout and engine options, so the trainer's replay reproduces the workers'
-    log-probs and the run equals the in-process one."""
-    given = [f"data.manifest={world_rows(tmp_path, ['image'] * 4)}"] if family == "cosmos" else []
+    log-probs and the run equals the in-process one. wan-full: fully fine-tuned (model.lora_rank=0),
+    the workers are pushed every weight."""
+    family, full = family.removesuffix("-full"), family.endswith("-full")
+    given = ["model.lora_rank=0"] if full else []
+    given += [f"data.manifest={world_rows(tmp_path, ['image'] * 4)}"] if family == "cosmos" else []
     given += ["reward.components={brightness = 1.0}"] if family == "janus" else []
     runs = {}
     for workers in (2, 0):

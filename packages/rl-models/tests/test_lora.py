@@ -11,10 +11,12 @@ from rl_models.lora import (
     default_target_modules,
     disabled_adapter,
     export_lora,
+    full_finetune,
     merge_adapter,
     merge_and_export,
     merged_named_weights,
     reference_completion_logprobs,
+    reference_of,
 )
 from rl_models.text import load_causal_lm
 from rl_models.vl import load_vl_model
@@ -51,6 +53,31 @@ def test_lora_on_changes_off_equals_base(qwen3_path):
     with disabled_adapter(peft_model):
         torch.testing.assert_close(completion_logprobs(peft_model, batch), base)
     torch.testing.assert_close(completion_logprobs(peft_model, batch), on)  # re-enabled after
+
+
+def test_a_fully_fine_tuned_model_keeps_its_starting_weights_as_the_reference(qwen3_path):
+    """`full_finetune(reference=True)`: every weight trains, and `reference_of` gives the frozen
+    starting weights after an optimizer step moved the model; a LoRA model's reference is itself
+    with adapters off; a model built without a reference is refused."""
+    model, tok = load_causal_lm(qwen3_path, dtype="float32")
+    batch = _batch(tok)
+    base = completion_logprobs(model, batch).detach()
+    trained = full_finetune(model, reference=True)
+    assert trained is model and all(p.requires_grad for p in model.parameters())
+    (-completion_logprobs(model, batch).sum()).backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()  # one optimizer step of every weight
+    assert (completion_logprobs(model, batch) - base).abs().max() > 1e-3
+    with reference_of(model) as reference:
+        assert reference is not model and not any(p.requires_grad for p in reference.parameters())
+        torch.testing.assert_close(completion_logprobs(reference, batch), base)
+    other, _ = load_causal_lm(qwen3_path, dtype="float32")
+    with pytest.raises(ValueError, match=r"trains every weight and kept no reference"), \
+            reference_of(full_finetune(other, reference=False)):
+        pass
+    lora = add_lora(load_causal_lm(qwen3_path, dtype="float32")[0], r=4, alpha=8, init_lora_weights=False)
+    with reference_of(lora) as reference:
+        assert reference is lora
+        torch.testing.assert_close(completion_logprobs(reference, batch), base)
 
 
 def test_merge_and_export_round_trip(qwen3_path, tmp_path):

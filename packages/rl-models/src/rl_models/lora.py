@@ -1,10 +1,13 @@
 """LoRA through peft: default targets per family, the reference model as "the same model with
-LoRA disabled" (no second copy of the weights), and merged or adapter-only export.
+LoRA disabled" (no second copy of the weights), and merged or adapter-only export; full
+fine-tuning's reference, a frozen copy (`full_finetune`, `reference_of`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
@@ -93,6 +96,34 @@ def disabled_adapter(model: PeftModel) -> Iterator[PeftModel]:
     """Run `model` as its reference (LoRA off) inside the block: the same weights, no copy."""
     with model.disable_adapter():
         yield model
+
+
+_REFERENCES: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
+
+
+def full_finetune(model: torch.nn.Module, *, reference: bool) -> torch.nn.Module:
+    """`model` with every weight trainable: full fine-tuning, where `add_lora` trains an adapter.
+    `reference`: keep a frozen copy of the starting weights for `reference_of` (a KL term or a
+    DPO margin needs one; it costs the model's memory once more). Returns `model` itself."""
+    model.requires_grad_(True)
+    if reference:
+        _REFERENCES[model] = copy.deepcopy(model).requires_grad_(False).eval()
+    return model
+
+
+@contextlib.contextmanager
+def reference_of(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The reference policy to run inside the block: a LoRA model with its adapters off (the same
+    weights), else the frozen copy `full_finetune(model, reference=True)` kept."""
+    if isinstance(model, PeftModel):
+        with model.disable_adapter():
+            yield model
+        return
+    ref = _REFERENCES.get(model)
+    if ref is None:
+        raise ValueError(f"{type(model).__name__} trains every weight and kept no reference: "
+                         "build it with full_finetune(model, reference=True)")
+    yield ref
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ drawn from the same, so 2 processes draw what 1 does and a resumed run draws the
 is one (sample or pair, noise level): every unit of an optimizer step weighs the same over
 micro-batches and processes. `policy` is anything with the trainer's `engine` (a
 `rl_rollout.diffusion.DiffusionEngine`), the `model` the optimizer steps through (DDP-wrapped or
-not), the LoRA `peft` model (LoRA disabled: the reference) and the `optimizer`.
+not), the LoRA `peft` model (LoRA disabled: the reference; `rl_models.lora.reference_of`) and the `optimizer`.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from rl_core.flow import (
     velocity_errors,
 )
 from rl_core.train import Micro, NonFiniteGuard, UpdateStats, optimizer_step, sample_seed
+from rl_models.lora import reference_of
 from rl_rollout.diffusion import DiffusionEngine, PromptEmbeddings, Trajectory
 
 __all__ = ["FlowPolicy", "PreferenceBatch", "dpo_update", "encode_pairs", "nft_update", "noise_levels"]
@@ -49,7 +50,7 @@ class FlowPolicy(Protocol):
     def model(self) -> torch.nn.Module: ...  # what the optimizer steps through
 
     @property
-    def peft(self) -> Any: ...  # the LoRA model: `disable_adapter()` gives the reference
+    def peft(self) -> Any: ...  # the LoRA model (or a fully fine-tuned one): `reference_of` gives the reference
 
     @property
     def optimizer(self) -> torch.optim.Optimizer: ...
@@ -121,8 +122,8 @@ def nft_update(acc: Any, guard: NonFiniteGuard, policy: FlowPolicy, old: Diffusi
             old_velocity = old.velocity(noisy, sigma, cond, guidance_scale=1.0)  # [b, C, h, w]
             ref = None
             if kl_beta > 0:
-                with policy.peft.disable_adapter():
-                    ref = engine.velocity(noisy, sigma, cond, guidance_scale=1.0, model=policy.peft)  # [b, C, h, w]
+                with reference_of(policy.peft) as reference:
+                    ref = engine.velocity(noisy, sigma, cond, guidance_scale=1.0, model=reference)  # [b, C, h, w]
         per_sample, m = compute_nft_loss(velocity=velocity, old_velocity=old_velocity, clean=clean, noisy=noisy,
                                          sigma=sigma, advantages=advantages[k][rows], beta=beta, adv_clip=adv_clip,
                                          ref_velocity=ref, kl_beta=kl_beta)  # [b]
@@ -174,8 +175,8 @@ def dpo_update(acc: Any, guard: NonFiniteGuard, policy: FlowPolicy, batches: Seq
         noisy = flow_noise(clean, noise, sigma)  # [2b, C, ...]
         cond = pairs.conditioning.index(torch.cat([rows, rows]))
         trained = errors(policy.model, noisy, sigma, cond, clean, noise)  # [2b]
-        with torch.no_grad(), policy.peft.disable_adapter():
-            ref = errors(policy.peft, noisy, sigma, cond, clean, noise)  # [2b]
+        with torch.no_grad(), reference_of(policy.peft) as reference:
+            ref = errors(reference, noisy, sigma, cond, clean, noise)  # [2b]
         per_pair, m = compute_flow_dpo_loss(chosen=trained[:b], rejected=trained[b:], ref_chosen=ref[:b],
                                             ref_rejected=ref[b:], beta=beta)  # [b]
         loss = per_pair.sum() / num_valid * weight

@@ -1,6 +1,7 @@
 """A LoRA policy's weights on the rollout side, for an engine the app builds itself (diffusion-grpo's
 SD3 and Janus image engines): the `rl_core.train.PolicyWeights` the trainer loop drives, and the
-Ray actors that sample with the trained LoRA by version.
+Ray actors that sample with the trained LoRA by version. A fully fine-tuned model
+(`rl_models.lora.full_finetune`) goes through the same pieces with every weight (`trained_params`).
 
     weights = LoraPolicyWeights(peft, sampler=engine.transformer, full=full,
                                 ema=ParameterEMA(peft, decay=0.9),   # optional: stepped with the policy
@@ -51,12 +52,18 @@ from rl_core.train import (
 )
 
 __all__ = ["LoraCopy", "LoraPolicyWeights", "build_lora_image_engine", "export_adapters", "load_lora", "lora_params", "lora_worker_spec",
-           "start_lora_workers"]
+           "start_lora_workers", "trained_params"]
 
 
 def lora_params(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The LoRA weights of a peft-injected module, by name (the same names in every process)."""
     return {name: p for name, p in module.named_parameters() if ".lora_" in name}
+
+
+def trained_params(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The weights a policy trains, by name: its LoRA's where it has one, else every weight (full
+    fine-tuning, `rl_models.lora.full_finetune`)."""
+    return lora_params(module) or dict(module.named_parameters())
 
 
 class LoraPolicyWeights(CountedWeights):
@@ -130,7 +137,7 @@ class LoraPolicyWeights(CountedWeights):
                 pool.load_weights(self._host.loaded, self.weight_version)
             else:
                 with gathered(self.full, self.peft) if self.full is not None else nullcontext():
-                    pool.load_weights({n: p.detach() for n, p in lora_params(self.sampler).items()},
+                    pool.load_weights({n: p.detach() for n, p in trained_params(self.sampler).items()},
                                       self.weight_version)
         outputs = list(pool.map(fn, items, **kwargs).outputs)
         if colocated:
@@ -152,7 +159,7 @@ class LoraCopy:
 
     def __init__(self, peft: torch.nn.Module) -> None:
         self.model = copy_sharing_frozen(peft)
-        self.trained, self.params = lora_params(peft), lora_params(self.model)  # the same names
+        self.trained, self.params = trained_params(peft), trained_params(self.model)  # the same names
 
     @torch.no_grad()
     def move_towards(self, decay: float) -> None:
@@ -184,7 +191,7 @@ class _HostVersions:
 
     def publish(self, version: int) -> None:
         with torch.no_grad():
-            held = {n: p.detach().to("cpu", copy=True) for n, p in lora_params(self.module).items()}
+            held = {n: p.detach().to("cpu", copy=True) for n, p in trained_params(self.module).items()}
         with self._lock:
             self.versions[version] = held
 
@@ -248,7 +255,8 @@ def build_lora_image_engine(path: str, *, dtype: str, lora_rank: int, lora_alpha
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine: Any = build_image_engine(kind, path=path, dtype=dtype, device=device, **options)
     _lora_module(engine).requires_grad_(False)
-    add_lora(_lora_module(engine), family=kind, r=lora_rank, alpha=lora_alpha, target_modules=lora_targets)
+    if lora_rank:  # 0: full fine-tuning, every weight pushed
+        add_lora(_lora_module(engine), family=kind, r=lora_rank, alpha=lora_alpha, target_modules=lora_targets)
     return engine
 
 
@@ -261,16 +269,28 @@ def load_lora(engine: Any, state: Mapping[str, torch.Tensor]) -> None:
     """A pushed LoRA into a worker's engine (`EngineSpec.load_weights`): the same names as the
     trainer's, as both add it with the same settings."""
     with torch.no_grad():
-        for name, p in lora_params(_lora_module(engine)).items():
+        for name, p in trained_params(_lora_module(engine)).items():
             p.copy_(state[name])
 
 
-def export_adapters(model: Any, ema: ParameterEMA, out: Path) -> None:
+def export_adapters(model: Any, ema: ParameterEMA, out: Path) -> list[Path]:
     """A LoRA policy's adapters in PEFT format, from whole weights (a sharded policy's inside
     `gathered`): `model`'s LoRA in `out/lora` and its EMA's (`LoraPolicyWeights(ema=...)`) in
-    `out/lora_ema`, each loadable with `PeftModel.from_pretrained`. `model` is the peft model."""
+    `out/lora_ema`, each loadable with `PeftModel.from_pretrained`. `model` is the peft model; a
+    fully fine-tuned one (a diffusers or transformers model) is saved whole instead, in
+    `out/transformer` and `out/transformer_ema` (`save_pretrained`). Returns the folders."""
+    from peft import PeftModel
+
     from rl_models.lora import export_lora  # peft, imported where a LoRA is used
 
-    export_lora(model, out / "lora")
+    def save(folder: Path) -> None:
+        if isinstance(model, PeftModel):
+            export_lora(model, folder)
+        else:
+            model.save_pretrained(folder)
+
+    folders = [out / "lora", out / "lora_ema"] if isinstance(model, PeftModel) else [out / "transformer", out / "transformer_ema"]
+    save(folders[0])
     with ema.swapped(model):
-        export_lora(model, out / "lora_ema")
+        save(folders[1])
+    return folders

@@ -100,7 +100,7 @@ def save_checkpoint(
     state: Mapping[str, Any],
     accelerator: Any = None,
     keep_last: int | None = None,
-    write_files: Callable[[Path], None] | None = None,
+    write_files: Callable[[Path], object] | None = None,
     accelerator_state: bool = True,
 ) -> Path:
     """Atomically write `root/checkpoint-<step>` and return its path (see the module doc).

@@ -207,7 +207,7 @@ class Checkpoint:
     state: Mapping[str, object]
     trained: torch.nn.Module
     accelerator: bool = True
-    write_files: Callable[[Path], None] | None = None
+    write_files: Callable[[Path], object] | None = None
     gather: AbstractContextManager[object] = field(default_factory=nullcontext)
 
 
