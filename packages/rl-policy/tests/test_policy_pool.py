@@ -26,6 +26,20 @@ SEEDS = [11, 12, 13, 14]
 PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=6)
 
 
+def budgets(key: int, j: int) -> int:
+    """Partial rollouts' per-sample budgets: odd keys 9 tokens, even keys 2."""
+    return 2 + 7 * (key % 2)
+
+
+def draw_from(taken: list[int]):
+    """A `draw` for partial rollouts: the next `count` prompt keys from `taken[0]`, each its own seed."""
+    def draw(count: int):
+        keys = list(range(taken[0], taken[0] + count))
+        taken[0] += count
+        return keys, [PROMPTS[k % len(PROMPTS)] for k in keys], keys
+    return draw
+
+
 def _samples(engine) -> list[tuple[int, list[int], list[float]]]:
     with engine.session() as sampler:
         gens = generate_seeded(sampler, PROMPTS, PARAMS, SEEDS)
@@ -83,16 +97,6 @@ def test_partial_rollouts_on_a_ray_actor_sample_what_one_engine_samples() -> Non
     remote = _build(model, tokenizer, path, workers=1)
     local = HFEngine(model, tokenizer, device="cpu", compile=False)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=9, seed=3)
-
-    def budgets(key: int, j: int) -> int:
-        return 2 + 7 * (key % 2)
-
-    def draw_from(taken: list[int]):
-        def draw(count: int):
-            keys = list(range(taken[0], taken[0] + count))
-            taken[0] += count
-            return keys, [PROMPTS[k % len(PROMPTS)] for k in keys], keys
-        return draw
 
     def summary(keys, gens):
         return keys, [(g.completion_ids, [round(x, 4) for x in g.logprobs], g.token_versions) for g in gens]
@@ -156,15 +160,6 @@ def test_seeded_rounds_cost_one_call_per_actor_and_sample_what_one_engine_sample
         want = summary(generate_seeded(SimpleNamespace(generate=local.generate), PROMPTS * 2, PARAMS, SEEDS * 2))
         assert summary(generate_seeded(engine, PROMPTS * 2, PARAMS, SEEDS * 2)) == want
         assert pool.map(lambda e, _: e.calls, [0, 1]).outputs == [1, 1]  # 4 requests each, one call
-
-        def draw_from(taken: list[int]):
-            def draw(count: int):
-                keys = list(range(taken[0], taken[0] + count))
-                taken[0] += count
-                return keys, [PROMPTS[k % len(PROMPTS)] for k in keys], keys
-            return draw
-
-        budgets = lambda key, j: 2 + 7 * (key % 2)  # noqa: E731
         runs = []
         for generate in (round_generator(engine), round_generator(SimpleNamespace(generate=local.generate))):
             partial, draw = PartialRollouts(3, 1, tokenizer.decode), draw_from([0])
