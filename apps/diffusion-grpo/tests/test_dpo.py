@@ -26,10 +26,12 @@ PAIRS = APP.parents[1] / "examples" / "data" / "preference" / "brightness"
 DPO = ("train.method=dpo", f"data.preferences={PAIRS / 'images.jsonl'}")
 
 
-@pytest.fixture(scope="module")
-def state(app, tmp_path_factory):
+@pytest.fixture(scope="module", params=["lora", "full"])
+def state(app, tmp_path_factory, request):
+    """A LoRA policy, or (`full`, model.lora_rank=0) every weight trained against a frozen copy of the start."""
+    full = ["model.lora_rank=0", "train.lr=1e-3"] if request.param == "full" else []  # every weight: a smaller step
     return setup_state(app, tiny_config(app, "sd3", tmp_path_factory.mktemp("dpo"), *DPO, "rollout.groups_per_epoch=4",
-                                        "train.lr=0.1", "dpo.beta=10"))
+                                        "train.lr=0.1", "dpo.beta=10", *full))
 
 
 def step(app, state, k: int) -> dict[str, float]:
@@ -42,7 +44,8 @@ def step(app, state, k: int) -> dict[str, float]:
 
 
 def test_the_first_step_is_log_2_and_the_update_then_prefers_the_lighter_images(app, state) -> None:
-    """Hand-worked: a fresh LoRA (B = 0) is the reference model, so every pair's margin
+    """Hand-worked: a fresh LoRA (B = 0) is the reference model (fully fine-tuned: the reference is
+    a copy of the starting weights), so every pair's margin
     (error - reference error on the chosen minus the same on the rejected) is exactly 0 and its
     loss -log sigmoid(0) = log 2. The step: 4 pairs x int(4 steps x 0.99) = 3 noise levels, one
     optimizer step. Repeating epoch 1 (the same pairs at the same noise) after it, every pair's
