@@ -297,3 +297,36 @@ def test_a_vllm_actor_merging_pushed_adapters_samples_as_with_merged_pushes() ->
             engine.close()
     assert sampled["adapter"] == sampled["merged"]
     assert sampled["merged"][0] != sampled["merged"][1]  # each version's adapter changed the samples
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None or torch.cuda.device_count() < 2,
+                    reason="needs vLLM and a second GPU for the actor")
+def test_partial_rollouts_on_a_vllm_actor_sample_what_vllm_in_process_samples() -> None:
+    """`train.partial_rollouts` over vLLM in a Ray actor on GPU 1: each round reaches the actor as
+    one call with every request's seed and budget, and the groups, tokens and versions equal those
+    of vLLM in this process on GPU 0 running the same rounds."""
+    from rl_rollout.vllm import VLLMEngine
+
+    path = str(tiny.build("qwen3_vllm"))
+    model, tokenizer = load_causal_lm(path, dtype="bfloat16")
+    options = {"max_model_len": 1024, "enforce_eager": True}
+    remote = build_policy_engine("vllm", model=model.to("cuda:0"), processor=tokenizer, path=path, dtype="bfloat16",
+                                 device=torch.device("cuda", 0), seed=0, workers=1, gpu_memory_utilization=0.3,
+                                 engine_options=options)
+    local = VLLMEngine(path, dtype="bfloat16", gpu_memory_utilization=0.3, seed=0, enable_sleep_mode=False, **options)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=3)
+    try:
+        assert remote.engine.row_budgets == "seeded"
+        remote.partial_rollouts(8, 1)
+        draw, got = draw_from([0]), []
+        for _ in range(3):
+            keys, gens = remote.sample_groups(draw, 2, params, budgets=budgets)
+            got.append((keys, [(g.completion_ids, g.token_versions) for g in gens]))
+            remote.stepped()  # the same weights again: the versions count on
+        one, draw = PartialRollouts(8, 1, tokenizer.decode), draw_from([0])
+        want = [one.run(round_generator(local), draw, 2, params, version=v, budgets=budgets) for v in range(3)]
+        assert got == [(keys, [(g.completion_ids, g.token_versions) for g in gens]) for keys, gens in want]
+    finally:
+        remote.close()
+        local.close()
