@@ -17,6 +17,8 @@ Runs (`--only`):
 - `sync-ddp`: 2 processes, each with its colocated vLLM engine, synchronous;
 - `async-ddp-partial`: the same with `train.max_staleness=1` and partial rollouts (K = 1, 128
   tokens a round): each engine samples the next step while its GPU updates;
+- `async-ddp-partial2`: the same with K = 2 (a group may wait two steps: more groups in flight
+  to pick the first finished from);
 - `async-split`: 1 trainer process on GPU 0, its vLLM engine on GPU 1, `max_staleness=1`;
 - `async-ray-partial`: the same placement with the engine in a Ray actor (`rollout.workers=1`:
   its decoding out of the trainer's interpreter, versions by CUDA IPC) and partial rollouts;
@@ -58,6 +60,7 @@ MAX_TOKENS, MAX_LEN, VLLM_MEMORY, SPLIT_MEMORY, SERVER_MEMORY = 2048, 2560, 0.3,
 RUNS = {
     "sync-ddp": "rider-grm, DDP synchronous (2 processes), vLLM colocated",
     "async-ddp-partial": "rider-grm, DDP asynchronous (2 processes), max_staleness=1, partial rollouts K=1",
+    "async-ddp-partial2": "rider-grm, DDP asynchronous (2 processes), max_staleness=1, partial rollouts K=2",
     "async-split": "rider-grm, split asynchronous, max_staleness=1, vLLM on GPU 1",
     "async-ray-partial": "rider-grm, split asynchronous, vLLM in a Ray actor on GPU 1, partial rollouts K=1",
     "trl-async": "TRL AsyncGRPOTrainer, vllm serve on GPU 1",
@@ -89,7 +92,8 @@ def ours(name: str, policy: Path, out: Path, smoke: bool, steps: int) -> dict:
         *([] if name == "sync-ddp" else ["train.max_staleness=1", "algo.rollout_correction=token_truncate"]),
         *(["rollout.placement=split"] if name in ("async-split", "async-ray-partial") else []),
         *(["rollout.workers=1"] if name == "async-ray-partial" else []),
-        *(["train.partial_rollouts.steps=1", "train.partial_rollouts.chunk_tokens=128"] if "partial" in name else []),
+        *([f"train.partial_rollouts.steps={2 if name.endswith('partial2') else 1}",
+           "train.partial_rollouts.chunk_tokens=128"] if "partial" in name else []),
     ]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
@@ -103,6 +107,7 @@ def ours(name: str, policy: Path, out: Path, smoke: bool, steps: int) -> dict:
     step = mean("time/step")
     return {"tokens_per_s": mean("response/length_mean") * PROMPTS * N / step, "step_s": step,
             "rollout_s": mean("time/rollout"), "waited_s": mean("time/rollout_wait"), "update_s": mean("time/update"),
+            "rank_wait_s": mean("time/rank_wait"),
             "reply_tokens": mean("response/length_mean"), "processes": processes,
             "steps": [round(float(r["time/step"]), 1) for r in rows]}
 
@@ -243,10 +248,10 @@ def main() -> None:
                 (cache / f"text-async-{name}.json").write_text(json.dumps(got[name]))
     base = "sync-ddp"
     peer = got.get("trl-async")
-    header = ["on 2 GPUs", "reply tokens/s", "s/step", "rollout s", "waited s", "update s", "reply tokens",
+    header = ["on 2 GPUs", "reply tokens/s", "s/step", "rollout s", "waited s", "rank wait s", "update s", "reply tokens",
               "vs our sync", "vs TRL AsyncGRPOTrainer"]
     rows = [[RUNS[n], f"{f['tokens_per_s']:.0f}", f"{f['step_s']:.2f}", f"{f.get('rollout_s', 0):.2f}",
-             f"{f['waited_s']:.2f}", f"{f.get('update_s', 0):.2f}", f"{f['reply_tokens']:.0f}",
+             f"{f['waited_s']:.2f}", f"{f.get('rank_wait_s', 0):.2f}", f"{f.get('update_s', 0):.2f}", f"{f['reply_tokens']:.0f}",
              f"{f['tokens_per_s'] / got[base]['tokens_per_s']:.2f}x" if base in got else "",
              f"{f['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else ""] for n, f in got.items()]
     notes = ("`benchmarks/text_async.py` (module docstring: setting, runs, how the lengths are imposed). Means over "
