@@ -139,7 +139,8 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
         """An unsharded LoRA is saved without the accelerator (`save_state` would write the whole
         transformer, GBs): the LoRA, optimizer, EMA and sampler are all the state there is. A
         sharded one saves its LoRA and optimizer shards on every process (DCP, frozen base left
-        out). The PEFT `lora/` and `lora_ema/` are written from whole weights inside it."""
+        out). The PEFT `lora/` and `lora_ema/` are written from whole weights inside it (a fully
+        fine-tuned transformer is exported at the end only: its state holds every weight already)."""
         f = state.family
         kept: dict[str, Any] = {"ema": state.ema, "sampler": state.sampler}
         if f.old is not None:  # train.method = "nft"
@@ -148,7 +149,7 @@ class DiffusionGRPO(Recipe[Config, State, Batch]):
             "lora": TrainableState(f.peft), "optimizer": f.optimizer, **kept}
         whole = cast(PeftModel, f.full.model) if f.full else f.peft  # whole inside `gather`
         return Checkpoint(state=saved, trained=f.peft, accelerator=f.full is not None, gather=whole_weights(f),
-                          write_files=lambda folder: export_adapters(whole, state.ema, folder))
+                          write_files=(lambda folder: export_adapters(whole, state.ema, folder)) if state.cfg.model.lora_rank else None)
 
     def rollout(self, state: State, step: int) -> Batch:
         state.family.model.eval()

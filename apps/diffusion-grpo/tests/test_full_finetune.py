@@ -51,6 +51,7 @@ def test_every_weight_trains_against_a_frozen_reference_and_exports_whole(full_r
     final = SD3Transformer2DModel.from_pretrained(full_run / "checkpoint-final" / "transformer").state_dict()
     torch.testing.assert_close(final["proj_out.weight"], state["proj_out.weight"].to(final["proj_out.weight"].dtype))
     assert not (full_run / "checkpoint-final" / "lora").exists()
+    assert not (full_run / "checkpoints" / "checkpoint-2" / "transformer").exists()  # the state holds the weights
 
 
 def test_a_resumed_full_fine_tune_equals_the_uninterrupted_run(app, full_run: Path, tmp_path: Path) -> None:
