@@ -165,10 +165,7 @@ class PoolEngine:
     def _seeded_rows(self, requests: list[Prompt | Continuation], params: SamplingParams, lengths: list[int] | None,
                      seeds: list[int]) -> list[Generation]:
         """The requests cut into one contiguous shard per actor, each shard one engine call."""
-        workers = self.pool.num_workers
-        sizes = [len(requests) // workers + (i < len(requests) % workers) for i in range(workers)]
-        starts = [sum(sizes[:i]) for i in range(workers)]
-        spans = [(a, a + n) for a, n in zip(starts, sizes, strict=True) if n]
+        spans = self.pool.shard_spans(len(requests))
         items = [(requests[a:b], params, None if lengths is None else lengths[a:b], seeds[a:b]) for a, b in spans]
         rollout = self.pool.map(_generate_rows, items)  # one item per actor: each gets its shard
         return [msgspec.structs.replace(g, request_index=g.request_index + a)

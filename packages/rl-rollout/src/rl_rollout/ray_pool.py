@@ -362,6 +362,12 @@ class RolloutPool:
                 self._workers[i] = None  # restarted with these weights on next use
                 self._worker(i)
 
+    def shard_spans(self, count: int) -> list[tuple[int, int]]:
+        """The `[start, end)` item spans `map` and `generate` give the workers, in worker order,
+        for `count` items: contiguous, sizes differing by at most one, empty ones left out."""
+        offsets = self._offsets(count)
+        return [(offsets[i], offsets[i + 1]) for i in range(self.num_workers) if offsets[i + 1] > offsets[i]]
+
     def _offsets(self, count: int) -> list[int]:
         sizes = [count // self.num_workers + (i < count % self.num_workers) for i in range(self.num_workers)]
         return [sum(sizes[:i]) for i in range(self.num_workers + 1)]
