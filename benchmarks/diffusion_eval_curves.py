@@ -9,9 +9,10 @@ One measure fits all three: the eval's brightness (8 held-out OCR prompts, fixed
 weights, the ODE in 8 steps), every 2 epochs. A training step's own reward does not: DPO samples
 no training image (its step is 8 preference pairs of examples/data/preference/brightness, the
 lighter picture preferred), and NFT's come from its old policy. Flow-GRPO and NFT run 12 epochs of
-32 sampled images (NFT: lr 0.1, the ODE sampler without CFG, as test_learning.py); DPO runs its
-tiny preset (apps/diffusion-grpo/configs/dpo_tiny.toml: 24 steps, lr 0.1, beta 10). Reported per
-method: the eval brightness before the first step and after the last (mean over seeds, and each).
+32 sampled images (NFT: lr 0.1, the ODE sampler without CFG, one optimizer step an epoch, as
+test_learning.py); DPO runs its tiny preset (apps/diffusion-grpo/configs/dpo_tiny.toml: 24 steps,
+lr 0.1, beta 10). Reported per method: the eval brightness before the first step and after the
+last (mean over seeds, and each).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ APP = REPO / "apps" / "diffusion-grpo"
 METHODS: dict[str, list[str]] = {
     "Flow-GRPO": ["train.epochs=12"],
     "DiffusionNFT": ["train.epochs=12", "train.method=nft", "sampling.kind=ode", "sampling.guidance_scale=1",
-                     "train.lr=0.1"],
+                     "train.lr=0.1", "train.gradient_accumulation_steps=4"],  # one optimizer step an epoch
     "Diffusion-DPO": ["--config", str(APP / "configs" / "dpo_tiny.toml")],
 }
 

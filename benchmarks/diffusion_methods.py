@@ -16,7 +16,8 @@ images per epoch, so reward against epoch is reward against images; seconds are 
 sampling steps, Flow-GRPO trains every stochastic step; Fast 1 step at a random place in the first
 half ([0, 2), upstream 2 of 10 in [0, 5)); MixGRPO a window of 1 sliding by 1 step every 3 epochs
 over [0, 3) (upstream 4 of 25, every 25 iterations); DiffusionNFT (`train.method=nft`) its own
-forward-process loss on images its old policy sampled by the ODE without CFG, at beta 1 and lr 0.1.
+forward-process loss on images its old policy sampled by the ODE without CFG, at beta 1 and lr 0.1,
+one optimizer step an epoch (upstream takes one or two over hundreds of images).
 Reported per method: the rise (mean train reward of the last 3 epochs minus the first 3, mean over
 seeds) and the seconds per epoch. The tiny model's brightness moves little in absolute terms (see
 apps/diffusion-grpo/tests/test_learning.py): compare the rises with each other.
@@ -70,7 +71,7 @@ NFT = "DiffusionNFT"
 # DiffusionNFT's settings on the tiny task (apps/diffusion-grpo/tests/test_learning.py): the old
 # policy samples by the ODE without CFG (upstream's way), beta 1 (upstream's OCR 0.1 stays flat on the
 # tiny model), lr 0.1 (0.05 for the others, the default's)
-NFT_TINY = ["sampling.kind=ode", "sampling.guidance_scale=1", "train.lr=0.1"]
+NFT_TINY = ["sampling.kind=ode", "sampling.guidance_scale=1", "train.lr=0.1", "train.gradient_accumulation_steps=4"]
 
 
 def nft_overrides() -> list[str] | None:
