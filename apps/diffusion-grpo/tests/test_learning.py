@@ -1,6 +1,6 @@
 """Learning tests: the embedded default (tiny SD3, brightness reward) gets brighter within its 12
-epochs, with Flow-GRPO and (opt-in, slow) with DiffusionNFT, Flow-GRPO-Fast, MixGRPO's window and
-GRPO-Guard; the tiny Janus policy learns a token reward.
+epochs, with Flow-GRPO and DiffusionNFT, and (opt-in, slow) with Flow-GRPO-Fast, MixGRPO's window
+and GRPO-Guard; the tiny Janus policy learns a token reward.
 
 The tiny VAE (rl_models.tiny "sd3" v2) maps standard-normal latents to images of brightness
 0.437 +- 0.007, and the same latents shifted by +1 to 0.501: a policy that moves its latents
@@ -73,7 +73,6 @@ def test_janus_policy_learns_a_token_reward(app, tmp_path: Path) -> None:
 NFT_MARGIN = 0.03
 
 
-@pytest.mark.slow  # 72 s and 381 s measured on the 2 cores shared with other jobs (the GRPO default: 18-21 s)
 def test_diffusion_nft_gets_brighter(app, tmp_path: Path) -> None:
     """train.method=nft (ODE sampling by the old policy, CFG-free, beta 1, upstream's default
     decay) on the embedded default with one optimizer step an epoch over its 32 images, as upstream
