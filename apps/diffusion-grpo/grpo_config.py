@@ -149,7 +149,7 @@ class TrainConfig(RunFields, kw_only=True, frozen=True):
     are noised again and trained with a velocity loss between an implicit positive and negative
     policy, weighted by the reward; an old policy, moved towards the trained one after each epoch
     ([nft] table), samples. Choose `nft` for a deterministic or few-step sampler, no CFG and no
-    log-probabilities, with one or two optimizer steps an epoch as upstream (small ones train noise); it needs a flow family
+    log-probabilities, in one or two optimizer steps an epoch as upstream (steps over few images fit noise); it needs a flow family
     (sd3, wan, cosmos) and no Ray workers, FSDP2 or asynchronous rollouts (README: DiffusionNFT). `dpo`:
     Diffusion-DPO, offline: each step trains rollout.groups_per_epoch pairs of data.preferences ([dpo] table;
     the reward only scores the evals); no janus, Ray workers, FSDP2 or asynchronous rollouts, as nft."""
