@@ -24,7 +24,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,8 +34,12 @@ from benchmarks.results import append_results, markdown_table  # noqa: E402
 
 
 def grey(images: list) -> torch.Tensor:
-    """`[N]` mean grey level in [0, 1] (what the `brightness` scorer gives)."""
-    return torch.tensor([float(np.asarray(image.convert("L"), dtype=np.float32).mean() / 255) for image in images])
+    """`[N]` the `brightness` scorer's mean grey level in [0, 1] of each image."""
+    from rl_rewards.samples import Sample
+    from rl_rewards.scorers.media import BrightnessScorer
+
+    results = BrightnessScorer().score([Sample(completion="", metadata={"image": image}) for image in images])
+    return torch.tensor([r.score for r in results])
 
 
 def latent_means(batch) -> torch.Tensor:
